@@ -1,0 +1,87 @@
+//! Wiring: open the store, start the worker pool and the HTTP server, shut both down.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::http::{AppState, router};
+use crate::hub::Hub;
+use crate::store;
+use crate::upstream::Upstreams;
+use crate::worker::WorkerPool;
+
+/// A running holdfast: HTTP server and worker pool.
+pub struct Running {
+    /// Where the HTTP API listens.
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    server: JoinHandle<()>,
+    workers: JoinHandle<()>,
+}
+
+/// Opens the store named by `config`, then serves on `listener` and runs workers until
+/// [`Running::shutdown`].
+///
+/// # Errors
+/// When the store cannot be opened or migrated, or the upstream client cannot be built.
+pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Running> {
+    let config = Arc::new(config);
+    let store = store::open(&config).await?;
+    let hub = Hub::new();
+    let wake = Arc::new(Notify::new());
+    let upstreams = Upstreams::new(&config)?;
+    let shutdown = CancellationToken::new();
+
+    let pool = WorkerPool::new(
+        store.clone(),
+        Arc::clone(&hub),
+        upstreams,
+        Arc::clone(&config),
+        Arc::clone(&wake),
+    );
+    let workers = tokio::spawn(pool.run(shutdown.child_token()));
+
+    let state = AppState {
+        config,
+        store,
+        hub,
+        wake,
+    };
+    let addr = listener.local_addr()?;
+    let app = router(state);
+    let stop = shutdown.clone();
+    let server = tokio::spawn(async move {
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            stop.cancelled().await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "HTTP server failed");
+        }
+    });
+    Ok(Running {
+        addr,
+        shutdown,
+        server,
+        workers,
+    })
+}
+
+impl Running {
+    /// Stops accepting and leasing, lets in-flight attempts finish, and returns when both the
+    /// server and the workers have stopped.
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        let _ = self.server.await;
+        let _ = self.workers.await;
+    }
+
+    /// A token that, when cancelled, starts the shutdown.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+}

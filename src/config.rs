@@ -1,0 +1,465 @@
+//! Configuration: a TOML file plus `HOLDFAST_*` environment overrides (SPEC CLI-1, CLI-4).
+//!
+//! Every key has a default, so an empty file is a valid configuration apart from `backends`.
+//! Nested keys are joined with `__` in the environment: `HOLDFAST_WORKERS__LEASE_SECS=10`
+//! overrides `[workers] lease_secs`. The configuration is validated once, at start-up
+//! ([`Config::validate`]); an invalid one stops the process with a message naming the key.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration. Field names are the config keys (SPEC CLI-4).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address the HTTP API listens on.
+    pub listen: SocketAddr,
+    /// `sqlite://PATH` (created when missing, relative to the working directory; SPEC CLI-4a)
+    /// or `postgres://...`.
+    pub database_url: String,
+    /// SQLite `synchronous` setting in WAL mode: `full` (every commit is on disk before it is
+    /// acknowledged) or `normal` (a commit can be lost on power failure, never on a process
+    /// crash). SPEC DU-2.
+    pub sqlite_synchronous: SqliteSynchronous,
+    /// Body-hash claim window in seconds, counted from the claimed request's submission (ID-4).
+    pub dedupe_window_secs: u64,
+    /// Lifetime of an explicit `Idempotency-Key` claim in seconds (ID-5).
+    pub idempotency_key_ttl_secs: u64,
+    /// Largest accepted request body in bytes; larger bodies get 413 (IN-1).
+    pub max_body_bytes: usize,
+    /// Largest provider response body (non-stream) in bytes; larger ones fail the attempt as
+    /// `upstream_invalid`.
+    pub max_response_bytes: usize,
+    /// How long terminal requests and their chunks are kept, in seconds (DU-4).
+    pub retention_secs: u64,
+    /// Worker pool settings (LC-2..LC-5).
+    pub workers: Workers,
+    /// Timeouts towards providers (LC-10).
+    pub upstream: Upstream,
+    /// Provider endpoints, tried in order when no rewrite rule matches (CLI-5).
+    pub backends: Vec<Backend>,
+    /// Model routing rules, first match wins (CLI-5, ID-3).
+    pub model_rewrites: Vec<ModelRewrite>,
+    /// Tenants. Empty: every caller is namespace `default` (CLI-5).
+    pub namespaces: Vec<Namespace>,
+}
+
+/// SQLite durability mode (SPEC DU-2).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SqliteSynchronous {
+    /// `PRAGMA synchronous = FULL`.
+    Full,
+    /// `PRAGMA synchronous = NORMAL`.
+    Normal,
+}
+
+/// `[workers]`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Workers {
+    /// Attempts run at once by this process.
+    pub concurrency: usize,
+    /// Lease length in seconds; renewed by heartbeat every third of it (LC-2).
+    pub lease_secs: u64,
+    /// Attempts before a transiently failing request fails for good (LC-5).
+    pub max_attempts: u32,
+    /// First retry delay in milliseconds; doubles per attempt, with jitter (LC-5).
+    pub backoff_initial_ms: u64,
+    /// Longest retry delay in milliseconds, also the cap on a provider's `retry-after` (LC-5).
+    pub backoff_max_ms: u64,
+    /// How often expired leases are swept back to `pending`, in milliseconds (LC-4).
+    pub sweep_interval_ms: u64,
+    /// How often an idle worker pool looks for due work it was not woken for, in milliseconds.
+    pub poll_interval_ms: u64,
+}
+
+/// `[upstream]`: separate timeouts, no total deadline on a healthy stream (LC-10).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Upstream {
+    /// TCP + TLS connect timeout in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Time from sending the request to the provider's response headers, in milliseconds.
+    pub header_timeout_ms: u64,
+    /// Longest silence between two pieces of a response body, in milliseconds.
+    pub idle_timeout_ms: u64,
+}
+
+/// The kind of API a backend speaks.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Any OpenAI-compatible server.
+    Openai,
+    /// Anthropic's Messages API.
+    Anthropic,
+}
+
+/// One `[[backends]]` entry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Backend {
+    /// Unique name; part of the request hash (ID-3).
+    pub name: String,
+    /// API shape.
+    pub kind: BackendKind,
+    /// Base URL including the version prefix, e.g. `https://api.openai.com/v1` or
+    /// `https://api.anthropic.com/v1`; the route's path (`/chat/completions`, `/messages`) is
+    /// appended.
+    pub base_url: String,
+    /// Name of the environment variable holding the provider API key. The key itself never
+    /// enters the configuration, the database or the logs (IN-3).
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+}
+
+/// One `[[model_rewrites]]` entry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRewrite {
+    /// Exact model name, or a prefix ending in `*`.
+    #[serde(rename = "match")]
+    pub pattern: String,
+    /// Backend name that serves matching requests.
+    pub backend: String,
+    /// Model name sent upstream; the client's when absent.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+impl ModelRewrite {
+    /// Whether `model` matches this rule: exactly, or by prefix when the pattern ends in `*`.
+    pub fn matches(&self, model: &str) -> bool {
+        match self.pattern.strip_suffix('*') {
+            Some(prefix) => model.starts_with(prefix),
+            None => model == self.pattern,
+        }
+    }
+}
+
+/// One `[[namespaces]]` entry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Namespace {
+    /// Namespace name, stored with each request.
+    pub name: String,
+    /// Keys clients send as `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    pub api_keys: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            database_url: "sqlite://holdfast.db".into(),
+            sqlite_synchronous: SqliteSynchronous::Full,
+            dedupe_window_secs: 600,
+            idempotency_key_ttl_secs: 86_400,
+            max_body_bytes: 32 * 1024 * 1024,
+            max_response_bytes: 64 * 1024 * 1024,
+            retention_secs: 7 * 86_400,
+            workers: Workers::default(),
+            upstream: Upstream::default(),
+            backends: Vec::new(),
+            model_rewrites: Vec::new(),
+            namespaces: Vec::new(),
+        }
+    }
+}
+
+impl Default for Workers {
+    fn default() -> Self {
+        Workers {
+            concurrency: 64,
+            lease_secs: 30,
+            max_attempts: 5,
+            backoff_initial_ms: 500,
+            backoff_max_ms: 30_000,
+            sweep_interval_ms: 1_000,
+            poll_interval_ms: 1_000,
+        }
+    }
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Upstream {
+            connect_timeout_ms: 10_000,
+            header_timeout_ms: 600_000,
+            idle_timeout_ms: 300_000,
+        }
+    }
+}
+
+/// A configuration that cannot be used. The message names the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file or an environment variable could not be parsed into [`Config`].
+    #[error("configuration: {0}")]
+    Parse(#[from] Box<figment::Error>),
+    /// A value parsed but makes no sense.
+    #[error("configuration key `{key}`: {message}")]
+    Invalid {
+        /// Dotted key path, e.g. `workers.lease_secs`.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+impl Config {
+    /// Loads defaults, then `file` (if any), then `HOLDFAST_*` environment variables, and
+    /// validates the result.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the key that failed to parse or validate.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        Config::load_over(Config::default(), file)
+    }
+
+    /// Like [`Config::load`], with `base` in place of the built-in defaults (`--demo` uses this
+    /// to supply its mock backends while the file and environment still override).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the key that failed to parse or validate.
+    pub fn load_over(base: Config, file: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(base));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(invalid(
+                    "--config",
+                    format!("{} does not exist", path.display()),
+                ));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        let config: Config = figment
+            .merge(Env::prefixed("HOLDFAST_").split("__"))
+            .extract()
+            .map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks cross-field rules: backend names unique and kinds valid, rewrite rules naming a
+    /// backend that exists, positive durations, namespaces with keys.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.backends.is_empty() {
+            return Err(invalid(
+                "backends",
+                "at least one [[backends]] entry is required (or run `holdfast serve --demo`)",
+            ));
+        }
+        for (i, b) in self.backends.iter().enumerate() {
+            if b.name.is_empty() {
+                return Err(invalid(format!("backends[{i}].name"), "must not be empty"));
+            }
+            if self.backends[..i].iter().any(|o| o.name == b.name) {
+                return Err(invalid(
+                    format!("backends[{i}].name"),
+                    format!("duplicate backend name {:?}", b.name),
+                ));
+            }
+            if !(b.base_url.starts_with("http://") || b.base_url.starts_with("https://")) {
+                return Err(invalid(
+                    format!("backends[{i}].base_url"),
+                    "must start with http:// or https://",
+                ));
+            }
+        }
+        for (i, r) in self.model_rewrites.iter().enumerate() {
+            if r.pattern.is_empty() {
+                return Err(invalid(
+                    format!("model_rewrites[{i}].match"),
+                    "must not be empty",
+                ));
+            }
+            if !self.backends.iter().any(|b| b.name == r.backend) {
+                return Err(invalid(
+                    format!("model_rewrites[{i}].backend"),
+                    format!("no backend named {:?}", r.backend),
+                ));
+            }
+        }
+        for (i, n) in self.namespaces.iter().enumerate() {
+            if n.name.is_empty() {
+                return Err(invalid(
+                    format!("namespaces[{i}].name"),
+                    "must not be empty",
+                ));
+            }
+            if n.api_keys.is_empty() || n.api_keys.iter().any(String::is_empty) {
+                return Err(invalid(
+                    format!("namespaces[{i}].api_keys"),
+                    "needs at least one non-empty key",
+                ));
+            }
+        }
+        let positive = [
+            ("dedupe_window_secs", self.dedupe_window_secs),
+            ("idempotency_key_ttl_secs", self.idempotency_key_ttl_secs),
+            ("max_body_bytes", self.max_body_bytes as u64),
+            ("max_response_bytes", self.max_response_bytes as u64),
+            ("workers.concurrency", self.workers.concurrency as u64),
+            ("workers.lease_secs", self.workers.lease_secs),
+            ("workers.max_attempts", u64::from(self.workers.max_attempts)),
+            ("workers.sweep_interval_ms", self.workers.sweep_interval_ms),
+            ("workers.poll_interval_ms", self.workers.poll_interval_ms),
+            (
+                "upstream.connect_timeout_ms",
+                self.upstream.connect_timeout_ms,
+            ),
+            (
+                "upstream.header_timeout_ms",
+                self.upstream.header_timeout_ms,
+            ),
+            ("upstream.idle_timeout_ms", self.upstream.idle_timeout_ms),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        if self.workers.backoff_initial_ms > self.workers.backoff_max_ms {
+            return Err(invalid(
+                "workers.backoff_initial_ms",
+                "must not exceed workers.backoff_max_ms",
+            ));
+        }
+        if !(self.database_url.starts_with("sqlite:")
+            || self.database_url.starts_with("postgres://")
+            || self.database_url.starts_with("postgresql://"))
+        {
+            return Err(invalid(
+                "database_url",
+                "must start with sqlite:, postgres:// or postgresql://",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The backend named `name`.
+    pub fn backend(&self, name: &str) -> Option<&Backend> {
+        self.backends.iter().find(|b| b.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_backend() -> Config {
+        Config {
+            backends: vec![Backend {
+                name: "openai".into(),
+                kind: BackendKind::Openai,
+                base_url: "http://127.0.0.1:1/v1".into(),
+                api_key_env: None,
+            }],
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn defaults_match_spec_cli4() {
+        let c = Config::default();
+        assert_eq!(c.dedupe_window_secs, 600);
+        assert_eq!(c.idempotency_key_ttl_secs, 86_400);
+        assert_eq!(c.max_body_bytes, 33_554_432);
+        assert_eq!(c.workers.concurrency, 64);
+        assert_eq!(c.workers.lease_secs, 30);
+        assert_eq!(c.workers.max_attempts, 5);
+        assert_eq!(c.workers.backoff_initial_ms, 500);
+        assert_eq!(c.workers.backoff_max_ms, 30_000);
+    }
+
+    #[test]
+    fn rewrite_rule_naming_unknown_backend_is_refused_with_its_key() {
+        let mut c = with_backend();
+        c.model_rewrites.push(ModelRewrite {
+            pattern: "fast".into(),
+            backend: "nope".into(),
+            model: None,
+        });
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("model_rewrites[0].backend"), "{err}");
+    }
+
+    #[test]
+    fn zero_lease_is_refused_with_its_key() {
+        let mut c = with_backend();
+        c.workers.lease_secs = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("workers.lease_secs"), "{err}");
+    }
+
+    #[test]
+    fn rewrite_pattern_matches_exact_or_prefix() {
+        let exact = ModelRewrite {
+            pattern: "fast".into(),
+            backend: "b".into(),
+            model: None,
+        };
+        assert!(exact.matches("fast"));
+        assert!(!exact.matches("faster"));
+        let prefix = ModelRewrite {
+            pattern: "gpt-4o*".into(),
+            ..exact
+        };
+        assert!(prefix.matches("gpt-4o-mini"));
+        assert!(prefix.matches("gpt-4o"));
+        assert!(!prefix.matches("gpt-4"));
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's signature, not ours
+    fn toml_file_and_env_override_load_cli1() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("holdfast.toml");
+        std::fs::write(
+            &path,
+            r#"
+listen = "127.0.0.1:9999"
+[workers]
+lease_secs = 7
+[[backends]]
+name = "openai"
+kind = "openai"
+base_url = "https://api.openai.com/v1"
+"#,
+        )
+        .unwrap();
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("HOLDFAST_WORKERS__MAX_ATTEMPTS", "9");
+            let c = Config::load(Some(&path)).map_err(|e| e.to_string())?;
+            assert_eq!(c.listen.port(), 9999);
+            assert_eq!(c.workers.lease_secs, 7);
+            assert_eq!(c.workers.max_attempts, 9);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_key_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("holdfast.toml");
+        std::fs::write(&path, "lisen = \"127.0.0.1:1\"\n").unwrap();
+        let err = Config::load(Some(&path)).unwrap_err().to_string();
+        assert!(err.contains("lisen"), "{err}");
+    }
+}

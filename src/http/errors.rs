@@ -1,0 +1,158 @@
+//! Errors in the route's provider shape (SPEC RS-6, RS-7, RS-8, IN-1).
+//!
+//! OpenAI routes: `{"error":{"message","type","param","code"}}`. Anthropic routes:
+//! `{"type":"error","error":{"type","message"}}` with Anthropic's documented `type` for the
+//! status. Every error response also carries `Holdfast-Error: <code>`, the stable holdfast cause
+//! (the OpenAI shape repeats it in `code`), so one client can tell causes apart on both shapes.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::store::StoreError;
+
+/// Which provider's error shape a response uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// OpenAI's.
+    Openai,
+    /// Anthropic's.
+    Anthropic,
+}
+
+/// An error answer. Build with the constructors; render with [`IntoResponse`].
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Stable holdfast cause, e.g. `invalid_json`.
+    pub code: &'static str,
+    /// Plain-words explanation.
+    pub message: String,
+    /// Provider shape.
+    pub shape: Shape,
+    /// `x-should-retry` value, when the answer takes a position (RS-7, RS-8).
+    pub should_retry: Option<bool>,
+    /// `retry-after-ms` (and `retry-after` in whole seconds), at most 60 000 (RS-8).
+    pub retry_after_ms: Option<u64>,
+    /// Request id, when the error concerns a recorded request.
+    pub request_id: Option<String>,
+}
+
+impl ApiError {
+    /// A new error of `status` and `code`.
+    pub fn new(
+        shape: Shape,
+        status: StatusCode,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            shape,
+            should_retry: None,
+            retry_after_ms: None,
+            request_id: None,
+        }
+    }
+
+    /// 400 with `code`.
+    pub fn bad_request(shape: Shape, code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(shape, StatusCode::BAD_REQUEST, code, message)
+    }
+
+    /// 404 `not_found`.
+    pub fn not_found(shape: Shape, message: impl Into<String>) -> Self {
+        Self::new(shape, StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 503 `store_unavailable`: nothing was recorded and a retry can succeed (RS-8).
+    pub fn unavailable(shape: Shape, e: &StoreError) -> Self {
+        tracing::error!(error = %e, "store unavailable");
+        let mut err = Self::new(
+            shape,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            "holdfast could not reach its database; nothing was recorded, retry shortly",
+        );
+        err.should_retry = Some(true);
+        err.retry_after_ms = Some(1_000);
+        err
+    }
+
+    /// Marks the answer as final for the SDK (`x-should-retry: false`, RS-7).
+    pub fn final_answer(mut self) -> Self {
+        self.should_retry = Some(false);
+        self
+    }
+
+    /// Attaches the request id header.
+    pub fn for_request(mut self, id: impl ToString) -> Self {
+        self.request_id = Some(id.to_string());
+        self
+    }
+
+    fn openai_type(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+
+    fn anthropic_type(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            400..=499 => "invalid_request_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = match self.shape {
+            Shape::Openai => json!({"error": {
+                "message": self.message,
+                "type": self.openai_type(),
+                "param": null,
+                "code": self.code,
+            }}),
+            Shape::Anthropic => json!({"type": "error", "error": {
+                "type": self.anthropic_type(),
+                "message": self.message,
+            }}),
+        };
+        let mut response = (self.status, axum::Json(body)).into_response();
+        let headers = response.headers_mut();
+        headers.insert("holdfast-error", HeaderValue::from_static(self.code));
+        if let Some(retry) = self.should_retry {
+            headers.insert(
+                "x-should-retry",
+                HeaderValue::from_static(if retry { "true" } else { "false" }),
+            );
+        }
+        if let Some(ms) = self.retry_after_ms {
+            let ms = ms.min(60_000);
+            headers.insert("retry-after-ms", HeaderValue::from(ms));
+            headers.insert("retry-after", HeaderValue::from(ms.div_ceil(1000)));
+        }
+        if let Some(id) = self
+            .request_id
+            .and_then(|id| HeaderValue::from_str(&id).ok())
+        {
+            headers.insert("holdfast-request-id", id);
+        }
+        response
+    }
+}

@@ -1,0 +1,123 @@
+//! The HTTP surface: proxied provider routes (HTTP-1), the request log (HTTP-2) and operations
+//! (HTTP-3). Handlers are thin: admission and responses live in [`proxy`], reading back in
+//! [`requests`], provider-shaped errors in [`errors`].
+
+pub mod errors;
+pub mod ops;
+pub mod proxy;
+pub mod requests;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use subtle::ConstantTimeEq;
+use tokio::sync::Notify;
+
+use crate::config::Config;
+use crate::hub::Hub;
+use crate::route::Route;
+use crate::store::DynStore;
+use errors::{ApiError, Shape};
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    /// Validated configuration.
+    pub config: Arc<Config>,
+    /// The durable log.
+    pub store: DynStore,
+    /// Wake-ups for waiting readers.
+    pub hub: Arc<Hub>,
+    /// Wakes the worker pool when a request is recorded.
+    pub wake: Arc<Notify>,
+}
+
+/// The router with every route of SPEC §1.
+pub fn router(state: AppState) -> Router {
+    let mut router = Router::new();
+    for route in Route::ALL {
+        router = router.route(
+            route.client_path(),
+            post(move |state, headers, body| proxy::handle(state, route, headers, body)),
+        );
+    }
+    router
+        .route("/requests/{id}", get(requests::get_one))
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// The error shape a path's clients expect: Anthropic's under `/v1/messages`, else OpenAI's.
+pub fn shape_for_path(path: &str) -> Shape {
+    if path.starts_with("/v1/messages") {
+        Shape::Anthropic
+    } else {
+        Shape::Openai
+    }
+}
+
+async fn not_found(uri: Uri) -> Response {
+    ApiError::not_found(
+        shape_for_path(uri.path()),
+        format!("holdfast has no route {}", uri.path()),
+    )
+    .into_response()
+}
+
+async fn method_not_allowed(uri: Uri) -> Response {
+    ApiError::new(
+        shape_for_path(uri.path()),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{} does not accept this method", uri.path()),
+    )
+    .into_response()
+}
+
+/// The caller's namespace (CLI-5): `default` when no namespaces are configured, else the one
+/// whose key the caller sent as `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in
+/// constant time (IN-3).
+///
+/// # Errors
+/// 401 `invalid_api_key` when namespaces are configured and the key is missing or unknown.
+pub fn namespace(config: &Config, headers: &HeaderMap, shape: Shape) -> Result<String, ApiError> {
+    if config.namespaces.is_empty() {
+        return Ok("default".into());
+    }
+    let presented = headers
+        .get("x-api-key")
+        .map(|v| v.as_bytes())
+        .or_else(|| {
+            headers
+                .get(axum::http::header::AUTHORIZATION)
+                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        })
+        .map(<[u8]>::trim_ascii);
+    let mut found = None;
+    if let Some(presented) = presented {
+        // Compare against every key so the time taken does not say which one matched.
+        for ns in &config.namespaces {
+            for key in &ns.api_keys {
+                if bool::from(key.as_bytes().ct_eq(presented)) && found.is_none() {
+                    found = Some(ns.name.clone());
+                }
+            }
+        }
+    }
+    found.ok_or_else(|| {
+        ApiError::new(
+            shape,
+            StatusCode::UNAUTHORIZED,
+            "invalid_api_key",
+            "missing or unknown API key: send a holdfast namespace key as `Authorization: Bearer KEY` or `x-api-key: KEY`",
+        )
+    })
+}

@@ -1,0 +1,475 @@
+//! Proxied provider routes: admission, claim, and the answer (SPEC HTTP-1, ID-*, RS-*).
+//!
+//! Admission refuses what cannot be recorded before anything is written (ID-8): auth, body
+//! size (IN-1), JSON (ID-2), routing (CLI-5), `Idempotency-Key` syntax (ID-5). Then the request
+//! is claimed and recorded in one atomic store call (ID-7), the worker pool is woken, and the
+//! connection is held until the request settles (RS-1), or answered at once with 202 when the
+//! client prefers (RS-9).
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use uuid::Uuid;
+
+use super::errors::{ApiError, Shape};
+use super::{AppState, namespace, requests};
+use crate::canonical::{self, CanonError};
+use crate::config::Config;
+use crate::route::Route;
+use crate::store::{ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, now_ms};
+use crate::upstream::FORWARDED_HEADERS;
+
+/// How often a waiting reader re-reads the record even without a wake-up (so a request run by
+/// another node, or a lost wake-up, still settles the wait).
+const WAIT_POLL: Duration = Duration::from_millis(500);
+
+/// The provider shape of a route's answers.
+pub fn shape(route: Route) -> Shape {
+    match route {
+        Route::AnthropicMessages => Shape::Anthropic,
+        _ => Shape::Openai,
+    }
+}
+
+/// Handles one proxied call.
+pub async fn handle(
+    State(state): State<AppState>,
+    route: Route,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match admit_and_answer(&state, route, &headers, body).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn admit_and_answer(
+    state: &AppState,
+    route: Route,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let shape = shape(route);
+    let namespace = namespace(&state.config, headers, shape)?;
+    let body = read_body(&state.config, headers, body, shape).await?;
+    let canonical = canonical::canonicalize(&body).map_err(|e| invalid_body(shape, &e))?;
+    if canonical.stream {
+        return Err(ApiError::bad_request(
+            shape,
+            "stream_not_supported",
+            "\"stream\": true is not supported by this build of holdfast yet",
+        ));
+    }
+    let (backend, upstream_model) =
+        choose_backend(&state.config, route, canonical.model.as_deref()).ok_or_else(|| {
+            ApiError::bad_request(
+                shape,
+                "no_backend",
+                format!(
+                    "no backend serves route {} for model {:?}",
+                    route.name(),
+                    canonical.model.as_deref().unwrap_or("")
+                ),
+            )
+        })?;
+    let forwarded = forwarded_headers(headers, shape)?;
+    let key = idempotency_key(headers, shape)?;
+
+    // ID-3b: the provider gets the client's bytes; only the model value changes, in place.
+    let rewrite = match (&upstream_model, &canonical.model_span) {
+        (Some(model), Some(span)) if canonical.model.as_deref() != Some(model.as_str()) => {
+            Some((model.clone(), span.clone()))
+        }
+        _ => None,
+    };
+    let (hashed, upstream_body, model) = match rewrite {
+        Some((model, span)) => (
+            canonical.with_model(&model),
+            canonical::rewrite_model(&body, span, &model),
+            Some(model),
+        ),
+        None => (canonical.bytes, body.to_vec(), canonical.model),
+    };
+    let header_refs: Vec<(&str, &str)> = forwarded
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
+    let now = now_ms();
+    let (claim, claim_key, ttl_secs) = match key {
+        Some(key) => (
+            ClaimKind::Key,
+            format!("{} {key}", route.name()),
+            state.config.idempotency_key_ttl_secs,
+        ),
+        None => (
+            ClaimKind::BodyHash,
+            hex::encode(hash),
+            state.config.dedupe_window_secs,
+        ),
+    };
+    let new = NewRequest {
+        id: Uuid::now_v7(),
+        namespace: namespace.clone(),
+        route: route.name().into(),
+        backend,
+        model,
+        stream: canonical.stream,
+        body: upstream_body,
+        headers: forwarded,
+        hash,
+        claim,
+        claim_key,
+        claim_expires_at: now
+            .saturating_add(i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX)),
+        now,
+    };
+    let (record, replayed) = match state.store.submit(new).await {
+        Ok(Submitted::Created(record)) => {
+            state.wake.notify_one();
+            (*record, false)
+        }
+        Ok(Submitted::Attached(record)) => (*record, true),
+        Ok(Submitted::KeyMismatch { existing }) => {
+            return Err(ApiError::new(
+                shape,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                "this Idempotency-Key was already used with a different request body; send a new key for a new request",
+            )
+            .for_request(existing)
+            .final_answer());
+        }
+        Err(e) => return Err(ApiError::unavailable(shape, &e)),
+    };
+
+    if prefers_async(headers) {
+        let mut response = (
+            StatusCode::ACCEPTED,
+            axum::Json(requests::RecordView::from(&record)),
+        )
+            .into_response();
+        let location = format!("/requests/{}", record.id);
+        if let Ok(v) = HeaderValue::from_str(&location) {
+            response.headers_mut().insert(header::LOCATION, v);
+        }
+        response.headers_mut().insert(
+            "preference-applied",
+            HeaderValue::from_static("respond-async"),
+        );
+        set_identity_headers(&mut response, &record, replayed, route);
+        return Ok(response);
+    }
+
+    let record = wait_settled(state, &namespace, record, shape).await?;
+    Ok(answer(&record, replayed, route))
+}
+
+/// Reads the body, refusing one over `max_body_bytes` with 413 before reading it when
+/// `Content-Length` says so (IN-1).
+async fn read_body(
+    config: &Config,
+    headers: &HeaderMap,
+    body: Body,
+    shape: Shape,
+) -> Result<bytes::Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            shape,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!(
+                "request body exceeds max_body_bytes ({} bytes)",
+                config.max_body_bytes
+            ),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > config.max_body_bytes as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, config.max_body_bytes)
+        .await
+        .map_err(|e| {
+            // http-body's Limited reports "length limit exceeded" through the source chain.
+            let mut source: Option<&dyn std::error::Error> = Some(&e);
+            while let Some(s) = source {
+                if s.is::<http_body_util::LengthLimitError>() {
+                    return too_large();
+                }
+                source = s.source();
+            }
+            ApiError::bad_request(
+                shape,
+                "body_read_failed",
+                format!("could not read the request body: {e}"),
+            )
+        })
+}
+
+fn invalid_body(shape: Shape, e: &CanonError) -> ApiError {
+    let code = match e {
+        CanonError::NotObject => "body_not_object",
+        CanonError::DuplicateKey { .. } => "duplicate_key",
+        CanonError::InvalidUtf8 { .. } | CanonError::LoneSurrogate { .. } => "invalid_unicode",
+        CanonError::TooDeep => "too_deep",
+        CanonError::Syntax { .. } => "invalid_json",
+    };
+    ApiError::bad_request(shape, code, format!("request body refused: {e}"))
+}
+
+/// CLI-5: the first matching rewrite rule whose backend serves the route, else the first
+/// backend of the route's kind. Returns the backend name and the model to send upstream
+/// (`None`: keep the client's).
+pub fn choose_backend(
+    config: &Config,
+    route: Route,
+    model: Option<&str>,
+) -> Option<(String, Option<String>)> {
+    if let Some(model) = model {
+        for rule in &config.model_rewrites {
+            let serves = config
+                .backend(&rule.backend)
+                .is_some_and(|b| b.kind == route.kind());
+            if serves && rule.matches(model) {
+                return Some((rule.backend.clone(), rule.model.clone()));
+            }
+        }
+    }
+    config
+        .backends
+        .iter()
+        .find(|b| b.kind == route.kind())
+        .map(|b| (b.name.clone(), None))
+}
+
+/// The allow-listed client headers (ID-3a), lower-cased names, sorted, repeated values joined
+/// with `,`.
+fn forwarded_headers(headers: &HeaderMap, shape: Shape) -> Result<Vec<(String, String)>, ApiError> {
+    let mut out = Vec::new();
+    for name in FORWARDED_HEADERS {
+        let mut values = Vec::new();
+        for v in headers.get_all(name) {
+            let v = v.to_str().map_err(|_| {
+                ApiError::bad_request(
+                    shape,
+                    "invalid_header",
+                    format!("header {name} is not visible ASCII"),
+                )
+            })?;
+            values.push(v.trim());
+        }
+        if !values.is_empty() {
+            out.push((name.to_string(), values.join(",")));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Parses `Idempotency-Key` (ID-5): 1–255 visible ASCII characters, bare or as a quoted
+/// structured-field string (RFC 8941 §3.3.3).
+///
+/// # Errors
+/// 400 `invalid_idempotency_key` when empty, too long, not visible ASCII, or repeated.
+pub fn idempotency_key(headers: &HeaderMap, shape: Shape) -> Result<Option<String>, ApiError> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let bad = |why: &str| {
+        ApiError::bad_request(
+            shape,
+            "invalid_idempotency_key",
+            format!("Idempotency-Key {why}"),
+        )
+    };
+    if values.next().is_some() {
+        return Err(bad("must be sent once"));
+    }
+    let raw = value.as_bytes().trim_ascii();
+    let key: Vec<u8> = match raw.strip_prefix(b"\"") {
+        Some(rest) => {
+            let inner = rest
+                .strip_suffix(b"\"")
+                .ok_or_else(|| bad("has an unterminated quoted string"))?;
+            let mut key = Vec::with_capacity(inner.len());
+            let mut bytes = inner.iter();
+            while let Some(&b) = bytes.next() {
+                match b {
+                    b'\\' => match bytes.next() {
+                        Some(&e @ (b'"' | b'\\')) => key.push(e),
+                        _ => return Err(bad("has an invalid escape in its quoted string")),
+                    },
+                    b'"' => return Err(bad("has a stray quote")),
+                    _ => key.push(b),
+                }
+            }
+            key
+        }
+        None => raw.to_vec(),
+    };
+    if key.is_empty() {
+        return Err(bad("must not be empty"));
+    }
+    if key.len() > 255 {
+        return Err(bad("must be at most 255 characters"));
+    }
+    if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(bad("must be visible ASCII characters only"));
+    }
+    Ok(String::from_utf8(key).ok())
+}
+
+fn prefers_async(headers: &HeaderMap) -> bool {
+    headers.get_all("prefer").iter().any(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',')
+                .any(|p| p.trim().eq_ignore_ascii_case("respond-async"))
+        })
+    })
+}
+
+/// Holds until the request is terminal (RS-1, RS-2): subscribe first, then re-read the record
+/// after every wake-up and at least every [`WAIT_POLL`].
+async fn wait_settled(
+    state: &AppState,
+    namespace: &str,
+    record: RequestRecord,
+    shape: Shape,
+) -> Result<RequestRecord, ApiError> {
+    if record.status.is_terminal() {
+        return Ok(record);
+    }
+    let mut subscription = state.hub.subscribe(record.id);
+    loop {
+        match state.store.get(namespace, record.id).await {
+            Ok(Some(r)) if r.status.is_terminal() => return Ok(r),
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                return Err(
+                    ApiError::not_found(shape, "the request was pruned").for_request(record.id)
+                );
+            }
+            Err(e) => {
+                tracing::warn!(id = %record.id, error = %e, "re-reading a waited request failed")
+            }
+        }
+        tokio::select! {
+            _ = subscription.recv() => {}
+            () = tokio::time::sleep(WAIT_POLL) => {}
+        }
+    }
+}
+
+/// The answer for a settled non-stream request (RS-3, RS-5, RS-7).
+fn answer(record: &RequestRecord, replayed: bool, route: Route) -> Response {
+    let mut response = match (record.status, &record.error) {
+        (Status::Succeeded, _) => stored_response(record),
+        (_, Some(error))
+            if error.kind == ErrorType::UpstreamRefused && record.response_status.is_some() =>
+        {
+            let mut r = stored_response(record);
+            r.headers_mut()
+                .insert("x-should-retry", HeaderValue::from_static("false"));
+            r
+        }
+        (_, error) => {
+            let kind = error
+                .as_ref()
+                .map_or(ErrorType::UpstreamInvalid, |e| e.kind);
+            let message = error
+                .as_ref()
+                .map_or_else(|| "the request failed".to_string(), |e| e.message.clone());
+            ApiError::new(shape(route), failure_status(kind), kind.as_str(), message)
+                .final_answer()
+                .into_response()
+        }
+    };
+    set_identity_headers(&mut response, record, replayed, route);
+    response
+}
+
+/// RS-7: the status for a failure that is not a provider refusal.
+pub fn failure_status(kind: ErrorType) -> StatusCode {
+    match kind {
+        ErrorType::LeaseExpired | ErrorType::Cancelled => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::BAD_GATEWAY,
+    }
+}
+
+fn stored_response(record: &RequestRecord) -> Response {
+    let status = record
+        .response_status
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::OK);
+    let body = record.response_body.clone().unwrap_or_default();
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// RS-5: `Holdfast-Request-Id`, `Idempotent-Replayed`, and the provider's request id.
+fn set_identity_headers(
+    response: &mut Response,
+    record: &RequestRecord,
+    replayed: bool,
+    route: Route,
+) {
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
+        headers.insert("holdfast-request-id", v);
+    }
+    headers.insert(
+        "idempotent-replayed",
+        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+    );
+    if let Some(v) = record
+        .upstream_request_id
+        .as_deref()
+        .and_then(|v| HeaderValue::from_str(v).ok())
+    {
+        headers.insert(crate::upstream::request_id_header(route.kind()), v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(v: &'static str) -> Result<Option<String>, ApiError> {
+        let mut h = HeaderMap::new();
+        h.insert("idempotency-key", HeaderValue::from_static(v));
+        idempotency_key(&h, Shape::Openai)
+    }
+
+    #[test]
+    fn idempotency_key_accepts_bare_and_quoted_forms_id5() {
+        assert_eq!(key("abc-123").unwrap().as_deref(), Some("abc-123"));
+        assert_eq!(key("\"abc-123\"").unwrap().as_deref(), Some("abc-123"));
+        assert_eq!(key("\"a\\\"b\"").unwrap().as_deref(), Some("a\"b"));
+    }
+
+    #[test]
+    fn idempotency_key_refuses_empty_long_spaces_and_repeats_id5() {
+        assert!(key("").is_err());
+        assert!(key("\"\"").is_err());
+        assert!(key("a b").is_err());
+        assert!(key(Box::leak("x".repeat(256).into_boxed_str())).is_err());
+        assert!(key(Box::leak("x".repeat(255).into_boxed_str())).is_ok());
+        let mut h = HeaderMap::new();
+        h.append("idempotency-key", HeaderValue::from_static("a"));
+        h.append("idempotency-key", HeaderValue::from_static("b"));
+        assert!(idempotency_key(&h, Shape::Openai).is_err());
+    }
+}

@@ -1,0 +1,120 @@
+//! In-process fan-out of request changes to waiting readers.
+//!
+//! The hub is only a wake-up: the store is the truth. A reader subscribes *before* it reads
+//! the store, then re-reads after every signal, so a signal can never fall between its read and
+//! its wait (SPEC RD-4). A lost or lagged signal costs latency, never correctness: readers also
+//! re-read on a timer, which is what lets a reader on one node follow a request run by another.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::broadcast;
+use uuid::Uuid;
+
+/// What happened to a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HubEvent {
+    /// Status, attempts or result changed: re-read the record.
+    Changed,
+}
+
+/// Per-request broadcast channels, created on first subscription and dropped with the last.
+#[derive(Debug, Default)]
+pub struct Hub {
+    channels: Mutex<HashMap<Uuid, broadcast::Sender<HubEvent>>>,
+}
+
+/// A reader's subscription to one request; unsubscribes on drop.
+#[derive(Debug)]
+pub struct Subscription {
+    hub: Arc<Hub>,
+    id: Uuid,
+    rx: broadcast::Receiver<HubEvent>,
+}
+
+impl Hub {
+    /// A new, empty hub.
+    pub fn new() -> Arc<Hub> {
+        Arc::new(Hub::default())
+    }
+
+    /// Subscribes to events of request `id`.
+    pub fn subscribe(self: &Arc<Self>, id: Uuid) -> Subscription {
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let rx = channels
+            .entry(id)
+            .or_insert_with(|| broadcast::channel(256).0)
+            .subscribe();
+        Subscription {
+            hub: Arc::clone(self),
+            id,
+            rx,
+        }
+    }
+
+    /// Publishes `event` to the subscribers of `id`, if there are any.
+    pub fn publish(&self, id: Uuid, event: HubEvent) {
+        let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = channels.get(&id) {
+            // No receivers left is not an error: the last one is about to unsubscribe.
+            let _ = tx.send(event);
+        }
+    }
+
+    /// Number of requests with at least one subscriber.
+    pub fn len(&self) -> usize {
+        self.channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
+    /// Whether no request has a subscriber.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Subscription {
+    /// Waits for the next event. A lagged receiver gets [`HubEvent::Changed`], which makes the
+    /// reader re-read the store; a closed channel never happens while this subscription lives.
+    pub async fn recv(&mut self) -> HubEvent {
+        match self.rx.recv().await {
+            Ok(event) => event,
+            Err(broadcast::error::RecvError::Lagged(_)) => HubEvent::Changed,
+            Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut channels = self.hub.channels.lock().unwrap_or_else(|e| e.into_inner());
+        // Our own receiver is still alive here, so "1" means nobody else listens.
+        if channels
+            .get(&self.id)
+            .is_some_and(|tx| tx.receiver_count() <= 1)
+        {
+            channels.remove(&self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn subscriber_receives_published_event_and_channel_is_dropped_with_last_subscriber() {
+        let hub = Hub::new();
+        let id = Uuid::now_v7();
+        let mut a = hub.subscribe(id);
+        let b = hub.subscribe(id);
+        hub.publish(id, HubEvent::Changed);
+        assert_eq!(a.recv().await, HubEvent::Changed);
+        drop(b);
+        assert_eq!(hub.len(), 1);
+        drop(a);
+        assert!(hub.is_empty());
+    }
+}

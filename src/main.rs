@@ -1,0 +1,171 @@
+//! The `holdfast` binary: parse the command line, start tracing, hand over (SPEC CLI-1..CLI-3).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use holdfast::config::{Backend, BackendKind, Config};
+use holdfast::mock::{MockConfig, MockServer};
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "holdfast", version, about = "A durable proxy for LLM APIs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the API and the workers.
+    Serve(ServeArgs),
+    /// Run a fake OpenAI + Anthropic provider for tests, demos and benchmarks.
+    MockUpstream(MockArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// TOML configuration file; every key can be overridden by HOLDFAST_<KEY>.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// No config, no network: embedded SQLite file and an in-process mock provider.
+    #[arg(long)]
+    demo: bool,
+    /// Listen address (overrides the `listen` key).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+}
+
+#[derive(Args)]
+struct MockArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    listen: SocketAddr,
+    /// Content pieces per response.
+    #[arg(long, default_value_t = 8)]
+    chunks: u32,
+    /// Delay between stream chunks, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    chunk_delay_ms: u64,
+    /// Delay before response headers, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    header_delay_ms: u64,
+    /// Answer the first N calls with --fail-status.
+    #[arg(long, default_value_t = 0)]
+    fail_first: u32,
+    /// Status for --fail-first.
+    #[arg(long, default_value_t = 500)]
+    fail_status: u16,
+    /// Streams: drop the connection after K chunks.
+    #[arg(long)]
+    drop_after_chunks: Option<u32>,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("holdfast=info")),
+        )
+        .init();
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        match Cli::parse().command {
+            Command::Serve(args) => serve(args).await,
+            Command::MockUpstream(args) => {
+                let config = MockConfig {
+                    chunks: args.chunks,
+                    chunk_delay_ms: args.chunk_delay_ms,
+                    header_delay_ms: args.header_delay_ms,
+                    fail_first: args.fail_first,
+                    fail_status: args.fail_status,
+                    drop_after_chunks: args.drop_after_chunks,
+                    ..MockConfig::default()
+                };
+                tracing::info!(listen = %args.listen, "mock provider listening");
+                holdfast::mock::run(args.listen, config).await?;
+                Ok(())
+            }
+        }
+    })
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut mock = None;
+    let mut config = if args.demo {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let server = MockServer::start(
+            listener,
+            MockConfig {
+                chunk_delay_ms: 40,
+                ..MockConfig::default()
+            },
+        )
+        .await?;
+        let base = Config {
+            database_url: "sqlite://holdfast-demo.db".into(),
+            backends: vec![
+                Backend {
+                    name: "mock-openai".into(),
+                    kind: BackendKind::Openai,
+                    base_url: server.base_url(),
+                    api_key_env: None,
+                },
+                Backend {
+                    name: "mock-anthropic".into(),
+                    kind: BackendKind::Anthropic,
+                    base_url: server.base_url(),
+                    api_key_env: None,
+                },
+            ],
+            ..Config::default()
+        };
+        mock = Some(server);
+        Config::load_over(base, args.config.as_deref())?
+    } else {
+        Config::load(args.config.as_deref())?
+    };
+    if let Some(listen) = args.listen {
+        config.listen = listen;
+    }
+    let listener = TcpListener::bind(config.listen).await?;
+    let database = holdfast::store::redact_url(&config.database_url);
+    let running = holdfast::app::start(config, listener).await?;
+    tracing::info!(addr = %running.addr, %database, demo = args.demo, "holdfast serving");
+    if args.demo {
+        println!(
+            "holdfast demo on http://{addr} (mock provider inside, database holdfast-demo.db)\n\
+             try:\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \
+             -d '{{\"model\":\"gpt-4o-mini\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
+            addr = running.addr
+        );
+    }
+    shutdown_signal().await;
+    tracing::info!("shutting down: no new requests or leases; waiting for in-flight attempts");
+    running.shutdown().await;
+    if let Some(mock) = mock {
+        mock.shutdown().await;
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

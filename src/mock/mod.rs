@@ -1,0 +1,782 @@
+//! The mock provider (SPEC CLI-3): a fake OpenAI + Anthropic HTTP server.
+//!
+//! Used in-process by `holdfast serve --demo` and by tests (bound to port 0), as a separate
+//! process by `holdfast mock-upstream --listen ADDR`, and by the benchmarks. It answers
+//! deterministically (the reply text is a function of the request body), fast (no lock is held
+//! across an await, nothing is logged per request above `debug`), and is steered at run time
+//! through [`MockServer`] methods or the `/_mock/*` control routes on the same listener.
+//!
+//! # Map
+//!
+//! - this file: [`MockConfig`], [`MockServer`], [`run`], shared state, the accept loop, the model
+//!   call pipeline (record → connection faults → provider answer) and the control routes.
+//! - `openai.rs`, `anthropic.rs`: the providers' bodies, stream events and error shapes.
+//! - `sse.rs`: event framing and the streamed body with its faults (delay, stall, garbage, drop).
+//! - `text.rs`: the deterministic reply text, token counts, embeddings and base64.
+//!
+//! # Fault windows
+//!
+//! Every model call gets a position `k` (1-based), counted since the last [`MockServer::reset`]
+//! or config change. A fault whose count is `N` applies to calls with `k <= N`; all windows start
+//! at the same call, so `fail_first = 2, reset_before_headers = 1` resets call 1 and fails call 2.
+//! In one call the order is: reset, hang, header delay, injected failure, body validation
+//! (malformed JSON → 400), answer (stream faults apply while the body streams).
+//!
+//! # Connection-level faults
+//!
+//! The server runs its own accept loop over hyper so that a handler can close its TCP connection
+//! without writing any response (`reset_before_headers`): each connection carries a [`Notify`]
+//! in the request extensions, the handler fires it and never returns, and the connection task
+//! drops the connection. A mid-stream drop is a body stream that yields an error: hyper then ends
+//! the connection without the chunked terminator, and the client sees a body error.
+
+mod anthropic;
+mod openai;
+mod sse;
+mod text;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Extension, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use hyper::service::Service as _;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::task::{JoinHandle, JoinSet};
+
+use sse::{StreamFaults, stream_body};
+
+/// Run-time behaviour of the mock. Every field has a default (`#[serde(default)]`), so a JSON
+/// object with only the fields to change is a complete config.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
+pub struct MockConfig {
+    /// Content pieces per response: one delta event each when streaming; the non-stream text is
+    /// the same pieces joined. Default 8.
+    pub chunks: u32,
+    /// Milliseconds slept before each content event of a stream. Default 0.
+    pub chunk_delay_ms: u64,
+    /// Milliseconds slept before the response headers, on every model call. Default 0.
+    pub header_delay_ms: u64,
+    /// The first N calls (since the last reset or config change) answer `fail_status` with the
+    /// route's provider error body. Default 0.
+    pub fail_first: u32,
+    /// Status of injected failures. Default 500; an invalid code falls back to 500.
+    pub fail_status: u16,
+    /// When set, injected failures carry `retry-after: <value>` (seconds or an HTTP date).
+    pub retry_after: Option<String>,
+    /// When set, injected failures carry `retry-after-ms: <value>`.
+    pub retry_after_ms: Option<u64>,
+    /// Streams only: after K content events, end the connection abruptly (no terminator, no
+    /// `[DONE]` / `message_stop`). K at or past the last piece drops right after the content.
+    pub drop_after_chunks: Option<u32>,
+    /// Apply `drop_after_chunks` only to the first N calls; 0 means every call. Default 0.
+    pub drop_first: u32,
+    /// The first N calls: read the request, then close the TCP connection without any
+    /// response bytes. Default 0.
+    pub reset_before_headers: u32,
+    /// Milliseconds slept before the headers of the first `hang_first` calls (to trip header
+    /// timeouts). Adds to `header_delay_ms`.
+    pub hang_before_headers_ms: Option<u64>,
+    /// How many calls `hang_before_headers_ms` applies to; 0 means every call. Default 0.
+    pub hang_first: u32,
+    /// Streams only: `(K, M)` — after K content events, pause M milliseconds once, then go on
+    /// (to trip idle timeouts). JSON form `[K, M]`.
+    pub stall_after_chunks: Option<(u32, u64)>,
+    /// Streams only: emit a garbage event (`data: {not json` and a line without a colon)
+    /// halfway through the content.
+    pub malformed_sse: bool,
+    /// Non-stream only: answer 200 with `content-type: text/plain` and body `this is not json`.
+    pub non_json_200: bool,
+    /// Non-stream only: pad the reply text with more words to at least this many bytes.
+    pub oversized_bytes: Option<usize>,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig {
+            chunks: 8,
+            chunk_delay_ms: 0,
+            header_delay_ms: 0,
+            fail_first: 0,
+            fail_status: 500,
+            retry_after: None,
+            retry_after_ms: None,
+            drop_after_chunks: None,
+            drop_first: 0,
+            reset_before_headers: 0,
+            hang_before_headers_ms: None,
+            hang_first: 0,
+            stall_after_chunks: None,
+            malformed_sse: false,
+            non_json_200: false,
+            oversized_bytes: None,
+        }
+    }
+}
+
+/// One model call as the mock received it (faults and malformed bodies included).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RecordedCall {
+    /// Request path with its query, if any (`/v1/messages?beta=true`).
+    pub path: String,
+    /// Every request header, in arrival order; names lowercase, values lossily UTF-8.
+    pub headers: Vec<(String, String)>,
+    /// The parsed body, `Null` if it was not JSON.
+    pub body: Value,
+    /// 1-based call number since the last reset.
+    pub n: u64,
+}
+
+/// How many calls [`MockServer::recorded`] keeps.
+const RECORDED_MAX: usize = 1000;
+
+/// Request bodies above this are refused by the mock itself (holdfast's own limit is lower).
+const MAX_BODY_BYTES: usize = 256 << 20;
+
+/// A running mock. Dropping it does NOT stop the server; call [`MockServer::shutdown`].
+pub struct MockServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: Arc<Notify>,
+    task: JoinHandle<()>,
+}
+
+impl MockServer {
+    /// Serves on `listener` (already bound; port 0 is fine) until [`MockServer::shutdown`].
+    ///
+    /// # Errors
+    /// Only if the listener's local address cannot be read.
+    pub async fn start(listener: TcpListener, config: MockConfig) -> std::io::Result<MockServer> {
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared::new(config));
+        let app = router(shared.clone());
+        let stop = Arc::new(Notify::new());
+        let task = tokio::spawn(accept_loop(listener, app, stop.clone()));
+        Ok(MockServer {
+            addr,
+            shared,
+            stop,
+            task,
+        })
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://127.0.0.1:PORT/v1`: the `base_url` of a holdfast backend (either kind) or an SDK
+    /// client. An unspecified bind address (`0.0.0.0`, `::`) is given as loopback.
+    pub fn base_url(&self) -> String {
+        let ip = match self.addr.ip() {
+            IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            ip => ip,
+        };
+        format!("http://{}/v1", SocketAddr::new(ip, self.addr.port()))
+    }
+
+    /// Model calls received since the last reset (every route, faults included; not `/_mock/*`).
+    pub fn calls(&self) -> u64 {
+        self.shared.calls.load(Ordering::SeqCst)
+    }
+
+    /// The last 1000 model calls, oldest first.
+    pub fn recorded(&self) -> Vec<RecordedCall> {
+        self.shared.recorded()
+    }
+
+    /// Replaces the config and restarts the fault windows (call positions count from 1 again).
+    pub fn set_config(&self, config: MockConfig) {
+        self.shared.set_config(config);
+    }
+
+    /// The current config.
+    pub fn config(&self) -> MockConfig {
+        (*self.shared.config()).clone()
+    }
+
+    /// Calls back to 0, recorded calls cleared, fault windows restarted; the config is kept.
+    pub fn reset(&self) {
+        self.shared.reset();
+    }
+
+    /// Stops accepting, closes every open connection (in-flight responses are cut), and waits
+    /// for the server task to end.
+    pub async fn shutdown(self) {
+        self.stop.notify_one();
+        let _ = self.task.await;
+    }
+}
+
+/// `holdfast mock-upstream`: serves on `listen` until ctrl-c.
+///
+/// # Errors
+/// Binding `listen` fails, or the ctrl-c handler cannot be installed.
+pub async fn run(listen: SocketAddr, config: MockConfig) -> std::io::Result<()> {
+    let listener = TcpListener::bind(listen).await?;
+    let server = MockServer::start(listener, config).await?;
+    tracing::info!(addr = %server.addr(), base_url = %server.base_url(), "mock upstream listening");
+    let waited = tokio::signal::ctrl_c().await;
+    server.shutdown().await;
+    waited
+}
+
+// ---- shared state ----
+
+/// State shared by every connection. Locks are std locks held for a few instructions, never
+/// across an await.
+struct Shared {
+    /// The config; the fault counter is restarted while the write lock is held, so a call reads
+    /// its config and takes its position consistently.
+    config: RwLock<Arc<MockConfig>>,
+    /// Model calls since the last reset; a call's `n` is this after its increment.
+    calls: AtomicU64,
+    /// Model calls since the last reset or config change; a call's fault position `k`.
+    fault_seq: AtomicU64,
+    /// The last [`RECORDED_MAX`] calls.
+    recorded: Mutex<VecDeque<RecordedCall>>,
+}
+
+impl Shared {
+    fn new(config: MockConfig) -> Shared {
+        Shared {
+            config: RwLock::new(Arc::new(config)),
+            calls: AtomicU64::new(0),
+            fault_seq: AtomicU64::new(0),
+            recorded: Mutex::new(VecDeque::with_capacity(64)),
+        }
+    }
+
+    fn config(&self) -> Arc<MockConfig> {
+        self.config
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_config(&self, config: MockConfig) {
+        let mut slot = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        *slot = Arc::new(config);
+        self.fault_seq.store(0, Ordering::SeqCst);
+    }
+
+    fn reset(&self) {
+        let _slot = self.config.write().unwrap_or_else(PoisonError::into_inner);
+        self.calls.store(0, Ordering::SeqCst);
+        self.fault_seq.store(0, Ordering::SeqCst);
+        self.recorded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
+    /// Counts a model call: its number `n`, its fault position `k`, and the config it runs with.
+    fn begin_call(&self) -> (u64, u64, Arc<MockConfig>) {
+        let slot = self.config.read().unwrap_or_else(PoisonError::into_inner);
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let k = self.fault_seq.fetch_add(1, Ordering::SeqCst) + 1;
+        (n, k, slot.clone())
+    }
+
+    fn record(&self, call: RecordedCall) {
+        let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
+        if recorded.len() >= RECORDED_MAX {
+            recorded.pop_front();
+        }
+        recorded.push_back(call);
+    }
+
+    fn recorded(&self) -> Vec<RecordedCall> {
+        self.recorded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect()
+    }
+}
+
+// ---- accept loop ----
+
+/// Per-connection kill switch, found in every request's extensions. Firing it makes the
+/// connection task drop the connection, closing the socket with no further bytes.
+#[derive(Clone)]
+struct ConnKill(Arc<Notify>);
+
+async fn accept_loop(listener: TcpListener, app: Router, stop: Arc<Notify>) {
+    let mut conns = JoinSet::new();
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut stopped => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    conns.spawn(serve_connection(stream, app.clone()));
+                }
+                Err(e) => {
+                    // Per-connection failures and fd exhaustion alike: back off a moment.
+                    tracing::debug!(error = %e, "mock: accept failed");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            },
+        }
+    }
+    // Dropping the set aborts every connection task, which closes their sockets.
+    conns.shutdown().await;
+}
+
+async fn serve_connection(stream: TcpStream, app: Router) {
+    let _ = stream.set_nodelay(true);
+    let kill = ConnKill(Arc::new(Notify::new()));
+    let svc = TowerToHyperService::new(app);
+    let ext = kill.clone();
+    let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+        req.extensions_mut().insert(ext.clone());
+        svc.call(req)
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .serve_connection(TokioIo::new(stream), svc);
+    tokio::select! {
+        res = conn => {
+            if let Err(e) = res {
+                tracing::trace!(error = %e, "mock: connection ended with an error");
+            }
+        }
+        () = kill.0.notified() => {
+            // Dropping `conn` here drops the socket: the client gets EOF and no response.
+        }
+    }
+}
+
+// ---- routes ----
+
+/// The model routes, all under `/v1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Chat,
+    Completions,
+    Embeddings,
+    Responses,
+    Messages,
+}
+
+/// Whose shapes (error body, request-id header) a route speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Provider {
+    OpenAi,
+    Anthropic,
+}
+
+impl Route {
+    fn provider(self) -> Provider {
+        match self {
+            Route::Messages => Provider::Anthropic,
+            _ => Provider::OpenAi,
+        }
+    }
+}
+
+impl Provider {
+    fn request_id_header(self) -> HeaderName {
+        match self {
+            Provider::OpenAi => HeaderName::from_static("x-request-id"),
+            Provider::Anthropic => HeaderName::from_static("request-id"),
+        }
+    }
+
+    fn error_body(self, status: StatusCode, message: &str) -> Value {
+        match self {
+            Provider::OpenAi => openai::error_body(status.as_u16(), message),
+            Provider::Anthropic => anthropic::error_body(status.as_u16(), message),
+        }
+    }
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    let model = |route: Route| post(model_call).layer(Extension(route));
+    Router::new()
+        .route("/v1/chat/completions", model(Route::Chat))
+        .route("/v1/completions", model(Route::Completions))
+        .route("/v1/embeddings", model(Route::Embeddings))
+        .route("/v1/responses", model(Route::Responses))
+        .route("/v1/messages", model(Route::Messages))
+        .route("/_mock/calls", get(control_calls))
+        .route("/_mock/recorded", get(control_recorded))
+        .route(
+            "/_mock/config",
+            get(control_get_config)
+                .put(control_put_config)
+                .patch(control_patch_config),
+        )
+        .route("/_mock/reset", post(control_reset))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+/// Why a model call's body is refused with 400.
+#[derive(Debug, thiserror::Error)]
+enum BadRequest {
+    #[error("mock: request body is not valid JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("mock: request body must be a JSON object")]
+    NotObject,
+    #[error("mock: {0}")]
+    Invalid(String),
+}
+
+/// What the answer needs from the body, read before the body goes to the recorder.
+struct CallInfo {
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    seed: text::Seed,
+    embeddings: Option<openai::EmbeddingsAsk>,
+}
+
+/// Parses the body: the value to record (`Null` if not JSON) and what the answer needs.
+fn read_call(route: Route, body: &[u8]) -> (Value, Result<CallInfo, BadRequest>) {
+    let value: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return (Value::Null, Err(BadRequest::NotJson(e))),
+    };
+    if !value.is_object() {
+        return (value, Err(BadRequest::NotObject));
+    }
+    let embeddings = match route {
+        Route::Embeddings => match openai::embeddings_ask(&value) {
+            Ok(ask) => Some(ask),
+            Err(msg) => return (value, Err(BadRequest::Invalid(msg))),
+        },
+        _ => None,
+    };
+    let info = CallInfo {
+        model: value
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or("mock-model")
+            .to_owned(),
+        stream: route != Route::Embeddings && value.get("stream") == Some(&Value::Bool(true)),
+        include_usage: value.pointer("/stream_options/include_usage") == Some(&Value::Bool(true)),
+        seed: text::seed_of(&value),
+        embeddings,
+    };
+    (value, Ok(info))
+}
+
+/// `POST /v1/...`: record, apply connection faults, then answer in the route's shape.
+async fn model_call(
+    State(shared): State<Arc<Shared>>,
+    Extension(route): Extension<Route>,
+    Extension(kill): Extension<ConnKill>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let provider = route.provider();
+    let (recorded_body, info) = read_call(route, &body);
+    let (n, k, cfg) = shared.begin_call();
+    shared.record(RecordedCall {
+        path: uri
+            .path_and_query()
+            .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
+        headers: headers
+            .iter()
+            .map(|(name, value)| {
+                let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+                (name.as_str().to_owned(), value)
+            })
+            .collect(),
+        body: recorded_body,
+        n,
+    });
+    tracing::trace!(n, k, ?route, "mock: model call");
+
+    if k <= u64::from(cfg.reset_before_headers) {
+        kill.0.notify_one();
+        // The connection task drops this future together with the connection.
+        return std::future::pending::<Response>().await;
+    }
+    if let Some(ms) = cfg.hang_before_headers_ms
+        && within(k, cfg.hang_first)
+    {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if cfg.header_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(cfg.header_delay_ms)).await;
+    }
+    if k <= u64::from(cfg.fail_first) {
+        return injected_failure(provider, &cfg, n, k);
+    }
+    match info {
+        Ok(info) => answer(route, &cfg, n, k, info),
+        Err(e) => error_response(provider, StatusCode::BAD_REQUEST, &e.to_string(), n),
+    }
+}
+
+/// Whether position `k` is inside a window of `first` calls, where 0 means every call.
+fn within(k: u64, first: u32) -> bool {
+    first == 0 || k <= u64::from(first)
+}
+
+fn injected_failure(provider: Provider, cfg: &MockConfig, n: u64, k: u64) -> Response {
+    let status = StatusCode::from_u16(cfg.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let message = format!(
+        "mock: injected failure (fail_first={}, this is call {k} since the last reset)",
+        cfg.fail_first
+    );
+    let mut resp = error_response(provider, status, &message, n);
+    let headers = resp.headers_mut();
+    if let Some(v) = &cfg.retry_after
+        && let Ok(v) = HeaderValue::from_str(v)
+    {
+        headers.insert(HeaderName::from_static("retry-after"), v);
+    }
+    if let Some(ms) = cfg.retry_after_ms {
+        headers.insert(
+            HeaderName::from_static("retry-after-ms"),
+            HeaderValue::from(ms),
+        );
+    }
+    resp
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The successful answer (possibly a faulty stream, non-JSON, or oversized, as configured).
+fn answer(route: Route, cfg: &MockConfig, n: u64, k: u64, info: CallInfo) -> Response {
+    let provider = route.provider();
+    if let Some(ask) = &info.embeddings {
+        if cfg.non_json_200 {
+            return not_json_response(provider, n);
+        }
+        let body = openai::embeddings_json(&info.model, ask, info.seed.prompt_tokens);
+        return json_response(provider, StatusCode::OK, n, &body);
+    }
+    let pieces = text::pieces(&info.model, info.seed.hash, cfg.chunks);
+    let oa = openai::Reply {
+        n,
+        model: &info.model,
+        created: unix_now(),
+        prompt_tokens: info.seed.prompt_tokens,
+        completion_tokens: u64::from(cfg.chunks),
+    };
+    let an = anthropic::Reply {
+        n,
+        model: &info.model,
+        input_tokens: info.seed.prompt_tokens,
+        output_tokens: u64::from(cfg.chunks),
+    };
+    if info.stream {
+        let parts = match route {
+            Route::Chat => openai::chat_stream(&oa, &pieces, info.include_usage),
+            Route::Completions => openai::completion_stream(&oa, &pieces, info.include_usage),
+            Route::Responses => openai::responses_stream(&oa, &pieces),
+            Route::Messages => anthropic::message_stream(&an, &pieces),
+            Route::Embeddings => sse::StreamParts::default(),
+        };
+        let faults = StreamFaults {
+            chunk_delay: Duration::from_millis(cfg.chunk_delay_ms),
+            drop_after: cfg.drop_after_chunks.filter(|_| within(k, cfg.drop_first)),
+            stall: cfg
+                .stall_after_chunks
+                .map(|(after, ms)| (after, Duration::from_millis(ms))),
+            malformed: cfg.malformed_sse,
+        };
+        let mut resp = base_response(
+            provider,
+            StatusCode::OK,
+            n,
+            "text/event-stream; charset=utf-8",
+            stream_body(parts, faults),
+        );
+        resp.headers_mut()
+            .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return resp;
+    }
+    if cfg.non_json_200 {
+        return not_json_response(provider, n);
+    }
+    let mut text = pieces.concat();
+    if let Some(min) = cfg.oversized_bytes {
+        text::pad_to(&mut text, min, info.seed.hash);
+    }
+    let body = match route {
+        Route::Chat => openai::chat_json(&oa, &text),
+        Route::Completions => openai::completion_json(&oa, &text),
+        Route::Responses => openai::responses_json(&oa, &text),
+        Route::Messages => anthropic::message_json(&an, &text),
+        Route::Embeddings => Value::Null,
+    };
+    json_response(provider, StatusCode::OK, n, &body)
+}
+
+fn base_response(
+    provider: Provider,
+    status: StatusCode,
+    n: u64,
+    content_type: &'static str,
+    body: Body,
+) -> Response {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    if let Ok(id) = HeaderValue::try_from(format!("req_mock_{n}")) {
+        headers.insert(provider.request_id_header(), id);
+    }
+    resp
+}
+
+fn json_response(provider: Provider, status: StatusCode, n: u64, body: &Value) -> Response {
+    // Serialising a `Value` cannot fail.
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    base_response(provider, status, n, "application/json", Body::from(bytes))
+}
+
+fn error_response(provider: Provider, status: StatusCode, message: &str, n: u64) -> Response {
+    json_response(provider, status, n, &provider.error_body(status, message))
+}
+
+fn not_json_response(provider: Provider, n: u64) -> Response {
+    base_response(
+        provider,
+        StatusCode::OK,
+        n,
+        "text/plain; charset=utf-8",
+        Body::from("this is not json"),
+    )
+}
+
+/// Unknown path: 404 in OpenAI's shape; not counted as a call.
+async fn not_found(method: Method, uri: Uri) -> Response {
+    let msg = format!("mock: no route for {method} {}", uri.path());
+    let body = openai::error_body(404, &msg);
+    (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+}
+
+/// Known path, wrong method: 405 in OpenAI's shape; not counted as a call.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let msg = format!("mock: {method} is not allowed on {}", uri.path());
+    let body = openai::error_body(405, &msg);
+    (StatusCode::METHOD_NOT_ALLOWED, axum::Json(body)).into_response()
+}
+
+// ---- control API ----
+
+/// Why a control request was refused (400, `{"error":{"message"}}`).
+#[derive(Debug, thiserror::Error)]
+enum ControlError {
+    #[error("config is not valid JSON for MockConfig: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("config must be a JSON object")]
+    NotObject,
+    #[error("unknown config field(s): {0}")]
+    UnknownFields(String),
+    #[error("fail_status {0} is not an HTTP status code")]
+    BadStatus(u16),
+}
+
+impl IntoResponse for ControlError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.to_string()}});
+        (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+    }
+}
+
+/// Overlays the JSON object `patch` on `base` and validates the result. Unknown field names are
+/// refused, so a typo does not silently leave a fault off.
+fn config_from_json(base: &MockConfig, patch: &[u8]) -> Result<MockConfig, ControlError> {
+    let patch: Value = serde_json::from_slice(patch)?;
+    let Value::Object(patch) = patch else {
+        return Err(ControlError::NotObject);
+    };
+    let Value::Object(mut merged) = serde_json::to_value(base)? else {
+        return Err(ControlError::NotObject);
+    };
+    let unknown: Vec<&str> = patch
+        .keys()
+        .filter(|key| !merged.contains_key(key.as_str()))
+        .map(String::as_str)
+        .collect();
+    if !unknown.is_empty() {
+        return Err(ControlError::UnknownFields(unknown.join(", ")));
+    }
+    merged.extend(patch);
+    let config: MockConfig = serde_json::from_value(Value::Object(merged))?;
+    if StatusCode::from_u16(config.fail_status).is_err() {
+        return Err(ControlError::BadStatus(config.fail_status));
+    }
+    Ok(config)
+}
+
+/// `GET /_mock/calls` → `{"calls": n}`.
+async fn control_calls(State(shared): State<Arc<Shared>>) -> Response {
+    axum::Json(json!({"calls": shared.calls.load(Ordering::SeqCst)})).into_response()
+}
+
+/// `GET /_mock/recorded` → array of [`RecordedCall`], oldest first.
+async fn control_recorded(State(shared): State<Arc<Shared>>) -> Response {
+    axum::Json(shared.recorded()).into_response()
+}
+
+/// `GET /_mock/config` → the current [`MockConfig`].
+async fn control_get_config(State(shared): State<Arc<Shared>>) -> Response {
+    let config = shared.config();
+    axum::Json(&*config).into_response()
+}
+
+/// `PUT /_mock/config`: the body is a whole config; missing fields take their defaults. Answers
+/// the config now in force. Restarts the fault windows.
+async fn control_put_config(
+    State(shared): State<Arc<Shared>>,
+    body: Bytes,
+) -> Result<Response, ControlError> {
+    let config = config_from_json(&MockConfig::default(), &body)?;
+    shared.set_config(config.clone());
+    Ok(axum::Json(config).into_response())
+}
+
+/// `PATCH /_mock/config`: the body's fields replace those of the current config; the others
+/// stay. Answers the config now in force. Restarts the fault windows.
+async fn control_patch_config(
+    State(shared): State<Arc<Shared>>,
+    body: Bytes,
+) -> Result<Response, ControlError> {
+    let config = config_from_json(&shared.config(), &body)?;
+    shared.set_config(config.clone());
+    Ok(axum::Json(config).into_response())
+}
+
+/// `POST /_mock/reset` → `{"calls": 0}`: counter, recording and fault windows reset.
+async fn control_reset(State(shared): State<Arc<Shared>>) -> Response {
+    shared.reset();
+    axum::Json(json!({"calls": 0})).into_response()
+}

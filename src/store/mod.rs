@@ -1,0 +1,427 @@
+//! The durable request log: the [`Store`] trait and its record types.
+//!
+//! Everything holdfast promises is a property of this log: a claim makes a re-send land on the
+//! same request (ID-4, ID-5, ID-7), a lease lets exactly one worker run an attempt (LC-2), every
+//! worker write is fenced on that lease (LC-3), and an expired lease is swept back to `pending`
+//! (LC-4). Two adapters implement it — [`sqlite::SqliteStore`] (embedded default) and, for many
+//! nodes, PostgreSQL — and both pass one conformance suite (`tests/store_conformance.rs`).
+//!
+//! All timestamps are milliseconds since the Unix epoch ([`Millis`]).
+
+pub mod sqlite;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde::Serialize;
+use uuid::Uuid;
+
+/// Milliseconds since the Unix epoch.
+pub type Millis = i64;
+
+/// Now, in [`Millis`].
+pub fn now_ms() -> Millis {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// A shared store handle.
+pub type DynStore = Arc<dyn Store>;
+
+/// Lifecycle status (LC-1). The database enforces the same set with a CHECK constraint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Waiting for a worker (possibly until `next_retry_at`).
+    Pending,
+    /// Leased by a worker.
+    Running,
+    /// Finished with a provider answer.
+    Succeeded,
+    /// Finished without one; see [`ErrorInfo`].
+    Failed,
+}
+
+impl Status {
+    /// The database spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Running => "running",
+            Status::Succeeded => "succeeded",
+            Status::Failed => "failed",
+        }
+    }
+
+    /// Parses the database spelling.
+    pub fn parse(s: &str) -> Option<Status> {
+        Some(match s {
+            "pending" => Status::Pending,
+            "running" => Status::Running,
+            "succeeded" => Status::Succeeded,
+            "failed" => Status::Failed,
+            _ => return None,
+        })
+    }
+
+    /// `succeeded` or `failed`.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Status::Succeeded | Status::Failed)
+    }
+}
+
+/// Why a request failed (LC-11). The spelling is the public `error.type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorType {
+    /// The provider refused the request with a terminal 4xx (LC-6).
+    UpstreamRefused,
+    /// Transient failures used up `max_attempts` (LC-5).
+    AttemptsExhausted,
+    /// The provider failed after the first chunk of a stream was stored (LC-7).
+    StreamInterrupted,
+    /// The last lease expired and no attempts were left (LC-4).
+    LeaseExpired,
+    /// Cancelled through `POST /requests/{id}/cancel` (LC-9).
+    Cancelled,
+    /// A 2xx whose body or stream could not be parsed.
+    UpstreamInvalid,
+}
+
+impl ErrorType {
+    /// The database and API spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorType::UpstreamRefused => "upstream_refused",
+            ErrorType::AttemptsExhausted => "attempts_exhausted",
+            ErrorType::StreamInterrupted => "stream_interrupted",
+            ErrorType::LeaseExpired => "lease_expired",
+            ErrorType::Cancelled => "cancelled",
+            ErrorType::UpstreamInvalid => "upstream_invalid",
+        }
+    }
+
+    /// Parses the database spelling.
+    pub fn parse(s: &str) -> Option<ErrorType> {
+        Some(match s {
+            "upstream_refused" => ErrorType::UpstreamRefused,
+            "attempts_exhausted" => ErrorType::AttemptsExhausted,
+            "stream_interrupted" => ErrorType::StreamInterrupted,
+            "lease_expired" => ErrorType::LeaseExpired,
+            "cancelled" => ErrorType::Cancelled,
+            "upstream_invalid" => ErrorType::UpstreamInvalid,
+            _ => return None,
+        })
+    }
+}
+
+/// `error` of a record (RD-1): `{"type","message","status"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ErrorInfo {
+    /// Cause.
+    #[serde(rename = "type")]
+    pub kind: ErrorType,
+    /// What happened, in plain words.
+    pub message: String,
+    /// The provider's HTTP status, when there was one.
+    pub status: Option<u16>,
+}
+
+/// How a request is identified for deduplication.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimKind {
+    /// (namespace, body hash), valid for `dedupe_window_secs` (ID-4).
+    BodyHash,
+    /// (namespace, route, Idempotency-Key), valid for `idempotency_key_ttl_secs` (ID-5).
+    Key,
+}
+
+impl ClaimKind {
+    /// The database spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimKind::BodyHash => "hash",
+            ClaimKind::Key => "key",
+        }
+    }
+}
+
+/// Whether a terminal failure of `kind` releases a claim of `claim` (ID-6): a body-hash claim is
+/// released by every failure; an explicit key keeps its claim after a deterministic refusal
+/// (and replays it) and releases on everything else.
+pub fn failure_releases_claim(claim: ClaimKind, kind: ErrorType) -> bool {
+    match claim {
+        ClaimKind::BodyHash => true,
+        ClaimKind::Key => kind != ErrorType::UpstreamRefused,
+    }
+}
+
+/// A request to record, produced by admission (http) after canonicalisation and routing.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    /// Fresh id (UUID v7, so ids sort by creation).
+    pub id: Uuid,
+    /// Namespace of the caller (CLI-5).
+    pub namespace: String,
+    /// Route name, e.g. `openai.chat`.
+    pub route: String,
+    /// Backend name chosen by routing.
+    pub backend: String,
+    /// Model sent upstream (after rewriting), if the body named one.
+    pub model: Option<String>,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+    /// Bytes sent upstream: the client's body, model rewritten in place (ID-3b).
+    pub body: Vec<u8>,
+    /// Forwarded client headers (ID-3a), lower-cased names, sorted.
+    pub headers: Vec<(String, String)>,
+    /// Request hash (ID-3); the claim key for body-hash claims, the fingerprint for keyed ones.
+    pub hash: [u8; 32],
+    /// Claim identity.
+    pub claim: ClaimKind,
+    /// The claim key: hex hash for [`ClaimKind::BodyHash`], `route + " " + key` for
+    /// [`ClaimKind::Key`].
+    pub claim_key: String,
+    /// When the claim stops being valid.
+    pub claim_expires_at: Millis,
+    /// Submission time.
+    pub now: Millis,
+}
+
+/// Outcome of [`Store::submit`].
+#[derive(Debug, Clone)]
+pub enum Submitted {
+    /// A new request was recorded; this caller started the execution.
+    Created(Box<RequestRecord>),
+    /// A live claim pointed at an existing request with the same fingerprint.
+    Attached(Box<RequestRecord>),
+    /// A live explicit-key claim exists for a different body (ID-5: 422).
+    KeyMismatch {
+        /// The request the key belongs to.
+        existing: Uuid,
+    },
+}
+
+/// A stored request, as read back (RD-1).
+#[derive(Debug, Clone)]
+pub struct RequestRecord {
+    /// Request id.
+    pub id: Uuid,
+    /// Namespace it belongs to.
+    pub namespace: String,
+    /// Route name.
+    pub route: String,
+    /// Backend name.
+    pub backend: String,
+    /// Model sent upstream.
+    pub model: Option<String>,
+    /// Streamed request.
+    pub stream: bool,
+    /// Bytes sent upstream.
+    pub body: Vec<u8>,
+    /// Forwarded headers.
+    pub headers: Vec<(String, String)>,
+    /// Claim identity kind.
+    pub claim: ClaimKind,
+    /// LC-1 status.
+    pub status: Status,
+    /// Times a worker took it up.
+    pub attempts: u32,
+    /// Attempts that began because a previous lease expired.
+    pub recoveries: u32,
+    /// When it may next be leased (meaningful while pending).
+    pub next_retry_at: Millis,
+    /// Terminal (or last transient) error.
+    pub error: Option<ErrorInfo>,
+    /// Provider HTTP status of the stored answer.
+    pub response_status: Option<u16>,
+    /// Provider body of the stored answer, byte for byte.
+    pub response_body: Option<Vec<u8>>,
+    /// Provider's request id header of the execution (RS-5).
+    pub upstream_request_id: Option<String>,
+    /// Highest chunk seq stored.
+    pub last_seq: i64,
+    /// Submission time.
+    pub created_at: Millis,
+    /// Last change.
+    pub updated_at: Millis,
+    /// When it became terminal.
+    pub finished_at: Option<Millis>,
+}
+
+/// The right to run one attempt (LC-2). Every write for the attempt names it (LC-3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Request id.
+    pub id: Uuid,
+    /// Unique per attempt: `<node>/<uuid>`.
+    pub owner: String,
+    /// The attempt number this lease runs (1-based).
+    pub attempt: u32,
+}
+
+/// What a worker reports at the end of an attempt.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// The provider answered; store it (non-stream: status and body).
+    Succeeded {
+        /// Provider HTTP status.
+        status: u16,
+        /// Provider body bytes.
+        body: Vec<u8>,
+        /// Provider request id header.
+        upstream_request_id: Option<String>,
+    },
+    /// Transient failure with attempts left: back to pending until `next_retry_at` (LC-5).
+    Retry {
+        /// When to try again.
+        next_retry_at: Millis,
+        /// What went wrong, kept on the record for readers.
+        error: ErrorInfo,
+    },
+    /// Terminal failure (LC-5, LC-6, LC-7, LC-11).
+    Failed {
+        /// Why.
+        error: ErrorInfo,
+        /// The provider's status and body, stored and replayed for a terminal refusal (RS-7).
+        response: Option<(u16, Vec<u8>)>,
+        /// Provider request id header.
+        upstream_request_id: Option<String>,
+    },
+}
+
+/// What a sweep did (LC-4).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Requests put back to `pending` with `recoveries + 1`.
+    pub recovered: Vec<Uuid>,
+    /// Requests failed with `lease_expired` (no attempts left).
+    pub failed: Vec<Uuid>,
+}
+
+/// Errors of the store layer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database driver failed (unreachable, I/O, constraint we did not expect).
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Migrations could not be applied.
+    #[error("database migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A stored row holds a value this version cannot read.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+/// The durable log. Implementations must make `submit` and `lease` atomic in the database (a
+/// unique constraint and a single conditional write respectively), never hold a transaction
+/// across an await on anything but the database, and fence every lease-holding write on
+/// [`Lease::owner`].
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims `(namespace, claim_key)` for a new request, or finds the live claim's request.
+    /// Atomic: of two racing identical submissions exactly one gets [`Submitted::Created`]
+    /// (ID-7). An expired claim is taken over. A keyed claim whose stored fingerprint differs
+    /// from `new.hash` gives [`Submitted::KeyMismatch`].
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] when the database is unavailable; nothing is recorded then.
+    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError>;
+
+    /// Reads one request of `namespace`. Another namespace's id reads as `None`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails or the row is unreadable.
+    async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError>;
+
+    /// Atomically takes the oldest due pending request: status `running`, `attempts + 1`,
+    /// lease owner and expiry set (LC-2). `None` when nothing is due.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn lease(
+        &self,
+        owner: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Option<(Lease, RequestRecord)>, StoreError>;
+
+    /// Extends the lease to `now + lease_ms`. `false` when the lease was lost (swept,
+    /// cancelled): the worker must stop and write nothing more (LC-3).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<bool, StoreError>;
+
+    /// Records the end of an attempt, fenced on the lease (LC-3). A terminal failure releases the
+    /// claim as [`failure_releases_claim`] says (ID-6). `false` when the lease was lost and
+    /// nothing was written.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn finish(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<bool, StoreError>;
+
+    /// Sends `running` requests whose lease expired before `now` back to `pending` with
+    /// `recoveries + 1`, or to `failed`/`lease_expired` when `attempts >= max_attempts` (LC-4).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError>;
+
+    /// Earliest `next_retry_at` of any pending request, to sleep until it.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn next_due(&self) -> Result<Option<Millis>, StoreError>;
+
+    /// Whether the database answers (for `/readyz`).
+    ///
+    /// # Errors
+    /// [`StoreError`] when it does not.
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Opens the store named by `database_url` and applies its migrations.
+///
+/// # Errors
+/// [`StoreError`] when the database cannot be opened or migrated.
+pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError> {
+    if config.database_url.starts_with("sqlite:") {
+        let store =
+            sqlite::SqliteStore::open(&config.database_url, config.sqlite_synchronous).await?;
+        Ok(Arc::new(store))
+    } else {
+        Err(StoreError::Corrupt(format!(
+            "database_url {:?}: only sqlite: is supported by this build",
+            redact_url(&config.database_url)
+        )))
+    }
+}
+
+/// A database URL with any password replaced by `***`, for messages and logs (IN-3).
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme + 3],
+                    &creds[..colon],
+                    &url[at..]
+                ),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}

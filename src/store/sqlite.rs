@@ -1,0 +1,425 @@
+//! SQLite adapter of [`Store`]: one file, WAL mode, one writer connection beside a read pool
+//! (SPEC DU-2).
+//!
+//! All writes go through a pool of exactly one connection, so SQLite's single-writer rule never
+//! shows up as `SQLITE_BUSY` and every write statement is atomic with respect to every other:
+//! the claim (an upsert on the `claims` primary key) and the lease (one `UPDATE ... RETURNING`)
+//! need no further locking. Reads use a separate pool of read-only connections and see every
+//! committed write (WAL).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous as Sync,
+};
+use sqlx::{Row, Sqlite, Transaction};
+use uuid::Uuid;
+
+use super::{
+    ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest, Outcome, RequestRecord, Status,
+    Store, StoreError, Submitted, Swept, failure_releases_claim,
+};
+use crate::config::SqliteSynchronous;
+
+/// The embedded store.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    writer: SqlitePool,
+    reader: SqlitePool,
+}
+
+const COLUMNS: &str = "id, namespace, route, backend, model, stream, body, headers, claim_kind, \
+    status, attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
+    response_status, response_body, upstream_request_id, last_seq, created_at, updated_at, \
+    finished_at";
+
+impl SqliteStore {
+    /// Opens (creating when missing) the database at `url` (`sqlite://PATH` or `sqlite:PATH`)
+    /// and applies the migrations in `migrations/sqlite`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the file cannot be opened or migrated.
+    pub async fn open(url: &str, synchronous: SqliteSynchronous) -> Result<Self, StoreError> {
+        let base = SqliteConnectOptions::from_str(url)?
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(match synchronous {
+                SqliteSynchronous::Full => Sync::Full,
+                SqliteSynchronous::Normal => Sync::Normal,
+            })
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(base.clone().create_if_missing(true))
+            .await?;
+        sqlx::migrate!("./migrations/sqlite").run(&writer).await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(base.read_only(true))
+            .await?;
+        Ok(SqliteStore { writer, reader })
+    }
+
+    async fn fetch_in(
+        tx: &mut Transaction<'_, Sqlite>,
+        id: &str,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM requests WHERE id = ?1"))
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+}
+
+fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+fn record_from_row(row: &SqliteRow) -> Result<RequestRecord, StoreError> {
+    let id: String = row.try_get("id")?;
+    let status: String = row.try_get("status")?;
+    let claim_kind: String = row.try_get("claim_kind")?;
+    let headers: String = row.try_get("headers")?;
+    let error_type: Option<String> = row.try_get("error_type")?;
+    let error = match error_type {
+        Some(t) => Some(ErrorInfo {
+            kind: ErrorType::parse(&t).ok_or_else(|| corrupt(format!("error_type {t:?}")))?,
+            message: row
+                .try_get::<Option<String>, _>("error_message")?
+                .unwrap_or_default(),
+            status: row
+                .try_get::<Option<i64>, _>("error_status")?
+                .and_then(|s| u16::try_from(s).ok()),
+        }),
+        None => None,
+    };
+    Ok(RequestRecord {
+        id: Uuid::parse_str(&id).map_err(|e| corrupt(format!("id {id:?}: {e}")))?,
+        namespace: row.try_get("namespace")?,
+        route: row.try_get("route")?,
+        backend: row.try_get("backend")?,
+        model: row.try_get("model")?,
+        stream: row.try_get::<i64, _>("stream")? != 0,
+        body: row.try_get("body")?,
+        headers: serde_json::from_str(&headers).map_err(|e| corrupt(format!("headers: {e}")))?,
+        claim: match claim_kind.as_str() {
+            "key" => ClaimKind::Key,
+            _ => ClaimKind::BodyHash,
+        },
+        status: Status::parse(&status).ok_or_else(|| corrupt(format!("status {status:?}")))?,
+        attempts: u32::try_from(row.try_get::<i64, _>("attempts")?).map_err(corrupt)?,
+        recoveries: u32::try_from(row.try_get::<i64, _>("recoveries")?).map_err(corrupt)?,
+        next_retry_at: row.try_get("next_retry_at")?,
+        error,
+        response_status: row
+            .try_get::<Option<i64>, _>("response_status")?
+            .and_then(|s| u16::try_from(s).ok()),
+        response_body: row.try_get("response_body")?,
+        upstream_request_id: row.try_get("upstream_request_id")?,
+        last_seq: row.try_get("last_seq")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        finished_at: row.try_get("finished_at")?,
+    })
+}
+
+/// Deletes the claims pointing at `id` when a failure of `kind` releases them (ID-6).
+async fn release_claims(
+    tx: &mut Transaction<'_, Sqlite>,
+    id: &str,
+    claim: ClaimKind,
+    kind: ErrorType,
+) -> Result<(), StoreError> {
+    if failure_releases_claim(claim, kind) {
+        sqlx::query("DELETE FROM claims WHERE request_id = ?1")
+            .bind(id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
+}
+
+fn claim_kind_of(s: &str) -> ClaimKind {
+    if s == "key" {
+        ClaimKind::Key
+    } else {
+        ClaimKind::BodyHash
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+        let id = new.id.to_string();
+        let mut tx = self.writer.begin().await?;
+        // The upsert either inserts our claim, takes over an expired one, or leaves a live one
+        // untouched and returns no row. One statement, so two racing submissions cannot both win.
+        let won: Option<String> = sqlx::query_scalar(
+            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT (namespace, claim_key) DO UPDATE SET
+                 kind = excluded.kind, request_id = excluded.request_id,
+                 fingerprint = excluded.fingerprint, expires_at = excluded.expires_at
+             WHERE claims.expires_at <= ?7
+             RETURNING request_id",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .bind(new.claim.as_str())
+        .bind(&id)
+        .bind(&new.hash[..])
+        .bind(new.claim_expires_at)
+        .bind(new.now)
+        .fetch_optional(&mut *tx)
+        .await?;
+
+        if won.as_deref() == Some(id.as_str()) {
+            let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+            sqlx::query(
+                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+                     hash, claim_kind, status, next_retry_at, created_at, updated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'pending', ?11, ?11, ?11)",
+            )
+            .bind(&id)
+            .bind(&new.namespace)
+            .bind(&new.route)
+            .bind(&new.backend)
+            .bind(&new.model)
+            .bind(i64::from(new.stream))
+            .bind(&new.body)
+            .bind(headers)
+            .bind(&new.hash[..])
+            .bind(new.claim.as_str())
+            .bind(new.now)
+            .execute(&mut *tx)
+            .await?;
+            let record = Self::fetch_in(&mut tx, &id)
+                .await?
+                .ok_or_else(|| corrupt("inserted request vanished"))?;
+            tx.commit().await?;
+            return Ok(Submitted::Created(Box::new(record)));
+        }
+
+        let (existing, fingerprint): (String, Vec<u8>) = sqlx::query_as(
+            "SELECT request_id, fingerprint FROM claims WHERE namespace = ?1 AND claim_key = ?2",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .fetch_one(&mut *tx)
+        .await?;
+        let existing_id =
+            Uuid::parse_str(&existing).map_err(|e| corrupt(format!("claim {existing:?}: {e}")))?;
+        if fingerprint != new.hash {
+            tx.commit().await?;
+            return Ok(Submitted::KeyMismatch {
+                existing: existing_id,
+            });
+        }
+        let record = Self::fetch_in(&mut tx, &existing)
+            .await?
+            .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
+        tx.commit().await?;
+        Ok(Submitted::Attached(Box::new(record)))
+    }
+
+    async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM requests WHERE id = ?1 AND namespace = ?2"
+        ))
+        .bind(id.to_string())
+        .bind(namespace)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
+    async fn lease(
+        &self,
+        owner: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Option<(Lease, RequestRecord)>, StoreError> {
+        let row = sqlx::query(&format!(
+            "UPDATE requests SET status = 'running', attempts = attempts + 1,
+                 lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
+             WHERE id = (SELECT id FROM requests
+                         WHERE status = 'pending' AND next_retry_at <= ?3
+                         ORDER BY next_retry_at, id LIMIT 1)
+             RETURNING {COLUMNS}"
+        ))
+        .bind(owner)
+        .bind(now + lease_ms)
+        .bind(now)
+        .fetch_optional(&self.writer)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let record = record_from_row(&row)?;
+        let lease = Lease {
+            id: record.id,
+            owner: owner.to_string(),
+            attempt: record.attempts,
+        };
+        Ok(Some((lease, record)))
+    }
+
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE requests SET lease_expires_at = ?1
+             WHERE id = ?2 AND lease_owner = ?3 AND status = 'running'",
+        )
+        .bind(now + lease_ms)
+        .bind(lease.id.to_string())
+        .bind(&lease.owner)
+        .execute(&self.writer)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        let id = lease.id.to_string();
+        let mut tx = self.writer.begin().await?;
+        let claim: Option<String> = match &outcome {
+            Outcome::Succeeded {
+                status,
+                body,
+                upstream_request_id,
+            } => {
+                sqlx::query_scalar(
+                    "UPDATE requests SET status = 'succeeded', response_status = ?1,
+                         response_body = ?2, upstream_request_id = ?3, error_type = NULL,
+                         error_message = NULL, error_status = NULL, lease_owner = NULL,
+                         lease_expires_at = NULL, finished_at = ?4, updated_at = ?4
+                     WHERE id = ?5 AND lease_owner = ?6
+                     RETURNING claim_kind",
+                )
+                .bind(i64::from(*status))
+                .bind(body)
+                .bind(upstream_request_id)
+                .bind(now)
+                .bind(&id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            Outcome::Retry {
+                next_retry_at,
+                error,
+            } => {
+                sqlx::query_scalar(
+                    "UPDATE requests SET status = 'pending', next_retry_at = ?1,
+                         error_type = ?2, error_message = ?3, error_status = ?4,
+                         lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
+                     WHERE id = ?6 AND lease_owner = ?7
+                     RETURNING claim_kind",
+                )
+                .bind(next_retry_at)
+                .bind(error.kind.as_str())
+                .bind(&error.message)
+                .bind(error.status.map(i64::from))
+                .bind(now)
+                .bind(&id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            Outcome::Failed {
+                error,
+                response,
+                upstream_request_id,
+            } => {
+                let claim: Option<String> = sqlx::query_scalar(
+                    "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
+                         error_status = ?3, response_status = ?4, response_body = ?5,
+                         upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
+                         finished_at = ?7, updated_at = ?7
+                     WHERE id = ?8 AND lease_owner = ?9
+                     RETURNING claim_kind",
+                )
+                .bind(error.kind.as_str())
+                .bind(&error.message)
+                .bind(error.status.map(i64::from))
+                .bind(response.as_ref().map(|(s, _)| i64::from(*s)))
+                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
+                .bind(upstream_request_id)
+                .bind(now)
+                .bind(&id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if let Some(kind) = &claim {
+                    release_claims(&mut tx, &id, claim_kind_of(kind), error.kind).await?;
+                }
+                claim
+            }
+        };
+        tx.commit().await?;
+        Ok(claim.is_some())
+    }
+
+    async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
+        let mut tx = self.writer.begin().await?;
+        let failed: Vec<(String, String)> = sqlx::query_as(
+            "UPDATE requests SET status = 'failed', error_type = 'lease_expired',
+                 error_message = 'the worker running the last attempt stopped renewing its lease and no attempts are left',
+                 error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
+                 finished_at = ?1, updated_at = ?1
+             WHERE status = 'running' AND lease_expires_at < ?1 AND attempts >= ?2
+             RETURNING id, claim_kind",
+        )
+        .bind(now)
+        .bind(i64::from(max_attempts))
+        .fetch_all(&mut *tx)
+        .await?;
+        for (id, claim) in &failed {
+            release_claims(&mut tx, id, claim_kind_of(claim), ErrorType::LeaseExpired).await?;
+        }
+        let recovered: Vec<String> = sqlx::query_scalar(
+            "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
+                 next_retry_at = ?1, lease_owner = NULL, lease_expires_at = NULL, updated_at = ?1
+             WHERE status = 'running' AND lease_expires_at < ?1
+             RETURNING id",
+        )
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let parse = |s: &String| Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")));
+        Ok(Swept {
+            recovered: recovered.iter().map(parse).collect::<Result<_, _>>()?,
+            failed: failed
+                .iter()
+                .map(|(id, _)| parse(id))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    async fn next_due(&self) -> Result<Option<Millis>, StoreError> {
+        let due: Option<i64> =
+            sqlx::query_scalar("SELECT MIN(next_retry_at) FROM requests WHERE status = 'pending'")
+                .fetch_one(&self.reader)
+                .await?;
+        Ok(due)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.reader).await?;
+        Ok(())
+    }
+}

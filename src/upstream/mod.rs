@@ -1,0 +1,215 @@
+//! Provider clients: one HTTP client for every backend, provider auth, forwarded headers and the
+//! three separate timeouts of SPEC LC-10 (connect, time to headers, idle gap in the body).
+//!
+//! A call sends the stored body bytes exactly as recorded (ID-3b). Client auth headers are never
+//! forwarded; the backend's own key is used (ID-3a, IN-3).
+
+pub mod sse;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::config::{Backend, BackendKind, Config};
+use crate::route::Route;
+use crate::store::RequestRecord;
+
+/// Client headers that change what the provider does: stored with the request, covered by its
+/// hash and forwarded upstream (SPEC ID-3a). Lower-case.
+pub const FORWARDED_HEADERS: [&str; 5] = [
+    "anthropic-version",
+    "anthropic-beta",
+    "openai-beta",
+    "openai-organization",
+    "openai-project",
+];
+
+/// `anthropic-version` sent when the client did not send one.
+pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// Why a call produced no usable HTTP response. All of these are transient (LC-5) when they
+/// happen before the first chunk.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The backend named by the request is not configured (any more).
+    #[error("backend {0:?} is not configured")]
+    UnknownBackend(String),
+    /// TCP/TLS connect failed or timed out, or the request could not be sent.
+    #[error("could not reach the provider: {0}")]
+    Connect(String),
+    /// No response headers within `header_timeout_ms`.
+    #[error("the provider sent no response headers within {0} ms")]
+    HeaderTimeout(u64),
+    /// The body stopped for longer than `idle_timeout_ms`.
+    #[error("the provider sent nothing for {0} ms")]
+    IdleTimeout(u64),
+    /// The connection broke while reading the body.
+    #[error("the provider connection broke: {0}")]
+    Read(String),
+    /// The body exceeded `max_response_bytes`.
+    #[error("the provider response exceeded {0} bytes")]
+    TooLarge(usize),
+}
+
+/// Provider HTTP clients and keys for every configured backend.
+#[derive(Debug, Clone)]
+pub struct Upstreams {
+    client: reqwest::Client,
+    backends: HashMap<String, (Backend, Option<HeaderValue>)>,
+    header_timeout: Duration,
+    idle_timeout: Duration,
+    max_response_bytes: usize,
+}
+
+impl Upstreams {
+    /// Builds the client and reads each backend's key from the environment variable its
+    /// `api_key_env` names. A missing variable means no key is sent (useful for local servers).
+    ///
+    /// # Errors
+    /// When the HTTP client cannot be built or a key is not a valid header value.
+    pub fn new(config: &Config) -> anyhow::Result<Upstreams> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(config.upstream.connect_timeout_ms))
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()?;
+        let mut backends = HashMap::new();
+        for b in &config.backends {
+            let key = match b.api_key_env.as_deref().map(std::env::var) {
+                Some(Ok(key)) if !key.is_empty() => {
+                    let value = match b.kind {
+                        BackendKind::Openai => format!("Bearer {key}"),
+                        BackendKind::Anthropic => key,
+                    };
+                    let mut value = HeaderValue::from_str(&value).map_err(|_| {
+                        anyhow::anyhow!(
+                            "backends.{}: the key in ${} is not a valid header value",
+                            b.name,
+                            b.api_key_env.as_deref().unwrap_or_default()
+                        )
+                    })?;
+                    value.set_sensitive(true);
+                    Some(value)
+                }
+                _ => None,
+            };
+            backends.insert(b.name.clone(), (b.clone(), key));
+        }
+        Ok(Upstreams {
+            client,
+            backends,
+            header_timeout: Duration::from_millis(config.upstream.header_timeout_ms),
+            idle_timeout: Duration::from_millis(config.upstream.idle_timeout_ms),
+            max_response_bytes: config.max_response_bytes,
+        })
+    }
+
+    /// Sends the request and waits for the response headers (at most `header_timeout_ms`).
+    ///
+    /// # Errors
+    /// [`CallError`] when no response headers arrived.
+    pub async fn send(&self, record: &RequestRecord) -> Result<reqwest::Response, CallError> {
+        let (backend, key) = self
+            .backends
+            .get(&record.backend)
+            .ok_or_else(|| CallError::UnknownBackend(record.backend.clone()))?;
+        let route = Route::from_name(&record.route).unwrap_or(Route::OpenaiChat);
+        let url = format!(
+            "{}{}",
+            backend.base_url.trim_end_matches('/'),
+            route.upstream_path()
+        );
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            reqwest::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        for (name, value) in &record.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(value),
+            ) {
+                headers.insert(name, value);
+            }
+        }
+        if let Some(key) = key {
+            let name = match backend.kind {
+                BackendKind::Openai => reqwest::header::AUTHORIZATION,
+                BackendKind::Anthropic => HeaderName::from_static("x-api-key"),
+            };
+            headers.insert(name, key.clone());
+        }
+        if backend.kind == BackendKind::Anthropic && !headers.contains_key("anthropic-version") {
+            headers.insert(
+                "anthropic-version",
+                HeaderValue::from_static(DEFAULT_ANTHROPIC_VERSION),
+            );
+        }
+        let send = self
+            .client
+            .post(url)
+            .headers(headers)
+            .body(record.body.clone())
+            .send();
+        match tokio::time::timeout(self.header_timeout, send).await {
+            Err(_) => Err(CallError::HeaderTimeout(
+                self.header_timeout.as_millis() as u64
+            )),
+            Ok(Err(e)) => Err(CallError::Connect(error_chain(&e))),
+            Ok(Ok(response)) => Ok(response),
+        }
+    }
+
+    /// Reads the next piece of a response body, waiting at most `idle_timeout_ms`. `None` at
+    /// the end of the body.
+    ///
+    /// # Errors
+    /// [`CallError::IdleTimeout`] or [`CallError::Read`].
+    pub async fn next_piece(
+        &self,
+        response: &mut reqwest::Response,
+    ) -> Result<Option<Bytes>, CallError> {
+        match tokio::time::timeout(self.idle_timeout, response.chunk()).await {
+            Err(_) => Err(CallError::IdleTimeout(self.idle_timeout.as_millis() as u64)),
+            Ok(Err(e)) => Err(CallError::Read(error_chain(&e))),
+            Ok(Ok(piece)) => Ok(piece),
+        }
+    }
+
+    /// Reads a whole (non-stream) body, bounded by `max_response_bytes`.
+    ///
+    /// # Errors
+    /// [`CallError`] on timeout, a broken connection or an oversized body.
+    pub async fn read_body(&self, response: &mut reqwest::Response) -> Result<Vec<u8>, CallError> {
+        let mut body = Vec::new();
+        while let Some(piece) = self.next_piece(response).await? {
+            if body.len() + piece.len() > self.max_response_bytes {
+                return Err(CallError::TooLarge(self.max_response_bytes));
+            }
+            body.extend_from_slice(&piece);
+        }
+        Ok(body)
+    }
+}
+
+/// The provider's request-id header for a backend kind (RS-5).
+pub fn request_id_header(kind: BackendKind) -> &'static str {
+    match kind {
+        BackendKind::Openai => "x-request-id",
+        BackendKind::Anthropic => "request-id",
+    }
+}
+
+/// An error and its sources, joined: reqwest's top-level message alone says little.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}

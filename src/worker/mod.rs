@@ -1,0 +1,369 @@
+//! Leased workers: take due requests from the log, call the provider once per attempt, record
+//! the outcome under the attempt's lease (SPEC LC-2..LC-6).
+//!
+//! One dispatcher loop per process holds `workers.concurrency` permits. For each permit it
+//! leases a request (one atomic write in the store) and spawns the attempt. An attempt renews
+//! its lease by heartbeat from a separate task and never holds a database transaction across
+//! the provider call (LC-2). A lost lease (swept, cancelled) aborts the provider call and the
+//! attempt writes nothing more (LC-3). A separate sweeper sends expired leases back to
+//! `pending` (LC-4).
+
+pub mod retry;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::{Config, Workers};
+use crate::hub::{Hub, HubEvent};
+use crate::store::{DynStore, ErrorInfo, ErrorType, Lease, Outcome, RequestRecord, now_ms};
+use crate::upstream::{CallError, Upstreams, request_id_header};
+
+/// What a worker pool needs.
+#[derive(Clone)]
+pub struct WorkerPool {
+    store: DynStore,
+    hub: Arc<Hub>,
+    upstreams: Upstreams,
+    config: Arc<Config>,
+    /// Woken when new work is recorded or a retry comes due.
+    wake: Arc<Notify>,
+    /// Prefix of lease owners: identifies this process in the log.
+    node: String,
+}
+
+impl WorkerPool {
+    /// A pool for this process. `wake` is shared with the HTTP layer, which notifies it on
+    /// every new request.
+    pub fn new(
+        store: DynStore,
+        hub: Arc<Hub>,
+        upstreams: Upstreams,
+        config: Arc<Config>,
+        wake: Arc<Notify>,
+    ) -> WorkerPool {
+        let node = format!("{}-{}", hostname(), std::process::id());
+        WorkerPool {
+            store,
+            hub,
+            upstreams,
+            config,
+            wake,
+            node,
+        }
+    }
+
+    fn workers(&self) -> &Workers {
+        &self.config.workers
+    }
+
+    fn lease_ms(&self) -> i64 {
+        i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
+    }
+
+    /// Runs the dispatcher and the sweeper until `shutdown` is cancelled, then waits for
+    /// in-flight attempts to finish.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let sweeper = tokio::spawn(self.clone().sweep_loop(shutdown.clone()));
+        let permits = Arc::new(Semaphore::new(self.workers().concurrency));
+        let mut attempts = JoinSet::new();
+        let poll = Duration::from_millis(self.workers().poll_interval_ms);
+        loop {
+            let permit = tokio::select! {
+                p = Arc::clone(&permits).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                () = shutdown.cancelled() => break,
+            };
+            // Reap finished attempts so the set does not grow.
+            while attempts.try_join_next().is_some() {}
+            match self
+                .store
+                .lease(&self.lease_owner(), now_ms(), self.lease_ms())
+                .await
+            {
+                Ok(Some((lease, record))) => {
+                    let pool = self.clone();
+                    attempts.spawn(async move {
+                        pool.run_attempt(lease, record).await;
+                        drop(permit);
+                    });
+                }
+                Ok(None) => {
+                    drop(permit);
+                    let wait = self.idle_wait(poll).await;
+                    tokio::select! {
+                        () = self.wake.notified() => {}
+                        () = tokio::time::sleep(wait) => {}
+                        () = shutdown.cancelled() => break,
+                    }
+                }
+                Err(e) => {
+                    drop(permit);
+                    warn!(error = %e, "lease failed; retrying");
+                    tokio::select! {
+                        () = tokio::time::sleep(poll) => {}
+                        () = shutdown.cancelled() => break,
+                    }
+                }
+            }
+        }
+        while attempts.join_next().await.is_some() {}
+        let _ = sweeper.await;
+    }
+
+    /// How long to sleep when nothing is due: until the earliest scheduled retry, at most `poll`.
+    async fn idle_wait(&self, poll: Duration) -> Duration {
+        match self.store.next_due().await {
+            Ok(Some(due)) => {
+                let ms = (due - now_ms()).max(1);
+                poll.min(Duration::from_millis(u64::try_from(ms).unwrap_or(1)))
+            }
+            _ => poll,
+        }
+    }
+
+    fn lease_owner(&self) -> String {
+        format!("{}/{}", self.node, uuid::Uuid::new_v4())
+    }
+
+    async fn sweep_loop(self, shutdown: CancellationToken) {
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(self.workers().sweep_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = shutdown.cancelled() => return,
+            }
+            match self
+                .store
+                .sweep(now_ms(), self.workers().max_attempts)
+                .await
+            {
+                Ok(swept) => {
+                    for id in swept.recovered.iter().chain(&swept.failed) {
+                        self.hub.publish(*id, HubEvent::Changed);
+                    }
+                    if !swept.recovered.is_empty() {
+                        info!(
+                            recovered = swept.recovered.len(),
+                            "expired leases swept back to pending"
+                        );
+                        self.wake.notify_one();
+                    }
+                    if !swept.failed.is_empty() {
+                        warn!(
+                            failed = swept.failed.len(),
+                            "expired leases with no attempts left"
+                        );
+                    }
+                }
+                Err(e) => warn!(error = %e, "sweep failed"),
+            }
+        }
+    }
+
+    /// Runs one attempt: heartbeat beside the provider call, then the fenced outcome write.
+    async fn run_attempt(&self, lease: Lease, record: RequestRecord) {
+        let lost = CancellationToken::new();
+        let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), lost.clone()));
+        debug!(id = %lease.id, attempt = lease.attempt, "attempt started");
+        let outcome = tokio::select! {
+            outcome = self.call(&lease, &record) => Some(outcome),
+            () = lost.cancelled() => None,
+        };
+        heartbeat.abort();
+        let Some(outcome) = outcome else {
+            info!(id = %lease.id, attempt = lease.attempt, "lease lost; attempt abandoned");
+            return;
+        };
+        let retry_at = match &outcome {
+            Outcome::Retry { next_retry_at, .. } => Some(*next_retry_at),
+            _ => None,
+        };
+        match self.store.finish(&lease, outcome, now_ms()).await {
+            Ok(true) => {
+                self.hub.publish(lease.id, HubEvent::Changed);
+                if let Some(at) = retry_at {
+                    let wake = Arc::clone(&self.wake);
+                    let delay = u64::try_from(at - now_ms()).unwrap_or(0);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(delay)).await;
+                        wake.notify_one();
+                    });
+                }
+            }
+            Ok(false) => info!(id = %lease.id, "lease lost before the outcome was written"),
+            // The lease will expire and the sweep re-runs the request.
+            Err(e) => warn!(id = %lease.id, error = %e, "could not record the outcome"),
+        }
+    }
+
+    /// Renews the lease every third of its length; cancels `lost` when the store says the lease
+    /// is gone. A database error is not a lost lease: the lease may still be valid.
+    async fn heartbeat(self, lease: Lease, lost: CancellationToken) {
+        let every = Duration::from_millis(u64::try_from(self.lease_ms() / 3).unwrap_or(1).max(1));
+        loop {
+            tokio::time::sleep(every).await;
+            match self
+                .store
+                .heartbeat(&lease, now_ms(), self.lease_ms())
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => {
+                    lost.cancel();
+                    return;
+                }
+                Err(e) => warn!(id = %lease.id, error = %e, "heartbeat failed"),
+            }
+        }
+    }
+
+    /// One provider call, classified into an [`Outcome`] (LC-5, LC-6, LC-11).
+    async fn call(&self, lease: &Lease, record: &RequestRecord) -> Outcome {
+        let kind = self
+            .config
+            .backend(&record.backend)
+            .map_or(crate::config::BackendKind::Openai, |b| b.kind);
+        let mut response = match self.upstreams.send(record).await {
+            Ok(r) => r,
+            Err(e) => return self.transient(lease, None, e.to_string(), None),
+        };
+        let status = response.status().as_u16();
+        let request_id = response
+            .headers()
+            .get(request_id_header(kind))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let hint = retry::retry_after(response.headers());
+        let body = match self.upstreams.read_body(&mut response).await {
+            Ok(b) => b,
+            Err(e @ CallError::TooLarge(_)) if (200..300).contains(&status) => {
+                return Outcome::Failed {
+                    error: ErrorInfo {
+                        kind: ErrorType::UpstreamInvalid,
+                        message: e.to_string(),
+                        status: Some(status),
+                    },
+                    response: None,
+                    upstream_request_id: request_id,
+                };
+            }
+            Err(e) => return self.transient(lease, Some(status), e.to_string(), hint),
+        };
+        if (200..300).contains(&status) {
+            if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_err() {
+                return Outcome::Failed {
+                    error: ErrorInfo {
+                        kind: ErrorType::UpstreamInvalid,
+                        message: format!(
+                            "the provider answered {status} with a body that is not JSON"
+                        ),
+                        status: Some(status),
+                    },
+                    response: None,
+                    upstream_request_id: request_id,
+                };
+            }
+            return Outcome::Succeeded {
+                status,
+                body,
+                upstream_request_id: request_id,
+            };
+        }
+        if retry::is_transient_status(status) {
+            let message = format!("the provider answered {status}: {}", excerpt(&body));
+            return match self.transient(lease, Some(status), message, hint) {
+                // Keep the provider's last answer on an exhausted request for readers.
+                Outcome::Failed { error, .. } => Outcome::Failed {
+                    error,
+                    response: Some((status, body)),
+                    upstream_request_id: request_id,
+                },
+                other => other,
+            };
+        }
+        if (400..500).contains(&status) {
+            return Outcome::Failed {
+                error: ErrorInfo {
+                    kind: ErrorType::UpstreamRefused,
+                    message: format!("the provider refused the request with {status}"),
+                    status: Some(status),
+                },
+                response: Some((status, body)),
+                upstream_request_id: request_id,
+            };
+        }
+        Outcome::Failed {
+            error: ErrorInfo {
+                kind: ErrorType::UpstreamInvalid,
+                message: format!("the provider answered with unexpected status {status}"),
+                status: Some(status),
+            },
+            response: None,
+            upstream_request_id: request_id,
+        }
+    }
+
+    /// A transient failure: retry after backoff while attempts are left (LC-5), else
+    /// `attempts_exhausted`.
+    fn transient(
+        &self,
+        lease: &Lease,
+        status: Option<u16>,
+        message: String,
+        hint: Option<Duration>,
+    ) -> Outcome {
+        let w = self.workers();
+        if lease.attempt >= w.max_attempts {
+            return Outcome::Failed {
+                error: ErrorInfo {
+                    kind: ErrorType::AttemptsExhausted,
+                    message: format!("{} attempts failed; the last: {message}", lease.attempt),
+                    status,
+                },
+                response: None,
+                upstream_request_id: None,
+            };
+        }
+        let delay = retry::backoff(w, lease.attempt, hint);
+        Outcome::Retry {
+            next_retry_at: now_ms() + i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 4),
+            error: ErrorInfo {
+                kind: ErrorType::AttemptsExhausted,
+                message: format!("attempt {} failed: {message}", lease.attempt),
+                status,
+            },
+        }
+    }
+}
+
+/// The first 200 characters of a provider body, for messages.
+fn excerpt(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let mut out: String = text.chars().take(200).collect();
+    if text.chars().count() > 200 {
+        out.push('…');
+    }
+    out
+}
+
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "holdfast".into())
+}

@@ -1,0 +1,287 @@
+//! Shared harness: a real holdfast (in-process on port 0, or as a child process) in front of a
+//! real mock provider on loopback, each test with its own SQLite file.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use holdfast::app::{self, Running};
+use holdfast::config::{Backend, BackendKind, Config};
+use holdfast::mock::{MockConfig, MockServer};
+use serde_json::Value;
+use tempfile::TempDir;
+use tokio::net::TcpListener;
+
+/// A chat-completions body whose content is `text`.
+pub fn chat_body(text: &str) -> String {
+    serde_json::json!({
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": text}],
+    })
+    .to_string()
+}
+
+/// A mock provider on 127.0.0.1:0.
+pub async fn start_mock(config: MockConfig) -> MockServer {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind mock");
+    MockServer::start(listener, config)
+        .await
+        .expect("start mock")
+}
+
+/// Test defaults: quick retries and sweeps, the mock as both backends, a fresh SQLite file.
+pub fn test_config(mock: &MockServer, dir: &Path) -> Config {
+    let mut config = Config {
+        database_url: format!("sqlite://{}", dir.join("holdfast.db").display()),
+        backends: vec![
+            Backend {
+                name: "mock-openai".into(),
+                kind: BackendKind::Openai,
+                base_url: mock.base_url(),
+                api_key_env: None,
+            },
+            Backend {
+                name: "mock-anthropic".into(),
+                kind: BackendKind::Anthropic,
+                base_url: mock.base_url(),
+                api_key_env: None,
+            },
+        ],
+        ..Config::default()
+    };
+    config.workers.backoff_initial_ms = 20;
+    config.workers.backoff_max_ms = 200;
+    config.workers.sweep_interval_ms = 100;
+    config
+}
+
+/// holdfast in-process plus its mock provider.
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub base: String,
+    pub mock: MockServer,
+    pub http: reqwest::Client,
+    pub dir: TempDir,
+    running: Option<Running>,
+}
+
+/// Starts a mock with `mock_config` and holdfast in front of it; `tweak` adjusts the config.
+pub async fn spawn_app(mock_config: MockConfig, tweak: impl FnOnce(&mut Config)) -> TestApp {
+    let mock = start_mock(mock_config).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = test_config(&mock, dir.path());
+    tweak(&mut config);
+    config.validate().expect("valid test config");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let running = app::start(config, listener).await.expect("start holdfast");
+    let addr = running.addr;
+    TestApp {
+        addr,
+        base: format!("http://{addr}"),
+        mock,
+        http: reqwest::Client::new(),
+        dir,
+        running: Some(running),
+    }
+}
+
+impl TestApp {
+    /// POSTs raw `body` to `path` with extra `headers`.
+    pub async fn post(
+        &self,
+        path: &str,
+        body: impl Into<reqwest::Body>,
+        headers: &[(&str, &str)],
+    ) -> reqwest::Response {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req.send().await.expect("POST")
+    }
+
+    /// POSTs `body` to `/v1/chat/completions`.
+    pub async fn chat(&self, body: &str) -> reqwest::Response {
+        self.post("/v1/chat/completions", body.to_string(), &[])
+            .await
+    }
+
+    /// `GET /requests/{id}` as JSON.
+    pub async fn record(&self, id: &str) -> Value {
+        get_record(&self.http, &self.base, id).await
+    }
+
+    /// Stops holdfast (graceful) and the mock.
+    pub async fn stop(mut self) {
+        if let Some(r) = self.running.take() {
+            r.shutdown().await;
+        }
+    }
+}
+
+/// `GET {base}/requests/{id}` as JSON.
+pub async fn get_record(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    http.get(format!("{base}/requests/{id}"))
+        .send()
+        .await
+        .expect("GET record")
+        .json()
+        .await
+        .expect("record JSON")
+}
+
+/// Polls `GET /requests/{id}` until its status is terminal, at most `limit`.
+pub async fn wait_terminal(http: &reqwest::Client, base: &str, id: &str, limit: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let record = get_record(http, base, id).await;
+        if matches!(record["status"].as_str(), Some("succeeded" | "failed")) {
+            return record;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "request {id} not terminal after {limit:?}: {record}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until `cond` holds, checking every 20 ms, at most `limit`.
+pub async fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A header as a string ("" when absent).
+pub fn header(response: &reqwest::Response, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The built `holdfast` binary.
+pub fn holdfast_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_holdfast"))
+}
+
+/// holdfast as a child process (for SIGKILL and CLI tests). Killed on drop.
+pub struct Process {
+    pub child: Child,
+    pub base: String,
+}
+
+impl Process {
+    /// Runs `holdfast serve --config FILE --listen ADDR` in `dir` and waits for `/healthz`.
+    pub async fn serve(dir: &Path, config_toml: &str, addr: SocketAddr) -> Process {
+        let config = dir.join("holdfast.toml");
+        std::fs::write(&config, config_toml).expect("write config");
+        let child = Command::new(holdfast_bin())
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--listen", &addr.to_string()])
+            .current_dir(dir)
+            .env("RUST_LOG", "holdfast=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn holdfast");
+        let process = Process {
+            child,
+            base: format!("http://{addr}"),
+        };
+        process.wait_healthy().await;
+        process
+    }
+
+    /// Waits until `/healthz` answers 200 (at most 30 s).
+    pub async fn wait_healthy(&self) {
+        let http = reqwest::Client::new();
+        let start = Instant::now();
+        loop {
+            if let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await
+                && r.status() == 200
+            {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "holdfast did not become healthy"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A free loopback port (bound then released).
+pub fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr")
+}
+
+/// Whether a Python module can be imported. In CI (`CI` set) a missing module fails the test;
+/// elsewhere the caller skips loudly.
+pub fn python_has(module: &str) -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "python module {module} is missing in CI: .ci/run must install it"
+        );
+        eprintln!(
+            "\n*** SKIPPED: python3 module `{module}` is not installed (pip install {module}) ***\n"
+        );
+    }
+    ok
+}
+
+/// Runs `python3 tests/clients/SCRIPT` with `env`, returning its stdout; panics with its
+/// stderr when it fails.
+pub fn run_python(script: &str, env: &[(&str, &str)]) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(script);
+    let mut cmd = Command::new("python3");
+    cmd.arg(&path);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}

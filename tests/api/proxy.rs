@@ -1,0 +1,331 @@
+//! Non-stream proxying: claims, attach, replay, retries, refusals (ID-*, RS-*, LC-5, LC-6).
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use holdfast::mock::MockConfig;
+use sqlx::sqlite::SqlitePool;
+
+use crate::helpers::*;
+
+async fn count_requests(app: &TestApp) -> i64 {
+    let url = format!("sqlite://{}", app.dir.path().join("holdfast.db").display());
+    let pool = SqlitePool::connect(&url).await.expect("open test db");
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM requests")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    pool.close().await;
+    n
+}
+
+#[tokio::test]
+async fn same_body_twice_calls_upstream_once_and_replays_byte_identical_rs3() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = chat_body("same body twice");
+
+    let first = app.chat(&body).await;
+    assert_eq!(first.status(), 200);
+    let first_id = header(&first, "holdfast-request-id");
+    assert_eq!(header(&first, "idempotent-replayed"), "false");
+    assert!(
+        header(&first, "x-request-id").starts_with("req_mock_"),
+        "RS-5 provider request id"
+    );
+    let first_bytes = first.bytes().await.unwrap();
+
+    let second = app.chat(&body).await;
+    assert_eq!(second.status(), 200);
+    assert_eq!(header(&second, "idempotent-replayed"), "true");
+    assert_eq!(header(&second, "holdfast-request-id"), first_id);
+    let second_bytes = second.bytes().await.unwrap();
+
+    assert_eq!(first_bytes, second_bytes, "replay must be byte-identical");
+    assert_eq!(app.mock.calls(), 1);
+    let record = app.record(&first_id).await;
+    assert_eq!(record["status"], "succeeded");
+    assert_eq!(record["attempts"], 1);
+    assert_eq!(record["response"]["status"], 200);
+    let stored: serde_json::Value = serde_json::from_slice(&first_bytes).unwrap();
+    assert_eq!(
+        record["response"]["body"], stored,
+        "RD-1 response.body is the provider JSON"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn fifty_concurrent_identical_requests_make_one_upstream_call_id7_rs2() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 300,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = chat_body("fifty at once");
+    let answers = join_all((0..50).map(|_| async {
+        let r = app.chat(&body).await;
+        let status = r.status().as_u16();
+        let id = header(&r, "holdfast-request-id");
+        let replayed = header(&r, "idempotent-replayed");
+        (status, id, replayed, r.bytes().await.unwrap())
+    }))
+    .await;
+    assert_eq!(app.mock.calls(), 1, "exactly one upstream call");
+    let (_, id0, _, body0) = &answers[0];
+    for (status, id, _, bytes) in &answers {
+        assert_eq!(*status, 200);
+        assert_eq!(id, id0);
+        assert_eq!(bytes, body0);
+    }
+    let originals = answers.iter().filter(|a| a.2 == "false").count();
+    assert_eq!(originals, 1, "exactly one answer started the execution");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn transient_500s_are_retried_until_success_and_counted_as_attempts_lc5() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 2,
+            fail_status: 500,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&chat_body("500 500 200")).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    assert_eq!(app.mock.calls(), 3);
+    let record = app.record(&id).await;
+    assert_eq!(record["status"], "succeeded");
+    assert_eq!(record["attempts"], 3);
+    assert_eq!(record["recoveries"], 0);
+    assert!(
+        record["error"].is_null(),
+        "a success clears the transient error"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn provider_400_is_terminal_final_and_releases_the_body_claim_lc6_id6_rs7() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 400,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = chat_body("refused once");
+    let r = app.chat(&body).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-should-retry"), "false");
+    let id = header(&r, "holdfast-request-id");
+    let refusal: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        refusal["error"]["message"].is_string(),
+        "the provider's own body: {refusal}"
+    );
+    let record = app.record(&id).await;
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "upstream_refused");
+    assert_eq!(record["error"]["status"], 400);
+    assert_eq!(record["attempts"], 1);
+
+    let again = app.chat(&body).await;
+    assert_eq!(again.status(), 200, "claim released: a new request");
+    assert_ne!(header(&again, "holdfast-request-id"), id);
+    assert_eq!(app.mock.calls(), 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn exhausted_transient_failures_answer_502_with_should_retry_false_rs7() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 100,
+            fail_status: 503,
+            ..MockConfig::default()
+        },
+        |c| c.workers.max_attempts = 3,
+    )
+    .await;
+    let r = app.chat(&chat_body("always 503")).await;
+    assert_eq!(r.status(), 502);
+    assert_eq!(header(&r, "x-should-retry"), "false");
+    assert_eq!(header(&r, "holdfast-error"), "attempts_exhausted");
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        err["error"]["code"], "attempts_exhausted",
+        "RS-6 OpenAI shape"
+    );
+    assert_eq!(app.mock.calls(), 3);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn key_order_and_whitespace_do_not_split_a_request_id1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let a =
+        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"temperature":1}"#;
+    let b = "{ \"temperature\" : 1 ,\n \"messages\" : [ { \"content\" : \"hi\" , \"role\" : \"user\" } ] , \"model\" : \"gpt-4o-mini\" }";
+    let ra = app.chat(a).await;
+    let rb = app.chat(b).await;
+    assert_eq!(ra.status(), 200);
+    assert_eq!(
+        header(&ra, "holdfast-request-id"),
+        header(&rb, "holdfast-request-id")
+    );
+    assert_eq!(header(&rb, "idempotent-replayed"), "true");
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn number_spelling_splits_a_request_id1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let one = r#"{"model":"gpt-4o-mini","messages":[],"temperature":1}"#;
+    let one_point_oh = r#"{"model":"gpt-4o-mini","messages":[],"temperature":1.0}"#;
+    let r1 = app.chat(one).await;
+    let r2 = app.chat(one_point_oh).await;
+    assert_ne!(
+        header(&r1, "holdfast-request-id"),
+        header(&r2, "holdfast-request-id")
+    );
+    assert_eq!(app.mock.calls(), 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn invalid_bodies_get_400_in_provider_shape_and_are_not_recorded_id2_id8() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let cases: [(&[u8], &str); 6] = [
+        (br#"{"model":"m","model":"n"}"#, "duplicate_key"),
+        (b"{\"model\": \"m\"", "invalid_json"),
+        (b"[1,2]", "body_not_object"),
+        (b"{\"a\":\"\xff\"}", "invalid_unicode"),
+        (br#"{"a":"\ud800"}"#, "invalid_unicode"),
+        (b"", "invalid_json"),
+    ];
+    for (body, code) in cases {
+        let r = app.post("/v1/chat/completions", body.to_vec(), &[]).await;
+        assert_eq!(r.status(), 400, "{}", String::from_utf8_lossy(body));
+        assert_eq!(header(&r, "holdfast-error"), code);
+        let err: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(err["error"]["code"], code);
+        assert_eq!(err["error"]["type"], "invalid_request_error");
+    }
+    let deep = format!("{{\"a\":{}{}}}", "[".repeat(10_000), "]".repeat(10_000));
+    let r = app.post("/v1/chat/completions", deep, &[]).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "holdfast-error"), "too_deep");
+    // Anthropic routes answer in Anthropic's shape.
+    let r = app.post("/v1/messages", "nope", &[]).await;
+    assert_eq!(r.status(), 400);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["type"], "error");
+    assert_eq!(err["error"]["type"], "invalid_request_error");
+
+    assert_eq!(count_requests(&app).await, 0, "ID-8: nothing recorded");
+    assert_eq!(app.mock.calls(), 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_body_gets_413_unknown_route_404_wrong_method_405_in1() {
+    let app = spawn_app(MockConfig::default(), |c| c.max_body_bytes = 1024).await;
+    let big = chat_body(&"x".repeat(2048));
+    let r = app.chat(&big).await;
+    assert_eq!(r.status(), 413);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "request_too_large");
+
+    let r = app.post("/v1/nope", "{}", &[]).await;
+    assert_eq!(r.status(), 404);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "not_found");
+
+    let r = app
+        .http
+        .get(format!("{}/v1/chat/completions", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "method_not_allowed");
+    assert_eq!(count_requests(&app).await, 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn respond_async_answers_202_with_location_and_runs_anyway_rs9() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("async please"),
+            &[("prefer", "respond-async")],
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    let location = header(&r, "location");
+    let id = header(&r, "holdfast-request-id");
+    assert_eq!(location, format!("/requests/{id}"));
+    let record: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(record["id"], id.as_str());
+    let done = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(done["status"], "succeeded");
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn record_has_every_rd1_field_and_unknown_ids_are_404() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app.chat(&chat_body("fields")).await;
+    let id = header(&r, "holdfast-request-id");
+    let record = app.record(&id).await;
+    for field in [
+        "id",
+        "status",
+        "route",
+        "model",
+        "backend",
+        "stream",
+        "attempts",
+        "recoveries",
+        "next_retry_at",
+        "error",
+        "created_at",
+        "updated_at",
+        "finished_at",
+        "last_seq",
+        "response",
+    ] {
+        assert!(
+            record.get(field).is_some(),
+            "RD-1 field {field} missing: {record}"
+        );
+    }
+    assert_eq!(record["route"], "openai.chat");
+    assert_eq!(record["backend"], "mock-openai");
+    assert_eq!(record["stream"], false);
+    assert!(chrono::DateTime::parse_from_rfc3339(record["created_at"].as_str().unwrap()).is_ok());
+    for bad in ["not-a-uuid", "0190a1b2-0000-7000-8000-000000000000"] {
+        let r = app
+            .http
+            .get(format!("{}/requests/{bad}", app.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404);
+    }
+    app.stop().await;
+}

@@ -1,0 +1,42 @@
+"""openai-python with timeout=1 against a provider that answers after 3 s.
+
+The SDK times out and retries the same body; holdfast must attach the retries to the first
+execution (SPEC RS-2). Prints {"content", "timeouts_seen"} as JSON.
+"""
+import json
+import os
+
+import openai
+
+try:  # openai >= 3 ships its own fork of httpx
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx
+
+timeouts = 0
+
+
+
+
+class CountingTransport(httpx.HTTPTransport):
+    def handle_request(self, request):
+        global timeouts
+        try:
+            return super().handle_request(request)
+        except httpx.TimeoutException:
+            timeouts += 1
+            raise
+
+
+client = openai.OpenAI(
+    base_url=os.environ["HOLDFAST_BASE_URL"],
+    api_key="unused",
+    timeout=1.0,
+    max_retries=6,
+    http_client=httpx.Client(transport=CountingTransport()),
+)
+completion = client.chat.completions.create(
+    model="gpt-4o-mini",
+    messages=[{"role": "user", "content": "a slow answer, please"}],
+)
+print(json.dumps({"content": completion.choices[0].message.content, "timeouts_seen": timeouts}))
