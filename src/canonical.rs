@@ -18,6 +18,11 @@
 //!   nesting deeper than [`MAX_DEPTH`]. The parser recurses at most `MAX_DEPTH + 1` frames, because
 //!   the depth is checked before each descent.
 //!
+//! The body's UTF-8 is checked once up front; then one pass writes the output as it parses.
+//! Members of each object are written in input order and, when the object closes, sorted by key
+//! and moved into place if needed (nested objects are already canonical by then). Runs of plain
+//! string bytes are copied whole; keys without escapes are compared straight from the input.
+//!
 //! The same pass records the top-level `model` (decoded, and its token's byte range in the input)
 //! and whether the top-level `stream` is the literal `true`.
 //!
@@ -105,10 +110,18 @@ pub struct Canonical {
 ///
 /// # Errors
 ///
-/// A [`CanonError`] naming the first problem found, scanning left to right. A duplicate key is
-/// detected when its object closes, so a syntax error later inside the same object wins. A
-/// non-object top level is reported only once the whole value has parsed.
+/// A [`CanonError`] naming the first problem found. Invalid UTF-8 anywhere is reported first
+/// (the encoding is checked before parsing); after that, problems are found scanning left to
+/// right. A duplicate key is detected when its object closes, so a syntax error later inside the
+/// same object wins. A non-object top level is reported only once the whole value has parsed.
 pub fn canonicalize(body: &[u8]) -> Result<Canonical, CanonError> {
+    // RFC 8259 §8.1: JSON text is UTF-8. Checking the whole body first (several GB/s) is cheaper
+    // than checking each string run, and lets the parser copy runs without looking inside them.
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(CanonError::InvalidUtf8 {
+            offset: e.valid_up_to(),
+        });
+    }
     let mut p = Parser::new(body);
     p.skip_ws();
     let is_object = p.peek() == Some(b'{');
@@ -285,19 +298,93 @@ fn scan_plain(input: &[u8], i: usize) -> usize {
     i + done
 }
 
+/// Where a decoded string lives.
+enum Text {
+    /// Input bytes: the string had no escapes, so its raw bytes are its decoded bytes.
+    Input(Range<usize>),
+    /// Bytes of `Parser::keys`, where strings with escapes are decoded.
+    Arena(Range<usize>),
+}
+
+/// Resolves [`Text`] ranges of one parse.
+#[derive(Clone, Copy)]
+struct Texts<'k> {
+    input: &'k [u8],
+    arena: &'k [u8],
+}
+
+impl<'k> Texts<'k> {
+    fn get(self, t: &Text) -> &'k [u8] {
+        match t {
+            Text::Input(r) => &self.input[r.clone()],
+            Text::Arena(r) => &self.arena[r.clone()],
+        }
+    }
+
+    fn key(self, m: &Member) -> &'k [u8] {
+        self.get(&m.key)
+    }
+}
+
 /// One member of an object being parsed.
 struct Member {
-    /// Decoded key, as a range of `Parser::keys`.
-    key: Range<usize>,
+    /// Decoded key.
+    key: Text,
     /// `"key":value` in canonical form, as a range of `Parser::out`.
     out: Range<usize>,
     /// Offset of the key's opening quote in the input.
     key_offset: usize,
 }
 
-/// The decoded key of `m`.
-fn key_of<'k>(keys: &'k [u8], m: &Member) -> &'k [u8] {
-    &keys[m.key.clone()]
+/// Objects up to this many members are sorted by insertion (few keys is the common case).
+const INSERTION_SORT_MAX: usize = 16;
+
+/// Sorts small `members` by key in place. `Some(moved)` if sorted with all keys distinct;
+/// `None` if there are too many members or two keys are equal (the caller then sorts fully and
+/// finds the duplicate to report).
+fn insertion_sort(members: &mut [Member], keys: Texts<'_>) -> Option<bool> {
+    if members.len() > INSERTION_SORT_MAX {
+        return None;
+    }
+    let mut moved = false;
+    for i in 1..members.len() {
+        for j in (1..=i).rev() {
+            match cmp_utf16(keys.key(&members[j - 1]), keys.key(&members[j])) {
+                Ordering::Less => break,
+                Ordering::Equal => return None,
+                Ordering::Greater => {
+                    members.swap(j - 1, j);
+                    moved = true;
+                }
+            }
+        }
+    }
+    Some(moved)
+}
+
+/// In sorted `members`, the duplicate whose second occurrence comes first in the input.
+fn first_duplicate(members: &[Member], keys: Texts<'_>) -> Option<CanonError> {
+    members
+        .windows(2)
+        .filter(|w| keys.key(&w[0]) == keys.key(&w[1]))
+        .min_by_key(|w| w[0].key_offset.max(w[1].key_offset))
+        .map(|w| CanonError::DuplicateKey {
+            key: String::from_utf8_lossy(keys.key(&w[0])).into_owned(),
+            offset: w[0].key_offset.max(w[1].key_offset),
+        })
+}
+
+/// Appends `members` to `dst` in slice order, comma-separated, taking each member's bytes from
+/// `src` (where `src[0]` is at output offset `src_base`) and updating its range to `dst`.
+fn lay_out(dst: &mut Vec<u8>, src: &[u8], src_base: usize, members: &mut [Member]) {
+    for (i, m) in members.iter_mut().enumerate() {
+        if i > 0 {
+            dst.push(b',');
+        }
+        let start = dst.len();
+        dst.extend_from_slice(&src[m.out.start - src_base..m.out.end - src_base]);
+        m.out = start..dst.len();
+    }
 }
 
 /// Single-pass recursive-descent parser writing canonical bytes as it goes.
@@ -310,7 +397,8 @@ struct Parser<'a> {
     pos: usize,
     /// Canonical output.
     out: Vec<u8>,
-    /// Decoded keys of all open objects (a stack arena; each object truncates its part on close).
+    /// Decoded keys with escapes, of all open objects (a stack arena; each object truncates its
+    /// part on close). Keys without escapes are not copied here: they are read from the input.
     keys: Vec<u8>,
     /// Members of all open objects (a stack; each object truncates its part on close).
     members: Vec<Member>,
@@ -342,6 +430,13 @@ impl<'a> Parser<'a> {
         }
     }
 
+    fn texts(&self) -> Texts<'_> {
+        Texts {
+            input: self.input,
+            arena: &self.keys,
+        }
+    }
+
     fn peek(&self) -> Option<u8> {
         self.input.get(self.pos).copied()
     }
@@ -352,21 +447,13 @@ impl<'a> Parser<'a> {
         }
     }
 
-    /// The error for an unexpected byte at `offset`: end of input, invalid UTF-8, or `reason`.
+    /// The error for an unexpected byte at `offset` (or for the end of input).
     fn syntax(&self, offset: usize, reason: &'static str) -> CanonError {
-        let Some(&b) = self.input.get(offset) else {
+        if offset >= self.input.len() {
             return CanonError::Syntax {
                 offset: self.input.len(),
                 reason: "unexpected end of input",
             };
-        };
-        if b >= 0x80 {
-            let end = self.input.len().min(offset + 4);
-            if let Err(e) = std::str::from_utf8(&self.input[offset..end])
-                && e.valid_up_to() == 0
-            {
-                return CanonError::InvalidUtf8 { offset };
-            }
         }
         CanonError::Syntax { offset, reason }
     }
@@ -376,7 +463,7 @@ impl<'a> Parser<'a> {
         match self.peek() {
             Some(b'{') => self.parse_object(depth),
             Some(b'[') => self.parse_array(depth),
-            Some(b'"') => self.parse_string(false),
+            Some(b'"') => self.parse_string(false).map(drop),
             Some(b'-' | b'0'..=b'9') => self.parse_number(),
             Some(b't') => self.parse_literal(b"true"),
             Some(b'f') => self.parse_literal(b"false"),
@@ -490,9 +577,7 @@ impl<'a> Parser<'a> {
             }
             let key_offset = self.pos;
             let member_start = self.out.len();
-            let key_start = self.keys.len();
-            self.parse_string(true)?;
-            let key = key_start..self.keys.len();
+            let key = self.parse_string(true)?;
             self.skip_ws();
             if self.peek() != Some(b':') {
                 return Err(self.syntax(self.pos, "expected ':'"));
@@ -531,20 +616,16 @@ impl<'a> Parser<'a> {
     }
 
     /// A value of the top-level object: notes `model` and `stream` on the way.
-    fn parse_top_level_value(
-        &mut self,
-        key: &Range<usize>,
-        member_start: usize,
-    ) -> Result<(), CanonError> {
-        let name = &self.keys[key.clone()];
+    fn parse_top_level_value(&mut self, key: &Text, member_start: usize) -> Result<(), CanonError> {
+        let name = self.texts().get(key);
         let (is_model, is_stream) = (name == b"model", name == b"stream");
         let value_start = self.pos;
         if is_model && self.peek() == Some(b'"') {
             let out_start = self.out.len();
-            let decoded_start = self.keys.len();
-            self.parse_string(true)?;
-            let decoded = String::from_utf8_lossy(&self.keys[decoded_start..]).into_owned();
-            self.keys.truncate(decoded_start);
+            let arena_len = self.keys.len();
+            let text = self.parse_string(true)?;
+            let decoded = String::from_utf8_lossy(self.texts().get(&text)).into_owned();
+            self.keys.truncate(arena_len);
             self.model = Some(decoded);
             self.model_span = Some(value_start..self.pos);
             self.model_value_off = out_start - member_start;
@@ -566,83 +647,109 @@ impl<'a> Parser<'a> {
         top: bool,
     ) -> Result<(), CanonError> {
         let Parser {
+            input,
             keys,
             members,
             out,
             scratch,
             ..
         } = self;
+        let keys = Texts { input, arena: keys };
         let members = &mut members[members_base..];
-        let key = |m: &Member| key_of(keys, m);
-        let in_order = members.is_sorted_by(|a, b| cmp_utf16(key(a), key(b)) == Ordering::Less);
-        if !in_order {
-            members.sort_by(|a, b| cmp_utf16(key(a), key(b)));
-            let duplicate = members
-                .windows(2)
-                .filter(|w| key(&w[0]) == key(&w[1]))
-                .map(|w| (w[0].key_offset.max(w[1].key_offset), &w[0]))
-                .min_by_key(|(offset, _)| *offset);
-            if let Some((offset, m)) = duplicate {
-                return Err(CanonError::DuplicateKey {
-                    key: String::from_utf8_lossy(key(m)).into_owned(),
-                    offset,
-                });
-            }
-            scratch.clear();
-            scratch.extend_from_slice(&out[obj_start..]);
-            out.truncate(obj_start);
-            for (i, m) in members.iter_mut().enumerate() {
-                if i > 0 {
-                    out.push(b',');
+        let moved = match insertion_sort(members, keys) {
+            Some(moved) => moved,
+            None => {
+                let less =
+                    |a: &Member, b: &Member| cmp_utf16(keys.key(a), keys.key(b)) == Ordering::Less;
+                if members.is_sorted_by(less) {
+                    false
+                } else {
+                    members.sort_by(|a, b| cmp_utf16(keys.key(a), keys.key(b)));
+                    if let Some(duplicate) = first_duplicate(members, keys) {
+                        return Err(duplicate);
+                    }
+                    true
                 }
-                let start = out.len();
-                out.extend_from_slice(&scratch[m.out.start - obj_start..m.out.end - obj_start]);
-                m.out = start..out.len();
+            }
+        };
+        if moved {
+            scratch.clear();
+            if top {
+                // `out` holds only this object: build the sorted copy beside it and swap.
+                scratch.reserve(out.len());
+                scratch.extend_from_slice(&out[..obj_start]);
+                lay_out(scratch, out, 0, members);
+                std::mem::swap(out, scratch);
+            } else {
+                scratch.extend_from_slice(&out[obj_start..]);
+                out.truncate(obj_start);
+                lay_out(out, scratch, obj_start, members);
             }
         }
         if top && self.model_span.is_some() {
             let off = self.model_value_off;
             self.model_out = members
                 .iter()
-                .find(|m| key(m) == b"model")
+                .find(|m| keys.key(m) == b"model")
                 .map(|m| m.out.start + off..m.out.end);
         }
         Ok(())
     }
 
-    /// Parses a string (at its opening quote), writing its canonical form to `out` and, if
-    /// `decode`, its decoded UTF-8 to `keys`.
-    fn parse_string(&mut self, decode: bool) -> Result<(), CanonError> {
+    /// Parses a string (at its opening quote) and writes its canonical form to `out`. Returns
+    /// its decoded text if `decode` (a string with escapes is decoded into `keys`); otherwise the
+    /// raw text between the quotes.
+    ///
+    /// Bytes are copied to `out` in runs, quotes included. A run is plain bytes plus, when not
+    /// decoding, the two-byte escapes that are already canonical (`\"`, `\\`, `\b`, `\f`, `\n`,
+    /// `\r`, `\t`); other escapes end a run and are rewritten. UTF-8 was validated up front, so
+    /// runs are copied without looking inside them.
+    fn parse_string(&mut self, decode: bool) -> Result<Text, CanonError> {
         let input = self.input;
-        self.pos += 1;
-        self.out.push(b'"');
+        let open = self.pos;
+        // Start of the bytes not yet copied to `out` (the opening quote at first).
+        let mut run_start = open;
+        // Where the decoded text starts in `keys`, once an escape had to be decoded.
+        let mut arena_start = None;
+        let mut pos = open + 1;
         loop {
-            let run_start = self.pos;
-            let run_end = scan_plain(input, run_start);
-            if run_end > run_start {
-                let run = &input[run_start..run_end];
-                if let Err(e) = std::str::from_utf8(run) {
-                    return Err(CanonError::InvalidUtf8 {
-                        offset: run_start + e.valid_up_to(),
+            let end = scan_plain(input, pos);
+            match input.get(end) {
+                Some(b'"') => {
+                    self.out.extend_from_slice(&input[run_start..=end]);
+                    self.pos = end + 1;
+                    return Ok(match arena_start {
+                        None => Text::Input(open + 1..end),
+                        Some(start) => {
+                            self.keys.extend_from_slice(&input[run_start..end]);
+                            Text::Arena(start..self.keys.len())
+                        }
                     });
                 }
-                self.out.extend_from_slice(run);
-                if decode {
-                    self.keys.extend_from_slice(run);
+                Some(b'\\') => {
+                    let canonical_already = matches!(
+                        input.get(end + 1),
+                        Some(b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't')
+                    );
+                    if canonical_already && !decode {
+                        pos = end + 2;
+                        continue;
+                    }
+                    self.out.extend_from_slice(&input[run_start..end]);
+                    if decode {
+                        arena_start.get_or_insert(self.keys.len());
+                        let plain = run_start.max(open + 1);
+                        self.keys.extend_from_slice(&input[plain..end]);
+                    }
+                    self.pos = end;
+                    self.parse_escape(decode)?;
+                    pos = self.pos;
+                    run_start = pos;
                 }
-                self.pos = run_end;
-            }
-            match input.get(run_end) {
-                Some(b'"') => {
-                    self.pos += 1;
-                    self.out.push(b'"');
-                    return Ok(());
-                }
-                Some(b'\\') => self.parse_escape(decode)?,
                 Some(_) => {
-                    return Err(self.syntax(run_end, "raw control character in string"));
+                    return Err(self.syntax(end, "raw control character in string"));
                 }
-                None => return Err(self.syntax(run_end, "unterminated string")),
+                None => return Err(self.syntax(end, "unterminated string")),
             }
         }
     }

@@ -36,6 +36,8 @@ pub struct Config {
     pub max_response_bytes: usize,
     /// How long terminal requests and their chunks are kept, in seconds (DU-4).
     pub retention_secs: u64,
+    /// Interval of SSE keep-alive comments on idle streams, in milliseconds (RD-2).
+    pub sse_keepalive_ms: u64,
     /// Worker pool settings (LC-2..LC-5).
     pub workers: Workers,
     /// Timeouts towards providers (LC-10).
@@ -163,6 +165,7 @@ impl Default for Config {
             max_body_bytes: 32 * 1024 * 1024,
             max_response_bytes: 64 * 1024 * 1024,
             retention_secs: 7 * 86_400,
+            sse_keepalive_ms: 15_000,
             workers: Workers::default(),
             upstream: Upstream::default(),
             backends: Vec::new(),
@@ -315,6 +318,7 @@ impl Config {
             ("idempotency_key_ttl_secs", self.idempotency_key_ttl_secs),
             ("max_body_bytes", self.max_body_bytes as u64),
             ("max_response_bytes", self.max_response_bytes as u64),
+            ("sse_keepalive_ms", self.sse_keepalive_ms),
             ("workers.concurrency", self.workers.concurrency as u64),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),

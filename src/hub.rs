@@ -11,11 +11,15 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
+use crate::store::Chunk;
+
 /// What happened to a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HubEvent {
-    /// Status, attempts or result changed: re-read the record.
+    /// Status, attempts or result changed: re-read the record (and chunks).
     Changed,
+    /// A chunk was stored (durably, before it is published).
+    Chunk(Arc<Chunk>),
 }
 
 /// Per-request broadcast channels, created on first subscription and dropped with the last.
@@ -43,7 +47,7 @@ impl Hub {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         let rx = channels
             .entry(id)
-            .or_insert_with(|| broadcast::channel(256).0)
+            .or_insert_with(|| broadcast::channel(1024).0)
             .subscribe();
         Subscription {
             hub: Arc::clone(self),

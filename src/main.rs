@@ -45,10 +45,10 @@ struct MockArgs {
     /// Content pieces per response.
     #[arg(long, default_value_t = 8)]
     chunks: u32,
-    /// Delay between stream chunks, in milliseconds.
+    /// Stream: delay before each content event, in milliseconds.
     #[arg(long, default_value_t = 0)]
     chunk_delay_ms: u64,
-    /// Delay before response headers, in milliseconds.
+    /// Delay before response headers on every call, in milliseconds.
     #[arg(long, default_value_t = 0)]
     header_delay_ms: u64,
     /// Answer the first N calls with --fail-status.
@@ -57,9 +57,70 @@ struct MockArgs {
     /// Status for --fail-first.
     #[arg(long, default_value_t = 500)]
     fail_status: u16,
-    /// Streams: drop the connection after K chunks.
+    /// Failures carry `retry-after: VALUE`.
+    #[arg(long)]
+    retry_after: Option<String>,
+    /// Failures carry `retry-after-ms: VALUE`.
+    #[arg(long)]
+    retry_after_ms: Option<u64>,
+    /// Stream: close the connection abruptly after K content events.
     #[arg(long)]
     drop_after_chunks: Option<u32>,
+    /// Apply --drop-after-chunks to the first N calls only (0: every call).
+    #[arg(long, default_value_t = 0)]
+    drop_first: u32,
+    /// The first N calls: close the connection without any response.
+    #[arg(long, default_value_t = 0)]
+    reset_before_headers: u32,
+    /// Sleep this long before the headers of the first --hang-first calls, in milliseconds.
+    #[arg(long)]
+    hang_before_headers_ms: Option<u64>,
+    /// How many calls --hang-before-headers-ms applies to (0: every call).
+    #[arg(long, default_value_t = 0)]
+    hang_first: u32,
+    /// Stream: `K,M` — after K content events pause M milliseconds once.
+    #[arg(long, value_parser = parse_stall)]
+    stall_after_chunks: Option<(u32, u64)>,
+    /// Stream: emit a garbage event halfway through.
+    #[arg(long)]
+    malformed_sse: bool,
+    /// Non-stream: answer 200 with a body that is not JSON.
+    #[arg(long)]
+    non_json_200: bool,
+    /// Non-stream: pad the reply to at least this many bytes.
+    #[arg(long)]
+    oversized_bytes: Option<usize>,
+}
+
+impl From<&MockArgs> for MockConfig {
+    fn from(a: &MockArgs) -> MockConfig {
+        MockConfig {
+            chunks: a.chunks,
+            chunk_delay_ms: a.chunk_delay_ms,
+            header_delay_ms: a.header_delay_ms,
+            fail_first: a.fail_first,
+            fail_status: a.fail_status,
+            retry_after: a.retry_after.clone(),
+            retry_after_ms: a.retry_after_ms,
+            drop_after_chunks: a.drop_after_chunks,
+            drop_first: a.drop_first,
+            reset_before_headers: a.reset_before_headers,
+            hang_before_headers_ms: a.hang_before_headers_ms,
+            hang_first: a.hang_first,
+            stall_after_chunks: a.stall_after_chunks,
+            malformed_sse: a.malformed_sse,
+            non_json_200: a.non_json_200,
+            oversized_bytes: a.oversized_bytes,
+        }
+    }
+}
+
+fn parse_stall(s: &str) -> Result<(u32, u64), String> {
+    let (k, m) = s.split_once(',').ok_or("expected K,M")?;
+    Ok((
+        k.trim().parse().map_err(|e| format!("K: {e}"))?,
+        m.trim().parse().map_err(|e| format!("M: {e}"))?,
+    ))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,17 +134,7 @@ fn main() -> anyhow::Result<()> {
         match Cli::parse().command {
             Command::Serve(args) => serve(args).await,
             Command::MockUpstream(args) => {
-                let config = MockConfig {
-                    chunks: args.chunks,
-                    chunk_delay_ms: args.chunk_delay_ms,
-                    header_delay_ms: args.header_delay_ms,
-                    fail_first: args.fail_first,
-                    fail_status: args.fail_status,
-                    drop_after_chunks: args.drop_after_chunks,
-                    ..MockConfig::default()
-                };
-                tracing::info!(listen = %args.listen, "mock provider listening");
-                holdfast::mock::run(args.listen, config).await?;
+                holdfast::mock::run(args.listen, MockConfig::from(&args)).await?;
                 Ok(())
             }
         }

@@ -6,6 +6,7 @@ pub mod errors;
 pub mod ops;
 pub mod proxy;
 pub mod requests;
+pub mod stream;
 
 use std::sync::Arc;
 

@@ -6,7 +6,10 @@
 //! connection is held until the request settles (RS-1), or answered at once with 202 when the
 //! client prefers (RS-9).
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures::StreamExt;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -15,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use uuid::Uuid;
 
 use super::errors::{ApiError, Shape};
-use super::{AppState, namespace, requests};
+use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
 use crate::route::Route;
@@ -57,13 +60,6 @@ async fn admit_and_answer(
     let namespace = namespace(&state.config, headers, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
     let canonical = canonical::canonicalize(&body).map_err(|e| invalid_body(shape, &e))?;
-    if canonical.stream {
-        return Err(ApiError::bad_request(
-            shape,
-            "stream_not_supported",
-            "\"stream\": true is not supported by this build of holdfast yet",
-        ));
-    }
     let (backend, upstream_model) =
         choose_backend(&state.config, route, canonical.model.as_deref()).ok_or_else(|| {
             ApiError::bad_request(
@@ -165,8 +161,69 @@ async fn admit_and_answer(
         return Ok(response);
     }
 
-    let record = wait_settled(state, &namespace, record, shape).await?;
+    if record.stream {
+        return stream_answer(state, &namespace, record, replayed, route).await;
+    }
+    let record = wait_for(state, &namespace, record, shape, |r| r.status.is_terminal()).await?;
     Ok(answer(&record, replayed, route))
+}
+
+/// The answer for a stream request (RS-1..RS-4): once the current attempt has stored its first
+/// chunk, a 200 event stream that replays the attempt's chunks and then live-tails them. A
+/// request that settled without streaming anything (a refusal, exhausted retries) answers like a
+/// non-stream one, with its status code.
+async fn stream_answer(
+    state: &AppState,
+    namespace: &str,
+    record: RequestRecord,
+    replayed: bool,
+    route: Route,
+) -> Result<Response, ApiError> {
+    let shape = shape(route);
+    let record = wait_for(state, namespace, record, shape, |r| {
+        r.status.is_terminal() || r.last_seq > r.reset_seq
+    })
+    .await?;
+    let only_end = record.status.is_terminal() && record.last_seq == record.reset_seq + 1;
+    if only_end && record.status == Status::Failed {
+        return Ok(answer(&record, replayed, route));
+    }
+    let items = stream::follow(
+        state.store.clone(),
+        Arc::clone(&state.hub),
+        record.id,
+        record.reset_seq,
+        Duration::from_millis(state.config.sse_keepalive_ms),
+    );
+    let body = async_stream::stream! {
+        let mut items = std::pin::pin!(items);
+        while let Some(item) = items.next().await {
+            let (bytes, done) = match item {
+                Ok(item) => stream::provider_bytes(&item, shape),
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading stored chunks failed");
+                    let message = "holdfast could not read the stored stream; retry the request to attach to it again";
+                    (stream::provider_error(shape, "store_unavailable", message), true)
+                }
+            };
+            if !bytes.is_empty() {
+                yield Ok::<_, std::convert::Infallible>(bytes);
+            }
+            if done {
+                break;
+            }
+        }
+    };
+    let mut response = Response::new(Body::from_stream(body));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    set_identity_headers(&mut response, &record, replayed, route);
+    Ok(response)
 }
 
 /// Reads the body, refusing one over `max_body_bytes` with 413 before reading it when
@@ -337,21 +394,22 @@ fn prefers_async(headers: &HeaderMap) -> bool {
     })
 }
 
-/// Holds until the request is terminal (RS-1, RS-2): subscribe first, then re-read the record
-/// after every wake-up and at least every [`WAIT_POLL`].
-async fn wait_settled(
+/// Holds until `ready` holds for the record (RS-1, RS-2): subscribe first, then re-read the
+/// record after every wake-up and at least every [`WAIT_POLL`].
+async fn wait_for(
     state: &AppState,
     namespace: &str,
     record: RequestRecord,
     shape: Shape,
+    ready: impl Fn(&RequestRecord) -> bool,
 ) -> Result<RequestRecord, ApiError> {
-    if record.status.is_terminal() {
+    if ready(&record) {
         return Ok(record);
     }
     let mut subscription = state.hub.subscribe(record.id);
     loop {
         match state.store.get(namespace, record.id).await {
-            Ok(Some(r)) if r.status.is_terminal() => return Ok(r),
+            Ok(Some(r)) if ready(&r) => return Ok(r),
             Ok(Some(_)) => {}
             Ok(None) => {
                 return Err(

@@ -1,15 +1,22 @@
 //! Reading the log back: `GET /requests/{id}` as JSON (SPEC RD-1).
 
-use axum::extract::{Path, State};
-use axum::http::HeaderMap;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use chrono::{SecondsFormat, TimeZone, Utc};
+use futures::StreamExt;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
 use super::errors::{ApiError, Shape};
-use super::{AppState, namespace};
+use super::{AppState, namespace, stream};
 use crate::store::{ErrorInfo, Millis, RequestRecord, Status};
 
 /// The JSON record of RD-1.
@@ -88,10 +95,13 @@ impl From<&RequestRecord> for RecordView {
     }
 }
 
-/// `GET /requests/{id}`: the record as JSON. Unknown, malformed or another namespace's id: 404.
+/// `GET /requests/{id}`: the record as JSON (RD-1), or with `Accept: text/event-stream` its
+/// chunk log as a numbered event stream (RD-2..RD-6). Unknown, malformed or another
+/// namespace's id: 404.
 pub async fn get_one(
     State(state): State<AppState>,
     Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
     let shape = Shape::Openai;
@@ -103,9 +113,99 @@ pub async fn get_one(
     let Ok(uuid) = Uuid::parse_str(&id) else {
         return not_found();
     };
+    let wants_events = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .any(|v| v.to_str().is_ok_and(|v| v.contains("text/event-stream")));
+    let position = if wants_events {
+        match position(&headers, &query) {
+            Ok(p) => p,
+            Err(e) => return e.into_response(),
+        }
+    } else {
+        None
+    };
     match state.store.get(&namespace, uuid).await {
+        Ok(Some(record)) if wants_events => event_stream(&state, &record, position),
         Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
         Ok(None) => not_found(),
         Err(e) => ApiError::unavailable(shape, &e).into_response(),
     }
+}
+
+/// The resume position (RD-3): `Last-Event-ID`, else the `last_event_id` query parameter (a
+/// browser's `EventSource` cannot set headers on its first connect). An empty header means none.
+///
+/// # Errors
+/// 400 `invalid_last_event_id` for a value that is not a non-negative integer that fits i64.
+fn position(headers: &HeaderMap, query: &HashMap<String, String>) -> Result<Option<i64>, ApiError> {
+    let raw = match headers.get("last-event-id") {
+        Some(v) => Some(v.to_str().map_err(|_| bad_position())?.to_owned()),
+        None => query.get("last_event_id").cloned(),
+    };
+    match raw.as_deref().map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(raw) if raw.bytes().all(|b| b.is_ascii_digit()) => {
+            raw.parse::<i64>().map(Some).map_err(|_| bad_position())
+        }
+        Some(_) => Err(bad_position()),
+    }
+}
+
+fn bad_position() -> ApiError {
+    ApiError::bad_request(
+        Shape::Openai,
+        "invalid_last_event_id",
+        "Last-Event-ID / last_event_id must be a non-negative integer seq",
+    )
+}
+
+/// RD-2..RD-6: `retry:` first, then chunks after the position — a reader without one gets the
+/// current attempt; a reader whose position lies in an abandoned attempt gets the latest
+/// `reset` next — ending with the `end` event. At or past the `end` event: 204.
+fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>) -> Response {
+    if let Some(p) = position
+        && record.status.is_terminal()
+        && p >= record.last_seq
+    {
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    let after = match position {
+        None => record.reset_seq,
+        Some(p) if p < record.reset_seq => record.reset_seq - 1,
+        Some(p) => p,
+    };
+    let items = stream::follow(
+        state.store.clone(),
+        Arc::clone(&state.hub),
+        record.id,
+        after,
+        Duration::from_millis(state.config.sse_keepalive_ms),
+    );
+    let body = async_stream::stream! {
+        yield Ok::<_, std::convert::Infallible>(Bytes::from_static(b"retry: 1000\n\n"));
+        let mut items = std::pin::pin!(items);
+        while let Some(item) = items.next().await {
+            match item {
+                Ok(item) => yield Ok(stream::log_bytes(&item)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading stored chunks failed");
+                    // Ending without `end` makes the reader reconnect with its position.
+                    break;
+                }
+            }
+        }
+    };
+    let mut response = Response::new(Body::from_stream(body));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
+        headers.insert("holdfast-request-id", v);
+    }
+    response
 }

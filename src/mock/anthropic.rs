@@ -4,8 +4,12 @@
 //! `raw_message_*_event.py`, `raw_content_block_*_event.py`, `text_delta.py`,
 //! `shared/*_error.py`).
 
+use serde::Serialize;
 use serde_json::{Value, json};
 
+use bytes::Bytes;
+
+use super::json_bytes;
 use super::sse::{StreamParts, named_event};
 
 /// What every Anthropic body of one call shares.
@@ -42,29 +46,76 @@ pub(crate) fn error_body(status: u16, message: &str) -> Value {
     })
 }
 
-fn message_object(r: &Reply<'_>, text: Option<&str>) -> Value {
-    let (content, stop_reason, output_tokens) = match text {
-        Some(t) => (
-            json!([{"type": "text", "text": t}]),
-            json!("end_turn"),
-            r.output_tokens,
-        ),
-        None => (json!([]), Value::Null, 1),
-    };
-    json!({
-        "id": format!("msg_mock_{}", r.n),
-        "type": "message",
-        "role": "assistant",
-        "model": r.model,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": null,
-        "usage": {"input_tokens": r.input_tokens, "output_tokens": output_tokens},
-    })
+/// A `Message`. Typed (not `json!`): with the deltas, the shape benchmarks hit most.
+#[derive(Serialize)]
+struct Message<'a> {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    role: &'static str,
+    model: &'a str,
+    content: Vec<TextBlock<'a>>,
+    stop_reason: Option<&'static str>,
+    /// Always `null`.
+    stop_sequence: (),
+    usage: MessageUsage,
 }
 
-pub(crate) fn message_json(r: &Reply<'_>, text: &str) -> Value {
-    message_object(r, Some(text))
+#[derive(Serialize)]
+struct TextBlock<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: &'a str,
+}
+
+#[derive(Serialize)]
+struct MessageUsage {
+    input_tokens: u64,
+    output_tokens: u64,
+}
+
+/// The message; `text` `None` gives `message_start`'s snapshot (no content, no stop reason, one
+/// output token, as the API sends it).
+fn message_object<'a>(r: &Reply<'a>, text: Option<&'a str>) -> Message<'a> {
+    Message {
+        id: format!("msg_mock_{}", r.n),
+        kind: "message",
+        role: "assistant",
+        model: r.model,
+        content: text
+            .map(|t| TextBlock {
+                kind: "text",
+                text: t,
+            })
+            .into_iter()
+            .collect(),
+        stop_reason: text.map(|_| "end_turn"),
+        stop_sequence: (),
+        usage: MessageUsage {
+            input_tokens: r.input_tokens,
+            output_tokens: if text.is_some() { r.output_tokens } else { 1 },
+        },
+    }
+}
+
+pub(crate) fn message_json(r: &Reply<'_>, text: &str) -> Bytes {
+    json_bytes(&message_object(r, Some(text)))
+}
+
+/// `content_block_delta` with a `text_delta` (typed: one per content piece).
+#[derive(Serialize)]
+struct ContentBlockDelta<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    index: u32,
+    delta: TextDelta<'a>,
+}
+
+#[derive(Serialize)]
+struct TextDelta<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: &'a str,
 }
 
 /// `message_start`, `content_block_start`, `ping`, one `content_block_delta` (`text_delta`) per
@@ -90,11 +141,14 @@ pub(crate) fn message_stream(r: &Reply<'_>, pieces: &[String]) -> StreamParts {
         .map(|p| {
             named_event(
                 "content_block_delta",
-                &json!({
-                    "type": "content_block_delta",
-                    "index": 0,
-                    "delta": {"type": "text_delta", "text": p},
-                }),
+                &ContentBlockDelta {
+                    kind: "content_block_delta",
+                    index: 0,
+                    delta: TextDelta {
+                        kind: "text_delta",
+                        text: p,
+                    },
+                },
             )
         })
         .collect();

@@ -17,8 +17,9 @@
 //! # Fault windows
 //!
 //! Every model call gets a position `k` (1-based), counted since the last [`MockServer::reset`]
-//! or config change. A fault whose count is `N` applies to calls with `k <= N`; all windows start
-//! at the same call, so `fail_first = 2, reset_before_headers = 1` resets call 1 and fails call 2.
+//! or config change. A fault whose count is `N` applies to calls with `k <= N` (for `drop_first`
+//! and `hang_first`, 0 means every call); all windows start at the same call, so
+//! `fail_first = 2, reset_before_headers = 1` resets call 1 and fails call 2.
 //! In one call the order is: reset, hang, header delay, injected failure, body validation
 //! (malformed JSON → 400), answer (stream faults apply while the body streams).
 //!
@@ -53,7 +54,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use hyper::service::Service as _;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
@@ -252,7 +253,7 @@ struct Shared {
     /// Model calls since the last reset or config change; a call's fault position `k`.
     fault_seq: AtomicU64,
     /// The last [`RECORDED_MAX`] calls.
-    recorded: Mutex<VecDeque<RecordedCall>>,
+    recorded: Mutex<VecDeque<RawCall>>,
 }
 
 impl Shared {
@@ -296,7 +297,7 @@ impl Shared {
         (n, k, slot.clone())
     }
 
-    fn record(&self, call: RecordedCall) {
+    fn record(&self, call: RawCall) {
         let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
         if recorded.len() >= RECORDED_MAX {
             recorded.pop_front();
@@ -305,12 +306,70 @@ impl Shared {
     }
 
     fn recorded(&self) -> Vec<RecordedCall> {
-        self.recorded
+        let raw: Vec<RawCall> = self
+            .recorded
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .cloned()
-            .collect()
+            .collect();
+        raw.into_iter().map(RawCall::into_recorded).collect()
+    }
+}
+
+/// A call as stored on the hot path: three flat allocations, turned into a [`RecordedCall`]
+/// only when someone reads the recording.
+///
+/// Nothing here may borrow from the request (its `Uri`, `HeaderMap` and body `Bytes` point into
+/// hyper's connection read buffer; keeping 1000 of them alive would pin 1000 such buffers and
+/// make hyper allocate a fresh one for almost every request).
+#[derive(Clone)]
+struct RawCall {
+    n: u64,
+    path: String,
+    /// `name \0 value \0` for each header, in arrival order.
+    headers: Vec<u8>,
+    body: Box<[u8]>,
+}
+
+impl RawCall {
+    fn new(n: u64, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> RawCall {
+        let size = headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 2)
+            .sum();
+        let mut flat = Vec::with_capacity(size);
+        for (name, value) in headers {
+            flat.extend_from_slice(name.as_str().as_bytes());
+            flat.push(0);
+            flat.extend_from_slice(value.as_bytes());
+            flat.push(0);
+        }
+        RawCall {
+            n,
+            path: uri
+                .path_and_query()
+                .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
+            headers: flat,
+            body: body.into(),
+        }
+    }
+
+    fn into_recorded(self) -> RecordedCall {
+        let mut fields = self.headers.split(|b| *b == 0);
+        let mut headers = Vec::new();
+        while let (Some(name), Some(value)) = (fields.next(), fields.next()) {
+            headers.push((
+                String::from_utf8_lossy(name).into_owned(),
+                String::from_utf8_lossy(value).into_owned(),
+            ));
+        }
+        RecordedCall {
+            path: self.path,
+            headers,
+            body: serde_json::from_slice(&self.body).unwrap_or(Value::Null),
+            n: self.n,
+        }
     }
 }
 
@@ -342,7 +401,7 @@ async fn accept_loop(listener: TcpListener, app: Router, stop: Arc<Notify>) {
             },
         }
     }
-    // Dropping the set aborts every connection task, which closes their sockets.
+    // Abort every connection task (dropping its connection closes the socket) and wait for them.
     conns.shutdown().await;
 }
 
@@ -355,8 +414,10 @@ async fn serve_connection(stream: TcpStream, app: Router) {
         req.extensions_mut().insert(ext.clone());
         svc.call(req)
     });
+    // No header-read timeout: hyper would otherwise close idle keep-alive connections after
+    // 30 s, and a client's pooled request racing that close would see a spurious error.
     let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
+        .header_read_timeout(None)
         .serve_connection(TokioIo::new(stream), svc);
     tokio::select! {
         res = conn => {
@@ -448,7 +509,7 @@ enum BadRequest {
     Invalid(String),
 }
 
-/// What the answer needs from the body, read before the body goes to the recorder.
+/// What the answer needs from the body.
 struct CallInfo {
     model: String,
     stream: bool,
@@ -457,20 +518,14 @@ struct CallInfo {
     embeddings: Option<openai::EmbeddingsAsk>,
 }
 
-/// Parses the body: the value to record (`Null` if not JSON) and what the answer needs.
-fn read_call(route: Route, body: &[u8]) -> (Value, Result<CallInfo, BadRequest>) {
-    let value: Value = match serde_json::from_slice(body) {
-        Ok(v) => v,
-        Err(e) => return (Value::Null, Err(BadRequest::NotJson(e))),
-    };
+/// Parses the body into what the answer needs.
+fn read_call(route: Route, body: &[u8]) -> Result<CallInfo, BadRequest> {
+    let value: Value = serde_json::from_slice(body).map_err(BadRequest::NotJson)?;
     if !value.is_object() {
-        return (value, Err(BadRequest::NotObject));
+        return Err(BadRequest::NotObject);
     }
     let embeddings = match route {
-        Route::Embeddings => match openai::embeddings_ask(&value) {
-            Ok(ask) => Some(ask),
-            Err(msg) => return (value, Err(BadRequest::Invalid(msg))),
-        },
+        Route::Embeddings => Some(openai::embeddings_ask(&value).map_err(BadRequest::Invalid)?),
         _ => None,
     };
     let info = CallInfo {
@@ -484,7 +539,7 @@ fn read_call(route: Route, body: &[u8]) -> (Value, Result<CallInfo, BadRequest>)
         seed: text::seed_of(&value),
         embeddings,
     };
-    (value, Ok(info))
+    Ok(info)
 }
 
 /// `POST /v1/...`: record, apply connection faults, then answer in the route's shape.
@@ -497,22 +552,9 @@ async fn model_call(
     body: Bytes,
 ) -> Response {
     let provider = route.provider();
-    let (recorded_body, info) = read_call(route, &body);
+    let info = read_call(route, &body);
     let (n, k, cfg) = shared.begin_call();
-    shared.record(RecordedCall {
-        path: uri
-            .path_and_query()
-            .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
-        headers: headers
-            .iter()
-            .map(|(name, value)| {
-                let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
-                (name.as_str().to_owned(), value)
-            })
-            .collect(),
-        body: recorded_body,
-        n,
-    });
+    shared.record(RawCall::new(n, &uri, &headers, &body));
     tracing::trace!(n, k, ?route, "mock: model call");
 
     if k <= u64::from(cfg.reset_before_headers) {
@@ -545,7 +587,7 @@ fn within(k: u64, first: u32) -> bool {
 fn injected_failure(provider: Provider, cfg: &MockConfig, n: u64, k: u64) -> Response {
     let status = StatusCode::from_u16(cfg.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let message = format!(
-        "mock: injected failure (fail_first={}, this is call {k} since the last reset)",
+        "mock: injected failure (fail_first={}; this is call {k} since the last reset or config change)",
         cfg.fail_first
     );
     let mut resp = error_response(provider, status, &message, n);
@@ -578,7 +620,7 @@ fn answer(route: Route, cfg: &MockConfig, n: u64, k: u64, info: CallInfo) -> Res
             return not_json_response(provider, n);
         }
         let body = openai::embeddings_json(&info.model, ask, info.seed.prompt_tokens);
-        return json_response(provider, StatusCode::OK, n, &body);
+        return body_response(provider, StatusCode::OK, n, body);
     }
     let pieces = text::pieces(&info.model, info.seed.hash, cfg.chunks);
     let oa = openai::Reply {
@@ -633,9 +675,9 @@ fn answer(route: Route, cfg: &MockConfig, n: u64, k: u64, info: CallInfo) -> Res
         Route::Completions => openai::completion_json(&oa, &text),
         Route::Responses => openai::responses_json(&oa, &text),
         Route::Messages => anthropic::message_json(&an, &text),
-        Route::Embeddings => Value::Null,
+        Route::Embeddings => Bytes::new(),
     };
-    json_response(provider, StatusCode::OK, n, &body)
+    body_response(provider, StatusCode::OK, n, body)
 }
 
 fn base_response(
@@ -655,14 +697,19 @@ fn base_response(
     resp
 }
 
-fn json_response(provider: Provider, status: StatusCode, n: u64, body: &Value) -> Response {
-    // Serialising a `Value` cannot fail.
-    let bytes = serde_json::to_vec(body).unwrap_or_default();
-    base_response(provider, status, n, "application/json", Body::from(bytes))
+/// Serialises one of the mock's own shapes. They have string keys only, so this cannot fail.
+pub(crate) fn json_bytes<T: serde::Serialize + ?Sized>(value: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(value).unwrap_or_default())
+}
+
+/// A JSON answer with the provider's request-id header.
+fn body_response(provider: Provider, status: StatusCode, n: u64, json: Bytes) -> Response {
+    base_response(provider, status, n, "application/json", Body::from(json))
 }
 
 fn error_response(provider: Provider, status: StatusCode, message: &str, n: u64) -> Response {
-    json_response(provider, status, n, &provider.error_body(status, message))
+    let body = json_bytes(&provider.error_body(status, message));
+    body_response(provider, status, n, body)
 }
 
 fn not_json_response(provider: Provider, n: u64) -> Response {

@@ -4,9 +4,13 @@
 //! `completion.py`, `create_embedding_response.py`, `responses/response*.py`): every field the
 //! SDK declares as required is present, so its models parse these bodies and events.
 
+use std::cell::Cell;
+
 use bytes::Bytes;
+use serde::Serialize;
 use serde_json::{Value, json};
 
+use super::json_bytes;
 use super::sse::{StreamParts, data_event, named_event};
 use super::text;
 
@@ -23,13 +27,21 @@ pub(crate) struct Reply<'a> {
 }
 
 impl Reply<'_> {
-    fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: self.prompt_tokens + self.completion_tokens,
+        }
     }
+}
+
+/// `usage` of chat and legacy completions.
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
 }
 
 /// The `error.type` OpenAI-style for an HTTP status (the SDK maps status, not type, to its
@@ -62,48 +74,131 @@ pub(crate) fn error_body(status: u16, message: &str) -> Value {
 
 // ---- chat completions ----
 
-pub(crate) fn chat_json(r: &Reply<'_>, text: &str) -> Value {
-    json!({
-        "id": format!("chatcmpl-mock-{}", r.n),
-        "object": "chat.completion",
-        "created": r.created,
-        "model": r.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": null, "annotations": []},
-            "logprobs": null,
-            "finish_reason": "stop",
+/// A `chat.completion`. Typed (not `json!`) because it is the route benchmarks hit most.
+#[derive(Serialize)]
+struct ChatCompletion<'a> {
+    id: String,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChatChoice<'a>; 1],
+    usage: Usage,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessage<'a>,
+    /// Always `null`.
+    logprobs: (),
+    finish_reason: &'static str,
+}
+
+#[derive(Serialize)]
+struct ChatMessage<'a> {
+    role: &'static str,
+    content: &'a str,
+    /// Always `null`.
+    refusal: (),
+    /// Always `[]`.
+    annotations: [(); 0],
+}
+
+pub(crate) fn chat_json(r: &Reply<'_>, text: &str) -> Bytes {
+    json_bytes(&ChatCompletion {
+        id: format!("chatcmpl-mock-{}", r.n),
+        object: "chat.completion",
+        created: r.created,
+        model: r.model,
+        choices: [ChatChoice {
+            index: 0,
+            message: ChatMessage {
+                role: "assistant",
+                content: text,
+                refusal: (),
+                annotations: [],
+            },
+            logprobs: (),
+            finish_reason: "stop",
         }],
-        "usage": r.usage(),
+        usage: r.usage(),
     })
+}
+
+/// A `chat.completion.chunk` with one choice. Typed (not `json!`) because one is built per
+/// content piece. With `stream_options.include_usage`, every chunk carries `"usage": null`.
+#[derive(Serialize)]
+struct ChatChunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChatChunkChoice<'a>; 1],
+    /// `Some(())` serialises as `"usage": null`; `None` leaves the key out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<()>,
+}
+
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: u32,
+    delta: ChatDelta<'a>,
+    /// Always `null`.
+    logprobs: (),
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct ChatDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
 }
 
 /// Role chunk, one `delta.content` chunk per piece, a `finish_reason: "stop"` chunk, the usage
 /// chunk (`choices: []`) when `stream_options.include_usage`, then `data: [DONE]`.
 pub(crate) fn chat_stream(r: &Reply<'_>, pieces: &[String], include_usage: bool) -> StreamParts {
     let id = format!("chatcmpl-mock-{}", r.n);
-    let chunk = |delta: Value, finish: Value| {
-        let mut c = json!({
-            "id": id,
-            "object": "chat.completion.chunk",
-            "created": r.created,
-            "model": r.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
-        });
-        if include_usage {
-            c["usage"] = Value::Null;
-        }
-        data_event(&c)
+    let chunk = |delta: ChatDelta<'_>, finish_reason: Option<&'static str>| {
+        data_event(&ChatChunk {
+            id: &id,
+            object: "chat.completion.chunk",
+            created: r.created,
+            model: r.model,
+            choices: [ChatChunkChoice {
+                index: 0,
+                delta,
+                logprobs: (),
+                finish_reason,
+            }],
+            usage: include_usage.then_some(()),
+        })
     };
     let head = vec![chunk(
-        json!({"role": "assistant", "content": "", "refusal": null}),
-        Value::Null,
+        ChatDelta {
+            role: Some("assistant"),
+            content: Some(""),
+        },
+        None,
     )];
     let pieces = pieces
         .iter()
-        .map(|p| chunk(json!({"content": p}), Value::Null))
+        .map(|p| {
+            chunk(
+                ChatDelta {
+                    role: None,
+                    content: Some(p),
+                },
+                None,
+            )
+        })
         .collect();
-    let mut tail = vec![chunk(json!({}), json!("stop"))];
+    let finish = ChatDelta {
+        role: None,
+        content: None,
+    };
+    let mut tail = vec![chunk(finish, Some("stop"))];
     if include_usage {
         tail.push(data_event(&json!({
             "id": id,
@@ -120,15 +215,37 @@ pub(crate) fn chat_stream(r: &Reply<'_>, pieces: &[String], include_usage: bool)
 
 // ---- legacy completions ----
 
-pub(crate) fn completion_json(r: &Reply<'_>, text: &str) -> Value {
-    json!({
+pub(crate) fn completion_json(r: &Reply<'_>, text: &str) -> Bytes {
+    json_bytes(&json!({
         "id": format!("cmpl-mock-{}", r.n),
         "object": "text_completion",
         "created": r.created,
         "model": r.model,
         "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": "stop"}],
         "usage": r.usage(),
-    })
+    }))
+}
+
+/// A legacy `text_completion` stream chunk with one choice (typed: one per content piece).
+#[derive(Serialize)]
+struct CompletionChunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [CompletionChunkChoice<'a>; 1],
+    /// `Some(())` serialises as `"usage": null`; `None` leaves the key out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<()>,
+}
+
+#[derive(Serialize)]
+struct CompletionChunkChoice<'a> {
+    text: &'a str,
+    index: u32,
+    /// Always `null`.
+    logprobs: (),
+    finish_reason: Option<&'static str>,
 }
 
 /// One `choices[0].text` chunk per piece, a final chunk with `finish_reason: "stop"`, the usage
@@ -139,21 +256,23 @@ pub(crate) fn completion_stream(
     include_usage: bool,
 ) -> StreamParts {
     let id = format!("cmpl-mock-{}", r.n);
-    let chunk = |text: &str, finish: Value| {
-        let mut c = json!({
-            "id": id,
-            "object": "text_completion",
-            "created": r.created,
-            "model": r.model,
-            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}],
-        });
-        if include_usage {
-            c["usage"] = Value::Null;
-        }
-        data_event(&c)
+    let chunk = |text: &str, finish_reason: Option<&'static str>| {
+        data_event(&CompletionChunk {
+            id: &id,
+            object: "text_completion",
+            created: r.created,
+            model: r.model,
+            choices: [CompletionChunkChoice {
+                text,
+                index: 0,
+                logprobs: (),
+                finish_reason,
+            }],
+            usage: include_usage.then_some(()),
+        })
     };
-    let pieces = pieces.iter().map(|p| chunk(p, Value::Null)).collect();
-    let mut tail = vec![chunk("", json!("stop"))];
+    let pieces = pieces.iter().map(|p| chunk(p, None)).collect();
+    let mut tail = vec![chunk("", Some("stop"))];
     if include_usage {
         tail.push(data_event(&json!({
             "id": id,
@@ -235,7 +354,7 @@ pub(crate) fn embeddings_ask(body: &Value) -> Result<EmbeddingsAsk, String> {
     })
 }
 
-pub(crate) fn embeddings_json(model: &str, ask: &EmbeddingsAsk, prompt_tokens: u64) -> Value {
+pub(crate) fn embeddings_json(model: &str, ask: &EmbeddingsAsk, prompt_tokens: u64) -> Bytes {
     let data: Vec<Value> = ask
         .inputs
         .iter()
@@ -250,12 +369,12 @@ pub(crate) fn embeddings_json(model: &str, ask: &EmbeddingsAsk, prompt_tokens: u
             json!({"object": "embedding", "index": i, "embedding": embedding})
         })
         .collect();
-    json!({
+    json_bytes(&json!({
         "object": "list",
         "data": data,
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    })
+    }))
 }
 
 // ---- Responses API ----
@@ -318,8 +437,21 @@ fn response_object(r: &Reply<'_>, text: Option<&str>) -> Value {
     })
 }
 
-pub(crate) fn responses_json(r: &Reply<'_>, text: &str) -> Value {
-    response_object(r, Some(text))
+pub(crate) fn responses_json(r: &Reply<'_>, text: &str) -> Bytes {
+    json_bytes(&response_object(r, Some(text)))
+}
+
+/// `response.output_text.delta` (typed: one per content piece).
+#[derive(Serialize)]
+struct OutputTextDelta<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    sequence_number: u64,
+    item_id: &'a str,
+    output_index: u32,
+    content_index: u32,
+    delta: &'a str,
+    logprobs: [(); 0],
 }
 
 /// `response.created`, `response.in_progress`, `response.output_item.added`,
@@ -329,11 +461,12 @@ pub(crate) fn responses_json(r: &Reply<'_>, text: &str) -> Value {
 pub(crate) fn responses_stream(r: &Reply<'_>, pieces: &[String]) -> StreamParts {
     let text = pieces.concat();
     let item_id = format!("msg_mock_{}", r.n);
-    let mut seq = 0u64;
-    let mut event = |kind: &str, mut data: Value| {
+    // Events are built in emission order, so numbering them as built numbers them as sent.
+    let seq = Cell::new(0u64);
+    let next_seq = || seq.replace(seq.get() + 1);
+    let event = |kind: &str, mut data: Value| {
         data["type"] = json!(kind);
-        data["sequence_number"] = json!(seq);
-        seq += 1;
+        data["sequence_number"] = json!(next_seq());
         named_event(kind, &data)
     };
     let head = vec![
@@ -360,12 +493,17 @@ pub(crate) fn responses_stream(r: &Reply<'_>, pieces: &[String]) -> StreamParts 
     let pieces = pieces
         .iter()
         .map(|p| {
-            event(
+            named_event(
                 "response.output_text.delta",
-                json!({
-                    "item_id": item_id, "output_index": 0, "content_index": 0,
-                    "delta": p, "logprobs": [],
-                }),
+                &OutputTextDelta {
+                    kind: "response.output_text.delta",
+                    sequence_number: next_seq(),
+                    item_id: &item_id,
+                    output_index: 0,
+                    content_index: 0,
+                    delta: p,
+                    logprobs: [],
+                },
             )
         })
         .collect();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use serde_json::Value;
+use serde::Serialize;
 
 /// A provider stream, split where faults may be injected.
 #[derive(Debug, Default)]
@@ -51,17 +51,17 @@ impl StreamFaults {
 pub(crate) const GARBAGE_EVENT: &[u8] = b"data: {not json\nthis line has no colon\n\n";
 
 /// `data: <json>\n\n` (OpenAI chat and completions streams).
-pub(crate) fn data_event(v: &Value) -> Bytes {
+pub(crate) fn data_event<T: Serialize + ?Sized>(v: &T) -> Bytes {
     let mut out = Vec::with_capacity(128);
     out.extend_from_slice(b"data: ");
-    // Serialising a `Value` into a Vec cannot fail.
+    // Serialising our own shapes (string keys only) into a Vec cannot fail.
     let _ = serde_json::to_writer(&mut out, v);
     out.extend_from_slice(b"\n\n");
     Bytes::from(out)
 }
 
 /// `event: <name>\ndata: <json>\n\n` (Anthropic and OpenAI Responses streams).
-pub(crate) fn named_event(name: &str, v: &Value) -> Bytes {
+pub(crate) fn named_event<T: Serialize + ?Sized>(name: &str, v: &T) -> Bytes {
     let mut out = Vec::with_capacity(160);
     out.extend_from_slice(b"event: ");
     out.extend_from_slice(name.as_bytes());
@@ -71,20 +71,26 @@ pub(crate) fn named_event(name: &str, v: &Value) -> Bytes {
     Bytes::from(out)
 }
 
-/// The response body for a stream. Without faults it is a plain iterator (hyper coalesces the
-/// events into few writes); with faults a generator that sleeps and breaks as asked.
+/// The response body for a stream. Without faults every event is ready at once, so they go out
+/// as one chunk (still `transfer-encoding: chunked`, as providers send it; SSE parsers must not
+/// care how events fall into chunks). With faults, a generator sends one chunk per event and
+/// sleeps and breaks as asked.
 ///
 /// A drop yields an `Err` from the body: hyper then closes the connection without the final
 /// zero-length chunk, so the client sees a truncated chunked body, not a clean end.
 pub(crate) fn stream_body(parts: StreamParts, faults: StreamFaults) -> Body {
     if faults.is_clean() {
-        let all = parts
+        // Everything is ready at once: one data frame, one chunk on the wire, one write.
+        let all: Vec<Bytes> = parts
             .head
             .into_iter()
             .chain(parts.pieces)
             .chain(parts.tail)
-            .map(Ok::<_, io::Error>);
-        return Body::from_stream(futures::stream::iter(all));
+            .collect();
+        let whole = Bytes::from(all.concat());
+        return Body::from_stream(futures::stream::once(
+            async move { Ok::<_, io::Error>(whole) },
+        ));
     }
     let StreamParts { head, pieces, tail } = parts;
     let total = u32::try_from(pieces.len()).unwrap_or(u32::MAX);

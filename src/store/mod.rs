@@ -240,12 +240,86 @@ pub struct RequestRecord {
     pub upstream_request_id: Option<String>,
     /// Highest chunk seq stored.
     pub last_seq: i64,
+    /// Seq of the latest `reset` chunk, 0 when none: the current attempt's chunks follow it.
+    pub reset_seq: i64,
     /// Submission time.
     pub created_at: Millis,
     /// Last change.
     pub updated_at: Millis,
     /// When it became terminal.
     pub finished_at: Option<Millis>,
+}
+
+/// What a stored chunk is (SPEC §0 "chunk", RD-5, RD-6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkKind {
+    /// One provider SSE event.
+    Data,
+    /// Control: a new attempt starts after this; data is its number (LC-8, RD-6).
+    Reset,
+    /// Control: the request settled; data is `{"status","error"}` (RD-5).
+    End,
+}
+
+impl ChunkKind {
+    /// The database spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChunkKind::Data => "data",
+            ChunkKind::Reset => "reset",
+            ChunkKind::End => "end",
+        }
+    }
+
+    /// Parses the database spelling.
+    pub fn parse(s: &str) -> Option<ChunkKind> {
+        Some(match s {
+            "data" => ChunkKind::Data,
+            "reset" => ChunkKind::Reset,
+            "end" => ChunkKind::End,
+            _ => return None,
+        })
+    }
+}
+
+/// One stored chunk, numbered by `seq` (1, 2, 3, ... per request).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// Position in the request's chunk log.
+    pub seq: i64,
+    /// Attempt that wrote it (for `reset`, the attempt that starts after it).
+    pub attempt: u32,
+    /// Data or control.
+    pub kind: ChunkKind,
+    /// The provider's `event:` name (data chunks), or `None`.
+    pub event: Option<String>,
+    /// The event's data (lines joined with `\n`).
+    pub data: String,
+}
+
+/// A provider event to store as a data chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewChunk {
+    /// `event:` name, if any.
+    pub event: Option<String>,
+    /// Data.
+    pub data: String,
+}
+
+/// Data chunks of one attempt to append, fenced on its lease (LC-3).
+#[derive(Debug, Clone)]
+pub struct ChunkBatch {
+    /// The attempt's lease.
+    pub lease: Lease,
+    /// Events in order.
+    pub chunks: Vec<NewChunk>,
+    /// The provider's request id, recorded with the first batch of an attempt (RS-5).
+    pub upstream_request_id: Option<String>,
+}
+
+/// The `data` of an `end` chunk: `{"status","error"}`.
+pub fn end_data(status: Status, error: Option<&ErrorInfo>) -> String {
+    serde_json::json!({ "status": status, "error": error }).to_string()
 }
 
 /// The right to run one attempt (LC-2). Every write for the attempt names it (LC-3).
@@ -357,8 +431,9 @@ pub trait Store: Send + Sync + 'static {
         lease_ms: i64,
     ) -> Result<bool, StoreError>;
 
-    /// Records the end of an attempt, fenced on the lease (LC-3). A terminal failure releases the
-    /// claim as [`failure_releases_claim`] says (ID-6). `false` when the lease was lost and
+    /// Records the end of an attempt, fenced on the lease (LC-3). A terminal outcome appends the
+    /// `end` chunk (RD-5) in the same transaction; a terminal failure releases the claim as
+    /// [`failure_releases_claim`] says (ID-6). `false` when the lease was lost and
     /// nothing was written.
     ///
     /// # Errors
@@ -372,10 +447,34 @@ pub trait Store: Send + Sync + 'static {
 
     /// Sends `running` requests whose lease expired before `now` back to `pending` with
     /// `recoveries + 1`, or to `failed`/`lease_expired` when `attempts >= max_attempts` (LC-4).
+    /// A recovered request whose abandoned attempt stored chunks gets a `reset` chunk (LC-8);
+    /// a failed one gets its `end` chunk.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails.
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError>;
+
+    /// Appends each batch's chunks after the request's `last_seq`, each batch fenced on its
+    /// lease, all in one transaction (group commit). Returns, per batch, the stored chunks with
+    /// their seqs, or `None` when that batch's lease was lost and nothing of it was written.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails; then nothing was written.
+    async fn append_chunks(
+        &self,
+        batches: &[ChunkBatch],
+    ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError>;
+
+    /// Chunks of request `id` with `seq > after`, in order, at most `limit`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn chunks_after(
+        &self,
+        id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<Chunk>, StoreError>;
 
     /// Earliest `next_retry_at` of any pending request, to sleep until it.
     ///

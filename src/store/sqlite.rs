@@ -19,8 +19,9 @@ use sqlx::{Row, Sqlite, Transaction};
 use uuid::Uuid;
 
 use super::{
-    ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest, Outcome, RequestRecord, Status,
-    Store, StoreError, Submitted, Swept, failure_releases_claim,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
+    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
+    failure_releases_claim,
 };
 use crate::config::SqliteSynchronous;
 
@@ -33,7 +34,7 @@ pub struct SqliteStore {
 
 const COLUMNS: &str = "id, namespace, route, backend, model, stream, body, headers, claim_kind, \
     status, attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
-    response_status, response_body, upstream_request_id, last_seq, created_at, updated_at, \
+    response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, updated_at, \
     finished_at";
 
 impl SqliteStore {
@@ -124,6 +125,7 @@ fn record_from_row(row: &SqliteRow) -> Result<RequestRecord, StoreError> {
         response_body: row.try_get("response_body")?,
         upstream_request_id: row.try_get("upstream_request_id")?,
         last_seq: row.try_get("last_seq")?,
+        reset_seq: row.try_get("reset_seq")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         finished_at: row.try_get("finished_at")?,
@@ -144,6 +146,50 @@ async fn release_claims(
             .await?;
     }
     Ok(())
+}
+
+/// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
+/// moves `reset_seq` (LC-8, RD-5, RD-6). Returns its seq.
+async fn append_control(
+    tx: &mut Transaction<'_, Sqlite>,
+    id: &str,
+    attempt: i64,
+    kind: ChunkKind,
+    data: &str,
+) -> Result<i64, StoreError> {
+    let seq: i64 = sqlx::query_scalar(
+        "UPDATE requests SET last_seq = last_seq + 1,
+             reset_seq = CASE WHEN ?2 = 'reset' THEN last_seq + 1 ELSE reset_seq END
+         WHERE id = ?1
+         RETURNING last_seq",
+    )
+    .bind(id)
+    .bind(kind.as_str())
+    .fetch_one(&mut **tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         VALUES (?1, ?2, ?3, ?4, NULL, ?5)",
+    )
+    .bind(id)
+    .bind(seq)
+    .bind(attempt)
+    .bind(kind.as_str())
+    .bind(data)
+    .execute(&mut **tx)
+    .await?;
+    Ok(seq)
+}
+
+fn chunk_from_row(row: &SqliteRow) -> Result<Chunk, StoreError> {
+    let kind: String = row.try_get("kind")?;
+    Ok(Chunk {
+        seq: row.try_get("seq")?,
+        attempt: u32::try_from(row.try_get::<i64, _>("attempt")?).map_err(corrupt)?,
+        kind: ChunkKind::parse(&kind).ok_or_else(|| corrupt(format!("chunk kind {kind:?}")))?,
+        event: row.try_get("event")?,
+        data: row.try_get("data")?,
+    })
 }
 
 fn claim_kind_of(s: &str) -> ClaimKind {
@@ -295,19 +341,19 @@ impl Store for SqliteStore {
     ) -> Result<bool, StoreError> {
         let id = lease.id.to_string();
         let mut tx = self.writer.begin().await?;
-        let claim: Option<String> = match &outcome {
+        let claim: Option<(String, i64)> = match &outcome {
             Outcome::Succeeded {
                 status,
                 body,
                 upstream_request_id,
             } => {
-                sqlx::query_scalar(
+                sqlx::query_as(
                     "UPDATE requests SET status = 'succeeded', response_status = ?1,
                          response_body = ?2, upstream_request_id = ?3, error_type = NULL,
                          error_message = NULL, error_status = NULL, lease_owner = NULL,
                          lease_expires_at = NULL, finished_at = ?4, updated_at = ?4
                      WHERE id = ?5 AND lease_owner = ?6
-                     RETURNING claim_kind",
+                     RETURNING claim_kind, attempts",
                 )
                 .bind(i64::from(*status))
                 .bind(body)
@@ -322,12 +368,12 @@ impl Store for SqliteStore {
                 next_retry_at,
                 error,
             } => {
-                sqlx::query_scalar(
+                sqlx::query_as(
                     "UPDATE requests SET status = 'pending', next_retry_at = ?1,
                          error_type = ?2, error_message = ?3, error_status = ?4,
                          lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
                      WHERE id = ?6 AND lease_owner = ?7
-                     RETURNING claim_kind",
+                     RETURNING claim_kind, attempts",
                 )
                 .bind(next_retry_at)
                 .bind(error.kind.as_str())
@@ -344,13 +390,13 @@ impl Store for SqliteStore {
                 response,
                 upstream_request_id,
             } => {
-                let claim: Option<String> = sqlx::query_scalar(
+                let claim: Option<(String, i64)> = sqlx::query_as(
                     "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
                          error_status = ?3, response_status = ?4, response_body = ?5,
                          upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
                          finished_at = ?7, updated_at = ?7
                      WHERE id = ?8 AND lease_owner = ?9
-                     RETURNING claim_kind",
+                     RETURNING claim_kind, attempts",
                 )
                 .bind(error.kind.as_str())
                 .bind(&error.message)
@@ -363,51 +409,149 @@ impl Store for SqliteStore {
                 .bind(&lease.owner)
                 .fetch_optional(&mut *tx)
                 .await?;
-                if let Some(kind) = &claim {
+                if let Some((kind, attempts)) = &claim {
                     release_claims(&mut tx, &id, claim_kind_of(kind), error.kind).await?;
+                    let end = end_data(Status::Failed, Some(error));
+                    append_control(&mut tx, &id, *attempts, ChunkKind::End, &end).await?;
                 }
                 claim
             }
         };
+        if let (Some((_, attempts)), Outcome::Succeeded { .. }) = (&claim, &outcome) {
+            let end = end_data(Status::Succeeded, None);
+            append_control(&mut tx, &id, *attempts, ChunkKind::End, &end).await?;
+        }
         tx.commit().await?;
         Ok(claim.is_some())
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
         let mut tx = self.writer.begin().await?;
-        let failed: Vec<(String, String)> = sqlx::query_as(
+        let failed: Vec<(String, String, i64)> = sqlx::query_as(
             "UPDATE requests SET status = 'failed', error_type = 'lease_expired',
                  error_message = 'the worker running the last attempt stopped renewing its lease and no attempts are left',
                  error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
                  finished_at = ?1, updated_at = ?1
              WHERE status = 'running' AND lease_expires_at < ?1 AND attempts >= ?2
-             RETURNING id, claim_kind",
+             RETURNING id, claim_kind, attempts",
         )
         .bind(now)
         .bind(i64::from(max_attempts))
         .fetch_all(&mut *tx)
         .await?;
-        for (id, claim) in &failed {
+        for (id, claim, attempts) in &failed {
             release_claims(&mut tx, id, claim_kind_of(claim), ErrorType::LeaseExpired).await?;
+            let record = Self::fetch_in(&mut tx, id).await?;
+            let end = end_data(
+                Status::Failed,
+                record.as_ref().and_then(|r| r.error.as_ref()),
+            );
+            append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
         }
-        let recovered: Vec<String> = sqlx::query_scalar(
+        let recovered: Vec<(String, i64, i64, i64)> = sqlx::query_as(
             "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
                  next_retry_at = ?1, lease_owner = NULL, lease_expires_at = NULL, updated_at = ?1
              WHERE status = 'running' AND lease_expires_at < ?1
-             RETURNING id",
+             RETURNING id, attempts, last_seq, reset_seq",
         )
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
+        for (id, attempts, last_seq, reset_seq) in &recovered {
+            // The abandoned attempt stored chunks: the next attempt starts after a reset (LC-8).
+            if last_seq > reset_seq {
+                let next = (attempts + 1).to_string();
+                append_control(&mut tx, id, attempts + 1, ChunkKind::Reset, &next).await?;
+            }
+        }
         tx.commit().await?;
         let parse = |s: &String| Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")));
         Ok(Swept {
-            recovered: recovered.iter().map(parse).collect::<Result<_, _>>()?,
+            recovered: recovered
+                .iter()
+                .map(|(id, ..)| parse(id))
+                .collect::<Result<_, _>>()?,
             failed: failed
                 .iter()
-                .map(|(id, _)| parse(id))
+                .map(|(id, ..)| parse(id))
                 .collect::<Result<_, _>>()?,
         })
+    }
+
+    async fn append_chunks(
+        &self,
+        batches: &[ChunkBatch],
+    ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        let mut tx = self.writer.begin().await?;
+        let mut results = Vec::with_capacity(batches.len());
+        for batch in batches {
+            let id = batch.lease.id.to_string();
+            let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
+            // Fenced (LC-3): the seqs are reserved only while this attempt holds its lease.
+            let last: Option<i64> = sqlx::query_scalar(
+                "UPDATE requests SET last_seq = last_seq + ?1,
+                     upstream_request_id = COALESCE(?2, upstream_request_id)
+                 WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'
+                 RETURNING last_seq",
+            )
+            .bind(n)
+            .bind(&batch.upstream_request_id)
+            .bind(&id)
+            .bind(&batch.lease.owner)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(last) = last else {
+                results.push(None);
+                continue;
+            };
+            let first = last - n + 1;
+            let attempt = i64::from(batch.lease.attempt);
+            let mut stored = Vec::with_capacity(batch.chunks.len());
+            // SQLite allows 32766 bound variables per statement; 6 per row.
+            for (group_index, group) in batch.chunks.chunks(1000).enumerate() {
+                let base = first + (group_index as i64) * 1000;
+                let mut insert = sqlx::QueryBuilder::<Sqlite>::new(
+                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data) ",
+                );
+                insert.push_values(group.iter().enumerate(), |mut row, (i, c)| {
+                    row.push_bind(&id)
+                        .push_bind(base + i as i64)
+                        .push_bind(attempt)
+                        .push_bind("data")
+                        .push_bind(&c.event)
+                        .push_bind(&c.data);
+                });
+                insert.build().execute(&mut *tx).await?;
+                stored.extend(group.iter().enumerate().map(|(i, c)| Chunk {
+                    seq: base + i as i64,
+                    attempt: batch.lease.attempt,
+                    kind: ChunkKind::Data,
+                    event: c.event.clone(),
+                    data: c.data.clone(),
+                }));
+            }
+            results.push(Some(stored));
+        }
+        tx.commit().await?;
+        Ok(results)
+    }
+
+    async fn chunks_after(
+        &self,
+        id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<Chunk>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT seq, attempt, kind, event, data FROM chunks
+             WHERE request_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+        )
+        .bind(id.to_string())
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(chunk_from_row).collect()
     }
 
     async fn next_due(&self) -> Result<Option<Millis>, StoreError> {

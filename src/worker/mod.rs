@@ -8,6 +8,7 @@
 //! attempt writes nothing more (LC-3). A separate sweeper sends expired leases back to
 //! `pending` (LC-4).
 
+pub mod chunks;
 pub mod retry;
 
 use std::sync::Arc;
@@ -20,8 +21,12 @@ use tracing::{debug, info, warn};
 
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
-use crate::store::{DynStore, ErrorInfo, ErrorType, Lease, Outcome, RequestRecord, now_ms};
+use crate::store::{
+    ChunkBatch, DynStore, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
+};
+use crate::upstream::sse::{SseEvent, SseParser};
 use crate::upstream::{CallError, Upstreams, request_id_header};
+use chunks::{AppendError, ChunkWriter};
 
 /// What a worker pool needs.
 #[derive(Clone)]
@@ -34,6 +39,16 @@ pub struct WorkerPool {
     wake: Arc<Notify>,
     /// Prefix of lease owners: identifies this process in the log.
     node: String,
+    /// Group commit of stream chunks.
+    chunks: ChunkWriter,
+}
+
+/// How a streamed attempt ended, before it becomes an [`Outcome`].
+enum StreamEnd {
+    /// The attempt lost its lease while streaming: write nothing more (LC-3).
+    LeaseLost,
+    /// A classified outcome.
+    Outcome(Outcome),
 }
 
 impl WorkerPool {
@@ -47,7 +62,9 @@ impl WorkerPool {
         wake: Arc<Notify>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
+        let chunks = ChunkWriter::spawn(store.clone());
         WorkerPool {
+            chunks,
             store,
             hub,
             upstreams,
@@ -175,7 +192,7 @@ impl WorkerPool {
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), lost.clone()));
         debug!(id = %lease.id, attempt = lease.attempt, "attempt started");
         let outcome = tokio::select! {
-            outcome = self.call(&lease, &record) => Some(outcome),
+            outcome = self.call(&lease, &record) => outcome,
             () = lost.cancelled() => None,
         };
         heartbeat.abort();
@@ -226,15 +243,16 @@ impl WorkerPool {
         }
     }
 
-    /// One provider call, classified into an [`Outcome`] (LC-5, LC-6, LC-11).
-    async fn call(&self, lease: &Lease, record: &RequestRecord) -> Outcome {
+    /// One provider call, classified into an [`Outcome`] (LC-5, LC-6, LC-11). `None` when the
+    /// lease was lost on the way.
+    async fn call(&self, lease: &Lease, record: &RequestRecord) -> Option<Outcome> {
         let kind = self
             .config
             .backend(&record.backend)
             .map_or(crate::config::BackendKind::Openai, |b| b.kind);
         let mut response = match self.upstreams.send(record).await {
             Ok(r) => r,
-            Err(e) => return self.transient(lease, None, e.to_string(), None),
+            Err(e) => return Some(self.transient(lease, None, e.to_string(), None)),
         };
         let status = response.status().as_u16();
         let request_id = response
@@ -242,8 +260,28 @@ impl WorkerPool {
             .get(request_id_header(kind))
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        if record.stream && (200..300).contains(&status) {
+            return match self.stream(lease, response, status, request_id).await {
+                StreamEnd::LeaseLost => None,
+                StreamEnd::Outcome(o) => Some(o),
+            };
+        }
+        Some(
+            self.classify(lease, &mut response, status, request_id)
+                .await,
+        )
+    }
+
+    /// Classifies a whole-body answer: success, transient, refusal or invalid.
+    async fn classify(
+        &self,
+        lease: &Lease,
+        response: &mut reqwest::Response,
+        status: u16,
+        request_id: Option<String>,
+    ) -> Outcome {
         let hint = retry::retry_after(response.headers());
-        let body = match self.upstreams.read_body(&mut response).await {
+        let body = match self.upstreams.read_body(response).await {
             Ok(b) => b,
             Err(e @ CallError::TooLarge(_)) if (200..300).contains(&status) => {
                 return Outcome::Failed {
@@ -312,6 +350,138 @@ impl WorkerPool {
         }
     }
 
+    /// Reads a 2xx event stream, storing each event as a chunk through the group-commit writer
+    /// and publishing it to live readers once durable. A failure before the first stored chunk
+    /// is transient (LC-5); after it, terminal `stream_interrupted` (LC-7). Garbage from the
+    /// provider fails the request as `upstream_invalid` without storing the garbage.
+    async fn stream(
+        &self,
+        lease: &Lease,
+        mut response: reqwest::Response,
+        status: u16,
+        request_id: Option<String>,
+    ) -> StreamEnd {
+        let mut parser = SseParser::new();
+        let mut stored = 0usize;
+        let mut request_id_to_store = request_id.clone();
+        let fail = |kind: ErrorType, message: String| {
+            StreamEnd::Outcome(Outcome::Failed {
+                error: ErrorInfo {
+                    kind,
+                    message,
+                    status: Some(status),
+                },
+                response: None,
+                upstream_request_id: request_id.clone(),
+            })
+        };
+        loop {
+            let piece = match self.upstreams.next_piece(&mut response).await {
+                Ok(piece) => piece,
+                Err(e) if stored == 0 => {
+                    return StreamEnd::Outcome(self.transient(
+                        lease,
+                        Some(status),
+                        e.to_string(),
+                        None,
+                    ));
+                }
+                Err(e) => {
+                    return fail(
+                        ErrorType::StreamInterrupted,
+                        format!("the provider stream broke after {stored} events: {e}"),
+                    );
+                }
+            };
+            let events = match piece {
+                Some(bytes) => parser.push(&bytes),
+                None => break,
+            };
+            let events = match events {
+                Ok(events) => events,
+                Err(e) => {
+                    return fail(
+                        ErrorType::UpstreamInvalid,
+                        format!("the provider stream is not valid SSE: {e}"),
+                    );
+                }
+            };
+            if events.is_empty() {
+                continue;
+            }
+            let mut chunks = Vec::with_capacity(events.len());
+            let mut provider_error = None;
+            for event in events {
+                if let Err(why) = check_event(&event) {
+                    return fail(ErrorType::UpstreamInvalid, why);
+                }
+                if is_error_event(&event) {
+                    provider_error = Some(event.data.clone());
+                }
+                chunks.push(NewChunk {
+                    event: event.event,
+                    data: event.data,
+                });
+            }
+            if let Some(error) = &provider_error
+                && stored == 0
+            {
+                // The provider failed before anything was stored: as transient as a 5xx.
+                let message = format!("the provider sent an error event: {error}");
+                return StreamEnd::Outcome(self.transient(lease, Some(status), message, None));
+            }
+            let batch = ChunkBatch {
+                lease: lease.clone(),
+                chunks,
+                upstream_request_id: request_id_to_store.take(),
+            };
+            match self.chunks.append(batch).await {
+                Ok(stored_chunks) => {
+                    stored += stored_chunks.len();
+                    for chunk in stored_chunks {
+                        self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
+                    }
+                }
+                Err(AppendError::LeaseLost) => return StreamEnd::LeaseLost,
+                Err(e) => {
+                    // Nothing more can be stored; the lease will expire and the sweep re-runs
+                    // the request as a new attempt after a reset (LC-8).
+                    warn!(id = %lease.id, error = %e, "abandoning attempt: chunks cannot be stored");
+                    return StreamEnd::LeaseLost;
+                }
+            }
+            if let Some(error) = provider_error {
+                return fail(
+                    ErrorType::StreamInterrupted,
+                    format!("the provider failed mid-stream: {error}"),
+                );
+            }
+        }
+        match parser.finish() {
+            Ok(finish) if finish.clean => StreamEnd::Outcome(Outcome::Succeeded {
+                status,
+                body: Vec::new(),
+                upstream_request_id: request_id,
+            }),
+            Ok(_) if stored == 0 => StreamEnd::Outcome(self.transient(
+                lease,
+                Some(status),
+                "the provider closed the stream in the middle of an event".into(),
+                None,
+            )),
+            Ok(_) => fail(
+                ErrorType::StreamInterrupted,
+                format!(
+                    "the provider closed the stream in the middle of an event after {stored} events"
+                ),
+            ),
+            Err(e) => fail(
+                ErrorType::UpstreamInvalid,
+                format!("the provider stream is not valid SSE: {e}"),
+            ),
+        }
+    }
+
     /// A transient failure: retry after backoff while attempts are left (LC-5), else
     /// `attempts_exhausted`.
     fn transient(
@@ -343,6 +513,29 @@ impl WorkerPool {
             },
         }
     }
+}
+
+/// A provider event must carry JSON, or be OpenAI's `[DONE]` sentinel.
+fn check_event(event: &SseEvent) -> Result<(), String> {
+    if event.data == "[DONE]" || serde_json::from_str::<serde::de::IgnoredAny>(&event.data).is_ok()
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "the provider sent an event whose data is not JSON: {}",
+            excerpt(event.data.as_bytes())
+        ))
+    }
+}
+
+/// Anthropic's `event: error`, or an OpenAI-style `{"error": ...}` data object.
+fn is_error_event(event: &SseEvent) -> bool {
+    if event.event.as_deref() == Some("error") {
+        return true;
+    }
+    event.data.starts_with('{')
+        && serde_json::from_str::<serde_json::Value>(&event.data)
+            .is_ok_and(|v| v.get("error").is_some_and(|e| !e.is_null()))
 }
 
 /// The first 200 characters of a provider body, for messages.

@@ -128,3 +128,115 @@ async fn readme_demo_and_curl_example_work_on_a_fresh_directory_cli2() {
     );
     child.kill().await.unwrap();
 }
+
+async fn run_streams_mode(app: &TestApp, mode: &'static str) -> serde_json::Value {
+    let url = app.base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/sdk_streams.py");
+        let out = Command::new("python3")
+            .arg(path)
+            .arg(mode)
+            .env("HOLDFAST_URL", url)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "sdk_streams.py {mode}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    })
+    .await
+    .unwrap();
+    serde_json::from_str(out.trim()).expect("driver prints JSON")
+}
+
+#[tokio::test]
+async fn openai_python_streams_through_holdfast_and_a_repeat_replays_despite_keepalives_rs3_rs4() {
+    if !python_has("openai") {
+        return;
+    }
+    // A slow stream with keep-alive comments between the chunks.
+    let app = spawn_app(
+        MockConfig {
+            chunks: 5,
+            chunk_delay_ms: 150,
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 40,
+    )
+    .await;
+    let result = run_streams_mode(&app, "openai").await;
+    let texts = result["texts"].as_array().unwrap();
+    assert!(
+        texts[0]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply to gpt-4o-mini:"),
+        "{result}"
+    );
+    assert_eq!(texts[0], texts[1]);
+    assert_eq!(
+        app.mock.calls(),
+        1,
+        "the repeat replayed without an upstream call"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn anthropic_python_streams_through_holdfast_and_a_repeat_replays() {
+    if !python_has("anthropic") {
+        return;
+    }
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let result = run_streams_mode(&app, "anthropic").await;
+    let texts = result["texts"].as_array().unwrap();
+    assert!(
+        texts[0]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply to claude-sonnet-4-5:"),
+        "{result}"
+    );
+    assert_eq!(
+        texts[0], texts[1],
+        "messages.stream replays the raw stream's text"
+    );
+    assert_eq!(
+        result["non_stream"], texts[0],
+        "non-stream text equals the streamed text"
+    );
+    assert_eq!(app.mock.calls(), 2, "one stream execution, one non-stream");
+    let recorded = app.mock.recorded();
+    assert!(
+        recorded.iter().all(|c| c.path.ends_with("/v1/messages")),
+        "{recorded:?}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn openai_python_raises_api_error_when_the_provider_drops_mid_stream_lc7() {
+    if !python_has("openai") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 20,
+            drop_after_chunks: Some(5),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let result = run_streams_mode(&app, "broken").await;
+    assert_eq!(result["raised"], "APIError", "{result}");
+    let partial = result["texts"][0].as_str().unwrap();
+    assert!(
+        partial.starts_with("mock reply"),
+        "chunks before the break arrived: {result}"
+    );
+    app.stop().await;
+}

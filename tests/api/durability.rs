@@ -66,3 +66,81 @@ async fn request_running_at_sigkill_succeeds_after_restart_with_a_recovery_du1_l
     drop(second);
     mock.shutdown().await;
 }
+
+#[tokio::test]
+async fn stream_killed_mid_attempt_reruns_and_a_resume_reader_gets_reset_then_the_whole_new_attempt_lc8_rd6()
+ {
+    let mock = start_mock(MockConfig {
+        chunks: 60,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = config_toml(dir.path(), &mock.base_url());
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{}/v1/chat/completions", first.base))
+        .header("content-type", "application/json")
+        .header("prefer", "respond-async")
+        .body(stream_body("survive a crash mid-stream"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let id = header(&r, "holdfast-request-id");
+
+    // A log reader follows the first attempt for a few events.
+    let mut reader = get_events(&http, &first.base, &id, None).await;
+    let mut parser = holdfast::upstream::sse::SseParser::new();
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let piece = reader.chunk().await.unwrap().expect("stream continues");
+        seen.extend(parser.push(&piece).unwrap());
+    }
+    let position = seen.last().unwrap().id.clone().unwrap();
+    first.kill9();
+
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(60)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["recoveries"], 1, "{record}");
+    assert_eq!(record["attempts"], 2, "{record}");
+    assert_eq!(mock.calls(), 2);
+
+    let resumed = get_events(&http, &second.base, &id, Some(&position)).await;
+    let (_, events) = read_events(resumed).await;
+    assert_eq!(
+        events[0].event.as_deref(),
+        Some("reset"),
+        "RD-6: reset comes next"
+    );
+    assert_eq!(events[0].data, "2", "reset data is the new attempt number");
+    let end = events.last().unwrap();
+    assert_eq!(end.event.as_deref(), Some("end"));
+    let attempt2 = &events[1..events.len() - 1];
+    assert_eq!(
+        attempt2.len(),
+        63,
+        "role + 60 pieces + finish + [DONE], from the first chunk"
+    );
+    assert_eq!(attempt2.last().unwrap().data, "[DONE]");
+    let ids: Vec<i64> = events
+        .iter()
+        .map(|e| e.id.as_deref().unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        ids.windows(2).all(|w| w[1] == w[0] + 1),
+        "seqs continue without gaps (LC-8)"
+    );
+    assert!(ids[0] > position.parse::<i64>().unwrap());
+
+    // A reader without a position gets the current (second) attempt only.
+    let fresh = get_events(&http, &second.base, &id, None).await;
+    let (_, fresh) = read_events(fresh).await;
+    assert_eq!(fresh.len(), 64, "the second attempt and its end");
+    assert_eq!(fresh[0].data, attempt2[0].data);
+    drop(second);
+    mock.shutdown().await;
+}

@@ -285,3 +285,53 @@ pub fn run_python(script: &str, env: &[(&str, &str)]) -> String {
     );
     stdout
 }
+
+/// A streamed chat-completions body.
+pub fn stream_body(text: &str) -> String {
+    serde_json::json!({
+        "model": "gpt-4o-mini",
+        "stream": true,
+        "messages": [{"role": "user", "content": text}],
+    })
+    .to_string()
+}
+
+/// Reads a whole SSE response: its raw text and its events (WHATWG parsing).
+pub async fn read_events(
+    response: reqwest::Response,
+) -> (String, Vec<holdfast::upstream::sse::SseEvent>) {
+    let bytes = response.bytes().await.expect("SSE body");
+    let mut parser = holdfast::upstream::sse::SseParser::new();
+    let events = parser.push(&bytes).expect("valid SSE");
+    (String::from_utf8(bytes.to_vec()).expect("UTF-8"), events)
+}
+
+/// `GET /requests/{id}` as an event stream, with an optional `Last-Event-ID`.
+pub async fn get_events(
+    http: &reqwest::Client,
+    base: &str,
+    id: &str,
+    last_event_id: Option<&str>,
+) -> reqwest::Response {
+    let mut req = http
+        .get(format!("{base}/requests/{id}"))
+        .header("accept", "text/event-stream");
+    if let Some(p) = last_event_id {
+        req = req.header("last-event-id", p);
+    }
+    req.send().await.expect("GET events")
+}
+
+/// Concatenated `delta.content` of OpenAI chat-completion chunk events.
+pub fn openai_text(events: &[holdfast::upstream::sse::SseEvent]) -> String {
+    events
+        .iter()
+        .filter(|e| e.data != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<Value>(&e.data).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}

@@ -5,3 +5,4 @@ mod clients;
 mod durability;
 mod helpers;
 mod proxy;
+mod streams;

@@ -1,0 +1,175 @@
+//! Following a request's chunk log: replay, then live tail, with no gap and no duplicate
+//! (SPEC RS-2, RD-4), rendered either as the provider's own stream (proxied routes, RS-4) or as
+//! holdfast's numbered event stream (`GET /requests/{id}`, RD-2..RD-6).
+//!
+//! [`follow`] subscribes to the hub *first*, then reads the stored backlog, then takes live
+//! chunks from the hub, dropping any it already sent. Whenever the hub skips ahead (a lagged
+//! subscriber), says only "changed", or stays quiet for [`POLL`], it re-reads the store from its
+//! position, so the store, never the hub, decides what a reader sees.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::Stream;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::errors::Shape;
+use crate::hub::{Hub, HubEvent};
+use crate::store::{Chunk, ChunkKind, DynStore, StoreError};
+use crate::upstream::sse;
+
+/// Re-read the store at least this often while following.
+pub const POLL: Duration = Duration::from_millis(500);
+/// Chunks read from the store at a time.
+const PAGE: i64 = 512;
+
+/// An item of a followed chunk log.
+#[derive(Debug, Clone)]
+pub enum Followed {
+    /// The next chunk.
+    Chunk(Chunk),
+    /// Nothing new for a keep-alive interval.
+    KeepAlive,
+}
+
+/// Chunks of request `id` after seq `after`, stored then live, ending after the `end` chunk.
+/// Yields [`Followed::KeepAlive`] every `keepalive` without a chunk.
+pub fn follow(
+    store: DynStore,
+    hub: Arc<Hub>,
+    id: Uuid,
+    after: i64,
+    keepalive: Duration,
+) -> impl Stream<Item = Result<Followed, StoreError>> + Send + 'static {
+    async_stream::try_stream! {
+        let mut subscription = hub.subscribe(id);
+        let mut pos = after;
+        let mut quiet_since = tokio::time::Instant::now();
+        loop {
+            // Backlog from the store.
+            let page = store.chunks_after(id, pos, PAGE).await?;
+            let full = page.len() as i64 == PAGE;
+            for chunk in page {
+                pos = chunk.seq;
+                let end = chunk.kind == ChunkKind::End;
+                quiet_since = tokio::time::Instant::now();
+                yield Followed::Chunk(chunk);
+                if end {
+                    return;
+                }
+            }
+            if full {
+                continue;
+            }
+            // Live from the hub until it skips ahead, says "changed", or goes quiet.
+            loop {
+                let keepalive_at = quiet_since + keepalive;
+                tokio::select! {
+                    event = subscription.recv() => match event {
+                        HubEvent::Chunk(chunk) if chunk.seq <= pos => {}
+                        HubEvent::Chunk(chunk) if chunk.seq == pos + 1 => {
+                            pos = chunk.seq;
+                            let end = chunk.kind == ChunkKind::End;
+                            quiet_since = tokio::time::Instant::now();
+                            yield Followed::Chunk((*chunk).clone());
+                            if end {
+                                return;
+                            }
+                        }
+                        _ => break,
+                    },
+                    () = tokio::time::sleep_until(keepalive_at) => {
+                        quiet_since = tokio::time::Instant::now();
+                        yield Followed::KeepAlive;
+                    }
+                    () = tokio::time::sleep(POLL) => break,
+                }
+            }
+        }
+    }
+}
+
+/// The `data` of an `end` chunk.
+#[derive(Debug, serde::Deserialize)]
+struct EndData {
+    status: String,
+    error: Option<EndError>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct EndError {
+    #[serde(rename = "type")]
+    kind: String,
+    message: String,
+}
+
+/// Renders one followed item for a proxied route (RS-4): provider events as the provider sent
+/// them (keeping `event:`, adding no `id:`); a failed `end` or a `reset` (this reader's attempt
+/// was abandoned) becomes an error event in the provider's stream shape, after which the
+/// caller ends the connection. Returns the bytes and whether the stream is over.
+pub fn provider_bytes(item: &Followed, shape: Shape) -> (Bytes, bool) {
+    match item {
+        Followed::KeepAlive => (sse::comment("keep-alive"), false),
+        Followed::Chunk(chunk) => match chunk.kind {
+            ChunkKind::Data => (
+                sse::encode(None, chunk.event.as_deref(), &chunk.data),
+                false,
+            ),
+            ChunkKind::Reset => (
+                provider_error(
+                    shape,
+                    "attempt_abandoned",
+                    "the holdfast worker running this stream stopped; the request is being re-run \
+                     as a new attempt, and a retry of the same request will attach to it",
+                ),
+                true,
+            ),
+            ChunkKind::End => {
+                let end: Option<EndData> = serde_json::from_str(&chunk.data).ok();
+                match end {
+                    Some(EndData { status, .. }) if status == "succeeded" => (Bytes::new(), true),
+                    Some(EndData {
+                        error: Some(error), ..
+                    }) => (provider_error(shape, &error.kind, &error.message), true),
+                    _ => (
+                        provider_error(shape, "upstream_invalid", "the request failed"),
+                        true,
+                    ),
+                }
+            }
+        },
+    }
+}
+
+/// An error event in the provider's stream shape: OpenAI SDKs raise on a `data:` object with an
+/// `error` member; Anthropic SDKs raise on `event: error`.
+pub fn provider_error(shape: Shape, code: &str, message: &str) -> Bytes {
+    match shape {
+        Shape::Openai => {
+            let data = json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
+            sse::encode(None, None, &data.to_string())
+        }
+        Shape::Anthropic => {
+            let data = json!({"type": "error", "error": {"type": "api_error", "message": message}});
+            sse::encode(None, Some("error"), &data.to_string())
+        }
+    }
+}
+
+/// Renders one followed item for `GET /requests/{id}` (RD-2): `id: <seq>`, the stored `event:`
+/// name (or `reset` / `end` for control chunks), and its data.
+pub fn log_bytes(item: &Followed) -> Bytes {
+    match item {
+        Followed::KeepAlive => sse::comment("keep-alive"),
+        Followed::Chunk(chunk) => {
+            let event = match chunk.kind {
+                ChunkKind::Data => chunk.event.as_deref(),
+                ChunkKind::Reset => Some("reset"),
+                ChunkKind::End => Some("end"),
+            };
+            sse::encode(u64::try_from(chunk.seq).ok(), event, &chunk.data)
+        }
+    }
+}

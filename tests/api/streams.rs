@@ -1,0 +1,295 @@
+//! Streams: numbered chunks, attach, live tail, replay and resume (RS-2..RS-4, LC-7, RD-2..RD-6).
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use holdfast::mock::MockConfig;
+use rand::Rng;
+
+use crate::helpers::*;
+
+#[tokio::test]
+async fn proxied_stream_is_the_providers_events_and_a_repeat_replays_them_rs3_rs4() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 12,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = stream_body("stream me");
+    let first = app.chat(&body).await;
+    assert_eq!(first.status(), 200);
+    assert!(header(&first, "content-type").starts_with("text/event-stream"));
+    assert_eq!(header(&first, "idempotent-replayed"), "false");
+    let id = header(&first, "holdfast-request-id");
+    assert!(
+        header(&first, "x-request-id").starts_with("req_mock_"),
+        "RS-5"
+    );
+    let (raw, events) = read_events(first).await;
+    assert!(
+        !raw.lines().any(|l| l.starts_with("id:")),
+        "RS-4: no id lines on proxied routes"
+    );
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    assert!(openai_text(&events).starts_with("mock reply"));
+
+    let again = app.chat(&body).await;
+    assert_eq!(header(&again, "idempotent-replayed"), "true");
+    assert_eq!(header(&again, "holdfast-request-id"), id);
+    let (raw_again, _) = read_events(again).await;
+    assert_eq!(raw_again, raw, "RS-3: the identical sequence");
+    assert_eq!(app.mock.calls(), 1);
+
+    let record = app.record(&id).await;
+    assert_eq!(record["status"], "succeeded");
+    assert_eq!(record["stream"], true);
+    assert_eq!(
+        record["last_seq"].as_i64().unwrap(),
+        events.len() as i64 + 1,
+        "data chunks + end"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn thirty_readers_attaching_at_random_moments_each_get_the_full_sequence_rs2_rd4() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 200,
+            chunk_delay_ms: 5,
+            header_delay_ms: 100,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = stream_body("two hundred chunks");
+    let submitter = app.chat(&body).await;
+    let id = header(&submitter, "holdfast-request-id");
+    let mut delays: Vec<u64> = {
+        let mut rng = rand::rng();
+        (0..30).map(|_| rng.random_range(0..1_600)).collect()
+    };
+    delays[0] = 0;
+    let readers = delays.iter().enumerate().map(|(i, delay)| {
+        let app = &app;
+        let body = &body;
+        let id = &id;
+        async move {
+            tokio::time::sleep(Duration::from_millis(*delay)).await;
+            if i % 2 == 0 {
+                // A duplicate submission attaches on the proxied route.
+                let r = app.chat(body).await;
+                assert_eq!(header(&r, "holdfast-request-id"), *id);
+                ("proxied", read_events(r).await.1)
+            } else {
+                // A log reader without a position gets the current attempt (RD-6).
+                let r = get_events(&app.http, &app.base, id, None).await;
+                let (_, mut events) = read_events(r).await;
+                assert_eq!(events.pop().map(|e| e.event), Some(Some("end".into())));
+                ("log", events)
+            }
+        }
+    });
+    let (_, submitted) = read_events(submitter).await;
+    assert_eq!(submitted.len(), 203, "role + 200 pieces + finish + [DONE]");
+    let results = join_all(readers).await;
+    for (kind, events) in results {
+        let data: Vec<&str> = events.iter().map(|e| e.data.as_str()).collect();
+        let expected: Vec<&str> = submitted.iter().map(|e| e.data.as_str()).collect();
+        assert_eq!(data, expected, "{kind} reader saw a different sequence");
+    }
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn resume_from_every_position_returns_exactly_the_rest_rd3_rd5() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("resume me")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let record = app.record(&id).await;
+    let last = record["last_seq"].as_i64().unwrap();
+
+    let full = get_events(&app.http, &app.base, &id, Some("0")).await;
+    assert_eq!(full.status(), 200);
+    let (raw, all) = read_events(full).await;
+    assert!(raw.starts_with("retry:"), "RD-2 starts with retry");
+    let ids: Vec<i64> = all
+        .iter()
+        .map(|e| e.id.as_deref().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(ids, (1..=last).collect::<Vec<_>>());
+    assert_eq!(all.last().unwrap().event.as_deref(), Some("end"));
+    let end: serde_json::Value = serde_json::from_str(&all.last().unwrap().data).unwrap();
+    assert_eq!(end["status"], "succeeded");
+
+    for p in 0..last {
+        let r = get_events(&app.http, &app.base, &id, Some(&p.to_string())).await;
+        let (_, rest) = read_events(r).await;
+        let expected: Vec<_> = all.iter().skip(p as usize).cloned().collect();
+        let rest: Vec<_> = rest
+            .into_iter()
+            .map(|mut e| {
+                e.retry = None;
+                e
+            })
+            .collect();
+        let expected: Vec<_> = expected
+            .into_iter()
+            .map(|mut e| {
+                e.retry = None;
+                e
+            })
+            .collect();
+        assert_eq!(rest, expected, "resume from {p}");
+    }
+    for at_or_past in [last, last + 5] {
+        let r = get_events(&app.http, &app.base, &id, Some(&at_or_past.to_string())).await;
+        assert_eq!(r.status(), 204, "RD-5: at or past the end");
+    }
+    let r = app
+        .http
+        .get(format!(
+            "{}/requests/{id}?last_event_id={}",
+            app.base,
+            last - 1
+        ))
+        .header("accept", "text/event-stream")
+        .send()
+        .await
+        .unwrap();
+    let (_, rest) = read_events(r).await;
+    assert_eq!(rest.len(), 1, "query parameter position (RD-3)");
+    for bad in ["abc", "-1", "99999999999999999999999", "1.5"] {
+        let r = get_events(&app.http, &app.base, &id, Some(bad)).await;
+        assert_eq!(r.status(), 400, "Last-Event-ID {bad}");
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn provider_drop_after_five_chunks_fails_stream_interrupted_and_a_resend_starts_anew_lc7() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 20,
+            drop_after_chunks: Some(5),
+            drop_first: 1,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = stream_body("drop me");
+    let r = app.chat(&body).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let (raw, events) = read_events(r).await;
+    let last = events.last().unwrap();
+    let error: serde_json::Value = serde_json::from_str(&last.data).unwrap();
+    assert_eq!(error["error"]["code"], "stream_interrupted", "{raw}");
+    assert!(
+        !raw.contains("[DONE]"),
+        "never a clean [DONE] after a broken stream"
+    );
+    let record = app.record(&id).await;
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "stream_interrupted");
+    assert_eq!(record["attempts"], 1, "never retried silently");
+
+    let again = app.chat(&body).await;
+    assert_ne!(
+        header(&again, "holdfast-request-id"),
+        id,
+        "ID-6: claim released"
+    );
+    let (_, events) = read_events(again).await;
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    assert_eq!(app.mock.calls(), 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn stream_refused_before_any_chunk_answers_with_the_provider_status_rs7() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 400,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("refuse this stream")).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-should-retry"), "false");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn transient_failure_before_the_first_chunk_is_retried_lc5() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 503,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("retry me first")).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let (_, events) = read_events(r).await;
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    assert_eq!(app.record(&id).await["attempts"], 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_sse_from_the_provider_fails_upstream_invalid_in2() {
+    let app = spawn_app(
+        MockConfig {
+            malformed_sse: true,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("garbage please")).await;
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "upstream_invalid", "{record}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn idle_stream_gets_keepalive_comments_rd2() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 3,
+            chunk_delay_ms: 400,
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 100,
+    )
+    .await;
+    let r = app.chat(&stream_body("slow stream")).await;
+    let (raw, events) = read_events(r).await;
+    assert!(raw.contains(": keep-alive"), "{raw}");
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    app.stop().await;
+}
