@@ -476,6 +476,55 @@ pub trait Store: Send + Sync + 'static {
         limit: i64,
     ) -> Result<Vec<Chunk>, StoreError>;
 
+    /// Cancels request `id` of `namespace` if it is not terminal (LC-9): `failed` with
+    /// `cancelled`, lease cleared (so its worker's next fenced write or heartbeat fails and it
+    /// aborts the provider call), claim released (ID-6), `end` chunk appended. Returns the
+    /// record afterwards — unchanged if it was already terminal — or `None` if there is no such
+    /// request in the namespace.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn cancel(
+        &self,
+        namespace: &str,
+        id: Uuid,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError>;
+
+    /// Requests of `namespace`, newest first (ids are UUID v7), optionally only those with
+    /// `status`, only ids below `before` (the paging cursor), at most `limit` (RD-7).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn list(
+        &self,
+        namespace: &str,
+        status: Option<Status>,
+        before: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<RequestRecord>, StoreError>;
+
+    /// Hands a running attempt back to `pending` without counting a recovery (DU-5, graceful
+    /// shutdown), fenced on the lease; a `reset` chunk follows if the attempt stored chunks.
+    /// The attempt still counts in `attempts`. `false` when the lease was already lost.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError>;
+
+    /// Deletes at most `limit` terminal requests that finished before `before`, with their
+    /// chunks and claims (DU-4). Returns how many were deleted.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError>;
+
+    /// Number of requests per status (for queue-depth metrics).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError>;
+
     /// Earliest `next_retry_at` of any pending request, to sleep until it.
     ///
     /// # Errors

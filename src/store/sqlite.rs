@@ -554,6 +554,125 @@ impl Store for SqliteStore {
         rows.iter().map(chunk_from_row).collect()
     }
 
+    async fn cancel(
+        &self,
+        namespace: &str,
+        id: Uuid,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let id = id.to_string();
+        let mut tx = self.writer.begin().await?;
+        let cancelled: Option<(String, i64)> = sqlx::query_as(
+            "UPDATE requests SET status = 'failed', error_type = 'cancelled',
+                 error_message = 'cancelled through POST /requests/{id}/cancel', error_status = NULL,
+                 lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1
+             WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
+             RETURNING claim_kind, attempts",
+        )
+        .bind(now)
+        .bind(&id)
+        .bind(namespace)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((claim, attempts)) = &cancelled {
+            release_claims(&mut tx, &id, claim_kind_of(claim), ErrorType::Cancelled).await?;
+            let record = Self::fetch_in(&mut tx, &id).await?;
+            let end = end_data(
+                Status::Failed,
+                record.as_ref().and_then(|r| r.error.as_ref()),
+            );
+            append_control(&mut tx, &id, *attempts, ChunkKind::End, &end).await?;
+        }
+        let record = Self::fetch_in(&mut tx, &id)
+            .await?
+            .filter(|r| r.namespace == namespace);
+        tx.commit().await?;
+        Ok(record)
+    }
+
+    async fn list(
+        &self,
+        namespace: &str,
+        status: Option<Status>,
+        before: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM requests
+             WHERE namespace = ?1 AND (?2 IS NULL OR status = ?2) AND (?3 IS NULL OR id < ?3)
+             ORDER BY id DESC LIMIT ?4"
+        ))
+        .bind(namespace)
+        .bind(status.map(Status::as_str))
+        .bind(before.map(|b| b.to_string()))
+        .bind(limit)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(record_from_row).collect()
+    }
+
+    async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+        let id = lease.id.to_string();
+        let mut tx = self.writer.begin().await?;
+        let released: Option<(i64, i64, i64)> = sqlx::query_as(
+            "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,
+                 lease_expires_at = NULL, updated_at = ?1
+             WHERE id = ?2 AND lease_owner = ?3 AND status = 'running'
+             RETURNING attempts, last_seq, reset_seq",
+        )
+        .bind(now)
+        .bind(&id)
+        .bind(&lease.owner)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((attempts, last_seq, reset_seq)) = released
+            && last_seq > reset_seq
+        {
+            let next = (attempts + 1).to_string();
+            append_control(&mut tx, &id, attempts + 1, ChunkKind::Reset, &next).await?;
+        }
+        tx.commit().await?;
+        Ok(released.is_some())
+    }
+
+    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {
+        let mut tx = self.writer.begin().await?;
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM requests
+             WHERE finished_at IS NOT NULL AND finished_at < ?1
+             ORDER BY finished_at LIMIT ?2",
+        )
+        .bind(before)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+        for id in &ids {
+            for sql in [
+                "DELETE FROM chunks WHERE request_id = ?1",
+                "DELETE FROM claims WHERE request_id = ?1",
+                "DELETE FROM requests WHERE id = ?1",
+            ] {
+                sqlx::query(sql).bind(id).execute(&mut *tx).await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(ids.len() as u64)
+    }
+
+    async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, COUNT(*) FROM requests GROUP BY status")
+                .fetch_all(&self.reader)
+                .await?;
+        rows.into_iter()
+            .map(|(s, n)| {
+                Status::parse(&s)
+                    .map(|s| (s, n))
+                    .ok_or_else(|| corrupt(format!("status {s:?}")))
+            })
+            .collect()
+    }
+
     async fn next_due(&self) -> Result<Option<Millis>, StoreError> {
         let due: Option<i64> =
             sqlx::query_scalar("SELECT MIN(next_retry_at) FROM requests WHERE status = 'pending'")
