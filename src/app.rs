@@ -74,10 +74,17 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
 impl Running {
     /// Stops accepting and leasing, lets in-flight attempts finish, and returns when both the
     /// server and the workers have stopped.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         self.shutdown.cancel();
-        let _ = self.server.await;
         let _ = self.workers.await;
+        // Held connections whose request was handed back to pending would wait for another
+        // node; cut them shortly after the workers stop, and their SDKs retry elsewhere.
+        if tokio::time::timeout(std::time::Duration::from_secs(2), &mut self.server)
+            .await
+            .is_err()
+        {
+            self.server.abort();
+        }
     }
 
     /// A token that, when cancelled, starts the shutdown.

@@ -38,6 +38,9 @@ pub struct Config {
     pub retention_secs: u64,
     /// Interval of SSE keep-alive comments on idle streams, in milliseconds (RD-2).
     pub sse_keepalive_ms: u64,
+    /// On SIGTERM/SIGINT, how long in-flight attempts may run on before they are handed back
+    /// to `pending`, in milliseconds (DU-5).
+    pub shutdown_grace_ms: u64,
     /// Worker pool settings (LC-2..LC-5).
     pub workers: Workers,
     /// Timeouts towards providers (LC-10).
@@ -166,6 +169,7 @@ impl Default for Config {
             max_response_bytes: 64 * 1024 * 1024,
             retention_secs: 7 * 86_400,
             sse_keepalive_ms: 15_000,
+            shutdown_grace_ms: 30_000,
             workers: Workers::default(),
             upstream: Upstream::default(),
             backends: Vec::new(),

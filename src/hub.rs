@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::store::Chunk;
@@ -22,10 +23,28 @@ pub enum HubEvent {
     Chunk(Arc<Chunk>),
 }
 
-/// Per-request broadcast channels, created on first subscription and dropped with the last.
+/// Per-request broadcast channels, created on first subscription and dropped with the last;
+/// and the abort switches of the attempts this process is running (for cancel, LC-9).
 #[derive(Debug, Default)]
 pub struct Hub {
     channels: Mutex<HashMap<Uuid, broadcast::Sender<HubEvent>>>,
+    attempts: Mutex<HashMap<Uuid, CancellationToken>>,
+}
+
+/// A running attempt's registration; deregisters on drop.
+#[derive(Debug)]
+pub struct AttemptGuard {
+    hub: Arc<Hub>,
+    id: Uuid,
+    /// Cancelled when the request is cancelled through this process.
+    pub abort: CancellationToken,
+}
+
+impl Drop for AttemptGuard {
+    fn drop(&mut self) {
+        let mut attempts = self.hub.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        attempts.remove(&self.id);
+    }
 }
 
 /// A reader's subscription to one request; unsubscribes on drop.
@@ -62,6 +81,27 @@ impl Hub {
         if let Some(tx) = channels.get(&id) {
             // No receivers left is not an error: the last one is about to unsubscribe.
             let _ = tx.send(event);
+        }
+    }
+
+    /// Registers an attempt of request `id` run by this process.
+    pub fn register_attempt(self: &Arc<Self>, id: Uuid) -> AttemptGuard {
+        let abort = CancellationToken::new();
+        let mut attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        attempts.insert(id, abort.clone());
+        AttemptGuard {
+            hub: Arc::clone(self),
+            id,
+            abort,
+        }
+    }
+
+    /// Aborts this process's running attempt of request `id`, if there is one. Attempts on
+    /// other nodes notice through their next heartbeat (the lease is gone).
+    pub fn abort_attempt(&self, id: Uuid) {
+        let attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(token) = attempts.get(&id) {
+            token.cancel();
         }
     }
 

@@ -47,7 +47,9 @@ pub fn router(state: AppState) -> Router {
         );
     }
     router
+        .route("/requests", get(requests::list))
         .route("/requests/{id}", get(requests::get_one))
+        .route("/requests/{id}/cancel", post(requests::cancel))
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .fallback(not_found)

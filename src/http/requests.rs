@@ -17,7 +17,8 @@ use uuid::Uuid;
 
 use super::errors::{ApiError, Shape};
 use super::{AppState, namespace, stream};
-use crate::store::{ErrorInfo, Millis, RequestRecord, Status};
+use crate::hub::HubEvent;
+use crate::store::{ErrorInfo, Millis, RequestRecord, Status, now_ms};
 
 /// The JSON record of RD-1.
 #[derive(Debug, Serialize)]
@@ -129,6 +130,98 @@ pub async fn get_one(
         Ok(Some(record)) if wants_events => event_stream(&state, &record, position),
         Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
         Ok(None) => not_found(),
+        Err(e) => ApiError::unavailable(shape, &e).into_response(),
+    }
+}
+
+/// `POST /requests/{id}/cancel` (LC-9): a request that is not terminal fails with `cancelled`,
+/// its upstream call is aborted (at once on this node; on another node at its next heartbeat),
+/// its claim released. Answers 200 with the record — also when it was already terminal, in which
+/// case nothing changed. Unknown or another namespace's id: 404.
+pub async fn cancel(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let shape = Shape::Openai;
+    let namespace = match namespace(&state.config, &headers, shape) {
+        Ok(ns) => ns,
+        Err(e) => return e.into_response(),
+    };
+    let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
+    let Ok(uuid) = Uuid::parse_str(&id) else {
+        return not_found();
+    };
+    match state.store.cancel(&namespace, uuid, now_ms()).await {
+        Ok(Some(record)) => {
+            state.hub.abort_attempt(uuid);
+            state.hub.publish(uuid, HubEvent::Changed);
+            axum::Json(RecordView::from(&record)).into_response()
+        }
+        Ok(None) => not_found(),
+        Err(e) => ApiError::unavailable(shape, &e).into_response(),
+    }
+}
+
+/// Query of `GET /requests`.
+#[derive(Debug, serde::Deserialize)]
+pub struct ListQuery {
+    status: Option<String>,
+    cursor: Option<String>,
+    limit: Option<i64>,
+}
+
+/// `GET /requests` (RD-7): the caller's namespace's requests, newest first, optionally only
+/// one `status`, `limit` per page (default 50, at most 500). The answer is
+/// `{"data": [record...], "next_cursor": id | null}`; pass `cursor=<next_cursor>` for the next
+/// page. Records in the list leave out `response`.
+pub async fn list(
+    State(state): State<AppState>,
+    Query(query): Query<ListQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let shape = Shape::Openai;
+    let namespace = match namespace(&state.config, &headers, shape) {
+        Ok(ns) => ns,
+        Err(e) => return e.into_response(),
+    };
+    let status = match query.status.as_deref().map(|s| (s, Status::parse(s))) {
+        None => None,
+        Some((_, Some(s))) => Some(s),
+        Some((s, None)) => {
+            return ApiError::bad_request(
+                shape,
+                "invalid_status",
+                format!("status {s:?} is not one of pending, running, succeeded, failed"),
+            )
+            .into_response();
+        }
+    };
+    let cursor = match query.cursor.as_deref().map(Uuid::parse_str) {
+        None => None,
+        Some(Ok(c)) => Some(c),
+        Some(Err(_)) => {
+            return ApiError::bad_request(shape, "invalid_cursor", "cursor must be a request id")
+                .into_response();
+        }
+    };
+    let limit = query.limit.unwrap_or(50).clamp(1, 500);
+    match state.store.list(&namespace, status, cursor, limit).await {
+        Ok(records) => {
+            let next_cursor = (records.len() as i64 == limit)
+                .then(|| records.last().map(|r| r.id))
+                .flatten();
+            let data: Vec<RecordView> = records
+                .iter()
+                .map(|r| {
+                    let mut view = RecordView::from(r);
+                    view.response = None;
+                    view
+                })
+                .collect();
+            axum::Json(serde_json::json!({ "data": data, "next_cursor": next_cursor }))
+                .into_response()
+        }
         Err(e) => ApiError::unavailable(shape, &e).into_response(),
     }
 }

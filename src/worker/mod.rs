@@ -28,6 +28,11 @@ use crate::upstream::sse::{SseEvent, SseParser};
 use crate::upstream::{CallError, Upstreams, request_id_header};
 use chunks::{AppendError, ChunkWriter};
 
+/// How often expired terminal requests are pruned (DU-4).
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
+/// Requests deleted per prune transaction.
+const PRUNE_BATCH: i64 = 500;
+
 /// What a worker pool needs.
 #[derive(Clone)]
 pub struct WorkerPool {
@@ -41,6 +46,8 @@ pub struct WorkerPool {
     node: String,
     /// Group commit of stream chunks.
     chunks: ChunkWriter,
+    /// Cancelled when the shutdown grace period is over: running attempts hand back (DU-5).
+    abandon: CancellationToken,
 }
 
 /// How a streamed attempt ended, before it becomes an [`Outcome`].
@@ -64,6 +71,7 @@ impl WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         let chunks = ChunkWriter::spawn(store.clone());
         WorkerPool {
+            abandon: CancellationToken::new(),
             chunks,
             store,
             hub,
@@ -130,7 +138,20 @@ impl WorkerPool {
                 }
             }
         }
-        while attempts.join_next().await.is_some() {}
+        // DU-5: no new leases; in-flight attempts get the grace period, then hand back.
+        let grace = Duration::from_millis(self.config.shutdown_grace_ms);
+        let drained = tokio::time::timeout(grace, async {
+            while attempts.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            info!(
+                running = attempts.len(),
+                "shutdown grace over; handing running attempts back"
+            );
+            self.abandon.cancel();
+            while attempts.join_next().await.is_some() {}
+        }
         let _ = sweeper.await;
     }
 
@@ -153,10 +174,15 @@ impl WorkerPool {
         let mut tick =
             tokio::time::interval(Duration::from_millis(self.workers().sweep_interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_prune = tokio::time::Instant::now() - PRUNE_EVERY;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 () = shutdown.cancelled() => return,
+            }
+            if last_prune.elapsed() >= PRUNE_EVERY {
+                last_prune = tokio::time::Instant::now();
+                self.prune().await;
             }
             match self
                 .store
@@ -186,18 +212,49 @@ impl WorkerPool {
         }
     }
 
+    /// Deletes terminal requests older than `retention_secs`, in rounds of [`PRUNE_BATCH`]
+    /// (DU-4). Running on every node at once is harmless.
+    async fn prune(&self) {
+        let retention =
+            i64::try_from(self.config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        let before = now_ms().saturating_sub(retention);
+        loop {
+            match self.store.prune(before, PRUNE_BATCH).await {
+                Ok(n) if n > 0 => info!(pruned = n, "pruned requests past retention"),
+                Ok(_) => return,
+                Err(e) => {
+                    warn!(error = %e, "prune failed");
+                    return;
+                }
+            }
+        }
+    }
+
     /// Runs one attempt: heartbeat beside the provider call, then the fenced outcome write.
     async fn run_attempt(&self, lease: Lease, record: RequestRecord) {
         let lost = CancellationToken::new();
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), lost.clone()));
+        let registration = self.hub.register_attempt(lease.id);
         debug!(id = %lease.id, attempt = lease.attempt, "attempt started");
         let outcome = tokio::select! {
             outcome = self.call(&lease, &record) => outcome,
             () = lost.cancelled() => None,
+            () = registration.abort.cancelled() => None,
+            () = self.abandon.cancelled() => {
+                // Shutdown grace is over (DU-5): hand the request back without a recovery.
+                match self.store.release(&lease, now_ms()).await {
+                    Ok(true) => info!(id = %lease.id, "handed back to pending at shutdown"),
+                    Ok(false) => {}
+                    Err(e) => warn!(id = %lease.id, error = %e, "could not hand back; the lease will expire"),
+                }
+                self.hub.publish(lease.id, HubEvent::Changed);
+                None
+            }
         };
         heartbeat.abort();
+        drop(registration);
         let Some(outcome) = outcome else {
-            info!(id = %lease.id, attempt = lease.attempt, "lease lost; attempt abandoned");
+            info!(id = %lease.id, attempt = lease.attempt, "attempt ended without an outcome");
             return;
         };
         let retry_at = match &outcome {

@@ -144,3 +144,108 @@ async fn stream_killed_mid_attempt_reruns_and_a_resume_reader_gets_reset_then_th
     drop(second);
     mock.shutdown().await;
 }
+
+fn with_grace(toml: String, grace_ms: u64) -> String {
+    format!("shutdown_grace_ms = {grace_ms}\n{toml}")
+}
+
+#[tokio::test]
+async fn sigterm_lets_a_running_stream_finish_within_the_grace_period_du5() {
+    let mock = start_mock(MockConfig {
+        chunks: 20,
+        chunk_delay_ms: 75,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = with_grace(config_toml(dir.path(), &mock.base_url()), 20_000);
+    let mut node = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let mut response = http
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("content-type", "application/json")
+        .body(stream_body("finish before you go"))
+        .send()
+        .await
+        .unwrap();
+    let mut parser = holdfast::upstream::sse::SseParser::new();
+    let mut events = Vec::new();
+    while events.len() < 2 {
+        events.extend(
+            parser
+                .push(&response.chunk().await.unwrap().unwrap())
+                .unwrap(),
+        );
+    }
+    let pid = node.child.id().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    while let Some(piece) = response.chunk().await.unwrap() {
+        events.extend(parser.push(&piece).unwrap());
+    }
+    assert_eq!(
+        events.last().unwrap().data,
+        "[DONE]",
+        "the stream finished during the grace period"
+    );
+    assert!(node.sigterm_and_wait(Duration::from_secs(20)), "clean exit");
+    assert_eq!(mock.calls(), 1);
+    mock.shutdown().await;
+}
+
+#[tokio::test]
+async fn sigterm_with_a_short_grace_hands_the_request_back_without_a_recovery_du5() {
+    let mock = start_mock(MockConfig {
+        chunks: 40,
+        chunk_delay_ms: 75,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = with_grace(config_toml(dir.path(), &mock.base_url()), 200);
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{}/v1/chat/completions", first.base))
+        .header("content-type", "application/json")
+        .header("prefer", "respond-async")
+        .body(stream_body("hand me back"))
+        .send()
+        .await
+        .unwrap();
+    let id = header(&r, "holdfast-request-id");
+    let started = std::time::Instant::now();
+    loop {
+        let record = get_record(&http, &first.base, &id).await;
+        if record["last_seq"].as_i64().unwrap_or(0) >= 3 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "stream never started: {record}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(first.sigterm_and_wait(Duration::from_secs(10)));
+
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(
+        record["recoveries"], 0,
+        "a hand-back is not a recovery: {record}"
+    );
+    assert_eq!(record["attempts"], 2, "{record}");
+    assert_eq!(mock.calls(), 2);
+    let resumed = get_events(&http, &second.base, &id, Some("1")).await;
+    let (_, events) = read_events(resumed).await;
+    assert_eq!(
+        events[0].event.as_deref(),
+        Some("reset"),
+        "the new attempt follows a reset"
+    );
+    drop(second);
+    mock.shutdown().await;
+}

@@ -55,6 +55,7 @@ pub fn test_config(mock: &MockServer, dir: &Path) -> Config {
     config.workers.backoff_initial_ms = 20;
     config.workers.backoff_max_ms = 200;
     config.workers.sweep_interval_ms = 100;
+    config.shutdown_grace_ms = 1_000;
     config
 }
 
@@ -221,6 +222,24 @@ impl Process {
                 "holdfast did not become healthy"
             );
             tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// SIGTERM, then wait for the exit (at most `limit`); returns whether it exited cleanly.
+    pub fn sigterm_and_wait(&mut self, limit: Duration) -> bool {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        let start = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.success();
+            }
+            assert!(
+                start.elapsed() < limit,
+                "holdfast did not exit within {limit:?} of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

@@ -6,3 +6,4 @@ mod durability;
 mod helpers;
 mod proxy;
 mod streams;
+mod tenancy;

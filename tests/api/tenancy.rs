@@ -1,0 +1,393 @@
+//! Namespaces, model routing, explicit keys, cancel and list (CLI-5, ID-3, ID-5, ID-6, LC-9,
+//! RD-7).
+
+use std::time::Duration;
+
+use holdfast::config::{ModelRewrite, Namespace};
+use holdfast::mock::MockConfig;
+
+use crate::helpers::*;
+
+fn two_tenants(c: &mut holdfast::config::Config) {
+    c.namespaces = vec![
+        Namespace {
+            name: "team-a".into(),
+            api_keys: vec!["key-a".into()],
+        },
+        Namespace {
+            name: "team-b".into(),
+            api_keys: vec!["key-b".into()],
+        },
+    ];
+}
+
+#[tokio::test]
+async fn same_body_from_two_namespaces_is_two_requests_and_b_never_sees_a_cli5() {
+    let app = spawn_app(MockConfig::default(), two_tenants).await;
+    let body = chat_body("shared prompt");
+    let a = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("authorization", "Bearer key-a")],
+        )
+        .await;
+    let b = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("x-api-key", "key-b")],
+        )
+        .await;
+    assert_eq!(a.status(), 200);
+    assert_eq!(b.status(), 200);
+    let id_a = header(&a, "holdfast-request-id");
+    assert_ne!(id_a, header(&b, "holdfast-request-id"));
+    assert_eq!(header(&b, "idempotent-replayed"), "false");
+    assert_eq!(app.mock.calls(), 2);
+
+    let get = |path: String, key: &'static str, accept: &'static str| {
+        app.http
+            .get(format!("{}{path}", app.base))
+            .header("authorization", format!("Bearer {key}"))
+            .header("accept", accept)
+            .send()
+    };
+    assert_eq!(
+        get(format!("/requests/{id_a}"), "key-a", "application/json")
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        get(format!("/requests/{id_a}"), "key-b", "application/json")
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    assert_eq!(
+        get(format!("/requests/{id_a}"), "key-b", "text/event-stream")
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    let cancel = app
+        .http
+        .post(format!("{}/requests/{id_a}/cancel", app.base))
+        .header("authorization", "Bearer key-b")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancel.status(), 404);
+    let list: serde_json::Value = get("/requests".into(), "key-b", "application/json")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1);
+    assert!(!ids.contains(&id_a.as_str()));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_or_missing_key_gets_401_and_is_not_recorded_cli5_id8() {
+    let app = spawn_app(MockConfig::default(), two_tenants).await;
+    for headers in [
+        vec![],
+        vec![("authorization", "Bearer nope")],
+        vec![("x-api-key", "key-a ")],
+    ] {
+        let r = app
+            .post("/v1/chat/completions", chat_body("who am i"), &headers)
+            .await;
+        if headers.first().is_some_and(|h| h.1 == "key-a ") {
+            // Surrounding whitespace is not part of a key, but the key itself must match.
+            assert_eq!(r.status(), 200);
+            continue;
+        }
+        assert_eq!(r.status(), 401);
+        let err: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(err["error"]["code"], "invalid_api_key");
+    }
+    let r = app.post("/v1/messages", "{}", &[]).await;
+    assert_eq!(r.status(), 401);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        err["error"]["type"], "authentication_error",
+        "Anthropic shape"
+    );
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn two_aliases_rewriting_to_one_model_make_one_upstream_call_with_the_rewritten_model_id3() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.model_rewrites = vec![
+            ModelRewrite {
+                pattern: "fast".into(),
+                backend: "mock-openai".into(),
+                model: Some("gpt-4o-mini".into()),
+            },
+            ModelRewrite {
+                pattern: "quick-*".into(),
+                backend: "mock-openai".into(),
+                model: Some("gpt-4o-mini".into()),
+            },
+        ];
+    })
+    .await;
+    let fast = r#"{"model":"fast","messages":[{"role":"user","content":"alias"}]}"#;
+    let quick = r#"{"messages":[{"role":"user","content":"alias"}],  "model" : "quick-v2"}"#;
+    let r1 = app.chat(fast).await;
+    let r2 = app.chat(quick).await;
+    assert_eq!(r1.status(), 200);
+    assert_eq!(
+        header(&r1, "holdfast-request-id"),
+        header(&r2, "holdfast-request-id")
+    );
+    assert_eq!(app.mock.calls(), 1);
+    let recorded = app.mock.recorded();
+    assert_eq!(
+        recorded[0].body["model"], "gpt-4o-mini",
+        "the provider saw the rewritten model"
+    );
+    let record = app.record(&header(&r1, "holdfast-request-id")).await;
+    assert_eq!(record["model"], "gpt-4o-mini");
+    assert_eq!(record["backend"], "mock-openai");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn idempotency_keys_replay_refuse_reuse_and_split_id5() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = chat_body("keyed");
+    let k1 = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("idempotency-key", "k-1")],
+        )
+        .await;
+    assert_eq!(k1.status(), 200);
+    let id = header(&k1, "holdfast-request-id");
+    let replay = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("idempotency-key", "\"k-1\"")],
+        )
+        .await;
+    assert_eq!(
+        header(&replay, "holdfast-request-id"),
+        id,
+        "same key, same body: replay"
+    );
+    assert_eq!(header(&replay, "idempotent-replayed"), "true");
+
+    let other_body = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("different"),
+            &[("idempotency-key", "k-1")],
+        )
+        .await;
+    assert_eq!(other_body.status(), 422, "same key, other body");
+    assert_eq!(header(&other_body, "x-should-retry"), "false");
+    let err: serde_json::Value = other_body.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "idempotency_key_reused");
+
+    let k2 = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("idempotency-key", "k-2")],
+        )
+        .await;
+    assert_ne!(
+        header(&k2, "holdfast-request-id"),
+        id,
+        "two keys, same body: two requests"
+    );
+    assert_eq!(app.mock.calls(), 2);
+
+    for bad in ["", "has space", "\"unterminated"] {
+        let r = app
+            .post(
+                "/v1/chat/completions",
+                body.clone(),
+                &[("idempotency-key", bad)],
+            )
+            .await;
+        assert_eq!(r.status(), 400, "key {bad:?}");
+    }
+    let long = "x".repeat(256);
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("idempotency-key", long.as_str())],
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(app.mock.calls(), 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn keyed_request_refused_by_the_provider_replays_the_refusal_id6() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 400,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = chat_body("refused with a key");
+    let first = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("idempotency-key", "refused")],
+        )
+        .await;
+    assert_eq!(first.status(), 400);
+    let again = app
+        .post(
+            "/v1/chat/completions",
+            body.clone(),
+            &[("idempotency-key", "refused")],
+        )
+        .await;
+    assert_eq!(again.status(), 400, "the refusal is replayed");
+    assert_eq!(header(&again, "idempotent-replayed"), "true");
+    assert_eq!(app.mock.calls(), 1);
+    // Without the key the body-hash claim was released: a new request.
+    let unkeyed = app.chat(&body).await;
+    assert_eq!(unkeyed.status(), 200);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn cancel_during_a_stream_fails_it_and_ends_every_reader_lc9() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 100,
+            chunk_delay_ms: 50,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = stream_body("cancel me");
+    let submitter = app.chat(&body).await;
+    let id = header(&submitter, "holdfast-request-id");
+    let log_reader = get_events(&app.http, &app.base, &id, None).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cancelled = app
+        .http
+        .post(format!("{}/requests/{id}/cancel", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let record: serde_json::Value = cancelled.json().await.unwrap();
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "cancelled");
+
+    let (_, events) = tokio::time::timeout(Duration::from_secs(5), read_events(submitter))
+        .await
+        .expect("submitter ends");
+    let last: serde_json::Value = serde_json::from_str(&events.last().unwrap().data).unwrap();
+    assert_eq!(last["error"]["code"], "cancelled");
+    let (_, log) = tokio::time::timeout(Duration::from_secs(5), read_events(log_reader))
+        .await
+        .expect("log reader ends");
+    assert_eq!(log.last().unwrap().event.as_deref(), Some("end"));
+    let calls_at_cancel = app.mock.recorded().len();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = app.record(&id).await;
+    assert_eq!(
+        record["status"], "failed",
+        "the aborted attempt wrote nothing after the cancel"
+    );
+    assert_eq!(app.mock.recorded().len(), calls_at_cancel);
+    // The claim was released: the same body is a new request.
+    let again = app.chat(&stream_body("cancel me")).await;
+    assert_ne!(header(&again, "holdfast-request-id"), id);
+    drop(again);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn list_is_newest_first_filtered_by_status_and_paged_by_cursor_rd7() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 2,
+            fail_status: 400,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let r = app.chat(&chat_body(&format!("list {i}"))).await;
+        ids.push(header(&r, "holdfast-request-id"));
+    }
+    ids.reverse();
+    let page = |q: &str| {
+        let url = format!("{}/requests{q}", app.base);
+        let http = app.http.clone();
+        async move {
+            http.get(url)
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let all = page("").await;
+    let got: Vec<String> = all["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(got, ids, "newest first");
+    let failed = page("?status=failed").await;
+    assert_eq!(failed["data"].as_array().unwrap().len(), 2);
+    let first = page("?limit=2").await;
+    assert_eq!(first["data"].as_array().unwrap().len(), 2);
+    let cursor = first["next_cursor"].as_str().unwrap().to_string();
+    let second = page(&format!("?limit=2&cursor={cursor}")).await;
+    let second_ids: Vec<&str> = second["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(second_ids, vec![ids[2].as_str(), ids[3].as_str()]);
+    let r = app
+        .http
+        .get(format!("{}/requests?status=bogus", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    app.stop().await;
+}
