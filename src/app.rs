@@ -31,6 +31,7 @@ pub struct Running {
 /// When the store cannot be opened or migrated, or the upstream client cannot be built.
 pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Running> {
     let config = Arc::new(config);
+    crate::metrics::handle();
     let store = store::open(&config).await?;
     let hub = Hub::new();
     let wake = Arc::new(Notify::new());

@@ -25,6 +25,7 @@
 //! - [`upstream`]: provider HTTP calls, auth, timeouts, and the SSE parser.
 //! - [`hub`]: in-process wake-ups for waiting readers.
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
+//! - [`metrics`]: Prometheus metric names and the recorder.
 //! - [`app`]: wiring it all together.
 
 pub mod app;
@@ -32,6 +33,7 @@ pub mod canonical;
 pub mod config;
 pub mod http;
 pub mod hub;
+pub mod metrics;
 pub mod mock;
 pub mod route;
 pub mod store;

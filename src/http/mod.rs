@@ -52,6 +52,7 @@ pub fn router(state: AppState) -> Router {
         .route("/requests/{id}/cancel", post(requests::cancel))
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())

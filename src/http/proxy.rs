@@ -21,6 +21,7 @@ use super::errors::{ApiError, Shape};
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
+use crate::metrics as m;
 use crate::route::Route;
 use crate::store::{ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, now_ms};
 use crate::upstream::FORWARDED_HEADERS;
@@ -46,7 +47,11 @@ pub async fn handle(
 ) -> Response {
     match admit_and_answer(&state, route, &headers, body).await {
         Ok(response) => response,
-        Err(e) => e.into_response(),
+        Err(e) => {
+            metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
+                .increment(1);
+            e.into_response()
+        }
     }
 }
 
@@ -127,9 +132,20 @@ async fn admit_and_answer(
     let (record, replayed) = match state.store.submit(new).await {
         Ok(Submitted::Created(record)) => {
             state.wake.notify_one();
+            metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "new")
+                .increment(1);
             (*record, false)
         }
-        Ok(Submitted::Attached(record)) => (*record, true),
+        Ok(Submitted::Attached(record)) => {
+            let outcome = if record.status.is_terminal() {
+                "replayed"
+            } else {
+                "attached"
+            };
+            metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => outcome)
+                .increment(1);
+            (*record, true)
+        }
         Ok(Submitted::KeyMismatch { existing }) => {
             return Err(ApiError::new(
                 shape,

@@ -82,7 +82,10 @@ async fn run(store: DynStore, mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>
                 Err(_) => break,
             }
         }
+        let started = std::time::Instant::now();
         let mut result = store.append_chunks(&batches).await;
+        metrics::histogram!(crate::metrics::CHUNK_COMMIT_SECONDS)
+            .record(started.elapsed().as_secs_f64());
         let mut tries = 1;
         while let Err(e) = &result {
             if tries >= COMMIT_TRIES {

@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
+use crate::metrics as m;
 use crate::store::{
     ChunkBatch, DynStore, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
 };
@@ -113,6 +114,8 @@ impl WorkerPool {
                 .await
             {
                 Ok(Some((lease, record))) => {
+                    metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone())
+                        .increment(1);
                     let pool = self.clone();
                     attempts.spawn(async move {
                         pool.run_attempt(lease, record).await;
@@ -190,6 +193,9 @@ impl WorkerPool {
                 .await
             {
                 Ok(swept) => {
+                    let expired = swept.recovered.len() + swept.failed.len();
+                    metrics::counter!(m::RECOVERIES).increment(swept.recovered.len() as u64);
+                    metrics::counter!(m::LEASE_EXPIRATIONS).increment(expired as u64);
                     for id in swept.recovered.iter().chain(&swept.failed) {
                         self.hub.publish(*id, HubEvent::Changed);
                     }
@@ -309,9 +315,15 @@ impl WorkerPool {
             .map_or(crate::config::BackendKind::Openai, |b| b.kind);
         let mut response = match self.upstreams.send(record).await {
             Ok(r) => r,
-            Err(e) => return Some(self.transient(lease, None, e.to_string(), None)),
+            Err(e) => {
+                metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => "error")
+                    .increment(1);
+                return Some(self.transient(lease, None, e.to_string(), None));
+            }
         };
         let status = response.status().as_u16();
+        metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => status.to_string())
+            .increment(1);
         let request_id = response
             .headers()
             .get(request_id_header(kind))

@@ -240,3 +240,59 @@ async fn openai_python_raises_api_error_when_the_provider_drops_mid_stream_lc7()
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn every_route_works_through_its_official_python_sdk_method_and_replays_http1() {
+    if !python_has("openai") || !python_has("anthropic") {
+        return;
+    }
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let url = app.base.clone();
+    let out =
+        tokio::task::spawn_blocking(move || run_python("all_routes.py", &[("HOLDFAST_URL", &url)]))
+            .await
+            .unwrap();
+    let result: serde_json::Value = serde_json::from_str(out.trim()).expect("driver prints JSON");
+    for route in [
+        "openai.chat",
+        "openai.completions",
+        "openai.embeddings",
+        "openai.responses",
+        "anthropic.messages",
+    ] {
+        let r = &result[route];
+        assert_eq!(
+            r["replayed"],
+            serde_json::json!(["false", "true"]),
+            "{route}: {r}"
+        );
+        assert_eq!(r["ids_equal"], true, "{route}");
+        assert_eq!(r["same_answer"], true, "{route}");
+    }
+    assert!(
+        result["openai.chat"]["summary"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply")
+    );
+    assert_eq!(
+        result["openai.embeddings"]["summary"],
+        serde_json::json!([8, 8])
+    );
+    assert!(
+        result["openai.responses.stream"]["summary"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply"),
+        "{result}"
+    );
+    assert!(
+        result["openai.completions.stream"]["summary"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply"),
+        "{result}"
+    );
+    assert_eq!(app.mock.calls(), 7, "five routes once each, two streams");
+    app.stop().await;
+}

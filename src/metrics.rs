@@ -1,0 +1,77 @@
+//! Prometheus metrics (SPEC HTTP-3): names, labels and the process-wide recorder.
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `holdfast_requests_total` | counter | `route`, `outcome` = `new` \| `attached` \| `replayed` \| `refused` |
+//! | `holdfast_upstream_calls_total` | counter | `backend`, `status` (HTTP status, or `error`) |
+//! | `holdfast_attempts_total` | counter | `backend` |
+//! | `holdfast_recoveries_total` | counter | — (attempts re-run after a lease expired) |
+//! | `holdfast_lease_expirations_total` | counter | — |
+//! | `holdfast_queue_depth` | gauge | `status` (read from the store at scrape time) |
+//! | `holdfast_chunk_commit_seconds` | histogram | — (one group commit of stream chunks) |
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Requests by route and outcome.
+pub const REQUESTS: &str = "holdfast_requests_total";
+/// Provider calls by backend and status.
+pub const UPSTREAM_CALLS: &str = "holdfast_upstream_calls_total";
+/// Attempts started, by backend.
+pub const ATTEMPTS: &str = "holdfast_attempts_total";
+/// Attempts re-run because a lease expired.
+pub const RECOVERIES: &str = "holdfast_recoveries_total";
+/// Leases found expired by the sweep.
+pub const LEASE_EXPIRATIONS: &str = "holdfast_lease_expirations_total";
+/// Requests per status.
+pub const QUEUE_DEPTH: &str = "holdfast_queue_depth";
+/// Duration of one chunk group commit, in seconds.
+pub const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process-wide Prometheus recorder once and returns its handle. `None` when
+/// another recorder was installed first (then `/metrics` says so).
+pub fn handle() -> Option<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let buckets = [
+                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ];
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(CHUNK_COMMIT_SECONDS.into()), &buckets)
+                .ok()?
+                .install_recorder()
+                .ok()?;
+            describe();
+            Some(recorder)
+        })
+        .as_ref()
+}
+
+fn describe() {
+    metrics::describe_counter!(
+        REQUESTS,
+        "Proxied requests by route and outcome (new, attached, replayed, refused)."
+    );
+    metrics::describe_counter!(
+        UPSTREAM_CALLS,
+        "Provider calls by backend and HTTP status (or error)."
+    );
+    metrics::describe_counter!(ATTEMPTS, "Attempts started by this node, by backend.");
+    metrics::describe_counter!(
+        RECOVERIES,
+        "Attempts re-run because the previous lease expired."
+    );
+    metrics::describe_counter!(
+        LEASE_EXPIRATIONS,
+        "Expired leases found by this node's sweep."
+    );
+    metrics::describe_gauge!(QUEUE_DEPTH, "Requests in the log by status.");
+    metrics::describe_histogram!(
+        CHUNK_COMMIT_SECONDS,
+        metrics::Unit::Seconds,
+        "Duration of one group commit of stream chunks."
+    );
+}

@@ -1,0 +1,100 @@
+//! Operations surface: health, readiness, metrics (HTTP-3).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use holdfast::mock::MockConfig;
+
+use crate::helpers::*;
+
+async fn scrape(app: &TestApp) -> serde_json::Value {
+    let text = app
+        .http
+        .get(format!("{}/metrics", app.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/parse_metrics.py");
+    let mut child = Command::new("python3")
+        .arg(path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the Prometheus parser refused:\n{text}"
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn value(samples: &serde_json::Value, key: &str) -> f64 {
+    samples[key].as_f64().unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn metrics_parse_as_prometheus_text_and_move_as_requests_happen_http3() {
+    if !python_has("prometheus_client") {
+        return;
+    }
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let before = scrape(&app).await;
+    let body = chat_body("count me");
+    app.chat(&body).await.bytes().await.unwrap();
+    app.chat(&body).await.bytes().await.unwrap();
+    app.post("/v1/chat/completions", "not json", &[]).await;
+    let r = app.chat(&stream_body("count my chunks")).await;
+    r.bytes().await.unwrap();
+    let after = scrape(&app).await;
+    let delta = |k: &str| value(&after, k) - value(&before, k);
+    assert_eq!(
+        delta("holdfast_requests_total{outcome=new,route=openai.chat}"),
+        2.0,
+        "{after}"
+    );
+    assert_eq!(
+        delta("holdfast_requests_total{outcome=replayed,route=openai.chat}"),
+        1.0
+    );
+    assert_eq!(
+        delta("holdfast_requests_total{outcome=refused,route=openai.chat}"),
+        1.0
+    );
+    assert_eq!(
+        delta("holdfast_upstream_calls_total{backend=mock-openai,status=200}"),
+        2.0
+    );
+    assert_eq!(delta("holdfast_attempts_total{backend=mock-openai}"), 2.0);
+    assert!(
+        delta("holdfast_chunk_commit_seconds_count{}") >= 1.0,
+        "{after}"
+    );
+    assert_eq!(value(&after, "holdfast_queue_depth{status=succeeded}"), 2.0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn healthz_and_readyz_answer_200_cli4a() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    for path in ["/healthz", "/readyz"] {
+        let r = app
+            .http
+            .get(format!("{}{path}", app.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    app.stop().await;
+}
