@@ -1,8 +1,10 @@
 //! Black-box tests over real sockets: holdfast in front of the mock provider (one test binary,
 //! shared helpers; see `helpers.rs`). Test names say the behaviour; comments cite SPEC ids.
 
+mod chaos;
 mod clients;
 mod durability;
+mod faults;
 mod helpers;
 mod ops;
 mod proxy;
