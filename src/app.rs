@@ -52,6 +52,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         store,
         hub,
         wake,
+        held: Arc::default(),
     };
     let addr = listener.local_addr()?;
     let app = router(state);

@@ -38,6 +38,9 @@ pub struct Config {
     pub retention_secs: u64,
     /// Interval of SSE keep-alive comments on idle streams, in milliseconds (RD-2).
     pub sse_keepalive_ms: u64,
+    /// Proxied calls one node holds open at once; beyond it new calls are refused with 503,
+    /// `x-should-retry: true` and `retry-after-ms` before anything is recorded (RS-8).
+    pub max_held_requests: usize,
     /// On SIGTERM/SIGINT, how long in-flight attempts may run on before they are handed back
     /// to `pending`, in milliseconds (DU-5).
     pub shutdown_grace_ms: u64,
@@ -170,6 +173,7 @@ impl Default for Config {
             retention_secs: 7 * 86_400,
             sse_keepalive_ms: 15_000,
             shutdown_grace_ms: 30_000,
+            max_held_requests: 10_000,
             workers: Workers::default(),
             upstream: Upstream::default(),
             backends: Vec::new(),
@@ -323,6 +327,7 @@ impl Config {
             ("max_body_bytes", self.max_body_bytes as u64),
             ("max_response_bytes", self.max_response_bytes as u64),
             ("sse_keepalive_ms", self.sse_keepalive_ms),
+            ("max_held_requests", self.max_held_requests as u64),
             ("workers.concurrency", self.workers.concurrency as u64),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),

@@ -35,6 +35,8 @@ pub struct AppState {
     pub hub: Arc<Hub>,
     /// Wakes the worker pool when a request is recorded.
     pub wake: Arc<Notify>,
+    /// Proxied calls this node is holding open right now (RS-8 overload limit).
+    pub held: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// The router with every route of SPEC §1.

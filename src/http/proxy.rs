@@ -7,6 +7,7 @@
 //! client prefers (RS-9).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -63,6 +64,7 @@ async fn admit_and_answer(
 ) -> Result<Response, ApiError> {
     let shape = shape(route);
     let namespace = namespace(&state.config, headers, shape)?;
+    let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
     let canonical = canonical::canonicalize(&body).map_err(|e| invalid_body(shape, &e))?;
     let (backend, upstream_model) =
@@ -178,9 +180,10 @@ async fn admit_and_answer(
     }
 
     if record.stream {
-        return stream_answer(state, &namespace, record, replayed, route).await;
+        return stream_answer(state, &namespace, record, replayed, route, held).await;
     }
     let record = wait_for(state, &namespace, record, shape, |r| r.status.is_terminal()).await?;
+    drop(held);
     Ok(answer(&record, replayed, route))
 }
 
@@ -194,6 +197,7 @@ async fn stream_answer(
     record: RequestRecord,
     replayed: bool,
     route: Route,
+    held: HeldSlot,
 ) -> Result<Response, ApiError> {
     let shape = shape(route);
     let record = wait_for(state, namespace, record, shape, |r| {
@@ -212,6 +216,8 @@ async fn stream_answer(
         Duration::from_millis(state.config.sse_keepalive_ms),
     );
     let body = async_stream::stream! {
+        // The slot is held for as long as the stream is.
+        let _held = held;
         let mut items = std::pin::pin!(items);
         while let Some(item) = items.next().await {
             let (bytes, done) = match item {
@@ -241,6 +247,39 @@ async fn stream_answer(
     set_identity_headers(&mut response, &record, replayed, route);
     Ok(response)
 }
+
+/// One of the `max_held_requests` slots, released on drop (RS-8).
+struct HeldSlot(Arc<AtomicUsize>);
+
+impl HeldSlot {
+    /// Takes a slot, or refuses with 503 `overloaded`, `x-should-retry: true` and
+    /// `retry-after-ms` (at most 60 000, RS-8) before anything is recorded (ID-8).
+    fn take(state: &AppState, shape: Shape) -> Result<HeldSlot, ApiError> {
+        let held = Arc::clone(&state.held);
+        if held.fetch_add(1, Ordering::SeqCst) >= state.config.max_held_requests {
+            held.fetch_sub(1, Ordering::SeqCst);
+            let mut e = ApiError::new(
+                shape,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "holdfast is holding as many calls as it is configured to; nothing was recorded, retry shortly",
+            );
+            e.should_retry = Some(true);
+            e.retry_after_ms = Some(OVERLOAD_RETRY_AFTER_MS);
+            return Err(e);
+        }
+        Ok(HeldSlot(held))
+    }
+}
+
+impl Drop for HeldSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// `retry-after-ms` on an overload refusal.
+const OVERLOAD_RETRY_AFTER_MS: u64 = 500;
 
 /// Reads the body, refusing one over `max_body_bytes` with 413 before reading it when
 /// `Content-Length` says so (IN-1).

@@ -296,3 +296,199 @@ async fn every_route_works_through_its_official_python_sdk_method_and_replays_ht
     assert_eq!(app.mock.calls(), 7, "five routes once each, two streams");
     app.stop().await;
 }
+
+fn run_retries(base: String, mode: &'static str) -> serde_json::Value {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/sdk_retries.py");
+    let out = Command::new("python3")
+        .arg(path)
+        .arg(mode)
+        .env("HOLDFAST_BASE_URL", base)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sdk_retries.py {mode}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("driver prints JSON")
+}
+
+#[tokio::test]
+async fn should_retry_false_stops_the_sdk_from_retrying_a_failed_request_rs7() {
+    if !python_has("openai") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1_000,
+            fail_status: 500,
+            ..MockConfig::default()
+        },
+        |c| c.workers.max_attempts = 2,
+    )
+    .await;
+    let base = format!("{}/v1", app.base);
+    let result = tokio::task::spawn_blocking(move || run_retries(base, "final"))
+        .await
+        .unwrap();
+    assert_eq!(result["status"], 502, "{result}");
+    assert_eq!(result["should_retry"], "false");
+    // An SDK retry would have started a new request (the failure released the claim).
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "holdfast's own two attempts, and no SDK retry"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn sdk_waits_retry_after_ms_on_an_overload_refusal_and_then_succeeds_rs8() {
+    if !python_has("openai") {
+        return;
+    }
+    // The first provider call hangs, so its caller holds the only slot until we cancel it.
+    let app = spawn_app(
+        MockConfig {
+            hang_before_headers_ms: Some(60_000),
+            hang_first: 1,
+            ..MockConfig::default()
+        },
+        |c| c.max_held_requests = 1,
+    )
+    .await;
+    let holder = {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        tokio::spawn(async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(chat_body("holding the slot"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the holder to reach the provider",
+        || app.mock.calls() == 1,
+    )
+    .await;
+    let base = format!("{}/v1", app.base);
+    let sdk = tokio::task::spawn_blocking(move || run_retries(base, "overload"));
+
+    // Once the SDK has been refused, free the slot by cancelling the holder's request.
+    let refused = || async {
+        let metrics = app
+            .http
+            .get(format!("{}/metrics", app.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("holdfast_requests_total{") && l.contains("outcome=\"refused\"")
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let start = std::time::Instant::now();
+    while refused().await < 1.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "the SDK was never refused"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let list: serde_json::Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let holder_id = list["data"][0]["id"].as_str().unwrap().to_string();
+    app.http
+        .post(format!("{}/requests/{holder_id}/cancel", app.base))
+        .send()
+        .await
+        .unwrap();
+
+    let result = sdk.await.unwrap();
+    assert_eq!(
+        result["status"], 200,
+        "the SDK retried after retry-after-ms and succeeded: {result}"
+    );
+    assert_eq!(
+        holder.await.unwrap(),
+        503,
+        "the holder's request was cancelled"
+    );
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "the refused tries left no record and no call"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn overload_refusal_is_503_with_retry_hints_and_records_nothing_rs8_id8() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 800,
+            ..MockConfig::default()
+        },
+        |c| c.max_held_requests = 1,
+    )
+    .await;
+    let holder = {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        tokio::spawn(async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(chat_body("holder"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the holder to reach the provider",
+        || app.mock.calls() == 1,
+    )
+    .await;
+    let r = app.chat(&chat_body("refused")).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "x-should-retry"), "true");
+    let ms: u64 = header(&r, "retry-after-ms").parse().unwrap();
+    assert!(ms > 0 && ms <= 60_000);
+    assert_eq!(header(&r, "holdfast-error"), "overloaded");
+    assert_eq!(holder.await.unwrap(), 200);
+    let list: serde_json::Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        list["data"].as_array().unwrap().len(),
+        1,
+        "nothing recorded for the refusal"
+    );
+    app.stop().await;
+}
