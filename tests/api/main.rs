@@ -1,6 +1,7 @@
 //! Black-box tests over real sockets: holdfast in front of the mock provider (one test binary,
 //! shared helpers; see `helpers.rs`). Test names say the behaviour; comments cite SPEC ids.
 
+mod browser;
 mod chaos;
 mod clients;
 mod durability;
