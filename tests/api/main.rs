@@ -5,4 +5,5 @@ mod clients;
 mod durability;
 mod helpers;
 mod proxy;
+mod store_conformance;
 mod streams;
