@@ -20,7 +20,7 @@
 //! - [`http`]: router, admission, provider-shaped errors, `/requests`, operations.
 //! - [`canonical`]: canonical JSON and the request hash (ID-1..ID-3).
 //! - [`route`]: the proxied endpoints.
-//! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite adapter).
+//! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL adapters).
 //! - [`worker`]: lease loop, heartbeat, sweep, retry classification and backoff.
 //! - [`upstream`]: provider HTTP calls, auth, timeouts, and the SSE parser.
 //! - [`hub`]: in-process wake-ups for waiting readers.

@@ -4,10 +4,12 @@
 //! same request (ID-4, ID-5, ID-7), a lease lets exactly one worker run an attempt (LC-2), every
 //! worker write is fenced on that lease (LC-3), and an expired lease is swept back to `pending`
 //! (LC-4). Two adapters implement it — [`sqlite::SqliteStore`] (embedded default) and, for many
-//! nodes, PostgreSQL — and both pass one conformance suite (`tests/store_conformance.rs`).
+//! nodes, [`postgres::PostgresStore`] (DU-3) — and both pass one conformance suite
+//! (`tests/api/store_conformance.rs`).
 //!
 //! All timestamps are milliseconds since the Unix epoch ([`Millis`]).
 
+pub mod postgres;
 pub mod sqlite;
 
 use std::sync::Arc;
@@ -538,38 +540,84 @@ pub trait Store: Send + Sync + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 }
 
-/// Opens the store named by `database_url` and applies its migrations.
+/// Opens the store named by `database_url` and applies its migrations: `sqlite:` for the
+/// embedded store, `postgres://` or `postgresql://` for a database shared by several nodes
+/// (DU-3).
 ///
 /// # Errors
-/// [`StoreError`] when the database cannot be opened or migrated.
+/// [`StoreError`] when the database cannot be opened or migrated, or the URL names no known
+/// store. Messages never contain a password (IN-3).
 pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError> {
-    if config.database_url.starts_with("sqlite:") {
-        let store =
-            sqlite::SqliteStore::open(&config.database_url, config.sqlite_synchronous).await?;
+    let url = config.database_url.as_str();
+    if url.starts_with("sqlite:") {
+        let store = sqlite::SqliteStore::open(url, config.sqlite_synchronous).await?;
         Ok(Arc::new(store))
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(Arc::new(postgres::PostgresStore::open(url).await?))
     } else {
         Err(StoreError::Corrupt(format!(
-            "database_url {:?}: only sqlite: is supported by this build",
-            redact_url(&config.database_url)
+            "database_url {:?}: expected sqlite:, postgres:// or postgresql://",
+            redact_url(url)
         )))
     }
 }
 
-/// A database URL with any password replaced by `***`, for messages and logs (IN-3).
+/// A database URL with any password replaced by `***`, for messages and logs (IN-3): the one in
+/// the user-info part (`postgres://user:secret@host`) and a `password=` query parameter
+/// (`postgres://host/db?password=secret`).
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let (base, query) = match url.find('?') {
+        Some(q) => (&url[..q], Some(&url[q + 1..])),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
+            let creds = &base[scheme + 3..at];
             match creds.find(':') {
                 Some(colon) => format!(
                     "{}{}:***{}",
-                    &url[..scheme + 3],
+                    &base[..scheme + 3],
                     &creds[..colon],
-                    &url[at..]
+                    &base[at..]
                 ),
-                None => url.to_string(),
+                None => base.to_string(),
             }
         }
-        _ => url.to_string(),
+        _ => base.to_string(),
+    };
+    if let Some(query) = query {
+        out.push('?');
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+                _ => param.to_string(),
+            })
+            .collect();
+        out.push_str(&params.join("&"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn redact_url_hides_passwords_in_userinfo_and_query() {
+        assert_eq!(
+            redact_url("postgres://holdfast:s3cr:et@db:5432/holdfast"),
+            "postgres://holdfast:***@db:5432/holdfast"
+        );
+        assert_eq!(
+            redact_url("postgresql://u@db/x?sslmode=require&password=hunter2"),
+            "postgresql://u@db/x?sslmode=require&password=***"
+        );
+        assert_eq!(
+            redact_url("postgres://u:pw@db/x?application_name=a@b"),
+            "postgres://u:***@db/x?application_name=a@b"
+        );
+        assert_eq!(redact_url("sqlite://holdfast.db"), "sqlite://holdfast.db");
+        assert_eq!(redact_url("postgres://db/x"), "postgres://db/x");
     }
 }

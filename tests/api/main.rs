@@ -9,5 +9,6 @@ mod faults;
 mod helpers;
 mod ops;
 mod proxy;
+mod store_conformance;
 mod streams;
 mod tenancy;

@@ -1,0 +1,773 @@
+//! PostgreSQL adapter of [`Store`]: one database shared by any number of `holdfast serve`
+//! processes (SPEC DU-3).
+//!
+//! Every method keeps the semantics of [`super::sqlite::SqliteStore`]; the conformance suite
+//! (`tests/api/store_conformance.rs`) runs the same tests against both. What differs is how
+//! atomicity is reached: SQLite serialises all writes through one connection, PostgreSQL runs
+//! many writers at once under READ COMMITTED and relies on row locks.
+//!
+//! # Locking notes
+//!
+//! - **Claim** (ID-7): `INSERT ... ON CONFLICT (namespace, claim_key) DO UPDATE ... WHERE
+//!   claims.expires_at <= now RETURNING`. A submission racing an uncommitted insert of the same
+//!   claim waits for it; once it commits, the condition is evaluated against the committed row
+//!   (live, so no update and no row returned) and the loser attaches. PostgreSQL locks the
+//!   conflicting row even when the `DO UPDATE` condition is false, so the claim cannot change
+//!   between the upsert and the loser's read of it.
+//! - **Lease** (LC-2): one `UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1)`.
+//!   Concurrent leasers skip each other's candidate rows instead of queueing on them.
+//! - **Fencing** (LC-3): every worker write is `UPDATE ... WHERE id = $id AND lease_owner = $owner`.
+//!   A write that waited for a concurrent sweep or cancel re-checks the condition on the new row
+//!   version and matches nothing.
+//! - **Sweep** (LC-4, LC-8): the expired leases are selected `FOR UPDATE SKIP LOCKED`, so sweepers
+//!   on several nodes never recover the same request twice or append two `reset` chunks, and
+//!   never wait on each other.
+//! - **Lock order**: a transaction that touches both tables locks the `requests` row before
+//!   `claims` rows; `append_chunks` locks its requests in id order. No deadlock cycles.
+//!
+//! # NUL characters
+//!
+//! PostgreSQL `TEXT` cannot hold U+0000. The request body and the provider's response body are
+//! `BYTEA` and stay byte-exact; in the free-text columns (`model`, `error_message`, a chunk's
+//! `event` and `data`) a NUL is stored as U+FFFD, so input such as `{"model":"a\u0000"}` or a
+//! provider error body holding NUL bytes never makes a write fail (IN-2). Data chunks are JSON
+//! or `[DONE]` (checked by the worker), which cannot hold a raw NUL.
+
+use std::borrow::Cow;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use super::{
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
+    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
+    failure_releases_claim,
+};
+
+/// Connections per process unless [`PostgresStore::open_with`] says otherwise.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
+
+/// The shared store for several nodes.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+const COLUMNS: &str = "id, namespace, route, backend, model, stream, body, headers, claim_kind, \
+    status, attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
+    response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, updated_at, \
+    finished_at";
+
+/// `error_message` of a request whose last lease expired with no attempts left (LC-4).
+const LEASE_EXPIRED_MESSAGE: &str =
+    "the worker running the last attempt stopped renewing its lease and no attempts are left";
+
+/// `error_message` of a cancelled request (LC-9).
+const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/{id}/cancel";
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://` or `postgresql://`) with a pool of
+    /// [`DEFAULT_MAX_CONNECTIONS`] and applies the migrations in `migrations/postgres`.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the server cannot be reached or the schema cannot be migrated. The
+    /// messages never contain the URL (IN-3).
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        Self::open_with(url, DEFAULT_MAX_CONNECTIONS).await
+    }
+
+    /// [`PostgresStore::open`] with a pool of at most `max_connections`.
+    ///
+    /// # Errors
+    /// As [`PostgresStore::open`].
+    pub async fn open_with(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let options = PgConnectOptions::from_str(url)?.application_name("holdfast");
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections.max(1))
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await?;
+        // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
+        sqlx::migrate!("./migrations/postgres").run(&pool).await?;
+        Ok(PostgresStore { pool })
+    }
+
+    /// The pool, for tests and tools that need raw access.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    async fn fetch_in(
+        tx: &mut Transaction<'_, Postgres>,
+        id: Uuid,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM requests WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+}
+
+fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+/// `s` as PostgreSQL `TEXT` can hold it: NUL becomes U+FFFD (see the module notes).
+fn text(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        Cow::Borrowed(s)
+    }
+}
+
+fn opt_text(s: Option<&str>) -> Option<Cow<'_, str>> {
+    s.map(text)
+}
+
+fn count(n: i32, what: &str) -> Result<u32, StoreError> {
+    u32::try_from(n).map_err(|_| corrupt(format!("{what} {n}")))
+}
+
+fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
+    let status: String = row.try_get("status")?;
+    let claim_kind: String = row.try_get("claim_kind")?;
+    let headers: String = row.try_get("headers")?;
+    let error_type: Option<String> = row.try_get("error_type")?;
+    let error = match error_type {
+        Some(t) => Some(ErrorInfo {
+            kind: ErrorType::parse(&t).ok_or_else(|| corrupt(format!("error_type {t:?}")))?,
+            message: row
+                .try_get::<Option<String>, _>("error_message")?
+                .unwrap_or_default(),
+            status: row
+                .try_get::<Option<i32>, _>("error_status")?
+                .and_then(|s| u16::try_from(s).ok()),
+        }),
+        None => None,
+    };
+    Ok(RequestRecord {
+        id: row.try_get("id")?,
+        namespace: row.try_get("namespace")?,
+        route: row.try_get("route")?,
+        backend: row.try_get("backend")?,
+        model: row.try_get("model")?,
+        stream: row.try_get("stream")?,
+        body: row.try_get("body")?,
+        headers: serde_json::from_str(&headers).map_err(|e| corrupt(format!("headers: {e}")))?,
+        claim: claim_kind_of(&claim_kind),
+        status: Status::parse(&status).ok_or_else(|| corrupt(format!("status {status:?}")))?,
+        attempts: count(row.try_get("attempts")?, "attempts")?,
+        recoveries: count(row.try_get("recoveries")?, "recoveries")?,
+        next_retry_at: row.try_get("next_retry_at")?,
+        error,
+        response_status: row
+            .try_get::<Option<i32>, _>("response_status")?
+            .and_then(|s| u16::try_from(s).ok()),
+        response_body: row.try_get("response_body")?,
+        upstream_request_id: row.try_get("upstream_request_id")?,
+        last_seq: row.try_get("last_seq")?,
+        reset_seq: row.try_get("reset_seq")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        finished_at: row.try_get("finished_at")?,
+    })
+}
+
+fn chunk_from_row(row: &PgRow) -> Result<Chunk, StoreError> {
+    let kind: String = row.try_get("kind")?;
+    Ok(Chunk {
+        seq: row.try_get("seq")?,
+        attempt: count(row.try_get("attempt")?, "chunk attempt")?,
+        kind: ChunkKind::parse(&kind).ok_or_else(|| corrupt(format!("chunk kind {kind:?}")))?,
+        event: row.try_get("event")?,
+        data: row.try_get("data")?,
+    })
+}
+
+fn claim_kind_of(s: &str) -> ClaimKind {
+    if s == "key" {
+        ClaimKind::Key
+    } else {
+        ClaimKind::BodyHash
+    }
+}
+
+fn attempt_number(attempt: u32) -> Result<i32, StoreError> {
+    i32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))
+}
+
+/// Deletes the claims pointing at `id` when a failure of `kind` releases them (ID-6).
+async fn release_claims(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    claim: ClaimKind,
+    kind: ErrorType,
+) -> Result<(), StoreError> {
+    if failure_releases_claim(claim, kind) {
+        sqlx::query("DELETE FROM claims WHERE request_id = $1")
+            .bind(id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
+/// moves `reset_seq` (LC-8, RD-5, RD-6). One statement; the `UPDATE` locks the request row, so
+/// concurrent appends to one request serialise on it. Returns the chunk's seq.
+async fn append_control(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    attempt: i32,
+    kind: ChunkKind,
+    data: &str,
+) -> Result<i64, StoreError> {
+    let seq: i64 = sqlx::query_scalar(
+        "WITH bumped AS (
+             UPDATE requests SET last_seq = last_seq + 1,
+                 reset_seq = CASE WHEN $2 = 'reset' THEN last_seq + 1 ELSE reset_seq END
+             WHERE id = $1
+             RETURNING last_seq)
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT $1, last_seq, $3, $2, NULL, $4 FROM bumped
+         RETURNING seq",
+    )
+    .bind(id)
+    .bind(kind.as_str())
+    .bind(attempt)
+    .bind(text(data))
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| corrupt(format!("control chunk for missing request {id}")))?;
+    Ok(seq)
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        // Inserts our claim, takes over an expired one, or leaves a live one untouched (locked)
+        // and returns no row. A concurrent uncommitted insert of the same claim makes this wait
+        // and then see the committed row: the loser gets no row, never a unique violation.
+        let won: Option<Uuid> = sqlx::query_scalar(
+            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (namespace, claim_key) DO UPDATE SET
+                 kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
+                 fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
+             WHERE claims.expires_at <= $7
+             RETURNING request_id",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .bind(new.claim.as_str())
+        .bind(new.id)
+        .bind(&new.hash[..])
+        .bind(new.claim_expires_at)
+        .bind(new.now)
+        .fetch_optional(&mut *tx)
+        .await?;
+
+        if won == Some(new.id) {
+            let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+            let row = sqlx::query(&format!(
+                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+                     hash, claim_kind, status, next_retry_at, created_at, updated_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'pending', $11, $11, $11)
+                 RETURNING {COLUMNS}"
+            ))
+            .bind(new.id)
+            .bind(&new.namespace)
+            .bind(&new.route)
+            .bind(&new.backend)
+            .bind(opt_text(new.model.as_deref()))
+            .bind(new.stream)
+            .bind(&new.body)
+            .bind(headers)
+            .bind(&new.hash[..])
+            .bind(new.claim.as_str())
+            .bind(new.now)
+            .fetch_one(&mut *tx)
+            .await?;
+            let record = record_from_row(&row)?;
+            tx.commit().await?;
+            return Ok(Submitted::Created(Box::new(record)));
+        }
+
+        // A fresh statement (READ COMMITTED: a fresh snapshot) sees the committed live claim,
+        // which our upsert locked, so it is still there.
+        let (existing, fingerprint): (Uuid, Vec<u8>) = sqlx::query_as(
+            "SELECT request_id, fingerprint FROM claims WHERE namespace = $1 AND claim_key = $2",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or_else(|| corrupt("a live claim vanished while locked"))?;
+        if fingerprint != new.hash {
+            tx.commit().await?;
+            return Ok(Submitted::KeyMismatch { existing });
+        }
+        let record = Self::fetch_in(&mut tx, existing)
+            .await?
+            .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
+        tx.commit().await?;
+        Ok(Submitted::Attached(Box::new(record)))
+    }
+
+    async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM requests WHERE id = $1 AND namespace = $2"
+        ))
+        .bind(id)
+        .bind(namespace)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
+    async fn lease(
+        &self,
+        owner: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Option<(Lease, RequestRecord)>, StoreError> {
+        // One statement (LC-2). SKIP LOCKED: a row another leaser is taking is passed over, and
+        // a row that stopped being due after our snapshot is re-checked and skipped.
+        let row = sqlx::query(&format!(
+            "UPDATE requests SET status = 'running', attempts = attempts + 1,
+                 lease_owner = $1, lease_expires_at = $2, updated_at = $3
+             WHERE id = (SELECT id FROM requests
+                         WHERE status = 'pending' AND next_retry_at <= $3
+                         ORDER BY next_retry_at, id LIMIT 1
+                         FOR UPDATE SKIP LOCKED)
+             RETURNING {COLUMNS}"
+        ))
+        .bind(owner)
+        .bind(now + lease_ms)
+        .bind(now)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let record = record_from_row(&row)?;
+        let lease = Lease {
+            id: record.id,
+            owner: owner.to_string(),
+            attempt: record.attempts,
+        };
+        Ok(Some((lease, record)))
+    }
+
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE requests SET lease_expires_at = $1
+             WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
+        )
+        .bind(now + lease_ms)
+        .bind(lease.id)
+        .bind(&lease.owner)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        let id = lease.id;
+        let mut tx = self.pool.begin().await?;
+        let claim: Option<(String, i32)> = match &outcome {
+            Outcome::Succeeded {
+                status,
+                body,
+                upstream_request_id,
+            } => {
+                sqlx::query_as(
+                    "UPDATE requests SET status = 'succeeded', response_status = $1,
+                         response_body = $2, upstream_request_id = $3, error_type = NULL,
+                         error_message = NULL, error_status = NULL, lease_owner = NULL,
+                         lease_expires_at = NULL, finished_at = $4, updated_at = $4
+                     WHERE id = $5 AND lease_owner = $6 AND status = 'running'
+                     RETURNING claim_kind, attempts",
+                )
+                .bind(i32::from(*status))
+                .bind(body)
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            Outcome::Retry {
+                next_retry_at,
+                error,
+            } => {
+                sqlx::query_as(
+                    "UPDATE requests SET status = 'pending', next_retry_at = $1,
+                         error_type = $2, error_message = $3, error_status = $4,
+                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
+                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
+                     RETURNING claim_kind, attempts",
+                )
+                .bind(next_retry_at)
+                .bind(error.kind.as_str())
+                .bind(text(&error.message))
+                .bind(error.status.map(i32::from))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            Outcome::Failed {
+                error,
+                response,
+                upstream_request_id,
+            } => {
+                let claim: Option<(String, i32)> = sqlx::query_as(
+                    "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
+                         error_status = $3, response_status = $4, response_body = $5,
+                         upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
+                         finished_at = $7, updated_at = $7
+                     WHERE id = $8 AND lease_owner = $9 AND status = 'running'
+                     RETURNING claim_kind, attempts",
+                )
+                .bind(error.kind.as_str())
+                .bind(text(&error.message))
+                .bind(error.status.map(i32::from))
+                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
+                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if let Some((kind, attempts)) = &claim {
+                    release_claims(&mut tx, id, claim_kind_of(kind), error.kind).await?;
+                    let stored = ErrorInfo {
+                        message: text(&error.message).into_owned(),
+                        ..error.clone()
+                    };
+                    let end = end_data(Status::Failed, Some(&stored));
+                    append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
+                }
+                claim
+            }
+        };
+        if let (Some((_, attempts)), Outcome::Succeeded { .. }) = (&claim, &outcome) {
+            let end = end_data(Status::Succeeded, None);
+            append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
+        }
+        tx.commit().await?;
+        Ok(claim.is_some())
+    }
+
+    async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
+        let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        let mut tx = self.pool.begin().await?;
+        // SKIP LOCKED: a request another sweeper (or a heartbeat, finish, cancel) holds is left
+        // to it; whatever we lock is ours alone until commit, so each expired lease is handled
+        // by exactly one sweeper (DU-3).
+        let failed: Vec<(Uuid, String, i32)> = sqlx::query_as(
+            "WITH expired AS MATERIALIZED (
+                 SELECT id FROM requests
+                 WHERE status = 'running' AND lease_expires_at < $1 AND attempts >= $2
+                 FOR UPDATE SKIP LOCKED)
+             UPDATE requests r SET status = 'failed', error_type = 'lease_expired',
+                 error_message = $3, error_status = NULL, lease_owner = NULL,
+                 lease_expires_at = NULL, finished_at = $1, updated_at = $1
+             FROM expired WHERE r.id = expired.id
+             RETURNING r.id, r.claim_kind, r.attempts",
+        )
+        .bind(now)
+        .bind(max_attempts)
+        .bind(LEASE_EXPIRED_MESSAGE)
+        .fetch_all(&mut *tx)
+        .await?;
+        let error = ErrorInfo {
+            kind: ErrorType::LeaseExpired,
+            message: LEASE_EXPIRED_MESSAGE.to_string(),
+            status: None,
+        };
+        let end = end_data(Status::Failed, Some(&error));
+        for (id, claim, attempts) in &failed {
+            release_claims(&mut tx, *id, claim_kind_of(claim), ErrorType::LeaseExpired).await?;
+            append_control(&mut tx, *id, *attempts, ChunkKind::End, &end).await?;
+        }
+        let recovered: Vec<(Uuid, i32, i64, i64)> = sqlx::query_as(
+            "WITH expired AS MATERIALIZED (
+                 SELECT id FROM requests
+                 WHERE status = 'running' AND lease_expires_at < $1
+                 FOR UPDATE SKIP LOCKED)
+             UPDATE requests r SET status = 'pending', recoveries = recoveries + 1,
+                 next_retry_at = $1, lease_owner = NULL, lease_expires_at = NULL, updated_at = $1
+             FROM expired WHERE r.id = expired.id
+             RETURNING r.id, r.attempts, r.last_seq, r.reset_seq",
+        )
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        for (id, attempts, last_seq, reset_seq) in &recovered {
+            // The abandoned attempt stored chunks: the next attempt starts after a reset (LC-8).
+            if last_seq > reset_seq {
+                let next = attempts.saturating_add(1);
+                append_control(&mut tx, *id, next, ChunkKind::Reset, &next.to_string()).await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(Swept {
+            recovered: recovered.iter().map(|(id, ..)| *id).collect(),
+            failed: failed.iter().map(|(id, ..)| *id).collect(),
+        })
+    }
+
+    async fn append_chunks(
+        &self,
+        batches: &[ChunkBatch],
+    ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        // Lock the requests in id order (stable, so one request's batches keep their order):
+        // two group commits touching the same requests can then never deadlock.
+        let mut order: Vec<usize> = (0..batches.len()).collect();
+        order.sort_by_key(|&i| batches[i].lease.id);
+        let mut results: Vec<Option<Vec<Chunk>>> = vec![None; batches.len()];
+        let mut tx = self.pool.begin().await?;
+        for i in order {
+            let batch = &batches[i];
+            let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
+            // Fenced (LC-3): the seqs are reserved only while this attempt holds its lease.
+            let last: Option<i64> = sqlx::query_scalar(
+                "UPDATE requests SET last_seq = last_seq + $1,
+                     upstream_request_id = COALESCE($2, upstream_request_id)
+                 WHERE id = $3 AND lease_owner = $4 AND status = 'running'
+                 RETURNING last_seq",
+            )
+            .bind(n)
+            .bind(opt_text(batch.upstream_request_id.as_deref()))
+            .bind(batch.lease.id)
+            .bind(&batch.lease.owner)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(last) = last else { continue };
+            let first = last - n + 1;
+            let events: Vec<Option<String>> = batch
+                .chunks
+                .iter()
+                .map(|c| opt_text(c.event.as_deref()).map(Cow::into_owned))
+                .collect();
+            let data: Vec<String> = batch
+                .chunks
+                .iter()
+                .map(|c| text(&c.data).into_owned())
+                .collect();
+            if n > 0 {
+                // One statement per batch, whatever its size: the rows travel as two arrays.
+                sqlx::query(
+                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+                     SELECT $1, $2 + t.ord - 1, $3, 'data', t.event, t.data
+                     FROM UNNEST($4::text[], $5::text[]) WITH ORDINALITY AS t(event, data, ord)",
+                )
+                .bind(batch.lease.id)
+                .bind(first)
+                .bind(attempt_number(batch.lease.attempt)?)
+                .bind(&events)
+                .bind(&data)
+                .execute(&mut *tx)
+                .await?;
+            }
+            let stored = events
+                .into_iter()
+                .zip(data)
+                .zip(first..)
+                .map(|((event, data), seq)| Chunk {
+                    seq,
+                    attempt: batch.lease.attempt,
+                    kind: ChunkKind::Data,
+                    event,
+                    data,
+                })
+                .collect();
+            results[i] = Some(stored);
+        }
+        tx.commit().await?;
+        Ok(results)
+    }
+
+    async fn chunks_after(
+        &self,
+        id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<Chunk>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT seq, attempt, kind, event, data FROM chunks
+             WHERE request_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+        )
+        .bind(id)
+        .bind(after)
+        .bind(limit.max(0))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(chunk_from_row).collect()
+    }
+
+    async fn cancel(
+        &self,
+        namespace: &str,
+        id: Uuid,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        // A finish racing this waits for us (or we for it) on the row lock; the loser re-checks
+        // its condition against the winner's row and changes nothing.
+        let cancelled: Option<(String, i32)> = sqlx::query_as(
+            "UPDATE requests SET status = 'failed', error_type = 'cancelled',
+                 error_message = $1, error_status = NULL,
+                 lease_owner = NULL, lease_expires_at = NULL, finished_at = $2, updated_at = $2
+             WHERE id = $3 AND namespace = $4 AND status IN ('pending', 'running')
+             RETURNING claim_kind, attempts",
+        )
+        .bind(CANCELLED_MESSAGE)
+        .bind(now)
+        .bind(id)
+        .bind(namespace)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((claim, attempts)) = &cancelled {
+            release_claims(&mut tx, id, claim_kind_of(claim), ErrorType::Cancelled).await?;
+            let error = ErrorInfo {
+                kind: ErrorType::Cancelled,
+                message: CANCELLED_MESSAGE.to_string(),
+                status: None,
+            };
+            let end = end_data(Status::Failed, Some(&error));
+            append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
+        }
+        let record = Self::fetch_in(&mut tx, id)
+            .await?
+            .filter(|r| r.namespace == namespace);
+        tx.commit().await?;
+        Ok(record)
+    }
+
+    async fn list(
+        &self,
+        namespace: &str,
+        status: Option<Status>,
+        before: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM requests
+             WHERE namespace = $1 AND ($2::text IS NULL OR status = $2)
+                 AND ($3::uuid IS NULL OR id < $3)
+             ORDER BY id DESC LIMIT $4"
+        ))
+        .bind(namespace)
+        .bind(status.map(Status::as_str))
+        .bind(before)
+        .bind(limit.max(0))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(record_from_row).collect()
+    }
+
+    async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let released: Option<(i32, i64, i64)> = sqlx::query_as(
+            "UPDATE requests SET status = 'pending', next_retry_at = $1, lease_owner = NULL,
+                 lease_expires_at = NULL, updated_at = $1
+             WHERE id = $2 AND lease_owner = $3 AND status = 'running'
+             RETURNING attempts, last_seq, reset_seq",
+        )
+        .bind(now)
+        .bind(lease.id)
+        .bind(&lease.owner)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((attempts, last_seq, reset_seq)) = released
+            && last_seq > reset_seq
+        {
+            let next = attempts.saturating_add(1);
+            append_control(&mut tx, lease.id, next, ChunkKind::Reset, &next.to_string()).await?;
+        }
+        tx.commit().await?;
+        Ok(released.is_some())
+    }
+
+    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        // SKIP LOCKED: pruners on several nodes split the work instead of deleting one row twice.
+        let ids: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM requests
+             WHERE finished_at IS NOT NULL AND finished_at < $1
+             ORDER BY finished_at LIMIT $2
+             FOR UPDATE SKIP LOCKED",
+        )
+        .bind(before)
+        .bind(limit.max(0))
+        .fetch_all(&mut *tx)
+        .await?;
+        if ids.is_empty() {
+            tx.commit().await?;
+            return Ok(0);
+        }
+        sqlx::query("DELETE FROM chunks WHERE request_id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM claims WHERE request_id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        let deleted = sqlx::query("DELETE FROM requests WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok(deleted)
+    }
+
+    async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, COUNT(*) FROM requests GROUP BY status")
+                .fetch_all(&self.pool)
+                .await?;
+        rows.into_iter()
+            .map(|(s, n)| {
+                Status::parse(&s)
+                    .map(|s| (s, n))
+                    .ok_or_else(|| corrupt(format!("status {s:?}")))
+            })
+            .collect()
+    }
+
+    async fn next_due(&self) -> Result<Option<Millis>, StoreError> {
+        let due: Option<i64> =
+            sqlx::query_scalar("SELECT MIN(next_retry_at) FROM requests WHERE status = 'pending'")
+                .fetch_one(&self.pool)
+                .await?;
+        Ok(due)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+}

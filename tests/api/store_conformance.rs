@@ -1,0 +1,1725 @@
+//! The store conformance suite: every test is written once, against [`DynStore`], and runs on
+//! both adapters — `store_conformance::sqlite::<name>` on a fresh SQLite file and
+//! `store_conformance::postgres::<name>` on a fresh PostgreSQL database (SPEC DU-3: the two
+//! adapters keep identical semantics). Time is synthetic: every call takes its `now`.
+//!
+//! PostgreSQL comes from `HOLDFAST_TEST_DATABASE_URL`, else
+//! `postgres://postgres@127.0.0.1:5432/test`; each test creates its own database there and drops
+//! it afterwards. When the server is unreachable the PostgreSQL tests print a loud `SKIPPED` line
+//! and pass — unless the environment variable `CI` is set, then they fail.
+
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use holdfast::config::SqliteSynchronous;
+use holdfast::store::postgres::PostgresStore;
+use holdfast::store::sqlite::SqliteStore;
+use holdfast::store::{
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, Millis,
+    NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, end_data,
+};
+use sha2::{Digest, Sha256};
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use tempfile::TempDir;
+use tokio::sync::Barrier;
+use uuid::Uuid;
+
+// ---------------------------------------------------------------------------------------------
+// Stores under test
+// ---------------------------------------------------------------------------------------------
+
+/// A store under test and whatever has to live as long as it.
+pub struct TestStore {
+    /// The store.
+    pub store: DynStore,
+    _sqlite_dir: Option<TempDir>,
+    _postgres_db: Option<TestDatabase>,
+}
+
+/// A fresh SQLite store in a temporary directory.
+pub async fn sqlite_store() -> TestStore {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("holdfast.db").display());
+    let store = SqliteStore::open(&url, SqliteSynchronous::Normal)
+        .await
+        .expect("open SQLite store");
+    TestStore {
+        store: Arc::new(store),
+        _sqlite_dir: Some(dir),
+        _postgres_db: None,
+    }
+}
+
+/// A fresh PostgreSQL store on its own database, or `None` (after a loud message on stderr)
+/// when PostgreSQL is unreachable and `CI` is not set.
+pub async fn postgres_store() -> Option<TestStore> {
+    let db = TestDatabase::create().await?;
+    let store = PostgresStore::open(&db.url)
+        .await
+        .expect("open PostgreSQL store");
+    Some(TestStore {
+        store: Arc::new(store),
+        _sqlite_dir: None,
+        _postgres_db: Some(db),
+    })
+}
+
+/// The server the PostgreSQL tests use: `HOLDFAST_TEST_DATABASE_URL`, else the local one.
+pub fn test_database_admin_url() -> String {
+    std::env::var("HOLDFAST_TEST_DATABASE_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_string())
+}
+
+/// A database of its own for one test, `holdfast_test_<uuid>`, dropped (best effort, with
+/// `FORCE`) when this value is dropped — also when the test panics.
+pub struct TestDatabase {
+    /// URL of the fresh database.
+    pub url: String,
+    /// Its name.
+    pub name: String,
+    admin: PgConnectOptions,
+}
+
+impl TestDatabase {
+    /// Creates the database. `None` when PostgreSQL is unreachable and `CI` is unset (a
+    /// `*** SKIPPED ***` line goes to stderr); panics when it is unreachable and `CI` is set.
+    pub async fn create() -> Option<TestDatabase> {
+        let admin_url = test_database_admin_url();
+        let shown = holdfast::store::redact_url(&admin_url);
+        let admin = PgConnectOptions::from_str(&admin_url)
+            .unwrap_or_else(|e| panic!("HOLDFAST_TEST_DATABASE_URL {shown}: {e}"));
+        let connected =
+            tokio::time::timeout(Duration::from_secs(5), PgConnection::connect_with(&admin)).await;
+        let mut conn = match connected {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return postgres_unreachable(&shown, &e.to_string()),
+            Err(_) => return postgres_unreachable(&shown, "timed out after 5 s"),
+        };
+        let name = format!("holdfast_test_{}", Uuid::new_v4().simple());
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("CREATE DATABASE {name} on {shown}: {e}"));
+        let _ = conn.close().await;
+        let mut url = reqwest::Url::parse(&admin_url)
+            .unwrap_or_else(|e| panic!("HOLDFAST_TEST_DATABASE_URL {shown}: {e}"));
+        url.set_path(&format!("/{name}"));
+        Some(TestDatabase {
+            url: url.to_string(),
+            name,
+            admin,
+        })
+    }
+}
+
+fn postgres_unreachable<T>(shown: &str, why: &str) -> Option<T> {
+    if std::env::var_os("CI").is_some() {
+        panic!("PostgreSQL not reachable at {shown} ({why}); CI must run the PostgreSQL tests");
+    }
+    eprintln!(
+        "*** SKIPPED: PostgreSQL not reachable at {shown} ({why}); \
+         set HOLDFAST_TEST_DATABASE_URL or start PostgreSQL ***"
+    );
+    None
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let admin = self.admin.clone();
+        let name = self.name.clone();
+        // Drop runs inside the test's runtime; use a thread with a runtime of its own.
+        let dropper = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async move {
+                if let Ok(mut conn) = PgConnection::connect_with(&admin).await {
+                    let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                    let _ = sqlx::query(&sql).execute(&mut conn).await;
+                    let _ = conn.close().await;
+                }
+            });
+        });
+        let _ = dropper.join();
+    }
+}
+
+/// Runs each named `async fn(DynStore)` against both adapters.
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let t = super::sqlite_store().await;
+                    super::$name(t.store.clone()).await;
+                }
+            )*
+        }
+
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let Some(t) = super::postgres_store().await else { return };
+                    super::$name(t.store.clone()).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    submit_creates_then_attaches_id4,
+    body_hash_claims_are_per_namespace_id4,
+    expired_claim_is_taken_over_by_a_new_request_id4,
+    keyed_claim_with_another_fingerprint_is_key_mismatch_id5,
+    racing_identical_submits_create_exactly_one_request_id7,
+    racing_takeovers_of_an_expired_claim_create_exactly_one_request_id7,
+    racing_keyed_submits_create_one_request_and_mismatch_the_rest_id5_id7,
+    get_reads_only_its_own_namespace,
+    lease_takes_only_due_pending_requests_oldest_first_lc2,
+    concurrent_leasers_never_share_a_request_lc2,
+    heartbeat_extends_the_lease_and_fails_once_it_is_lost_lc3,
+    stale_owner_writes_nothing_lc3,
+    retry_goes_back_to_pending_until_next_retry_at_lc5,
+    failure_releases_a_body_hash_claim_id6,
+    keyed_claim_survives_upstream_refused_and_replays_id6,
+    keyed_claim_is_released_by_transient_exhaustion_id6,
+    sweep_recovers_expired_leases_and_resets_only_after_stored_chunks_lc4_lc8,
+    sweep_fails_with_lease_expired_when_attempts_are_used_up_lc4,
+    racing_sweeps_recover_each_request_once_lc4,
+    racing_sweeps_fail_each_request_once_lc4,
+    append_chunks_assigns_consecutive_seqs_across_batches,
+    append_chunks_group_commit_keeps_each_requests_order,
+    append_chunks_returns_none_for_a_lost_lease_lc3,
+    chunks_after_pages_in_seq_order,
+    every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
+    cancel_fails_pending_and_running_requests_lc9,
+    cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
+    list_is_newest_first_with_status_filter_and_cursor_rd7,
+    release_hands_back_without_counting_a_recovery_du5,
+    prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4,
+    counts_and_next_due_follow_the_lifecycle,
+    nul_characters_in_text_never_fail_a_write_in2,
+);
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+const NS: &str = "default";
+/// A fixed "now": every test runs on synthetic time.
+const T0: Millis = 1_700_000_000_000;
+/// Body-hash claim window (ID-4), as `dedupe_window_secs = 600`.
+const WINDOW: Millis = 600_000;
+/// Keyed claim lifetime (ID-5), as `idempotency_key_ttl_secs = 86400`.
+const KEY_TTL: Millis = 86_400_000;
+const LEASE_MS: i64 = 30_000;
+const MAX_ATTEMPTS: u32 = 5;
+
+fn body(text: &str) -> Vec<u8> {
+    serde_json::json!({
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": text}],
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn hash_of(body: &[u8]) -> [u8; 32] {
+    Sha256::digest(body).into()
+}
+
+/// A body-hash claimed submission of `text` in `namespace` at `now`.
+fn by_hash_in(namespace: &str, text: &str, now: Millis) -> NewRequest {
+    let body = body(text);
+    let hash = hash_of(&body);
+    NewRequest {
+        id: Uuid::now_v7(),
+        namespace: namespace.to_string(),
+        route: "openai.chat".into(),
+        backend: "mock-openai".into(),
+        model: Some("gpt-4o-mini".into()),
+        stream: true,
+        body,
+        headers: vec![("openai-beta".into(), "assistants=v2".into())],
+        hash,
+        claim: ClaimKind::BodyHash,
+        claim_key: hex::encode(hash),
+        claim_expires_at: now + WINDOW,
+        now,
+    }
+}
+
+fn by_hash(text: &str, now: Millis) -> NewRequest {
+    by_hash_in(NS, text, now)
+}
+
+/// An `Idempotency-Key` claimed submission (ID-5): `text` is the fingerprinted body.
+fn by_key(key: &str, text: &str, now: Millis) -> NewRequest {
+    let mut new = by_hash(text, now);
+    new.claim = ClaimKind::Key;
+    new.claim_key = format!("{} {key}", new.route);
+    new.claim_expires_at = now + KEY_TTL;
+    new
+}
+
+async fn create(store: &DynStore, new: NewRequest) -> RequestRecord {
+    match store.submit(new).await.expect("submit") {
+        Submitted::Created(record) => *record,
+        other => panic!("expected Created, got {other:?}"),
+    }
+}
+
+async fn attach(store: &DynStore, new: NewRequest) -> RequestRecord {
+    match store.submit(new).await.expect("submit") {
+        Submitted::Attached(record) => *record,
+        other => panic!("expected Attached, got {other:?}"),
+    }
+}
+
+async fn lease_at(store: &DynStore, owner: &str, now: Millis) -> (Lease, RequestRecord) {
+    store
+        .lease(owner, now, LEASE_MS)
+        .await
+        .expect("lease")
+        .unwrap_or_else(|| panic!("nothing to lease at {now}"))
+}
+
+async fn get(store: &DynStore, id: Uuid) -> RequestRecord {
+    store
+        .get(NS, id)
+        .await
+        .expect("get")
+        .unwrap_or_else(|| panic!("request {id} missing"))
+}
+
+async fn all_chunks(store: &DynStore, id: Uuid) -> Vec<Chunk> {
+    store.chunks_after(id, 0, 100_000).await.expect("chunks")
+}
+
+fn new_chunks(prefix: &str, n: usize) -> Vec<NewChunk> {
+    (0..n)
+        .map(|i| NewChunk {
+            event: (i % 2 == 1).then(|| "delta".to_string()),
+            data: format!("{{\"part\":\"{prefix}-{i}\"}}"),
+        })
+        .collect()
+}
+
+async fn append(store: &DynStore, lease: &Lease, chunks: Vec<NewChunk>) -> Option<Vec<Chunk>> {
+    let batch = ChunkBatch {
+        lease: lease.clone(),
+        chunks,
+        upstream_request_id: None,
+    };
+    let mut out = store.append_chunks(&[batch]).await.expect("append_chunks");
+    assert_eq!(out.len(), 1);
+    out.pop().flatten()
+}
+
+fn succeeded() -> Outcome {
+    Outcome::Succeeded {
+        status: 200,
+        body: br#"{"id":"chatcmpl-1","choices":[]}"#.to_vec(),
+        upstream_request_id: Some("req_up_1".into()),
+    }
+}
+
+fn error(kind: ErrorType, status: Option<u16>) -> ErrorInfo {
+    ErrorInfo {
+        kind,
+        message: format!("{} happened", kind.as_str()),
+        status,
+    }
+}
+
+fn failed(kind: ErrorType) -> Outcome {
+    Outcome::Failed {
+        error: error(kind, None),
+        response: None,
+        upstream_request_id: None,
+    }
+}
+
+fn refused() -> Outcome {
+    Outcome::Failed {
+        error: error(ErrorType::UpstreamRefused, Some(400)),
+        response: Some((400, br#"{"error":{"message":"bad"}}"#.to_vec())),
+        upstream_request_id: Some("req_up_400".into()),
+    }
+}
+
+/// Asserts the request's chunk log ends with exactly one `end` chunk carrying `end_data`.
+async fn assert_single_end(store: &DynStore, record: &RequestRecord) {
+    let chunks = all_chunks(store, record.id).await;
+    let ends: Vec<&Chunk> = chunks.iter().filter(|c| c.kind == ChunkKind::End).collect();
+    assert_eq!(ends.len(), 1, "exactly one end chunk: {chunks:?}");
+    let end = ends[0];
+    assert_eq!(Some(end), chunks.last(), "end is the last chunk");
+    assert_eq!(end.seq, record.last_seq, "end is at last_seq");
+    assert_eq!(end.event, None);
+    assert_eq!(end.data, end_data(record.status, record.error.as_ref()));
+    let seqs: Vec<i64> = chunks.iter().map(|c| c.seq).collect();
+    let expected: Vec<i64> = (1..=record.last_seq).collect();
+    assert_eq!(seqs, expected, "seqs are 1..=last_seq without gaps");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Claims (ID-4 .. ID-7)
+// ---------------------------------------------------------------------------------------------
+
+async fn submit_creates_then_attaches_id4(store: DynStore) {
+    let new = by_hash("hello", T0);
+    let expected = new.clone();
+    let first = create(&store, new).await;
+    assert_eq!(first.id, expected.id);
+    assert_eq!(first.namespace, NS);
+    assert_eq!(first.route, "openai.chat");
+    assert_eq!(first.backend, "mock-openai");
+    assert_eq!(first.model.as_deref(), Some("gpt-4o-mini"));
+    assert!(first.stream);
+    assert_eq!(first.body, expected.body);
+    assert_eq!(first.headers, expected.headers);
+    assert_eq!(first.claim, ClaimKind::BodyHash);
+    assert_eq!(first.status, Status::Pending);
+    assert_eq!((first.attempts, first.recoveries), (0, 0));
+    assert_eq!(first.next_retry_at, T0);
+    assert_eq!((first.created_at, first.updated_at), (T0, T0));
+    assert_eq!(first.finished_at, None);
+    assert_eq!(first.error, None);
+    assert_eq!((first.last_seq, first.reset_seq), (0, 0));
+    assert_eq!(first.response_status, None);
+    assert_eq!(first.response_body, None);
+
+    // Same body inside the window: the same request.
+    let again = attach(&store, by_hash("hello", T0 + WINDOW - 1)).await;
+    assert_eq!(again.id, first.id);
+    assert_eq!(again.status, Status::Pending);
+
+    // Another body: another request.
+    let other = create(&store, by_hash("world", T0 + 1)).await;
+    assert_ne!(other.id, first.id);
+
+    // Reads back as stored.
+    let read = get(&store, first.id).await;
+    assert_eq!(read.body, expected.body);
+    assert_eq!(read.headers, expected.headers);
+}
+
+async fn body_hash_claims_are_per_namespace_id4(store: DynStore) {
+    let a = create(&store, by_hash_in("team-a", "same", T0)).await;
+    let b = create(&store, by_hash_in("team-b", "same", T0)).await;
+    assert_ne!(a.id, b.id, "nothing crosses a namespace");
+    let again = match store
+        .submit(by_hash_in("team-b", "same", T0 + 1))
+        .await
+        .expect("submit")
+    {
+        Submitted::Attached(r) => r,
+        other => panic!("expected Attached, got {other:?}"),
+    };
+    assert_eq!(again.id, b.id);
+}
+
+async fn expired_claim_is_taken_over_by_a_new_request_id4(store: DynStore) {
+    let first = create(&store, by_hash("hello", T0)).await;
+    // The window is counted from the claimed request's submission; at its end it is over.
+    let second = create(&store, by_hash("hello", T0 + WINDOW)).await;
+    assert_ne!(second.id, first.id);
+    // The new claim runs from the new submission.
+    let third = attach(&store, by_hash("hello", T0 + WINDOW + 1)).await;
+    assert_eq!(third.id, second.id);
+    // The old request is still there, untouched.
+    assert_eq!(get(&store, first.id).await.status, Status::Pending);
+}
+
+async fn keyed_claim_with_another_fingerprint_is_key_mismatch_id5(store: DynStore) {
+    let first = create(&store, by_key("k-1", "body A", T0)).await;
+    assert_eq!(first.claim, ClaimKind::Key);
+    match store
+        .submit(by_key("k-1", "body B", T0 + 1))
+        .await
+        .expect("submit")
+    {
+        Submitted::KeyMismatch { existing } => assert_eq!(existing, first.id),
+        other => panic!("expected KeyMismatch, got {other:?}"),
+    }
+    // Same key, same body: the same request.
+    assert_eq!(
+        attach(&store, by_key("k-1", "body A", T0 + 2)).await.id,
+        first.id
+    );
+    // A fresh key with the same body asks for a second sample.
+    let second = create(&store, by_key("k-2", "body A", T0 + 3)).await;
+    assert_ne!(second.id, first.id);
+    // The body hash is only a fingerprint under a key: no body-hash claim was made.
+    let plain = create(&store, by_hash("body A", T0 + 4)).await;
+    assert_ne!(plain.id, first.id);
+    // After the key's lifetime another body may take it.
+    let later = create(&store, by_key("k-1", "body B", T0 + KEY_TTL)).await;
+    assert_ne!(later.id, first.id);
+}
+
+/// Spawns `n` tasks that submit what `make` returns at the same moment.
+async fn race_submits(
+    store: &DynStore,
+    n: usize,
+    make: impl Fn(usize) -> NewRequest,
+) -> Vec<Submitted> {
+    let barrier = Arc::new(Barrier::new(n));
+    let mut tasks = Vec::with_capacity(n);
+    for i in 0..n {
+        let store = store.clone();
+        let barrier = barrier.clone();
+        let new = make(i);
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .submit(new)
+                .await
+                .expect("racing submit must not error")
+        }));
+    }
+    let mut out = Vec::with_capacity(n);
+    for task in tasks {
+        out.push(task.await.expect("task"));
+    }
+    out
+}
+
+fn created_and_attached(results: &[Submitted]) -> (Vec<Uuid>, Vec<Uuid>) {
+    let mut created = Vec::new();
+    let mut attached = Vec::new();
+    for r in results {
+        match r {
+            Submitted::Created(rec) => created.push(rec.id),
+            Submitted::Attached(rec) => attached.push(rec.id),
+            Submitted::KeyMismatch { existing } => panic!("unexpected mismatch with {existing}"),
+        }
+    }
+    (created, attached)
+}
+
+async fn racing_identical_submits_create_exactly_one_request_id7(store: DynStore) {
+    let results = race_submits(&store, 50, |_| by_hash("race", T0)).await;
+    let (created, attached) = created_and_attached(&results);
+    assert_eq!(created.len(), 1, "exactly one Created");
+    assert_eq!(attached.len(), 49);
+    assert!(attached.iter().all(|id| *id == created[0]));
+    let listed = store.list(NS, None, None, 100).await.expect("list");
+    assert_eq!(listed.len(), 1, "exactly one request recorded");
+}
+
+async fn racing_takeovers_of_an_expired_claim_create_exactly_one_request_id7(store: DynStore) {
+    let old = create(&store, by_hash("race", T0)).await;
+    let now = T0 + WINDOW + 5;
+    let results = race_submits(&store, 50, |_| by_hash("race", now)).await;
+    let (created, attached) = created_and_attached(&results);
+    assert_eq!(created.len(), 1, "exactly one takeover");
+    assert_ne!(created[0], old.id);
+    assert!(attached.iter().all(|id| *id == created[0]));
+    assert_eq!(
+        store.list(NS, None, None, 100).await.expect("list").len(),
+        2
+    );
+}
+
+async fn racing_keyed_submits_create_one_request_and_mismatch_the_rest_id5_id7(store: DynStore) {
+    // Half send body A, half body B, all under one key: one request; its body's senders attach,
+    // the others get KeyMismatch naming it.
+    let results = race_submits(&store, 40, |i| {
+        by_key("shared", if i % 2 == 0 { "A" } else { "B" }, T0)
+    })
+    .await;
+    let mut created = Vec::new();
+    let mut attached = 0;
+    let mut mismatched = Vec::new();
+    for r in &results {
+        match r {
+            Submitted::Created(rec) => created.push(rec.id),
+            Submitted::Attached(_) => attached += 1,
+            Submitted::KeyMismatch { existing } => mismatched.push(*existing),
+        }
+    }
+    assert_eq!(created.len(), 1);
+    assert_eq!(attached, 19);
+    assert_eq!(mismatched.len(), 20);
+    assert!(mismatched.iter().all(|id| *id == created[0]));
+}
+
+async fn get_reads_only_its_own_namespace(store: DynStore) {
+    let rec = create(&store, by_hash_in("team-a", "mine", T0)).await;
+    assert!(store.get("team-a", rec.id).await.expect("get").is_some());
+    assert!(store.get("team-b", rec.id).await.expect("get").is_none());
+    assert!(
+        store
+            .get("team-a", Uuid::now_v7())
+            .await
+            .expect("get")
+            .is_none()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Leases and fencing (LC-2, LC-3, LC-5)
+// ---------------------------------------------------------------------------------------------
+
+async fn lease_takes_only_due_pending_requests_oldest_first_lc2(store: DynStore) {
+    let late = create(&store, by_hash("late", T0 + 100)).await;
+    let early = create(&store, by_hash("early", T0)).await;
+    assert!(
+        store
+            .lease("w", T0 - 1, LEASE_MS)
+            .await
+            .expect("lease")
+            .is_none(),
+        "nothing is due before next_retry_at"
+    );
+    let (lease, rec) = lease_at(&store, "node/a", T0 + 100).await;
+    assert_eq!(lease.id, early.id, "oldest next_retry_at first");
+    assert_eq!(lease.owner, "node/a");
+    assert_eq!(lease.attempt, 1);
+    assert_eq!(rec.status, Status::Running);
+    assert_eq!(rec.attempts, 1);
+    assert_eq!(rec.updated_at, T0 + 100);
+    assert_eq!(get(&store, early.id).await.status, Status::Running);
+
+    let (lease2, rec2) = lease_at(&store, "node/b", T0 + 100).await;
+    assert_eq!(lease2.id, late.id);
+    assert_eq!(rec2.attempts, 1);
+    // A running request is not pending: nothing left.
+    assert!(
+        store
+            .lease("node/c", T0 + 10_000_000, LEASE_MS)
+            .await
+            .expect("lease")
+            .is_none()
+    );
+}
+
+async fn concurrent_leasers_never_share_a_request_lc2(store: DynStore) {
+    for i in 0..10 {
+        create(&store, by_hash(&format!("job {i}"), T0 + i)).await;
+    }
+    let barrier = Arc::new(Barrier::new(20));
+    let mut tasks = Vec::new();
+    for w in 0..20 {
+        let store = store.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .lease(&format!("node/{w}"), T0 + 1000, LEASE_MS)
+                .await
+                .expect("concurrent lease must not error")
+        }));
+    }
+    let mut leased = Vec::new();
+    for task in tasks {
+        if let Some((lease, rec)) = task.await.expect("task") {
+            assert_eq!(rec.attempts, 1);
+            assert_eq!(lease.attempt, 1);
+            leased.push(lease.id);
+        }
+    }
+    assert_eq!(leased.len(), 10, "every request leased once");
+    let distinct: HashSet<Uuid> = leased.iter().copied().collect();
+    assert_eq!(distinct.len(), 10, "no request leased twice");
+}
+
+async fn heartbeat_extends_the_lease_and_fails_once_it_is_lost_lc3(store: DynStore) {
+    create(&store, by_hash("beat", T0)).await;
+    let (lease, _) = store
+        .lease("node/a", T0, 1_000)
+        .await
+        .expect("lease")
+        .expect("due");
+    assert!(store.heartbeat(&lease, T0 + 500, 1_000).await.expect("hb"));
+    // Without the heartbeat the lease would have expired at T0 + 1000.
+    let swept = store.sweep(T0 + 1_200, MAX_ATTEMPTS).await.expect("sweep");
+    assert!(swept.recovered.is_empty() && swept.failed.is_empty());
+    assert_eq!(get(&store, lease.id).await.status, Status::Running);
+
+    let swept = store.sweep(T0 + 1_501, MAX_ATTEMPTS).await.expect("sweep");
+    assert_eq!(swept.recovered, vec![lease.id]);
+    assert!(
+        !store
+            .heartbeat(&lease, T0 + 1_600, 1_000)
+            .await
+            .expect("hb"),
+        "a swept lease is lost"
+    );
+    // Another owner's heartbeat does not renew someone else's lease either.
+    let (lease2, _) = lease_at(&store, "node/b", T0 + 2_000).await;
+    let impostor = Lease {
+        owner: "node/a".into(),
+        ..lease2.clone()
+    };
+    assert!(
+        !store
+            .heartbeat(&impostor, T0 + 2_001, 1_000)
+            .await
+            .expect("hb")
+    );
+    assert!(
+        store
+            .heartbeat(&lease2, T0 + 2_001, 1_000)
+            .await
+            .expect("hb")
+    );
+}
+
+async fn stale_owner_writes_nothing_lc3(store: DynStore) {
+    create(&store, by_hash("stale", T0)).await;
+    let (stale, _) = lease_at(&store, "node/a", T0).await;
+    assert!(append(&store, &stale, new_chunks("a", 2)).await.is_some());
+    store
+        .sweep(T0 + LEASE_MS + 1, MAX_ATTEMPTS)
+        .await
+        .expect("sweep");
+    let (fresh, _) = lease_at(&store, "node/b", T0 + LEASE_MS + 1).await;
+    assert_eq!(fresh.attempt, 2);
+    let before = get(&store, stale.id).await;
+    let chunks_before = all_chunks(&store, stale.id).await;
+
+    assert!(append(&store, &stale, new_chunks("x", 3)).await.is_none());
+    assert!(
+        !store
+            .finish(&stale, succeeded(), T0 + LEASE_MS + 2)
+            .await
+            .expect("finish")
+    );
+    assert!(
+        !store
+            .finish(&stale, refused(), T0 + LEASE_MS + 2)
+            .await
+            .expect("finish")
+    );
+    let retry = Outcome::Retry {
+        next_retry_at: T0 + 1,
+        error: error(ErrorType::AttemptsExhausted, Some(503)),
+    };
+    assert!(
+        !store
+            .finish(&stale, retry, T0 + LEASE_MS + 2)
+            .await
+            .expect("finish")
+    );
+    assert!(
+        !store
+            .release(&stale, T0 + LEASE_MS + 2)
+            .await
+            .expect("release")
+    );
+    assert!(
+        !store
+            .heartbeat(&stale, T0 + LEASE_MS + 2, LEASE_MS)
+            .await
+            .expect("hb")
+    );
+
+    let after = get(&store, stale.id).await;
+    assert_eq!(after.status, Status::Running);
+    assert_eq!(after.attempts, 2);
+    assert_eq!(after.last_seq, before.last_seq);
+    assert_eq!(after.updated_at, before.updated_at);
+    assert_eq!(after.response_body, None);
+    assert_eq!(all_chunks(&store, stale.id).await, chunks_before);
+
+    // The current owner still can.
+    assert!(
+        store
+            .finish(&fresh, succeeded(), T0 + LEASE_MS + 3)
+            .await
+            .expect("finish")
+    );
+    assert_eq!(get(&store, stale.id).await.status, Status::Succeeded);
+}
+
+async fn retry_goes_back_to_pending_until_next_retry_at_lc5(store: DynStore) {
+    let rec = create(&store, by_hash("flaky", T0)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    let err = error(ErrorType::AttemptsExhausted, Some(503));
+    let retry = Outcome::Retry {
+        next_retry_at: T0 + 5_000,
+        error: err.clone(),
+    };
+    assert!(store.finish(&lease, retry, T0 + 10).await.expect("finish"));
+    let after = get(&store, rec.id).await;
+    assert_eq!(after.status, Status::Pending);
+    assert_eq!(after.next_retry_at, T0 + 5_000);
+    assert_eq!(
+        after.error,
+        Some(err),
+        "the last transient error stays readable"
+    );
+    assert_eq!(after.attempts, 1);
+    assert_eq!(after.recoveries, 0);
+    assert_eq!(after.finished_at, None);
+    assert_eq!(after.updated_at, T0 + 10);
+    assert!(
+        all_chunks(&store, rec.id).await.is_empty(),
+        "not terminal: no end"
+    );
+    // The claim is kept: a re-send attaches.
+    assert_eq!(attach(&store, by_hash("flaky", T0 + 20)).await.id, rec.id);
+    // The lease is gone.
+    assert!(
+        !store
+            .heartbeat(&lease, T0 + 20, LEASE_MS)
+            .await
+            .expect("hb")
+    );
+
+    assert!(
+        store
+            .lease("node/b", T0 + 4_999, LEASE_MS)
+            .await
+            .expect("lease")
+            .is_none()
+    );
+    let (again, rec2) = lease_at(&store, "node/b", T0 + 5_000).await;
+    assert_eq!(again.id, rec.id);
+    assert_eq!(again.attempt, 2);
+    assert_eq!(rec2.attempts, 2);
+    assert!(
+        store
+            .finish(&again, succeeded(), T0 + 5_001)
+            .await
+            .expect("finish")
+    );
+    let done = get(&store, rec.id).await;
+    assert_eq!(done.status, Status::Succeeded);
+    assert_eq!(done.error, None, "success clears the transient error");
+}
+
+async fn failure_releases_a_body_hash_claim_id6(store: DynStore) {
+    for (i, outcome) in [
+        failed(ErrorType::AttemptsExhausted),
+        refused(),
+        failed(ErrorType::StreamInterrupted),
+        failed(ErrorType::UpstreamInvalid),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let text = format!("doomed {i}");
+        let now = T0 + 1_000 * i as i64;
+        let rec = create(&store, by_hash(&text, now)).await;
+        let (lease, _) = lease_at(&store, "node/a", now).await;
+        assert!(
+            store
+                .finish(&lease, outcome, now + 1)
+                .await
+                .expect("finish")
+        );
+        let again = create(&store, by_hash(&text, now + 2)).await;
+        assert_ne!(again.id, rec.id, "the same body starts a new request");
+        // Lease the new one too, so the next round's lease picks its own request.
+        let (l, _) = lease_at(&store, "node/a", now + 2).await;
+        assert_eq!(l.id, again.id);
+    }
+}
+
+async fn keyed_claim_survives_upstream_refused_and_replays_id6(store: DynStore) {
+    let rec = create(&store, by_key("k", "bad request", T0)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    assert!(
+        store
+            .finish(&lease, refused(), T0 + 1)
+            .await
+            .expect("finish")
+    );
+    let replay = attach(&store, by_key("k", "bad request", T0 + 2)).await;
+    assert_eq!(replay.id, rec.id);
+    assert_eq!(replay.status, Status::Failed);
+    assert_eq!(replay.response_status, Some(400));
+    assert_eq!(
+        replay.response_body.as_deref(),
+        Some(&br#"{"error":{"message":"bad"}}"#[..])
+    );
+    assert_eq!(replay.upstream_request_id.as_deref(), Some("req_up_400"));
+    let err = replay.error.expect("error");
+    assert_eq!(err.kind, ErrorType::UpstreamRefused);
+    assert_eq!(err.status, Some(400));
+    assert_eq!(replay.finished_at, Some(T0 + 1));
+}
+
+async fn keyed_claim_is_released_by_transient_exhaustion_id6(store: DynStore) {
+    let rec = create(&store, by_key("k", "flaky", T0)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    assert!(
+        store
+            .finish(&lease, failed(ErrorType::AttemptsExhausted), T0 + 1)
+            .await
+            .expect("finish")
+    );
+    let again = create(&store, by_key("k", "flaky", T0 + 2)).await;
+    assert_ne!(again.id, rec.id);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sweep (LC-4, LC-8)
+// ---------------------------------------------------------------------------------------------
+
+async fn sweep_recovers_expired_leases_and_resets_only_after_stored_chunks_lc4_lc8(
+    store: DynStore,
+) {
+    let streamed = create(&store, by_hash("streamed", T0)).await;
+    let quiet = create(&store, by_hash("quiet", T0 + 1)).await;
+    let (l1, _) = lease_at(&store, "node/a", T0 + 1).await;
+    let (l2, _) = lease_at(&store, "node/a", T0 + 1).await;
+    assert_eq!((l1.id, l2.id), (streamed.id, quiet.id));
+    append(&store, &l1, new_chunks("a1", 2)).await.expect("own");
+
+    // Not yet expired: nothing happens.
+    let none = store
+        .sweep(T0 + 1 + LEASE_MS - 1, MAX_ATTEMPTS)
+        .await
+        .expect("sweep");
+    assert_eq!(none, Default::default());
+
+    let t1 = T0 + 1 + LEASE_MS + 1;
+    let swept = store.sweep(t1, MAX_ATTEMPTS).await.expect("sweep");
+    let recovered: HashSet<Uuid> = swept.recovered.iter().copied().collect();
+    assert_eq!(recovered, HashSet::from([streamed.id, quiet.id]));
+    assert!(swept.failed.is_empty());
+
+    for id in [streamed.id, quiet.id] {
+        let rec = get(&store, id).await;
+        assert_eq!(rec.status, Status::Pending);
+        assert_eq!(rec.recoveries, 1);
+        assert_eq!(rec.attempts, 1, "the abandoned attempt still counts");
+        assert_eq!(rec.next_retry_at, t1, "due at once");
+        assert_eq!(rec.updated_at, t1);
+    }
+    // The streamed one: data 1, 2, then a reset naming attempt 2 (LC-8).
+    let chunks = all_chunks(&store, streamed.id).await;
+    assert_eq!(chunks.len(), 3);
+    assert_eq!(chunks[2].kind, ChunkKind::Reset);
+    assert_eq!(chunks[2].seq, 3);
+    assert_eq!(chunks[2].attempt, 2);
+    assert_eq!(chunks[2].data, "2");
+    assert_eq!(chunks[2].event, None);
+    let rec = get(&store, streamed.id).await;
+    assert_eq!((rec.last_seq, rec.reset_seq), (3, 3));
+    // The quiet one stored nothing: no reset.
+    assert!(all_chunks(&store, quiet.id).await.is_empty());
+    assert_eq!(get(&store, quiet.id).await.reset_seq, 0);
+
+    // Attempt 2 continues the numbering after the reset.
+    let (l1b, _) = lease_at(&store, "node/b", t1).await;
+    assert_eq!((l1b.id, l1b.attempt), (streamed.id, 2));
+    let stored = append(&store, &l1b, new_chunks("a2", 1))
+        .await
+        .expect("own");
+    assert_eq!(stored[0].seq, 4);
+    assert_eq!(stored[0].attempt, 2);
+    let (l2b, _) = lease_at(&store, "node/b", t1).await;
+    assert_eq!(l2b.id, quiet.id);
+
+    // Attempt 2 dies too: a second reset, naming attempt 3.
+    let t2 = t1 + LEASE_MS + 1;
+    store.sweep(t2, MAX_ATTEMPTS).await.expect("sweep");
+    let chunks = all_chunks(&store, streamed.id).await;
+    assert_eq!(chunks.len(), 5);
+    assert_eq!(
+        (chunks[4].kind, chunks[4].seq, chunks[4].data.as_str()),
+        (ChunkKind::Reset, 5, "3")
+    );
+    assert_eq!(get(&store, streamed.id).await.recoveries, 2);
+
+    // Attempt 3 stores nothing and dies: no reset after a reset.
+    let (l1c, _) = lease_at(&store, "node/c", t2).await;
+    assert_eq!((l1c.id, l1c.attempt), (streamed.id, 3));
+    store
+        .sweep(t2 + LEASE_MS + 1, MAX_ATTEMPTS)
+        .await
+        .expect("sweep");
+    assert_eq!(all_chunks(&store, streamed.id).await.len(), 5);
+    let rec = get(&store, streamed.id).await;
+    assert_eq!((rec.recoveries, rec.last_seq, rec.reset_seq), (3, 5, 5));
+}
+
+async fn sweep_fails_with_lease_expired_when_attempts_are_used_up_lc4(store: DynStore) {
+    let hashed = create(&store, by_hash("last try", T0)).await;
+    let keyed = create(&store, by_key("k", "last keyed try", T0 + 1)).await;
+    let (l1, _) = lease_at(&store, "node/a", T0 + 1).await;
+    lease_at(&store, "node/a", T0 + 1).await;
+    append(&store, &l1, new_chunks("a", 2)).await.expect("own");
+    let now = T0 + 1 + LEASE_MS + 1;
+    // max_attempts = 1: the one attempt is used up.
+    let swept = store.sweep(now, 1).await.expect("sweep");
+    assert!(swept.recovered.is_empty());
+    let failed: HashSet<Uuid> = swept.failed.iter().copied().collect();
+    assert_eq!(failed, HashSet::from([hashed.id, keyed.id]));
+    for id in [hashed.id, keyed.id] {
+        let rec = get(&store, id).await;
+        assert_eq!(rec.status, Status::Failed);
+        assert_eq!(rec.finished_at, Some(now));
+        assert_eq!(rec.recoveries, 0);
+        let err = rec.error.clone().expect("error");
+        assert_eq!(err.kind, ErrorType::LeaseExpired);
+        assert!(!err.message.is_empty());
+        assert_eq!(err.status, None);
+        assert_single_end(&store, &rec).await;
+        assert!(
+            !all_chunks(&store, id)
+                .await
+                .iter()
+                .any(|c| c.kind == ChunkKind::Reset),
+            "no reset before a final end"
+        );
+    }
+    assert_eq!(get(&store, hashed.id).await.last_seq, 3, "data 1, 2, end 3");
+    // Both claims are released (ID-6: lease_expired is not a provider refusal).
+    assert_ne!(
+        create(&store, by_hash("last try", now + 1)).await.id,
+        hashed.id
+    );
+    assert_ne!(
+        create(&store, by_key("k", "last keyed try", now + 1))
+            .await
+            .id,
+        keyed.id
+    );
+}
+
+/// Leases `n` requests, gives each a stored chunk, and sweeps them with 8 racing sweepers.
+async fn race_sweeps(store: &DynStore, n: usize, max_attempts: u32) -> (Vec<Uuid>, Vec<Uuid>) {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let rec = create(store, by_hash(&format!("swept {i}"), T0 + i as i64)).await;
+        ids.push(rec.id);
+    }
+    for _ in 0..n {
+        let (lease, _) = lease_at(store, "node/dead", T0 + n as i64).await;
+        append(store, &lease, new_chunks("d", 1))
+            .await
+            .expect("own");
+    }
+    let now = T0 + n as i64 + LEASE_MS + 1;
+    let barrier = Arc::new(Barrier::new(8));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let store = store.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store
+                .sweep(now, max_attempts)
+                .await
+                .expect("racing sweep must not error")
+        }));
+    }
+    let mut recovered = Vec::new();
+    let mut failed = Vec::new();
+    for task in tasks {
+        let swept = task.await.expect("task");
+        recovered.extend(swept.recovered);
+        failed.extend(swept.failed);
+    }
+    (recovered, failed)
+}
+
+async fn racing_sweeps_recover_each_request_once_lc4(store: DynStore) {
+    let (mut recovered, failed) = race_sweeps(&store, 10, MAX_ATTEMPTS).await;
+    assert!(failed.is_empty());
+    assert_eq!(
+        recovered.len(),
+        10,
+        "each request recovered by exactly one sweeper"
+    );
+    recovered.sort();
+    recovered.dedup();
+    assert_eq!(recovered.len(), 10);
+    for id in recovered {
+        let rec = get(&store, id).await;
+        assert_eq!(rec.status, Status::Pending);
+        assert_eq!(rec.recoveries, 1);
+        let chunks = all_chunks(&store, id).await;
+        let resets = chunks.iter().filter(|c| c.kind == ChunkKind::Reset).count();
+        assert_eq!(resets, 1, "one reset, not one per sweeper: {chunks:?}");
+        assert_eq!(rec.last_seq, 2);
+    }
+}
+
+async fn racing_sweeps_fail_each_request_once_lc4(store: DynStore) {
+    let (recovered, mut failed) = race_sweeps(&store, 10, 1).await;
+    assert!(recovered.is_empty());
+    assert_eq!(
+        failed.len(),
+        10,
+        "each request failed by exactly one sweeper"
+    );
+    failed.sort();
+    failed.dedup();
+    assert_eq!(failed.len(), 10);
+    for id in failed {
+        let rec = get(&store, id).await;
+        assert_eq!(rec.status, Status::Failed);
+        assert_single_end(&store, &rec).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunks (LC-7, LC-8, RD-2..RD-6)
+// ---------------------------------------------------------------------------------------------
+
+async fn append_chunks_assigns_consecutive_seqs_across_batches(store: DynStore) {
+    let rec = create(&store, by_hash("stream", T0)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    let first = ChunkBatch {
+        lease: lease.clone(),
+        chunks: new_chunks("one", 3),
+        upstream_request_id: Some("req_up_stream".into()),
+    };
+    let second = ChunkBatch {
+        lease: lease.clone(),
+        chunks: new_chunks("two", 2),
+        upstream_request_id: None,
+    };
+    let out = store.append_chunks(&[first, second]).await.expect("append");
+    let seqs: Vec<Vec<i64>> = out
+        .iter()
+        .map(|b| b.as_ref().expect("own").iter().map(|c| c.seq).collect())
+        .collect();
+    assert_eq!(seqs, vec![vec![1, 2, 3], vec![4, 5]]);
+    let returned: Vec<Chunk> = out.into_iter().flatten().flatten().collect();
+
+    // A later call continues; an empty batch stores nothing and still succeeds.
+    let third = append(&store, &lease, new_chunks("three", 1))
+        .await
+        .expect("own");
+    assert_eq!(third[0].seq, 6);
+    assert_eq!(append(&store, &lease, Vec::new()).await, Some(Vec::new()));
+
+    // A big batch (more rows than one SQLite statement may bind) stays consecutive.
+    let big = append(&store, &lease, new_chunks("big", 2_500))
+        .await
+        .expect("own");
+    assert_eq!(big.first().map(|c| c.seq), Some(7));
+    assert_eq!(big.last().map(|c| c.seq), Some(2_506));
+
+    let stored = all_chunks(&store, rec.id).await;
+    assert_eq!(stored.len(), 2_506);
+    assert_eq!(
+        &stored[..5],
+        &returned[..],
+        "returned chunks are what is stored"
+    );
+    for (i, c) in stored.iter().enumerate() {
+        assert_eq!(c.seq, i as i64 + 1);
+        assert_eq!(c.kind, ChunkKind::Data);
+        assert_eq!(c.attempt, 1);
+    }
+    assert_eq!(stored[0].event, None);
+    assert_eq!(stored[1].event.as_deref(), Some("delta"));
+    assert_eq!(stored[0].data, r#"{"part":"one-0"}"#);
+    let after = get(&store, rec.id).await;
+    assert_eq!(after.last_seq, 2_506);
+    assert_eq!(after.upstream_request_id.as_deref(), Some("req_up_stream"));
+}
+
+async fn append_chunks_group_commit_keeps_each_requests_order(store: DynStore) {
+    // One call carrying batches of several requests, interleaved: each request numbers its own.
+    let mut leases = Vec::new();
+    for i in 0..4 {
+        create(&store, by_hash(&format!("s{i}"), T0 + i)).await;
+        leases.push(lease_at(&store, &format!("node/{i}"), T0 + 10).await.0);
+    }
+    let mut batches = Vec::new();
+    for round in 0..3 {
+        for lease in leases.iter().rev() {
+            batches.push(ChunkBatch {
+                lease: lease.clone(),
+                chunks: new_chunks(&format!("r{round}"), 2),
+                upstream_request_id: None,
+            });
+        }
+    }
+    let out = store.append_chunks(&batches).await.expect("append");
+    assert_eq!(out.len(), batches.len());
+    for (batch, result) in batches.iter().zip(&out) {
+        let chunks = result.as_ref().expect("own");
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(
+            chunks[0].data, batch.chunks[0].data,
+            "results in batch order"
+        );
+    }
+    for lease in &leases {
+        let stored = all_chunks(&store, lease.id).await;
+        let data: Vec<&str> = stored.iter().map(|c| c.data.as_str()).collect();
+        assert_eq!(
+            data,
+            vec![
+                r#"{"part":"r0-0"}"#,
+                r#"{"part":"r0-1"}"#,
+                r#"{"part":"r1-0"}"#,
+                r#"{"part":"r1-1"}"#,
+                r#"{"part":"r2-0"}"#,
+                r#"{"part":"r2-1"}"#,
+            ]
+        );
+        let seqs: Vec<i64> = stored.iter().map(|c| c.seq).collect();
+        assert_eq!(seqs, vec![1, 2, 3, 4, 5, 6]);
+    }
+}
+
+async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
+    let a = create(&store, by_hash("a", T0)).await;
+    let b = create(&store, by_hash("b", T0 + 1)).await;
+    let (la, _) = lease_at(&store, "node/a", T0 + 1).await;
+    let (lb, _) = lease_at(&store, "node/b", T0 + 1).await;
+    assert_eq!((la.id, lb.id), (a.id, b.id));
+    store.cancel(NS, b.id, T0 + 2).await.expect("cancel");
+    let b_before = all_chunks(&store, b.id).await;
+    let out = store
+        .append_chunks(&[
+            ChunkBatch {
+                lease: lb.clone(),
+                chunks: new_chunks("lost", 2),
+                upstream_request_id: Some("nope".into()),
+            },
+            ChunkBatch {
+                lease: la.clone(),
+                chunks: new_chunks("kept", 2),
+                upstream_request_id: None,
+            },
+        ])
+        .await
+        .expect("append");
+    assert!(out[0].is_none(), "lost lease: nothing written");
+    assert_eq!(out[1].as_ref().map(Vec::len), Some(2));
+    assert_eq!(all_chunks(&store, b.id).await, b_before);
+    assert_eq!(get(&store, b.id).await.upstream_request_id, None);
+    assert_eq!(all_chunks(&store, a.id).await.len(), 2);
+    // A lease naming a request that does not exist is lost too.
+    let ghost = Lease {
+        id: Uuid::now_v7(),
+        owner: "node/a".into(),
+        attempt: 1,
+    };
+    assert_eq!(append(&store, &ghost, new_chunks("g", 1)).await, None);
+}
+
+async fn chunks_after_pages_in_seq_order(store: DynStore) {
+    let rec = create(&store, by_hash("pages", T0)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    append(&store, &lease, new_chunks("p", 25))
+        .await
+        .expect("own");
+    let mut pos = 0;
+    let mut pages = Vec::new();
+    loop {
+        let page = store.chunks_after(rec.id, pos, 10).await.expect("page");
+        if page.is_empty() {
+            break;
+        }
+        pos = page.last().map(|c| c.seq).unwrap_or(pos);
+        pages.push(page.iter().map(|c| c.seq).collect::<Vec<_>>());
+    }
+    assert_eq!(
+        pages,
+        vec![
+            (1..=10).collect::<Vec<_>>(),
+            (11..=20).collect(),
+            (21..=25).collect()
+        ]
+    );
+    assert_eq!(
+        store
+            .chunks_after(rec.id, 23, 100)
+            .await
+            .expect("tail")
+            .iter()
+            .map(|c| c.seq)
+            .collect::<Vec<_>>(),
+        vec![24, 25]
+    );
+    assert!(
+        store
+            .chunks_after(Uuid::now_v7(), 0, 10)
+            .await
+            .expect("none")
+            .is_empty()
+    );
+}
+
+async fn every_terminal_outcome_appends_exactly_one_end_chunk_rd5(store: DynStore) {
+    // Succeeded, after a streamed attempt.
+    let ok = create(&store, by_hash("ok", T0)).await;
+    let (l, _) = lease_at(&store, "node/a", T0).await;
+    append(&store, &l, new_chunks("ok", 3)).await.expect("own");
+    assert!(store.finish(&l, succeeded(), T0 + 1).await.expect("finish"));
+    let rec = get(&store, ok.id).await;
+    assert_eq!(rec.status, Status::Succeeded);
+    assert_eq!(rec.response_status, Some(200));
+    assert_eq!(rec.upstream_request_id.as_deref(), Some("req_up_1"));
+    assert_eq!(rec.finished_at, Some(T0 + 1));
+    assert_eq!(rec.last_seq, 4);
+    assert_single_end(&store, &rec).await;
+    let end = all_chunks(&store, ok.id).await.pop().expect("end");
+    assert_eq!(end.attempt, 1);
+    assert_eq!(end.data, end_data(Status::Succeeded, None));
+    // A second finish by the same (now released) lease is fenced out: still one end.
+    assert!(!store.finish(&l, succeeded(), T0 + 2).await.expect("finish"));
+    assert_single_end(&store, &get(&store, ok.id).await).await;
+
+    // Each terminal failure kind a worker reports.
+    for (i, outcome) in [
+        refused(),
+        failed(ErrorType::AttemptsExhausted),
+        failed(ErrorType::StreamInterrupted),
+        failed(ErrorType::UpstreamInvalid),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let now = T0 + 100 + i as i64 * 10;
+        let r = create(&store, by_hash(&format!("fail {i}"), now)).await;
+        let (l, _) = lease_at(&store, "node/a", now).await;
+        let expected = match &outcome {
+            Outcome::Failed { error, .. } => error.clone(),
+            _ => unreachable!(),
+        };
+        assert!(store.finish(&l, outcome, now + 1).await.expect("finish"));
+        let rec = get(&store, r.id).await;
+        assert_eq!(rec.status, Status::Failed);
+        assert_eq!(rec.error, Some(expected));
+        assert_single_end(&store, &rec).await;
+        assert!(
+            !store
+                .finish(&l, succeeded(), now + 2)
+                .await
+                .expect("finish")
+        );
+        assert_single_end(&store, &get(&store, r.id).await).await;
+    }
+
+    // Cancelled while pending, and while running.
+    let p = create(&store, by_hash("cancel pending", T0 + 500)).await;
+    let rec = store
+        .cancel(NS, p.id, T0 + 501)
+        .await
+        .expect("cancel")
+        .expect("found");
+    assert_single_end(&store, &rec).await;
+    assert_eq!(all_chunks(&store, p.id).await[0].attempt, 0);
+    let r = create(&store, by_hash("cancel running", T0 + 600)).await;
+    lease_at(&store, "node/a", T0 + 600).await;
+    let rec = store
+        .cancel(NS, r.id, T0 + 601)
+        .await
+        .expect("cancel")
+        .expect("found");
+    assert_single_end(&store, &rec).await;
+
+    // Lease expired with no attempts left.
+    let e = create(&store, by_hash("expire", T0 + 700)).await;
+    lease_at(&store, "node/a", T0 + 700).await;
+    store
+        .sweep(T0 + 700 + LEASE_MS + 1, 1)
+        .await
+        .expect("sweep");
+    assert_single_end(&store, &get(&store, e.id).await).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cancel, list, release, prune, counts (LC-9, RD-7, DU-4, DU-5)
+// ---------------------------------------------------------------------------------------------
+
+async fn cancel_fails_pending_and_running_requests_lc9(store: DynStore) {
+    // Pending, keyed: the claim is released even though it is a key (ID-6).
+    let pending = create(&store, by_key("k", "wait", T0)).await;
+    let rec = store
+        .cancel(NS, pending.id, T0 + 5)
+        .await
+        .expect("cancel")
+        .expect("found");
+    assert_eq!(rec.status, Status::Failed);
+    assert_eq!(
+        rec.error.as_ref().map(|e| e.kind),
+        Some(ErrorType::Cancelled)
+    );
+    assert_eq!(rec.finished_at, Some(T0 + 5));
+    assert_eq!(rec.updated_at, T0 + 5);
+    assert_eq!(get(&store, pending.id).await.status, Status::Failed);
+    assert_ne!(
+        create(&store, by_key("k", "wait", T0 + 6)).await.id,
+        pending.id
+    );
+    // A cancelled request is not leased.
+    let (l, _) = lease_at(&store, "node/a", T0 + 6).await;
+    assert_ne!(l.id, pending.id);
+    store.cancel(NS, l.id, T0 + 6).await.expect("cancel");
+
+    // Running: the lease is cleared, so the worker's next fenced write fails.
+    let running = create(&store, by_hash("run", T0 + 10)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0 + 10).await;
+    assert_eq!(lease.id, running.id);
+    append(&store, &lease, new_chunks("r", 2))
+        .await
+        .expect("own");
+    let rec = store
+        .cancel(NS, running.id, T0 + 11)
+        .await
+        .expect("cancel")
+        .expect("found");
+    assert_eq!(rec.status, Status::Failed);
+    assert_eq!(
+        rec.error.as_ref().map(|e| e.kind),
+        Some(ErrorType::Cancelled)
+    );
+    assert_eq!(rec.last_seq, 3, "chunks so far are kept, then end");
+    assert!(
+        !store
+            .heartbeat(&lease, T0 + 12, LEASE_MS)
+            .await
+            .expect("hb")
+    );
+    assert!(
+        !store
+            .finish(&lease, succeeded(), T0 + 12)
+            .await
+            .expect("finish")
+    );
+    assert!(
+        append(&store, &lease, new_chunks("late", 1))
+            .await
+            .is_none()
+    );
+    let after = get(&store, running.id).await;
+    assert_eq!(after.status, Status::Failed);
+    assert_eq!(
+        after.error.as_ref().map(|e| e.kind),
+        Some(ErrorType::Cancelled)
+    );
+    assert_eq!(after.response_body, None);
+    assert_single_end(&store, &after).await;
+    // The sweep leaves it alone: it is no longer running.
+    let swept = store
+        .sweep(T0 + 10 + LEASE_MS + 1, MAX_ATTEMPTS)
+        .await
+        .expect("sweep");
+    assert!(!swept.recovered.contains(&running.id) && !swept.failed.contains(&running.id));
+    // Its body-hash claim is released.
+    assert_ne!(create(&store, by_hash("run", T0 + 13)).await.id, running.id);
+}
+
+async fn cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9(store: DynStore) {
+    let done = create(&store, by_hash("done", T0)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    store
+        .finish(&lease, succeeded(), T0 + 1)
+        .await
+        .expect("finish");
+    let before = get(&store, done.id).await;
+    let rec = store
+        .cancel(NS, done.id, T0 + 2)
+        .await
+        .expect("cancel")
+        .expect("found");
+    assert_eq!(rec.status, Status::Succeeded, "terminal is unchanged");
+    assert_eq!(rec.updated_at, before.updated_at);
+    assert_eq!(rec.finished_at, before.finished_at);
+    assert_eq!(rec.last_seq, before.last_seq, "no second end chunk");
+    // Its claim still holds.
+    assert_eq!(attach(&store, by_hash("done", T0 + 3)).await.id, done.id);
+
+    let theirs = create(&store, by_hash_in("team-b", "theirs", T0 + 4)).await;
+    assert!(
+        store
+            .cancel(NS, theirs.id, T0 + 5)
+            .await
+            .expect("cancel")
+            .is_none(),
+        "another namespace's id is not found"
+    );
+    let untouched = store
+        .get("team-b", theirs.id)
+        .await
+        .expect("get")
+        .expect("found");
+    assert_eq!(untouched.status, Status::Pending);
+    assert!(
+        store
+            .cancel(NS, Uuid::now_v7(), T0 + 6)
+            .await
+            .expect("cancel")
+            .is_none()
+    );
+}
+
+async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore) {
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(create(&store, by_hash(&format!("l{i}"), T0 + i)).await.id);
+    }
+    create(&store, by_hash_in("team-b", "elsewhere", T0)).await;
+    // Lease the oldest.
+    let (lease, _) = lease_at(&store, "node/a", T0 + 10).await;
+    assert_eq!(lease.id, ids[0]);
+
+    let mut newest_first = ids.clone();
+    newest_first.sort();
+    newest_first.reverse();
+    let listed: Vec<Uuid> = store
+        .list(NS, None, None, 100)
+        .await
+        .expect("list")
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(listed, newest_first);
+
+    let running = store
+        .list(NS, Some(Status::Running), None, 100)
+        .await
+        .expect("list");
+    assert_eq!(
+        running.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![ids[0]]
+    );
+    let pending = store
+        .list(NS, Some(Status::Pending), None, 100)
+        .await
+        .expect("list");
+    assert_eq!(pending.len(), 4);
+    assert!(pending.iter().all(|r| r.status == Status::Pending));
+    assert!(
+        store
+            .list(NS, Some(Status::Failed), None, 100)
+            .await
+            .expect("list")
+            .is_empty()
+    );
+
+    // Paging by cursor.
+    let mut pages = Vec::new();
+    let mut before = None;
+    loop {
+        let page = store.list(NS, None, before, 2).await.expect("list");
+        if page.is_empty() {
+            break;
+        }
+        before = page.last().map(|r| r.id);
+        pages.push(page.iter().map(|r| r.id).collect::<Vec<_>>());
+    }
+    assert_eq!(
+        pages,
+        vec![
+            newest_first[0..2].to_vec(),
+            newest_first[2..4].to_vec(),
+            newest_first[4..5].to_vec()
+        ]
+    );
+    // Status filter and cursor together.
+    let page = store
+        .list(NS, Some(Status::Pending), Some(newest_first[1]), 100)
+        .await
+        .expect("list");
+    assert_eq!(
+        page.iter().map(|r| r.id).collect::<Vec<_>>(),
+        newest_first[2..4].to_vec()
+    );
+    // Namespaces do not mix.
+    let theirs = store.list("team-b", None, None, 100).await.expect("list");
+    assert_eq!(theirs.len(), 1);
+    assert!(
+        store
+            .list("team-c", None, None, 100)
+            .await
+            .expect("list")
+            .is_empty()
+    );
+}
+
+async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
+    let rec = create(&store, by_hash("drain", T0)).await;
+    let (l1, _) = lease_at(&store, "node/a", T0).await;
+    assert!(store.release(&l1, T0 + 5).await.expect("release"));
+    let after = get(&store, rec.id).await;
+    assert_eq!(after.status, Status::Pending);
+    assert_eq!((after.attempts, after.recoveries), (1, 0));
+    assert_eq!(after.next_retry_at, T0 + 5, "due at once for another node");
+    assert!(
+        all_chunks(&store, rec.id).await.is_empty(),
+        "no chunks stored: no reset"
+    );
+    assert!(
+        !store.release(&l1, T0 + 6).await.expect("release"),
+        "already released"
+    );
+    assert!(!store.heartbeat(&l1, T0 + 6, LEASE_MS).await.expect("hb"));
+
+    // Attempt 2 stores chunks, then is handed back: a reset naming attempt 3 follows.
+    let (l2, _) = lease_at(&store, "node/b", T0 + 10).await;
+    assert_eq!(l2.attempt, 2);
+    append(&store, &l2, new_chunks("b", 2)).await.expect("own");
+    assert!(store.release(&l2, T0 + 11).await.expect("release"));
+    let chunks = all_chunks(&store, rec.id).await;
+    assert_eq!(chunks.len(), 3);
+    assert_eq!(
+        (chunks[2].kind, chunks[2].seq, chunks[2].attempt),
+        (ChunkKind::Reset, 3, 3)
+    );
+    assert_eq!(chunks[2].data, "3");
+    let after = get(&store, rec.id).await;
+    assert_eq!((after.attempts, after.recoveries), (2, 0));
+    assert_eq!((after.last_seq, after.reset_seq), (3, 3));
+    // The claim survives a hand-back.
+    assert_eq!(attach(&store, by_hash("drain", T0 + 12)).await.id, rec.id);
+}
+
+async fn prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4(store: DynStore) {
+    // Finished early: a success with chunks, a keyed refusal whose claim outlives it.
+    let ok = create(&store, by_hash("old ok", T0)).await;
+    let (l, _) = lease_at(&store, "node/a", T0).await;
+    append(&store, &l, new_chunks("o", 2)).await.expect("own");
+    store.finish(&l, succeeded(), T0 + 1).await.expect("finish");
+    let refusal = create(&store, by_key("k", "old refusal", T0 + 2)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 2).await;
+    store.finish(&l, refused(), T0 + 3).await.expect("finish");
+    // Still live: a running and a pending request; and one finished late.
+    let running = create(&store, by_hash("running", T0 + 4)).await;
+    lease_at(&store, "node/a", T0 + 4).await;
+    let pending = create(&store, by_hash("pending", T0 + 10_000)).await;
+    let late = create(&store, by_hash("late", T0 + 5)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 5).await;
+    assert_eq!(l.id, late.id);
+    store
+        .finish(&l, failed(ErrorType::UpstreamInvalid), T0 + 2_000)
+        .await
+        .expect("finish");
+
+    assert_eq!(store.prune(T0 + 1_000, 1).await.expect("prune"), 1, "limit");
+    assert_eq!(store.prune(T0 + 1_000, 100).await.expect("prune"), 1);
+    assert_eq!(store.prune(T0 + 1_000, 100).await.expect("prune"), 0);
+
+    for id in [ok.id, refusal.id] {
+        assert!(store.get(NS, id).await.expect("get").is_none());
+        assert!(all_chunks(&store, id).await.is_empty(), "chunks pruned");
+    }
+    // The refusal's keyed claim went with it: the key starts a new request.
+    assert_ne!(
+        create(&store, by_key("k", "old refusal", T0 + 3_000))
+            .await
+            .id,
+        refusal.id
+    );
+    assert_ne!(
+        create(&store, by_hash("old ok", T0 + 3_000)).await.id,
+        ok.id
+    );
+    for id in [running.id, pending.id, late.id] {
+        assert!(store.get(NS, id).await.expect("get").is_some());
+    }
+    assert_eq!(
+        all_chunks(&store, late.id).await.len(),
+        1,
+        "late keeps its end"
+    );
+}
+
+async fn counts_and_next_due_follow_the_lifecycle(store: DynStore) {
+    let counts = |store: DynStore| async move {
+        let mut c = store.counts().await.expect("counts");
+        c.sort_by_key(|(s, _)| s.as_str());
+        c
+    };
+    assert!(store.counts().await.expect("counts").is_empty());
+    assert_eq!(store.next_due().await.expect("next_due"), None);
+    store.ping().await.expect("ping");
+
+    for i in 0..4 {
+        create(&store, by_hash(&format!("c{i}"), T0 + 100 * i)).await;
+    }
+    assert_eq!(store.next_due().await.expect("next_due"), Some(T0));
+    let (a, _) = lease_at(&store, "node/a", T0 + 300).await;
+    let (b, _) = lease_at(&store, "node/a", T0 + 300).await;
+    let (c, _) = lease_at(&store, "node/a", T0 + 300).await;
+    assert_eq!(store.next_due().await.expect("next_due"), Some(T0 + 300));
+    store
+        .finish(&a, succeeded(), T0 + 301)
+        .await
+        .expect("finish");
+    store
+        .finish(&b, failed(ErrorType::UpstreamInvalid), T0 + 301)
+        .await
+        .expect("finish");
+    let retry = Outcome::Retry {
+        next_retry_at: T0 + 50,
+        error: error(ErrorType::AttemptsExhausted, None),
+    };
+    store.finish(&c, retry, T0 + 301).await.expect("finish");
+    assert_eq!(store.next_due().await.expect("next_due"), Some(T0 + 50));
+    lease_at(&store, "node/a", T0 + 301).await;
+    assert_eq!(
+        counts(store.clone()).await,
+        vec![
+            (Status::Failed, 1),
+            (Status::Pending, 1),
+            (Status::Running, 1),
+            (Status::Succeeded, 1),
+        ]
+    );
+}
+
+async fn nul_characters_in_text_never_fail_a_write_in2(store: DynStore) {
+    // A client may put "\u0000" in its model name; a provider may send NUL bytes in an error
+    // body (kept in the message) or an event name. PostgreSQL TEXT cannot hold NUL; the write
+    // must still succeed. Readers see the text, with NUL either kept or shown as U+FFFD.
+    let shown = |s: &str| s.replace('\0', "\u{FFFD}");
+    let mut new = by_hash("nul", T0);
+    new.model = Some("gpt\0x".into());
+    let rec = create(&store, new.clone()).await;
+    assert_eq!(rec.model.as_deref().map(shown), Some(shown("gpt\0x")));
+    assert_eq!(rec.body, new.body, "bodies are bytes and stay exact");
+
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    let chunks = vec![NewChunk {
+        event: Some("odd\0event".into()),
+        data: "{\"a\":\"\\u0000\"}".into(),
+    }];
+    let stored = append(&store, &lease, chunks).await.expect("own");
+    let read = all_chunks(&store, rec.id).await;
+    assert_eq!(read, stored, "what append returns is what readers get");
+    assert_eq!(
+        read[0].event.as_deref().map(shown),
+        Some(shown("odd\0event"))
+    );
+    assert_eq!(read[0].data, "{\"a\":\"\\u0000\"}");
+
+    let outcome = Outcome::Failed {
+        error: ErrorInfo {
+            kind: ErrorType::StreamInterrupted,
+            message: "the provider said \0\0 and hung up".into(),
+            status: Some(500),
+        },
+        response: Some((500, b"\0\x01binary".to_vec())),
+        upstream_request_id: None,
+    };
+    assert!(store.finish(&lease, outcome, T0 + 1).await.expect("finish"));
+    let rec = get(&store, rec.id).await;
+    let err = rec.error.clone().expect("error");
+    assert_eq!(
+        shown(&err.message),
+        shown("the provider said \0\0 and hung up")
+    );
+    assert_eq!(rec.response_body.as_deref(), Some(&b"\0\x01binary"[..]));
+    assert_single_end(&store, &rec).await;
+}
