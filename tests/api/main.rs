@@ -4,5 +4,6 @@
 mod clients;
 mod durability;
 mod helpers;
+mod node;
 mod proxy;
 mod streams;
