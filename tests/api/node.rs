@@ -1,5 +1,5 @@
 //! Real JavaScript clients against holdfast (tests/clients/*.mjs): the official OpenAI Node SDK
-//! on the proxied routes. It needs
+//! on the proxied routes, and a WHATWG-faithful `EventSource` on the log stream. Both need
 //! `npm ci --prefix tests/clients`; without it these tests print a loud `SKIPPED` line (in CI,
 //! `CI` is set and they fail instead).
 
@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use holdfast::mock::MockConfig;
 use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
 
 use crate::helpers::*;
 
@@ -87,6 +89,130 @@ async fn openai_node(app: &TestApp, mode: &str, env: &[(&str, &str)]) -> Value {
     let mut env = env.to_vec();
     env.push(("HOLDFAST_URL", &app.base));
     run_node("openai_node.mjs", &[mode], &env).await
+}
+
+/// `tests/clients/eventsource.mjs`, loaded and waiting for a request id on stdin, so the
+/// `EventSource` opens within milliseconds of [`EventSourceReader::open`].
+struct EventSourceReader {
+    child: Child,
+    stdout: Lines<BufReader<ChildStdout>>,
+}
+
+impl EventSourceReader {
+    /// Starts the driver for `{base}/requests/{id}{query}` with `env` and waits until it is
+    /// loaded.
+    async fn start(base: &str, query: &str, env: &[(&str, &str)]) -> Self {
+        let mut child = tokio::process::Command::new("node")
+            .arg(clients_dir().join("eventsource.mjs"))
+            .args([base, query])
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn node");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(30), stdout.next_line())
+            .await
+            .expect("eventsource.mjs loads")
+            .expect("read stdout");
+        assert_eq!(ready.as_deref(), Some("ready"));
+        EventSourceReader { child, stdout }
+    }
+
+    /// Opens the `EventSource` on request `id`.
+    async fn open(&mut self, id: &str) {
+        let mut stdin = self.child.stdin.take().expect("stdin");
+        stdin
+            .write_all(format!("{id}\n").as_bytes())
+            .await
+            .expect("write id");
+    }
+
+    /// Waits for the driver's report (see eventsource.mjs).
+    async fn report(mut self) -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(60), self.stdout.next_line())
+            .await
+            .expect("eventsource.mjs reports within 60 s")
+            .expect("read stdout")
+            .expect("a report line");
+        let status = self.child.wait().await.expect("wait node");
+        assert!(status.success(), "eventsource.mjs exited {status}");
+        serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("eventsource.mjs printed {line}: {e}"))
+    }
+}
+
+/// The stored log of request `id` from seq 1 as `(seq, event type, data)`, the type as an
+/// `EventSource` dispatches it (`message` when the chunk has no `event:` name).
+async fn stored_log(app: &TestApp, id: &str) -> Vec<(String, String, String)> {
+    let r = get_events(&app.http, &app.base, id, Some("0")).await;
+    assert_eq!(r.status(), 200);
+    let (_, events) = read_events(r).await;
+    events
+        .into_iter()
+        .map(|e| {
+            (
+                e.id.unwrap_or_default(),
+                e.event.unwrap_or_else(|| "message".into()),
+                e.data,
+            )
+        })
+        .collect()
+}
+
+/// The events an `EventSource` received, in the shape of [`stored_log`].
+fn received(report: &Value) -> Vec<(String, String, String)> {
+    report["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|e| {
+            (
+                e["last_event_id"].as_str().unwrap().to_string(),
+                e["type"].as_str().unwrap().to_string(),
+                e["data"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// RD-5 as a browser sees it: `streams` connections answered 200 (each break made
+/// `EventSource` fire `error` and reconnect), the server closed the last one after `end`; then
+/// one reconnect with `Last-Event-ID` = the `end` seq got 204, fired `error`, and `EventSource`
+/// stayed `CLOSED` for good.
+fn assert_stops_after_end_with_204(report: &Value, streams: usize, last_seq: i64) {
+    assert_eq!(report["timed_out"], false, "{report}");
+    let fetches = report["fetches"].as_array().unwrap();
+    assert_eq!(
+        fetches.len(),
+        streams + 1,
+        "{streams} streams, one reconnect after end, then nothing: {report}"
+    );
+    for fetch in &fetches[..streams] {
+        assert_eq!(fetch["status"], 200, "{report}");
+        assert_eq!(fetch["accept"], "text/event-stream");
+    }
+    let last = &fetches[streams];
+    assert_eq!(
+        last["last_event_id"],
+        last_seq.to_string(),
+        "the reconnect carries the end seq: {report}"
+    );
+    assert_eq!(last["status"], 204, "RD-5: {report}");
+    let errors = report["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), streams + 1, "{report}");
+    for error in &errors[..streams] {
+        assert_eq!(error["ready_state"], 0, "a closed stream: CONNECTING again");
+    }
+    assert_eq!(errors[streams]["ready_state"], 2, "after 204: CLOSED");
+    assert_eq!(errors[streams]["code"], 204);
+    assert_eq!(
+        report["ready_state"], 2,
+        "still CLOSED after the quiet wait"
+    );
+    assert_eq!(report["opens"], streams);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -431,5 +557,218 @@ async fn python_float_1_0_and_node_1_are_two_requests_numbers_kept_as_spelled_id
         ["1.0", "1"],
         "ID-3b: each provider call got its client's spelling"
     );
+    app.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A WHATWG EventSource on `GET /requests/{id}` (RD-2..RD-6)
+
+#[tokio::test]
+async fn eventsource_reads_a_finished_stream_then_stops_for_good_on_204_rd2_rd5() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("read me back")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+
+    let mut reader = EventSourceReader::start(&app.base, "", &[]).await;
+    reader.open(&id).await;
+    let report = reader.report().await;
+
+    let got = received(&report);
+    let stored = stored_log(&app, &id).await;
+    assert_eq!(got, stored, "every stored event, in order: {report}");
+    let seqs: Vec<String> = got.iter().map(|(seq, _, _)| seq.clone()).collect();
+    let expected: Vec<String> = (1..=last_seq).map(|s| s.to_string()).collect();
+    assert_eq!(seqs, expected, "lastEventId = seq");
+    let (_, kind, data) = got.last().unwrap();
+    assert_eq!(kind, "end", "the named `end` event comes last");
+    let end: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(end["status"], "succeeded");
+    assert_eq!(got[got.len() - 2].2, "[DONE]");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn eventsource_opened_on_a_running_stream_gets_every_chunk_once_rd4() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 50,
+            chunk_delay_ms: 20,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let mut reader = EventSourceReader::start(&app.base, "", &[]).await;
+    let submitter = app.chat(&stream_body("follow me live")).await;
+    let id = header(&submitter, "holdfast-request-id");
+    reader.open(&id).await;
+    let (report, (_, submitted)) = tokio::join!(reader.report(), read_events(submitter));
+    assert_eq!(
+        report["open_record"]["status"], "running",
+        "the EventSource opened while the stream ran: {report}"
+    );
+    let open_seq = report["open_record"]["last_seq"].as_i64().unwrap();
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+    assert!(
+        open_seq < last_seq - 10,
+        "most chunks arrived live ({open_seq} of {last_seq} stored at open)"
+    );
+
+    let got = received(&report);
+    let stored = stored_log(&app, &id).await;
+    assert_eq!(got, stored, "RD-4: no gap, no duplicate: {report}");
+    assert_eq!(
+        got.len() as i64,
+        last_seq,
+        "seq 1..={last_seq}, each exactly once"
+    );
+    let data: Vec<&str> = got
+        .iter()
+        .filter(|(_, kind, _)| kind == "message")
+        .map(|(_, _, d)| d.as_str())
+        .collect();
+    let proxied: Vec<&str> = submitted.iter().map(|e| e.data.as_str()).collect();
+    assert_eq!(data, proxied, "the log carries the submitter's events");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn eventsource_first_connect_resumes_from_the_last_event_id_query_parameter_rd3() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("resume me in a browser")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+
+    // The query parameter stays in the URL on the reconnect; the header must win then (RD-3),
+    // or the browser would replay from 3 forever.
+    let mut reader = EventSourceReader::start(&app.base, "?last_event_id=3", &[]).await;
+    reader.open(&id).await;
+    let report = reader.report().await;
+    assert_eq!(report["fetches"][0]["last_event_id"], Value::Null);
+    let got = received(&report);
+    let stored = stored_log(&app, &id).await;
+    assert_eq!(got, stored[3..], "exactly the chunks after seq 3: {report}");
+    assert_eq!(got.last().unwrap().1, "end");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn eventsource_gets_a_failed_end_after_an_interrupted_stream_then_stops_rd5_lc7() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 20,
+            drop_after_chunks: Some(5),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("break me")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed");
+    let last_seq = record["last_seq"].as_i64().unwrap();
+
+    let mut reader = EventSourceReader::start(&app.base, "", &[]).await;
+    reader.open(&id).await;
+    let report = reader.report().await;
+    let got = received(&report);
+    assert_eq!(got, stored_log(&app, &id).await, "{report}");
+    let (_, kind, data) = got.last().unwrap();
+    assert_eq!(kind, "end");
+    let end: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(end["status"], "failed", "{end}");
+    assert_eq!(end["error"]["type"], "stream_interrupted", "{end}");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    app.stop().await;
+}
+
+/// A browser whose connection dies part-way into an event (mid-frame): the partial event is
+/// dropped, `EventSource` reconnects with the last complete event's id, and holdfast continues
+/// from there — across the stored/live handoff, since the stream is still running.
+#[tokio::test]
+async fn eventsource_dropped_mid_event_resumes_from_last_event_id_without_gap_or_duplicate_rd3_rd4()
+{
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 80,
+            chunk_delay_ms: 25,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let mut reader =
+        EventSourceReader::start(&app.base, "", &[("HOLDFAST_DROP_AFTER_EVENTS", "5")]).await;
+    let submitter = app.chat(&stream_body("drop my browser")).await;
+    let id = header(&submitter, "holdfast-request-id");
+    reader.open(&id).await;
+    let (report, (_, submitted)) = tokio::join!(reader.report(), read_events(submitter));
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+    let fetches = report["fetches"].as_array().unwrap();
+    assert_eq!(
+        fetches[1]["last_event_id"], "5",
+        "the reconnect resumes after the last complete event: {report}"
+    );
+    let resumed_at = fetches[1]["at_ms"].as_i64().unwrap();
+    let end_at = report["events"].as_array().unwrap().last().unwrap()["at_ms"]
+        .as_i64()
+        .unwrap();
+    assert!(
+        end_at > resumed_at + 100,
+        "the resumed connection went on live ({resumed_at} ms vs end at {end_at} ms): {report}"
+    );
+    let got = received(&report);
+    assert_eq!(
+        got,
+        stored_log(&app, &id).await,
+        "RD-3/RD-4: no gap, no duplicate: {report}"
+    );
+    let data: Vec<&str> = got
+        .iter()
+        .filter(|(_, kind, _)| kind == "message")
+        .map(|(_, _, d)| d.as_str())
+        .collect();
+    let proxied: Vec<&str> = submitted.iter().map(|e| e.data.as_str()).collect();
+    assert_eq!(data, proxied);
+    assert_stops_after_end_with_204(&report, 2, last_seq);
+    assert_eq!(app.mock.calls(), 1);
     app.stop().await;
 }
