@@ -1,0 +1,774 @@
+//! Real JavaScript clients against holdfast (tests/clients/*.mjs): the official OpenAI Node SDK
+//! on the proxied routes, and a WHATWG-faithful `EventSource` on the log stream. Both need
+//! `npm ci --prefix tests/clients`; without it these tests print a loud `SKIPPED` line (in CI,
+//! `CI` is set and they fail instead).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use holdfast::mock::MockConfig;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
+
+use crate::helpers::*;
+
+/// `tests/clients`, where the drivers and their `node_modules` live.
+fn clients_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+/// Whether `node` runs and the npm package `pkg` is installed under `tests/clients`. In CI (`CI`
+/// set) a missing one fails the test; elsewhere the caller skips loudly.
+fn node_has(pkg: &str) -> bool {
+    let node = Command::new("node")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let installed = clients_dir()
+        .join("node_modules")
+        .join(pkg)
+        .join("package.json")
+        .is_file();
+    let ok = node && installed;
+    if !ok {
+        let what = if node {
+            format!("npm package `{pkg}` is not installed")
+        } else {
+            "`node` is not on PATH".to_string()
+        };
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{what} in CI: .ci/run must run `npm ci --prefix tests/clients`"
+        );
+        eprintln!("\n*** SKIPPED: {what}; run npm ci --prefix tests/clients ***\n");
+    }
+    ok
+}
+
+/// Runs `node tests/clients/SCRIPT ARGS` with `env` and parses the JSON object it prints; panics
+/// with its stderr when it fails.
+async fn run_node(script: &str, args: &[&str], env: &[(&str, &str)]) -> Value {
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg(clients_dir().join(script))
+        .args(args)
+        .kill_on_drop(true);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{script} {args:?} ran over 60 s"))
+        .expect("run node");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} {args:?} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{script} printed {stdout}: {e}"))
+}
+
+/// Runs `python3 tests/clients/SCRIPT` off the runtime and parses the JSON object it prints.
+async fn python_json(script: &'static str, env: Vec<(&'static str, String)>) -> Value {
+    let out = tokio::task::spawn_blocking(move || {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        run_python(script, &env)
+    })
+    .await
+    .expect("python driver");
+    serde_json::from_str(out.trim()).expect("driver prints JSON")
+}
+
+/// Runs the openai-node driver in `mode` against `app`.
+async fn openai_node(app: &TestApp, mode: &str, env: &[(&str, &str)]) -> Value {
+    let mut env = env.to_vec();
+    env.push(("HOLDFAST_URL", &app.base));
+    run_node("openai_node.mjs", &[mode], &env).await
+}
+
+/// `tests/clients/eventsource.mjs`, loaded and waiting for a request id on stdin, so the
+/// `EventSource` opens within milliseconds of [`EventSourceReader::open`].
+struct EventSourceReader {
+    child: Child,
+    stdout: Lines<BufReader<ChildStdout>>,
+}
+
+impl EventSourceReader {
+    /// Starts the driver for `{base}/requests/{id}{query}` with `env` and waits until it is
+    /// loaded.
+    async fn start(base: &str, query: &str, env: &[(&str, &str)]) -> Self {
+        let mut child = tokio::process::Command::new("node")
+            .arg(clients_dir().join("eventsource.mjs"))
+            .args([base, query])
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn node");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(30), stdout.next_line())
+            .await
+            .expect("eventsource.mjs loads")
+            .expect("read stdout");
+        assert_eq!(ready.as_deref(), Some("ready"));
+        EventSourceReader { child, stdout }
+    }
+
+    /// Opens the `EventSource` on request `id`.
+    async fn open(&mut self, id: &str) {
+        let mut stdin = self.child.stdin.take().expect("stdin");
+        stdin
+            .write_all(format!("{id}\n").as_bytes())
+            .await
+            .expect("write id");
+    }
+
+    /// Waits for the driver's report (see eventsource.mjs).
+    async fn report(mut self) -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(60), self.stdout.next_line())
+            .await
+            .expect("eventsource.mjs reports within 60 s")
+            .expect("read stdout")
+            .expect("a report line");
+        let status = self.child.wait().await.expect("wait node");
+        assert!(status.success(), "eventsource.mjs exited {status}");
+        serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("eventsource.mjs printed {line}: {e}"))
+    }
+}
+
+/// The stored log of request `id` from seq 1 as `(seq, event type, data)`, the type as an
+/// `EventSource` dispatches it (`message` when the chunk has no `event:` name).
+async fn stored_log(app: &TestApp, id: &str) -> Vec<(String, String, String)> {
+    let r = get_events(&app.http, &app.base, id, Some("0")).await;
+    assert_eq!(r.status(), 200);
+    let (_, events) = read_events(r).await;
+    events
+        .into_iter()
+        .map(|e| {
+            (
+                e.id.unwrap_or_default(),
+                e.event.unwrap_or_else(|| "message".into()),
+                e.data,
+            )
+        })
+        .collect()
+}
+
+/// The events an `EventSource` received, in the shape of [`stored_log`].
+fn received(report: &Value) -> Vec<(String, String, String)> {
+    report["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|e| {
+            (
+                e["last_event_id"].as_str().unwrap().to_string(),
+                e["type"].as_str().unwrap().to_string(),
+                e["data"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// RD-5 as a browser sees it: `streams` connections answered 200 (each break made
+/// `EventSource` fire `error` and reconnect), the server closed the last one after `end`; then
+/// one reconnect with `Last-Event-ID` = the `end` seq got 204, fired `error`, and `EventSource`
+/// stayed `CLOSED` for good.
+fn assert_stops_after_end_with_204(report: &Value, streams: usize, last_seq: i64) {
+    assert_eq!(report["timed_out"], false, "{report}");
+    let fetches = report["fetches"].as_array().unwrap();
+    assert_eq!(
+        fetches.len(),
+        streams + 1,
+        "{streams} streams, one reconnect after end, then nothing: {report}"
+    );
+    for fetch in &fetches[..streams] {
+        assert_eq!(fetch["status"], 200, "{report}");
+        assert_eq!(fetch["accept"], "text/event-stream");
+    }
+    let last = &fetches[streams];
+    assert_eq!(
+        last["last_event_id"],
+        last_seq.to_string(),
+        "the reconnect carries the end seq: {report}"
+    );
+    assert_eq!(last["status"], 204, "RD-5: {report}");
+    let errors = report["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), streams + 1, "{report}");
+    for error in &errors[..streams] {
+        assert_eq!(error["ready_state"], 0, "a closed stream: CONNECTING again");
+    }
+    assert_eq!(errors[streams]["ready_state"], 2, "after 204: CLOSED");
+    assert_eq!(errors[streams]["code"], 204);
+    assert_eq!(
+        report["ready_state"], 2,
+        "still CLOSED after the quiet wait"
+    );
+    assert_eq!(report["opens"], streams);
+}
+
+// ---------------------------------------------------------------------------------------------
+// openai-node on the proxied routes
+
+#[tokio::test]
+async fn openai_node_repeat_create_replays_the_stored_answer_rs3_rs5() {
+    if !node_has("openai") {
+        return;
+    }
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let out = openai_node(&app, "create", &[]).await;
+    let calls = out["calls"].as_array().unwrap();
+    assert_eq!(calls[0]["status"], 200, "{out}");
+    assert!(
+        calls[0]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply to gpt-4o-mini:"),
+        "{out}"
+    );
+    assert_eq!(calls[0]["replayed"], "false", "{out}");
+    assert_eq!(calls[1]["replayed"], "true", "RS-5: {out}");
+    assert_eq!(calls[1]["request_id"], calls[0]["request_id"]);
+    assert_eq!(calls[1]["content"], calls[0]["content"], "RS-3");
+    assert!(
+        calls[1]["upstream_request_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("req_mock_"),
+        "RS-5: the provider's request id of the execution: {out}"
+    );
+    assert_eq!(
+        out["idempotency_keys"],
+        serde_json::json!([null, null]),
+        "openai-node sends no Idempotency-Key, so identity is the body hash (ID-4)"
+    );
+    assert_eq!(app.mock.calls(), 1, "the repeat did not call the provider");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn openai_node_stream_reassembles_the_text_and_a_repeat_replays_rs3_rs4() {
+    if !node_has("openai") {
+        return;
+    }
+    // Keep-alive comments between slow chunks must not confuse the SDK's SSE decoder.
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            chunk_delay_ms: 60,
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 25,
+    )
+    .await;
+    let out = openai_node(&app, "stream", &[]).await;
+    let non_stream = out["non_stream"].as_str().unwrap();
+    assert!(
+        non_stream.starts_with("mock reply to gpt-4o-mini:"),
+        "{out}"
+    );
+    let streams = out["streams"].as_array().unwrap();
+    assert_eq!(
+        streams[0]["text"], non_stream,
+        "the stream's pieces reassemble the text: {out}"
+    );
+    assert_eq!(streams[0]["replayed"], "false");
+    assert_eq!(streams[1]["text"], streams[0]["text"], "RS-3");
+    assert_eq!(streams[1]["chunks"], streams[0]["chunks"]);
+    assert_eq!(streams[1]["replayed"], "true");
+    assert_eq!(streams[1]["request_id"], streams[0]["request_id"]);
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "one non-stream and one stream execution; the repeat replayed"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn openai_node_timeout_retries_attach_to_the_first_execution_rs2() {
+    if !node_has("openai") {
+        return;
+    }
+    // The provider answers after 3 s; the SDK gives up after 1 s and retries the same body.
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 3_000,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = openai_node(&app, "timeout", &[]).await;
+    assert!(
+        out["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply to gpt-4o-mini:"),
+        "{out}"
+    );
+    assert!(
+        out["timeouts"].as_u64().unwrap() >= 1,
+        "the SDK did time out: {out}"
+    );
+    assert_eq!(
+        out["attempts"].as_u64().unwrap(),
+        out["timeouts"].as_u64().unwrap() + 1,
+        "every try but the last timed out: {out}"
+    );
+    assert_eq!(
+        out["response"]["replayed"], "true",
+        "the answering try did not start the execution: {out}"
+    );
+    let bodies = out["bodies"].as_array().unwrap();
+    assert!(
+        bodies.iter().all(|b| *b == bodies[0]),
+        "every retry sent the same bytes: {out}"
+    );
+    assert_eq!(
+        app.mock.calls(),
+        1,
+        "the SDK's retries attached to one execution"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn openai_node_raises_api_error_when_the_provider_drops_mid_stream_lc7() {
+    if !node_has("openai") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 20,
+            drop_after_chunks: Some(5),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = openai_node(&app, "broken", &[]).await;
+    assert_eq!(
+        out["raised"], "APIError",
+        "RS-4: an error in the provider's stream shape: {out}"
+    );
+    assert!(out["message"].as_str().unwrap().contains("stream"), "{out}");
+    assert!(
+        out["text"].as_str().unwrap().starts_with("mock reply"),
+        "the chunks before the break arrived: {out}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn openai_node_stream_abandoned_mid_way_and_sent_again_gets_the_whole_text_rs2_lc9() {
+    if !node_has("openai") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 20,
+            chunk_delay_ms: 50,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = openai_node(&app, "abort", &[]).await;
+    let streams = out["streams"].as_array().unwrap();
+    let (partial, whole) = (
+        streams[0]["text"].as_str().unwrap(),
+        streams[1]["text"].as_str().unwrap(),
+    );
+    assert!(
+        whole.starts_with(partial) && whole.len() > partial.len(),
+        "{out}"
+    );
+    assert_eq!(whole, out["non_stream"], "the whole text, no gap: {out}");
+    assert_eq!(streams[1]["request_id"], streams[0]["request_id"]);
+    assert_eq!(streams[1]["replayed"], "true", "{out}");
+    let id = streams[0]["request_id"].as_str().unwrap();
+    let record = app.record(id).await;
+    assert_eq!(
+        record["status"], "succeeded",
+        "LC-9: the drop cancelled nothing"
+    );
+    assert_eq!(record["attempts"], 1);
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "one stream execution, one non-stream call"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn openai_node_responses_api_streams_named_events_and_replays_them_rs3_rs4() {
+    if !node_has("openai") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 5,
+            chunk_delay_ms: 20,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = openai_node(&app, "responses", &[]).await;
+    let non_stream = out["non_stream"].as_str().unwrap();
+    assert!(
+        non_stream.starts_with("mock reply to gpt-4o-mini:"),
+        "{out}"
+    );
+    let streams = out["streams"].as_array().unwrap();
+    assert_eq!(streams[0]["text"], non_stream, "{out}");
+    assert_eq!(
+        streams[0]["types"].as_array().unwrap().last().unwrap(),
+        "response.completed",
+        "RS-4: the provider's named events reach the SDK: {out}"
+    );
+    assert_eq!(streams[1]["types"], streams[0]["types"], "RS-3");
+    assert_eq!(streams[1]["text"], streams[0]["text"]);
+    assert_eq!(streams[1]["replayed"], "true");
+    assert_eq!(
+        out["helper"], non_stream,
+        "responses.stream() helper: {out}"
+    );
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "one non-stream and one stream execution; the rest replayed"
+    );
+    app.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Identity across SDKs (ID-1)
+//
+// openai-python writes its body with `json.dumps` in its own key order (messages, model,
+// temperature); openai-node writes `JSON.stringify` of the caller's object in the caller's key
+// order. Key order never matters: canonical JSON sorts keys. Numbers are another matter: ID-1
+// keeps them exactly as spelled, and the two languages spell the float 1.0 differently —
+// Python's `json.dumps(1.0)` is `1.0`, JavaScript's `JSON.stringify(1.0)` is `1` (JS has no
+// separate float type). So `temperature=1.0` in Python and `temperature: 1` in JS are two
+// different requests, and each pays for its own upstream call. Python's int `1` (or no
+// temperature at all) matches JS exactly. This is SPEC behaviour, not a bug: a proxy that
+// re-spelled numbers would have to decide that `1.0` == `1` for every provider, and would break
+// ID-3b's promise to forward the client's bytes; users who mix SDKs should pass integral values
+// as ints in Python.
+
+#[tokio::test]
+async fn python_and_node_openai_calls_with_the_same_numbers_are_one_request_id1() {
+    if !python_has("openai") || !node_has("openai") {
+        return;
+    }
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let base_v1 = format!("{}/v1", app.base);
+    for temperature in ["1", "none"] {
+        let py = python_json(
+            "openai_identity.py",
+            vec![
+                ("HOLDFAST_BASE_URL", base_v1.clone()),
+                ("HOLDFAST_TEMPERATURE", temperature.into()),
+            ],
+        )
+        .await;
+        let js = openai_node(&app, "identity", &[("HOLDFAST_TEMPERATURE", temperature)]).await;
+        let (py_body, js_body) = (
+            py["bodies"][0].as_str().unwrap(),
+            js["bodies"][0].as_str().unwrap(),
+        );
+        assert_ne!(
+            py_body, js_body,
+            "the SDKs' bytes differ (key order), temperature {temperature}"
+        );
+        let (py_json, js_json): (Value, Value) = (
+            serde_json::from_str(py_body).unwrap(),
+            serde_json::from_str(js_body).unwrap(),
+        );
+        assert_eq!(py_json, js_json, "same logical request");
+        if temperature == "1" {
+            assert!(
+                py_body.contains(r#""temperature":1,"#) || py_body.ends_with(r#""temperature":1}"#),
+                "{py_body}"
+            );
+        }
+        assert_eq!(py["response"]["replayed"], "false", "{py}");
+        assert_eq!(
+            js["response"]["request_id"], py["response"]["request_id"],
+            "ID-1: key order is irrelevant (temperature {temperature}): {py} {js}"
+        );
+        assert_eq!(js["response"]["replayed"], "true", "{js}");
+        assert_eq!(js["content"], py["content"]);
+    }
+    assert_eq!(app.mock.calls(), 2, "one upstream call per logical request");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn python_float_1_0_and_node_1_are_two_requests_numbers_kept_as_spelled_id1() {
+    if !python_has("openai") || !node_has("openai") {
+        return;
+    }
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let py = python_json(
+        "openai_identity.py",
+        vec![
+            ("HOLDFAST_BASE_URL", format!("{}/v1", app.base)),
+            ("HOLDFAST_TEMPERATURE", "1.0".into()),
+        ],
+    )
+    .await;
+    let js = openai_node(&app, "identity", &[("HOLDFAST_TEMPERATURE", "1.0")]).await;
+    let (py_body, js_body) = (
+        py["bodies"][0].as_str().unwrap(),
+        js["bodies"][0].as_str().unwrap(),
+    );
+    assert!(py_body.contains(r#""temperature":1.0"#), "{py_body}");
+    assert!(
+        js_body.contains(r#""temperature":1,"#),
+        "JSON.stringify(1.0) is 1: {js_body}"
+    );
+    assert_ne!(
+        js["response"]["request_id"], py["response"]["request_id"],
+        "ID-1: `1.0` and `1` are different values: {py} {js}"
+    );
+    assert_eq!(py["response"]["replayed"], "false");
+    assert_eq!(js["response"]["replayed"], "false");
+    assert_eq!(app.mock.calls(), 2, "two requests, two upstream calls");
+    let temperatures: Vec<String> = app
+        .mock
+        .recorded()
+        .iter()
+        .map(|c| c.body["temperature"].to_string())
+        .collect();
+    assert_eq!(
+        temperatures,
+        ["1.0", "1"],
+        "ID-3b: each provider call got its client's spelling"
+    );
+    app.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A WHATWG EventSource on `GET /requests/{id}` (RD-2..RD-6)
+
+#[tokio::test]
+async fn eventsource_reads_a_finished_stream_then_stops_for_good_on_204_rd2_rd5() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("read me back")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+
+    let mut reader = EventSourceReader::start(&app.base, "", &[]).await;
+    reader.open(&id).await;
+    let report = reader.report().await;
+
+    let got = received(&report);
+    let stored = stored_log(&app, &id).await;
+    assert_eq!(got, stored, "every stored event, in order: {report}");
+    let seqs: Vec<String> = got.iter().map(|(seq, _, _)| seq.clone()).collect();
+    let expected: Vec<String> = (1..=last_seq).map(|s| s.to_string()).collect();
+    assert_eq!(seqs, expected, "lastEventId = seq");
+    let (_, kind, data) = got.last().unwrap();
+    assert_eq!(kind, "end", "the named `end` event comes last");
+    let end: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(end["status"], "succeeded");
+    assert_eq!(got[got.len() - 2].2, "[DONE]");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn eventsource_opened_on_a_running_stream_gets_every_chunk_once_rd4() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 50,
+            chunk_delay_ms: 20,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let mut reader = EventSourceReader::start(&app.base, "", &[]).await;
+    let submitter = app.chat(&stream_body("follow me live")).await;
+    let id = header(&submitter, "holdfast-request-id");
+    reader.open(&id).await;
+    let (report, (_, submitted)) = tokio::join!(reader.report(), read_events(submitter));
+    assert_eq!(
+        report["open_record"]["status"], "running",
+        "the EventSource opened while the stream ran: {report}"
+    );
+    let open_seq = report["open_record"]["last_seq"].as_i64().unwrap();
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+    assert!(
+        open_seq < last_seq - 10,
+        "most chunks arrived live ({open_seq} of {last_seq} stored at open)"
+    );
+
+    let got = received(&report);
+    let stored = stored_log(&app, &id).await;
+    assert_eq!(got, stored, "RD-4: no gap, no duplicate: {report}");
+    assert_eq!(
+        got.len() as i64,
+        last_seq,
+        "seq 1..={last_seq}, each exactly once"
+    );
+    let data: Vec<&str> = got
+        .iter()
+        .filter(|(_, kind, _)| kind == "message")
+        .map(|(_, _, d)| d.as_str())
+        .collect();
+    let proxied: Vec<&str> = submitted.iter().map(|e| e.data.as_str()).collect();
+    assert_eq!(data, proxied, "the log carries the submitter's events");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn eventsource_first_connect_resumes_from_the_last_event_id_query_parameter_rd3() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("resume me in a browser")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+
+    // The query parameter stays in the URL on the reconnect; the header must win then (RD-3),
+    // or the browser would replay from 3 forever.
+    let mut reader = EventSourceReader::start(&app.base, "?last_event_id=3", &[]).await;
+    reader.open(&id).await;
+    let report = reader.report().await;
+    assert_eq!(report["fetches"][0]["last_event_id"], Value::Null);
+    let got = received(&report);
+    let stored = stored_log(&app, &id).await;
+    assert_eq!(got, stored[3..], "exactly the chunks after seq 3: {report}");
+    assert_eq!(got.last().unwrap().1, "end");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn eventsource_gets_a_failed_end_after_an_interrupted_stream_then_stops_rd5_lc7() {
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 20,
+            drop_after_chunks: Some(5),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.chat(&stream_body("break me")).await;
+    let id = header(&r, "holdfast-request-id");
+    read_events(r).await;
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed");
+    let last_seq = record["last_seq"].as_i64().unwrap();
+
+    let mut reader = EventSourceReader::start(&app.base, "", &[]).await;
+    reader.open(&id).await;
+    let report = reader.report().await;
+    let got = received(&report);
+    assert_eq!(got, stored_log(&app, &id).await, "{report}");
+    let (_, kind, data) = got.last().unwrap();
+    assert_eq!(kind, "end");
+    let end: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(end["status"], "failed", "{end}");
+    assert_eq!(end["error"]["type"], "stream_interrupted", "{end}");
+    assert_stops_after_end_with_204(&report, 1, last_seq);
+    app.stop().await;
+}
+
+/// A browser whose connection dies part-way into an event (mid-frame): the partial event is
+/// dropped, `EventSource` reconnects with the last complete event's id, and holdfast continues
+/// from there — across the stored/live handoff, since the stream is still running.
+#[tokio::test]
+async fn eventsource_dropped_mid_event_resumes_from_last_event_id_without_gap_or_duplicate_rd3_rd4()
+{
+    if !node_has("eventsource") {
+        return;
+    }
+    let app = spawn_app(
+        MockConfig {
+            chunks: 80,
+            chunk_delay_ms: 25,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let mut reader =
+        EventSourceReader::start(&app.base, "", &[("HOLDFAST_DROP_AFTER_EVENTS", "5")]).await;
+    let submitter = app.chat(&stream_body("drop my browser")).await;
+    let id = header(&submitter, "holdfast-request-id");
+    reader.open(&id).await;
+    let (report, (_, submitted)) = tokio::join!(reader.report(), read_events(submitter));
+    let last_seq = app.record(&id).await["last_seq"].as_i64().unwrap();
+    let fetches = report["fetches"].as_array().unwrap();
+    assert_eq!(
+        fetches[1]["last_event_id"], "5",
+        "the reconnect resumes after the last complete event: {report}"
+    );
+    let resumed_at = fetches[1]["at_ms"].as_i64().unwrap();
+    let end_at = report["events"].as_array().unwrap().last().unwrap()["at_ms"]
+        .as_i64()
+        .unwrap();
+    assert!(
+        end_at > resumed_at + 100,
+        "the resumed connection went on live ({resumed_at} ms vs end at {end_at} ms): {report}"
+    );
+    let got = received(&report);
+    assert_eq!(
+        got,
+        stored_log(&app, &id).await,
+        "RD-3/RD-4: no gap, no duplicate: {report}"
+    );
+    let data: Vec<&str> = got
+        .iter()
+        .filter(|(_, kind, _)| kind == "message")
+        .map(|(_, _, d)| d.as_str())
+        .collect();
+    let proxied: Vec<&str> = submitted.iter().map(|e| e.data.as_str()).collect();
+    assert_eq!(data, proxied);
+    assert_stops_after_end_with_204(&report, 2, last_seq);
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
