@@ -38,6 +38,10 @@ pub struct Config {
     pub retention_secs: u64,
     /// Interval of SSE keep-alive comments on idle streams, in milliseconds (RD-2).
     pub sse_keepalive_ms: u64,
+    /// Origins allowed to call holdfast from a browser (CORS), e.g. `["https://app.example"]`,
+    /// or `["*"]` for any. Empty (the default): no CORS headers, so only same-origin pages and
+    /// non-browser clients can read the API.
+    pub cors_allow_origins: Vec<String>,
     /// Proxied calls one node holds open at once; beyond it new calls are refused with 503,
     /// `x-should-retry: true` and `retry-after-ms` before anything is recorded (RS-8).
     pub max_held_requests: usize,
@@ -174,6 +178,7 @@ impl Default for Config {
             sse_keepalive_ms: 15_000,
             shutdown_grace_ms: 30_000,
             max_held_requests: 10_000,
+            cors_allow_origins: Vec::new(),
             workers: Workers::default(),
             upstream: Upstream::default(),
             backends: Vec::new(),
@@ -346,6 +351,14 @@ impl Config {
         for (key, value) in positive {
             if value == 0 {
                 return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        for (i, origin) in self.cors_allow_origins.iter().enumerate() {
+            if origin != "*" && axum::http::HeaderValue::from_str(origin).is_err() {
+                return Err(invalid(
+                    format!("cors_allow_origins[{i}]"),
+                    "is not a valid origin",
+                ));
             }
         }
         if self.workers.backoff_initial_ms > self.workers.backoff_max_ms {

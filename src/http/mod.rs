@@ -41,6 +41,7 @@ pub struct AppState {
 
 /// The router with every route of SPEC §1.
 pub fn router(state: AppState) -> Router {
+    let cors = cors(&state.config.cors_allow_origins);
     let mut router = Router::new();
     for route in Route::ALL {
         router = router.route(
@@ -58,7 +59,58 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
+        .layer(tower::util::option_layer(cors))
         .with_state(state)
+}
+
+/// CORS for browser readers (`EventSource` on `/requests/{id}`, fetch on the proxied routes),
+/// only when `cors_allow_origins` is set. Exposes holdfast's and the providers' headers.
+fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use axum::http::{HeaderName, HeaderValue, Method, header};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow_origin = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+    };
+    let names = |names: &[&'static str]| {
+        names
+            .iter()
+            .map(|n| HeaderName::from_static(n))
+            .collect::<Vec<_>>()
+    };
+    let mut allow_headers = names(&[
+        "last-event-id",
+        "x-api-key",
+        "idempotency-key",
+        "prefer",
+        "anthropic-version",
+        "anthropic-beta",
+        "openai-beta",
+        "openai-organization",
+        "openai-project",
+    ]);
+    allow_headers.extend([header::AUTHORIZATION, header::CONTENT_TYPE, header::ACCEPT]);
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow_origin)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers(allow_headers)
+            .expose_headers(names(&[
+                "holdfast-request-id",
+                "idempotent-replayed",
+                "holdfast-error",
+                "x-should-retry",
+                "retry-after-ms",
+                "retry-after",
+                "x-request-id",
+                "request-id",
+                "location",
+            ])),
+    )
 }
 
 /// The error shape a path's clients expect: Anthropic's under `/v1/messages`, else OpenAI's.

@@ -98,3 +98,68 @@ async fn healthz_and_readyz_answer_200_cli4a() {
     }
     app.stop().await;
 }
+
+#[tokio::test]
+async fn cors_is_off_by_default_and_allows_configured_origins_with_last_event_id() {
+    let closed = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = closed
+        .http
+        .get(format!("{}/healthz", closed.base))
+        .header("origin", "http://app.example")
+        .send()
+        .await
+        .unwrap();
+    assert!(r.headers().get("access-control-allow-origin").is_none());
+    closed.stop().await;
+
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.cors_allow_origins = vec!["http://app.example".into()]
+    })
+    .await;
+    let preflight = app
+        .http
+        .request(
+            reqwest::Method::OPTIONS,
+            format!("{}/requests/0190a1b2-0000-7000-8000-000000000000", app.base),
+        )
+        .header("origin", "http://app.example")
+        .header("access-control-request-method", "GET")
+        .header("access-control-request-headers", "last-event-id")
+        .send()
+        .await
+        .unwrap();
+    assert!(preflight.status().is_success(), "{}", preflight.status());
+    assert_eq!(
+        header(&preflight, "access-control-allow-origin"),
+        "http://app.example"
+    );
+    assert!(header(&preflight, "access-control-allow-headers").contains("last-event-id"));
+    let r = app.chat(&chat_body("cors")).await;
+    assert!(
+        r.headers().get("access-control-allow-origin").is_none(),
+        "no Origin, no CORS headers"
+    );
+    let r = app
+        .http
+        .post(format!("{}/v1/chat/completions", app.base))
+        .header("origin", "http://app.example")
+        .header("content-type", "application/json")
+        .body(chat_body("cors"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        header(&r, "access-control-allow-origin"),
+        "http://app.example"
+    );
+    assert!(header(&r, "access-control-expose-headers").contains("holdfast-request-id"));
+    let other = app
+        .http
+        .get(format!("{}/healthz", app.base))
+        .header("origin", "http://evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert!(other.headers().get("access-control-allow-origin").is_none());
+    app.stop().await;
+}
