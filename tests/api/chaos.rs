@@ -24,7 +24,7 @@ const DEADLINE: Duration = Duration::from_secs(120);
 fn body(i: usize) -> String {
     serde_json::json!({
         "model": "gpt-4o-mini",
-        "stream": i % 3 == 0,
+        "stream": i.is_multiple_of(3),
         "messages": [{"role": "user", "content": format!("chaos {i}")}],
     })
     .to_string()
@@ -68,7 +68,7 @@ async fn client(
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             let text = String::from_utf8_lossy(&bytes);
             if !text.contains("data: [DONE]") {
                 assert!(
@@ -186,7 +186,7 @@ base_url = "{mock}"
             tokio::time::sleep(Duration::from_millis((n as u64 % 50) * 20)).await;
             let i = n % LOGICAL;
             let id = client(http.clone(), base.clone(), i, ids).await;
-            let log = if i % 3 == 0 && n < LOGICAL {
+            let log = if i.is_multiple_of(3) && n < LOGICAL {
                 Some((id.clone(), log_reader(http, base, id.clone()).await))
             } else {
                 None
@@ -233,7 +233,7 @@ base_url = "{mock}"
             calls >= 1 && calls <= a,
             "body {i}: {calls} upstream calls for {a} attempts"
         );
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             let full = get_events(&http, &base, id, Some("0")).await;
             let (_, log) = read_events(full).await;
             resets += log
