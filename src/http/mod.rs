@@ -156,7 +156,9 @@ pub fn namespace(config: &Config, headers: &HeaderMap, shape: Shape) -> Result<S
         .or_else(|| {
             headers
                 .get(axum::http::header::AUTHORIZATION)
-                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+                .map(|v| v.as_bytes())
+                .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+                .map(|v| &v[7..])
         })
         .map(<[u8]>::trim_ascii);
     let mut found = None;

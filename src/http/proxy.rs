@@ -236,14 +236,7 @@ async fn stream_answer(
             }
         }
     };
-    let mut response = Response::new(Body::from_stream(body));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    let mut response = stream::event_stream_response(body);
     set_identity_headers(&mut response, &record, replayed, route);
     Ok(response)
 }

@@ -4,7 +4,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -106,14 +105,11 @@ pub async fn get_one(
     headers: HeaderMap,
 ) -> Response {
     let shape = Shape::Openai;
-    let namespace = match namespace(&state.config, &headers, shape) {
-        Ok(ns) => ns,
+    let (namespace, uuid) = match addressed(&state, &headers, &id) {
+        Ok(found) => found,
         Err(e) => return e.into_response(),
     };
     let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
-    let Ok(uuid) = Uuid::parse_str(&id) else {
-        return not_found();
-    };
     let wants_events = headers
         .get_all(header::ACCEPT)
         .iter()
@@ -134,6 +130,18 @@ pub async fn get_one(
     }
 }
 
+/// The caller's namespace and the request id of a `/requests/{id}` path.
+///
+/// # Errors
+/// 401 for an unknown key (when namespaces are configured); 404 for a malformed id, which can
+/// name no request.
+fn addressed(state: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, Uuid), ApiError> {
+    let namespace = namespace(&state.config, headers, Shape::Openai)?;
+    let uuid = Uuid::parse_str(id)
+        .map_err(|_| ApiError::not_found(Shape::Openai, format!("no request {id}")))?;
+    Ok((namespace, uuid))
+}
+
 /// `POST /requests/{id}/cancel` (LC-9): a request that is not terminal fails with `cancelled`,
 /// its upstream call is aborted (at once on this node; on another node at its next heartbeat),
 /// its claim released. Answers 200 with the record — also when it was already terminal, in which
@@ -144,14 +152,11 @@ pub async fn cancel(
     headers: HeaderMap,
 ) -> Response {
     let shape = Shape::Openai;
-    let namespace = match namespace(&state.config, &headers, shape) {
-        Ok(ns) => ns,
+    let (namespace, uuid) = match addressed(&state, &headers, &id) {
+        Ok(found) => found,
         Err(e) => return e.into_response(),
     };
     let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
-    let Ok(uuid) = Uuid::parse_str(&id) else {
-        return not_found();
-    };
     match state.store.cancel(&namespace, uuid, now_ms()).await {
         Ok(Some(record)) => {
             state.hub.abort_attempt(uuid);
@@ -232,10 +237,13 @@ pub async fn list(
 /// # Errors
 /// 400 `invalid_last_event_id` for a value that is not a non-negative integer that fits i64.
 fn position(headers: &HeaderMap, query: &HashMap<String, String>) -> Result<Option<i64>, ApiError> {
-    let raw = match headers.get("last-event-id") {
-        Some(v) => Some(v.to_str().map_err(|_| bad_position())?.to_owned()),
-        None => query.get("last_event_id").cloned(),
+    let header = match headers.get("last-event-id") {
+        Some(v) => Some(v.to_str().map_err(|_| bad_position())?.trim().to_owned()),
+        None => None,
     };
+    let raw = header
+        .filter(|h| !h.is_empty())
+        .or_else(|| query.get("last_event_id").cloned());
     match raw.as_deref().map(str::trim) {
         None | Some("") => Ok(None),
         Some(raw) if raw.bytes().all(|b| b.is_ascii_digit()) => {
@@ -289,16 +297,9 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
             }
         }
     };
-    let mut response = Response::new(Body::from_stream(body));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    let mut response = stream::event_stream_response(body);
     if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
-        headers.insert("holdfast-request-id", v);
+        response.headers_mut().insert("holdfast-request-id", v);
     }
     response
 }

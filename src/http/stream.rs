@@ -173,3 +173,20 @@ pub fn log_bytes(item: &Followed) -> Bytes {
         }
     }
 }
+
+/// A `200 text/event-stream` response around `body`, uncached and unbuffered by proxies.
+pub fn event_stream_response<S>(body: S) -> axum::response::Response
+where
+    S: Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+{
+    use axum::http::{HeaderValue, header};
+    let mut response = axum::response::Response::new(axum::body::Body::from_stream(body));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}

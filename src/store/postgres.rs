@@ -67,7 +67,7 @@ const LEASE_EXPIRED_MESSAGE: &str =
     "the worker running the last attempt stopped renewing its lease and no attempts are left";
 
 /// `error_message` of a cancelled request (LC-9).
-const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/{id}/cancel";
+const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/<id>/cancel";
 
 impl PostgresStore {
     /// Connects to `url` (`postgres://` or `postgresql://`) with a pool of

@@ -564,7 +564,7 @@ impl Store for SqliteStore {
         let mut tx = self.writer.begin().await?;
         let cancelled: Option<(String, i64)> = sqlx::query_as(
             "UPDATE requests SET status = 'failed', error_type = 'cancelled',
-                 error_message = 'cancelled through POST /requests/{id}/cancel', error_status = NULL,
+                 error_message = 'cancelled through POST /requests/<id>/cancel', error_status = NULL,
                  lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1
              WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
              RETURNING claim_kind, attempts",

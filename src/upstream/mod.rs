@@ -74,6 +74,9 @@ impl Upstreams {
             .connect_timeout(Duration::from_millis(config.upstream.connect_timeout_ms))
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
+            // A redirect would turn the POST into a body-less GET; a 3xx fails the attempt
+            // as `upstream_invalid` instead, which names the problem.
+            .redirect(reqwest::redirect::Policy::none())
             .build()?;
         let mut backends = HashMap::new();
         for b in &config.backends {
