@@ -4,6 +4,7 @@
 mod clients;
 mod durability;
 mod helpers;
+mod openapi;
 mod ops;
 mod proxy;
 mod streams;
