@@ -3,6 +3,7 @@
 //! [`requests`], provider-shaped errors in [`errors`].
 
 pub mod errors;
+pub mod openapi;
 pub mod ops;
 pub mod proxy;
 pub mod requests;
@@ -56,6 +57,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
+        .route("/openapi.json", get(openapi::serve))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())

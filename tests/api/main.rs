@@ -8,6 +8,7 @@ mod durability;
 mod faults;
 mod helpers;
 mod node;
+mod openapi;
 mod ops;
 mod proxy;
 mod store_conformance;
