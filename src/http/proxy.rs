@@ -24,7 +24,10 @@ use crate::canonical::{self, CanonError};
 use crate::config::Config;
 use crate::metrics as m;
 use crate::route::Route;
-use crate::store::{ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, now_ms};
+use crate::store::{
+    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, failure_releases_claim,
+    now_ms,
+};
 use crate::upstream::FORWARDED_HEADERS;
 
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
@@ -175,7 +178,7 @@ async fn admit_and_answer(
             "preference-applied",
             HeaderValue::from_static("respond-async"),
         );
-        set_identity_headers(&mut response, &record, replayed, route);
+        set_identity_headers(&mut response, &record, replayed, route, &state.config);
         return Ok(response);
     }
 
@@ -184,7 +187,7 @@ async fn admit_and_answer(
     }
     let record = wait_for(state, &namespace, record, shape, |r| r.status.is_terminal()).await?;
     drop(held);
-    Ok(answer(&record, replayed, route))
+    Ok(answer(&record, replayed, route, &state.config))
 }
 
 /// The answer for a stream request (RS-1..RS-4): once the current attempt has stored its first
@@ -206,7 +209,7 @@ async fn stream_answer(
     .await?;
     let only_end = record.status.is_terminal() && record.last_seq == record.reset_seq + 1;
     if only_end && record.status == Status::Failed {
-        return Ok(answer(&record, replayed, route));
+        return Ok(answer(&record, replayed, route, &state.config));
     }
     let items = stream::follow(
         state.store.clone(),
@@ -237,7 +240,7 @@ async fn stream_answer(
         }
     };
     let mut response = stream::event_stream_response(body);
-    set_identity_headers(&mut response, &record, replayed, route);
+    set_identity_headers(&mut response, &record, replayed, route, &state.config);
     Ok(response)
 }
 
@@ -476,7 +479,7 @@ async fn wait_for(
 }
 
 /// The answer for a settled non-stream request (RS-3, RS-5, RS-7).
-fn answer(record: &RequestRecord, replayed: bool, route: Route) -> Response {
+fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config) -> Response {
     let mut response = match (record.status, &record.error) {
         (Status::Succeeded, _) => stored_response(record),
         (_, Some(error))
@@ -499,7 +502,7 @@ fn answer(record: &RequestRecord, replayed: bool, route: Route) -> Response {
                 .into_response()
         }
     };
-    set_identity_headers(&mut response, record, replayed, route);
+    set_identity_headers(&mut response, record, replayed, route, config);
     response
 }
 
@@ -531,8 +534,26 @@ fn set_identity_headers(
     record: &RequestRecord,
     replayed: bool,
     route: Route,
+    config: &Config,
 ) {
     let headers = response.headers_mut();
+    // While the claim lives, a re-send lands here (ID-4, ID-5); say until when.
+    let released = record.status == Status::Failed
+        && record
+            .error
+            .as_ref()
+            .is_some_and(|e| failure_releases_claim(record.claim, e.kind));
+    if !released {
+        let ttl_secs = match record.claim {
+            ClaimKind::BodyHash => config.dedupe_window_secs,
+            ClaimKind::Key => config.idempotency_key_ttl_secs,
+        };
+        let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        let expires = requests::rfc3339(record.created_at.saturating_add(ttl_ms));
+        if let Ok(v) = HeaderValue::from_str(&expires) {
+            headers.insert("holdfast-claim-expires-at", v);
+        }
+    }
     if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
         headers.insert("holdfast-request-id", v);
     }

@@ -199,6 +199,12 @@ impl MockServer {
         self.shared.calls.load(Ordering::SeqCst)
     }
 
+    /// Paced streamed bodies (with `chunk_delay_ms` or a stream fault) still being sent; a
+    /// client that closes its connection ends its stream.
+    pub fn open_streams(&self) -> u64 {
+        self.shared.open_streams.load(Ordering::SeqCst)
+    }
+
     /// The last 1000 model calls, oldest first.
     pub fn recorded(&self) -> Vec<RecordedCall> {
         self.shared.recorded()
@@ -254,6 +260,9 @@ struct Shared {
     fault_seq: AtomicU64,
     /// The last [`RECORDED_MAX`] calls.
     recorded: Mutex<VecDeque<RawCall>>,
+    /// Streamed response bodies being sent right now (paced streams only): drops to zero when
+    /// the client closes its connection, which is how tests see an upstream call aborted.
+    open_streams: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -263,6 +272,7 @@ impl Shared {
             calls: AtomicU64::new(0),
             fault_seq: AtomicU64::new(0),
             recorded: Mutex::new(VecDeque::with_capacity(64)),
+            open_streams: Arc::default(),
         }
     }
 
@@ -574,7 +584,7 @@ async fn model_call(
         return injected_failure(provider, &cfg, n, k);
     }
     match info {
-        Ok(info) => answer(route, &cfg, n, k, info),
+        Ok(info) => answer(route, &cfg, n, k, info, &shared.open_streams),
         Err(e) => error_response(provider, StatusCode::BAD_REQUEST, &e.to_string(), n),
     }
 }
@@ -613,7 +623,14 @@ fn unix_now() -> u64 {
 }
 
 /// The successful answer (possibly a faulty stream, non-JSON, or oversized, as configured).
-fn answer(route: Route, cfg: &MockConfig, n: u64, k: u64, info: CallInfo) -> Response {
+fn answer(
+    route: Route,
+    cfg: &MockConfig,
+    n: u64,
+    k: u64,
+    info: CallInfo,
+    open_streams: &Arc<AtomicU64>,
+) -> Response {
     let provider = route.provider();
     if let Some(ask) = &info.embeddings {
         if cfg.non_json_200 {
@@ -657,7 +674,7 @@ fn answer(route: Route, cfg: &MockConfig, n: u64, k: u64, info: CallInfo) -> Res
             StatusCode::OK,
             n,
             "text/event-stream; charset=utf-8",
-            stream_body(parts, faults),
+            stream_body(parts, faults, Arc::clone(open_streams)),
         );
         resp.headers_mut()
             .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));

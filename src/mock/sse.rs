@@ -78,7 +78,11 @@ pub(crate) fn named_event<T: Serialize + ?Sized>(name: &str, v: &T) -> Bytes {
 ///
 /// A drop yields an `Err` from the body: hyper then closes the connection without the final
 /// zero-length chunk, so the client sees a truncated chunked body, not a clean end.
-pub(crate) fn stream_body(parts: StreamParts, faults: StreamFaults) -> Body {
+pub(crate) fn stream_body(
+    parts: StreamParts,
+    faults: StreamFaults,
+    open: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> Body {
     if faults.is_clean() {
         // Everything is ready at once: one data frame, one chunk on the wire, one write.
         let all: Vec<Bytes> = parts
@@ -95,7 +99,9 @@ pub(crate) fn stream_body(parts: StreamParts, faults: StreamFaults) -> Body {
     let StreamParts { head, pieces, tail } = parts;
     let total = u32::try_from(pieces.len()).unwrap_or(u32::MAX);
     let garbage_at = total / 2;
+    let guard = OpenStream::new(open);
     let stream = async_stream::stream! {
+        let _open = guard;
         for event in head {
             yield Ok(event);
         }
@@ -132,4 +138,20 @@ pub(crate) fn stream_body(parts: StreamParts, faults: StreamFaults) -> Body {
         }
     };
     Body::from_stream(stream)
+}
+
+/// Counts a paced stream as open from creation until its body is dropped (sent or cut).
+struct OpenStream(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl OpenStream {
+    fn new(open: std::sync::Arc<std::sync::atomic::AtomicU64>) -> OpenStream {
+        open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        OpenStream(open)
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }

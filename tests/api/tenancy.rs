@@ -181,6 +181,19 @@ async fn idempotency_keys_replay_refuse_reuse_and_split_id5() {
         .await;
     assert_eq!(k1.status(), 200);
     let id = header(&k1, "holdfast-request-id");
+    let expires = header(&k1, "holdfast-claim-expires-at");
+    let created = app.record(&id).await["created_at"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let expires =
+        chrono::DateTime::parse_from_rfc3339(&expires).expect("the claim's expiry is advertised");
+    let created = chrono::DateTime::parse_from_rfc3339(&created).unwrap();
+    assert_eq!(
+        (expires - created).num_seconds(),
+        86_400,
+        "idempotency_key_ttl_secs"
+    );
     let replay = app
         .post(
             "/v1/chat/completions",
@@ -295,7 +308,12 @@ async fn cancel_during_a_stream_fails_it_and_ends_every_reader_lc9() {
     let submitter = app.chat(&body).await;
     let id = header(&submitter, "holdfast-request-id");
     let log_reader = get_events(&app.http, &app.base, &id, None).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the provider stream to be open",
+        || app.mock.open_streams() == 1,
+    )
+    .await;
     let cancelled = app
         .http
         .post(format!("{}/requests/{id}/cancel", app.base))
@@ -306,6 +324,13 @@ async fn cancel_during_a_stream_fails_it_and_ends_every_reader_lc9() {
     let record: serde_json::Value = cancelled.json().await.unwrap();
     assert_eq!(record["status"], "failed");
     assert_eq!(record["error"]["type"], "cancelled");
+    // The upstream call is aborted: the provider sees its connection close within a second.
+    wait_until(
+        Duration::from_secs(1),
+        "the upstream connection to close",
+        || app.mock.open_streams() == 0,
+    )
+    .await;
 
     let (_, events) = tokio::time::timeout(Duration::from_secs(5), read_events(submitter))
         .await
