@@ -22,6 +22,8 @@ pub struct Running {
     shutdown: CancellationToken,
     server: JoinHandle<()>,
     workers: JoinHandle<()>,
+    /// Cross-node wake-ups ([`crate::store::Store::listen`]).
+    wakeups: JoinHandle<()>,
 }
 
 /// Opens the store named by `config`, then serves on `listener` and runs workers until
@@ -37,6 +39,12 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     let wake = Arc::new(Notify::new());
     let upstreams = Upstreams::new(&config)?;
     let shutdown = CancellationToken::new();
+    // Cross-node wake-ups (PostgreSQL LISTEN/NOTIFY); a no-op for SQLite.
+    let wakeups = {
+        let (store, hub, wake) = (store.clone(), Arc::clone(&hub), Arc::clone(&wake));
+        let stop = shutdown.child_token();
+        tokio::spawn(async move { store.listen(hub, wake, stop).await })
+    };
 
     let pool = WorkerPool::new(
         store.clone(),
@@ -70,6 +78,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         shutdown,
         server,
         workers,
+        wakeups,
     })
 }
 
@@ -79,6 +88,7 @@ impl Running {
     pub async fn shutdown(mut self) {
         self.shutdown.cancel();
         let _ = self.workers.await;
+        let _ = self.wakeups.await;
         // Held connections whose request was handed back to pending would wait for another
         // node; cut them shortly after the workers stop, and their SDKs retry elsewhere.
         if tokio::time::timeout(std::time::Duration::from_secs(2), &mut self.server)

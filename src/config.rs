@@ -25,6 +25,11 @@ pub struct Config {
     /// acknowledged) or `normal` (a commit can be lost on power failure, never on a process
     /// crash). SPEC DU-2.
     pub sqlite_synchronous: SqliteSynchronous,
+    /// PostgreSQL only: the most connections this process keeps in its query pool (default
+    /// 16). Each node opens one more, outside the pool, for the LISTEN connection that carries
+    /// cross-node wake-ups, so the database sees at most `nodes × (database_pool_size + 1)`
+    /// holdfast connections (see `docs/postgres.md`). Ignored for SQLite.
+    pub database_pool_size: u32,
     /// Body-hash claim window in seconds, counted from the claimed request's submission (ID-4).
     pub dedupe_window_secs: u64,
     /// Lifetime of an explicit `Idempotency-Key` claim in seconds (ID-5).
@@ -170,6 +175,7 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             database_url: "sqlite://holdfast.db".into(),
             sqlite_synchronous: SqliteSynchronous::Full,
+            database_pool_size: 16,
             dedupe_window_secs: 600,
             idempotency_key_ttl_secs: 86_400,
             max_body_bytes: 32 * 1024 * 1024,
@@ -333,6 +339,7 @@ impl Config {
             ("max_response_bytes", self.max_response_bytes as u64),
             ("sse_keepalive_ms", self.sse_keepalive_ms),
             ("max_held_requests", self.max_held_requests as u64),
+            ("database_pool_size", u64::from(self.database_pool_size)),
             ("workers.concurrency", self.workers.concurrency as u64),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),

@@ -16,7 +16,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::Serialize;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::hub::Hub;
 
 /// Milliseconds since the Unix epoch.
 pub type Millis = i64;
@@ -538,6 +542,22 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] when it does not.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Turns changes made by *other* processes sharing this store into local wake-ups until
+    /// `shutdown` is cancelled: [`HubEvent::Changed`](crate::hub::HubEvent::Changed) on `hub`
+    /// for a request whose chunks or status changed (its readers re-read the store), and
+    /// `wake.notify_one()` when new work was recorded (an idle worker pool looks for it).
+    ///
+    /// A wake-up is only a shortcut: readers re-read the store every
+    /// [`POLL`](crate::http::stream::POLL) and idle workers every `workers.poll_interval_ms`,
+    /// so an implementation may lose wake-ups (a dropped connection) and must then just carry
+    /// on. Errors are logged, never returned.
+    ///
+    /// The default does nothing and returns at once: a store used by one process (SQLite)
+    /// learns of every change through the in-process hub.
+    async fn listen(&self, hub: Arc<Hub>, wake: Arc<Notify>, shutdown: CancellationToken) {
+        let _ = (hub, wake, shutdown);
+    }
 }
 
 /// Opens the store named by `database_url` and applies its migrations: `sqlite:` for the
@@ -553,7 +573,9 @@ pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError
         let store = sqlite::SqliteStore::open(url, config.sqlite_synchronous).await?;
         Ok(Arc::new(store))
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(Arc::new(postgres::PostgresStore::open(url).await?))
+        Ok(Arc::new(
+            postgres::PostgresStore::open_with(url, config.database_pool_size).await?,
+        ))
     } else {
         Err(StoreError::Corrupt(format!(
             "database_url {:?}: expected sqlite:, postgres:// or postgresql://",

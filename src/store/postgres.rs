@@ -25,6 +25,26 @@
 //! - **Lock order**: a transaction that touches both tables locks the `requests` row before
 //!   `claims` rows; `append_chunks` locks its requests in id order. No deadlock cycles.
 //!
+//! # Cross-node wake-ups (LISTEN/NOTIFY)
+//!
+//! Writes that other nodes' readers or workers wait for send a notification from inside their
+//! transaction, so it is delivered only if and after the write commits:
+//!
+//! - channel [`CHANGED_CHANNEL`], payload `"<origin> <id>,<id>,..."`: chunks were appended
+//!   (one notification per group-commit transaction, never one per chunk) or the status
+//!   changed (`finish`, `sweep`, `cancel`, `release`). Payloads stay under PostgreSQL's
+//!   8000-byte limit by splitting the ids into groups of [`IDS_PER_NOTIFY`]; one statement
+//!   sends them all.
+//! - channel [`WORK_CHANNEL`], payload `"<origin>"`: a request became due (`submit` created
+//!   one, `sweep` recovered one, `release` handed one back).
+//!
+//! `<origin>` identifies the [`PostgresStore`] that wrote; its own listener skips those, because
+//! the writing process already told its hub directly. [`Store::listen`] holds one dedicated
+//! connection (outside the query pool) on `LISTEN` and turns the rest into hub and worker
+//! wake-ups. PostgreSQL drops notifications for a listener whose connection is gone; the
+//! listener then reconnects and carries on, and the polling that readers and workers do anyway
+//! covers the gap.
+//!
 //! # NUL characters
 //!
 //! PostgreSQL `TEXT` cannot hold U+0000. The request body and the provider's response body are
@@ -37,10 +57,17 @@ use std::borrow::Cow;
 use std::str::FromStr;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row, Transaction};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 use uuid::Uuid;
+
+use crate::hub::{Hub, HubEvent};
 
 use super::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
@@ -51,10 +78,26 @@ use super::{
 /// Connections per process unless [`PostgresStore::open_with`] says otherwise.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 
+/// Channel of "these requests changed" notifications; payload `"<origin> <id>,<id>,..."`.
+pub const CHANGED_CHANNEL: &str = "holdfast_changed";
+/// Channel of "new work is due" notifications; payload `"<origin>"`.
+pub const WORK_CHANNEL: &str = "holdfast_work";
+/// Request ids per notification: 200 × 37 bytes plus the origin stays well under PostgreSQL's
+/// 8000-byte payload limit.
+pub const IDS_PER_NOTIFY: usize = 200;
+/// Pause before the listener reconnects after a failure.
+const LISTEN_RETRY: Duration = Duration::from_secs(1);
+
 /// The shared store for several nodes.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// A pool of one connection, opened lazily, for [`Store::listen`]: a `LISTEN` connection
+    /// is held for good, so it must not take a query connection away.
+    listen_pool: PgPool,
+    /// Random per store, sent with every notification, so the listener can skip this store's
+    /// own (the writer already woke its local hub).
+    origin: String,
 }
 
 const COLUMNS: &str = "id, namespace, route, backend, model, stream, body, headers, claim_kind, \
@@ -86,6 +129,10 @@ impl PostgresStore {
     /// As [`PostgresStore::open`].
     pub async fn open_with(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url)?.application_name("holdfast");
+        let listen_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone().application_name("holdfast-listen"));
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))
@@ -93,7 +140,88 @@ impl PostgresStore {
             .await?;
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
         sqlx::migrate!("./migrations/postgres").run(&pool).await?;
-        Ok(PostgresStore { pool })
+        Ok(PostgresStore {
+            pool,
+            listen_pool,
+            origin: Uuid::new_v4().simple().to_string(),
+        })
+    }
+
+    /// Notifies [`CHANGED_CHANNEL`] that `ids` changed, delivered when `tx` commits. One
+    /// statement however many ids; nothing when there are none.
+    async fn notify_changed(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        ids: &[Uuid],
+    ) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let payloads: Vec<String> = ids
+            .chunks(IDS_PER_NOTIFY)
+            .map(|group| {
+                let ids: Vec<String> = group.iter().map(Uuid::to_string).collect();
+                format!("{} {}", self.origin, ids.join(","))
+            })
+            .collect();
+        sqlx::query("SELECT pg_notify($1, p) FROM UNNEST($2::text[]) AS p")
+            .bind(CHANGED_CHANNEL)
+            .bind(&payloads)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// Notifies [`WORK_CHANNEL`] that a request is due, delivered when `tx` commits.
+    async fn notify_work(&self, tx: &mut Transaction<'_, Postgres>) -> Result<(), StoreError> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(WORK_CHANNEL)
+            .bind(&self.origin)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// One `LISTEN` session: connects, listens on both channels and dispatches notifications
+    /// until `shutdown` (returns `Ok`) or the connection fails for good (returns the error).
+    /// sqlx reconnects a dropped connection by itself on the next receive and re-issues the
+    /// `LISTEN`s; what was sent meanwhile is lost (the polling fallback covers it).
+    async fn listen_session(
+        &self,
+        hub: &Hub,
+        wake: &Notify,
+        shutdown: &CancellationToken,
+    ) -> Result<(), sqlx::Error> {
+        let mut listener = PgListener::connect_with(&self.listen_pool).await?;
+        listener.listen_all([CHANGED_CHANNEL, WORK_CHANNEL]).await?;
+        info!("listening for cross-node wake-ups");
+        loop {
+            let received = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                received = listener.try_recv() => received?,
+            };
+            let Some(notification) = received else {
+                warn!(
+                    "LISTEN connection lost; reconnecting (wake-ups sent meanwhile are lost, polling covers them)"
+                );
+                continue;
+            };
+            let payload = notification.payload();
+            let (origin, ids) = payload.split_once(' ').unwrap_or((payload, ""));
+            if origin == self.origin {
+                continue;
+            }
+            if notification.channel() == WORK_CHANNEL {
+                wake.notify_one();
+                continue;
+            }
+            for id in ids.split(',') {
+                match Uuid::parse_str(id) {
+                    Ok(id) => hub.publish(id, HubEvent::Changed),
+                    Err(_) => debug!(payload, "ignoring a malformed wake-up"),
+                }
+            }
+        }
     }
 
     /// The pool, for tests and tools that need raw access.
@@ -250,6 +378,26 @@ async fn append_control(
 
 #[async_trait]
 impl Store for PostgresStore {
+    async fn listen(&self, hub: Arc<Hub>, wake: Arc<Notify>, shutdown: CancellationToken) {
+        loop {
+            let session = tokio::select! {
+                () = shutdown.cancelled() => return,
+                session = self.listen_session(&hub, &wake, &shutdown) => session,
+            };
+            match session {
+                Ok(()) => return,
+                Err(e) => warn!(
+                    error = %e,
+                    "LISTEN for cross-node wake-ups failed; retrying (polling covers the gap)"
+                ),
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(LISTEN_RETRY) => {}
+            }
+        }
+    }
+
     async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
         let mut tx = self.pool.begin().await?;
         // Inserts our claim, takes over an expired one, or leaves a live one untouched (locked)
@@ -296,6 +444,7 @@ impl Store for PostgresStore {
             .fetch_one(&mut *tx)
             .await?;
             let record = record_from_row(&row)?;
+            self.notify_work(&mut tx).await?;
             tx.commit().await?;
             return Ok(Submitted::Created(Box::new(record)));
         }
@@ -474,6 +623,9 @@ impl Store for PostgresStore {
             let end = end_data(Status::Succeeded, None);
             append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
         }
+        if claim.is_some() {
+            self.notify_changed(&mut tx, &[id]).await?;
+        }
         tx.commit().await?;
         Ok(claim.is_some())
     }
@@ -529,6 +681,15 @@ impl Store for PostgresStore {
                 let next = attempts.saturating_add(1);
                 append_control(&mut tx, *id, next, ChunkKind::Reset, &next.to_string()).await?;
             }
+        }
+        let changed: Vec<Uuid> = failed
+            .iter()
+            .map(|(id, ..)| *id)
+            .chain(recovered.iter().map(|(id, ..)| *id))
+            .collect();
+        self.notify_changed(&mut tx, &changed).await?;
+        if !recovered.is_empty() {
+            self.notify_work(&mut tx).await?;
         }
         tx.commit().await?;
         Ok(Swept {
@@ -604,6 +765,15 @@ impl Store for PostgresStore {
                 .collect();
             results[i] = Some(stored);
         }
+        // One wake-up per group commit for every request that got chunks, never one per chunk.
+        let mut changed: Vec<Uuid> = batches
+            .iter()
+            .zip(&results)
+            .filter(|(_, stored)| stored.is_some())
+            .map(|(batch, _)| batch.lease.id)
+            .collect();
+        changed.dedup();
+        self.notify_changed(&mut tx, &changed).await?;
         tx.commit().await?;
         Ok(results)
     }
@@ -657,6 +827,7 @@ impl Store for PostgresStore {
             };
             let end = end_data(Status::Failed, Some(&error));
             append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
+            self.notify_changed(&mut tx, &[id]).await?;
         }
         let record = Self::fetch_in(&mut tx, id)
             .await?
@@ -705,6 +876,10 @@ impl Store for PostgresStore {
         {
             let next = attempts.saturating_add(1);
             append_control(&mut tx, lease.id, next, ChunkKind::Reset, &next.to_string()).await?;
+        }
+        if released.is_some() {
+            self.notify_changed(&mut tx, &[lease.id]).await?;
+            self.notify_work(&mut tx).await?;
         }
         tx.commit().await?;
         Ok(released.is_some())

@@ -7,6 +7,7 @@ mod clients;
 mod durability;
 mod faults;
 mod helpers;
+mod multinode;
 mod node;
 mod openapi;
 mod ops;

@@ -1,0 +1,601 @@
+//! Several `holdfast serve` processes on one PostgreSQL database (SPEC DU-3): any node accepts,
+//! any worker executes, any node live-tails, a dead node's lease is recovered by the others,
+//! and lost LISTEN/NOTIFY wake-ups only cost latency (polling covers them).
+//!
+//! Each test creates a fresh database (`store_conformance::TestDatabase`) and starts real child
+//! processes in front of one mock provider. Without a reachable PostgreSQL the tests print
+//! `*** SKIPPED ***` and pass, unless `CI` is set: then they fail.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use holdfast::hub::{Hub, HubEvent};
+use holdfast::mock::{MockConfig, MockServer};
+use holdfast::store::postgres::{IDS_PER_NOTIFY, PostgresStore};
+use holdfast::store::{
+    ChunkBatch, ClaimKind, Lease, NewChunk, NewRequest, Store, Submitted, now_ms,
+};
+use holdfast::upstream::sse::{SseEvent, SseParser};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+use tempfile::TempDir;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::helpers::*;
+use crate::store_conformance::TestDatabase;
+
+/// `application_name` of each node's LISTEN connection.
+const LISTEN_APP: &str = "holdfast-listen";
+
+/// Nodes sharing one fresh database, in front of one mock provider. Field order is drop
+/// order: the processes die before their database is dropped.
+struct Cluster {
+    nodes: Vec<Process>,
+    http: reqwest::Client,
+    mock: MockServer,
+    toml: String,
+    dir: TempDir,
+    db: TestDatabase,
+}
+
+impl Cluster {
+    /// A fresh database and mock, and `started` nodes; `None` when PostgreSQL is unreachable
+    /// outside CI (the skip is printed by `TestDatabase::create`).
+    async fn start(mock: MockConfig, started: usize) -> Option<Cluster> {
+        let db = TestDatabase::create().await?;
+        let mock = start_mock(mock).await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let toml = format!(
+            r#"
+database_url = "{url}"
+database_pool_size = 6
+[workers]
+lease_secs = 2
+sweep_interval_ms = 100
+backoff_initial_ms = 20
+backoff_max_ms = 200
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock_base}"
+"#,
+            url = db.url,
+            mock_base = mock.base_url()
+        );
+        let mut cluster = Cluster {
+            nodes: Vec::new(),
+            http: reqwest::Client::new(),
+            mock,
+            toml,
+            dir,
+            db,
+        };
+        for _ in 0..started {
+            cluster.add_node().await;
+        }
+        Some(cluster)
+    }
+
+    /// Starts one more node; returns its index.
+    async fn add_node(&mut self) -> usize {
+        let node = Process::serve(self.dir.path(), &self.toml, free_addr()).await;
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
+    fn base(&self, node: usize) -> &str {
+        &self.nodes[node].base
+    }
+
+    /// POSTs `body` to `/v1/chat/completions` on `node` with `Prefer: respond-async`; the id.
+    async fn submit_async(&self, node: usize, body: &str) -> String {
+        let r = self
+            .http
+            .post(format!("{}/v1/chat/completions", self.base(node)))
+            .header("content-type", "application/json")
+            .header("prefer", "respond-async")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(r.status(), 202);
+        header(&r, "holdfast-request-id")
+    }
+
+    /// POSTs `body` to `/v1/chat/completions` on `node` and holds for the answer.
+    async fn chat(&self, node: usize, body: &str) -> reqwest::Response {
+        self.http
+            .post(format!("{}/v1/chat/completions", self.base(node)))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("POST")
+    }
+
+    /// Polls the record on `node` until `cond` holds (at most 20 s); returns it.
+    async fn wait_record(
+        &self,
+        node: usize,
+        id: &str,
+        what: &str,
+        cond: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let start = Instant::now();
+        loop {
+            let record = get_record(&self.http, self.base(node), id).await;
+            if cond(&record) {
+                return record;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "timed out waiting for {what}: {record}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// An admin connection to the cluster's database.
+    async fn admin(&self) -> PgConnection {
+        PgConnection::connect(&self.db.url)
+            .await
+            .expect("connect to the test database")
+    }
+}
+
+/// Number of LISTEN connections open on `db`.
+async fn listeners(conn: &mut PgConnection, db: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+    )
+    .bind(db)
+    .bind(LISTEN_APP)
+    .fetch_one(conn)
+    .await
+    .expect("count listeners")
+}
+
+/// Waits until `db` has `n` LISTEN connections (at most 20 s).
+async fn wait_listeners(conn: &mut PgConnection, db: &str, n: i64) {
+    let start = Instant::now();
+    loop {
+        let now = listeners(conn, db).await;
+        if now == n {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "expected {n} LISTEN connections, have {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An SSE response read incrementally.
+struct Reader {
+    response: reqwest::Response,
+    parser: SseParser,
+    events: Vec<SseEvent>,
+}
+
+impl Reader {
+    fn new(response: reqwest::Response) -> Reader {
+        assert_eq!(response.status(), 200);
+        Reader {
+            response,
+            parser: SseParser::new(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Reads until at least `n` events arrived (at most 20 s).
+    async fn read_at_least(&mut self, n: usize) {
+        let read = async {
+            while self.events.len() < n {
+                let piece = self
+                    .response
+                    .chunk()
+                    .await
+                    .expect("read SSE")
+                    .expect("the stream continues");
+                self.events
+                    .extend(self.parser.push(&piece).expect("valid SSE"));
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), read)
+            .await
+            .expect("events arrive");
+    }
+
+    /// Reads to the end of the response (at most 60 s); returns every event.
+    async fn finish(mut self) -> Vec<SseEvent> {
+        let read = async {
+            while let Some(piece) = self.response.chunk().await.expect("read SSE") {
+                self.events
+                    .extend(self.parser.push(&piece).expect("valid SSE"));
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), read)
+            .await
+            .expect("the stream ends");
+        self.events
+    }
+}
+
+/// `(id, event, data)` of each event: what a log reader compares (not `retry:`).
+fn log_of(events: &[SseEvent]) -> Vec<(Option<String>, Option<String>, String)> {
+    events
+        .iter()
+        .map(|e| (e.id.clone(), e.event.clone(), e.data.clone()))
+        .collect()
+}
+
+/// The seqs of log events.
+fn seqs(events: &[SseEvent]) -> Vec<i64> {
+    events
+        .iter()
+        .map(|e| e.id.as_deref().expect("id").parse().expect("numeric id"))
+        .collect()
+}
+
+fn assert_consecutive(events: &[SseEvent]) {
+    let seqs = seqs(events);
+    assert!(
+        seqs.windows(2).all(|w| w[1] == w[0] + 1),
+        "RD-4: no gap and no duplicate: {seqs:?}"
+    );
+}
+
+/// The whole stored log of `id`, read from `node` from position 0.
+async fn stored_log(cluster: &Cluster, node: usize, id: &str) -> Vec<SseEvent> {
+    let r = get_events(&cluster.http, cluster.base(node), id, Some("0")).await;
+    read_events(r).await.1
+}
+
+#[tokio::test]
+async fn hundred_identical_requests_across_three_nodes_make_one_upstream_call_id7_du3() {
+    let mock = MockConfig {
+        header_delay_ms: 700,
+        ..MockConfig::default()
+    };
+    let Some(cluster) = Cluster::start(mock, 3).await else {
+        return;
+    };
+    let body = chat_body("one call for the whole cluster");
+    let answers = futures::future::join_all((0..100).map(|i| {
+        let cluster = &cluster;
+        let body = &body;
+        async move {
+            let r = cluster.chat(i % 3, body).await;
+            let status = r.status().as_u16();
+            let replayed = header(&r, "idempotent-replayed");
+            let id = header(&r, "holdfast-request-id");
+            (status, replayed, id, r.bytes().await.expect("body"))
+        }
+    }))
+    .await;
+    assert_eq!(cluster.mock.calls(), 1, "ID-7: one upstream call");
+    let (_, _, id, body) = &answers[0];
+    for (status, _, other_id, other_body) in &answers {
+        assert_eq!(*status, 200);
+        assert_eq!(other_id, id, "one request");
+        assert_eq!(other_body, body, "identical answers");
+    }
+    let started = answers.iter().filter(|a| a.1 == "false").count();
+    assert_eq!(
+        started, 1,
+        "exactly one answer started the execution (RS-5)"
+    );
+}
+
+#[tokio::test]
+async fn stream_run_on_one_node_is_live_tailed_from_another_without_gap_rd4_du3() {
+    let mock = MockConfig {
+        chunks: 40,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    };
+    let Some(cluster) = Cluster::start(mock, 3).await else {
+        return;
+    };
+    let (a, b, c) = (0, 1, 2);
+    let body = stream_body("tail me from elsewhere");
+    let id = cluster.submit_async(a, &body).await;
+    let record = cluster
+        .wait_record(c, &id, "the first chunk", |r| {
+            r["last_seq"].as_i64().unwrap_or(0) >= 1 || r["status"] != "pending"
+        })
+        .await;
+    assert_eq!(
+        record["status"], "running",
+        "opened while running: {record}"
+    );
+    let tail = Reader::new(get_events(&cluster.http, cluster.base(c), &id, None).await);
+
+    // A proxied duplicate on the third node attaches to the same execution.
+    let dup = cluster.chat(b, &body).await;
+    assert_eq!(dup.status(), 200);
+    assert_eq!(header(&dup, "holdfast-request-id"), id);
+    assert_eq!(header(&dup, "idempotent-replayed"), "true");
+
+    let tailed = tail.finish().await;
+    let (_, provider_events) = read_events(dup).await;
+    let record = wait_terminal(&cluster.http, cluster.base(a), &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(cluster.mock.calls(), 1);
+
+    let stored = stored_log(&cluster, a, &id).await;
+    assert_eq!(
+        log_of(&tailed),
+        log_of(&stored),
+        "the tail is the stored log"
+    );
+    assert_eq!(seqs(&tailed)[0], 1);
+    assert_consecutive(&tailed);
+    assert_eq!(tailed.last().unwrap().event.as_deref(), Some("end"));
+    let data: Vec<&str> = stored[..stored.len() - 1]
+        .iter()
+        .map(|e| e.data.as_str())
+        .collect();
+    let got: Vec<&str> = provider_events.iter().map(|e| e.data.as_str()).collect();
+    assert_eq!(
+        got, data,
+        "the attached duplicate got the provider's events"
+    );
+    assert_eq!(got.last().copied(), Some("[DONE]"));
+}
+
+#[tokio::test]
+async fn sigkilled_node_stream_is_recovered_by_another_and_surviving_readers_see_reset_then_the_new_attempt_lc4_lc8_du3()
+ {
+    let mock = MockConfig {
+        chunks: 60,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    };
+    let Some(mut cluster) = Cluster::start(mock, 1).await else {
+        return;
+    };
+    let a = 0;
+    let id = cluster
+        .submit_async(a, &stream_body("recover me on another node"))
+        .await;
+    cluster
+        .wait_record(a, &id, "chunks to flow on node A", |r| {
+            r["last_seq"].as_i64().unwrap_or(0) >= 3
+        })
+        .await;
+    let b = cluster.add_node().await;
+    let c = cluster.add_node().await;
+    let mut readers = Vec::new();
+    for node in [b, c] {
+        let mut reader =
+            Reader::new(get_events(&cluster.http, cluster.base(node), &id, None).await);
+        reader.read_at_least(2).await;
+        readers.push(reader);
+    }
+    let record = get_record(&cluster.http, cluster.base(b), &id).await;
+    assert_eq!(record["status"], "running", "A still runs it: {record}");
+    assert_eq!(record["attempts"], 1, "{record}");
+    cluster.nodes[a].kill9();
+
+    let mut logs = Vec::new();
+    for reader in readers {
+        logs.push(reader.finish().await);
+    }
+    let record = wait_terminal(&cluster.http, cluster.base(b), &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["recoveries"], 1, "{record}");
+    assert_eq!(record["attempts"], 2, "{record}");
+    assert_eq!(cluster.mock.calls(), 2, "one provider call per attempt");
+
+    // A reader without a position now gets the current (second) attempt and its end.
+    let current = read_events(get_events(&cluster.http, cluster.base(c), &id, None).await)
+        .await
+        .1;
+    for events in &logs {
+        assert_consecutive(events);
+        assert_eq!(seqs(events)[0], 1, "from the first chunk of attempt 1");
+        let reset = events
+            .iter()
+            .position(|e| e.event.as_deref() == Some("reset"))
+            .expect("RD-6: a reset between the attempts");
+        assert_eq!(events[reset].data, "2", "reset data is the new attempt");
+        assert_eq!(
+            log_of(&events[reset + 1..]),
+            log_of(&current),
+            "then the whole new attempt, ending with end"
+        );
+        assert_eq!(events.last().unwrap().event.as_deref(), Some("end"));
+    }
+}
+
+#[tokio::test]
+async fn killed_listen_connections_cost_only_latency_readers_and_workers_still_progress_du3() {
+    let mock = MockConfig {
+        chunks: 40,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    };
+    let Some(cluster) = Cluster::start(mock, 3).await else {
+        return;
+    };
+    let (a, b, c) = (0, 1, 2);
+    let mut admin = cluster.admin().await;
+    wait_listeners(&mut admin, &cluster.db.name, 3).await;
+
+    let id = cluster
+        .submit_async(a, &stream_body("lose my wake-ups"))
+        .await;
+    let mut reader = Reader::new(get_events(&cluster.http, cluster.base(c), &id, None).await);
+    reader.read_at_least(2).await;
+
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = $1 AND application_name = $2) AS t",
+    )
+    .bind(&cluster.db.name)
+    .bind(LISTEN_APP)
+    .fetch_one(&mut admin)
+    .await
+    .expect("terminate listeners");
+    assert_eq!(killed, 3, "every node's LISTEN connection was cut");
+
+    // Work recorded while (or right after) the listeners are gone still completes.
+    let answers = futures::future::join_all((0..6).map(|i| {
+        let cluster = &cluster;
+        async move {
+            let r = cluster
+                .chat(i % 3, &chat_body(&format!("after the cut {i}")))
+                .await;
+            r.status().as_u16()
+        }
+    }))
+    .await;
+    assert!(answers.iter().all(|s| *s == 200), "{answers:?}");
+
+    let tailed = reader.finish().await;
+    assert_consecutive(&tailed);
+    assert_eq!(tailed.last().unwrap().event.as_deref(), Some("end"));
+    let record = wait_terminal(&cluster.http, cluster.base(b), &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(log_of(&tailed), log_of(&stored_log(&cluster, b, &id).await));
+
+    // Each listener reconnects by itself.
+    wait_listeners(&mut admin, &cluster.db.name, 3).await;
+    assert_eq!(cluster.mock.calls(), 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wake-up mechanism itself, on two stores in this process
+// ---------------------------------------------------------------------------------------------
+
+fn new_request(text: &str) -> NewRequest {
+    let body = chat_body(text).into_bytes();
+    let hash: [u8; 32] = Sha256::digest(&body).into();
+    let now = now_ms();
+    NewRequest {
+        id: Uuid::now_v7(),
+        namespace: "default".into(),
+        route: "openai.chat".into(),
+        backend: "mock".into(),
+        model: Some("gpt-4o-mini".into()),
+        stream: true,
+        body,
+        headers: Vec::new(),
+        hash,
+        claim: ClaimKind::BodyHash,
+        claim_key: hash.iter().map(|b| format!("{b:02x}")).collect(),
+        claim_expires_at: now + 600_000,
+        now,
+    }
+}
+
+async fn submit(store: &PostgresStore, text: &str) -> Uuid {
+    match store.submit(new_request(text)).await.expect("submit") {
+        Submitted::Created(r) => r.id,
+        other => panic!("expected a new request, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in_batches_du3() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let writer = PostgresStore::open(&db.url).await.expect("open writer");
+    let other = Arc::new(PostgresStore::open(&db.url).await.expect("open listener"));
+    let hub = Hub::new();
+    let wake = Arc::new(Notify::new());
+    let stop = CancellationToken::new();
+    let listening = {
+        let (other, hub, wake, stop) = (
+            Arc::clone(&other),
+            Arc::clone(&hub),
+            Arc::clone(&wake),
+            stop.clone(),
+        );
+        tokio::spawn(async move { other.listen(hub, wake, stop).await })
+    };
+
+    // New work wakes the other store's workers. The listener connects in the background, so
+    // submit until a wake-up arrives (bounded).
+    let start = Instant::now();
+    let mut n = 0;
+    loop {
+        n += 1;
+        submit(&writer, &format!("work {n}")).await;
+        if tokio::time::timeout(Duration::from_millis(500), wake.notified())
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "no work wake-up");
+    }
+
+    // One group commit over more requests than fit in one payload wakes a reader of each.
+    let count = IDS_PER_NOTIFY + 20;
+    let mut leases: Vec<Lease> = Vec::new();
+    for i in 0..count {
+        submit(&writer, &format!("chunked {i}")).await;
+    }
+    while let Some((lease, _)) = writer
+        .lease("test-owner", now_ms(), 60_000)
+        .await
+        .expect("lease")
+    {
+        leases.push(lease);
+    }
+    assert_eq!(leases.len(), count + n);
+    let mut subscriptions: Vec<_> = leases.iter().map(|l| hub.subscribe(l.id)).collect();
+    let batches: Vec<ChunkBatch> = leases
+        .iter()
+        .map(|lease| ChunkBatch {
+            lease: lease.clone(),
+            chunks: vec![NewChunk {
+                event: None,
+                data: "{}".into(),
+            }],
+            upstream_request_id: None,
+        })
+        .collect();
+    let stored = writer.append_chunks(&batches).await.expect("append");
+    assert!(stored.iter().all(Option::is_some));
+    for subscription in &mut subscriptions {
+        let event = tokio::time::timeout(Duration::from_secs(10), subscription.recv())
+            .await
+            .expect("every request's reader is woken");
+        assert_eq!(event, HubEvent::Changed);
+    }
+
+    // A status change wakes a reader too.
+    let lease = &leases[0];
+    writer
+        .finish(
+            lease,
+            holdfast::store::Outcome::Succeeded {
+                status: 200,
+                body: Vec::new(),
+                upstream_request_id: None,
+            },
+            now_ms(),
+        )
+        .await
+        .expect("finish");
+    let event = tokio::time::timeout(Duration::from_secs(10), subscriptions[0].recv())
+        .await
+        .expect("finish wakes the reader");
+    assert_eq!(event, HubEvent::Changed);
+
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(10), listening)
+        .await
+        .expect("the listener stops on shutdown")
+        .expect("listener task");
+    drop(subscriptions);
+}
