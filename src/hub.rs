@@ -3,7 +3,9 @@
 //! The hub is only a wake-up: the store is the truth. A reader subscribes *before* it reads
 //! the store, then re-reads after every signal, so a signal can never fall between its read and
 //! its wait (SPEC RD-4). A lost or lagged signal costs latency, never correctness: readers also
-//! re-read on a timer, which is what lets a reader on one node follow a request run by another.
+//! re-read on a timer, so a reader on one node follows a request run by another even without
+//! cross-node wake-ups; with PostgreSQL those arrive as LISTEN/NOTIFY through
+//! [`Store::listen`](crate::store::Store::listen), which publishes [`HubEvent::Changed`] here.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

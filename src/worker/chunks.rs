@@ -2,8 +2,8 @@
 //!
 //! Every attempt that streams hands its parsed events to one writer task per process. The
 //! writer takes everything queued at that moment — from any number of streams — and stores it
-//! with one [`Store::append_chunks`] call, one transaction, each batch fenced on its own lease
-//! (LC-3). So the per-chunk cost falls as load rises instead of being one commit per chunk, and
+//! with one [`Store::append_chunks`](crate::store::Store::append_chunks) call, one
+//! transaction, each batch fenced on its own lease (LC-3). So the per-chunk cost falls as load rises instead of being one commit per chunk, and
 //! an attempt learns that its chunks are durable before they are shown to any reader.
 
 use std::sync::Arc;
