@@ -52,15 +52,20 @@ impl SqliteStore {
             })
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
+        // `test_before_acquire(false)` on both pools: sqlx's default pings every connection
+        // on every checkout, one more round trip to the connection's worker thread per store
+        // call; an embedded file connection has nothing to go stale (docs/benchmarks.md).
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(base.clone().create_if_missing(true))
             .await?;
         sqlx::migrate!("./migrations/sqlite").run(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(8)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(base.read_only(true))
             .await?;
@@ -181,6 +186,35 @@ async fn append_control(
     Ok(seq)
 }
 
+/// The record of a request just inserted by [`Store::submit`], as the row's column defaults
+/// make it: pending, due now, no attempts, no chunks.
+fn created_record(new: NewRequest) -> RequestRecord {
+    RequestRecord {
+        id: new.id,
+        namespace: new.namespace,
+        route: new.route,
+        backend: new.backend,
+        model: new.model,
+        stream: new.stream,
+        body: new.body,
+        headers: new.headers,
+        claim: new.claim,
+        status: Status::Pending,
+        attempts: 0,
+        recoveries: 0,
+        next_retry_at: new.now,
+        error: None,
+        response_status: None,
+        response_body: None,
+        upstream_request_id: None,
+        last_seq: 0,
+        reset_seq: 0,
+        created_at: new.now,
+        updated_at: new.now,
+        finished_at: None,
+    }
+}
+
 fn chunk_from_row(row: &SqliteRow) -> Result<Chunk, StoreError> {
     let kind: String = row.try_get("kind")?;
     Ok(Chunk {
@@ -246,11 +280,9 @@ impl Store for SqliteStore {
             .bind(new.now)
             .execute(&mut *tx)
             .await?;
-            let record = Self::fetch_in(&mut tx, &id)
-                .await?
-                .ok_or_else(|| corrupt("inserted request vanished"))?;
             tx.commit().await?;
-            return Ok(Submitted::Created(Box::new(record)));
+            // The row is exactly what was just inserted: no need to read it back.
+            return Ok(Submitted::Created(Box::new(created_record(new))));
         }
 
         let (existing, fingerprint): (String, Vec<u8>) = sqlx::query_as(
@@ -313,6 +345,45 @@ impl Store for SqliteStore {
             attempt: record.attempts,
         };
         Ok(Some((lease, record)))
+    }
+
+    async fn lease_many(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
+        // One statement on the single writer: atomic like `lease`, for up to `limit` rows.
+        let rows = sqlx::query(&format!(
+            "UPDATE requests SET status = 'running', attempts = attempts + 1,
+                 lease_owner = ?1 || '/' || id, lease_expires_at = ?2, updated_at = ?3
+             WHERE id IN (SELECT id FROM requests
+                          WHERE status = 'pending' AND next_retry_at <= ?3
+                          ORDER BY next_retry_at, id LIMIT ?4)
+             RETURNING lease_owner, {COLUMNS}"
+        ))
+        .bind(owner_prefix)
+        .bind(now + lease_ms)
+        .bind(now)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&self.writer)
+        .await?;
+        let mut leased = rows
+            .iter()
+            .map(|row| {
+                let record = record_from_row(row)?;
+                let lease = Lease {
+                    id: record.id,
+                    owner: row.try_get("lease_owner")?,
+                    attempt: record.attempts,
+                };
+                Ok((lease, record))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        // RETURNING has no order; run the oldest first.
+        leased.sort_by_key(|(_, r)| (r.next_retry_at, r.id));
+        Ok(leased)
     }
 
     async fn heartbeat(
@@ -684,5 +755,87 @@ impl Store for SqliteStore {
     async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.reader).await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new_request(i: u8, now: Millis) -> NewRequest {
+        let mut hash = [0u8; 32];
+        hash[0] = i;
+        NewRequest {
+            id: Uuid::now_v7(),
+            namespace: "default".into(),
+            route: "openai.chat".into(),
+            backend: "mock".into(),
+            model: Some("m".into()),
+            stream: false,
+            body: format!("{{\"n\":{i}}}").into_bytes(),
+            headers: vec![("openai-beta".into(), "x".into())],
+            hash,
+            claim: ClaimKind::BodyHash,
+            claim_key: hex::encode(hash),
+            claim_expires_at: now + 600_000,
+            now,
+        }
+    }
+
+    #[tokio::test]
+    async fn created_record_matches_the_stored_row_and_lease_many_takes_each_due_request_once_lc2()
+    {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let store = SqliteStore::open(&url, SqliteSynchronous::Normal)
+            .await
+            .expect("open");
+        let now = 1_000_000;
+        let mut ids = Vec::new();
+        for i in 0..3 {
+            let Submitted::Created(created) = store
+                .submit(new_request(i, now + i64::from(i)))
+                .await
+                .expect("submit")
+            else {
+                panic!("expected a new request");
+            };
+            let stored = store
+                .get("default", created.id)
+                .await
+                .expect("get")
+                .expect("stored");
+            assert_eq!(format!("{created:?}"), format!("{stored:?}"));
+            ids.push(created.id);
+        }
+
+        let first = store
+            .lease_many("node/a", now + 10, 30_000, 2)
+            .await
+            .expect("lease");
+        assert_eq!(
+            first.iter().map(|(l, _)| l.id).collect::<Vec<_>>(),
+            ids[..2].to_vec(),
+            "oldest first"
+        );
+        assert_ne!(first[0].0.owner, first[1].0.owner);
+        for (lease, record) in &first {
+            assert_eq!(record.status, Status::Running);
+            assert_eq!((lease.attempt, record.attempts), (1, 1));
+            assert!(store.heartbeat(lease, now + 20, 30_000).await.expect("hb"));
+        }
+        let rest = store
+            .lease_many("node/b", now + 10, 30_000, 10)
+            .await
+            .expect("lease");
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].0.id, ids[2]);
+        assert!(
+            store
+                .lease_many("node/c", now + 10, 30_000, 10)
+                .await
+                .expect("lease")
+                .is_empty()
+        );
     }
 }
