@@ -1,0 +1,1605 @@
+//! End-to-end benchmark: holdfast side by side with no proxy and a plain proxy (nginx).
+//!
+//! `cargo bench --bench e2e` builds the release binary, then on loopback starts the mock
+//! provider (`holdfast mock-upstream`), nginx as a plain reverse proxy in front of it (skipped
+//! with a message when `/usr/sbin/nginx` is not installed), and holdfast (`holdfast serve`) with a
+//! fresh SQLite file per configuration, once with `sqlite_synchronous = "full"` and once with
+//! `"normal"`. An in-process load generator (tokio + reqwest, keep-alive pools) measures every
+//! row; `docs/benchmarks.md` lists them. Results go to `target/bench/e2e.json` and
+//! `target/bench/e2e.md`, and the table is printed.
+//!
+//! Options (after `--`): `--quick` (smaller counts, for a smoke run), `--database-url URL` (also
+//! run the holdfast rows against that database, e.g. `postgres://...`; or set
+//! `HOLDFAST_BENCH_DATABASE_URL`). Every loop is bounded in count and in time.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::TcpListener as StdListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::json;
+
+/// Longest any one phase may run; a phase that hits it reports what it completed.
+const PHASE_DEADLINE: Duration = Duration::from_secs(180);
+/// Longest any one request may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Mock stream shape: content pieces per answer and the delay before each.
+const MOCK_CHUNKS: u32 = 20;
+const MOCK_CHUNK_DELAY_MS: u64 = 5;
+/// Concurrency of the throughput rows.
+const THROUGHPUT_CONCURRENCY: usize = 64;
+const NGINX: &str = "/usr/sbin/nginx";
+
+/// Request counts of one run.
+#[derive(Clone, Copy)]
+struct Counts {
+    latency_warmup: usize,
+    latency: usize,
+    throughput: usize,
+    stream_warmup: usize,
+    streams: usize,
+    storm: usize,
+    concurrent_streams: usize,
+}
+
+const FULL: Counts = Counts {
+    latency_warmup: 200,
+    latency: 2000,
+    throughput: 20_000,
+    stream_warmup: 10,
+    streams: 200,
+    storm: 1000,
+    concurrent_streams: 1000,
+};
+
+const QUICK: Counts = Counts {
+    latency_warmup: 20,
+    latency: 200,
+    throughput: 2000,
+    stream_warmup: 2,
+    streams: 20,
+    storm: 200,
+    concurrent_streams: 100,
+};
+
+struct Options {
+    counts: Counts,
+    quick: bool,
+    database_url: Option<String>,
+    /// Only targets whose name contains one of these (all when empty).
+    targets: Vec<String>,
+    /// Only these row groups (all when empty): nonstream, replay, stream, storm, streams.
+    rows: Vec<String>,
+}
+
+impl Options {
+    fn target(&self, name: &str) -> bool {
+        self.targets.is_empty() || self.targets.iter().any(|t| name.contains(t.as_str()))
+    }
+
+    fn row(&self, group: &str) -> bool {
+        self.rows.is_empty() || self.rows.iter().any(|r| r == group)
+    }
+}
+
+fn options() -> Result<Options> {
+    let mut quick = false;
+    let mut database_url = std::env::var("HOLDFAST_BENCH_DATABASE_URL")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let mut targets = Vec::new();
+    let mut rows = Vec::new();
+    let list = |v: String| -> Vec<String> {
+        v.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            // cargo bench passes --bench to every harness = false target.
+            "--bench" => {}
+            "--quick" => quick = true,
+            "--database-url" => {
+                database_url = Some(args.next().context("--database-url needs a value")?)
+            }
+            other if other.starts_with("--database-url=") => {
+                database_url = Some(other["--database-url=".len()..].to_string())
+            }
+            "--targets" => targets = list(args.next().context("--targets needs a value")?),
+            "--rows" => rows = list(args.next().context("--rows needs a value")?),
+            other if other.starts_with('-') => bail!(
+                "unknown option {other}; options: --quick, --database-url URL \
+                 (or HOLDFAST_BENCH_DATABASE_URL), --targets A,B (substrings of target names: \
+                 direct, nginx, full, normal, ...), --rows A,B (nonstream, replay, stream, storm, \
+                 streams)"
+            ),
+            // A positional filter from `cargo bench -- NAME`: nothing to filter here.
+            _ => {}
+        }
+    }
+    Ok(Options {
+        counts: if quick { QUICK } else { FULL },
+        quick,
+        database_url,
+        targets,
+        rows,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Results
+
+/// One measurement, as written to `e2e.json`.
+#[derive(Clone)]
+struct Measurement {
+    metric: &'static str,
+    target: String,
+    unit: &'static str,
+    value: f64,
+    /// How many requests or samples the value is over.
+    n: Option<usize>,
+    /// `/proc/loadavg` (1, 5, 15 min) when the value was taken.
+    load: String,
+}
+
+#[derive(Default)]
+struct Results {
+    all: Vec<Measurement>,
+    /// Targets in the order they were first measured (table columns).
+    targets: Vec<String>,
+    notes: Vec<String>,
+}
+
+impl Results {
+    fn add(&mut self, metric: &'static str, target: &str, unit: &'static str, value: f64) {
+        self.add_n(metric, target, unit, value, None);
+    }
+
+    fn add_n(
+        &mut self,
+        metric: &'static str,
+        target: &str,
+        unit: &'static str,
+        value: f64,
+        n: Option<usize>,
+    ) {
+        if !self.targets.iter().any(|t| t == target) {
+            self.targets.push(target.to_string());
+        }
+        let m = Measurement {
+            metric,
+            target: target.to_string(),
+            unit,
+            value,
+            n,
+            load: loadavg(),
+        };
+        println!(
+            "  {:<44} {:<24} {:>12} {:<6} (load {})",
+            metric,
+            target,
+            format_value(value, unit),
+            unit,
+            m.load
+        );
+        self.all.push(m);
+    }
+
+    fn get(&self, metric: &str, target: &str) -> Option<f64> {
+        self.all
+            .iter()
+            .find(|m| m.metric == metric && m.target == target)
+            .map(|m| m.value)
+    }
+
+    fn note(&mut self, note: impl Into<String>) {
+        let note = note.into();
+        println!("  note: {note}");
+        self.notes.push(note);
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.all
+                .iter()
+                .map(|m| {
+                    json!({
+                        "name": format!("{} [{}]", m.metric, m.target),
+                        "metric": m.metric,
+                        "target": m.target,
+                        "unit": m.unit,
+                        "value": m.value,
+                        "n": m.n,
+                        "load": m.load,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    fn markdown(&self, header: &str) -> String {
+        let mut metrics: Vec<(&'static str, &'static str)> = Vec::new();
+        for m in &self.all {
+            if !metrics.iter().any(|(name, _)| *name == m.metric) {
+                metrics.push((m.metric, m.unit));
+            }
+        }
+        let mut by_cell: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        for m in &self.all {
+            by_cell.insert((m.metric, m.target.as_str()), m.value);
+        }
+        let mut out = String::new();
+        let _ = writeln!(out, "{header}\n");
+        let _ = write!(out, "| measurement | unit |");
+        for t in &self.targets {
+            let _ = write!(out, " {t} |");
+        }
+        let _ = write!(out, "\n|---|---|");
+        for _ in &self.targets {
+            let _ = write!(out, "---:|");
+        }
+        out.push('\n');
+        for (metric, unit) in metrics {
+            let _ = write!(out, "| {metric} | {unit} |");
+            for t in &self.targets {
+                match by_cell.get(&(metric, t.as_str())) {
+                    Some(v) => {
+                        let _ = write!(out, " {} |", format_value(*v, unit));
+                    }
+                    None => out.push_str(" |"),
+                }
+            }
+            out.push('\n');
+        }
+        if !self.notes.is_empty() {
+            out.push('\n');
+            for n in &self.notes {
+                let _ = writeln!(out, "- {n}");
+            }
+        }
+        out
+    }
+}
+
+fn format_value(v: f64, unit: &str) -> String {
+    match unit {
+        "ms" if v.abs() < 10.0 => format!("{v:.3}"),
+        "ms" => format!("{v:.1}"),
+        "ratio" => format!("{v:.2}"),
+        "x" => format!("{v:.2}"),
+        _ if v.fract() == 0.0 && v.abs() < 1e15 => format!("{v:.0}"),
+        _ if v.abs() >= 100.0 => format!("{v:.0}"),
+        _ => format!("{v:.2}"),
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn sorted_ms(samples: &[Duration]) -> Vec<f64> {
+    let mut v: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes
+
+/// A child process killed on drop.
+struct Child {
+    name: String,
+    child: std::process::Child,
+}
+
+impl Child {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    fn stop(mut self, grace: Duration) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("  {} did not stop within {grace:?}; killing it", self.name);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Child> {
+    let out = std::fs::File::create(log)?;
+    let err = out.try_clone()?;
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    Ok(Child {
+        name: name.to_string(),
+        child,
+    })
+}
+
+/// Waits until `url` answers 2xx, at most 30 s.
+async fn wait_ready(
+    client: &reqwest::Client,
+    url: &str,
+    child: &mut Child,
+    log: &Path,
+) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = client.get(url).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.child.try_wait() {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            bail!(
+                "{} exited with {status} before it was ready:\n{log}",
+                child.name
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("{} not ready at {url} after 30 s", child.name);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn holdfast_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_holdfast"))
+}
+
+async fn start_mock(client: &reqwest::Client, dir: &Path) -> Result<(Child, String)> {
+    let port = free_port()?;
+    let mut cmd = Command::new(holdfast_bin());
+    cmd.args([
+        "mock-upstream",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--chunks",
+        &MOCK_CHUNKS.to_string(),
+        "--chunk-delay-ms",
+        &MOCK_CHUNK_DELAY_MS.to_string(),
+    ])
+    .env("RUST_LOG", "warn");
+    let log = dir.join("mock.log");
+    let mut child = spawn("mock-upstream", cmd, &log)?;
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(client, &format!("{base}/_mock/calls"), &mut child, &log).await?;
+    Ok((child, base))
+}
+
+async fn start_nginx(
+    client: &reqwest::Client,
+    dir: &Path,
+    mock_port: u16,
+) -> Result<(Child, String)> {
+    let port = free_port()?;
+    let prefix = dir.join("nginx");
+    for sub in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"] {
+        std::fs::create_dir_all(prefix.join(sub))?;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let p = prefix.display();
+    let conf = format!(
+        r#"# generated by benches/e2e.rs
+{user}
+worker_processes auto;
+daemon off;
+master_process on;
+pid {p}/nginx.pid;
+error_log {p}/logs/error.log warn;
+worker_rlimit_nofile 16384;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {p}/client_body;
+    proxy_temp_path {p}/proxy;
+    fastcgi_temp_path {p}/fastcgi;
+    uwsgi_temp_path {p}/uwsgi;
+    scgi_temp_path {p}/scgi;
+    keepalive_requests 1000000;
+    keepalive_timeout 120s;
+    upstream mock {{
+        server 127.0.0.1:{mock_port};
+        keepalive 256;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        client_max_body_size 64m;
+        location / {{
+            proxy_pass http://mock;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+"#,
+        user = if root { "user root;" } else { "" },
+    );
+    let conf_path = prefix.join("nginx.conf");
+    std::fs::write(&conf_path, conf)?;
+    let mut cmd = Command::new(NGINX);
+    cmd.arg("-p")
+        .arg(&prefix)
+        .arg("-c")
+        .arg(&conf_path)
+        .arg("-e")
+        .arg(prefix.join("logs/error.log"));
+    let log = dir.join("nginx.out");
+    let mut child = spawn("nginx", cmd, &log)?;
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(client, &format!("{base}/_mock/calls"), &mut child, &log).await?;
+    Ok((child, base))
+}
+
+/// A holdfast configuration under test.
+#[derive(Clone)]
+struct HoldfastSetup {
+    /// Column name, e.g. `holdfast sqlite full`.
+    label: String,
+    database_url: Option<String>,
+    synchronous: &'static str,
+}
+
+async fn start_holdfast(
+    client: &reqwest::Client,
+    dir: &Path,
+    setup: &HoldfastSetup,
+    mock_base: &str,
+    tag: &str,
+) -> Result<(Child, String)> {
+    let port = free_port()?;
+    let run_dir = dir.join(format!("holdfast-{}-{tag}", setup.label.replace(' ', "-")));
+    std::fs::create_dir_all(&run_dir)?;
+    let database_url = setup
+        .database_url
+        .clone()
+        .unwrap_or_else(|| format!("sqlite://{}", run_dir.join("holdfast.db").display()));
+    let config = format!(
+        r#"# generated by benches/e2e.rs
+listen = "127.0.0.1:{port}"
+database_url = "{database_url}"
+sqlite_synchronous = "{sync}"
+
+[workers]
+# Enough attempts in flight for the 1,000-concurrent-streams row.
+concurrency = 1100
+
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock_base}/v1"
+"#,
+        sync = setup.synchronous,
+    );
+    let config_path = run_dir.join("holdfast.toml");
+    std::fs::write(&config_path, config)?;
+    let mut cmd = Command::new(holdfast_bin());
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(&config_path)
+        .current_dir(&run_dir)
+        .env("RUST_LOG", "holdfast=warn");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HOLDFAST_") {
+            cmd.env_remove(k);
+        }
+    }
+    let log = run_dir.join("holdfast.log");
+    let mut child = spawn("holdfast", cmd, &log)?;
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(client, &format!("{base}/healthz"), &mut child, &log).await?;
+    Ok((child, base))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load generation
+
+fn client(pool: usize) -> Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .http1_only()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(pool)
+        .pool_idle_timeout(Duration::from_secs(300))
+        .timeout(REQUEST_TIMEOUT)
+        .build()?)
+}
+
+/// A chat body unique to (`nonce`, `label`, `i`): every one takes holdfast's full durable path.
+fn body(nonce: &str, label: &str, i: usize, stream: bool) -> String {
+    let stream = if stream { r#","stream":true"# } else { "" };
+    format!(
+        r#"{{"model":"gpt-4o-mini","messages":[{{"role":"user","content":"bench {nonce} {label} {i}"}}]{stream}}}"#
+    )
+}
+
+struct Answer {
+    elapsed: Duration,
+    replayed: Option<bool>,
+}
+
+/// One non-stream call; the whole body is read. Non-2xx is an error.
+async fn call(client: &reqwest::Client, url: &str, body: String) -> Result<Answer> {
+    let start = Instant::now();
+    let response = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await?;
+    let status = response.status();
+    let replayed = response
+        .headers()
+        .get("idempotent-replayed")
+        .map(|v| v.as_bytes() == b"true");
+    let bytes = response.bytes().await?;
+    let elapsed = start.elapsed();
+    if !status.is_success() {
+        bail!("{status}: {}", String::from_utf8_lossy(&bytes));
+    }
+    Ok(Answer { elapsed, replayed })
+}
+
+/// Sequential calls (concurrency 1): `warmup` unmeasured, then `n` measured. Returns the
+/// latencies and the bodies of the measured calls.
+async fn sequential(
+    client: &reqwest::Client,
+    url: &str,
+    bodies: impl Fn(usize) -> String,
+    warmup: usize,
+    n: usize,
+) -> Result<Vec<Duration>> {
+    let deadline = Instant::now() + PHASE_DEADLINE;
+    for i in 0..warmup {
+        call(client, url, bodies(i)).await?;
+    }
+    let mut samples = Vec::with_capacity(n);
+    for i in warmup..warmup + n {
+        if Instant::now() > deadline {
+            break;
+        }
+        samples.push(call(client, url, bodies(i)).await?.elapsed);
+    }
+    Ok(samples)
+}
+
+struct Throughput {
+    done: usize,
+    errors: usize,
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+}
+
+/// `n` calls spread over `concurrency` workers, each body from `bodies(i)`.
+async fn concurrent(
+    client: &reqwest::Client,
+    url: &str,
+    bodies: Arc<dyn Fn(usize) -> String + Send + Sync>,
+    concurrency: usize,
+    n: usize,
+) -> Throughput {
+    let next = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(AtomicUsize::new(0));
+    let first_error = Arc::new(std::sync::Mutex::new(None::<String>));
+    let deadline = Instant::now() + PHASE_DEADLINE;
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (client, url, bodies) = (client.clone(), url.to_string(), Arc::clone(&bodies));
+        let (next, errors, first_error) = (
+            Arc::clone(&next),
+            Arc::clone(&errors),
+            Arc::clone(&first_error),
+        );
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n || Instant::now() > deadline {
+                    return latencies;
+                }
+                match call(&client, &url, bodies(i)).await {
+                    Ok(a) => latencies.push(a.elapsed),
+                    Err(e) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        first_error
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .get_or_insert(e.to_string());
+                    }
+                }
+            }
+        });
+    }
+    let mut latencies = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        latencies.extend(r.unwrap_or_default());
+    }
+    let elapsed = start.elapsed();
+    if let Some(e) = first_error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        eprintln!("  first error: {e}");
+    }
+    Throughput {
+        done: latencies.len(),
+        errors: errors.load(Ordering::Relaxed),
+        elapsed,
+        latencies,
+    }
+}
+
+/// Timing of one streamed answer.
+struct StreamTiming {
+    /// From sending the request to the end of the first SSE event.
+    first: Duration,
+    /// Gaps between the ends of consecutive events.
+    gaps: Vec<Duration>,
+    events: usize,
+    total: Duration,
+    request_id: Option<String>,
+}
+
+/// One streamed call: counts complete SSE events (comments excluded) as they arrive.
+async fn stream_call(client: &reqwest::Client, url: &str, body: String) -> Result<StreamTiming> {
+    let start = Instant::now();
+    let mut response = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await?;
+    let status = response.status();
+    let request_id = response
+        .headers()
+        .get("holdfast-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if !status.is_success() {
+        let text = response.text().await.unwrap_or_default();
+        bail!("{status}: {text}");
+    }
+    let mut buf: Vec<u8> = Vec::new();
+    let mut times: Vec<Instant> = Vec::with_capacity(32);
+    while let Some(piece) = response.chunk().await? {
+        let now = Instant::now();
+        buf.extend_from_slice(&piece);
+        // Complete events end with a blank line.
+        while let Some(end) = find_event_end(&buf) {
+            let event: Vec<u8> = buf.drain(..end).collect();
+            let is_comment = event
+                .split(|b| *b == b'\n')
+                .filter(|l| !l.is_empty() && *l != b"\r")
+                .all(|l| l.starts_with(b":"));
+            if !is_comment {
+                times.push(now);
+            }
+        }
+    }
+    let total = start.elapsed();
+    let Some(first) = times.first() else {
+        bail!("stream ended without an event");
+    };
+    Ok(StreamTiming {
+        first: *first - start,
+        gaps: times.windows(2).map(|w| w[1] - w[0]).collect(),
+        events: times.len(),
+        total,
+        request_id,
+    })
+}
+
+/// Index just past the first `\n\n` (or `\r\n\r\n`) in `buf`.
+fn find_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+struct StreamStats {
+    first: Vec<Duration>,
+    gaps: Vec<Duration>,
+    events: usize,
+}
+
+async fn sequential_streams(
+    client: &reqwest::Client,
+    url: &str,
+    nonce: &str,
+    label: &str,
+    warmup: usize,
+    n: usize,
+) -> Result<StreamStats> {
+    let deadline = Instant::now() + PHASE_DEADLINE;
+    for i in 0..warmup {
+        stream_call(client, url, body(nonce, label, i, true)).await?;
+    }
+    let mut stats = StreamStats {
+        first: Vec::new(),
+        gaps: Vec::new(),
+        events: 0,
+    };
+    for i in warmup..warmup + n {
+        if Instant::now() > deadline {
+            break;
+        }
+        let t = stream_call(client, url, body(nonce, label, i, true)).await?;
+        stats.first.push(t.first);
+        stats.gaps.extend(t.gaps);
+        stats.events += t.events;
+    }
+    Ok(stats)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurement helpers
+
+async fn mock_calls(client: &reqwest::Client, mock: &str) -> Result<u64> {
+    let v: serde_json::Value = client
+        .get(format!("{mock}/_mock/calls"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    v["calls"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("no calls in {v}"))
+}
+
+async fn mock_reset(client: &reqwest::Client, mock: &str) -> Result<()> {
+    client
+        .post(format!("{mock}/_mock/reset"))
+        .send()
+        .await?
+        .error_for_status()?;
+    Ok(())
+}
+
+/// `VmRSS` and `VmHWM` of `pid`, in KiB.
+fn memory_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// User + system CPU time of `pid` so far, in seconds.
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(ticks / hz)
+}
+
+/// Sum and count of the chunk-commit histogram in holdfast's `/metrics`.
+async fn commit_histogram(client: &reqwest::Client, base: &str) -> Option<(f64, f64)> {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let value = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    Some((
+        value("holdfast_chunk_commit_seconds_sum")?,
+        value("holdfast_chunk_commit_seconds_count")?,
+    ))
+}
+
+fn chat_url(base: &str) -> String {
+    format!("{base}/v1/chat/completions")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows
+
+/// Non-stream latency at concurrency 1, then throughput at concurrency 64, for one target.
+async fn nonstream_rows(
+    results: &mut Results,
+    client: &reqwest::Client,
+    target: &str,
+    base: &str,
+    nonce: &str,
+    counts: Counts,
+    pid: Option<u32>,
+) -> Result<()> {
+    let url = chat_url(base);
+    let label = format!("lat-{target}");
+    let samples = sequential(
+        client,
+        &url,
+        |i| body(nonce, &label, i, false),
+        counts.latency_warmup,
+        counts.latency,
+    )
+    .await?;
+    let ms = sorted_ms(&samples);
+    results.add_n(
+        "non-stream c=1 p50",
+        target,
+        "ms",
+        percentile(&ms, 50.0),
+        Some(ms.len()),
+    );
+    results.add_n(
+        "non-stream c=1 p99",
+        target,
+        "ms",
+        percentile(&ms, 99.0),
+        Some(ms.len()),
+    );
+
+    let label = format!("tput-{target}");
+    let nonce = nonce.to_string();
+    // Warm the pool to 64 connections first.
+    let warm_label = format!("tput-warm-{target}");
+    let warm_nonce = nonce.clone();
+    concurrent(
+        client,
+        &url,
+        Arc::new(move |i| body(&warm_nonce, &warm_label, i, false)),
+        THROUGHPUT_CONCURRENCY,
+        THROUGHPUT_CONCURRENCY * 4,
+    )
+    .await;
+    let cpu_before = pid.and_then(cpu_secs);
+    let t = concurrent(
+        client,
+        &url,
+        Arc::new(move |i| body(&nonce, &label, i, false)),
+        THROUGHPUT_CONCURRENCY,
+        counts.throughput,
+    )
+    .await;
+    if let (Some(a), Some(b)) = (cpu_before, pid.and_then(cpu_secs)) {
+        results.add(
+            "non-stream c=64 proxy CPU per request",
+            target,
+            "ms",
+            (b - a) / t.done.max(1) as f64 * 1e3,
+        );
+    }
+    let rps = t.done as f64 / t.elapsed.as_secs_f64();
+    results.add_n(
+        "non-stream c=64 throughput",
+        target,
+        "req/s",
+        rps,
+        Some(t.done),
+    );
+    let ms = sorted_ms(&t.latencies);
+    results.add_n(
+        "non-stream c=64 p99",
+        target,
+        "ms",
+        percentile(&ms, 99.0),
+        Some(ms.len()),
+    );
+    if t.errors > 0 || t.done < counts.throughput {
+        results.note(format!(
+            "{target}: throughput row completed {} of {} requests with {} errors",
+            t.done, counts.throughput, t.errors
+        ));
+    }
+    Ok(())
+}
+
+/// Time to first event and gaps between events of streamed answers at concurrency 1.
+async fn stream_rows(
+    results: &mut Results,
+    client: &reqwest::Client,
+    target: &str,
+    base: &str,
+    nonce: &str,
+    counts: Counts,
+) -> Result<()> {
+    let s = sequential_streams(
+        client,
+        &chat_url(base),
+        nonce,
+        &format!("stream-{target}"),
+        counts.stream_warmup,
+        counts.streams,
+    )
+    .await?;
+    let first = sorted_ms(&s.first);
+    let gaps = sorted_ms(&s.gaps);
+    let n = Some(first.len());
+    results.add_n(
+        "stream first event p50",
+        target,
+        "ms",
+        percentile(&first, 50.0),
+        n,
+    );
+    results.add_n(
+        "stream first event p99",
+        target,
+        "ms",
+        percentile(&first, 99.0),
+        n,
+    );
+    let g = Some(gaps.len());
+    results.add_n(
+        "stream inter-event gap p50",
+        target,
+        "ms",
+        percentile(&gaps, 50.0),
+        g,
+    );
+    results.add_n(
+        "stream inter-event gap p99",
+        target,
+        "ms",
+        percentile(&gaps, 99.0),
+        g,
+    );
+    results.add_n(
+        "stream events per answer",
+        target,
+        "events",
+        s.events as f64 / first.len().max(1) as f64,
+        n,
+    );
+    Ok(())
+}
+
+/// Replays: the latency row's bodies sent again (each a finished request) at c=1 and c=64.
+async fn replay_rows(
+    results: &mut Results,
+    client: &reqwest::Client,
+    target: &str,
+    base: &str,
+    mock: &str,
+    nonce: &str,
+    counts: Counts,
+) -> Result<()> {
+    let url = chat_url(base);
+    let label = format!("lat-{target}");
+    let before = mock_calls(client, mock).await?;
+    let deadline = Instant::now() + PHASE_DEADLINE;
+    let mut samples = Vec::with_capacity(counts.latency);
+    let mut fresh = 0;
+    for i in counts.latency_warmup..counts.latency_warmup + counts.latency {
+        if Instant::now() > deadline {
+            break;
+        }
+        let a = call(client, &url, body(nonce, &label, i, false)).await?;
+        if a.replayed != Some(true) {
+            fresh += 1;
+        }
+        samples.push(a.elapsed);
+    }
+    let ms = sorted_ms(&samples);
+    results.add_n(
+        "replay c=1 p50",
+        target,
+        "ms",
+        percentile(&ms, 50.0),
+        Some(ms.len()),
+    );
+    results.add_n(
+        "replay c=1 p99",
+        target,
+        "ms",
+        percentile(&ms, 99.0),
+        Some(ms.len()),
+    );
+    let (nonce, label2) = (nonce.to_string(), label.clone());
+    let warmup = counts.latency_warmup;
+    let replays = counts.latency;
+    let t = concurrent(
+        client,
+        &url,
+        Arc::new(move |i| body(&nonce, &label2, warmup + i % replays, false)),
+        THROUGHPUT_CONCURRENCY,
+        counts.throughput,
+    )
+    .await;
+    results.add_n(
+        "replay c=64 throughput",
+        target,
+        "req/s",
+        t.done as f64 / t.elapsed.as_secs_f64(),
+        Some(t.done),
+    );
+    let calls = mock_calls(client, mock).await? - before;
+    results.add("replay upstream calls", target, "calls", calls as f64);
+    if fresh > 0 || t.errors > 0 {
+        results.note(format!(
+            "{target}: {fresh} replays were not answered as replays; {} errors at c=64",
+            t.errors
+        ));
+    }
+    Ok(())
+}
+
+/// 1,000 concurrent identical non-stream requests: upstream calls and latency.
+async fn storm_row(
+    results: &mut Results,
+    target: &str,
+    base: &str,
+    mock: &str,
+    nonce: &str,
+    counts: Counts,
+) -> Result<()> {
+    let client = client(counts.storm + 16)?;
+    let url = chat_url(base);
+    mock_reset(&client, mock).await?;
+    let the_body = body(nonce, &format!("storm-{target}"), 0, false);
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..counts.storm {
+        let (client, url, b) = (client.clone(), url.clone(), the_body.clone());
+        tasks.spawn(async move { call(&client, &url, b).await });
+    }
+    let mut latencies = Vec::new();
+    let mut errors = 0;
+    let mut first_error = None;
+    let mut started_execution = 0;
+    while let Some(r) = tasks.join_next().await {
+        match r.map_err(anyhow::Error::from).and_then(|r| r) {
+            Ok(a) => {
+                if a.replayed == Some(false) {
+                    started_execution += 1;
+                }
+                latencies.push(a.elapsed);
+            }
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert(e.to_string());
+            }
+        }
+    }
+    let wall = start.elapsed();
+    let calls = mock_calls(&client, mock).await?;
+    results.add_n(
+        "storm upstream calls",
+        target,
+        "calls",
+        calls as f64,
+        Some(counts.storm),
+    );
+    let ms = sorted_ms(&latencies);
+    results.add_n(
+        "storm p50",
+        target,
+        "ms",
+        percentile(&ms, 50.0),
+        Some(ms.len()),
+    );
+    results.add_n(
+        "storm p99",
+        target,
+        "ms",
+        percentile(&ms, 99.0),
+        Some(ms.len()),
+    );
+    results.add("storm wall time", target, "ms", wall.as_secs_f64() * 1e3);
+    if target.starts_with("holdfast") {
+        results.add(
+            "storm answers that started the execution",
+            target,
+            "answers",
+            f64::from(started_execution),
+        );
+    }
+    if errors > 0 {
+        results.note(format!(
+            "{target}: storm had {errors} errors; first: {}",
+            first_error.unwrap_or_default()
+        ));
+    }
+    Ok(())
+}
+
+/// `counts.concurrent_streams` streams at once: events received, chunks stored per second,
+/// and (for holdfast) peak memory.
+async fn many_streams_row(
+    results: &mut Results,
+    target: &str,
+    base: &str,
+    nonce: &str,
+    counts: Counts,
+    pid: Option<u32>,
+) -> Result<()> {
+    let n = counts.concurrent_streams;
+    let client = client(n + 16)?;
+    let url = chat_url(base);
+    // Before the first commit the histogram is not exported yet: zero.
+    let commits_before = pid.map(|_| (0.0, 0.0));
+    let commits_before = match commits_before {
+        Some(zero) => Some(commit_histogram(&client, base).await.unwrap_or(zero)),
+        None => None,
+    };
+    // Memory sampler.
+    let stop = Arc::new(AtomicUsize::new(0));
+    let peak_rss = Arc::new(AtomicU64::new(0));
+    let sampler = pid.map(|pid| {
+        let (stop, peak) = (Arc::clone(&stop), Arc::clone(&peak_rss));
+        tokio::spawn(async move {
+            while stop.load(Ordering::Relaxed) == 0 {
+                if let Some((rss, _)) = memory_kib(pid) {
+                    peak.fetch_max(rss, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    });
+    let rss_before = pid.and_then(memory_kib).map(|(rss, _)| rss);
+    let cpu_before = pid.and_then(cpu_secs);
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (client, url) = (client.clone(), url.clone());
+        let b = body(nonce, &format!("many-{target}"), i, true);
+        tasks.spawn(async move {
+            tokio::time::timeout(PHASE_DEADLINE, stream_call(&client, &url, b))
+                .await
+                .map_err(|_| anyhow!("stream not done within {PHASE_DEADLINE:?}"))
+                .and_then(|r| r)
+        });
+    }
+    let mut events = 0usize;
+    let mut ids = Vec::new();
+    let mut gaps = Vec::new();
+    let mut totals = Vec::new();
+    let mut firsts = Vec::new();
+    let mut errors = 0;
+    let mut first_error = None;
+    while let Some(r) = tasks.join_next().await {
+        match r.map_err(anyhow::Error::from).and_then(|r| r) {
+            Ok(t) => {
+                events += t.events;
+                firsts.push(t.first);
+                gaps.extend(t.gaps);
+                totals.push(t.total);
+                ids.extend(t.request_id);
+            }
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert(e.to_string());
+            }
+        }
+    }
+    let wall = start.elapsed();
+    let cpu = cpu_before.zip(pid.and_then(cpu_secs)).map(|(a, b)| b - a);
+    stop.store(1, Ordering::Relaxed);
+    if let Some(s) = sampler {
+        let _ = s.await;
+    }
+    results.add_n(
+        "1k streams wall time",
+        target,
+        "ms",
+        wall.as_secs_f64() * 1e3,
+        Some(n),
+    );
+    results.add_n(
+        "1k streams events received/s",
+        target,
+        "events/s",
+        events as f64 / wall.as_secs_f64(),
+        Some(events),
+    );
+    let gaps = sorted_ms(&gaps);
+    results.add_n(
+        "1k streams inter-event gap p99",
+        target,
+        "ms",
+        percentile(&gaps, 99.0),
+        Some(gaps.len()),
+    );
+    let firsts = sorted_ms(&firsts);
+    results.add_n(
+        "1k streams first event p50",
+        target,
+        "ms",
+        percentile(&firsts, 50.0),
+        Some(firsts.len()),
+    );
+    results.add_n(
+        "1k streams first event p99",
+        target,
+        "ms",
+        percentile(&firsts, 99.0),
+        Some(firsts.len()),
+    );
+    let totals = sorted_ms(&totals);
+    results.add_n(
+        "1k streams duration p99",
+        target,
+        "ms",
+        percentile(&totals, 99.0),
+        Some(totals.len()),
+    );
+    if let Some(pid) = pid {
+        // Stored chunks: the sum of last_seq (each answer's events plus its `end` chunk).
+        let mut stored = 0i64;
+        for id in &ids {
+            let v: serde_json::Value = client
+                .get(format!("{base}/requests/{id}"))
+                .send()
+                .await?
+                .json()
+                .await?;
+            stored += v["last_seq"].as_i64().unwrap_or(0);
+        }
+        results.add_n(
+            "1k streams stored chunks/s",
+            target,
+            "chunks/s",
+            stored as f64 / wall.as_secs_f64(),
+            Some(stored as usize),
+        );
+        if let Some(cpu) = cpu {
+            results.add(
+                "1k streams proxy CPU per stored chunk",
+                target,
+                "ms",
+                cpu / stored.max(1) as f64 * 1e3,
+            );
+        }
+        let peak = peak_rss.load(Ordering::Relaxed);
+        results.add("1k streams peak RSS", target, "MB", peak as f64 / 1024.0);
+        if let Some(before) = rss_before {
+            results.add(
+                "RSS before 1k streams",
+                target,
+                "MB",
+                before as f64 / 1024.0,
+            );
+        }
+        if let Some((_, hwm)) = memory_kib(pid) {
+            results.add("VmHWM after 1k streams", target, "MB", hwm as f64 / 1024.0);
+        }
+        if let (Some((s0, c0)), Some((s1, c1))) =
+            (commits_before, commit_histogram(&client, base).await)
+        {
+            let commits = c1 - c0;
+            results.add("1k streams chunk commits", target, "commits", commits);
+            if commits > 0.0 {
+                results.add(
+                    "1k streams mean chunk commit",
+                    target,
+                    "ms",
+                    (s1 - s0) / commits * 1e3,
+                );
+                results.add(
+                    "1k streams chunks per commit",
+                    target,
+                    "chunks",
+                    stored as f64 / commits,
+                );
+            }
+        }
+    }
+    if errors > 0 {
+        results.note(format!(
+            "{target}: {errors} of {n} concurrent streams failed; first: {}",
+            first_error.unwrap_or_default()
+        ));
+    }
+    Ok(())
+}
+
+/// Differences and ratios between targets, computed from the measured rows.
+fn derived(results: &mut Results, proxies: &[String]) {
+    let direct = "direct";
+    for p in proxies {
+        for (src, dst) in [
+            ("non-stream c=1 p50", "added latency c=1 p50"),
+            ("non-stream c=1 p99", "added latency c=1 p99"),
+            ("stream first event p50", "added first-event latency p50"),
+            ("stream first event p99", "added first-event latency p99"),
+            ("stream inter-event gap p50", "added inter-event gap p50"),
+            ("stream inter-event gap p99", "added inter-event gap p99"),
+        ] {
+            if let (Some(a), Some(b)) = (results.get(src, p), results.get(src, direct)) {
+                results.add(dst, p, "ms", a - b);
+            }
+        }
+        let t = "non-stream c=64 throughput";
+        if let (Some(a), Some(b)) = (results.get(t, p), results.get(t, direct)) {
+            results.add("throughput / direct", p, "ratio", a / b);
+        }
+        if p != "nginx"
+            && let (Some(a), Some(b)) = (results.get(t, p), results.get(t, "nginx"))
+        {
+            results.add("throughput / nginx", p, "ratio", a / b);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Machine
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "?".into());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or_else(
+            || "?".into(),
+            |kib| format!("{:.1} GiB", kib as f64 / 1048576.0),
+        );
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{nproc} CPUs ({cpu}), {mem} memory")
+}
+
+/// Raises the soft open-file limit to the hard one (children inherit it).
+fn raise_nofile() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        }
+    }
+    lim.rlim_cur
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() -> Result<()> {
+    let options = options()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(options))
+}
+
+async fn run(options: Options) -> Result<()> {
+    let counts = options.counts;
+    let nofile = raise_nofile();
+    let needed = (counts.concurrent_streams.max(counts.storm) * 2 + 256) as u64;
+    if nofile < needed {
+        bail!(
+            "open-file limit is {nofile}; this benchmark needs about {needed} \
+             (raise it with `ulimit -n {needed}`)"
+        );
+    }
+    let out_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let dir = tempfile::tempdir()?;
+    let nonce = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    );
+    let started_load = loadavg();
+    println!(
+        "holdfast e2e benchmark{}",
+        if options.quick { " (--quick)" } else { "" }
+    );
+    println!(
+        "machine: {}; load {started_load}; open files {nofile}",
+        machine()
+    );
+
+    let control = client(64)?;
+    let (mock_child, mock) = start_mock(&control, dir.path()).await?;
+    let mock_port: u16 = mock
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    let mut results = Results::default();
+
+    // No proxy.
+    if options.target("direct") {
+        println!("\n== direct to the mock ({mock})");
+        let c = client(THROUGHPUT_CONCURRENCY + 16)?;
+        if options.row("nonstream") {
+            nonstream_rows(&mut results, &c, "direct", &mock, &nonce, counts, None).await?;
+        }
+        if options.row("stream") {
+            stream_rows(&mut results, &c, "direct", &mock, &nonce, counts).await?;
+        }
+        if options.row("storm") {
+            storm_row(&mut results, "direct", &mock, &mock, &nonce, counts).await?;
+        }
+        if options.row("streams") {
+            many_streams_row(&mut results, "direct", &mock, &nonce, counts, None).await?;
+        }
+    }
+
+    // Plain proxy.
+    let mut proxies = Vec::new();
+    let nginx_installed = Path::new(NGINX).exists();
+    if options.target("nginx") && nginx_installed {
+        let (nginx, base) = start_nginx(&control, dir.path(), mock_port).await?;
+        println!("\n== nginx ({base})");
+        let c = client(THROUGHPUT_CONCURRENCY + 16)?;
+        if options.row("nonstream") {
+            nonstream_rows(&mut results, &c, "nginx", &base, &nonce, counts, None).await?;
+        }
+        if options.row("stream") {
+            stream_rows(&mut results, &c, "nginx", &base, &nonce, counts).await?;
+        }
+        proxies.push("nginx".to_string());
+        nginx.stop(Duration::from_secs(5));
+    } else if !nginx_installed {
+        results.note(format!(
+            "nginx rows skipped: {NGINX} is not installed (Debian: `apt-get install -y nginx`)"
+        ));
+    }
+
+    // holdfast, per durability setting (and database, when one is given).
+    let mut setups = vec![
+        HoldfastSetup {
+            label: "holdfast sqlite full".into(),
+            database_url: None,
+            synchronous: "full",
+        },
+        HoldfastSetup {
+            label: "holdfast sqlite normal".into(),
+            database_url: None,
+            synchronous: "normal",
+        },
+    ];
+    if let Some(url) = &options.database_url {
+        let scheme = url.split("://").next().unwrap_or("db");
+        setups.push(HoldfastSetup {
+            label: format!("holdfast {scheme}"),
+            database_url: Some(url.clone()),
+            synchronous: "full",
+        });
+    }
+    for setup in setups.iter().filter(|s| options.target(&s.label)) {
+        let target = setup.label.as_str();
+        let (hf, base) = start_holdfast(&control, dir.path(), setup, &mock, "main").await?;
+        println!("\n== {target} ({base}, pid {})", hf.pid());
+        let c = client(THROUGHPUT_CONCURRENCY + 16)?;
+        if options.row("nonstream") {
+            nonstream_rows(
+                &mut results,
+                &c,
+                target,
+                &base,
+                &nonce,
+                counts,
+                Some(hf.pid()),
+            )
+            .await?;
+            if options.row("replay") {
+                replay_rows(&mut results, &c, target, &base, &mock, &nonce, counts).await?;
+            }
+        }
+        if options.row("stream") {
+            stream_rows(&mut results, &c, target, &base, &nonce, counts).await?;
+        }
+        if options.row("storm") {
+            storm_row(&mut results, target, &base, &mock, &nonce, counts).await?;
+        }
+        hf.stop(Duration::from_secs(40));
+        if options.row("streams") {
+            // A fresh process for the concurrent streams, so its memory is theirs alone.
+            let (hf, base) = start_holdfast(&control, dir.path(), setup, &mock, "streams").await?;
+            println!("== {target}, concurrent streams ({base}, pid {})", hf.pid());
+            many_streams_row(&mut results, target, &base, &nonce, counts, Some(hf.pid())).await?;
+            hf.stop(Duration::from_secs(40));
+        }
+        proxies.push(target.to_string());
+    }
+    mock_child.stop(Duration::from_secs(5));
+
+    derived(&mut results, &proxies);
+    let header = format!(
+        "holdfast e2e benchmark{} — {}; load at start {started_load}, at end {}; \
+         mock: {MOCK_CHUNKS} chunks, {MOCK_CHUNK_DELAY_MS} ms apart; latency rows over {} \
+         requests after {} warm-up, throughput over {} at c={THROUGHPUT_CONCURRENCY}, \
+         streams over {}, storm of {}, {} concurrent streams",
+        if options.quick { " (--quick)" } else { "" },
+        machine(),
+        loadavg(),
+        counts.latency,
+        counts.latency_warmup,
+        counts.throughput,
+        counts.streams,
+        counts.storm,
+        counts.concurrent_streams,
+    );
+    let md = results.markdown(&header);
+    std::fs::write(out_dir.join("e2e.md"), &md)?;
+    std::fs::write(
+        out_dir.join("e2e.json"),
+        serde_json::to_string_pretty(&results.json())?,
+    )?;
+    println!("\n{md}");
+    println!(
+        "written: {} and {}",
+        out_dir.join("e2e.json").display(),
+        out_dir.join("e2e.md").display()
+    );
+    Ok(())
+}
