@@ -19,8 +19,8 @@ use sqlx::{Row, Sqlite, Transaction};
 use uuid::Uuid;
 
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
-    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewChunk,
+    NewRequest, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
     failure_releases_claim,
 };
 use crate::config::SqliteSynchronous;
@@ -553,55 +553,100 @@ impl Store for SqliteStore {
         &self,
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        if batches.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = batches.iter().map(|b| b.lease.id.to_string()).collect();
         let mut tx = self.writer.begin().await?;
+        // Fenced (LC-3): seqs are reserved only for batches whose attempt still holds its
+        // lease. One statement fences every batch of the commit: each statement is a round
+        // trip to the connection's thread, and one per batch capped a 1,000-stream commit at
+        // ~10 chunks per stream per second (docs/benchmarks.md, finding 6). The join needs one
+        // batch per request, which the writer guarantees (an attempt waits for its ack); a
+        // commit with two batches of one request takes the statement-per-batch path.
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        let distinct = ids.iter().all(|id| seen.insert(id.as_str()));
+        let mut last_seqs: Vec<Option<i64>> = vec![None; batches.len()];
+        if distinct {
+            let indices: Vec<usize> = (0..batches.len()).collect();
+            // 4 bound variables per batch; SQLite allows 32766 per statement.
+            for group in indices.chunks(4096) {
+                let mut fence =
+                    sqlx::QueryBuilder::<Sqlite>::new("WITH b (bid, bowner, bn, brid) AS (");
+                fence.push_values(group, |mut row, &i| {
+                    row.push_bind(&ids[i])
+                        .push_bind(&batches[i].lease.owner)
+                        .push_bind(batches[i].chunks.len() as i64)
+                        .push_bind(&batches[i].upstream_request_id);
+                });
+                fence.push(
+                    ") UPDATE requests SET last_seq = last_seq + b.bn,
+                         upstream_request_id = COALESCE(b.brid, upstream_request_id)
+                     FROM b
+                     WHERE requests.id = b.bid AND requests.lease_owner = b.bowner
+                         AND requests.status = 'running'
+                     RETURNING id, last_seq",
+                );
+                let fenced: Vec<(String, i64)> = fence.build_query_as().fetch_all(&mut *tx).await?;
+                let fenced: std::collections::HashMap<String, i64> = fenced.into_iter().collect();
+                for &i in group {
+                    last_seqs[i] = fenced.get(&ids[i]).copied();
+                }
+            }
+        } else {
+            for (i, batch) in batches.iter().enumerate() {
+                last_seqs[i] = sqlx::query_scalar(
+                    "UPDATE requests SET last_seq = last_seq + ?1,
+                         upstream_request_id = COALESCE(?2, upstream_request_id)
+                     WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'
+                     RETURNING last_seq",
+                )
+                .bind(batch.chunks.len() as i64)
+                .bind(&batch.upstream_request_id)
+                .bind(&ids[i])
+                .bind(&batch.lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?;
+            }
+        }
+
         let mut results = Vec::with_capacity(batches.len());
-        for batch in batches {
-            let id = batch.lease.id.to_string();
-            let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
-            // Fenced (LC-3): the seqs are reserved only while this attempt holds its lease.
-            let last: Option<i64> = sqlx::query_scalar(
-                "UPDATE requests SET last_seq = last_seq + ?1,
-                     upstream_request_id = COALESCE(?2, upstream_request_id)
-                 WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'
-                 RETURNING last_seq",
-            )
-            .bind(n)
-            .bind(&batch.upstream_request_id)
-            .bind(&id)
-            .bind(&batch.lease.owner)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(last) = last else {
+        let mut rows: Vec<(usize, i64, &NewChunk)> = Vec::new();
+        for (i, batch) in batches.iter().enumerate() {
+            let Some(last) = last_seqs[i] else {
                 results.push(None);
                 continue;
             };
-            let first = last - n + 1;
-            let attempt = i64::from(batch.lease.attempt);
+            let first = last - batch.chunks.len() as i64 + 1;
             let mut stored = Vec::with_capacity(batch.chunks.len());
-            // SQLite allows 32766 bound variables per statement; 6 per row.
-            for (group_index, group) in batch.chunks.chunks(1000).enumerate() {
-                let base = first + (group_index as i64) * 1000;
-                let mut insert = sqlx::QueryBuilder::<Sqlite>::new(
-                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data) ",
-                );
-                insert.push_values(group.iter().enumerate(), |mut row, (i, c)| {
-                    row.push_bind(&id)
-                        .push_bind(base + i as i64)
-                        .push_bind(attempt)
-                        .push_bind("data")
-                        .push_bind(&c.event)
-                        .push_bind(&c.data);
-                });
-                insert.build().execute(&mut *tx).await?;
-                stored.extend(group.iter().enumerate().map(|(i, c)| Chunk {
-                    seq: base + i as i64,
+            for (k, c) in batch.chunks.iter().enumerate() {
+                let seq = first + k as i64;
+                rows.push((i, seq, c));
+                stored.push(Chunk {
+                    seq,
                     attempt: batch.lease.attempt,
                     kind: ChunkKind::Data,
                     event: c.event.clone(),
                     data: c.data.clone(),
-                }));
+                });
             }
             results.push(Some(stored));
+        }
+        // Every fenced chunk of the commit in as few statements as SQLite allows: 6 bound
+        // variables per row, at most 32766 per statement.
+        for group in rows.chunks(5000) {
+            let mut insert = sqlx::QueryBuilder::<Sqlite>::new(
+                "INSERT INTO chunks (request_id, seq, attempt, kind, event, data) ",
+            );
+            insert.push_values(group, |mut row, &(i, seq, c)| {
+                row.push_bind(&ids[i])
+                    .push_bind(seq)
+                    .push_bind(i64::from(batches[i].lease.attempt))
+                    .push_bind("data")
+                    .push_bind(&c.event)
+                    .push_bind(&c.data);
+            });
+            insert.build().execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(results)
@@ -783,8 +828,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn created_record_matches_the_stored_row_and_lease_many_takes_each_due_request_once_lc2()
-    {
+    async fn created_record_matches_the_row_lease_many_takes_each_due_request_once_and_one_commit_fences_each_batch_lc2_lc3()
+     {
         let dir = tempfile::tempdir().expect("tempdir");
         let url = format!("sqlite://{}", dir.path().join("t.db").display());
         let store = SqliteStore::open(&url, SqliteSynchronous::Normal)
@@ -836,6 +881,62 @@ mod tests {
                 .await
                 .expect("lease")
                 .is_empty()
+        );
+
+        // One commit: two fenced batches and one whose lease is not held (LC-3).
+        let chunk = |d: &str| NewChunk {
+            event: None,
+            data: d.into(),
+        };
+        let mut stale = first[1].0.clone();
+        stale.owner.push_str("-lost");
+        let batches = vec![
+            ChunkBatch {
+                lease: first[0].0.clone(),
+                chunks: vec![chunk("a1"), chunk("a2")],
+                upstream_request_id: Some("req-a".into()),
+            },
+            ChunkBatch {
+                lease: stale,
+                chunks: vec![chunk("x")],
+                upstream_request_id: None,
+            },
+            ChunkBatch {
+                lease: rest[0].0.clone(),
+                chunks: vec![chunk("c1")],
+                upstream_request_id: None,
+            },
+        ];
+        let stored = store.append_chunks(&batches).await.expect("append");
+        let seqs = |r: &Option<Vec<Chunk>>| {
+            r.as_ref().map(|c| {
+                c.iter()
+                    .map(|c| (c.seq, c.data.clone()))
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(
+            seqs(&stored[0]),
+            Some(vec![(1, "a1".into()), (2, "a2".into())])
+        );
+        assert_eq!(seqs(&stored[1]), None);
+        assert_eq!(seqs(&stored[2]), Some(vec![(1, "c1".into())]));
+        let again = store.append_chunks(&batches[..1]).await.expect("append");
+        assert_eq!(
+            seqs(&again[0]),
+            Some(vec![(3, "a1".into()), (4, "a2".into())])
+        );
+        let a = store.get("default", ids[0]).await.expect("get").expect("a");
+        assert_eq!(
+            (a.last_seq, a.upstream_request_id.as_deref()),
+            (4, Some("req-a"))
+        );
+        let b = store.get("default", ids[1]).await.expect("get").expect("b");
+        assert_eq!(b.last_seq, 0);
+        let read = store.chunks_after(ids[0], 0, 10).await.expect("chunks");
+        assert_eq!(
+            read.iter().map(|c| c.seq).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4]
         );
     }
 }
