@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -63,6 +64,14 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         held: Arc::default(),
     };
     let addr = listener.local_addr()?;
+    // TCP_NODELAY on every accepted connection: a stream's events are small writes after the
+    // headers, and with Nagle each one waited for the client's delayed ACK (~40 ms on Linux)
+    // whenever the previous write was still unacknowledged (docs/benchmarks.md).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY");
+        }
+    });
     let app = router(state);
     let stop = shutdown.clone();
     let server = tokio::spawn(async move {

@@ -22,6 +22,7 @@ use super::errors::{ApiError, Shape};
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
+use crate::hub::Subscription;
 use crate::metrics as m;
 use crate::route::Route;
 use crate::store::{
@@ -134,12 +135,15 @@ async fn admit_and_answer(
             .saturating_add(i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX)),
         now,
     };
-    let (record, replayed) = match state.store.submit(new).await {
+    // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
+    // and need not re-read the record it was just handed (one store read less per request).
+    let early = state.hub.subscribe(new.id);
+    let (record, replayed, fresh) = match state.store.submit(new).await {
         Ok(Submitted::Created(record)) => {
             state.wake.notify_one();
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "new")
                 .increment(1);
-            (*record, false)
+            (*record, false, Some(early))
         }
         Ok(Submitted::Attached(record)) => {
             let outcome = if record.status.is_terminal() {
@@ -149,7 +153,7 @@ async fn admit_and_answer(
             };
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => outcome)
                 .increment(1);
-            (*record, true)
+            (*record, true, None)
         }
         Ok(Submitted::KeyMismatch { existing }) => {
             return Err(ApiError::new(
@@ -183,9 +187,12 @@ async fn admit_and_answer(
     }
 
     if record.stream {
-        return stream_answer(state, &namespace, record, replayed, route, held).await;
+        return stream_answer(state, &namespace, record, replayed, route, held, fresh).await;
     }
-    let record = wait_for(state, &namespace, record, shape, |r| r.status.is_terminal()).await?;
+    let record = wait_for(state, &namespace, record, shape, fresh, |r| {
+        r.status.is_terminal()
+    })
+    .await?;
     drop(held);
     Ok(answer(&record, replayed, route, &state.config))
 }
@@ -201,9 +208,10 @@ async fn stream_answer(
     replayed: bool,
     route: Route,
     held: HeldSlot,
+    fresh: Option<Subscription>,
 ) -> Result<Response, ApiError> {
     let shape = shape(route);
-    let record = wait_for(state, namespace, record, shape, |r| {
+    let record = wait_for(state, namespace, record, shape, fresh, |r| {
         r.status.is_terminal() || r.last_seq > r.reset_seq
     })
     .await?;
@@ -447,30 +455,40 @@ fn prefers_async(headers: &HeaderMap) -> bool {
 
 /// Holds until `ready` holds for the record (RS-1, RS-2): subscribe first, then re-read the
 /// record after every wake-up and at least every [`WAIT_POLL`].
+///
+/// `fresh` is a subscription taken before `record` was created (and `record` is the state at
+/// creation): nothing can have changed unseen, so the first re-read is skipped.
 async fn wait_for(
     state: &AppState,
     namespace: &str,
     record: RequestRecord,
     shape: Shape,
+    fresh: Option<Subscription>,
     ready: impl Fn(&RequestRecord) -> bool,
 ) -> Result<RequestRecord, ApiError> {
     if ready(&record) {
         return Ok(record);
     }
-    let mut subscription = state.hub.subscribe(record.id);
+    let (mut subscription, mut read) = match fresh {
+        Some(subscription) => (subscription, false),
+        None => (state.hub.subscribe(record.id), true),
+    };
     loop {
-        match state.store.get(namespace, record.id).await {
-            Ok(Some(r)) if ready(&r) => return Ok(r),
-            Ok(Some(_)) => {}
-            Ok(None) => {
-                return Err(
-                    ApiError::not_found(shape, "the request was pruned").for_request(record.id)
-                );
-            }
-            Err(e) => {
-                tracing::warn!(id = %record.id, error = %e, "re-reading a waited request failed")
+        if read {
+            match state.store.get(namespace, record.id).await {
+                Ok(Some(r)) if ready(&r) => return Ok(r),
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    return Err(
+                        ApiError::not_found(shape, "the request was pruned").for_request(record.id)
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(id = %record.id, error = %e, "re-reading a waited request failed")
+                }
             }
         }
+        read = true;
         tokio::select! {
             _ = subscription.recv() => {}
             () = tokio::time::sleep(WAIT_POLL) => {}

@@ -425,6 +425,36 @@ pub trait Store: Send + Sync + 'static {
         lease_ms: i64,
     ) -> Result<Option<(Lease, RequestRecord)>, StoreError>;
 
+    /// Takes up to `limit` due pending requests at once, each leased as by [`Store::lease`]
+    /// with an owner unique to its attempt: `owner_prefix` (itself unique to the call) plus a
+    /// per-request suffix. Empty when nothing is due.
+    ///
+    /// The default calls [`Store::lease`] until `limit` or nothing is due; adapters override
+    /// it with one statement, so a burst of new requests costs one write instead of one each
+    /// (docs/benchmarks.md). A database error after some leases were taken returns those.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails before anything was leased.
+    async fn lease_many(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
+        let mut leased = Vec::new();
+        while leased.len() < limit {
+            let owner = format!("{owner_prefix}/{}", leased.len());
+            match self.lease(&owner, now, lease_ms).await {
+                Ok(Some(one)) => leased.push(one),
+                Ok(None) => break,
+                Err(_) if !leased.is_empty() => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(leased)
+    }
+
     /// Extends the lease to `now + lease_ms`. `false` when the lease was lost (swept,
     /// cancelled): the worker must stop and write nothing more (LC-3).
     ///

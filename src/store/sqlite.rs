@@ -19,8 +19,8 @@ use sqlx::{Row, Sqlite, Transaction};
 use uuid::Uuid;
 
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
-    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewChunk,
+    NewRequest, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
     failure_releases_claim,
 };
 use crate::config::SqliteSynchronous;
@@ -52,15 +52,20 @@ impl SqliteStore {
             })
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
+        // `test_before_acquire(false)` on both pools: sqlx's default pings every connection
+        // on every checkout, one more round trip to the connection's worker thread per store
+        // call; an embedded file connection has nothing to go stale (docs/benchmarks.md).
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(base.clone().create_if_missing(true))
             .await?;
         sqlx::migrate!("./migrations/sqlite").run(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(8)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(base.read_only(true))
             .await?;
@@ -181,6 +186,35 @@ async fn append_control(
     Ok(seq)
 }
 
+/// The record of a request just inserted by [`Store::submit`], as the row's column defaults
+/// make it: pending, due now, no attempts, no chunks.
+fn created_record(new: NewRequest) -> RequestRecord {
+    RequestRecord {
+        id: new.id,
+        namespace: new.namespace,
+        route: new.route,
+        backend: new.backend,
+        model: new.model,
+        stream: new.stream,
+        body: new.body,
+        headers: new.headers,
+        claim: new.claim,
+        status: Status::Pending,
+        attempts: 0,
+        recoveries: 0,
+        next_retry_at: new.now,
+        error: None,
+        response_status: None,
+        response_body: None,
+        upstream_request_id: None,
+        last_seq: 0,
+        reset_seq: 0,
+        created_at: new.now,
+        updated_at: new.now,
+        finished_at: None,
+    }
+}
+
 fn chunk_from_row(row: &SqliteRow) -> Result<Chunk, StoreError> {
     let kind: String = row.try_get("kind")?;
     Ok(Chunk {
@@ -246,11 +280,9 @@ impl Store for SqliteStore {
             .bind(new.now)
             .execute(&mut *tx)
             .await?;
-            let record = Self::fetch_in(&mut tx, &id)
-                .await?
-                .ok_or_else(|| corrupt("inserted request vanished"))?;
             tx.commit().await?;
-            return Ok(Submitted::Created(Box::new(record)));
+            // The row is exactly what was just inserted: no need to read it back.
+            return Ok(Submitted::Created(Box::new(created_record(new))));
         }
 
         let (existing, fingerprint): (String, Vec<u8>) = sqlx::query_as(
@@ -313,6 +345,45 @@ impl Store for SqliteStore {
             attempt: record.attempts,
         };
         Ok(Some((lease, record)))
+    }
+
+    async fn lease_many(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
+        // One statement on the single writer: atomic like `lease`, for up to `limit` rows.
+        let rows = sqlx::query(&format!(
+            "UPDATE requests SET status = 'running', attempts = attempts + 1,
+                 lease_owner = ?1 || '/' || id, lease_expires_at = ?2, updated_at = ?3
+             WHERE id IN (SELECT id FROM requests
+                          WHERE status = 'pending' AND next_retry_at <= ?3
+                          ORDER BY next_retry_at, id LIMIT ?4)
+             RETURNING lease_owner, {COLUMNS}"
+        ))
+        .bind(owner_prefix)
+        .bind(now + lease_ms)
+        .bind(now)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&self.writer)
+        .await?;
+        let mut leased = rows
+            .iter()
+            .map(|row| {
+                let record = record_from_row(row)?;
+                let lease = Lease {
+                    id: record.id,
+                    owner: row.try_get("lease_owner")?,
+                    attempt: record.attempts,
+                };
+                Ok((lease, record))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        // RETURNING has no order; run the oldest first.
+        leased.sort_by_key(|(_, r)| (r.next_retry_at, r.id));
+        Ok(leased)
     }
 
     async fn heartbeat(
@@ -482,55 +553,100 @@ impl Store for SqliteStore {
         &self,
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        if batches.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = batches.iter().map(|b| b.lease.id.to_string()).collect();
         let mut tx = self.writer.begin().await?;
+        // Fenced (LC-3): seqs are reserved only for batches whose attempt still holds its
+        // lease. One statement fences every batch of the commit: each statement is a round
+        // trip to the connection's thread, and one per batch capped a 1,000-stream commit at
+        // ~10 chunks per stream per second (docs/benchmarks.md, finding 6). The join needs one
+        // batch per request, which the writer guarantees (an attempt waits for its ack); a
+        // commit with two batches of one request takes the statement-per-batch path.
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        let distinct = ids.iter().all(|id| seen.insert(id.as_str()));
+        let mut last_seqs: Vec<Option<i64>> = vec![None; batches.len()];
+        if distinct {
+            let indices: Vec<usize> = (0..batches.len()).collect();
+            // 4 bound variables per batch; SQLite allows 32766 per statement.
+            for group in indices.chunks(4096) {
+                let mut fence =
+                    sqlx::QueryBuilder::<Sqlite>::new("WITH b (bid, bowner, bn, brid) AS (");
+                fence.push_values(group, |mut row, &i| {
+                    row.push_bind(&ids[i])
+                        .push_bind(&batches[i].lease.owner)
+                        .push_bind(batches[i].chunks.len() as i64)
+                        .push_bind(&batches[i].upstream_request_id);
+                });
+                fence.push(
+                    ") UPDATE requests SET last_seq = last_seq + b.bn,
+                         upstream_request_id = COALESCE(b.brid, upstream_request_id)
+                     FROM b
+                     WHERE requests.id = b.bid AND requests.lease_owner = b.bowner
+                         AND requests.status = 'running'
+                     RETURNING id, last_seq",
+                );
+                let fenced: Vec<(String, i64)> = fence.build_query_as().fetch_all(&mut *tx).await?;
+                let fenced: std::collections::HashMap<String, i64> = fenced.into_iter().collect();
+                for &i in group {
+                    last_seqs[i] = fenced.get(&ids[i]).copied();
+                }
+            }
+        } else {
+            for (i, batch) in batches.iter().enumerate() {
+                last_seqs[i] = sqlx::query_scalar(
+                    "UPDATE requests SET last_seq = last_seq + ?1,
+                         upstream_request_id = COALESCE(?2, upstream_request_id)
+                     WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'
+                     RETURNING last_seq",
+                )
+                .bind(batch.chunks.len() as i64)
+                .bind(&batch.upstream_request_id)
+                .bind(&ids[i])
+                .bind(&batch.lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?;
+            }
+        }
+
         let mut results = Vec::with_capacity(batches.len());
-        for batch in batches {
-            let id = batch.lease.id.to_string();
-            let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
-            // Fenced (LC-3): the seqs are reserved only while this attempt holds its lease.
-            let last: Option<i64> = sqlx::query_scalar(
-                "UPDATE requests SET last_seq = last_seq + ?1,
-                     upstream_request_id = COALESCE(?2, upstream_request_id)
-                 WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'
-                 RETURNING last_seq",
-            )
-            .bind(n)
-            .bind(&batch.upstream_request_id)
-            .bind(&id)
-            .bind(&batch.lease.owner)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(last) = last else {
+        let mut rows: Vec<(usize, i64, &NewChunk)> = Vec::new();
+        for (i, batch) in batches.iter().enumerate() {
+            let Some(last) = last_seqs[i] else {
                 results.push(None);
                 continue;
             };
-            let first = last - n + 1;
-            let attempt = i64::from(batch.lease.attempt);
+            let first = last - batch.chunks.len() as i64 + 1;
             let mut stored = Vec::with_capacity(batch.chunks.len());
-            // SQLite allows 32766 bound variables per statement; 6 per row.
-            for (group_index, group) in batch.chunks.chunks(1000).enumerate() {
-                let base = first + (group_index as i64) * 1000;
-                let mut insert = sqlx::QueryBuilder::<Sqlite>::new(
-                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data) ",
-                );
-                insert.push_values(group.iter().enumerate(), |mut row, (i, c)| {
-                    row.push_bind(&id)
-                        .push_bind(base + i as i64)
-                        .push_bind(attempt)
-                        .push_bind("data")
-                        .push_bind(&c.event)
-                        .push_bind(&c.data);
-                });
-                insert.build().execute(&mut *tx).await?;
-                stored.extend(group.iter().enumerate().map(|(i, c)| Chunk {
-                    seq: base + i as i64,
+            for (k, c) in batch.chunks.iter().enumerate() {
+                let seq = first + k as i64;
+                rows.push((i, seq, c));
+                stored.push(Chunk {
+                    seq,
                     attempt: batch.lease.attempt,
                     kind: ChunkKind::Data,
                     event: c.event.clone(),
                     data: c.data.clone(),
-                }));
+                });
             }
             results.push(Some(stored));
+        }
+        // Every fenced chunk of the commit in as few statements as SQLite allows: 6 bound
+        // variables per row, at most 32766 per statement.
+        for group in rows.chunks(5000) {
+            let mut insert = sqlx::QueryBuilder::<Sqlite>::new(
+                "INSERT INTO chunks (request_id, seq, attempt, kind, event, data) ",
+            );
+            insert.push_values(group, |mut row, &(i, seq, c)| {
+                row.push_bind(&ids[i])
+                    .push_bind(seq)
+                    .push_bind(i64::from(batches[i].lease.attempt))
+                    .push_bind("data")
+                    .push_bind(&c.event)
+                    .push_bind(&c.data);
+            });
+            insert.build().execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(results)
@@ -684,5 +800,143 @@ impl Store for SqliteStore {
     async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.reader).await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new_request(i: u8, now: Millis) -> NewRequest {
+        let mut hash = [0u8; 32];
+        hash[0] = i;
+        NewRequest {
+            id: Uuid::now_v7(),
+            namespace: "default".into(),
+            route: "openai.chat".into(),
+            backend: "mock".into(),
+            model: Some("m".into()),
+            stream: false,
+            body: format!("{{\"n\":{i}}}").into_bytes(),
+            headers: vec![("openai-beta".into(), "x".into())],
+            hash,
+            claim: ClaimKind::BodyHash,
+            claim_key: hex::encode(hash),
+            claim_expires_at: now + 600_000,
+            now,
+        }
+    }
+
+    #[tokio::test]
+    async fn created_record_matches_the_row_lease_many_takes_each_due_request_once_and_one_commit_fences_each_batch_lc2_lc3()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let store = SqliteStore::open(&url, SqliteSynchronous::Normal)
+            .await
+            .expect("open");
+        let now = 1_000_000;
+        let mut ids = Vec::new();
+        for i in 0..3 {
+            let Submitted::Created(created) = store
+                .submit(new_request(i, now + i64::from(i)))
+                .await
+                .expect("submit")
+            else {
+                panic!("expected a new request");
+            };
+            let stored = store
+                .get("default", created.id)
+                .await
+                .expect("get")
+                .expect("stored");
+            assert_eq!(format!("{created:?}"), format!("{stored:?}"));
+            ids.push(created.id);
+        }
+
+        let first = store
+            .lease_many("node/a", now + 10, 30_000, 2)
+            .await
+            .expect("lease");
+        assert_eq!(
+            first.iter().map(|(l, _)| l.id).collect::<Vec<_>>(),
+            ids[..2].to_vec(),
+            "oldest first"
+        );
+        assert_ne!(first[0].0.owner, first[1].0.owner);
+        for (lease, record) in &first {
+            assert_eq!(record.status, Status::Running);
+            assert_eq!((lease.attempt, record.attempts), (1, 1));
+            assert!(store.heartbeat(lease, now + 20, 30_000).await.expect("hb"));
+        }
+        let rest = store
+            .lease_many("node/b", now + 10, 30_000, 10)
+            .await
+            .expect("lease");
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].0.id, ids[2]);
+        assert!(
+            store
+                .lease_many("node/c", now + 10, 30_000, 10)
+                .await
+                .expect("lease")
+                .is_empty()
+        );
+
+        // One commit: two fenced batches and one whose lease is not held (LC-3).
+        let chunk = |d: &str| NewChunk {
+            event: None,
+            data: d.into(),
+        };
+        let mut stale = first[1].0.clone();
+        stale.owner.push_str("-lost");
+        let batches = vec![
+            ChunkBatch {
+                lease: first[0].0.clone(),
+                chunks: vec![chunk("a1"), chunk("a2")],
+                upstream_request_id: Some("req-a".into()),
+            },
+            ChunkBatch {
+                lease: stale,
+                chunks: vec![chunk("x")],
+                upstream_request_id: None,
+            },
+            ChunkBatch {
+                lease: rest[0].0.clone(),
+                chunks: vec![chunk("c1")],
+                upstream_request_id: None,
+            },
+        ];
+        let stored = store.append_chunks(&batches).await.expect("append");
+        let seqs = |r: &Option<Vec<Chunk>>| {
+            r.as_ref().map(|c| {
+                c.iter()
+                    .map(|c| (c.seq, c.data.clone()))
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(
+            seqs(&stored[0]),
+            Some(vec![(1, "a1".into()), (2, "a2".into())])
+        );
+        assert_eq!(seqs(&stored[1]), None);
+        assert_eq!(seqs(&stored[2]), Some(vec![(1, "c1".into())]));
+        let again = store.append_chunks(&batches[..1]).await.expect("append");
+        assert_eq!(
+            seqs(&again[0]),
+            Some(vec![(3, "a1".into()), (4, "a2".into())])
+        );
+        let a = store.get("default", ids[0]).await.expect("get").expect("a");
+        assert_eq!(
+            (a.last_seq, a.upstream_request_id.as_deref()),
+            (4, Some("req-a"))
+        );
+        let b = store.get("default", ids[1]).await.expect("get").expect("b");
+        assert_eq!(b.last_seq, 0);
+        let read = store.chunks_after(ids[0], 0, 10).await.expect("chunks");
+        assert_eq!(
+            read.iter().map(|c| c.seq).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4]
+        );
     }
 }

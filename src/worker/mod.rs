@@ -33,6 +33,8 @@ use chunks::{AppendError, ChunkWriter};
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
 /// Requests deleted per prune transaction.
 const PRUNE_BATCH: i64 = 500;
+/// Most requests leased by one store call.
+const LEASE_BATCH: usize = 256;
 
 /// What a worker pool needs.
 #[derive(Clone)]
@@ -108,22 +110,33 @@ impl WorkerPool {
             };
             // Reap finished attempts so the set does not grow.
             while attempts.try_join_next().is_some() {}
+            // Every free permit (up to LEASE_BATCH): a burst of new requests is leased with one
+            // write instead of one write per request, each waiting its turn on the database.
+            let mut batch = vec![permit];
+            while batch.len() < LEASE_BATCH {
+                match Arc::clone(&permits).try_acquire_owned() {
+                    Ok(p) => batch.push(p),
+                    Err(_) => break,
+                }
+            }
             match self
                 .store
-                .lease(&self.lease_owner(), now_ms(), self.lease_ms())
+                .lease_many(&self.lease_owner(), now_ms(), self.lease_ms(), batch.len())
                 .await
             {
-                Ok(Some((lease, record))) => {
-                    metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone())
-                        .increment(1);
-                    let pool = self.clone();
-                    attempts.spawn(async move {
-                        pool.run_attempt(lease, record).await;
-                        drop(permit);
-                    });
+                Ok(leased) if !leased.is_empty() => {
+                    for ((lease, record), permit) in leased.into_iter().zip(batch) {
+                        metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone())
+                            .increment(1);
+                        let pool = self.clone();
+                        attempts.spawn(async move {
+                            pool.run_attempt(lease, record).await;
+                            drop(permit);
+                        });
+                    }
                 }
-                Ok(None) => {
-                    drop(permit);
+                Ok(_) => {
+                    drop(batch);
                     let wait = self.idle_wait(poll).await;
                     tokio::select! {
                         () = self.wake.notified() => {}
@@ -132,7 +145,7 @@ impl WorkerPool {
                     }
                 }
                 Err(e) => {
-                    drop(permit);
+                    drop(batch);
                     warn!(error = %e, "lease failed; retrying");
                     tokio::select! {
                         () = tokio::time::sleep(poll) => {}
