@@ -9,6 +9,8 @@
 //! | `holdfast_lease_expirations_total` | counter | — |
 //! | `holdfast_queue_depth` | gauge | `status` (read from the store at scrape time) |
 //! | `holdfast_chunk_commit_seconds` | histogram | — (one group commit of stream chunks) |
+//! | `holdfast_sqlite_commit_seconds` | histogram | — (one SQLite writer transaction, every write in it) |
+//! | `holdfast_sqlite_commit_jobs` | histogram | — (store writes sharing that transaction) |
 
 use std::sync::OnceLock;
 
@@ -28,6 +30,10 @@ pub const LEASE_EXPIRATIONS: &str = "holdfast_lease_expirations_total";
 pub const QUEUE_DEPTH: &str = "holdfast_queue_depth";
 /// Duration of one chunk group commit, in seconds.
 pub const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
+/// Duration of one SQLite writer transaction (a group of store writes), in seconds.
+pub const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";
+/// Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction.
+pub const SQLITE_COMMIT_JOBS: &str = "holdfast_sqlite_commit_jobs";
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -39,8 +45,15 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
             let buckets = [
                 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
             ];
+            let jobs = [
+                1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+            ];
             let recorder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(CHUNK_COMMIT_SECONDS.into()), &buckets)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(SQLITE_COMMIT_SECONDS.into()), &buckets)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(SQLITE_COMMIT_JOBS.into()), &jobs)
                 .ok()?
                 .install_recorder()
                 .ok()?;
@@ -73,5 +86,14 @@ fn describe() {
         CHUNK_COMMIT_SECONDS,
         metrics::Unit::Seconds,
         "Duration of one group commit of stream chunks."
+    );
+    metrics::describe_histogram!(
+        SQLITE_COMMIT_SECONDS,
+        metrics::Unit::Seconds,
+        "Duration of one SQLite writer transaction, every store write in it."
+    );
+    metrics::describe_histogram!(
+        SQLITE_COMMIT_JOBS,
+        "Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction."
     );
 }

@@ -384,6 +384,13 @@ pub enum StoreError {
     /// The database driver failed (unreachable, I/O, constraint we did not expect).
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// The embedded SQLite database failed (I/O, full disk, constraint we did not expect).
+    #[error("database: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The SQLite writer could not commit a group of writes, or has stopped; nothing of the
+    /// write was stored.
+    #[error("database: {0}")]
+    Unavailable(String),
     /// Migrations could not be applied.
     #[error("database migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),

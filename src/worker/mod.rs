@@ -119,12 +119,14 @@ impl WorkerPool {
                     Err(_) => break,
                 }
             }
+            let asked = batch.len();
             match self
                 .store
-                .lease_many(&self.lease_owner(), now_ms(), self.lease_ms(), batch.len())
+                .lease_many(&self.lease_owner(), now_ms(), self.lease_ms(), asked)
                 .await
             {
-                Ok(leased) if !leased.is_empty() => {
+                Ok(leased) => {
+                    let drained = leased.len() < asked;
                     for ((lease, record), permit) in leased.into_iter().zip(batch) {
                         metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone())
                             .increment(1);
@@ -134,14 +136,18 @@ impl WorkerPool {
                             drop(permit);
                         });
                     }
-                }
-                Ok(_) => {
-                    drop(batch);
-                    let wait = self.idle_wait(poll).await;
-                    tokio::select! {
-                        () = self.wake.notified() => {}
-                        () = tokio::time::sleep(wait) => {}
-                        () = shutdown.cancelled() => break,
+                    // Fewer due requests than free permits: nothing more is due now, so wait
+                    // for a wake-up instead of asking again at once (an empty write per
+                    // request at low load, docs/benchmarks.md finding 10). A request recorded
+                    // meanwhile is not missed: `notify_one` keeps its permit for the next
+                    // `notified()`.
+                    if drained {
+                        let wait = self.idle_wait(poll).await;
+                        tokio::select! {
+                            () = self.wake.notified() => {}
+                            () = tokio::time::sleep(wait) => {}
+                            () = shutdown.cancelled() => break,
+                        }
                     }
                 }
                 Err(e) => {
@@ -494,11 +500,10 @@ impl WorkerPool {
             let mut chunks = Vec::with_capacity(events.len());
             let mut provider_error = None;
             for event in events {
-                if let Err(why) = check_event(&event) {
-                    return fail(ErrorType::UpstreamInvalid, why);
-                }
-                if is_error_event(&event) {
-                    provider_error = Some(event.data.clone());
+                match inspect_event(&event) {
+                    Ok(false) => {}
+                    Ok(true) => provider_error = Some(event.data.clone()),
+                    Err(why) => return fail(ErrorType::UpstreamInvalid, why),
                 }
                 chunks.push(NewChunk {
                     event: event.event,
@@ -597,27 +602,35 @@ impl WorkerPool {
     }
 }
 
-/// A provider event must carry JSON, or be OpenAI's `[DONE]` sentinel.
-fn check_event(event: &SseEvent) -> Result<(), String> {
-    if event.data == "[DONE]" || serde_json::from_str::<serde::de::IgnoredAny>(&event.data).is_ok()
+/// Checks a provider event before it is stored and says whether it reports an error: its data
+/// must be JSON or `[DONE]` (otherwise `Err` with the reason); an error is Anthropic's
+/// `event: error` or an OpenAI-style `{"error": ...}` object whose `error` is not null.
+///
+/// One parse per event: an object is read into a struct that keeps only `error` (as raw JSON,
+/// so nothing is allocated for the rest, which is still fully validated). Only what that
+/// cannot read (a duplicated key) takes the slower path through `serde_json::Value`.
+fn inspect_event(event: &SseEvent) -> Result<bool, String> {
+    #[derive(serde::Deserialize)]
+    struct Probe<'a> {
+        #[serde(borrow)]
+        error: Option<&'a serde_json::value::RawValue>,
+    }
+    let named_error = event.event.as_deref() == Some("error");
+    if event.data == "[DONE]" {
+        return Ok(named_error);
+    }
+    if event.data.starts_with('{')
+        && let Ok(probe) = serde_json::from_str::<Probe<'_>>(&event.data)
     {
-        Ok(())
-    } else {
-        Err(format!(
+        return Ok(named_error || probe.error.is_some());
+    }
+    match serde_json::from_str::<serde_json::Value>(&event.data) {
+        Ok(value) => Ok(named_error || value.get("error").is_some_and(|e| !e.is_null())),
+        Err(_) => Err(format!(
             "the provider sent an event whose data is not JSON: {}",
             excerpt(event.data.as_bytes())
-        ))
+        )),
     }
-}
-
-/// Anthropic's `event: error`, or an OpenAI-style `{"error": ...}` data object.
-fn is_error_event(event: &SseEvent) -> bool {
-    if event.event.as_deref() == Some("error") {
-        return true;
-    }
-    event.data.starts_with('{')
-        && serde_json::from_str::<serde_json::Value>(&event.data)
-            .is_ok_and(|v| v.get("error").is_some_and(|e| !e.is_null()))
 }
 
 /// The first 200 characters of a provider body, for messages.
@@ -641,4 +654,41 @@ fn hostname() -> String {
         })
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "holdfast".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(name: Option<&str>, data: &str) -> SseEvent {
+        SseEvent {
+            event: name.map(str::to_owned),
+            data: data.to_owned(),
+            ..SseEvent::default()
+        }
+    }
+
+    #[test]
+    fn inspect_event_validates_json_once_and_finds_error_events_lc7() {
+        assert_eq!(inspect_event(&event(None, r#"{"choices":[]}"#)), Ok(false));
+        assert_eq!(inspect_event(&event(None, "[DONE]")), Ok(false));
+        assert_eq!(inspect_event(&event(None, "[1, 2]")), Ok(false));
+        assert_eq!(inspect_event(&event(None, r#"{"error":null}"#)), Ok(false));
+        assert_eq!(
+            inspect_event(&event(None, r#"{"error":{"message":"overloaded"}}"#)),
+            Ok(true)
+        );
+        assert_eq!(
+            inspect_event(&event(Some("error"), r#"{"type":"error"}"#)),
+            Ok(true)
+        );
+        // A duplicated key is JSON serde_json::Value accepts (last one wins).
+        assert_eq!(
+            inspect_event(&event(None, r#"{"error":null,"error":{"m":1}}"#)),
+            Ok(true)
+        );
+        assert!(inspect_event(&event(None, r#"{"choices":[]"#)).is_err());
+        assert!(inspect_event(&event(None, r#"{"a":1} trailing"#)).is_err());
+        assert!(inspect_event(&event(None, "hello")).is_err());
+    }
 }

@@ -4,19 +4,16 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use holdfast::mock::MockConfig;
-use sqlx::sqlite::SqlitePool;
 
 use crate::helpers::*;
 
 async fn count_requests(app: &TestApp) -> i64 {
-    let url = format!("sqlite://{}", app.dir.path().join("holdfast.db").display());
-    let pool = SqlitePool::connect(&url).await.expect("open test db");
-    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM requests")
-        .fetch_one(&pool)
-        .await
-        .expect("count");
-    pool.close().await;
-    n
+    let path = app.dir.path().join("holdfast.db");
+    let db =
+        rusqlite::Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .expect("open test db");
+    db.query_row("SELECT COUNT(*) FROM requests", [], |row| row.get(0))
+        .expect("count")
 }
 
 #[tokio::test]
