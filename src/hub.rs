@@ -14,7 +14,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::store::Chunk;
+use crate::store::{Chunk, RequestRecord};
 
 /// What happened to a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +23,10 @@ pub enum HubEvent {
     Changed,
     /// A chunk was stored (durably, before it is published).
     Chunk(Arc<Chunk>),
+    /// This node's worker recorded an attempt's outcome: the record as that committed write
+    /// left it, so a waiter can answer without reading it back. Anyone else treats it as
+    /// [`HubEvent::Changed`].
+    Settled(Arc<RequestRecord>),
 }
 
 /// Per-request broadcast channels, created on first subscription and dropped with the last;
@@ -57,6 +61,13 @@ pub struct Subscription {
     rx: broadcast::Receiver<HubEvent>,
 }
 
+/// Events a request's channel holds for its slowest reader. A reader further behind gets
+/// [`HubEvent::Changed`] and re-reads the store, so this bounds memory, not correctness. Every
+/// request (streamed or not) gets a channel while someone waits on it, allocated and zeroed at
+/// subscription: 1,024 slots made that a visible part of a non-stream request's CPU
+/// (docs/benchmarks.md).
+const CHANNEL_CAPACITY: usize = 128;
+
 impl Hub {
     /// A new, empty hub.
     pub fn new() -> Arc<Hub> {
@@ -68,7 +79,7 @@ impl Hub {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         let rx = channels
             .entry(id)
-            .or_insert_with(|| broadcast::channel(1024).0)
+            .or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
             .subscribe();
         Subscription {
             hub: Arc::clone(self),

@@ -22,7 +22,7 @@ use super::errors::{ApiError, Shape};
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
-use crate::hub::Subscription;
+use crate::hub::{HubEvent, Subscription};
 use crate::metrics as m;
 use crate::route::Route;
 use crate::store::{
@@ -490,7 +490,15 @@ async fn wait_for(
         }
         read = true;
         tokio::select! {
-            _ = subscription.recv() => {}
+            event = subscription.recv() => {
+                // This node's worker settled it and handed over the record it wrote.
+                if let HubEvent::Settled(settled) = event {
+                    if ready(&settled) {
+                        return Ok((*settled).clone());
+                    }
+                    read = false;
+                }
+            }
             () = tokio::time::sleep(WAIT_POLL) => {}
         }
     }

@@ -208,7 +208,7 @@ pub enum Submitted {
 }
 
 /// A stored request, as read back (RD-1).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestRecord {
     /// Request id.
     pub id: Uuid,
@@ -487,6 +487,29 @@ pub trait Store: Send + Sync + 'static {
         outcome: Outcome,
         now: Millis,
     ) -> Result<bool, StoreError>;
+
+    /// [`Store::finish`], and the record as that write left it, so the worker can hand it to
+    /// this node's waiters instead of each reading it back. `None` when the lease was lost and
+    /// nothing was written.
+    ///
+    /// The default calls [`Store::finish`] and then [`Store::get`] (which may see a later
+    /// state, never an earlier one); adapters that can read inside the same transaction
+    /// override it.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn finish_read(
+        &self,
+        namespace: &str,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        if !self.finish(lease, outcome, now).await? {
+            return Ok(None);
+        }
+        self.get(namespace, lease.id).await
+    }
 
     /// Sends `running` requests whose lease expired before `now` back to `pending` with
     /// `recoveries + 1`, or to `failed`/`lease_expired` when `attempts >= max_attempts` (LC-4).

@@ -47,8 +47,8 @@ use crate::config::SqliteSynchronous;
 /// Most write jobs in one transaction. Bounds a commit's duration (and the delay of the first
 /// job in it), not its correctness.
 const MAX_JOBS_PER_COMMIT: usize = 1024;
-/// Idle read connections kept open.
-const MAX_IDLE_READERS: usize = 8;
+/// Reads running at once, and read connections kept open.
+const MAX_READERS: usize = 8;
 /// How often the background thread checkpoints the WAL into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(500);
 /// How long a connection waits for a lock held by another process before failing.
@@ -218,6 +218,7 @@ impl SqliteStore {
                 readers: ReadPool {
                     path,
                     idle: Mutex::new(vec![reader]),
+                    permits: Arc::new(tokio::sync::Semaphore::new(MAX_READERS)),
                 },
                 _stop_checkpoints: stop,
             }),
@@ -252,17 +253,29 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || inner.readers.with(f))
+        // At most MAX_READERS reads at once, so every connection opened is kept: opening one
+        // (and re-preparing its statements) costs far more than waiting for a free one.
+        let permit = Arc::clone(&self.inner.readers.permits)
+            .acquire_owned()
             .await
-            .map_err(|e| StoreError::Unavailable(format!("read task: {e}")))?
+            .map_err(|_| StoreError::Unavailable("the read pool is closed".into()))?;
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || {
+            let result = inner.readers.with(f);
+            drop(permit);
+            result
+        })
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("read task: {e}")))?
     }
 }
 
-/// Read-only connections, opened on demand, at most [`MAX_IDLE_READERS`] kept.
+/// Read-only connections, opened on demand, at most [`MAX_READERS`] of them.
 struct ReadPool {
     path: PathBuf,
     idle: Mutex<Vec<Connection>>,
+    /// One per connection that may be in use.
+    permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl ReadPool {
@@ -277,7 +290,7 @@ impl ReadPool {
         };
         let result = f(&conn);
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < MAX_IDLE_READERS {
+        if idle.len() < MAX_READERS {
             idle.push(conn);
         }
         result
@@ -360,18 +373,19 @@ fn write_loop(conn: Connection, mut queue: mpsc::UnboundedReceiver<Box<dyn Write
 /// Runs every job of `group` in its own savepoint of one transaction and commits it.
 fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<(), String> {
     let mut run = || -> rusqlite::Result<()> {
-        conn.execute_batch("BEGIN IMMEDIATE")?;
+        // Prepared once and cached: these run once or twice per write.
+        let exec = |sql: &str| conn.prepare_cached(sql)?.execute([]).map(|_| ());
+        exec("BEGIN IMMEDIATE")?;
         for job in group.iter_mut() {
-            conn.execute_batch("SAVEPOINT job")?;
+            exec("SAVEPOINT job")?;
             let keep =
                 std::panic::catch_unwind(AssertUnwindSafe(|| job.run(conn))).unwrap_or(false);
-            if keep {
-                conn.execute_batch("RELEASE job")?;
-            } else {
-                conn.execute_batch("ROLLBACK TO job; RELEASE job")?;
+            if !keep {
+                exec("ROLLBACK TO job")?;
             }
+            exec("RELEASE job")?;
         }
-        conn.execute_batch("COMMIT")
+        exec("COMMIT")
     };
     run().map_err(|e| {
         if !conn.is_autocommit() {
@@ -1014,6 +1028,24 @@ impl Store for SqliteStore {
         let lease = lease.clone();
         self.write(move |conn| finish_in(conn, &lease, &outcome, now))
             .await
+    }
+
+    async fn finish_read(
+        &self,
+        namespace: &str,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let lease = lease.clone();
+        let namespace = namespace.to_string();
+        self.write(move |conn| {
+            if !finish_in(conn, &lease, &outcome, now)? {
+                return Ok(None);
+            }
+            Ok(fetch(conn, &lease.id.to_string())?.filter(|r| r.namespace == namespace))
+        })
+        .await
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {

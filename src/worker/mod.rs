@@ -286,9 +286,14 @@ impl WorkerPool {
             Outcome::Retry { next_retry_at, .. } => Some(*next_retry_at),
             _ => None,
         };
-        match self.store.finish(&lease, outcome, now_ms()).await {
-            Ok(true) => {
-                self.hub.publish(lease.id, HubEvent::Changed);
+        match self
+            .store
+            .finish_read(&record.namespace, &lease, outcome, now_ms())
+            .await
+        {
+            Ok(Some(settled)) => {
+                self.hub
+                    .publish(lease.id, HubEvent::Settled(Arc::new(settled)));
                 if let Some(at) = retry_at {
                     let wake = Arc::clone(&self.wake);
                     let delay = u64::try_from(at - now_ms()).unwrap_or(0);
@@ -298,7 +303,7 @@ impl WorkerPool {
                     });
                 }
             }
-            Ok(false) => info!(id = %lease.id, "lease lost before the outcome was written"),
+            Ok(None) => info!(id = %lease.id, "lease lost before the outcome was written"),
             // The lease will expire and the sweep re-runs the request.
             Err(e) => warn!(id = %lease.id, error = %e, "could not record the outcome"),
         }

@@ -205,6 +205,7 @@ conformance!(
     append_chunks_returns_none_for_a_lost_lease_lc3,
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
+    finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
     cancel_fails_pending_and_running_requests_lc9,
     cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
     list_is_newest_first_with_status_filter_and_cursor_rd7,
@@ -1257,6 +1258,46 @@ async fn chunks_after_pages_in_seq_order(store: DynStore) {
             .expect("none")
             .is_empty()
     );
+}
+
+async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(store: DynStore) {
+    // Terminal: the record a waiter is handed equals what a later read finds.
+    let ok = create(&store, by_hash("finish_read ok", T0)).await;
+    let (l, _) = lease_at(&store, "node/a", T0).await;
+    let settled = store
+        .finish_read(NS, &l, succeeded(), T0 + 1)
+        .await
+        .expect("finish_read")
+        .expect("lease held");
+    assert_eq!(settled.status, Status::Succeeded);
+    assert_eq!(settled.last_seq, 1, "the end chunk is counted");
+    assert_eq!(settled, get(&store, ok.id).await);
+    // The same lease again is fenced out (LC-3): nothing written, nothing returned.
+    assert!(
+        store
+            .finish_read(NS, &l, succeeded(), T0 + 2)
+            .await
+            .expect("finish_read")
+            .is_none()
+    );
+
+    // A retry: pending again, with the error and the next due time.
+    let r = create(&store, by_hash("finish_read retry", T0 + 10)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 10).await;
+    let retry = Outcome::Retry {
+        next_retry_at: T0 + 5_000,
+        error: error(ErrorType::AttemptsExhausted, Some(503)),
+    };
+    let settled = store
+        .finish_read(NS, &l, retry, T0 + 11)
+        .await
+        .expect("finish_read")
+        .expect("lease held");
+    assert_eq!(
+        (settled.status, settled.next_retry_at),
+        (Status::Pending, T0 + 5_000)
+    );
+    assert_eq!(settled, get(&store, r.id).await);
 }
 
 async fn every_terminal_outcome_appends_exactly_one_end_chunk_rd5(store: DynStore) {
