@@ -54,13 +54,14 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         Arc::clone(&config),
         Arc::clone(&wake),
     );
-    let workers = tokio::spawn(pool.run(shutdown.child_token()));
+    let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
 
     let state = AppState {
         config,
         store,
         hub,
         wake,
+        workers: pool,
         held: Arc::default(),
     };
     let addr = listener.local_addr()?;

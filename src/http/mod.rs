@@ -36,6 +36,9 @@ pub struct AppState {
     pub hub: Arc<Hub>,
     /// Wakes the worker pool when a request is recorded.
     pub wake: Arc<Notify>,
+    /// This node's workers: a new request is leased at admission and started here when one
+    /// is free (`Store::submit_and_lease`), instead of waiting for the dispatcher.
+    pub workers: crate::worker::WorkerPool,
     /// Proxied calls this node is holding open right now (RS-8 overload limit).
     pub held: Arc<std::sync::atomic::AtomicUsize>,
 }

@@ -138,14 +138,34 @@ async fn admit_and_answer(
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
-    let (record, replayed, fresh) = match state.store.submit(new).await {
-        Ok(Submitted::Created(record)) => {
-            state.wake.notify_one();
+    // A free worker here runs a new request at once: it is leased in the transaction that
+    // records it, saving the dispatcher's round trip. Without one, the dispatcher leases it.
+    let permit = state.workers.try_permit();
+    let submitted = match &permit {
+        Some(_) => {
+            let owner = state.workers.lease_owner();
+            state
+                .store
+                .submit_and_lease(new, &owner, state.workers.lease_ms())
+                .await
+        }
+        None => state.store.submit(new).await.map(|s| (s, None)),
+    };
+    let (record, replayed, fresh) = match submitted {
+        Ok((Submitted::Created(record), lease)) => {
+            match (lease, permit) {
+                (Some(lease), Some(permit)) => {
+                    state
+                        .workers
+                        .spawn_attempt(lease, (*record).clone(), permit);
+                }
+                _ => state.wake.notify_one(),
+            }
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "new")
                 .increment(1);
             (*record, false, Some(early))
         }
-        Ok(Submitted::Attached(record)) => {
+        Ok((Submitted::Attached(record), _)) => {
             let outcome = if record.status.is_terminal() {
                 "replayed"
             } else {
@@ -155,7 +175,7 @@ async fn admit_and_answer(
                 .increment(1);
             (*record, true, None)
         }
-        Ok(Submitted::KeyMismatch { existing }) => {
+        Ok((Submitted::KeyMismatch { existing }, _)) => {
             return Err(ApiError::new(
                 shape,
                 StatusCode::UNPROCESSABLE_ENTITY,

@@ -414,6 +414,28 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError::Database`] when the database is unavailable; nothing is recorded then.
     async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError>;
 
+    /// [`Store::submit`], and when that creates the request, leases it in the same transaction
+    /// to `owner` for `lease_ms` (LC-2: `running`, `attempts = 1`): the node that accepted a
+    /// request and has a free worker runs it without a round trip through the dispatcher. The
+    /// lease comes back only with [`Submitted::Created`]; a submission that attaches or
+    /// mismatches leases nothing. A request leased this way skips ahead of older due ones —
+    /// only ever when this node has a free worker, which the dispatcher would otherwise have
+    /// used for them already.
+    ///
+    /// The default submits without leasing (the dispatcher then leases the request as usual).
+    ///
+    /// # Errors
+    /// As [`Store::submit`]; nothing is recorded then.
+    async fn submit_and_lease(
+        &self,
+        new: NewRequest,
+        owner: &str,
+        lease_ms: i64,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        let _ = (owner, lease_ms);
+        Ok((self.submit(new).await?, None))
+    }
+
     /// Reads one request of `namespace`. Another namespace's id reads as `None`.
     ///
     /// # Errors

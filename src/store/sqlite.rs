@@ -505,8 +505,8 @@ fn append_control(
 }
 
 /// The record of a request just inserted by [`Store::submit`], as the row's column defaults
-/// make it: pending, due now, no attempts, no chunks.
-fn created_record(new: NewRequest) -> RequestRecord {
+/// make it: pending and due now, or `leased` (running its first attempt); no chunks.
+fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
     RequestRecord {
         id: new.id,
         namespace: new.namespace,
@@ -517,8 +517,12 @@ fn created_record(new: NewRequest) -> RequestRecord {
         body: new.body,
         headers: new.headers,
         claim: new.claim,
-        status: Status::Pending,
-        attempts: 0,
+        status: if leased {
+            Status::Running
+        } else {
+            Status::Pending
+        },
+        attempts: u32::from(leased),
         recoveries: 0,
         next_retry_at: new.now,
         error: None,
@@ -556,8 +560,13 @@ fn parse_id(s: &str) -> Result<Uuid, StoreError> {
     Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")))
 }
 
-/// [`Store::submit`] inside the writer's transaction.
-fn submit_in(conn: &Connection, new: NewRequest) -> Result<Submitted, StoreError> {
+/// [`Store::submit`] inside the writer's transaction; with `lease` (owner, lease length), a
+/// created request is inserted already leased ([`Store::submit_and_lease`]).
+fn submit_in(
+    conn: &Connection,
+    new: NewRequest,
+    lease: Option<(&str, i64)>,
+) -> Result<(Submitted, Option<Lease>), StoreError> {
     let id = new.id.to_string();
     // The upsert either inserts our claim, takes over an expired one, or leaves a live one
     // untouched and returns no row. One statement on the only writer, so two racing
@@ -588,10 +597,17 @@ fn submit_in(conn: &Connection, new: NewRequest) -> Result<Submitted, StoreError
 
     if won.as_deref() == Some(id.as_str()) {
         let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+        let (owner, expires_at) = match lease {
+            Some((owner, lease_ms)) => (Some(owner), Some(new.now + lease_ms)),
+            None => (None, None),
+        };
         conn.prepare_cached(
             "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
-                 hash, claim_kind, status, next_retry_at, created_at, updated_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'pending', ?11, ?11, ?11)",
+                 hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+                 next_retry_at, created_at, updated_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
+                 CASE WHEN ?12 IS NULL THEN 'pending' ELSE 'running' END,
+                 CASE WHEN ?12 IS NULL THEN 0 ELSE 1 END, ?12, ?13, ?11, ?11, ?11)",
         )?
         .execute(params![
             id,
@@ -604,10 +620,18 @@ fn submit_in(conn: &Connection, new: NewRequest) -> Result<Submitted, StoreError
             headers,
             &new.hash[..],
             new.claim.as_str(),
-            new.now
+            new.now,
+            owner,
+            expires_at
         ])?;
+        let lease = owner.map(|owner| Lease {
+            id: new.id,
+            owner: owner.to_string(),
+            attempt: 1,
+        });
         // The row is exactly what was just inserted: no need to read it back.
-        return Ok(Submitted::Created(Box::new(created_record(new))));
+        let record = created_record(new, lease.is_some());
+        return Ok((Submitted::Created(Box::new(record)), lease));
     }
 
     let (existing, fingerprint): (String, Vec<u8>) = conn
@@ -619,13 +643,16 @@ fn submit_in(conn: &Connection, new: NewRequest) -> Result<Submitted, StoreError
         })?;
     let existing_id = parse_id(&existing)?;
     if fingerprint != new.hash {
-        return Ok(Submitted::KeyMismatch {
-            existing: existing_id,
-        });
+        return Ok((
+            Submitted::KeyMismatch {
+                existing: existing_id,
+            },
+            None,
+        ));
     }
     let record = fetch(conn, &existing)?
         .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
-    Ok(Submitted::Attached(Box::new(record)))
+    Ok((Submitted::Attached(Box::new(record)), None))
 }
 
 /// [`Store::finish`] inside the writer's transaction.
@@ -921,7 +948,19 @@ fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreE
 #[async_trait]
 impl Store for SqliteStore {
     async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
-        self.write(move |conn| submit_in(conn, new)).await
+        let (submitted, _) = self.write(move |conn| submit_in(conn, new, None)).await?;
+        Ok(submitted)
+    }
+
+    async fn submit_and_lease(
+        &self,
+        new: NewRequest,
+        owner: &str,
+        lease_ms: i64,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        let owner = owner.to_string();
+        self.write(move |conn| submit_in(conn, new, Some((&owner, lease_ms))))
+            .await
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {

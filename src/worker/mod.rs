@@ -14,8 +14,7 @@ pub mod retry;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Notify, Semaphore};
-use tokio::task::JoinSet;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -51,6 +50,12 @@ pub struct WorkerPool {
     chunks: ChunkWriter,
     /// Cancelled when the shutdown grace period is over: running attempts hand back (DU-5).
     abandon: CancellationToken,
+    /// One per attempt this process may run at once (`workers.concurrency`). Every running
+    /// attempt holds one, whether the dispatcher or admission ([`WorkerPool::try_permit`])
+    /// started it, so shutdown drains by taking them all back.
+    permits: Arc<Semaphore>,
+    /// Cancelled when shutdown begins: no new attempts start.
+    stopping: CancellationToken,
 }
 
 /// How a streamed attempt ended, before it becomes an [`Outcome`].
@@ -74,6 +79,8 @@ impl WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         let chunks = ChunkWriter::spawn(store.clone());
         WorkerPool {
+            permits: Arc::new(Semaphore::new(config.workers.concurrency)),
+            stopping: CancellationToken::new(),
             abandon: CancellationToken::new(),
             chunks,
             store,
@@ -89,16 +96,41 @@ impl WorkerPool {
         &self.config.workers
     }
 
-    fn lease_ms(&self) -> i64 {
+    /// A free worker slot for an attempt started at admission (see
+    /// [`Store::submit_and_lease`](crate::store::Store::submit_and_lease)), or `None` when all
+    /// are busy or shutdown has begun.
+    pub fn try_permit(&self) -> Option<OwnedSemaphorePermit> {
+        if self.stopping.is_cancelled() {
+            return None;
+        }
+        Arc::clone(&self.permits).try_acquire_owned().ok()
+    }
+
+    /// A lease owner unique to one attempt (or, for `lease_many`, one call): `<host>-<pid>/<uuid>`.
+    pub fn lease_owner(&self) -> String {
+        format!("{}/{}", self.node, uuid::Uuid::new_v4())
+    }
+
+    /// Lease length in milliseconds (`workers.lease_secs`).
+    pub fn lease_ms(&self) -> i64 {
         i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
+    }
+
+    /// Runs the attempt `lease` holds, keeping `permit` until it ends.
+    pub fn spawn_attempt(&self, lease: Lease, record: RequestRecord, permit: OwnedSemaphorePermit) {
+        metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone()).increment(1);
+        let pool = self.clone();
+        tokio::spawn(async move {
+            pool.run_attempt(lease, record).await;
+            drop(permit);
+        });
     }
 
     /// Runs the dispatcher and the sweeper until `shutdown` is cancelled, then waits for
     /// in-flight attempts to finish.
     pub async fn run(self, shutdown: CancellationToken) {
         let sweeper = tokio::spawn(self.clone().sweep_loop(shutdown.clone()));
-        let permits = Arc::new(Semaphore::new(self.workers().concurrency));
-        let mut attempts = JoinSet::new();
+        let permits = Arc::clone(&self.permits);
         let poll = Duration::from_millis(self.workers().poll_interval_ms);
         loop {
             let permit = tokio::select! {
@@ -108,8 +140,6 @@ impl WorkerPool {
                 },
                 () = shutdown.cancelled() => break,
             };
-            // Reap finished attempts so the set does not grow.
-            while attempts.try_join_next().is_some() {}
             // Every free permit (up to LEASE_BATCH): a burst of new requests is leased with one
             // write instead of one write per request, each waiting its turn on the database.
             let mut batch = vec![permit];
@@ -128,13 +158,7 @@ impl WorkerPool {
                 Ok(leased) => {
                     let drained = leased.len() < asked;
                     for ((lease, record), permit) in leased.into_iter().zip(batch) {
-                        metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone())
-                            .increment(1);
-                        let pool = self.clone();
-                        attempts.spawn(async move {
-                            pool.run_attempt(lease, record).await;
-                            drop(permit);
-                        });
+                        self.spawn_attempt(lease, record, permit);
                     }
                     // Fewer due requests than free permits: nothing more is due now, so wait
                     // for a wake-up instead of asking again at once (an empty write per
@@ -160,19 +184,19 @@ impl WorkerPool {
                 }
             }
         }
-        // DU-5: no new leases; in-flight attempts get the grace period, then hand back.
+        // DU-5: no new attempts; in-flight ones get the grace period, then hand back. Every
+        // attempt holds a permit until it ends, so taking all of them back is the drain.
+        self.stopping.cancel();
+        let all = u32::try_from(self.workers().concurrency).unwrap_or(u32::MAX);
         let grace = Duration::from_millis(self.config.shutdown_grace_ms);
-        let drained = tokio::time::timeout(grace, async {
-            while attempts.join_next().await.is_some() {}
-        })
-        .await;
+        let drained = tokio::time::timeout(grace, permits.acquire_many(all)).await;
         if drained.is_err() {
             info!(
-                running = attempts.len(),
+                running = self.workers().concurrency - permits.available_permits(),
                 "shutdown grace over; handing running attempts back"
             );
             self.abandon.cancel();
-            while attempts.join_next().await.is_some() {}
+            let _ = permits.acquire_many(all).await;
         }
         let _ = sweeper.await;
     }
@@ -186,10 +210,6 @@ impl WorkerPool {
             }
             _ => poll,
         }
-    }
-
-    fn lease_owner(&self) -> String {
-        format!("{}/{}", self.node, uuid::Uuid::new_v4())
     }
 
     async fn sweep_loop(self, shutdown: CancellationToken) {

@@ -181,6 +181,7 @@ macro_rules! conformance {
 
 conformance!(
     submit_creates_then_attaches_id4,
+    submit_and_lease_leases_only_what_it_creates_lc2_id7,
     body_hash_claims_are_per_namespace_id4,
     expired_claim_is_taken_over_by_a_new_request_id4,
     keyed_claim_with_another_fingerprint_is_key_mismatch_id5,
@@ -1298,6 +1299,70 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
         (Status::Pending, T0 + 5_000)
     );
     assert_eq!(settled, get(&store, r.id).await);
+}
+
+async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
+    let new = by_hash("leased at admission", T0);
+    let id = new.id;
+    let (submitted, lease) = store
+        .submit_and_lease(new, "node/a/admit", LEASE_MS)
+        .await
+        .expect("submit");
+    let Submitted::Created(created) = submitted else {
+        panic!("expected Created, got {submitted:?}");
+    };
+    let lease = lease.expect("a created request is leased");
+    assert_eq!(
+        (lease.id, lease.owner.as_str(), lease.attempt),
+        (id, "node/a/admit", 1)
+    );
+    let stored = get(&store, id).await;
+    assert_eq!((stored.status, stored.attempts), (Status::Running, 1));
+    assert_eq!(*created, stored, "the returned record is the stored row");
+    // Leased, so no dispatcher can take it (LC-2), and the lease fences like any other.
+    assert!(
+        store
+            .lease_many("node/b", T0 + 1, LEASE_MS, 10)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    assert!(
+        store
+            .heartbeat(&lease, T0 + 2, LEASE_MS)
+            .await
+            .expect("heartbeat")
+    );
+
+    // A re-send attaches and leases nothing (ID-4, ID-7); so does a reused key (ID-5).
+    let (again, none) = store
+        .submit_and_lease(by_hash("leased at admission", T0 + 3), "node/c/x", LEASE_MS)
+        .await
+        .expect("submit");
+    assert!(matches!(again, Submitted::Attached(ref r) if r.id == id));
+    assert!(none.is_none());
+    create(&store, by_key("k-admit", "one body", T0)).await;
+    let (mismatch, none) = store
+        .submit_and_lease(
+            by_key("k-admit", "another body", T0 + 4),
+            "node/c/y",
+            LEASE_MS,
+        )
+        .await
+        .expect("submit");
+    assert!(matches!(mismatch, Submitted::KeyMismatch { .. }));
+    assert!(none.is_none());
+
+    // Its lease expires like any other: the sweep recovers it (LC-4).
+    let swept = store.sweep(T0 + 2 + LEASE_MS + 1, 3).await.expect("sweep");
+    assert!(swept.recovered.contains(&id));
+    assert!(
+        !store
+            .finish(&lease, succeeded(), T0 + LEASE_MS + 10)
+            .await
+            .expect("finish"),
+        "the expired admission lease is fenced out (LC-3)"
+    );
 }
 
 async fn every_terminal_outcome_appends_exactly_one_end_chunk_rd5(store: DynStore) {
