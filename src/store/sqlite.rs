@@ -496,12 +496,25 @@ fn append_control(
              RETURNING last_seq",
         )?
         .query_row(params![id, kind.as_str()], |r| r.get(0))?;
+    insert_control(conn, id, seq, attempt, kind, data)?;
+    Ok(seq)
+}
+
+/// Inserts a control chunk at `seq`, already reserved in `last_seq` by the caller.
+fn insert_control(
+    conn: &Connection,
+    id: &str,
+    seq: i64,
+    attempt: i64,
+    kind: ChunkKind,
+    data: &str,
+) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
          VALUES (?1, ?2, ?3, ?4, NULL, ?5)",
     )?
     .execute(params![id, seq, attempt, kind.as_str(), data])?;
-    Ok(seq)
+    Ok(())
 }
 
 /// The record of a request just inserted by [`Store::submit`], as the row's column defaults
@@ -655,107 +668,120 @@ fn submit_in(
     Ok((Submitted::Attached(Box::new(record)), None))
 }
 
-/// [`Store::finish`] inside the writer's transaction.
+/// [`Store::finish`] inside the writer's transaction: the record as the write left it, or
+/// `None` when the lease was lost and nothing was written.
+///
+/// One `UPDATE ... RETURNING` per outcome, fenced on the lease (LC-3): a terminal outcome
+/// reserves the `end` chunk's seq in the same statement (RD-5), so the row — body and all — is
+/// rewritten once, and what it returns is already the final record.
 fn finish_in(
     conn: &Connection,
     lease: &Lease,
     outcome: &Outcome,
     now: Millis,
-) -> Result<bool, StoreError> {
+) -> Result<Option<RequestRecord>, StoreError> {
     let id = lease.id.to_string();
-    let returning = |r: &Row<'_>| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?));
-    let claim: Option<(String, i64)> = match outcome {
+    let returning = |sql: &str, params: &[&dyn rusqlite::ToSql]| {
+        let mut stmt = conn.prepare_cached(sql)?;
+        let mut rows = stmt.query(params)?;
+        match rows.next()? {
+            Some(row) => record_from_row(row, 0).map(Some),
+            None => Ok(None),
+        }
+    };
+    let record = match outcome {
         Outcome::Succeeded {
             status,
             body,
             upstream_request_id,
-        } => conn
-            .prepare_cached(
+        } => returning(
+            &format!(
                 "UPDATE requests SET status = 'succeeded', response_status = ?1,
                      response_body = ?2, upstream_request_id = ?3, error_type = NULL,
                      error_message = NULL, error_status = NULL, lease_owner = NULL,
-                     lease_expires_at = NULL, finished_at = ?4, updated_at = ?4
+                     lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
+                     last_seq = last_seq + 1
                  WHERE id = ?5 AND lease_owner = ?6
-                 RETURNING claim_kind, attempts",
-            )?
-            .query_row(
-                params![
-                    i64::from(*status),
-                    body,
-                    upstream_request_id,
-                    now,
-                    id,
-                    lease.owner
-                ],
-                returning,
-            )
-            .optional()?,
+                 RETURNING {COLUMNS}"
+            ),
+            params![
+                i64::from(*status),
+                body,
+                upstream_request_id,
+                now,
+                id,
+                lease.owner
+            ],
+        )?,
         Outcome::Retry {
             next_retry_at,
             error,
-        } => conn
-            .prepare_cached(
+        } => returning(
+            &format!(
                 "UPDATE requests SET status = 'pending', next_retry_at = ?1,
                      error_type = ?2, error_message = ?3, error_status = ?4,
                      lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
                  WHERE id = ?6 AND lease_owner = ?7
-                 RETURNING claim_kind, attempts",
-            )?
-            .query_row(
-                params![
-                    next_retry_at,
-                    error.kind.as_str(),
-                    error.message,
-                    error.status.map(i64::from),
-                    now,
-                    id,
-                    lease.owner
-                ],
-                returning,
-            )
-            .optional()?,
+                 RETURNING {COLUMNS}"
+            ),
+            params![
+                next_retry_at,
+                error.kind.as_str(),
+                error.message,
+                error.status.map(i64::from),
+                now,
+                id,
+                lease.owner
+            ],
+        )?,
         Outcome::Failed {
             error,
             response,
             upstream_request_id,
-        } => {
-            let claim = conn
-                .prepare_cached(
-                    "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
-                         error_status = ?3, response_status = ?4, response_body = ?5,
-                         upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = ?7, updated_at = ?7
-                     WHERE id = ?8 AND lease_owner = ?9
-                     RETURNING claim_kind, attempts",
-                )?
-                .query_row(
-                    params![
-                        error.kind.as_str(),
-                        error.message,
-                        error.status.map(i64::from),
-                        response.as_ref().map(|(s, _)| i64::from(*s)),
-                        response.as_ref().map(|(_, b)| b.as_slice()),
-                        upstream_request_id,
-                        now,
-                        id,
-                        lease.owner
-                    ],
-                    returning,
-                )
-                .optional()?;
-            if let Some((kind, attempts)) = &claim {
-                release_claims(conn, &id, claim_kind_of(kind), error.kind)?;
-                let end = end_data(Status::Failed, Some(error));
-                append_control(conn, &id, *attempts, ChunkKind::End, &end)?;
-            }
-            claim
-        }
+        } => returning(
+            &format!(
+                "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
+                     error_status = ?3, response_status = ?4, response_body = ?5,
+                     upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
+                     finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1
+                 WHERE id = ?8 AND lease_owner = ?9
+                 RETURNING {COLUMNS}"
+            ),
+            params![
+                error.kind.as_str(),
+                error.message,
+                error.status.map(i64::from),
+                response.as_ref().map(|(s, _)| i64::from(*s)),
+                response.as_ref().map(|(_, b)| b.as_slice()),
+                upstream_request_id,
+                now,
+                id,
+                lease.owner
+            ],
+        )?,
     };
-    if let (Some((_, attempts)), Outcome::Succeeded { .. }) = (&claim, outcome) {
-        let end = end_data(Status::Succeeded, None);
-        append_control(conn, &id, *attempts, ChunkKind::End, &end)?;
+    let Some(record) = record else {
+        return Ok(None);
+    };
+    let end = match outcome {
+        Outcome::Succeeded { .. } => Some(end_data(Status::Succeeded, None)),
+        Outcome::Failed { error, .. } => {
+            release_claims(conn, &id, record.claim, error.kind)?;
+            Some(end_data(Status::Failed, Some(error)))
+        }
+        Outcome::Retry { .. } => None,
+    };
+    if let Some(end) = end {
+        insert_control(
+            conn,
+            &id,
+            record.last_seq,
+            i64::from(record.attempts),
+            ChunkKind::End,
+            &end,
+        )?;
     }
-    Ok(claim.is_some())
+    Ok(Some(record))
 }
 
 /// [`Store::sweep`] inside the writer's transaction; ids as stored.
@@ -1065,7 +1091,7 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<bool, StoreError> {
         let lease = lease.clone();
-        self.write(move |conn| finish_in(conn, &lease, &outcome, now))
+        self.write(move |conn| Ok(finish_in(conn, &lease, &outcome, now)?.is_some()))
             .await
     }
 
@@ -1079,10 +1105,7 @@ impl Store for SqliteStore {
         let lease = lease.clone();
         let namespace = namespace.to_string();
         self.write(move |conn| {
-            if !finish_in(conn, &lease, &outcome, now)? {
-                return Ok(None);
-            }
-            Ok(fetch(conn, &lease.id.to_string())?.filter(|r| r.namespace == namespace))
+            Ok(finish_in(conn, &lease, &outcome, now)?.filter(|r| r.namespace == namespace))
         })
         .await
     }
