@@ -40,12 +40,13 @@ const LEASE_BATCH: usize = 256;
 pub struct WorkerPool {
     store: DynStore,
     hub: Arc<Hub>,
-    upstreams: Upstreams,
+    /// Shared: the pool is cloned for every request (HTTP state) and attempt.
+    upstreams: Arc<Upstreams>,
     config: Arc<Config>,
     /// Woken when new work is recorded or a retry comes due.
     wake: Arc<Notify>,
     /// Prefix of lease owners: identifies this process in the log.
-    node: String,
+    node: Arc<str>,
     /// Group commit of stream chunks.
     chunks: ChunkWriter,
     /// Cancelled when the shutdown grace period is over: running attempts hand back (DU-5).
@@ -85,10 +86,10 @@ impl WorkerPool {
             chunks,
             store,
             hub,
-            upstreams,
+            upstreams: Arc::new(upstreams),
             config,
             wake,
-            node,
+            node: node.into(),
         }
     }
 
