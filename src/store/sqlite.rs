@@ -1238,7 +1238,10 @@ impl Store for SqliteStore {
             conn.prepare_cached("SELECT 1")?.query_row([], |_| Ok(()))?;
             Ok(())
         })
-        .await
+        .await?;
+        // The writer thread must be alive and able to take its lock, too: an empty job is a
+        // `BEGIN IMMEDIATE` / `COMMIT` with nothing to write (no fsync).
+        self.write(|_| Ok(())).await
     }
 }
 

@@ -57,10 +57,21 @@ pub enum CallError {
 #[derive(Debug, Clone)]
 pub struct Upstreams {
     client: reqwest::Client,
-    backends: HashMap<String, (Backend, Option<HeaderValue>)>,
+    /// Per backend name.
+    backends: HashMap<String, Target>,
     header_timeout: Duration,
     idle_timeout: Duration,
     max_response_bytes: usize,
+}
+
+/// One backend as calls need it.
+#[derive(Debug, Clone)]
+struct Target {
+    backend: Backend,
+    /// The key header's value, if the backend has a key.
+    key: Option<HeaderValue>,
+    /// The provider URL of every route, parsed once (parsing per call showed in profiles).
+    urls: Vec<(Route, reqwest::Url)>,
 }
 
 impl Upstreams {
@@ -98,7 +109,27 @@ impl Upstreams {
                 }
                 _ => None,
             };
-            backends.insert(b.name.clone(), (b.clone(), key));
+            let urls = Route::ALL
+                .into_iter()
+                .map(|route| {
+                    let url = format!(
+                        "{}{}",
+                        b.base_url.trim_end_matches('/'),
+                        route.upstream_path()
+                    );
+                    reqwest::Url::parse(&url)
+                        .map(|url| (route, url))
+                        .map_err(|e| anyhow::anyhow!("backends.{}: base_url {url:?}: {e}", b.name))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            backends.insert(
+                b.name.clone(),
+                Target {
+                    backend: b.clone(),
+                    key,
+                    urls,
+                },
+            );
         }
         Ok(Upstreams {
             client,
@@ -114,16 +145,16 @@ impl Upstreams {
     /// # Errors
     /// [`CallError`] when no response headers arrived.
     pub async fn send(&self, record: &RequestRecord) -> Result<reqwest::Response, CallError> {
-        let (backend, key) = self
+        let Target { backend, key, urls } = self
             .backends
             .get(&record.backend)
             .ok_or_else(|| CallError::UnknownBackend(record.backend.clone()))?;
         let route = Route::from_name(&record.route).unwrap_or(Route::OpenaiChat);
-        let url = format!(
-            "{}{}",
-            backend.base_url.trim_end_matches('/'),
-            route.upstream_path()
-        );
+        let url = urls
+            .iter()
+            .find(|(r, _)| *r == route)
+            .map(|(_, url)| url.clone())
+            .ok_or_else(|| CallError::UnknownBackend(record.backend.clone()))?;
         let mut headers = HeaderMap::new();
         headers.insert(
             reqwest::header::CONTENT_TYPE,
