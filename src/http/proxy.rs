@@ -26,8 +26,8 @@ use crate::hub::{HubEvent, Subscription};
 use crate::metrics as m;
 use crate::route::Route;
 use crate::store::{
-    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, failure_releases_claim,
-    now_ms,
+    ClaimKind, ErrorType, Lease, NewRequest, RequestRecord, Status, StoreError, Submitted,
+    failure_releases_claim, now_ms,
 };
 use crate::upstream::FORWARDED_HEADERS;
 
@@ -138,29 +138,9 @@ async fn admit_and_answer(
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
-    // A free worker here runs a new request at once: it is leased in the transaction that
-    // records it, saving the dispatcher's round trip. Without one, the dispatcher leases it.
-    let permit = state.workers.try_permit();
-    let submitted = match &permit {
-        Some(_) => {
-            let owner = state.workers.lease_owner();
-            state
-                .store
-                .submit_and_lease(new, &owner, state.workers.lease_ms())
-                .await
-        }
-        None => state.store.submit(new).await.map(|s| (s, None)),
-    };
+    let submitted = admit(state, new).await;
     let (record, replayed, fresh) = match submitted {
-        Ok((Submitted::Created(record), lease)) => {
-            match (lease, permit) {
-                (Some(lease), Some(permit)) => {
-                    state
-                        .workers
-                        .spawn_attempt(lease, (*record).clone(), permit);
-                }
-                _ => state.wake.notify_one(),
-            }
+        Ok((Submitted::Created(record), _)) => {
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "new")
                 .increment(1);
             (*record, false, Some(early))
@@ -215,6 +195,47 @@ async fn admit_and_answer(
     .await?;
     drop(held);
     Ok(answer(&record, replayed, route, &state.config))
+}
+
+/// Records `new` and sets it running: when this node has a free worker it is leased in the
+/// transaction that records it and its attempt starts here (saving the dispatcher's round
+/// trip); otherwise the dispatcher is woken to lease it.
+///
+/// Runs as a task of its own, so a client that goes away while the write waits in the queue
+/// cannot strand what the write commits: a request leased to an attempt that never starts
+/// would only move again when its lease expired, as a recovery that never happened (LC-9: a
+/// client disconnecting never cancels or delays execution).
+async fn admit(
+    state: &AppState,
+    new: NewRequest,
+) -> Result<(Submitted, Option<Lease>), StoreError> {
+    let (store, workers, wake) = (
+        state.store.clone(),
+        state.workers.clone(),
+        Arc::clone(&state.wake),
+    );
+    let admission = tokio::spawn(async move {
+        let submitted = match workers.try_permit() {
+            Some(permit) => {
+                let owner = workers.lease_owner();
+                let submitted = store
+                    .submit_and_lease(new, &owner, workers.lease_ms())
+                    .await;
+                if let Ok((Submitted::Created(record), Some(lease))) = &submitted {
+                    workers.spawn_attempt(lease.clone(), (**record).clone(), permit);
+                }
+                submitted
+            }
+            None => store.submit(new).await.map(|s| (s, None)),
+        };
+        if let Ok((Submitted::Created(_), None)) = &submitted {
+            wake.notify_one();
+        }
+        submitted
+    });
+    admission
+        .await
+        .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
 }
 
 /// The answer for a stream request (RS-1..RS-4): once the current attempt has stored its first

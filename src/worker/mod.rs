@@ -34,6 +34,8 @@ const PRUNE_EVERY: Duration = Duration::from_secs(60);
 const PRUNE_BATCH: i64 = 500;
 /// Most requests leased by one store call.
 const LEASE_BATCH: usize = 256;
+/// Tries of an attempt's outcome write before it is left to the lease's expiry.
+const FINISH_TRIES: u32 = 3;
 
 /// What a worker pool needs.
 #[derive(Clone)]
@@ -307,11 +309,25 @@ impl WorkerPool {
             Outcome::Retry { next_retry_at, .. } => Some(*next_retry_at),
             _ => None,
         };
-        match self
-            .store
-            .finish_read(&record.namespace, &lease, outcome, now_ms())
-            .await
-        {
+        // The provider has answered: losing the outcome now would cost a second provider call
+        // when the sweep re-runs the request, so a failed write is tried again (fenced, so a
+        // lease lost meanwhile makes it a no-op), as the chunk writer does.
+        let mut tries = 0;
+        let finished = loop {
+            tries += 1;
+            match self
+                .store
+                .finish_read(&record.namespace, &lease, outcome.clone(), now_ms())
+                .await
+            {
+                Err(e) if tries < FINISH_TRIES => {
+                    warn!(id = %lease.id, error = %e, tries, "could not record the outcome; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 * u64::from(tries))).await;
+                }
+                finished => break finished,
+            }
+        };
+        match finished {
             Ok(Some(settled)) => {
                 self.hub
                     .publish(lease.id, HubEvent::Settled(Arc::new(settled)));

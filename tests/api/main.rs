@@ -12,6 +12,7 @@ mod node;
 mod openapi;
 mod ops;
 mod proxy;
+mod sqlite_writer;
 mod store_conformance;
 mod streams;
 mod tenancy;
