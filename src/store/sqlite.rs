@@ -132,14 +132,17 @@ fn open_writer(path: &Path, synchronous: SqliteSynchronous) -> Result<Connection
         SqliteSynchronous::Full => "PRAGMA synchronous = FULL",
         SqliteSynchronous::Normal => "PRAGMA synchronous = NORMAL",
     })?;
-    // The checkpoint thread keeps the WAL short while writes pause now and then. Under writes
-    // that never pause, its PASSIVE rounds never catch up with the commits made meanwhile, and
-    // only a checkpoint run by the writer itself lets the WAL start over: SQLite's automatic
-    // one stays on as that safety net (without it the WAL grew to 700 MB in 4 s of load, test
-    // `the_wal_stays_bounded_while_writes_never_pause_du2`). After a burst the file is cut
-    // back to `journal_size_limit`.
+    // The checkpoint thread copies the WAL back while the writer goes on. Under writes that
+    // never pause its PASSIVE rounds never catch up with the commits made meanwhile, and only
+    // a checkpoint run by the writer itself lets the WAL start over: SQLite's automatic one
+    // stays on as that bound (without it the WAL grew to 700 MB in 4 s of load, test
+    // `the_wal_stays_bounded_while_writes_never_pause_du2`). At SQLite's default of 1,000
+    // pages it ran inside one commit in ~100 at concurrency 1 and showed as a 5 ms p99
+    // (docs/benchmarks.md); at 8,192 pages (32 MiB) it is rare, and the background rounds have
+    // already copied most of what it covers. After a burst the file is cut back to
+    // `journal_size_limit`.
     conn.execute_batch(
-        "PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 1000;
+        "PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 8192;
          PRAGMA journal_size_limit = 67108864",
     )?;
     migrate(&mut conn)?;
@@ -1588,9 +1591,10 @@ mod tests {
         let wal = size(&dir.path().join("t.db-wal"));
         let main = size(&db);
         eprintln!("{written} requests; database {main} bytes, WAL {wal} bytes");
-        // SQLite's own autocheckpoint keeps the WAL near 1000 pages (4 MB); allow 4x that.
+        // The writer's automatic checkpoint keeps the WAL near 8,192 pages (32 MiB); allow
+        // twice that (unbounded, it reached 700 MB here).
         assert!(
-            wal < 16 << 20,
+            wal < 64 << 20,
             "the WAL grew to {wal} bytes over {written} requests (database: {main} bytes)"
         );
     }
