@@ -496,10 +496,23 @@ pub trait Store: Send + Sync + 'static {
         lease_ms: i64,
     ) -> Result<bool, StoreError>;
 
-    /// Records the end of an attempt, fenced on the lease (LC-3). A terminal outcome appends the
-    /// `end` chunk (RD-5) in the same transaction; a terminal failure releases the claim as
-    /// [`failure_releases_claim`] says (ID-6). `false` when the lease was lost and
-    /// nothing was written.
+    /// Records the end of an attempt, fenced on the lease (LC-3), and returns the record as that
+    /// write left it — the worker hands it to this node's waiters, so they need not read it
+    /// back. A terminal outcome appends the `end` chunk (RD-5) in the same transaction; a
+    /// terminal failure releases the claim as [`failure_releases_claim`] says (ID-6). `None`
+    /// when the lease was lost and nothing was written.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails; then nothing was written.
+    async fn finish_read(
+        &self,
+        lease: &Lease,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError>;
+
+    /// [`Store::finish_read`] without the record: `false` when the lease was lost and nothing
+    /// was written.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails.
@@ -508,29 +521,8 @@ pub trait Store: Send + Sync + 'static {
         lease: &Lease,
         outcome: Outcome,
         now: Millis,
-    ) -> Result<bool, StoreError>;
-
-    /// [`Store::finish`], and the record as that write left it, so the worker can hand it to
-    /// this node's waiters instead of each reading it back. `None` when the lease was lost and
-    /// nothing was written.
-    ///
-    /// The default calls [`Store::finish`] and then [`Store::get`] (which may see a later
-    /// state, never an earlier one); adapters that can read inside the same transaction
-    /// override it.
-    ///
-    /// # Errors
-    /// [`StoreError`] when the database fails.
-    async fn finish_read(
-        &self,
-        namespace: &str,
-        lease: &Lease,
-        outcome: Outcome,
-        now: Millis,
-    ) -> Result<Option<RequestRecord>, StoreError> {
-        if !self.finish(lease, outcome, now).await? {
-            return Ok(None);
-        }
-        self.get(namespace, lease.id).await
+    ) -> Result<bool, StoreError> {
+        Ok(self.finish_read(lease, &outcome, now).await?.is_some())
     }
 
     /// Sends `running` requests whose lease expired before `now` back to `pending` with

@@ -113,120 +113,6 @@ const LEASE_EXPIRED_MESSAGE: &str =
 const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/<id>/cancel";
 
 impl PostgresStore {
-    /// [`Store::finish`] in one transaction: the record as the write left it, or `None` when
-    /// the lease was lost and nothing was written. One `UPDATE ... RETURNING` per outcome,
-    /// fenced on the lease (LC-3), reserves the `end` chunk's seq in the same statement (RD-5),
-    /// so what it returns is the final record and nothing is read back.
-    async fn finish_tx(
-        &self,
-        lease: &Lease,
-        outcome: &Outcome,
-        now: Millis,
-    ) -> Result<Option<RequestRecord>, StoreError> {
-        let id = lease.id;
-        let mut tx = self.pool.begin().await?;
-        let row = match outcome {
-            Outcome::Succeeded {
-                status,
-                body,
-                upstream_request_id,
-            } => {
-                sqlx::query(&format!(
-                    "UPDATE requests SET status = 'succeeded', response_status = $1,
-                         response_body = $2, upstream_request_id = $3, error_type = NULL,
-                         error_message = NULL, error_status = NULL, lease_owner = NULL,
-                         lease_expires_at = NULL, finished_at = $4, updated_at = $4,
-                         last_seq = last_seq + 1
-                     WHERE id = $5 AND lease_owner = $6 AND status = 'running'
-                     RETURNING {COLUMNS}"
-                ))
-                .bind(i32::from(*status))
-                .bind(body)
-                .bind(opt_text(upstream_request_id.as_deref()))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .fetch_optional(&mut *tx)
-                .await?
-            }
-            Outcome::Retry {
-                next_retry_at,
-                error,
-            } => {
-                sqlx::query(&format!(
-                    "UPDATE requests SET status = 'pending', next_retry_at = $1,
-                         error_type = $2, error_message = $3, error_status = $4,
-                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
-                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
-                     RETURNING {COLUMNS}"
-                ))
-                .bind(next_retry_at)
-                .bind(error.kind.as_str())
-                .bind(text(&error.message))
-                .bind(error.status.map(i32::from))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .fetch_optional(&mut *tx)
-                .await?
-            }
-            Outcome::Failed {
-                error,
-                response,
-                upstream_request_id,
-            } => {
-                sqlx::query(&format!(
-                    "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
-                         error_status = $3, response_status = $4, response_body = $5,
-                         upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = $7, updated_at = $7, last_seq = last_seq + 1
-                     WHERE id = $8 AND lease_owner = $9 AND status = 'running'
-                     RETURNING {COLUMNS}"
-                ))
-                .bind(error.kind.as_str())
-                .bind(text(&error.message))
-                .bind(error.status.map(i32::from))
-                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
-                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
-                .bind(opt_text(upstream_request_id.as_deref()))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .fetch_optional(&mut *tx)
-                .await?
-            }
-        };
-        let Some(row) = row else {
-            tx.commit().await?;
-            return Ok(None);
-        };
-        let record = record_from_row(&row)?;
-        let end = match outcome {
-            Outcome::Succeeded { .. } => Some(end_data(Status::Succeeded, None)),
-            Outcome::Failed { error, .. } => {
-                release_claims(&mut tx, id, record.claim, error.kind).await?;
-                Some(end_data(Status::Failed, record.error.as_ref()))
-            }
-            Outcome::Retry { .. } => None,
-        };
-        if let Some(end) = end {
-            let attempt = i32::try_from(record.attempts).map_err(corrupt)?;
-            sqlx::query(
-                "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-                 VALUES ($1, $2, $3, 'end', NULL, $4)",
-            )
-            .bind(id)
-            .bind(record.last_seq)
-            .bind(attempt)
-            .bind(text(&end))
-            .execute(&mut *tx)
-            .await?;
-        }
-        self.notify_changed(&mut tx, &[id]).await?;
-        tx.commit().await?;
-        Ok(Some(record))
-    }
-
     /// [`Store::submit`]; with `lease` (owner, lease length) a created request is inserted
     /// already leased ([`Store::submit_and_lease`]) and no other node is woken for it.
     async fn submit_with(
@@ -680,26 +566,117 @@ impl Store for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn finish(
-        &self,
-        lease: &Lease,
-        outcome: Outcome,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
-        Ok(self.finish_tx(lease, &outcome, now).await?.is_some())
-    }
-
+    // One transaction. One `UPDATE ... RETURNING` per outcome,
+    // fenced on the lease (LC-3), reserves the `end` chunk's seq in the same statement (RD-5),
+    // so what it returns is the final record and nothing is read back.
     async fn finish_read(
         &self,
-        namespace: &str,
         lease: &Lease,
-        outcome: Outcome,
+        outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        Ok(self
-            .finish_tx(lease, &outcome, now)
-            .await?
-            .filter(|r| r.namespace == namespace))
+        let id = lease.id;
+        let mut tx = self.pool.begin().await?;
+        let row = match outcome {
+            Outcome::Succeeded {
+                status,
+                body,
+                upstream_request_id,
+            } => {
+                sqlx::query(&format!(
+                    "UPDATE requests SET status = 'succeeded', response_status = $1,
+                         response_body = $2, upstream_request_id = $3, error_type = NULL,
+                         error_message = NULL, error_status = NULL, lease_owner = NULL,
+                         lease_expires_at = NULL, finished_at = $4, updated_at = $4,
+                         last_seq = last_seq + 1
+                     WHERE id = $5 AND lease_owner = $6 AND status = 'running'
+                     RETURNING {COLUMNS}"
+                ))
+                .bind(i32::from(*status))
+                .bind(body)
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            Outcome::Retry {
+                next_retry_at,
+                error,
+            } => {
+                sqlx::query(&format!(
+                    "UPDATE requests SET status = 'pending', next_retry_at = $1,
+                         error_type = $2, error_message = $3, error_status = $4,
+                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
+                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
+                     RETURNING {COLUMNS}"
+                ))
+                .bind(next_retry_at)
+                .bind(error.kind.as_str())
+                .bind(text(&error.message))
+                .bind(error.status.map(i32::from))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+            Outcome::Failed {
+                error,
+                response,
+                upstream_request_id,
+            } => {
+                sqlx::query(&format!(
+                    "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
+                         error_status = $3, response_status = $4, response_body = $5,
+                         upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
+                         finished_at = $7, updated_at = $7, last_seq = last_seq + 1
+                     WHERE id = $8 AND lease_owner = $9 AND status = 'running'
+                     RETURNING {COLUMNS}"
+                ))
+                .bind(error.kind.as_str())
+                .bind(text(&error.message))
+                .bind(error.status.map(i32::from))
+                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
+                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
+        };
+        let Some(row) = row else {
+            tx.commit().await?;
+            return Ok(None);
+        };
+        let record = record_from_row(&row)?;
+        let end = match outcome {
+            Outcome::Succeeded { .. } => Some(end_data(Status::Succeeded, None)),
+            Outcome::Failed { error, .. } => {
+                release_claims(&mut tx, id, record.claim, error.kind).await?;
+                Some(end_data(Status::Failed, record.error.as_ref()))
+            }
+            Outcome::Retry { .. } => None,
+        };
+        if let Some(end) = end {
+            let attempt = i32::try_from(record.attempts).map_err(corrupt)?;
+            sqlx::query(
+                "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+                 VALUES ($1, $2, $3, 'end', NULL, $4)",
+            )
+            .bind(id)
+            .bind(record.last_seq)
+            .bind(attempt)
+            .bind(text(&end))
+            .execute(&mut *tx)
+            .await?;
+        }
+        self.notify_changed(&mut tx, &[id]).await?;
+        tx.commit().await?;
+        Ok(Some(record))
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {

@@ -681,7 +681,7 @@ fn submit_in(
     Ok((Submitted::Attached(Box::new(record)), None))
 }
 
-/// [`Store::finish`] inside the writer's transaction: the record as the write left it, or
+/// [`Store::finish_read`] inside the writer's transaction: the record as the write left it, or
 /// `None` when the lease was lost and nothing was written.
 ///
 /// One `UPDATE ... RETURNING` per outcome, fenced on the lease (LC-3): a terminal outcome
@@ -1097,30 +1097,15 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn finish(
-        &self,
-        lease: &Lease,
-        outcome: Outcome,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
-        let lease = lease.clone();
-        self.write(move |conn| Ok(finish_in(conn, &lease, &outcome, now)?.is_some()))
-            .await
-    }
-
     async fn finish_read(
         &self,
-        namespace: &str,
         lease: &Lease,
-        outcome: Outcome,
+        outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let lease = lease.clone();
-        let namespace = namespace.to_string();
-        self.write(move |conn| {
-            Ok(finish_in(conn, &lease, &outcome, now)?.filter(|r| r.namespace == namespace))
-        })
-        .await
+        let (lease, outcome) = (lease.clone(), outcome.clone());
+        self.write(move |conn| finish_in(conn, &lease, &outcome, now))
+            .await
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {

@@ -315,11 +315,7 @@ impl WorkerPool {
         let mut tries = 0;
         let finished = loop {
             tries += 1;
-            match self
-                .store
-                .finish_read(&record.namespace, &lease, outcome.clone(), now_ms())
-                .await
-            {
+            match self.store.finish_read(&lease, &outcome, now_ms()).await {
                 Err(e) if tries < FINISH_TRIES => {
                     warn!(id = %lease.id, error = %e, tries, "could not record the outcome; retrying");
                     tokio::time::sleep(Duration::from_millis(50 * u64::from(tries))).await;

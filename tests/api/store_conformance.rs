@@ -1266,7 +1266,7 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
     let ok = create(&store, by_hash("finish_read ok", T0)).await;
     let (l, _) = lease_at(&store, "node/a", T0).await;
     let settled = store
-        .finish_read(NS, &l, succeeded(), T0 + 1)
+        .finish_read(&l, &succeeded(), T0 + 1)
         .await
         .expect("finish_read")
         .expect("lease held");
@@ -1276,7 +1276,7 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
     // The same lease again is fenced out (LC-3): nothing written, nothing returned.
     assert!(
         store
-            .finish_read(NS, &l, succeeded(), T0 + 2)
+            .finish_read(&l, &succeeded(), T0 + 2)
             .await
             .expect("finish_read")
             .is_none()
@@ -1290,7 +1290,7 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
         error: error(ErrorType::AttemptsExhausted, Some(503)),
     };
     let settled = store
-        .finish_read(NS, &l, retry, T0 + 11)
+        .finish_read(&l, &retry, T0 + 11)
         .await
         .expect("finish_read")
         .expect("lease held");
