@@ -9,6 +9,18 @@
 //!
 //! All timestamps are milliseconds since the Unix epoch ([`Millis`]).
 
+/// The columns of a [`RequestRecord`], in the order both adapters' `record_from_row` read them.
+/// A macro, so the statements that name them are `concat!`ed at compile time instead of
+/// formatted on every call (they run per request).
+macro_rules! request_columns {
+    () => {
+        "id, namespace, route, backend, model, stream, body, headers, claim_kind, status, \
+         attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
+         response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
+         updated_at, finished_at"
+    };
+}
+
 pub mod postgres;
 pub mod sqlite;
 

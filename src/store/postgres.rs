@@ -100,11 +100,6 @@ pub struct PostgresStore {
     origin: String,
 }
 
-const COLUMNS: &str = "id, namespace, route, backend, model, stream, body, headers, claim_kind, \
-    status, attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
-    response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, updated_at, \
-    finished_at";
-
 /// `error_message` of a request whose last lease expired with no attempts left (LC-4).
 const LEASE_EXPIRED_MESSAGE: &str =
     "the worker running the last attempt stopped renewing its lease and no attempts are left";
@@ -149,14 +144,15 @@ impl PostgresStore {
                 Some((owner, lease_ms)) => (Some(owner), Some(new.now + lease_ms)),
                 None => (None, None),
             };
-            let row = sqlx::query(&format!(
+            let row = sqlx::query(concat!(
                 "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
                      hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
                      next_retry_at, created_at, updated_at)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
                      CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
                      CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11)
-                 RETURNING {COLUMNS}"
+                 RETURNING ",
+                request_columns!()
             ))
             .bind(new.id)
             .bind(&new.namespace)
@@ -327,10 +323,14 @@ impl PostgresStore {
         tx: &mut Transaction<'_, Postgres>,
         id: Uuid,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM requests WHERE id = $1"))
-            .bind(id)
-            .fetch_optional(&mut **tx)
-            .await?;
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            request_columns!(),
+            " FROM requests WHERE id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&mut **tx)
+        .await?;
         row.as_ref().map(record_from_row).transpose()
     }
 }
@@ -506,8 +506,10 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM requests WHERE id = $1 AND namespace = $2"
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            request_columns!(),
+            " FROM requests WHERE id = $1 AND namespace = $2"
         ))
         .bind(id)
         .bind(namespace)
@@ -524,14 +526,15 @@ impl Store for PostgresStore {
     ) -> Result<Option<(Lease, RequestRecord)>, StoreError> {
         // One statement (LC-2). SKIP LOCKED: a row another leaser is taking is passed over, and
         // a row that stopped being due after our snapshot is re-checked and skipped.
-        let row = sqlx::query(&format!(
+        let row = sqlx::query(concat!(
             "UPDATE requests SET status = 'running', attempts = attempts + 1,
                  lease_owner = $1, lease_expires_at = $2, updated_at = $3
              WHERE id = (SELECT id FROM requests
                          WHERE status = 'pending' AND next_retry_at <= $3
                          ORDER BY next_retry_at, id LIMIT 1
                          FOR UPDATE SKIP LOCKED)
-             RETURNING {COLUMNS}"
+             RETURNING ",
+            request_columns!()
         ))
         .bind(owner)
         .bind(now + lease_ms)
@@ -583,14 +586,15 @@ impl Store for PostgresStore {
                 body,
                 upstream_request_id,
             } => {
-                sqlx::query(&format!(
+                sqlx::query(concat!(
                     "UPDATE requests SET status = 'succeeded', response_status = $1,
                          response_body = $2, upstream_request_id = $3, error_type = NULL,
                          error_message = NULL, error_status = NULL, lease_owner = NULL,
                          lease_expires_at = NULL, finished_at = $4, updated_at = $4,
                          last_seq = last_seq + 1
                      WHERE id = $5 AND lease_owner = $6 AND status = 'running'
-                     RETURNING {COLUMNS}"
+                     RETURNING ",
+                    request_columns!()
                 ))
                 .bind(i32::from(*status))
                 .bind(body)
@@ -605,12 +609,13 @@ impl Store for PostgresStore {
                 next_retry_at,
                 error,
             } => {
-                sqlx::query(&format!(
+                sqlx::query(concat!(
                     "UPDATE requests SET status = 'pending', next_retry_at = $1,
                          error_type = $2, error_message = $3, error_status = $4,
                          lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
                      WHERE id = $6 AND lease_owner = $7 AND status = 'running'
-                     RETURNING {COLUMNS}"
+                     RETURNING ",
+                    request_columns!()
                 ))
                 .bind(next_retry_at)
                 .bind(error.kind.as_str())
@@ -627,13 +632,14 @@ impl Store for PostgresStore {
                 response,
                 upstream_request_id,
             } => {
-                sqlx::query(&format!(
+                sqlx::query(concat!(
                     "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
                          error_status = $3, response_status = $4, response_body = $5,
                          upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
                          finished_at = $7, updated_at = $7, last_seq = last_seq + 1
                      WHERE id = $8 AND lease_owner = $9 AND status = 'running'
-                     RETURNING {COLUMNS}"
+                     RETURNING ",
+                    request_columns!()
                 ))
                 .bind(error.kind.as_str())
                 .bind(text(&error.message))
@@ -892,8 +898,10 @@ impl Store for PostgresStore {
         before: Option<Uuid>,
         limit: i64,
     ) -> Result<Vec<RequestRecord>, StoreError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM requests
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            request_columns!(),
+            " FROM requests
              WHERE namespace = $1 AND ($2::text IS NULL OR status = $2)
                  AND ($3::uuid IS NULL OR id < $3)
              ORDER BY id DESC LIMIT $4"

@@ -3,7 +3,7 @@
 //!
 //! **Writes.** Every write method becomes a job for one dedicated thread that owns the only
 //! writing connection. The thread takes every job queued at that moment (up to
-//! [`MAX_JOBS_PER_COMMIT`]), runs each inside its own `SAVEPOINT` of one `BEGIN IMMEDIATE`
+//! 1,024), runs each inside its own `SAVEPOINT` of one `BEGIN IMMEDIATE`
 //! transaction, commits once, and only then answers the callers. So:
 //! - SQLite's single-writer rule never shows up as `SQLITE_BUSY`, and every job is atomic with
 //!   respect to every other: the claim (an upsert on the `claims` primary key, ID-7) and the
@@ -19,7 +19,7 @@
 //!
 //! **Checkpoints.** SQLite's automatic WAL checkpoint runs inside whichever commit crosses the
 //! threshold, so a request now and then pays for copying the WAL back into the database. A
-//! background thread runs `PRAGMA wal_checkpoint(PASSIVE)` every [`CHECKPOINT_EVERY`], beside
+//! background thread runs `PRAGMA wal_checkpoint(PASSIVE)` every 500 ms, beside
 //! the writer rather than in its way, so under ordinary load the WAL never reaches that
 //! threshold; under writes that never pause the automatic checkpoint still bounds it.
 //!
@@ -84,11 +84,6 @@ impl std::fmt::Debug for SqliteStore {
             .finish_non_exhaustive()
     }
 }
-
-const COLUMNS: &str = "id, namespace, route, backend, model, stream, body, headers, claim_kind, \
-    status, attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
-    response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, updated_at, \
-    finished_at";
 
 /// The file a `sqlite://PATH` or `sqlite:PATH` URL names. A query string (sqlx-style options)
 /// is ignored; in-memory databases are refused, since the log must outlive the process (DU-1).
@@ -423,7 +418,7 @@ fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(what.to_string())
 }
 
-/// Reads a [`RequestRecord`] from `row`, whose columns from `at` on are [`COLUMNS`].
+/// Reads a [`RequestRecord`] from `row`, whose columns from `at` on are `request_columns!()` (`store/mod.rs`).
 fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError> {
     let id: String = row.get(at)?;
     let status: String = row.get(at + 9)?;
@@ -470,7 +465,11 @@ fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError
 
 /// Reads request `id`, any namespace.
 fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-    let mut stmt = conn.prepare_cached(&format!("SELECT {COLUMNS} FROM requests WHERE id = ?1"))?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT ",
+        request_columns!(),
+        " FROM requests WHERE id = ?1"
+    ))?;
     let mut rows = stmt.query(params![id])?;
     match rows.next()? {
         Some(row) => Ok(Some(record_from_row(row, 0)?)),
@@ -708,14 +707,15 @@ fn finish_in(
             body,
             upstream_request_id,
         } => returning(
-            &format!(
+            concat!(
                 "UPDATE requests SET status = 'succeeded', response_status = ?1,
                      response_body = ?2, upstream_request_id = ?3, error_type = NULL,
                      error_message = NULL, error_status = NULL, lease_owner = NULL,
                      lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
                      last_seq = last_seq + 1
                  WHERE id = ?5 AND lease_owner = ?6
-                 RETURNING {COLUMNS}"
+                 RETURNING ",
+                request_columns!()
             ),
             params![
                 i64::from(*status),
@@ -730,12 +730,13 @@ fn finish_in(
             next_retry_at,
             error,
         } => returning(
-            &format!(
+            concat!(
                 "UPDATE requests SET status = 'pending', next_retry_at = ?1,
                      error_type = ?2, error_message = ?3, error_status = ?4,
                      lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
                  WHERE id = ?6 AND lease_owner = ?7
-                 RETURNING {COLUMNS}"
+                 RETURNING ",
+                request_columns!()
             ),
             params![
                 next_retry_at,
@@ -752,13 +753,14 @@ fn finish_in(
             response,
             upstream_request_id,
         } => returning(
-            &format!(
+            concat!(
                 "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
                      error_status = ?3, response_status = ?4, response_body = ?5,
                      upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
                      finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1
                  WHERE id = ?8 AND lease_owner = ?9
-                 RETURNING {COLUMNS}"
+                 RETURNING ",
+                request_columns!()
             ),
             params![
                 error.kind.as_str(),
@@ -1018,13 +1020,14 @@ impl Store for SqliteStore {
     ) -> Result<Option<(Lease, RequestRecord)>, StoreError> {
         let owner = owner.to_string();
         self.write(move |conn| {
-            let mut stmt = conn.prepare_cached(&format!(
+            let mut stmt = conn.prepare_cached(concat!(
                 "UPDATE requests SET status = 'running', attempts = attempts + 1,
                      lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
                  WHERE id = (SELECT id FROM requests
                              WHERE status = 'pending' AND next_retry_at <= ?3
                              ORDER BY next_retry_at, id LIMIT 1)
-                 RETURNING {COLUMNS}"
+                 RETURNING ",
+                request_columns!()
             ))?;
             let mut rows = stmt.query(params![owner, now + lease_ms, now])?;
             let Some(row) = rows.next()? else {
@@ -1052,13 +1055,14 @@ impl Store for SqliteStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         self.write(move |conn| {
             // One statement on the only writer: atomic like `lease`, for up to `limit` rows.
-            let mut stmt = conn.prepare_cached(&format!(
+            let mut stmt = conn.prepare_cached(concat!(
                 "UPDATE requests SET status = 'running', attempts = attempts + 1,
                      lease_owner = ?1 || '/' || id, lease_expires_at = ?2, updated_at = ?3
                  WHERE id IN (SELECT id FROM requests
                               WHERE status = 'pending' AND next_retry_at <= ?3
                               ORDER BY next_retry_at, id LIMIT ?4)
-                 RETURNING lease_owner, {COLUMNS}"
+                 RETURNING lease_owner, ",
+                request_columns!()
             ))?;
             let mut rows = stmt.query(params![owner_prefix, now + lease_ms, now, limit])?;
             let mut leased = Vec::new();
@@ -1176,8 +1180,10 @@ impl Store for SqliteStore {
     ) -> Result<Vec<RequestRecord>, StoreError> {
         let namespace = namespace.to_string();
         self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM requests
+            let mut stmt = conn.prepare_cached(concat!(
+                "SELECT ",
+                request_columns!(),
+                " FROM requests
                  WHERE namespace = ?1 AND (?2 IS NULL OR status = ?2) AND (?3 IS NULL OR id < ?3)
                  ORDER BY id DESC LIMIT ?4"
             ))?;
