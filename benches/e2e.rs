@@ -163,6 +163,19 @@ impl Results {
         self.add_n(metric, target, unit, value, None);
     }
 
+    /// The p50 and p99 of `sorted` (milliseconds) as two measurements named `p50` and `p99`.
+    fn add_median_and_p99(
+        &mut self,
+        p50: &'static str,
+        p99: &'static str,
+        target: &str,
+        sorted: &[f64],
+        n: Option<usize>,
+    ) {
+        self.add_n(p50, target, "ms", percentile(sorted, 50.0), n);
+        self.add_n(p99, target, "ms", percentile(sorted, 99.0), n);
+    }
+
     fn add_n(
         &mut self,
         metric: &'static str,
@@ -883,18 +896,11 @@ async fn nonstream_rows(
     )
     .await?;
     let ms = sorted_ms(&samples);
-    results.add_n(
+    results.add_median_and_p99(
         "non-stream c=1 p50",
-        target,
-        "ms",
-        percentile(&ms, 50.0),
-        Some(ms.len()),
-    );
-    results.add_n(
         "non-stream c=1 p99",
         target,
-        "ms",
-        percentile(&ms, 99.0),
+        &ms,
         Some(ms.len()),
     );
 
@@ -974,33 +980,19 @@ async fn stream_rows(
     let first = sorted_ms(&s.first);
     let gaps = sorted_ms(&s.gaps);
     let n = Some(first.len());
-    results.add_n(
+    results.add_median_and_p99(
         "stream first event p50",
-        target,
-        "ms",
-        percentile(&first, 50.0),
-        n,
-    );
-    results.add_n(
         "stream first event p99",
         target,
-        "ms",
-        percentile(&first, 99.0),
+        &first,
         n,
     );
     let g = Some(gaps.len());
-    results.add_n(
+    results.add_median_and_p99(
         "stream inter-event gap p50",
-        target,
-        "ms",
-        percentile(&gaps, 50.0),
-        g,
-    );
-    results.add_n(
         "stream inter-event gap p99",
         target,
-        "ms",
-        percentile(&gaps, 99.0),
+        &gaps,
         g,
     );
     results.add_n(
@@ -1040,18 +1032,11 @@ async fn replay_rows(
         samples.push(a.elapsed);
     }
     let ms = sorted_ms(&samples);
-    results.add_n(
+    results.add_median_and_p99(
         "replay c=1 p50",
-        target,
-        "ms",
-        percentile(&ms, 50.0),
-        Some(ms.len()),
-    );
-    results.add_n(
         "replay c=1 p99",
         target,
-        "ms",
-        percentile(&ms, 99.0),
+        &ms,
         Some(ms.len()),
     );
     let (nonce, label2) = (nonce.to_string(), label.clone());
@@ -1130,20 +1115,7 @@ async fn storm_row(
         Some(counts.storm),
     );
     let ms = sorted_ms(&latencies);
-    results.add_n(
-        "storm p50",
-        target,
-        "ms",
-        percentile(&ms, 50.0),
-        Some(ms.len()),
-    );
-    results.add_n(
-        "storm p99",
-        target,
-        "ms",
-        percentile(&ms, 99.0),
-        Some(ms.len()),
-    );
+    results.add_median_and_p99("storm p50", "storm p99", target, &ms, Some(ms.len()));
     results.add("storm wall time", target, "ms", wall.as_secs_f64() * 1e3);
     if target.starts_with("holdfast") {
         results.add(
@@ -1260,18 +1232,11 @@ async fn many_streams_row(
         Some(gaps.len()),
     );
     let firsts = sorted_ms(&firsts);
-    results.add_n(
+    results.add_median_and_p99(
         "1k streams first event p50",
-        target,
-        "ms",
-        percentile(&firsts, 50.0),
-        Some(firsts.len()),
-    );
-    results.add_n(
         "1k streams first event p99",
         target,
-        "ms",
-        percentile(&firsts, 99.0),
+        &firsts,
         Some(firsts.len()),
     );
     let totals = sorted_ms(&totals);
