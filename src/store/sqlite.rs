@@ -1275,6 +1275,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn in_memory_and_pathless_urls_are_refused_du1() {
+        for url in [
+            "sqlite::memory:",
+            "sqlite://:memory:",
+            "sqlite://",
+            "sqlite:?mode=rwc",
+        ] {
+            let err = SqliteStore::open(url, SqliteSynchronous::Full)
+                .await
+                .map(|_| ())
+                .expect_err(url);
+            assert!(
+                err.to_string().contains("needs a file path"),
+                "{url}: {err}"
+            );
+        }
+    }
+
+    #[tokio::test]
     async fn created_record_matches_the_row_lease_many_takes_each_due_request_once_and_one_commit_fences_each_batch_lc2_lc3()
      {
         let dir = tempfile::tempdir().expect("tempdir");
