@@ -26,7 +26,7 @@ use crate::hub::{HubEvent, Subscription};
 use crate::metrics as m;
 use crate::route::Route;
 use crate::store::{
-    ClaimKind, ErrorType, Lease, NewRequest, RequestRecord, Status, StoreError, Submitted,
+    ClaimKind, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Status, StoreError, Submitted,
     failure_releases_claim, now_ms,
 };
 use crate::upstream::FORWARDED_HEADERS;
@@ -215,19 +215,17 @@ async fn admit(
         Arc::clone(&state.wake),
     );
     let admission = tokio::spawn(async move {
-        let submitted = match workers.try_permit() {
-            Some(permit) => {
-                let owner = workers.lease_owner();
-                let submitted = store
-                    .submit_and_lease(new, &owner, workers.lease_ms())
-                    .await;
-                if let Ok((Submitted::Created(record), Some(lease))) = &submitted {
-                    workers.spawn_attempt(lease.clone(), (**record).clone(), permit);
-                }
-                submitted
-            }
-            None => store.submit(new).await.map(|s| (s, None)),
-        };
+        let permit = workers.try_permit();
+        let owner = permit.as_ref().map(|_| workers.lease_owner());
+        let lease = owner.as_deref().map(|owner| LeaseTo {
+            owner,
+            lease_ms: workers.lease_ms(),
+        });
+        let submitted = store.submit_and_lease(new, lease).await;
+        if let (Ok((Submitted::Created(record), Some(lease))), Some(permit)) = (&submitted, permit)
+        {
+            workers.spawn_attempt(lease.clone(), (**record).clone(), permit);
+        }
         if let Ok((Submitted::Created(_), None)) = &submitted {
             wake.notify_one();
         }

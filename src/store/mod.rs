@@ -351,6 +351,15 @@ pub struct Lease {
     pub attempt: u32,
 }
 
+/// The lease [`Store::submit_and_lease`] takes on a request it creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTo<'a> {
+    /// Lease owner, unique to the attempt (LC-3).
+    pub owner: &'a str,
+    /// Lease length in milliseconds.
+    pub lease_ms: i64,
+}
+
 /// What a worker reports at the end of an attempt.
 #[derive(Debug, Clone)]
 pub enum Outcome {
@@ -422,30 +431,27 @@ pub trait Store: Send + Sync + 'static {
     /// (ID-7). An expired claim is taken over. A keyed claim whose stored fingerprint differs
     /// from `new.hash` gives [`Submitted::KeyMismatch`].
     ///
-    /// # Errors
-    /// [`StoreError::Database`] when the database is unavailable; nothing is recorded then.
-    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError>;
-
-    /// [`Store::submit`], and when that creates the request, leases it in the same transaction
-    /// to `owner` for `lease_ms` (LC-2: `running`, `attempts = 1`): the node that accepted a
-    /// request and has a free worker runs it without a round trip through the dispatcher. The
-    /// lease comes back only with [`Submitted::Created`]; a submission that attaches or
-    /// mismatches leases nothing. A request leased this way skips ahead of older due ones —
-    /// only ever when this node has a free worker, which the dispatcher would otherwise have
-    /// used for them already.
-    ///
-    /// The default submits without leasing (the dispatcher then leases the request as usual).
+    /// With `lease`, a request this call creates is leased in the same transaction (LC-2:
+    /// `running`, `attempts = 1`): the node that accepted it and has a free worker runs it
+    /// without a round trip through the dispatcher. The lease comes back only with
+    /// [`Submitted::Created`]; a submission that attaches or mismatches leases nothing. A request
+    /// leased this way skips ahead of older due ones — only ever when this node has a free
+    /// worker, which the dispatcher would otherwise have used for them already.
     ///
     /// # Errors
-    /// As [`Store::submit`]; nothing is recorded then.
+    /// [`StoreError`] when the database is unavailable; nothing is recorded then.
     async fn submit_and_lease(
         &self,
         new: NewRequest,
-        owner: &str,
-        lease_ms: i64,
-    ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        let _ = (owner, lease_ms);
-        Ok((self.submit(new).await?, None))
+        lease: Option<LeaseTo<'_>>,
+    ) -> Result<(Submitted, Option<Lease>), StoreError>;
+
+    /// [`Store::submit_and_lease`] without a lease: the dispatcher leases the request.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database is unavailable; nothing is recorded then.
+    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+        Ok(self.submit_and_lease(new, None).await?.0)
     }
 
     /// Reads one request of `namespace`. Another namespace's id reads as `None`.

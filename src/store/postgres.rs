@@ -70,8 +70,8 @@ use uuid::Uuid;
 use crate::hub::{Hub, HubEvent};
 
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
-    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, LeaseTo, Millis,
+    NewRequest, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
     failure_releases_claim,
 };
 
@@ -108,101 +108,6 @@ const LEASE_EXPIRED_MESSAGE: &str =
 const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/<id>/cancel";
 
 impl PostgresStore {
-    /// [`Store::submit`]; with `lease` (owner, lease length) a created request is inserted
-    /// already leased ([`Store::submit_and_lease`]) and no other node is woken for it.
-    async fn submit_with(
-        &self,
-        new: NewRequest,
-        lease: Option<(&str, i64)>,
-    ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        let mut tx = self.pool.begin().await?;
-        // Inserts our claim, takes over an expired one, or leaves a live one untouched (locked)
-        // and returns no row. A concurrent uncommitted insert of the same claim makes this wait
-        // and then see the committed row: the loser gets no row, never a unique violation.
-        let won: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (namespace, claim_key) DO UPDATE SET
-                 kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
-                 fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
-             WHERE claims.expires_at <= $7
-             RETURNING request_id",
-        )
-        .bind(&new.namespace)
-        .bind(&new.claim_key)
-        .bind(new.claim.as_str())
-        .bind(new.id)
-        .bind(&new.hash[..])
-        .bind(new.claim_expires_at)
-        .bind(new.now)
-        .fetch_optional(&mut *tx)
-        .await?;
-
-        if won == Some(new.id) {
-            let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
-            let (owner, expires_at) = match lease {
-                Some((owner, lease_ms)) => (Some(owner), Some(new.now + lease_ms)),
-                None => (None, None),
-            };
-            let row = sqlx::query(concat!(
-                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
-                     hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-                     next_retry_at, created_at, updated_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                     CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
-                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11)
-                 RETURNING ",
-                request_columns!()
-            ))
-            .bind(new.id)
-            .bind(&new.namespace)
-            .bind(&new.route)
-            .bind(&new.backend)
-            .bind(opt_text(new.model.as_deref()))
-            .bind(new.stream)
-            .bind(&new.body)
-            .bind(headers)
-            .bind(&new.hash[..])
-            .bind(new.claim.as_str())
-            .bind(new.now)
-            .bind(owner)
-            .bind(expires_at)
-            .fetch_one(&mut *tx)
-            .await?;
-            let record = record_from_row(&row)?;
-            if owner.is_none() {
-                self.notify_work(&mut tx).await?;
-            }
-            tx.commit().await?;
-            let lease = owner.map(|owner| Lease {
-                id: record.id,
-                owner: owner.to_string(),
-                attempt: record.attempts,
-            });
-            return Ok((Submitted::Created(Box::new(record)), lease));
-        }
-
-        // A fresh statement (READ COMMITTED: a fresh snapshot) sees the committed live claim,
-        // which our upsert locked, so it is still there.
-        let (existing, fingerprint): (Uuid, Vec<u8>) = sqlx::query_as(
-            "SELECT request_id, fingerprint FROM claims WHERE namespace = $1 AND claim_key = $2",
-        )
-        .bind(&new.namespace)
-        .bind(&new.claim_key)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| corrupt("a live claim vanished while locked"))?;
-        if fingerprint != new.hash {
-            tx.commit().await?;
-            return Ok((Submitted::KeyMismatch { existing }, None));
-        }
-        let record = Self::fetch_in(&mut tx, existing)
-            .await?
-            .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
-        tx.commit().await?;
-        Ok((Submitted::Attached(Box::new(record)), None))
-    }
-
     /// Connects to `url` (`postgres://` or `postgresql://`) with a pool of
     /// [`DEFAULT_MAX_CONNECTIONS`] and applies the migrations in `migrations/postgres`.
     ///
@@ -492,17 +397,98 @@ impl Store for PostgresStore {
         }
     }
 
-    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
-        Ok(self.submit_with(new, None).await?.0)
-    }
-
     async fn submit_and_lease(
         &self,
         new: NewRequest,
-        owner: &str,
-        lease_ms: i64,
+        lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        self.submit_with(new, Some((owner, lease_ms))).await
+        // A request leased here is run by this node: no other node is woken for it.
+        let mut tx = self.pool.begin().await?;
+        // Inserts our claim, takes over an expired one, or leaves a live one untouched (locked)
+        // and returns no row. A concurrent uncommitted insert of the same claim makes this wait
+        // and then see the committed row: the loser gets no row, never a unique violation.
+        let won: Option<Uuid> = sqlx::query_scalar(
+            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (namespace, claim_key) DO UPDATE SET
+                 kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
+                 fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
+             WHERE claims.expires_at <= $7
+             RETURNING request_id",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .bind(new.claim.as_str())
+        .bind(new.id)
+        .bind(&new.hash[..])
+        .bind(new.claim_expires_at)
+        .bind(new.now)
+        .fetch_optional(&mut *tx)
+        .await?;
+
+        if won == Some(new.id) {
+            let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+            let (owner, expires_at) = match lease {
+                Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
+                None => (None, None),
+            };
+            let row = sqlx::query(concat!(
+                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+                     hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+                     next_retry_at, created_at, updated_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                     CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
+                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11)
+                 RETURNING ",
+                request_columns!()
+            ))
+            .bind(new.id)
+            .bind(&new.namespace)
+            .bind(&new.route)
+            .bind(&new.backend)
+            .bind(opt_text(new.model.as_deref()))
+            .bind(new.stream)
+            .bind(&new.body)
+            .bind(headers)
+            .bind(&new.hash[..])
+            .bind(new.claim.as_str())
+            .bind(new.now)
+            .bind(owner)
+            .bind(expires_at)
+            .fetch_one(&mut *tx)
+            .await?;
+            let record = record_from_row(&row)?;
+            if owner.is_none() {
+                self.notify_work(&mut tx).await?;
+            }
+            tx.commit().await?;
+            let lease = owner.map(|owner| Lease {
+                id: record.id,
+                owner: owner.to_string(),
+                attempt: record.attempts,
+            });
+            return Ok((Submitted::Created(Box::new(record)), lease));
+        }
+
+        // A fresh statement (READ COMMITTED: a fresh snapshot) sees the committed live claim,
+        // which our upsert locked, so it is still there.
+        let (existing, fingerprint): (Uuid, Vec<u8>) = sqlx::query_as(
+            "SELECT request_id, fingerprint FROM claims WHERE namespace = $1 AND claim_key = $2",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or_else(|| corrupt("a live claim vanished while locked"))?;
+        if fingerprint != new.hash {
+            tx.commit().await?;
+            return Ok((Submitted::KeyMismatch { existing }, None));
+        }
+        let record = Self::fetch_in(&mut tx, existing)
+            .await?
+            .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
+        tx.commit().await?;
+        Ok((Submitted::Attached(Box::new(record)), None))
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {

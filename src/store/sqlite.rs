@@ -39,8 +39,8 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, Millis, NewRequest,
-    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, LeaseTo, Millis,
+    NewRequest, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
     failure_releases_claim,
 };
 use crate::config::SqliteSynchronous;
@@ -585,12 +585,12 @@ fn parse_id(s: &str) -> Result<Uuid, StoreError> {
     Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")))
 }
 
-/// [`Store::submit`] inside the writer's transaction; with `lease` (owner, lease length), a
-/// created request is inserted already leased ([`Store::submit_and_lease`]).
+/// [`Store::submit_and_lease`] inside the writer's transaction: with `lease`, a created
+/// request is inserted already leased.
 fn submit_in(
     conn: &Connection,
     new: NewRequest,
-    lease: Option<(&str, i64)>,
+    lease: Option<LeaseTo<'_>>,
 ) -> Result<(Submitted, Option<Lease>), StoreError> {
     let id = new.id.to_string();
     // The upsert either inserts our claim, takes over an expired one, or leaves a live one
@@ -623,7 +623,7 @@ fn submit_in(
     if won.as_deref() == Some(id.as_str()) {
         let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
         let (owner, expires_at) = match lease {
-            Some((owner, lease_ms)) => (Some(owner), Some(new.now + lease_ms)),
+            Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
             None => (None, None),
         };
         conn.prepare_cached(
@@ -988,20 +988,20 @@ fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreE
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn submit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
-        let (submitted, _) = self.write(move |conn| submit_in(conn, new, None)).await?;
-        Ok(submitted)
-    }
-
     async fn submit_and_lease(
         &self,
         new: NewRequest,
-        owner: &str,
-        lease_ms: i64,
+        lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        let owner = owner.to_string();
-        self.write(move |conn| submit_in(conn, new, Some((&owner, lease_ms))))
-            .await
+        let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
+        self.write(move |conn| {
+            let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
+                owner,
+                lease_ms: *lease_ms,
+            });
+            submit_in(conn, new, lease)
+        })
+        .await
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {

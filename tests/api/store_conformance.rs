@@ -19,8 +19,8 @@ use holdfast::config::SqliteSynchronous;
 use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, Millis,
-    NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, end_data,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, LeaseTo,
+    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -1305,7 +1305,13 @@ async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
     let new = by_hash("leased at admission", T0);
     let id = new.id;
     let (submitted, lease) = store
-        .submit_and_lease(new, "node/a/admit", LEASE_MS)
+        .submit_and_lease(
+            new,
+            Some(LeaseTo {
+                owner: "node/a/admit",
+                lease_ms: LEASE_MS,
+            }),
+        )
         .await
         .expect("submit");
     let Submitted::Created(created) = submitted else {
@@ -1336,7 +1342,13 @@ async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
 
     // A re-send attaches and leases nothing (ID-4, ID-7); so does a reused key (ID-5).
     let (again, none) = store
-        .submit_and_lease(by_hash("leased at admission", T0 + 3), "node/c/x", LEASE_MS)
+        .submit_and_lease(
+            by_hash("leased at admission", T0 + 3),
+            Some(LeaseTo {
+                owner: "node/c/x",
+                lease_ms: LEASE_MS,
+            }),
+        )
         .await
         .expect("submit");
     assert!(matches!(again, Submitted::Attached(ref r) if r.id == id));
@@ -1345,8 +1357,10 @@ async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
     let (mismatch, none) = store
         .submit_and_lease(
             by_key("k-admit", "another body", T0 + 4),
-            "node/c/y",
-            LEASE_MS,
+            Some(LeaseTo {
+                owner: "node/c/y",
+                lease_ms: LEASE_MS,
+            }),
         )
         .await
         .expect("submit");
