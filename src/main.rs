@@ -90,6 +90,15 @@ struct MockArgs {
     /// Non-stream: pad the reply to at least this many bytes.
     #[arg(long)]
     oversized_bytes: Option<usize>,
+    /// Stream: end the body cleanly after K content events, without the final events.
+    #[arg(long)]
+    end_after_chunks: Option<u32>,
+    /// Stream: leave out the event that completes the stream ([DONE], message_stop, ...).
+    #[arg(long)]
+    omit_stream_end: bool,
+    /// Answer stream requests with the complete non-stream JSON body.
+    #[arg(long)]
+    ignore_stream: bool,
 }
 
 impl From<&MockArgs> for MockConfig {
@@ -111,6 +120,9 @@ impl From<&MockArgs> for MockConfig {
             malformed_sse: a.malformed_sse,
             non_json_200: a.non_json_200,
             oversized_bytes: a.oversized_bytes,
+            end_after_chunks: a.end_after_chunks,
+            omit_stream_end: a.omit_stream_end,
+            ignore_stream: a.ignore_stream,
         }
     }
 }

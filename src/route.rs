@@ -67,6 +67,46 @@ impl Route {
             _ => BackendKind::Openai,
         }
     }
+
+    /// Whether a provider stream event completes this route's stream (LC-7): `data: [DONE]` on
+    /// the OpenAI chat, completions and embeddings routes; a `response.completed`,
+    /// `response.incomplete` or `response.failed` event on the Responses route (the last two
+    /// are the provider's own final answers); `message_stop` on Anthropic's Messages route.
+    /// `kind` is the event's type: its `event:` name, else the `type` member of its data.
+    pub fn ends_stream(self, data: &str, kind: Option<&str>) -> bool {
+        match self {
+            Route::OpenaiChat | Route::OpenaiCompletions | Route::OpenaiEmbeddings => {
+                data == "[DONE]"
+            }
+            Route::OpenaiResponses => matches!(
+                kind,
+                Some("response.completed" | "response.incomplete" | "response.failed")
+            ),
+            Route::AnthropicMessages => kind == Some("message_stop"),
+        }
+    }
+
+    /// The name of the event that completes this route's stream, for messages.
+    pub fn stream_end_name(self) -> &'static str {
+        match self {
+            Route::OpenaiChat | Route::OpenaiCompletions | Route::OpenaiEmbeddings => {
+                "data: [DONE]"
+            }
+            Route::OpenaiResponses => "response.completed",
+            Route::AnthropicMessages => "message_stop",
+        }
+    }
+
+    /// Top-level members of a non-stream answer that make it this route's result: a 2xx JSON
+    /// object with a non-null `error` and none of these is an error, not an answer (LC-11).
+    pub fn result_members(self) -> &'static [&'static str] {
+        match self {
+            Route::OpenaiChat | Route::OpenaiCompletions => &["choices"],
+            Route::OpenaiEmbeddings => &["data"],
+            Route::OpenaiResponses => &["output"],
+            Route::AnthropicMessages => &["content"],
+        }
+    }
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ async fn admit_and_answer(
                 ),
             )
         })?;
-    let forwarded = forwarded_headers(headers, shape)?;
+    let forwarded = forwarded_headers(headers, route, shape)?;
     let key = idempotency_key(headers, shape)?;
 
     // ID-3b: the provider gets the client's bytes; only the model value changes, in place.
@@ -406,8 +406,14 @@ pub fn choose_backend(
 }
 
 /// The allow-listed client headers (ID-3a), lower-cased names, sorted, repeated values joined
-/// with `,`.
-fn forwarded_headers(headers: &HeaderMap, shape: Shape) -> Result<Vec<(String, String)>, ApiError> {
+/// with `,`, plus the default headers the provider gets when the client sent none (Anthropic's
+/// `anthropic-version`): what is sent upstream is what is hashed, so leaving out a default and
+/// sending it are one request.
+fn forwarded_headers(
+    headers: &HeaderMap,
+    route: Route,
+    shape: Shape,
+) -> Result<Vec<(String, String)>, ApiError> {
     let mut out = Vec::new();
     for name in FORWARDED_HEADERS {
         let mut values = Vec::new();
@@ -424,6 +430,14 @@ fn forwarded_headers(headers: &HeaderMap, shape: Shape) -> Result<Vec<(String, S
         if !values.is_empty() {
             out.push((name.to_string(), values.join(",")));
         }
+    }
+    if route.kind() == crate::config::BackendKind::Anthropic
+        && !out.iter().any(|(n, _)| n == "anthropic-version")
+    {
+        out.push((
+            "anthropic-version".into(),
+            crate::upstream::DEFAULT_ANTHROPIC_VERSION.into(),
+        ));
     }
     out.sort();
     Ok(out)

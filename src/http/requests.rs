@@ -38,8 +38,9 @@ pub struct RecordView {
     finished_at: Option<String>,
     last_seq: i64,
     upstream_request_id: Option<String>,
-    /// `{"status","body"}` once the provider answered a non-stream request; `body` is the
-    /// provider's JSON, or a string when it was not JSON.
+    /// `{"status","body"}` once the provider answered a non-stream request, or answered a
+    /// request in a way that failed it (a refusal, or what it sent instead of an event stream,
+    /// LC-11); `body` is the provider's JSON, or a string when it was not JSON.
     #[serde(skip_serializing_if = "Option::is_none")]
     response: Option<ResponseView>,
 }
@@ -84,11 +85,15 @@ impl From<&RequestRecord> for RecordView {
             finished_at: r.finished_at.map(rfc3339),
             last_seq: r.last_seq,
             upstream_request_id: r.upstream_request_id.clone(),
-            response: match (r.stream, r.response_status, &r.response_body) {
-                (false, Some(status), Some(body)) => Some(ResponseView {
-                    status,
-                    body: body_json(body),
-                }),
+            response: match (r.response_status, &r.response_body) {
+                // A streamed answer lives in the chunks; a failed stream may keep what the
+                // provider sent instead.
+                (Some(status), Some(body)) if !r.stream || r.status == Status::Failed => {
+                    Some(ResponseView {
+                        status,
+                        body: body_json(body),
+                    })
+                }
                 _ => None,
             },
         }

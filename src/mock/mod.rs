@@ -107,6 +107,16 @@ pub struct MockConfig {
     pub non_json_200: bool,
     /// Non-stream only: pad the reply text with more words to at least this many bytes.
     pub oversized_bytes: Option<usize>,
+    /// Streams only: after K content events, end the body cleanly (a proper end of the
+    /// chunked body) without the events that follow the content: no finish chunk, no
+    /// `[DONE]` / `message_stop` / `response.completed`.
+    pub end_after_chunks: Option<u32>,
+    /// Streams only: send every event but the one that completes the stream (`[DONE]`,
+    /// `message_stop`, `response.completed`), then end the body cleanly.
+    pub omit_stream_end: bool,
+    /// Answer a stream request with the complete non-stream JSON body
+    /// (`content-type: application/json`), as a provider that ignores `"stream": true` does.
+    pub ignore_stream: bool,
 }
 
 impl Default for MockConfig {
@@ -128,6 +138,9 @@ impl Default for MockConfig {
             malformed_sse: false,
             non_json_200: false,
             oversized_bytes: None,
+            end_after_chunks: None,
+            omit_stream_end: false,
+            ignore_stream: false,
         }
     }
 }
@@ -653,15 +666,19 @@ fn answer(
         input_tokens: info.seed.prompt_tokens,
         output_tokens: u64::from(cfg.chunks),
     };
-    if info.stream {
-        let parts = match route {
+    if info.stream && !cfg.ignore_stream {
+        let mut parts = match route {
             Route::Chat => openai::chat_stream(&oa, &pieces, info.include_usage),
             Route::Completions => openai::completion_stream(&oa, &pieces, info.include_usage),
             Route::Responses => openai::responses_stream(&oa, &pieces),
             Route::Messages => anthropic::message_stream(&an, &pieces),
             Route::Embeddings => sse::StreamParts::default(),
         };
+        if cfg.omit_stream_end {
+            parts.tail.pop();
+        }
         let faults = StreamFaults {
+            end_after: cfg.end_after_chunks,
             chunk_delay: Duration::from_millis(cfg.chunk_delay_ms),
             drop_after: cfg.drop_after_chunks.filter(|_| within(k, cfg.drop_first)),
             stall: cfg

@@ -35,6 +35,8 @@ pub(crate) struct StreamFaults {
     pub stall: Option<(u32, Duration)>,
     /// Emit a garbage event halfway through the content.
     pub malformed: bool,
+    /// End the body cleanly once this many content pieces went out, without the tail.
+    pub end_after: Option<u32>,
 }
 
 impl StreamFaults {
@@ -43,6 +45,7 @@ impl StreamFaults {
             && self.drop_after.is_none()
             && self.stall.is_none()
             && !self.malformed
+            && self.end_after.is_none()
     }
 }
 
@@ -118,6 +121,9 @@ pub(crate) fn stream_body(
                     io::ErrorKind::ConnectionAborted,
                     "mock: drop_after_chunks",
                 ));
+                return;
+            }
+            if let Some(k) = faults.end_after && (k == sent || (last && k > sent)) {
                 return;
             }
             if let Some((k, pause)) = faults.stall && (k == sent || (last && k > sent)) {

@@ -228,6 +228,28 @@ impl Upstreams {
     }
 }
 
+impl Upstreams {
+    /// Reads what a body holds, up to `max_response_bytes`, for a record that keeps an answer
+    /// that could not be used: whatever arrived before the end, a failure or the cap. The flag
+    /// says whether the body was cut short (by the cap or a failure).
+    pub async fn read_capped(&self, response: &mut reqwest::Response) -> (Vec<u8>, bool) {
+        let mut body = Vec::new();
+        loop {
+            match self.next_piece(response).await {
+                Ok(Some(piece)) => {
+                    let room = self.max_response_bytes.saturating_sub(body.len());
+                    body.extend_from_slice(&piece[..piece.len().min(room)]);
+                    if piece.len() > room {
+                        return (body, true);
+                    }
+                }
+                Ok(None) => return (body, false),
+                Err(_) => return (body, true),
+            }
+        }
+    }
+}
+
 /// The provider's request-id header for a backend kind (RS-5).
 pub fn request_id_header(kind: BackendKind) -> &'static str {
     match kind {

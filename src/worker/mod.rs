@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
+use crate::route::Route;
 use crate::store::{
     ChunkBatch, DynStore, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
 };
@@ -386,14 +387,32 @@ impl WorkerPool {
             .get(request_id_header(kind))
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        let Some(route) = Route::from_name(&record.route) else {
+            // Not a stored value this version knows: nothing sensible can be sent or read.
+            return Some(Outcome::Failed {
+                error: ErrorInfo {
+                    kind: ErrorType::UpstreamInvalid,
+                    message: format!(
+                        "stored route {:?} is unknown to this holdfast",
+                        record.route
+                    ),
+                    status: None,
+                },
+                response: None,
+                upstream_request_id: None,
+            });
+        };
         if record.stream && (200..300).contains(&status) {
-            return match self.stream(lease, response, status, request_id).await {
+            return match self
+                .stream(lease, route, response, status, request_id)
+                .await
+            {
                 StreamEnd::LeaseLost => None,
                 StreamEnd::Outcome(o) => Some(o),
             };
         }
         Some(
-            self.classify(lease, &mut response, status, request_id)
+            self.classify(lease, route, &mut response, status, request_id)
                 .await,
         )
     }
@@ -402,6 +421,7 @@ impl WorkerPool {
     async fn classify(
         &self,
         lease: &Lease,
+        route: Route,
         response: &mut reqwest::Response,
         status: u16,
         request_id: Option<String>,
@@ -423,16 +443,15 @@ impl WorkerPool {
             Err(e) => return self.transient(lease, Some(status), e.to_string(), hint),
         };
         if (200..300).contains(&status) {
-            if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_err() {
+            if let Err(why) = check_answer(route, &body) {
+                // Kept on the record so the operator sees what came back; never replayed.
                 return Outcome::Failed {
                     error: ErrorInfo {
                         kind: ErrorType::UpstreamInvalid,
-                        message: format!(
-                            "the provider answered {status} with a body that is not JSON"
-                        ),
+                        message: format!("the provider answered {status} with {why}"),
                         status: Some(status),
                     },
-                    response: None,
+                    response: Some((status, body)),
                     upstream_request_id: request_id,
                 };
             }
@@ -477,30 +496,56 @@ impl WorkerPool {
     }
 
     /// Reads a 2xx event stream, storing each event as a chunk through the group-commit writer
-    /// and publishing it to live readers once durable. A failure before the first stored chunk
-    /// is transient (LC-5); after it, terminal `stream_interrupted` (LC-7). Garbage from the
-    /// provider fails the request as `upstream_invalid` without storing the garbage.
+    /// and publishing it to live readers once durable.
+    ///
+    /// The stream succeeds only with the route's final event ([`Route::ends_stream`]); reading
+    /// stops there. A failure before the first stored chunk is transient (LC-5); after it,
+    /// terminal `stream_interrupted` (LC-7), and so is a body that ends without the final
+    /// event. An answer that is not an event stream at all — another content type, or a body
+    /// that ends without a single event — is `upstream_invalid` and kept on the record
+    /// (capped): the provider answered and was paid, so it is not retried (LC-11). Garbage
+    /// inside a stream fails it as `upstream_invalid` without storing the garbage.
     async fn stream(
         &self,
         lease: &Lease,
+        route: Route,
         mut response: reqwest::Response,
         status: u16,
         request_id: Option<String>,
     ) -> StreamEnd {
-        let mut parser = SseParser::new();
-        let mut stored = 0usize;
-        let mut request_id_to_store = request_id.clone();
-        let fail = |kind: ErrorType, message: String| {
+        let fail = |kind: ErrorType, message: String, response: Option<Vec<u8>>| {
             StreamEnd::Outcome(Outcome::Failed {
                 error: ErrorInfo {
                     kind,
                     message,
                     status: Some(status),
                 },
-                response: None,
+                response: response.map(|body| (status, body)),
                 upstream_request_id: request_id.clone(),
             })
         };
+        let content_type = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        if !content_type.as_deref().is_some_and(is_event_stream) {
+            let (body, _) = self.upstreams.read_capped(&mut response).await;
+            let shown = content_type.as_deref().unwrap_or("none");
+            return fail(
+                ErrorType::UpstreamInvalid,
+                format!(
+                    "the provider answered {status} to a stream request with content-type \
+                     {shown:?} instead of an event stream"
+                ),
+                Some(body),
+            );
+        }
+        let mut parser = SseParser::new();
+        let mut stored = 0usize;
+        let mut request_id_to_store = request_id.clone();
+        // The body as received while no event has been seen, kept (capped) for the record if
+        // none ever arrives.
+        let mut unseen = Vec::new();
         loop {
             let piece = match self.upstreams.next_piece(&mut response).await {
                 Ok(piece) => piece,
@@ -516,19 +561,22 @@ impl WorkerPool {
                     return fail(
                         ErrorType::StreamInterrupted,
                         format!("the provider stream broke after {stored} events: {e}"),
+                        None,
                     );
                 }
             };
-            let events = match piece {
-                Some(bytes) => parser.push(&bytes),
-                None => break,
-            };
-            let events = match events {
+            let Some(bytes) = piece else { break };
+            if stored == 0 {
+                keep_capped(&mut unseen, &bytes);
+            }
+            let events = match parser.push(&bytes) {
                 Ok(events) => events,
                 Err(e) => {
+                    let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
                     return fail(
                         ErrorType::UpstreamInvalid,
                         format!("the provider stream is not valid SSE: {e}"),
+                        kept,
                     );
                 }
             };
@@ -537,11 +585,19 @@ impl WorkerPool {
             }
             let mut chunks = Vec::with_capacity(events.len());
             let mut provider_error = None;
+            let mut ended = false;
             for event in events {
-                match inspect_event(&event) {
-                    Ok(false) => {}
-                    Ok(true) => provider_error = Some(event.data.clone()),
-                    Err(why) => return fail(ErrorType::UpstreamInvalid, why),
+                match inspect_event(route, &event) {
+                    Ok(seen) => {
+                        if seen.error {
+                            provider_error = Some(event.data.clone());
+                        }
+                        ended |= seen.ends_stream;
+                    }
+                    Err(why) => {
+                        let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
+                        return fail(ErrorType::UpstreamInvalid, why, kept);
+                    }
                 }
                 chunks.push(NewChunk {
                     event: event.event,
@@ -563,6 +619,7 @@ impl WorkerPool {
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
                     stored += stored_chunks.len();
+                    unseen = Vec::new();
                     for chunk in stored_chunks {
                         self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
                     }
@@ -579,30 +636,41 @@ impl WorkerPool {
                 return fail(
                     ErrorType::StreamInterrupted,
                     format!("the provider failed mid-stream: {error}"),
+                    None,
                 );
+            }
+            if ended {
+                // The provider's final event: the answer is complete, whatever follows.
+                return StreamEnd::Outcome(Outcome::Succeeded {
+                    status,
+                    body: Vec::new(),
+                    upstream_request_id: request_id,
+                });
             }
         }
         match parser.finish() {
-            Ok(finish) if finish.clean => StreamEnd::Outcome(Outcome::Succeeded {
-                status,
-                body: Vec::new(),
-                upstream_request_id: request_id,
-            }),
-            Ok(_) if stored == 0 => StreamEnd::Outcome(self.transient(
-                lease,
-                Some(status),
-                "the provider closed the stream in the middle of an event".into(),
-                None,
-            )),
+            Err(e) => {
+                let kept = (stored == 0).then_some(unseen);
+                fail(
+                    ErrorType::UpstreamInvalid,
+                    format!("the provider stream is not valid SSE: {e}"),
+                    kept,
+                )
+            }
+            Ok(_) if stored == 0 => fail(
+                ErrorType::UpstreamInvalid,
+                format!(
+                    "the provider answered {status} with an event stream that ended without any event"
+                ),
+                Some(unseen),
+            ),
             Ok(_) => fail(
                 ErrorType::StreamInterrupted,
                 format!(
-                    "the provider closed the stream in the middle of an event after {stored} events"
+                    "the provider stream ended after {stored} events without its final event ({})",
+                    route.stream_end_name()
                 ),
-            ),
-            Err(e) => fail(
-                ErrorType::UpstreamInvalid,
-                format!("the provider stream is not valid SSE: {e}"),
+                None,
             ),
         }
     }
@@ -640,35 +708,119 @@ impl WorkerPool {
     }
 }
 
-/// Checks a provider event before it is stored and says whether it reports an error: its data
-/// must be JSON or `[DONE]` (otherwise `Err` with the reason); an error is Anthropic's
-/// `event: error` or an OpenAI-style `{"error": ...}` object whose `error` is not null.
+/// What [`inspect_event`] found in one provider event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Seen {
+    /// The event reports an error (LC-7).
+    error: bool,
+    /// The event completes the route's stream ([`Route::ends_stream`]).
+    ends_stream: bool,
+}
+
+/// Checks a provider event before it is stored: its data must be JSON or `[DONE]` (otherwise
+/// `Err` with the reason). Says whether it reports an error — Anthropic's `event: error` or an
+/// OpenAI-style `{"error": ...}` object whose `error` is not null — and whether it is the
+/// route's final event.
 ///
 /// One parse per event: an object is read into a struct that keeps only `error` (as raw JSON,
-/// so nothing is allocated for the rest, which is still fully validated). Only what that
-/// cannot read (a duplicated key) takes the slower path through `serde_json::Value`.
-fn inspect_event(event: &SseEvent) -> Result<bool, String> {
+/// so nothing is allocated for the rest, which is still fully validated) and `type`. Only what
+/// that cannot read (a duplicated key) takes the slower path through `serde_json::Value`.
+fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
     #[derive(serde::Deserialize)]
     struct Probe<'a> {
         #[serde(borrow)]
         error: Option<&'a serde_json::value::RawValue>,
+        #[serde(borrow, rename = "type")]
+        kind: Option<std::borrow::Cow<'a, str>>,
     }
     let named_error = event.event.as_deref() == Some("error");
     if event.data == "[DONE]" {
-        return Ok(named_error);
+        return Ok(Seen {
+            error: named_error,
+            ends_stream: route.ends_stream(&event.data, event.event.as_deref()),
+        });
     }
-    if event.data.starts_with('{')
-        && let Ok(probe) = serde_json::from_str::<Probe<'_>>(&event.data)
-    {
-        return Ok(named_error || probe.error.is_some());
+    let (error, kind) = match serde_json::from_str::<Probe<'_>>(&event.data) {
+        Ok(probe) if event.data.starts_with('{') => (
+            probe.error.is_some_and(|e| e.get() != "null"),
+            probe.kind.map(std::borrow::Cow::into_owned),
+        ),
+        _ => match serde_json::from_str::<serde_json::Value>(&event.data) {
+            Ok(value) => (
+                value.get("error").is_some_and(|e| !e.is_null()),
+                value
+                    .get("type")
+                    .and_then(|t| t.as_str())
+                    .map(str::to_owned),
+            ),
+            Err(_) => {
+                return Err(format!(
+                    "the provider sent an event whose data is not JSON: {}",
+                    excerpt(event.data.as_bytes())
+                ));
+            }
+        },
+    };
+    let kind = event.event.as_deref().or(kind.as_deref());
+    Ok(Seen {
+        error: named_error || error,
+        ends_stream: route.ends_stream(&event.data, kind),
+    })
+}
+
+/// Whether a `content-type` value names an event stream (`text/event-stream`, any parameters).
+fn is_event_stream(content_type: &str) -> bool {
+    content_type
+        .split(';')
+        .next()
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream"))
+}
+
+/// Most bytes of a stream body kept on the record when the body held no event.
+const KEEP_UNSEEN: usize = 64 * 1024;
+
+/// Appends `bytes` to `kept` up to [`KEEP_UNSEEN`].
+fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
+    let room = KEEP_UNSEEN.saturating_sub(kept.len());
+    kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+}
+
+/// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error object
+/// (a non-null top-level `error` with none of the route's [`Route::result_members`]). `Err`
+/// says what it is instead.
+fn check_answer(route: Route, body: &[u8]) -> Result<(), &'static str> {
+    #[derive(serde::Deserialize)]
+    struct Probe<'a> {
+        #[serde(borrow)]
+        error: Option<&'a serde_json::value::RawValue>,
+        choices: Option<serde::de::IgnoredAny>,
+        data: Option<serde::de::IgnoredAny>,
+        output: Option<serde::de::IgnoredAny>,
+        content: Option<serde::de::IgnoredAny>,
     }
-    match serde_json::from_str::<serde_json::Value>(&event.data) {
-        Ok(value) => Ok(named_error || value.get("error").is_some_and(|e| !e.is_null())),
-        Err(_) => Err(format!(
-            "the provider sent an event whose data is not JSON: {}",
-            excerpt(event.data.as_bytes())
-        )),
+    let has = |member: &str| route.result_members().contains(&member);
+    let (error, answered) = match serde_json::from_slice::<Probe<'_>>(body) {
+        Ok(p) if body.trim_ascii_start().starts_with(b"{") => (
+            p.error.is_some_and(|e| e.get() != "null"),
+            (p.choices.is_some() && has("choices"))
+                || (p.data.is_some() && has("data"))
+                || (p.output.is_some() && has("output"))
+                || (p.content.is_some() && has("content")),
+        ),
+        // A duplicated key (serde_json::Value keeps the last), or not an object at all.
+        _ => match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(serde_json::Value::Object(map)) => (
+                map.get("error").is_some_and(|e| !e.is_null()),
+                map.keys().any(|k| has(k)),
+            ),
+            Ok(_) => return Err("JSON that is not an object"),
+            Err(_) => return Err("a body that is not JSON"),
+        },
+    };
+    if error && !answered {
+        return Err("an error object instead of an answer");
     }
+    Ok(())
 }
 
 /// The first 200 characters of a provider body, for messages.
@@ -706,27 +858,117 @@ mod tests {
         }
     }
 
+    fn error(route: Route, name: Option<&str>, data: &str) -> Result<bool, String> {
+        inspect_event(route, &event(name, data)).map(|seen| seen.error)
+    }
+
+    fn ends(route: Route, name: Option<&str>, data: &str) -> bool {
+        inspect_event(route, &event(name, data)).is_ok_and(|seen| seen.ends_stream)
+    }
+
     #[test]
     fn inspect_event_validates_json_once_and_finds_error_events_lc7() {
-        assert_eq!(inspect_event(&event(None, r#"{"choices":[]}"#)), Ok(false));
-        assert_eq!(inspect_event(&event(None, "[DONE]")), Ok(false));
-        assert_eq!(inspect_event(&event(None, "[1, 2]")), Ok(false));
-        assert_eq!(inspect_event(&event(None, r#"{"error":null}"#)), Ok(false));
+        let chat = Route::OpenaiChat;
+        assert_eq!(error(chat, None, r#"{"choices":[]}"#), Ok(false));
+        assert_eq!(error(chat, None, "[DONE]"), Ok(false));
+        assert_eq!(error(chat, None, "[1, 2]"), Ok(false));
+        assert_eq!(error(chat, None, r#"{"error":null}"#), Ok(false));
         assert_eq!(
-            inspect_event(&event(None, r#"{"error":{"message":"overloaded"}}"#)),
+            error(chat, None, r#"{"error":{"message":"overloaded"}}"#),
             Ok(true)
         );
-        assert_eq!(
-            inspect_event(&event(Some("error"), r#"{"type":"error"}"#)),
-            Ok(true)
-        );
+        assert_eq!(error(chat, Some("error"), r#"{"type":"error"}"#), Ok(true));
         // A duplicated key is JSON serde_json::Value accepts (last one wins).
         assert_eq!(
-            inspect_event(&event(None, r#"{"error":null,"error":{"m":1}}"#)),
+            error(chat, None, r#"{"error":null,"error":{"m":1}}"#),
             Ok(true)
         );
-        assert!(inspect_event(&event(None, r#"{"choices":[]"#)).is_err());
-        assert!(inspect_event(&event(None, r#"{"a":1} trailing"#)).is_err());
-        assert!(inspect_event(&event(None, "hello")).is_err());
+        assert!(error(chat, None, r#"{"choices":[]"#).is_err());
+        assert!(error(chat, None, r#"{"a":1} trailing"#).is_err());
+        assert!(error(chat, None, "hello").is_err());
+    }
+
+    #[test]
+    fn each_route_is_completed_only_by_its_own_final_event_lc7() {
+        for route in [Route::OpenaiChat, Route::OpenaiCompletions] {
+            assert!(ends(route, None, "[DONE]"));
+            let last = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+            assert!(
+                !ends(route, None, last),
+                "finish_reason alone is not the end"
+            );
+        }
+        let responses = Route::OpenaiResponses;
+        for kind in [
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ] {
+            let data = format!(r#"{{"type":"{kind}","sequence_number":9,"response":{{}}}}"#);
+            assert!(ends(responses, Some(kind), &data), "{kind}");
+            assert!(ends(responses, None, &data), "{kind} by its data's type");
+        }
+        assert!(!ends(
+            responses,
+            Some("response.output_text.done"),
+            r#"{"type":"response.output_text.done"}"#
+        ));
+        assert!(!ends(responses, None, "[DONE]"));
+        let messages = Route::AnthropicMessages;
+        assert!(ends(
+            messages,
+            Some("message_stop"),
+            r#"{"type":"message_stop"}"#
+        ));
+        assert!(!ends(
+            messages,
+            Some("message_delta"),
+            r#"{"type":"message_delta"}"#
+        ));
+        assert!(!ends(messages, None, "[DONE]"));
+    }
+
+    #[test]
+    fn a_2xx_answer_must_be_an_object_and_not_an_error_object_lc11() {
+        let chat = Route::OpenaiChat;
+        assert_eq!(
+            check_answer(chat, br#"{"choices":[],"error":null}"#),
+            Ok(())
+        );
+        assert_eq!(check_answer(chat, br#"{"id":"x"}"#), Ok(()));
+        assert!(check_answer(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
+        assert!(check_answer(chat, br#" [1,2]"#).is_err());
+        assert!(check_answer(chat, br#""text""#).is_err());
+        assert!(check_answer(chat, b"not json").is_err());
+        // An answer with both is the provider's answer (a failed Responses object has both).
+        let failed = br#"{"object":"response","status":"failed","output":[],"error":{"code":"server_error"}}"#;
+        assert_eq!(check_answer(Route::OpenaiResponses, failed), Ok(()));
+        let refused = br#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#;
+        assert!(check_answer(Route::AnthropicMessages, refused).is_err());
+        assert_eq!(
+            check_answer(
+                Route::AnthropicMessages,
+                br#"{"type":"message","content":[]}"#
+            ),
+            Ok(())
+        );
+        assert!(
+            check_answer(
+                Route::OpenaiEmbeddings,
+                br#"{"error":{"m":1},"choices":[]}"#
+            )
+            .is_err()
+        );
+        // A duplicated key takes the slower path and the same rule.
+        assert!(check_answer(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
+        assert_eq!(check_answer(chat, br#"{"choices":1,"choices":[]}"#), Ok(()));
+    }
+
+    #[test]
+    fn content_types_of_event_streams_are_recognised() {
+        assert!(is_event_stream("text/event-stream"));
+        assert!(is_event_stream("Text/Event-Stream; charset=utf-8"));
+        assert!(!is_event_stream("application/json"));
+        assert!(!is_event_stream("text/html"));
     }
 }

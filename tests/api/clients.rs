@@ -492,3 +492,110 @@ async fn overload_refusal_is_503_with_retry_hints_and_records_nothing_rs8_id8() 
     );
     app.stop().await;
 }
+
+/// LC-7: a provider stream that ends without its final event (`[DONE]`, `message_stop`,
+/// `response.completed`) is not a finished answer: the official SDK's iteration raises, the
+/// record is `stream_interrupted`, and the provider was called once.
+#[tokio::test]
+async fn official_sdks_raise_when_the_provider_stream_ends_without_its_final_event_lc7() {
+    if !python_has("openai") || !python_has("anthropic") {
+        return;
+    }
+    let two_events = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hel\"},\"finish_reason\":null}]}\n\n\
+data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":null}]}\n\n";
+    let cases: Vec<(&str, &'static str, MockConfig, Option<Vec<u8>>)> = vec![
+        (
+            "chat: clean chunked end without [DONE]",
+            "chat",
+            MockConfig {
+                end_after_chunks: Some(3),
+                ..MockConfig::default()
+            },
+            None,
+        ),
+        (
+            "chat: finish_reason set, no [DONE]",
+            "chat",
+            MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            },
+            None,
+        ),
+        (
+            "chat: close-delimited body closed after two events",
+            "chat",
+            MockConfig::default(),
+            Some(raw_200("text/event-stream", two_events, true)),
+        ),
+        (
+            "messages: no message_stop",
+            "messages",
+            MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            },
+            None,
+        ),
+        (
+            "responses: no response.completed",
+            "responses",
+            MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            },
+            None,
+        ),
+    ];
+    for (name, route, mock, raw) in cases {
+        let raw = match raw {
+            Some(bytes) => Some(RawProvider::start(bytes).await),
+            None => None,
+        };
+        let raw_url = raw.as_ref().map(RawProvider::base_url);
+        let app = spawn_app(mock, move |c| {
+            if let Some(url) = &raw_url {
+                use_backend_url(c, url);
+            }
+        })
+        .await;
+        let url = app.base.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            run_python(
+                "truncated_streams.py",
+                &[("HOLDFAST_URL", &url), ("HOLDFAST_ROUTE", route)],
+            )
+        })
+        .await
+        .expect("python");
+        let result: serde_json::Value = serde_json::from_str(out.trim()).expect("JSON");
+        assert!(
+            result["raised"].is_string(),
+            "{name}: the SDK raised: {result}"
+        );
+        assert!(
+            !result["text"].as_str().unwrap_or_default().is_empty(),
+            "{name}: the events before the end arrived: {result}"
+        );
+        let calls = raw
+            .as_ref()
+            .map_or_else(|| app.mock.calls(), RawProvider::calls);
+        assert_eq!(calls, 1, "{name}");
+        let list: serde_json::Value = app
+            .http
+            .get(format!("{}/requests", app.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let record = &list["data"][0];
+        assert_eq!(record["status"], "failed", "{name}: {record}");
+        assert_eq!(
+            record["error"]["type"], "stream_interrupted",
+            "{name}: {record}"
+        );
+        app.stop().await;
+    }
+}

@@ -216,3 +216,375 @@ async fn every_fault_matrix_row_ends_in_its_documented_record_and_call_count() {
         app.stop().await;
     }
 }
+
+/// Where a row's provider answer comes from.
+enum Provider {
+    /// The mock, with this fault.
+    Mock(MockConfig),
+    /// A scripted raw HTTP answer, the same for every call.
+    Raw(Vec<u8>),
+}
+
+/// What the record and the client must show.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Expect {
+    /// Events were stored, then the stream ended without its final event (LC-7): `failed` /
+    /// `stream_interrupted`, chunks kept, the submitter's stream ends with an error event in
+    /// the provider's stream shape.
+    Interrupted,
+    /// The 2xx answer is not what it claims to be (LC-11): `failed` / `upstream_invalid`, not
+    /// retried, a 502 in the provider's error shape with `x-should-retry: false`, and the
+    /// provider's answer kept on the record (`kept` is part of its body).
+    Invalid { kept: &'static str },
+}
+
+struct AnswerRow {
+    name: &'static str,
+    provider: Provider,
+    path: &'static str,
+    stream: bool,
+    expect: Expect,
+}
+
+/// A body for `path`, streamed or not, unique to `name`.
+fn route_body(path: &str, name: &str, stream: bool) -> String {
+    let v = match path {
+        "/v1/messages" => serde_json::json!({
+            "model": "claude-sonnet-4-5", "max_tokens": 64, "stream": stream,
+            "messages": [{"role": "user", "content": name}],
+        }),
+        "/v1/responses" => {
+            serde_json::json!({"model": "gpt-4o-mini", "stream": stream, "input": name})
+        }
+        _ => serde_json::json!({
+            "model": "gpt-4o-mini", "stream": stream,
+            "messages": [{"role": "user", "content": name}],
+        }),
+    };
+    v.to_string()
+}
+
+const TWO_CHAT_EVENTS: &str = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hel\"},\"finish_reason\":null}]}\n\n\
+data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":null}]}\n\n";
+
+const CHAT_COMPLETION_JSON: &str = "{\"id\":\"chatcmpl-paid\",\"object\":\"chat.completion\",\"created\":1,\"model\":\"gpt-4o-mini\",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"a paid answer\"},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}";
+
+const HTML_PAGE: &str =
+    "<html><head><title>502 Bad Gateway</title></head><body>upstream gone</body></html>\n";
+
+fn answer_rows() -> Vec<AnswerRow> {
+    use Expect::*;
+    let chat = "/v1/chat/completions";
+    vec![
+        AnswerRow {
+            name: "chat stream: content events, then a clean chunked end without [DONE]",
+            provider: Provider::Mock(MockConfig {
+                chunks: 8,
+                end_after_chunks: Some(3),
+                ..MockConfig::default()
+            }),
+            path: chat,
+            stream: true,
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "chat stream: finish_reason on the last chunk, then a clean end without [DONE]",
+            provider: Provider::Mock(MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            }),
+            path: chat,
+            stream: true,
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "chat stream: a close-delimited body the provider closes after two events",
+            provider: Provider::Raw(raw_200("text/event-stream", TWO_CHAT_EVENTS, true)),
+            path: chat,
+            stream: true,
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "messages stream without message_stop",
+            provider: Provider::Mock(MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            }),
+            path: "/v1/messages",
+            stream: true,
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "messages stream: a clean end after three content events",
+            provider: Provider::Mock(MockConfig {
+                end_after_chunks: Some(3),
+                ..MockConfig::default()
+            }),
+            path: "/v1/messages",
+            stream: true,
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "responses stream without a terminal response.* event",
+            provider: Provider::Mock(MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            }),
+            path: "/v1/responses",
+            stream: true,
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "stream request answered 200 text/html",
+            provider: Provider::Raw(raw_200("text/html; charset=utf-8", HTML_PAGE, false)),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "502 Bad Gateway",
+            },
+        },
+        AnswerRow {
+            name: "stream request answered an HTML page labelled text/event-stream",
+            provider: Provider::Raw(raw_200("text/event-stream", HTML_PAGE, false)),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "upstream gone",
+            },
+        },
+        AnswerRow {
+            name: "stream request answered an empty event stream",
+            provider: Provider::Raw(raw_200("text/event-stream", "", false)),
+            path: chat,
+            stream: true,
+            expect: Invalid { kept: "" },
+        },
+        AnswerRow {
+            name: "stream request answered lines that hold no event",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                ": keep-alive\n\nevent: ping\n\nretry: 100\n\n",
+                false,
+            )),
+            path: chat,
+            stream: true,
+            expect: Invalid { kept: "keep-alive" },
+        },
+        AnswerRow {
+            name: "stream request answered a complete JSON completion",
+            provider: Provider::Mock(MockConfig {
+                ignore_stream: true,
+                ..MockConfig::default()
+            }),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "chat.completion",
+            },
+        },
+        AnswerRow {
+            name: "stream request answered a JSON completion with a trailing newline",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                &format!("{CHAT_COMPLETION_JSON}\n"),
+                false,
+            )),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "a paid answer",
+            },
+        },
+        AnswerRow {
+            name: "stream request answered a JSON completion labelled text/event-stream",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                &format!("{CHAT_COMPLETION_JSON}\n"),
+                false,
+            )),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "a paid answer",
+            },
+        },
+        AnswerRow {
+            name: "messages stream answered a complete JSON message",
+            provider: Provider::Mock(MockConfig {
+                ignore_stream: true,
+                ..MockConfig::default()
+            }),
+            path: "/v1/messages",
+            stream: true,
+            expect: Invalid { kept: "message" },
+        },
+        AnswerRow {
+            name: "non-stream 200 whose body is an error object",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                "{\"error\":{\"message\":\"The server is overloaded\",\"type\":\"server_error\",\"param\":null,\"code\":null}}",
+                false,
+            )),
+            path: chat,
+            stream: false,
+            expect: Invalid {
+                kept: "The server is overloaded",
+            },
+        },
+        AnswerRow {
+            name: "non-stream 200 whose body is a JSON array",
+            provider: Provider::Raw(raw_200("application/json", "[1,2,3]", false)),
+            path: chat,
+            stream: false,
+            expect: Invalid { kept: "[1,2,3]" },
+        },
+    ]
+}
+
+/// The provider calls a row's answer has taken so far.
+fn calls_of(
+    provider: &Provider,
+    mock: &holdfast::mock::MockServer,
+    raw: Option<&RawProvider>,
+) -> u64 {
+    match provider {
+        Provider::Mock(_) => mock.calls(),
+        Provider::Raw(_) => raw.map_or(0, RawProvider::calls),
+    }
+}
+
+/// LC-7, LC-11, RS-6, RS-7, ID-6: an answer is stored as succeeded only when the provider
+/// really finished it. Each row: the record, the client's view, one upstream call, and a
+/// re-send of the same body that starts a new request.
+#[tokio::test]
+async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success_lc7_lc11() {
+    for row in answer_rows() {
+        let (mock_config, raw) = match &row.provider {
+            Provider::Mock(c) => (c.clone(), None),
+            Provider::Raw(bytes) => (
+                MockConfig::default(),
+                Some(RawProvider::start(bytes.clone()).await),
+            ),
+        };
+        let raw_url = raw.as_ref().map(RawProvider::base_url);
+        let app = spawn_app(mock_config, move |c| {
+            if let Some(url) = &raw_url {
+                use_backend_url(c, url);
+            }
+        })
+        .await;
+        let body = route_body(row.path, row.name, row.stream);
+        let anthropic = row.path == "/v1/messages";
+        let r = app.post(row.path, body.clone(), &[]).await;
+        let id = header(&r, "holdfast-request-id");
+        match row.expect {
+            Expect::Interrupted => {
+                assert_eq!(r.status(), 200, "{}", row.name);
+                let (text, events) = read_events(r).await;
+                let last = events
+                    .last()
+                    .unwrap_or_else(|| panic!("{}: no events", row.name));
+                if anthropic {
+                    assert_eq!(last.event.as_deref(), Some("error"), "{}: {text}", row.name);
+                } else {
+                    let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
+                    assert_eq!(
+                        data["error"]["code"], "stream_interrupted",
+                        "{}: {text}",
+                        row.name
+                    );
+                }
+                assert!(
+                    events.iter().all(|e| e.data != "[DONE]"),
+                    "{}: {text}",
+                    row.name
+                );
+                assert!(
+                    events.len() >= 2,
+                    "{}: the stored events came first: {text}",
+                    row.name
+                );
+            }
+            Expect::Invalid { .. } => {
+                assert_eq!(r.status(), 502, "{}", row.name);
+                assert_eq!(header(&r, "x-should-retry"), "false", "{}", row.name);
+                assert_eq!(
+                    header(&r, "holdfast-error"),
+                    "upstream_invalid",
+                    "{}",
+                    row.name
+                );
+                let error: serde_json::Value = r.json().await.expect("error JSON");
+                if anthropic {
+                    assert_eq!(error["type"], "error", "{}: {error}", row.name);
+                    assert!(
+                        error["error"]["message"].is_string(),
+                        "{}: {error}",
+                        row.name
+                    );
+                } else {
+                    assert_eq!(
+                        error["error"]["code"], "upstream_invalid",
+                        "{}: {error}",
+                        row.name
+                    );
+                }
+            }
+        }
+        let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(30)).await;
+        assert_eq!(record["status"], "failed", "{}: {record}", row.name);
+        assert_eq!(record["attempts"], 1, "{}: {record}", row.name);
+        match row.expect {
+            Expect::Interrupted => {
+                assert_eq!(
+                    record["error"]["type"], "stream_interrupted",
+                    "{}: {record}",
+                    row.name
+                );
+                assert!(
+                    record["last_seq"].as_i64() > Some(2),
+                    "chunks kept: {record}"
+                );
+            }
+            Expect::Invalid { kept } => {
+                assert_eq!(
+                    record["error"]["type"], "upstream_invalid",
+                    "{}: {record}",
+                    row.name
+                );
+                assert_eq!(record["response"]["status"], 200, "{}: {record}", row.name);
+                let shown = record["response"]["body"].to_string();
+                assert!(
+                    shown.contains(kept),
+                    "{}: the record keeps {kept:?}: {record}",
+                    row.name
+                );
+            }
+        }
+        assert_eq!(
+            calls_of(&row.provider, &app.mock, raw.as_ref()),
+            1,
+            "{}",
+            row.name
+        );
+        // ID-6: the failure released the claim; the same body again is a new request.
+        let again = app.post(row.path, body, &[]).await;
+        let second = header(&again, "holdfast-request-id");
+        let _ = again.bytes().await;
+        assert_ne!(second, id, "{}: a re-send starts a new request", row.name);
+        assert_eq!(header_is_replay(&app, &second).await, 1, "{}", row.name);
+        assert_eq!(
+            calls_of(&row.provider, &app.mock, raw.as_ref()),
+            2,
+            "{}",
+            row.name
+        );
+        app.stop().await;
+    }
+}
+
+/// The attempts of request `id` once terminal.
+async fn header_is_replay(app: &TestApp, id: &str) -> u64 {
+    let record = wait_terminal(&app.http, &app.base, id, Duration::from_secs(30)).await;
+    record["attempts"].as_u64().unwrap_or_default()
+}

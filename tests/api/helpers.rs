@@ -354,3 +354,98 @@ pub fn openai_text(events: &[holdfast::upstream::sse::SseEvent]) -> String {
         })
         .collect()
 }
+
+/// A provider that answers every call with the same scripted raw HTTP response and then closes
+/// the connection: for answers the mock cannot give (a body delimited by the connection's close,
+/// an HTML page, a wrong content type). Counts calls.
+pub struct RawProvider {
+    pub addr: SocketAddr,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RawProvider {
+    /// Serves `response` (status line, headers, blank line and body, as raw bytes) to every
+    /// request on 127.0.0.1:0.
+    pub async fn start(response: Vec<u8>) -> RawProvider {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind raw");
+        let addr = listener.local_addr().expect("addr");
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = calls.clone();
+        let response = std::sync::Arc::new(response);
+        let task = tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let (counter, response) = (counter.clone(), response.clone());
+                tokio::spawn(async move {
+                    // Read the head, then as many body bytes as Content-Length says.
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 8192];
+                    let head_end = loop {
+                        if let Some(i) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&seen[..head_end]).to_ascii_lowercase();
+                    let length = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    while seen.len() < head_end + length {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = socket.write_all(&response).await;
+                    let _ = socket.shutdown().await;
+                });
+            }
+        });
+        RawProvider { addr, calls, task }
+    }
+
+    /// `http://ADDR/v1`, a backend `base_url`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Requests answered so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for RawProvider {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A raw HTTP/1.1 200 response with `content_type` and `body`, its length given by
+/// `Content-Length` (`close_delimited`: no length at all, the body ends when the connection
+/// closes).
+pub fn raw_200(content_type: &str, body: &str, close_delimited: bool) -> Vec<u8> {
+    let length = if close_delimited {
+        String::new()
+    } else {
+        format!("content-length: {}\r\n", body.len())
+    };
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\n{length}connection: close\r\n\r\n{body}"
+    )
+    .into_bytes()
+}
+
+/// Points every backend of `config` at `base_url`.
+pub fn use_backend_url(config: &mut Config, base_url: &str) {
+    for b in &mut config.backends {
+        b.base_url = base_url.to_string();
+    }
+}

@@ -326,3 +326,49 @@ async fn record_has_every_rd1_field_and_unknown_ids_are_404() {
     }
     app.stop().await;
 }
+
+/// ID-3, ID-3a: holdfast sends `anthropic-version: 2023-06-01` when the client sends none, so
+/// leaving the header out and sending that value are the same upstream request: one request,
+/// one provider call, and the provider sees the header either way.
+#[tokio::test]
+async fn default_anthropic_version_and_the_same_value_sent_are_one_request_id3a() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = serde_json::json!({
+        "model": "claude-sonnet-4-5", "max_tokens": 16,
+        "messages": [{"role": "user", "content": "which version?"}],
+    })
+    .to_string();
+    let first = app.post("/v1/messages", body.clone(), &[]).await;
+    assert_eq!(first.status(), 200);
+    let second = app
+        .post(
+            "/v1/messages",
+            body.clone(),
+            &[("anthropic-version", "2023-06-01")],
+        )
+        .await;
+    assert_eq!(second.status(), 200);
+    assert_eq!(
+        header(&first, "holdfast-request-id"),
+        header(&second, "holdfast-request-id")
+    );
+    assert_eq!(header(&second, "idempotent-replayed"), "true");
+    assert_eq!(app.mock.calls(), 1);
+    let sent = &app.mock.recorded()[0];
+    assert!(
+        sent.headers
+            .iter()
+            .any(|(n, v)| n == "anthropic-version" && v == "2023-06-01"),
+        "{:?}",
+        sent.headers
+    );
+    // Another version is another request.
+    let third = app
+        .post("/v1/messages", body, &[("anthropic-version", "2024-01-01")])
+        .await;
+    assert_ne!(
+        header(&first, "holdfast-request-id"),
+        header(&third, "holdfast-request-id")
+    );
+    app.stop().await;
+}

@@ -172,6 +172,36 @@ async fn resume_from_every_position_returns_exactly_the_rest_rd3_rd5() {
         .unwrap();
     let (_, rest) = read_events(r).await;
     assert_eq!(rest.len(), 1, "query parameter position (RD-3)");
+    // An empty Last-Event-ID header is no position: the query parameter is used.
+    let r = app
+        .http
+        .get(format!(
+            "{}/requests/{id}?last_event_id={}",
+            app.base,
+            last - 2
+        ))
+        .header("accept", "text/event-stream")
+        .header("last-event-id", "")
+        .send()
+        .await
+        .unwrap();
+    let (_, rest) = read_events(r).await;
+    assert_eq!(
+        rest.len(),
+        2,
+        "empty header, query parameter position (RD-3)"
+    );
+    // A header with a value wins over the query parameter.
+    let r = app
+        .http
+        .get(format!("{}/requests/{id}?last_event_id=0", app.base))
+        .header("accept", "text/event-stream")
+        .header("last-event-id", (last - 1).to_string())
+        .send()
+        .await
+        .unwrap();
+    let (_, rest) = read_events(r).await;
+    assert_eq!(rest.len(), 1, "header position wins (RD-3)");
     for bad in ["abc", "-1", "99999999999999999999999", "1.5"] {
         let r = get_events(&app.http, &app.base, &id, Some(bad)).await;
         assert_eq!(r.status(), 400, "Last-Event-ID {bad}");
