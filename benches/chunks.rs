@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use holdfast::config::SqliteSynchronous;
+use holdfast::provider::Route;
 use holdfast::store::ChunkBatch;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{ClaimKind, DynStore, Lease, NewChunk, NewRequest, now_ms};
@@ -28,7 +29,7 @@ async fn leased_streams(store: &DynStore, n: usize) -> Vec<Lease> {
             .submit(NewRequest {
                 id: uuid::Uuid::now_v7(),
                 namespace: "default".into(),
-                route: "openai.chat".into(),
+                route: Route::OpenaiChat,
                 backend: "bench".into(),
                 model: Some("gpt-4o-mini".into()),
                 stream: true,

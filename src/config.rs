@@ -12,6 +12,8 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
+use crate::provider::Provider;
+
 /// The whole configuration. Field names are the config keys (SPEC CLI-4).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -107,24 +109,14 @@ pub struct Upstream {
     pub idle_timeout_ms: u64,
 }
 
-/// The kind of API a backend speaks.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    /// Any OpenAI-compatible server.
-    Openai,
-    /// Anthropic's Messages API.
-    Anthropic,
-}
-
 /// One `[[backends]]` entry.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Backend {
     /// Unique name; part of the request hash (ID-3).
     pub name: String,
-    /// API shape.
-    pub kind: BackendKind,
+    /// API shape: `openai` or `anthropic`.
+    pub kind: Provider,
     /// Base URL including the version prefix, e.g. `https://api.openai.com/v1` or
     /// `https://api.anthropic.com/v1`; the route's path (`/chat/completions`, `/messages`) is
     /// appended.
@@ -400,7 +392,7 @@ mod tests {
         Config {
             backends: vec![Backend {
                 name: "openai".into(),
-                kind: BackendKind::Openai,
+                kind: Provider::Openai,
                 base_url: "http://127.0.0.1:1/v1".into(),
                 api_key_env: None,
             }],

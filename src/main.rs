@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use holdfast::config::{Backend, BackendKind, Config};
+use holdfast::config::{Backend, Config};
 use holdfast::mock::{MockConfig, MockServer};
+use holdfast::provider::Provider;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -170,13 +171,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             backends: vec![
                 Backend {
                     name: "mock-openai".into(),
-                    kind: BackendKind::Openai,
+                    kind: Provider::Openai,
                     base_url: server.base_url(),
                     api_key_env: None,
                 },
                 Backend {
                     name: "mock-anthropic".into(),
-                    kind: BackendKind::Anthropic,
+                    kind: Provider::Anthropic,
                     base_url: server.base_url(),
                     api_key_env: None,
                 },

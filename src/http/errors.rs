@@ -7,18 +7,9 @@
 
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
+use crate::provider::Provider;
 use crate::store::StoreError;
-
-/// Which provider's error shape a response uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shape {
-    /// OpenAI's.
-    Openai,
-    /// Anthropic's.
-    Anthropic,
-}
 
 /// An error answer. Build with the constructors; render with [`IntoResponse`].
 #[derive(Debug, Clone)]
@@ -30,7 +21,7 @@ pub struct ApiError {
     /// Plain-words explanation.
     pub message: String,
     /// Provider shape.
-    pub shape: Shape,
+    pub shape: Provider,
     /// `x-should-retry` value, when the answer takes a position (RS-7, RS-8).
     pub should_retry: Option<bool>,
     /// `retry-after-ms` (and `retry-after` in whole seconds), at most 60 000 (RS-8).
@@ -42,7 +33,7 @@ pub struct ApiError {
 impl ApiError {
     /// A new error of `status` and `code`.
     pub fn new(
-        shape: Shape,
+        shape: Provider,
         status: StatusCode,
         code: &'static str,
         message: impl Into<String>,
@@ -59,17 +50,17 @@ impl ApiError {
     }
 
     /// 400 with `code`.
-    pub fn bad_request(shape: Shape, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn bad_request(shape: Provider, code: &'static str, message: impl Into<String>) -> Self {
         Self::new(shape, StatusCode::BAD_REQUEST, code, message)
     }
 
     /// 404 `not_found`.
-    pub fn not_found(shape: Shape, message: impl Into<String>) -> Self {
+    pub fn not_found(shape: Provider, message: impl Into<String>) -> Self {
         Self::new(shape, StatusCode::NOT_FOUND, "not_found", message)
     }
 
     /// 503 `store_unavailable`: nothing was recorded and a retry can succeed (RS-8).
-    pub fn unavailable(shape: Shape, e: &StoreError) -> Self {
+    pub fn unavailable(shape: Provider, e: &StoreError) -> Self {
         tracing::error!(error = %e, "store unavailable");
         let mut err = Self::new(
             shape,
@@ -93,46 +84,11 @@ impl ApiError {
         self.request_id = Some(id.to_string());
         self
     }
-
-    fn openai_type(&self) -> &'static str {
-        match self.status.as_u16() {
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            429 => "rate_limit_error",
-            400..=499 => "invalid_request_error",
-            _ => "server_error",
-        }
-    }
-
-    fn anthropic_type(&self) -> &'static str {
-        match self.status.as_u16() {
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            413 => "request_too_large",
-            429 => "rate_limit_error",
-            400..=499 => "invalid_request_error",
-            503 | 529 => "overloaded_error",
-            _ => "api_error",
-        }
-    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = match self.shape {
-            Shape::Openai => json!({"error": {
-                "message": self.message,
-                "type": self.openai_type(),
-                "param": null,
-                "code": self.code,
-            }}),
-            Shape::Anthropic => json!({"type": "error", "error": {
-                "type": self.anthropic_type(),
-                "message": self.message,
-            }}),
-        };
+        let body = self.shape.error_body(self.status, self.code, &self.message);
         let mut response = (self.status, axum::Json(body)).into_response();
         let headers = response.headers_mut();
         headers.insert("holdfast-error", HeaderValue::from_static(self.code));

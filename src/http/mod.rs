@@ -21,9 +21,10 @@ use tokio::sync::Notify;
 
 use crate::config::Config;
 use crate::hub::Hub;
-use crate::route::Route;
+use crate::provider::Provider;
+use crate::provider::Route;
 use crate::store::DynStore;
-use errors::{ApiError, Shape};
+use errors::ApiError;
 
 /// Shared state of every handler.
 #[derive(Clone)]
@@ -118,18 +119,9 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
     )
 }
 
-/// The error shape a path's clients expect: Anthropic's under `/v1/messages`, else OpenAI's.
-pub fn shape_for_path(path: &str) -> Shape {
-    if path.starts_with("/v1/messages") {
-        Shape::Anthropic
-    } else {
-        Shape::Openai
-    }
-}
-
 async fn not_found(uri: Uri) -> Response {
     ApiError::not_found(
-        shape_for_path(uri.path()),
+        Provider::for_path(uri.path()),
         format!("holdfast has no route {}", uri.path()),
     )
     .into_response()
@@ -137,7 +129,7 @@ async fn not_found(uri: Uri) -> Response {
 
 async fn method_not_allowed(uri: Uri) -> Response {
     ApiError::new(
-        shape_for_path(uri.path()),
+        Provider::for_path(uri.path()),
         StatusCode::METHOD_NOT_ALLOWED,
         "method_not_allowed",
         format!("{} does not accept this method", uri.path()),
@@ -151,7 +143,11 @@ async fn method_not_allowed(uri: Uri) -> Response {
 ///
 /// # Errors
 /// 401 `invalid_api_key` when namespaces are configured and the key is missing or unknown.
-pub fn namespace(config: &Config, headers: &HeaderMap, shape: Shape) -> Result<String, ApiError> {
+pub fn namespace(
+    config: &Config,
+    headers: &HeaderMap,
+    shape: Provider,
+) -> Result<String, ApiError> {
     if config.namespaces.is_empty() {
         return Ok("default".into());
     }

@@ -18,30 +18,22 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use uuid::Uuid;
 
-use super::errors::{ApiError, Shape};
+use super::errors::ApiError;
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
 use crate::hub::{HubEvent, Subscription};
 use crate::metrics as m;
-use crate::route::Route;
+use crate::provider::Provider;
+use crate::provider::Route;
 use crate::store::{
     ClaimKind, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Status, StoreError, Submitted,
     failure_releases_claim, now_ms,
 };
-use crate::upstream::FORWARDED_HEADERS;
 
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
 /// another node, or a lost wake-up, still settles the wait).
 const WAIT_POLL: Duration = Duration::from_millis(500);
-
-/// The provider shape of a route's answers.
-pub fn shape(route: Route) -> Shape {
-    match route {
-        Route::AnthropicMessages => Shape::Anthropic,
-        _ => Shape::Openai,
-    }
-}
 
 /// Handles one proxied call.
 pub async fn handle(
@@ -66,7 +58,7 @@ async fn admit_and_answer(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let shape = shape(route);
+    let shape = route.provider();
     let namespace = namespace(&state.config, headers, shape)?;
     let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
@@ -122,7 +114,7 @@ async fn admit_and_answer(
     let new = NewRequest {
         id: Uuid::now_v7(),
         namespace: namespace.clone(),
-        route: route.name().into(),
+        route,
         backend,
         model,
         stream: canonical.stream,
@@ -249,7 +241,7 @@ async fn stream_answer(
     held: HeldSlot,
     fresh: Option<Subscription>,
 ) -> Result<Response, ApiError> {
-    let shape = shape(route);
+    let shape = route.provider();
     let record = wait_for(state, namespace, record, shape, fresh, |r| {
         r.status.is_terminal() || r.last_seq > r.reset_seq
     })
@@ -297,7 +289,7 @@ struct HeldSlot(Arc<AtomicUsize>);
 impl HeldSlot {
     /// Takes a slot, or refuses with 503 `overloaded`, `x-should-retry: true` and
     /// `retry-after-ms` (at most 60 000, RS-8) before anything is recorded (ID-8).
-    fn take(state: &AppState, shape: Shape) -> Result<HeldSlot, ApiError> {
+    fn take(state: &AppState, shape: Provider) -> Result<HeldSlot, ApiError> {
         let held = Arc::clone(&state.held);
         if held.fetch_add(1, Ordering::SeqCst) >= state.config.max_held_requests {
             held.fetch_sub(1, Ordering::SeqCst);
@@ -330,7 +322,7 @@ async fn read_body(
     config: &Config,
     headers: &HeaderMap,
     body: Body,
-    shape: Shape,
+    shape: Provider,
 ) -> Result<bytes::Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
@@ -369,7 +361,7 @@ async fn read_body(
         })
 }
 
-fn invalid_body(shape: Shape, e: &CanonError) -> ApiError {
+fn invalid_body(shape: Provider, e: &CanonError) -> ApiError {
     let code = match e {
         CanonError::NotObject => "body_not_object",
         CanonError::DuplicateKey { .. } => "duplicate_key",
@@ -392,7 +384,7 @@ pub fn choose_backend(
         for rule in &config.model_rewrites {
             let serves = config
                 .backend(&rule.backend)
-                .is_some_and(|b| b.kind == route.kind());
+                .is_some_and(|b| b.kind == route.provider());
             if serves && rule.matches(model) {
                 return Some((rule.backend.clone(), rule.model.clone()));
             }
@@ -401,23 +393,24 @@ pub fn choose_backend(
     config
         .backends
         .iter()
-        .find(|b| b.kind == route.kind())
+        .find(|b| b.kind == route.provider())
         .map(|b| (b.name.clone(), None))
 }
 
-/// The allow-listed client headers (ID-3a), lower-cased names, sorted, repeated values joined
-/// with `,`, plus the default headers the provider gets when the client sent none (Anthropic's
-/// `anthropic-version`): what is sent upstream is what is hashed, so leaving out a default and
-/// sending it are one request.
+/// The route's provider's allow-listed client headers (ID-3a), lower-cased names, sorted,
+/// repeated values joined with `,`, plus the provider's default headers the client did not
+/// send (Anthropic's `anthropic-version`): what is sent upstream is what is hashed, so leaving a
+/// default out and sending it are one request.
 fn forwarded_headers(
     headers: &HeaderMap,
     route: Route,
-    shape: Shape,
+    shape: Provider,
 ) -> Result<Vec<(String, String)>, ApiError> {
+    let provider = route.provider();
     let mut out = Vec::new();
-    for name in FORWARDED_HEADERS {
+    for name in provider.forwarded_headers() {
         let mut values = Vec::new();
-        for v in headers.get_all(name) {
+        for v in headers.get_all(*name) {
             let v = v.to_str().map_err(|_| {
                 ApiError::bad_request(
                     shape,
@@ -431,13 +424,10 @@ fn forwarded_headers(
             out.push((name.to_string(), values.join(",")));
         }
     }
-    if route.kind() == crate::config::BackendKind::Anthropic
-        && !out.iter().any(|(n, _)| n == "anthropic-version")
-    {
-        out.push((
-            "anthropic-version".into(),
-            crate::upstream::DEFAULT_ANTHROPIC_VERSION.into(),
-        ));
+    for (name, value) in provider.default_headers() {
+        if !out.iter().any(|(n, _)| n == name) {
+            out.push((name.to_string(), value.to_string()));
+        }
     }
     out.sort();
     Ok(out)
@@ -448,7 +438,7 @@ fn forwarded_headers(
 ///
 /// # Errors
 /// 400 `invalid_idempotency_key` when empty, too long, not visible ASCII, or repeated.
-pub fn idempotency_key(headers: &HeaderMap, shape: Shape) -> Result<Option<String>, ApiError> {
+pub fn idempotency_key(headers: &HeaderMap, shape: Provider) -> Result<Option<String>, ApiError> {
     let mut values = headers.get_all("idempotency-key").iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -515,7 +505,7 @@ async fn wait_for(
     state: &AppState,
     namespace: &str,
     record: RequestRecord,
-    shape: Shape,
+    shape: Provider,
     fresh: Option<Subscription>,
     ready: impl Fn(&RequestRecord) -> bool,
 ) -> Result<RequestRecord, ApiError> {
@@ -576,9 +566,14 @@ fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config)
             let message = error
                 .as_ref()
                 .map_or_else(|| "the request failed".to_string(), |e| e.message.clone());
-            ApiError::new(shape(route), failure_status(kind), kind.as_str(), message)
-                .final_answer()
-                .into_response()
+            ApiError::new(
+                route.provider(),
+                failure_status(kind),
+                kind.as_str(),
+                message,
+            )
+            .final_answer()
+            .into_response()
         }
     };
     set_identity_headers(&mut response, record, replayed, route, config);
@@ -645,7 +640,7 @@ fn set_identity_headers(
         .as_deref()
         .and_then(|v| HeaderValue::from_str(v).ok())
     {
-        headers.insert(crate::upstream::request_id_header(route.kind()), v);
+        headers.insert(route.provider().request_id_header(), v);
     }
 }
 
@@ -656,7 +651,7 @@ mod tests {
     fn key(v: &'static str) -> Result<Option<String>, ApiError> {
         let mut h = HeaderMap::new();
         h.insert("idempotency-key", HeaderValue::from_static(v));
-        idempotency_key(&h, Shape::Openai)
+        idempotency_key(&h, Provider::Openai)
     }
 
     #[test]
@@ -676,6 +671,6 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append("idempotency-key", HeaderValue::from_static("a"));
         h.append("idempotency-key", HeaderValue::from_static("b"));
-        assert!(idempotency_key(&h, Shape::Openai).is_err());
+        assert!(idempotency_key(&h, Provider::Openai).is_err());
     }
 }

@@ -14,9 +14,10 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
-use super::errors::{ApiError, Shape};
+use super::errors::ApiError;
 use super::{AppState, namespace, stream};
 use crate::hub::HubEvent;
+use crate::provider::Provider;
 use crate::store::{ErrorInfo, Millis, RequestRecord, Status, now_ms};
 
 /// The JSON record of RD-1.
@@ -24,7 +25,7 @@ use crate::store::{ErrorInfo, Millis, RequestRecord, Status, now_ms};
 pub struct RecordView {
     id: Uuid,
     status: Status,
-    route: String,
+    route: &'static str,
     model: Option<String>,
     backend: String,
     stream: bool,
@@ -72,7 +73,7 @@ impl From<&RequestRecord> for RecordView {
         RecordView {
             id: r.id,
             status: r.status,
-            route: r.route.clone(),
+            route: r.route.name(),
             model: r.model.clone(),
             backend: r.backend.clone(),
             stream: r.stream,
@@ -109,7 +110,7 @@ pub async fn get_one(
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
-    let shape = Shape::Openai;
+    let shape = Provider::Openai;
     let (namespace, uuid) = match addressed(&state, &headers, &id) {
         Ok(found) => found,
         Err(e) => return e.into_response(),
@@ -141,9 +142,9 @@ pub async fn get_one(
 /// 401 for an unknown key (when namespaces are configured); 404 for a malformed id, which can
 /// name no request.
 fn addressed(state: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, Uuid), ApiError> {
-    let namespace = namespace(&state.config, headers, Shape::Openai)?;
+    let namespace = namespace(&state.config, headers, Provider::Openai)?;
     let uuid = Uuid::parse_str(id)
-        .map_err(|_| ApiError::not_found(Shape::Openai, format!("no request {id}")))?;
+        .map_err(|_| ApiError::not_found(Provider::Openai, format!("no request {id}")))?;
     Ok((namespace, uuid))
 }
 
@@ -156,7 +157,7 @@ pub async fn cancel(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let shape = Shape::Openai;
+    let shape = Provider::Openai;
     let (namespace, uuid) = match addressed(&state, &headers, &id) {
         Ok(found) => found,
         Err(e) => return e.into_response(),
@@ -190,7 +191,7 @@ pub async fn list(
     Query(query): Query<ListQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let shape = Shape::Openai;
+    let shape = Provider::Openai;
     let namespace = match namespace(&state.config, &headers, shape) {
         Ok(ns) => ns,
         Err(e) => return e.into_response(),
@@ -260,7 +261,7 @@ fn position(headers: &HeaderMap, query: &HashMap<String, String>) -> Result<Opti
 
 fn bad_position() -> ApiError {
     ApiError::bad_request(
-        Shape::Openai,
+        Provider::Openai,
         "invalid_last_event_id",
         "Last-Event-ID / last_event_id must be a non-negative integer seq",
     )

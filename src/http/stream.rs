@@ -12,13 +12,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use serde_json::json;
 use uuid::Uuid;
 
-use super::errors::Shape;
 use crate::hub::{Hub, HubEvent};
+use crate::provider::Provider;
+use crate::sse;
 use crate::store::{Chunk, ChunkKind, DynStore, StoreError};
-use crate::upstream::sse;
 
 /// Re-read the store at least this often while following.
 pub const POLL: Duration = Duration::from_millis(500);
@@ -109,7 +108,7 @@ struct EndError {
 /// them (keeping `event:`, adding no `id:`); a failed `end` or a `reset` (this reader's attempt
 /// was abandoned) becomes an error event in the provider's stream shape, after which the
 /// caller ends the connection. Returns the bytes and whether the stream is over.
-pub fn provider_bytes(item: &Followed, shape: Shape) -> (Bytes, bool) {
+pub fn provider_bytes(item: &Followed, shape: Provider) -> (Bytes, bool) {
     match item {
         Followed::KeepAlive => (sse::comment("keep-alive"), false),
         Followed::Chunk(chunk) => match chunk.kind {
@@ -143,19 +142,10 @@ pub fn provider_bytes(item: &Followed, shape: Shape) -> (Bytes, bool) {
     }
 }
 
-/// An error event in the provider's stream shape: OpenAI SDKs raise on a `data:` object with an
-/// `error` member; Anthropic SDKs raise on `event: error`.
-pub fn provider_error(shape: Shape, code: &str, message: &str) -> Bytes {
-    match shape {
-        Shape::Openai => {
-            let data = json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
-            sse::encode(None, None, &data.to_string())
-        }
-        Shape::Anthropic => {
-            let data = json!({"type": "error", "error": {"type": "api_error", "message": message}});
-            sse::encode(None, Some("error"), &data.to_string())
-        }
-    }
+/// An error event in the provider's stream shape, which its SDKs raise on (RS-4, LC-7).
+pub fn provider_error(shape: Provider, code: &str, message: &str) -> Bytes {
+    let (event, data) = shape.error_event(code, message);
+    sse::encode(None, event, &data)
 }
 
 /// Renders one followed item for `GET /requests/{id}` (RD-2): `id: <seq>`, the stored `event:`

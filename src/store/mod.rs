@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::hub::Hub;
+use crate::provider::Route;
 
 /// Milliseconds since the Unix epoch.
 pub type Millis = i64;
@@ -180,8 +181,8 @@ pub struct NewRequest {
     pub id: Uuid,
     /// Namespace of the caller (CLI-5).
     pub namespace: String,
-    /// Route name, e.g. `openai.chat`.
-    pub route: String,
+    /// The proxied endpoint (stored by its name, e.g. `openai.chat`).
+    pub route: Route,
     /// Backend name chosen by routing.
     pub backend: String,
     /// Model sent upstream (after rewriting), if the body named one.
@@ -226,8 +227,8 @@ pub struct RequestRecord {
     pub id: Uuid,
     /// Namespace it belongs to.
     pub namespace: String,
-    /// Route name.
-    pub route: String,
+    /// The proxied endpoint.
+    pub route: Route,
     /// Backend name.
     pub backend: String,
     /// Model sent upstream.

@@ -68,6 +68,7 @@ use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent};
+use crate::provider::Route;
 
 use super::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, LeaseTo, Millis,
@@ -281,7 +282,10 @@ fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
     Ok(RequestRecord {
         id: row.try_get("id")?,
         namespace: row.try_get("namespace")?,
-        route: row.try_get("route")?,
+        route: {
+            let name: String = row.try_get("route")?;
+            Route::from_name(&name).ok_or_else(|| corrupt(format!("route {name:?}")))?
+        },
         backend: row.try_get("backend")?,
         model: row.try_get("model")?,
         stream: row.try_get("stream")?,
@@ -444,7 +448,7 @@ impl Store for PostgresStore {
             ))
             .bind(new.id)
             .bind(&new.namespace)
-            .bind(&new.route)
+            .bind(new.route.name())
             .bind(&new.backend)
             .bind(opt_text(new.model.as_deref()))
             .bind(new.stream)

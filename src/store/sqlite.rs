@@ -44,6 +44,7 @@ use super::{
     failure_releases_claim,
 };
 use crate::config::SqliteSynchronous;
+use crate::provider::Route;
 
 /// Most write jobs in one transaction. Bounds a commit's duration (and the delay of the first
 /// job in it), not its correctness.
@@ -438,7 +439,7 @@ fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError
     Ok(RequestRecord {
         id: Uuid::parse_str(&id).map_err(|e| corrupt(format!("id {id:?}: {e}")))?,
         namespace: row.get(at + 1)?,
-        route: row.get(at + 2)?,
+        route: route_of(&row.get::<_, String>(at + 2)?)?,
         backend: row.get(at + 3)?,
         model: row.get(at + 4)?,
         stream: row.get::<_, i64>(at + 5)? != 0,
@@ -573,6 +574,10 @@ fn chunk_from_row(row: &Row<'_>) -> Result<Chunk, StoreError> {
     })
 }
 
+fn route_of(name: &str) -> Result<Route, StoreError> {
+    Route::from_name(name).ok_or_else(|| corrupt(format!("route {name:?}")))
+}
+
 fn claim_kind_of(s: &str) -> ClaimKind {
     if s == "key" {
         ClaimKind::Key
@@ -637,7 +642,7 @@ fn submit_in(
         .execute(params![
             id,
             new.namespace,
-            new.route,
+            new.route.name(),
             new.backend,
             new.model,
             i64::from(new.stream),
@@ -1252,6 +1257,7 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::Route;
     use crate::store::NewChunk;
 
     fn new_request(i: u8, now: Millis) -> NewRequest {
@@ -1260,7 +1266,7 @@ mod tests {
         NewRequest {
             id: Uuid::now_v7(),
             namespace: "default".into(),
-            route: "openai.chat".into(),
+            route: Route::OpenaiChat,
             backend: "mock".into(),
             model: Some("m".into()),
             stream: false,

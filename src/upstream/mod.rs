@@ -4,30 +4,15 @@
 //! A call sends the stored body bytes exactly as recorded (ID-3b). Client auth headers are never
 //! forwarded; the backend's own key is used (ID-3a, IN-3).
 
-pub mod sse;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::config::{Backend, BackendKind, Config};
-use crate::route::Route;
+use crate::config::{Backend, Config};
+use crate::provider::Route;
 use crate::store::RequestRecord;
-
-/// Client headers that change what the provider does: stored with the request, covered by its
-/// hash and forwarded upstream (SPEC ID-3a). Lower-case.
-pub const FORWARDED_HEADERS: [&str; 5] = [
-    "anthropic-version",
-    "anthropic-beta",
-    "openai-beta",
-    "openai-organization",
-    "openai-project",
-];
-
-/// `anthropic-version` sent when the client did not send one.
-pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";
 
 /// Why a call produced no usable HTTP response. All of these are transient (LC-5) when they
 /// happen before the first chunk.
@@ -68,8 +53,8 @@ pub struct Upstreams {
 #[derive(Debug, Clone)]
 struct Target {
     backend: Backend,
-    /// The key header's value, if the backend has a key.
-    key: Option<HeaderValue>,
+    /// The key header and its value, if the backend has a key.
+    key: Option<(HeaderName, HeaderValue)>,
     /// The provider URL of every route, parsed once (parsing per call showed in profiles).
     urls: Vec<(Route, reqwest::Url)>,
 }
@@ -93,10 +78,7 @@ impl Upstreams {
         for b in &config.backends {
             let key = match b.api_key_env.as_deref().map(std::env::var) {
                 Some(Ok(key)) if !key.is_empty() => {
-                    let value = match b.kind {
-                        BackendKind::Openai => format!("Bearer {key}"),
-                        BackendKind::Anthropic => key,
-                    };
+                    let (name, value) = b.kind.auth_header(&key);
                     let mut value = HeaderValue::from_str(&value).map_err(|_| {
                         anyhow::anyhow!(
                             "backends.{}: the key in ${} is not a valid header value",
@@ -105,7 +87,7 @@ impl Upstreams {
                         )
                     })?;
                     value.set_sensitive(true);
-                    Some(value)
+                    Some((HeaderName::from_static(name), value))
                 }
                 _ => None,
             };
@@ -149,7 +131,7 @@ impl Upstreams {
             .backends
             .get(&record.backend)
             .ok_or_else(|| CallError::UnknownBackend(record.backend.clone()))?;
-        let route = Route::from_name(&record.route).unwrap_or(Route::OpenaiChat);
+        let route = record.route;
         let url = urls
             .iter()
             .find(|(r, _)| *r == route)
@@ -168,18 +150,15 @@ impl Upstreams {
                 headers.insert(name, value);
             }
         }
-        if let Some(key) = key {
-            let name = match backend.kind {
-                BackendKind::Openai => reqwest::header::AUTHORIZATION,
-                BackendKind::Anthropic => HeaderName::from_static("x-api-key"),
-            };
-            headers.insert(name, key.clone());
+        if let Some((name, value)) = key {
+            headers.insert(name.clone(), value.clone());
         }
-        if backend.kind == BackendKind::Anthropic && !headers.contains_key("anthropic-version") {
-            headers.insert(
-                "anthropic-version",
-                HeaderValue::from_static(DEFAULT_ANTHROPIC_VERSION),
-            );
+        // Defaults the client did not send (already in `record.headers` for requests admitted
+        // by this version, which hashes them; kept for records admitted before).
+        for (name, value) in backend.kind.default_headers() {
+            if !headers.contains_key(*name) {
+                headers.insert(*name, HeaderValue::from_static(value));
+            }
         }
         let send = self
             .client
@@ -247,14 +226,6 @@ impl Upstreams {
                 Err(_) => return (body, true),
             }
         }
-    }
-}
-
-/// The provider's request-id header for a backend kind (RS-5).
-pub fn request_id_header(kind: BackendKind) -> &'static str {
-    match kind {
-        BackendKind::Openai => "x-request-id",
-        BackendKind::Anthropic => "request-id",
     }
 }
 

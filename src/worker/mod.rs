@@ -21,12 +21,12 @@ use tracing::{debug, info, warn};
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
-use crate::route::Route;
+use crate::provider::Route;
+use crate::sse::{SseEvent, SseParser};
 use crate::store::{
     ChunkBatch, DynStore, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
 };
-use crate::upstream::sse::{SseEvent, SseParser};
-use crate::upstream::{CallError, Upstreams, request_id_header};
+use crate::upstream::{CallError, Upstreams};
 use chunks::{AppendError, ChunkWriter};
 
 /// How often expired terminal requests are pruned (DU-4).
@@ -367,10 +367,7 @@ impl WorkerPool {
     /// One provider call, classified into an [`Outcome`] (LC-5, LC-6, LC-11). `None` when the
     /// lease was lost on the way.
     async fn call(&self, lease: &Lease, record: &RequestRecord) -> Option<Outcome> {
-        let kind = self
-            .config
-            .backend(&record.backend)
-            .map_or(crate::config::BackendKind::Openai, |b| b.kind);
+        let route = record.route;
         let mut response = match self.upstreams.send(record).await {
             Ok(r) => r,
             Err(e) => {
@@ -384,24 +381,9 @@ impl WorkerPool {
             .increment(1);
         let request_id = response
             .headers()
-            .get(request_id_header(kind))
+            .get(route.provider().request_id_header())
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        let Some(route) = Route::from_name(&record.route) else {
-            // Not a stored value this version knows: nothing sensible can be sent or read.
-            return Some(Outcome::Failed {
-                error: ErrorInfo {
-                    kind: ErrorType::UpstreamInvalid,
-                    message: format!(
-                        "stored route {:?} is unknown to this holdfast",
-                        record.route
-                    ),
-                    status: None,
-                },
-                response: None,
-                upstream_request_id: None,
-            });
-        };
         if record.stream && (200..300).contains(&status) {
             return match self
                 .stream(lease, route, response, status, request_id)
@@ -718,9 +700,8 @@ struct Seen {
 }
 
 /// Checks a provider event before it is stored: its data must be JSON or `[DONE]` (otherwise
-/// `Err` with the reason). Says whether it reports an error — Anthropic's `event: error` or an
-/// OpenAI-style `{"error": ...}` object whose `error` is not null — and whether it is the
-/// route's final event.
+/// `Err` with the reason). Says whether it reports an error and whether it is the route's final
+/// event, as the route's provider defines them.
 ///
 /// One parse per event: an object is read into a struct that keeps only `error` (as raw JSON,
 /// so nothing is allocated for the rest, which is still fully validated) and `type`. Only what
@@ -733,11 +714,12 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         #[serde(borrow, rename = "type")]
         kind: Option<std::borrow::Cow<'a, str>>,
     }
-    let named_error = event.event.as_deref() == Some("error");
+    let provider = route.provider();
+    let name = event.event.as_deref();
     if event.data == "[DONE]" {
         return Ok(Seen {
-            error: named_error,
-            ends_stream: route.ends_stream(&event.data, event.event.as_deref()),
+            error: provider.is_error_event(name, None, false),
+            ends_stream: route.ends_stream(&event.data, name),
         });
     }
     let (error, kind) = match serde_json::from_str::<Probe<'_>>(&event.data) {
@@ -761,9 +743,9 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
             }
         },
     };
-    let kind = event.event.as_deref().or(kind.as_deref());
+    let kind = name.or(kind.as_deref());
     Ok(Seen {
-        error: named_error || error,
+        error: provider.is_error_event(name, kind, error),
         ends_stream: route.ends_stream(&event.data, kind),
     })
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use holdfast::mock::MockConfig;
-use holdfast::upstream::sse::{SseEvent, SseParser};
+use holdfast::sse::{SseEvent, SseParser};
 use rand::Rng;
 use tokio::sync::Mutex;
 

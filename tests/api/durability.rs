@@ -93,7 +93,7 @@ async fn stream_killed_mid_attempt_reruns_and_a_resume_reader_gets_reset_then_th
 
     // A log reader follows the first attempt for a few events.
     let mut reader = get_events(&http, &first.base, &id, None).await;
-    let mut parser = holdfast::upstream::sse::SseParser::new();
+    let mut parser = holdfast::sse::SseParser::new();
     let mut seen = Vec::new();
     while seen.len() < 4 {
         let piece = reader.chunk().await.unwrap().expect("stream continues");
@@ -168,7 +168,7 @@ async fn sigterm_lets_a_running_stream_finish_within_the_grace_period_du5() {
         .send()
         .await
         .unwrap();
-    let mut parser = holdfast::upstream::sse::SseParser::new();
+    let mut parser = holdfast::sse::SseParser::new();
     let mut events = Vec::new();
     while events.len() < 2 {
         events.extend(

@@ -9,8 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use holdfast::app::{self, Running};
-use holdfast::config::{Backend, BackendKind, Config};
+use holdfast::config::{Backend, Config};
 use holdfast::mock::{MockConfig, MockServer};
+use holdfast::provider::Provider;
 use serde_json::Value;
 use tempfile::TempDir;
 use tokio::net::TcpListener;
@@ -39,13 +40,13 @@ pub fn test_config(mock: &MockServer, dir: &Path) -> Config {
         backends: vec![
             Backend {
                 name: "mock-openai".into(),
-                kind: BackendKind::Openai,
+                kind: Provider::Openai,
                 base_url: mock.base_url(),
                 api_key_env: None,
             },
             Backend {
                 name: "mock-anthropic".into(),
-                kind: BackendKind::Anthropic,
+                kind: Provider::Anthropic,
                 base_url: mock.base_url(),
                 api_key_env: None,
             },
@@ -316,11 +317,9 @@ pub fn stream_body(text: &str) -> String {
 }
 
 /// Reads a whole SSE response: its raw text and its events (WHATWG parsing).
-pub async fn read_events(
-    response: reqwest::Response,
-) -> (String, Vec<holdfast::upstream::sse::SseEvent>) {
+pub async fn read_events(response: reqwest::Response) -> (String, Vec<holdfast::sse::SseEvent>) {
     let bytes = response.bytes().await.expect("SSE body");
-    let mut parser = holdfast::upstream::sse::SseParser::new();
+    let mut parser = holdfast::sse::SseParser::new();
     let events = parser.push(&bytes).expect("valid SSE");
     (String::from_utf8(bytes.to_vec()).expect("UTF-8"), events)
 }
@@ -342,7 +341,7 @@ pub async fn get_events(
 }
 
 /// Concatenated `delta.content` of OpenAI chat-completion chunk events.
-pub fn openai_text(events: &[holdfast::upstream::sse::SseEvent]) -> String {
+pub fn openai_text(events: &[holdfast::sse::SseEvent]) -> String {
     events
         .iter()
         .filter(|e| e.data != "[DONE]")

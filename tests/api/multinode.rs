@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 
 use holdfast::hub::{Hub, HubEvent};
 use holdfast::mock::{MockConfig, MockServer};
+use holdfast::provider::Route;
+use holdfast::sse::{SseEvent, SseParser};
 use holdfast::store::postgres::{IDS_PER_NOTIFY, PostgresStore};
 use holdfast::store::{
     ChunkBatch, ClaimKind, Lease, NewChunk, NewRequest, Store, Submitted, now_ms,
 };
-use holdfast::upstream::sse::{SseEvent, SseParser};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -481,7 +482,7 @@ fn new_request(text: &str) -> NewRequest {
     NewRequest {
         id: Uuid::now_v7(),
         namespace: "default".into(),
-        route: "openai.chat".into(),
+        route: Route::OpenaiChat,
         backend: "mock".into(),
         model: Some("gpt-4o-mini".into()),
         stream: true,

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use holdfast::http::openapi::ROUTES;
 use holdfast::mock::MockConfig;
-use holdfast::route::Route;
+use holdfast::provider::Route;
 use serde_json::Value;
 
 use crate::helpers::*;

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use holdfast::config::SqliteSynchronous;
+use holdfast::provider::Route;
 use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
@@ -250,7 +251,7 @@ fn by_hash_in(namespace: &str, text: &str, now: Millis) -> NewRequest {
     NewRequest {
         id: Uuid::now_v7(),
         namespace: namespace.to_string(),
-        route: "openai.chat".into(),
+        route: Route::OpenaiChat,
         backend: "mock-openai".into(),
         model: Some("gpt-4o-mini".into()),
         stream: true,
@@ -272,7 +273,7 @@ fn by_hash(text: &str, now: Millis) -> NewRequest {
 fn by_key(key: &str, text: &str, now: Millis) -> NewRequest {
     let mut new = by_hash(text, now);
     new.claim = ClaimKind::Key;
-    new.claim_key = format!("{} {key}", new.route);
+    new.claim_key = format!("{} {key}", new.route.name());
     new.claim_expires_at = now + KEY_TTL;
     new
 }
@@ -388,7 +389,7 @@ async fn submit_creates_then_attaches_id4(store: DynStore) {
     let first = create(&store, new).await;
     assert_eq!(first.id, expected.id);
     assert_eq!(first.namespace, NS);
-    assert_eq!(first.route, "openai.chat");
+    assert_eq!(first.route, Route::OpenaiChat);
     assert_eq!(first.backend, "mock-openai");
     assert_eq!(first.model.as_deref(), Some("gpt-4o-mini"));
     assert!(first.stream);

@@ -1,0 +1,238 @@
+//! What holdfast knows about each provider, in one place: one module per provider kind
+//! ([`openai`], [`anthropic`]), and the proxied [`Route`]s each serves.
+//!
+//! A provider module owns every rule that differs between providers: the upstream paths of its
+//! routes, how the backend's key is sent, which client headers are forwarded and which are
+//! sent by default, the name of its request-id header, its error body and stream error event,
+//! which event completes each of its streams, and what a successful answer must contain. The
+//! rest of holdfast asks this module and never spells a provider rule itself (docs/architecture.md,
+//! "How to add a provider").
+
+mod anthropic;
+mod openai;
+
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The kind of API a backend speaks, and the shape its clients expect (SPEC §0 "backend").
+/// The config spelling is lower-case: `kind = "openai"` or `kind = "anthropic"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Provider {
+    /// OpenAI, or any OpenAI-compatible server.
+    Openai,
+    /// Anthropic's Messages API.
+    Anthropic,
+}
+
+/// One proxied endpoint (SPEC §0 "route", HTTP-1). The name (`openai.chat`, ...) is stored with
+/// each request and is part of its hash (ID-3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// `POST /v1/chat/completions`.
+    OpenaiChat,
+    /// `POST /v1/completions`.
+    OpenaiCompletions,
+    /// `POST /v1/embeddings`.
+    OpenaiEmbeddings,
+    /// `POST /v1/responses`.
+    OpenaiResponses,
+    /// `POST /v1/messages`.
+    AnthropicMessages,
+}
+
+impl Provider {
+    /// Every provider kind.
+    pub const ALL: [Provider; 2] = [Provider::Openai, Provider::Anthropic];
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Openai => "openai",
+            Provider::Anthropic => "anthropic",
+        }
+    }
+
+    /// The provider whose clients call `path` on holdfast: its error shape answers a request
+    /// that matched no route (IN-1).
+    pub(crate) fn for_path(path: &str) -> Provider {
+        if anthropic::owns_path(path) {
+            Provider::Anthropic
+        } else {
+            Provider::Openai
+        }
+    }
+
+    /// The header that carries the backend's key, and its value for `key` (ID-3a, IN-3).
+    pub(crate) fn auth_header(self, key: &str) -> (&'static str, String) {
+        match self {
+            Provider::Openai => openai::auth_header(key),
+            Provider::Anthropic => anthropic::auth_header(key),
+        }
+    }
+
+    /// Client headers that change what the provider does: stored with the request, covered by
+    /// its hash and forwarded upstream (ID-3a). Lower-case.
+    pub(crate) fn forwarded_headers(self) -> &'static [&'static str] {
+        match self {
+            Provider::Openai => openai::FORWARDED_HEADERS,
+            Provider::Anthropic => anthropic::FORWARDED_HEADERS,
+        }
+    }
+
+    /// Headers sent upstream when the client sent none of that name. They are added at
+    /// admission, so what is hashed is what is sent (ID-3a).
+    pub(crate) fn default_headers(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Provider::Openai => openai::DEFAULT_HEADERS,
+            Provider::Anthropic => anthropic::DEFAULT_HEADERS,
+        }
+    }
+
+    /// The provider's request-id response header (RS-5).
+    pub(crate) fn request_id_header(self) -> &'static str {
+        match self {
+            Provider::Openai => openai::REQUEST_ID_HEADER,
+            Provider::Anthropic => anthropic::REQUEST_ID_HEADER,
+        }
+    }
+
+    /// An error body in this provider's shape (RS-6), carrying holdfast's stable cause `code`.
+    pub(crate) fn error_body(self, status: StatusCode, code: &str, message: &str) -> Value {
+        match self {
+            Provider::Openai => openai::error_body(status, code, message),
+            Provider::Anthropic => anthropic::error_body(status, message),
+        }
+    }
+
+    /// An error event in this provider's stream shape, which its SDKs raise on (RS-4, LC-7):
+    /// the `event:` name, if any, and the data.
+    pub(crate) fn error_event(self, code: &str, message: &str) -> (Option<&'static str>, String) {
+        match self {
+            Provider::Openai => openai::error_event(code, message),
+            Provider::Anthropic => anthropic::error_event(message),
+        }
+    }
+
+    /// Whether a stream event reports an error (LC-7). `event` is its `event:` name, `kind`
+    /// the `type` member of its data, `error` whether its data has a non-null `error` member.
+    pub(crate) fn is_error_event(
+        self,
+        event: Option<&str>,
+        kind: Option<&str>,
+        error: bool,
+    ) -> bool {
+        match self {
+            Provider::Openai => openai::is_error_event(event, error),
+            Provider::Anthropic => anthropic::is_error_event(event, kind, error),
+        }
+    }
+}
+
+impl Route {
+    /// Every route, in documentation order.
+    pub const ALL: [Route; 5] = [
+        Route::OpenaiChat,
+        Route::OpenaiCompletions,
+        Route::OpenaiEmbeddings,
+        Route::OpenaiResponses,
+        Route::AnthropicMessages,
+    ];
+
+    /// The stored name, e.g. `openai.chat`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::OpenaiChat => "openai.chat",
+            Route::OpenaiCompletions => "openai.completions",
+            Route::OpenaiEmbeddings => "openai.embeddings",
+            Route::OpenaiResponses => "openai.responses",
+            Route::AnthropicMessages => "anthropic.messages",
+        }
+    }
+
+    /// Parses a stored name; `None` for a name this version does not know.
+    pub fn from_name(name: &str) -> Option<Route> {
+        Route::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// The provider kind that serves this route.
+    pub fn provider(self) -> Provider {
+        match self {
+            Route::AnthropicMessages => Provider::Anthropic,
+            _ => Provider::Openai,
+        }
+    }
+
+    /// The path clients call on holdfast.
+    pub fn client_path(self) -> &'static str {
+        match self {
+            Route::OpenaiChat => "/v1/chat/completions",
+            Route::OpenaiCompletions => "/v1/completions",
+            Route::OpenaiEmbeddings => "/v1/embeddings",
+            Route::OpenaiResponses => "/v1/responses",
+            Route::AnthropicMessages => "/v1/messages",
+        }
+    }
+
+    /// The path appended to a backend's `base_url` (which includes `/v1`).
+    pub(crate) fn upstream_path(self) -> &'static str {
+        &self.client_path()["/v1".len()..]
+    }
+
+    /// Whether a provider stream event completes this route's stream (LC-7). `data` is the
+    /// event's data; `kind` its type: the `event:` name, else the `type` member of its data.
+    pub(crate) fn ends_stream(self, data: &str, kind: Option<&str>) -> bool {
+        match self.provider() {
+            Provider::Openai => openai::ends_stream(self, data, kind),
+            Provider::Anthropic => anthropic::ends_stream(kind),
+        }
+    }
+
+    /// The event that completes this route's stream, as messages name it.
+    pub(crate) fn stream_end_name(self) -> &'static str {
+        match self.provider() {
+            Provider::Openai => openai::stream_end_name(self),
+            Provider::Anthropic => anthropic::STREAM_END,
+        }
+    }
+
+    /// Top-level members of a non-stream answer that make it this route's result: a 2xx JSON
+    /// object with a non-null `error` and none of these is an error, not an answer (LC-11).
+    pub(crate) fn result_members(self) -> &'static [&'static str] {
+        match self.provider() {
+            Provider::Openai => openai::result_members(self),
+            Provider::Anthropic => anthropic::RESULT_MEMBERS,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_upstream_paths_drop_the_version_prefix() {
+        for r in Route::ALL {
+            assert_eq!(Route::from_name(r.name()), Some(r));
+            assert!(r.client_path().ends_with(r.upstream_path()));
+            assert!(r.upstream_path().starts_with('/'));
+            assert_eq!(Provider::for_path(r.client_path()), r.provider());
+        }
+        assert_eq!(Route::OpenaiChat.upstream_path(), "/chat/completions");
+        assert_eq!(Route::AnthropicMessages.upstream_path(), "/messages");
+        assert_eq!(Route::from_name("nope.chat"), None);
+    }
+
+    #[test]
+    fn each_provider_shapes_its_own_errors_rs6() {
+        let openai = Provider::Openai.error_body(StatusCode::BAD_GATEWAY, "upstream_invalid", "m");
+        assert_eq!(openai["error"]["code"], "upstream_invalid");
+        assert_eq!(openai["error"]["type"], "server_error");
+        let anthropic = Provider::Anthropic.error_body(StatusCode::PAYLOAD_TOO_LARGE, "x", "m");
+        assert_eq!(anthropic["type"], "error");
+        assert_eq!(anthropic["error"]["type"], "request_too_large");
+        assert_eq!(Provider::Anthropic.error_event("c", "m").0, Some("error"));
+        assert_eq!(Provider::Openai.error_event("c", "m").0, None);
+    }
+}

@@ -1,0 +1,75 @@
+//! OpenAI and OpenAI-compatible servers: chat completions, completions, embeddings, Responses.
+
+use axum::http::StatusCode;
+use serde_json::{Value, json};
+
+use super::Route;
+
+/// Client headers forwarded upstream and covered by the hash (ID-3a).
+pub(super) const FORWARDED_HEADERS: &[&str] =
+    &["openai-beta", "openai-organization", "openai-project"];
+
+/// None: OpenAI needs no header the client may leave out.
+pub(super) const DEFAULT_HEADERS: &[(&str, &str)] = &[];
+
+/// The request-id response header (RS-5).
+pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// `Authorization: Bearer KEY`.
+pub(super) fn auth_header(key: &str) -> (&'static str, String) {
+    ("authorization", format!("Bearer {key}"))
+}
+
+/// `{"error":{"message","type","param","code"}}`; `type` is OpenAI's for the status, `code`
+/// holdfast's cause.
+pub(super) fn error_body(status: StatusCode, code: &str, message: &str) -> Value {
+    let kind = match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    };
+    json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
+/// A `data:` object with an `error` member: the OpenAI SDKs raise on it.
+pub(super) fn error_event(code: &str, message: &str) -> (Option<&'static str>, String) {
+    let data =
+        json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
+    (None, data.to_string())
+}
+
+/// A non-null `error` member, or a Responses `event: error`.
+pub(super) fn is_error_event(event: Option<&str>, error: bool) -> bool {
+    error || event == Some("error")
+}
+
+/// Chat, completions and embeddings end with `data: [DONE]`; the Responses API with a
+/// `response.completed`, `response.incomplete` or `response.failed` event (the last two are
+/// the provider's own final answers).
+pub(super) fn ends_stream(route: Route, data: &str, kind: Option<&str>) -> bool {
+    match route {
+        Route::OpenaiResponses => matches!(
+            kind,
+            Some("response.completed" | "response.incomplete" | "response.failed")
+        ),
+        _ => data == "[DONE]",
+    }
+}
+
+pub(super) fn stream_end_name(route: Route) -> &'static str {
+    match route {
+        Route::OpenaiResponses => "response.completed",
+        _ => "data: [DONE]",
+    }
+}
+
+pub(super) fn result_members(route: Route) -> &'static [&'static str] {
+    match route {
+        Route::OpenaiEmbeddings => &["data"],
+        Route::OpenaiResponses => &["output"],
+        _ => &["choices"],
+    }
+}
