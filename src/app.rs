@@ -5,14 +5,14 @@ use std::sync::Arc;
 
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::http::{AppState, router};
-use crate::hub::Hub;
-use crate::store;
+use crate::hub::{Hub, HubEvent};
+use crate::store::{self, DynStore, Notification};
 use crate::upstream::Upstreams;
 use crate::worker::WorkerPool;
 
@@ -23,7 +23,7 @@ pub struct Running {
     shutdown: CancellationToken,
     server: JoinHandle<()>,
     workers: JoinHandle<()>,
-    /// Cross-node wake-ups ([`crate::store::Store::listen`]).
+    /// Cross-node wake-ups ([`crate::store::Store::listen`] and its bridge).
     wakeups: JoinHandle<()>,
 }
 
@@ -37,30 +37,21 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     crate::metrics::handle();
     let store = store::open(&config).await?;
     let hub = Hub::new();
-    let wake = Arc::new(Notify::new());
     let upstreams = Upstreams::new(&config)?;
     let shutdown = CancellationToken::new();
-    // Cross-node wake-ups (PostgreSQL LISTEN/NOTIFY); a no-op for SQLite.
-    let wakeups = {
-        let (store, hub, wake) = (store.clone(), Arc::clone(&hub), Arc::clone(&wake));
-        let stop = shutdown.child_token();
-        tokio::spawn(async move { store.listen(hub, wake, stop).await })
-    };
-
     let pool = WorkerPool::new(
         store.clone(),
         Arc::clone(&hub),
         upstreams,
         Arc::clone(&config),
-        Arc::clone(&wake),
     );
+    let wakeups = bridge_notifications(&store, Arc::clone(&hub), pool.clone(), &shutdown);
     let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
 
     let state = AppState {
         config,
         store,
         hub,
-        wake,
         workers: pool,
         held: Arc::default(),
     };
@@ -113,4 +104,30 @@ impl Running {
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
+}
+
+/// Turns the store's reports of changes made by other nodes (PostgreSQL LISTEN/NOTIFY; SQLite
+/// has none) into this node's wake-ups: a changed request wakes its readers on the hub, new work
+/// wakes the worker pool. The store knows neither; this is the one place that connects them.
+fn bridge_notifications(
+    store: &DynStore,
+    hub: Arc<Hub>,
+    workers: WorkerPool,
+    shutdown: &CancellationToken,
+) -> JoinHandle<()> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let listening = {
+        let (store, stop) = (store.clone(), shutdown.child_token());
+        tokio::spawn(async move { store.listen(tx, stop).await })
+    };
+    tokio::spawn(async move {
+        // Ends when the listener returns (shutdown) and drops its sender.
+        while let Some(notification) = rx.recv().await {
+            match notification {
+                Notification::Changed(id) => hub.publish(id, HubEvent::Changed),
+                Notification::Work => workers.wake(),
+            }
+        }
+        let _ = listening.await;
+    })
 }

@@ -5,13 +5,13 @@
 //! its wait (SPEC RD-4). A lost or lagged signal costs latency, never correctness: readers also
 //! re-read on a timer, so a reader on one node follows a request run by another even without
 //! cross-node wake-ups; with PostgreSQL those arrive as LISTEN/NOTIFY through
-//! [`Store::listen`](crate::store::Store::listen), which publishes [`HubEvent::Changed`] here.
+//! [`Store::listen`](crate::store::Store::listen) notifications, which `app.rs` publishes here
+//! as [`HubEvent::Changed`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::store::{Chunk, RequestRecord};
@@ -29,28 +29,10 @@ pub enum HubEvent {
     Settled(Arc<RequestRecord>),
 }
 
-/// Per-request broadcast channels, created on first subscription and dropped with the last;
-/// and the abort switches of the attempts this process is running (for cancel, LC-9).
+/// Per-request broadcast channels, created on first subscription and dropped with the last.
 #[derive(Debug, Default)]
 pub struct Hub {
     channels: Mutex<HashMap<Uuid, broadcast::Sender<HubEvent>>>,
-    attempts: Mutex<HashMap<Uuid, CancellationToken>>,
-}
-
-/// A running attempt's registration; deregisters on drop.
-#[derive(Debug)]
-pub struct AttemptGuard {
-    hub: Arc<Hub>,
-    id: Uuid,
-    /// Cancelled when the request is cancelled through this process.
-    pub abort: CancellationToken,
-}
-
-impl Drop for AttemptGuard {
-    fn drop(&mut self) {
-        let mut attempts = self.hub.attempts.lock().unwrap_or_else(|e| e.into_inner());
-        attempts.remove(&self.id);
-    }
 }
 
 /// A reader's subscription to one request; unsubscribes on drop.
@@ -94,27 +76,6 @@ impl Hub {
         if let Some(tx) = channels.get(&id) {
             // No receivers left is not an error: the last one is about to unsubscribe.
             let _ = tx.send(event);
-        }
-    }
-
-    /// Registers an attempt of request `id` run by this process.
-    pub fn register_attempt(self: &Arc<Self>, id: Uuid) -> AttemptGuard {
-        let abort = CancellationToken::new();
-        let mut attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
-        attempts.insert(id, abort.clone());
-        AttemptGuard {
-            hub: Arc::clone(self),
-            id,
-            abort,
-        }
-    }
-
-    /// Aborts this process's running attempt of request `id`, if there is one. Attempts on
-    /// other nodes notice through their next heartbeat (the lease is gone).
-    pub fn abort_attempt(&self, id: Uuid) {
-        let attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(token) = attempts.get(&id) {
-            token.cancel();
         }
     }
 

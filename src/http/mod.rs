@@ -17,13 +17,13 @@ use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use subtle::ConstantTimeEq;
-use tokio::sync::Notify;
 
 use crate::config::Config;
 use crate::hub::Hub;
 use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::DynStore;
+use crate::worker::WorkerPool;
 use errors::ApiError;
 
 /// Shared state of every handler.
@@ -35,11 +35,8 @@ pub struct AppState {
     pub store: DynStore,
     /// Wake-ups for waiting readers.
     pub hub: Arc<Hub>,
-    /// Wakes the worker pool when a request is recorded.
-    pub wake: Arc<Notify>,
-    /// This node's workers: a new request is leased at admission and started here when one
-    /// is free (`Store::submit_and_lease`), instead of waiting for the dispatcher.
-    pub workers: crate::worker::WorkerPool,
+    /// This node's workers: admission ([`WorkerPool::admit`]) and cancel.
+    pub workers: WorkerPool,
     /// Proxied calls this node is holding open right now (RS-8 overload limit).
     pub held: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -88,34 +85,35 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
             .map(|n| HeaderName::from_static(n))
             .collect::<Vec<_>>()
     };
-    let mut allow_headers = names(&[
-        "last-event-id",
-        "x-api-key",
-        "idempotency-key",
-        "prefer",
-        "anthropic-version",
-        "anthropic-beta",
-        "openai-beta",
-        "openai-organization",
-        "openai-project",
-    ]);
+    let mut allow_headers = names(&["last-event-id", "x-api-key", "idempotency-key", "prefer"]);
     allow_headers.extend([header::AUTHORIZATION, header::CONTENT_TYPE, header::ACCEPT]);
+    allow_headers.extend(
+        Provider::ALL
+            .iter()
+            .flat_map(|p| p.forwarded_headers())
+            .map(|n| HeaderName::from_static(n)),
+    );
+    let mut expose_headers = names(&[
+        "holdfast-request-id",
+        "holdfast-claim-expires-at",
+        "idempotent-replayed",
+        "holdfast-error",
+        "x-should-retry",
+        "retry-after-ms",
+        "retry-after",
+        "location",
+    ]);
+    expose_headers.extend(
+        Provider::ALL
+            .iter()
+            .map(|p| HeaderName::from_static(p.request_id_header())),
+    );
     Some(
         CorsLayer::new()
             .allow_origin(allow_origin)
             .allow_methods([Method::GET, Method::POST])
             .allow_headers(allow_headers)
-            .expose_headers(names(&[
-                "holdfast-request-id",
-                "idempotent-replayed",
-                "holdfast-error",
-                "x-should-retry",
-                "retry-after-ms",
-                "retry-after",
-                "x-request-id",
-                "request-id",
-                "location",
-            ])),
+            .expose_headers(expose_headers),
     )
 }
 

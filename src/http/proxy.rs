@@ -27,8 +27,8 @@ use crate::metrics as m;
 use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::{
-    ClaimKind, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Status, StoreError, Submitted,
-    failure_releases_claim, now_ms,
+    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, failure_releases_claim,
+    now_ms,
 };
 
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
@@ -130,14 +130,14 @@ async fn admit_and_answer(
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
-    let submitted = admit(state, new).await;
+    let submitted = state.workers.admit(new).await;
     let (record, replayed, fresh) = match submitted {
-        Ok((Submitted::Created(record), _)) => {
+        Ok(Submitted::Created(record)) => {
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "new")
                 .increment(1);
             (*record, false, Some(early))
         }
-        Ok((Submitted::Attached(record), _)) => {
+        Ok(Submitted::Attached(record)) => {
             let outcome = if record.status.is_terminal() {
                 "replayed"
             } else {
@@ -147,7 +147,7 @@ async fn admit_and_answer(
                 .increment(1);
             (*record, true, None)
         }
-        Ok((Submitted::KeyMismatch { existing }, _)) => {
+        Ok(Submitted::KeyMismatch { existing }) => {
             return Err(ApiError::new(
                 shape,
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -187,45 +187,6 @@ async fn admit_and_answer(
     .await?;
     drop(held);
     Ok(answer(&record, replayed, route, &state.config))
-}
-
-/// Records `new` and sets it running: when this node has a free worker it is leased in the
-/// transaction that records it and its attempt starts here (saving the dispatcher's round
-/// trip); otherwise the dispatcher is woken to lease it.
-///
-/// Runs as a task of its own, so a client that goes away while the write waits in the queue
-/// cannot strand what the write commits: a request leased to an attempt that never starts
-/// would only move again when its lease expired, as a recovery that never happened (LC-9: a
-/// client disconnecting never cancels or delays execution).
-async fn admit(
-    state: &AppState,
-    new: NewRequest,
-) -> Result<(Submitted, Option<Lease>), StoreError> {
-    let (store, workers, wake) = (
-        state.store.clone(),
-        state.workers.clone(),
-        Arc::clone(&state.wake),
-    );
-    let admission = tokio::spawn(async move {
-        let permit = workers.try_permit();
-        let owner = permit.as_ref().map(|_| workers.lease_owner());
-        let lease = owner.as_deref().map(|owner| LeaseTo {
-            owner,
-            lease_ms: workers.lease_ms(),
-        });
-        let submitted = store.submit_and_lease(new, lease).await;
-        if let (Ok((Submitted::Created(record), Some(lease))), Some(permit)) = (&submitted, permit)
-        {
-            workers.spawn_attempt(lease.clone(), (**record).clone(), permit);
-        }
-        if let Ok((Submitted::Created(_), None)) = &submitted {
-            wake.notify_one();
-        }
-        submitted
-    });
-    admission
-        .await
-        .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
 }
 
 /// The answer for a stream request (RS-1..RS-4): once the current attempt has stored its first

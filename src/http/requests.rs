@@ -16,9 +16,8 @@ use uuid::Uuid;
 
 use super::errors::ApiError;
 use super::{AppState, namespace, stream};
-use crate::hub::HubEvent;
 use crate::provider::Provider;
-use crate::store::{ErrorInfo, Millis, RequestRecord, Status, now_ms};
+use crate::store::{ErrorInfo, Millis, RequestRecord, Status};
 
 /// The JSON record of RD-1.
 #[derive(Debug, Serialize)]
@@ -163,12 +162,8 @@ pub async fn cancel(
         Err(e) => return e.into_response(),
     };
     let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
-    match state.store.cancel(&namespace, uuid, now_ms()).await {
-        Ok(Some(record)) => {
-            state.hub.abort_attempt(uuid);
-            state.hub.publish(uuid, HubEvent::Changed);
-            axum::Json(RecordView::from(&record)).into_response()
-        }
+    match state.workers.cancel(&namespace, uuid).await {
+        Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
         Ok(None) => not_found(),
         Err(e) => ApiError::unavailable(shape, &e).into_response(),
     }

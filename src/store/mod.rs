@@ -28,11 +28,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::Serialize;
-use tokio::sync::Notify;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::hub::Hub;
 use crate::provider::Route;
 
 /// Milliseconds since the Unix epoch.
@@ -636,21 +635,34 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when it does not.
     async fn ping(&self) -> Result<(), StoreError>;
 
-    /// Turns changes made by *other* processes sharing this store into local wake-ups until
-    /// `shutdown` is cancelled: [`HubEvent::Changed`](crate::hub::HubEvent::Changed) on `hub`
-    /// for a request whose chunks or status changed (its readers re-read the store), and
-    /// `wake.notify_one()` when new work was recorded (an idle worker pool looks for it).
+    /// Reports changes made by *other* processes sharing this store until `shutdown` is
+    /// cancelled: [`Notification::Changed`] for a request whose chunks or status changed (its
+    /// readers re-read the store), [`Notification::Work`] when new work was recorded (an idle
+    /// worker pool looks for it). The store only reports; `app.rs` turns notifications into
+    /// wake-ups of readers and workers.
     ///
-    /// A wake-up is only a shortcut: readers re-read the store every
-    /// [`POLL`](crate::http::stream::POLL) and idle workers every `workers.poll_interval_ms`,
-    /// so an implementation may lose wake-ups (a dropped connection) and must then just carry
-    /// on. Errors are logged, never returned.
+    /// A notification is only a shortcut: readers re-read the store every half second and idle
+    /// workers every `workers.poll_interval_ms`, so an implementation may lose notifications (a
+    /// dropped connection) and must then just carry on. Errors are logged, never returned.
     ///
-    /// The default does nothing and returns at once: a store used by one process (SQLite)
-    /// learns of every change through the in-process hub.
-    async fn listen(&self, hub: Arc<Hub>, wake: Arc<Notify>, shutdown: CancellationToken) {
-        let _ = (hub, wake, shutdown);
+    /// The default reports nothing and returns at once: a store used by one process (SQLite)
+    /// has no other writers to report.
+    async fn listen(
+        &self,
+        notifications: mpsc::UnboundedSender<Notification>,
+        shutdown: CancellationToken,
+    ) {
+        let _ = (notifications, shutdown);
     }
+}
+
+/// A change another process made to a shared store (DU-3), reported by [`Store::listen`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notification {
+    /// Request `0`'s chunks or status changed.
+    Changed(Uuid),
+    /// A request became due: an idle worker pool should look for work.
+    Work,
 }
 
 /// Opens the store named by `database_url` and applies its migrations: `sqlite:` for the

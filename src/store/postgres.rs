@@ -40,8 +40,8 @@
 //!
 //! `<origin>` identifies the [`PostgresStore`] that wrote; its own listener skips those, because
 //! the writing process already told its hub directly. [`Store::listen`] holds one dedicated
-//! connection (outside the query pool) on `LISTEN` and turns the rest into hub and worker
-//! wake-ups. PostgreSQL drops notifications for a listener whose connection is gone; the
+//! connection (outside the query pool) on `LISTEN` and reports the rest as [`Notification`]s,
+//! which `app.rs` turns into reader and worker wake-ups. PostgreSQL drops notifications for a listener whose connection is gone; the
 //! listener then reconnects and carries on, and the polling that readers and workers do anyway
 //! covers the gap.
 //!
@@ -57,23 +57,20 @@ use std::borrow::Cow;
 use std::str::FromStr;
 use std::time::Duration;
 
-use std::sync::Arc;
-
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row, Transaction};
-use tokio::sync::Notify;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
-use crate::hub::{Hub, HubEvent};
 use crate::provider::Route;
 
 use super::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, LeaseTo, Millis,
-    NewRequest, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
-    failure_releases_claim,
+    NewRequest, Notification, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept,
+    end_data, failure_releases_claim,
 };
 
 /// Connections per process unless [`PostgresStore::open_with`] says otherwise.
@@ -184,8 +181,7 @@ impl PostgresStore {
     /// `LISTEN`s; what was sent meanwhile is lost (the polling fallback covers it).
     async fn listen_session(
         &self,
-        hub: &Hub,
-        wake: &Notify,
+        notifications: &mpsc::UnboundedSender<Notification>,
         shutdown: &CancellationToken,
     ) -> Result<(), sqlx::Error> {
         let mut listener = PgListener::connect_with(&self.listen_pool).await?;
@@ -208,12 +204,14 @@ impl PostgresStore {
                 continue;
             }
             if notification.channel() == WORK_CHANNEL {
-                wake.notify_one();
+                let _ = notifications.send(Notification::Work);
                 continue;
             }
             for id in ids.split(',') {
                 match Uuid::parse_str(id) {
-                    Ok(id) => hub.publish(id, HubEvent::Changed),
+                    Ok(id) => {
+                        let _ = notifications.send(Notification::Changed(id));
+                    }
                     Err(_) => debug!(payload, "ignoring a malformed wake-up"),
                 }
             }
@@ -381,11 +379,15 @@ async fn append_control(
 
 #[async_trait]
 impl Store for PostgresStore {
-    async fn listen(&self, hub: Arc<Hub>, wake: Arc<Notify>, shutdown: CancellationToken) {
+    async fn listen(
+        &self,
+        notifications: mpsc::UnboundedSender<Notification>,
+        shutdown: CancellationToken,
+    ) {
         loop {
             let session = tokio::select! {
                 () = shutdown.cancelled() => return,
-                session = self.listen_session(&hub, &wake, &shutdown) => session,
+                session = self.listen_session(&notifications, &shutdown) => session,
             };
             match session {
                 Ok(()) => return,

@@ -12,7 +12,19 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::config::{Backend, Config};
 use crate::provider::Route;
-use crate::store::RequestRecord;
+
+/// One provider call: what is sent, and to which backend and route.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// Backend name (a `[[backends]]` entry).
+    pub backend: &'a str,
+    /// The route: its provider and upstream path.
+    pub route: Route,
+    /// The body bytes, exactly as recorded (ID-3b).
+    pub body: &'a [u8],
+    /// Forwarded and default headers, as recorded (ID-3a).
+    pub headers: &'a [(String, String)],
+}
 
 /// Why a call produced no usable HTTP response. All of these are transient (LC-5) when they
 /// happen before the first chunk.
@@ -126,23 +138,23 @@ impl Upstreams {
     ///
     /// # Errors
     /// [`CallError`] when no response headers arrived.
-    pub async fn send(&self, record: &RequestRecord) -> Result<reqwest::Response, CallError> {
+    pub async fn send(&self, call: &Call<'_>) -> Result<reqwest::Response, CallError> {
         let Target { backend, key, urls } = self
             .backends
-            .get(&record.backend)
-            .ok_or_else(|| CallError::UnknownBackend(record.backend.clone()))?;
-        let route = record.route;
+            .get(call.backend)
+            .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?;
+        let route = call.route;
         let url = urls
             .iter()
             .find(|(r, _)| *r == route)
             .map(|(_, url)| url.clone())
-            .ok_or_else(|| CallError::UnknownBackend(record.backend.clone()))?;
+            .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?;
         let mut headers = HeaderMap::new();
         headers.insert(
             reqwest::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        for (name, value) in &record.headers {
+        for (name, value) in call.headers {
             if let (Ok(name), Ok(value)) = (
                 HeaderName::from_bytes(name.as_bytes()),
                 HeaderValue::from_str(value),
@@ -153,7 +165,7 @@ impl Upstreams {
         if let Some((name, value)) = key {
             headers.insert(name.clone(), value.clone());
         }
-        // Defaults the client did not send (already in `record.headers` for requests admitted
+        // Defaults the client did not send (already in `call.headers` for requests admitted
         // by this version, which hashes them; kept for records admitted before).
         for (name, value) in backend.kind.default_headers() {
             if !headers.contains_key(*name) {
@@ -164,7 +176,7 @@ impl Upstreams {
             .client
             .post(url)
             .headers(headers)
-            .body(record.body.clone())
+            .body(call.body.to_vec())
             .send();
         match tokio::time::timeout(self.header_timeout, send).await {
             Err(_) => Err(CallError::HeaderTimeout(

@@ -11,12 +11,14 @@
 pub mod chunks;
 pub mod retry;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+use uuid::Uuid;
 
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
@@ -24,9 +26,10 @@ use crate::metrics as m;
 use crate::provider::Route;
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{
-    ChunkBatch, DynStore, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
+    ChunkBatch, DynStore, ErrorInfo, ErrorType, Lease, LeaseTo, NewChunk, NewRequest, Outcome,
+    RequestRecord, StoreError, Submitted, now_ms,
 };
-use crate::upstream::{CallError, Upstreams};
+use crate::upstream::{Call, CallError, Upstreams};
 use chunks::{AppendError, ChunkWriter};
 
 /// How often expired terminal requests are pruned (DU-4).
@@ -60,6 +63,23 @@ pub struct WorkerPool {
     permits: Arc<Semaphore>,
     /// Cancelled when shutdown begins: no new attempts start.
     stopping: CancellationToken,
+    /// The abort switch of every attempt this process is running, by request id (LC-9).
+    running: Arc<Mutex<HashMap<Uuid, CancellationToken>>>,
+}
+
+/// A running attempt's entry in [`WorkerPool::running`]; removed on drop.
+struct Running {
+    pool: WorkerPool,
+    id: Uuid,
+    /// Cancelled when the request is cancelled through this process.
+    abort: CancellationToken,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut running = self.pool.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.remove(&self.id);
+    }
 }
 
 /// How a streamed attempt ended, before it becomes an [`Outcome`].
@@ -71,14 +91,12 @@ enum StreamEnd {
 }
 
 impl WorkerPool {
-    /// A pool for this process. `wake` is shared with the HTTP layer, which notifies it on
-    /// every new request.
+    /// A pool for this process.
     pub fn new(
         store: DynStore,
         hub: Arc<Hub>,
         upstreams: Upstreams,
         config: Arc<Config>,
-        wake: Arc<Notify>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         let chunks = ChunkWriter::spawn(store.clone());
@@ -91,8 +109,86 @@ impl WorkerPool {
             hub,
             upstreams: Arc::new(upstreams),
             config,
-            wake,
+            wake: Arc::new(Notify::new()),
             node: node.into(),
+            running: Arc::default(),
+        }
+    }
+
+    /// Wakes the dispatcher: new work may be due (a request recorded by another node).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Records `new` and sets it running (the admission of SPEC RS-1): when this node has a
+    /// free worker the request is leased in the transaction that records it and its attempt
+    /// starts here, saving the dispatcher's round trip (decision 20); otherwise the dispatcher
+    /// is woken to lease it. A submission that attaches to an existing request starts nothing.
+    ///
+    /// Runs as a task of its own, so a client that goes away while the write waits in the
+    /// queue cannot strand what the write commits: a request leased to an attempt that never
+    /// starts would only move again when its lease expired, as a recovery that never happened
+    /// (LC-9: a client disconnecting never cancels or delays execution).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the request could not be recorded; nothing was then.
+    pub async fn admit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+        let pool = self.clone();
+        let admission = tokio::spawn(async move {
+            let permit = pool.try_permit();
+            let owner = permit.as_ref().map(|_| pool.lease_owner());
+            let lease = owner.as_deref().map(|owner| LeaseTo {
+                owner,
+                lease_ms: pool.lease_ms(),
+            });
+            let (submitted, lease) = pool.store.submit_and_lease(new, lease).await?;
+            match (&submitted, lease, permit) {
+                (Submitted::Created(record), Some(lease), Some(permit)) => {
+                    pool.spawn_attempt(lease, (**record).clone(), permit);
+                }
+                (Submitted::Created(_), None, _) => pool.wake(),
+                _ => {}
+            }
+            Ok(submitted)
+        });
+        admission
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
+    }
+
+    /// Cancels request `id` of `namespace` (LC-9): the store fails it with `cancelled` and
+    /// releases its claim; an attempt this node runs is aborted at once (one on another node
+    /// at its next heartbeat, when it finds its lease gone); readers are woken. Returns the
+    /// record afterwards, or `None` when the namespace has no such request.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    pub async fn cancel(
+        &self,
+        namespace: &str,
+        id: Uuid,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let record = self.store.cancel(namespace, id, now_ms()).await?;
+        if record.is_some() {
+            let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(abort) = running.get(&id) {
+                abort.cancel();
+            }
+            drop(running);
+            self.hub.publish(id, HubEvent::Changed);
+        }
+        Ok(record)
+    }
+
+    /// Registers an attempt of request `id` as running here, for [`WorkerPool::cancel`].
+    fn register(&self, id: Uuid) -> Running {
+        let abort = CancellationToken::new();
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.insert(id, abort.clone());
+        Running {
+            pool: self.clone(),
+            id,
+            abort,
         }
     }
 
@@ -103,7 +199,7 @@ impl WorkerPool {
     /// A free worker slot for an attempt started at admission (see
     /// [`Store::submit_and_lease`](crate::store::Store::submit_and_lease)), or `None` when all
     /// are busy or shutdown has begun.
-    pub fn try_permit(&self) -> Option<OwnedSemaphorePermit> {
+    fn try_permit(&self) -> Option<OwnedSemaphorePermit> {
         if self.stopping.is_cancelled() {
             return None;
         }
@@ -283,7 +379,7 @@ impl WorkerPool {
     async fn run_attempt(&self, lease: Lease, record: RequestRecord) {
         let lost = CancellationToken::new();
         let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), lost.clone()));
-        let registration = self.hub.register_attempt(lease.id);
+        let registration = self.register(lease.id);
         debug!(id = %lease.id, attempt = lease.attempt, "attempt started");
         let outcome = tokio::select! {
             outcome = self.call(&lease, &record) => outcome,
@@ -368,7 +464,13 @@ impl WorkerPool {
     /// lease was lost on the way.
     async fn call(&self, lease: &Lease, record: &RequestRecord) -> Option<Outcome> {
         let route = record.route;
-        let mut response = match self.upstreams.send(record).await {
+        let call = Call {
+            backend: &record.backend,
+            route,
+            body: &record.body,
+            headers: &record.headers,
+        };
+        let mut response = match self.upstreams.send(&call).await {
             Ok(r) => r,
             Err(e) => {
                 metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => "error")

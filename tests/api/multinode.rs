@@ -9,20 +9,19 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use holdfast::hub::{Hub, HubEvent};
 use holdfast::mock::{MockConfig, MockServer};
 use holdfast::provider::Route;
 use holdfast::sse::{SseEvent, SseParser};
 use holdfast::store::postgres::{IDS_PER_NOTIFY, PostgresStore};
 use holdfast::store::{
-    ChunkBatch, ClaimKind, Lease, NewChunk, NewRequest, Store, Submitted, now_ms,
+    ChunkBatch, ClaimKind, Lease, NewChunk, NewRequest, Notification, Store, Submitted, now_ms,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
 use tempfile::TempDir;
-use tokio::sync::Notify;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -510,33 +509,29 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
     };
     let writer = PostgresStore::open(&db.url).await.expect("open writer");
     let other = Arc::new(PostgresStore::open(&db.url).await.expect("open listener"));
-    let hub = Hub::new();
-    let wake = Arc::new(Notify::new());
+    let (tx, mut notifications) = mpsc::unbounded_channel();
     let stop = CancellationToken::new();
     let listening = {
-        let (other, hub, wake, stop) = (
-            Arc::clone(&other),
-            Arc::clone(&hub),
-            Arc::clone(&wake),
-            stop.clone(),
-        );
-        tokio::spawn(async move { other.listen(hub, wake, stop).await })
+        let (other, stop) = (Arc::clone(&other), stop.clone());
+        tokio::spawn(async move { other.listen(tx, stop).await })
     };
 
-    // New work wakes the other store's workers. The listener connects in the background, so
-    // submit until a wake-up arrives (bounded).
+    // New work is reported to the other store's node. The listener connects in the background,
+    // so submit until a report arrives (bounded).
     let start = Instant::now();
     let mut n = 0;
     loop {
         n += 1;
         submit(&writer, &format!("work {n}")).await;
-        if tokio::time::timeout(Duration::from_millis(500), wake.notified())
-            .await
-            .is_ok()
+        if let Ok(Some(Notification::Work)) =
+            tokio::time::timeout(Duration::from_millis(500), notifications.recv()).await
         {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "no work wake-up");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no work notification"
+        );
     }
 
     // One group commit over more requests than fit in one payload wakes a reader of each.
@@ -553,7 +548,6 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
         leases.push(lease);
     }
     assert_eq!(leases.len(), count + n);
-    let mut subscriptions: Vec<_> = leases.iter().map(|l| hub.subscribe(l.id)).collect();
     let batches: Vec<ChunkBatch> = leases
         .iter()
         .map(|lease| ChunkBatch {
@@ -565,14 +559,25 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
             upstream_request_id: None,
         })
         .collect();
+    // Drop what the submissions reported so far, then append.
+    while notifications.try_recv().is_ok() {}
     let stored = writer.append_chunks(&batches).await.expect("append");
     assert!(stored.iter().all(Option::is_some));
-    for subscription in &mut subscriptions {
-        let event = tokio::time::timeout(Duration::from_secs(10), subscription.recv())
-            .await
-            .expect("every request's reader is woken");
-        assert_eq!(event, HubEvent::Changed);
+    let mut changed = std::collections::HashSet::new();
+    while changed.len() < leases.len() {
+        match tokio::time::timeout(Duration::from_secs(10), notifications.recv()).await {
+            Ok(Some(Notification::Changed(id))) => {
+                changed.insert(id);
+            }
+            Ok(Some(Notification::Work)) => {}
+            other => panic!(
+                "every request's change is reported ({} of {}): {other:?}",
+                changed.len(),
+                leases.len()
+            ),
+        }
     }
+    assert!(leases.iter().all(|l| changed.contains(&l.id)));
 
     // A status change wakes a reader too.
     let lease = &leases[0];
@@ -588,15 +593,14 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
         )
         .await
         .expect("finish");
-    let event = tokio::time::timeout(Duration::from_secs(10), subscriptions[0].recv())
+    let event = tokio::time::timeout(Duration::from_secs(10), notifications.recv())
         .await
-        .expect("finish wakes the reader");
-    assert_eq!(event, HubEvent::Changed);
+        .expect("finish is reported");
+    assert_eq!(event, Some(Notification::Changed(lease.id)));
 
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(10), listening)
         .await
         .expect("the listener stops on shutdown")
         .expect("listener task");
-    drop(subscriptions);
 }
