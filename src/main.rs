@@ -137,10 +137,14 @@ fn parse_stall(s: &str) -> Result<(u32, u64), String> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The log goes to stderr, coloured only when that is a terminal (a file or a pipe gets
+    // plain text); stdout is for what a command prints.
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("holdfast=info")),
         )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {

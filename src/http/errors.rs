@@ -59,18 +59,50 @@ impl ApiError {
         Self::new(shape, StatusCode::NOT_FOUND, "not_found", message)
     }
 
-    /// 503 `store_unavailable`: nothing was recorded and a retry can succeed (RS-8).
-    pub fn unavailable(shape: Provider, e: &StoreError) -> Self {
-        tracing::error!(error = %e, "store unavailable");
-        let mut err = Self::new(
-            shape,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-            "holdfast could not reach its database; nothing was recorded, retry shortly",
-        );
-        err.should_retry = Some(true);
-        err.retry_after_ms = Some(1_000);
-        err
+    /// The answer for a store failure, by what the client can do about it (the map in
+    /// docs/architecture.md, "Store errors"): 503 `store_unavailable` with `x-should-retry:
+    /// true` when a retry can succeed (RS-8; nothing was recorded); 500 `store_corrupt` with
+    /// `x-should-retry: false` for a row this version cannot read (retrying cannot help), logged
+    /// with the request's id; 500 `store_error` for anything else.
+    pub fn store(shape: Provider, e: &StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(_) => {
+                tracing::error!(error = %e, "store unavailable");
+                let mut err = Self::new(
+                    shape,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    "holdfast could not reach its database; nothing was recorded, retry shortly",
+                );
+                err.should_retry = Some(true);
+                err.retry_after_ms = Some(1_000);
+                err
+            }
+            StoreError::Corrupt { id, what } => {
+                let id_text = id.map(|id| id.to_string()).unwrap_or_default();
+                tracing::error!(id = %id_text, what = %what, "corrupt stored row");
+                let mut err = Self::new(
+                    shape,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "store_corrupt",
+                    "holdfast found a stored request it cannot read; the operator was told \
+                     (see the server log)",
+                )
+                .final_answer();
+                err.request_id = id.map(|id| id.to_string());
+                err
+            }
+            StoreError::Config(_) | StoreError::Migration(_) => {
+                tracing::error!(error = %e, "store error");
+                Self::new(
+                    shape,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "store_error",
+                    "holdfast's database is not usable; see the server log",
+                )
+                .final_answer()
+            }
+        }
     }
 
     /// Marks the answer as final for the SDK (`x-should-retry: false`, RS-7).

@@ -27,8 +27,8 @@ use crate::metrics as m;
 use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::{
-    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, Submitted, failure_releases_claim,
-    now_ms,
+    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted,
+    failure_releases_claim, now_ms,
 };
 
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
@@ -157,7 +157,7 @@ async fn admit_and_answer(
             .for_request(existing)
             .final_answer());
         }
-        Err(e) => return Err(ApiError::unavailable(shape, &e)),
+        Err(e) => return Err(ApiError::store(shape, &e)),
     };
 
     if prefers_async(headers) {
@@ -486,6 +486,10 @@ async fn wait_for(
                     return Err(
                         ApiError::not_found(shape, "the request was pruned").for_request(record.id)
                     );
+                }
+                // Retrying cannot make a corrupt row readable.
+                Err(e @ StoreError::Corrupt { .. }) => {
+                    return Err(ApiError::store(shape, &e).for_request(record.id));
                 }
                 Err(e) => {
                     tracing::warn!(id = %record.id, error = %e, "re-reading a waited request failed")

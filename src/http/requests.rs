@@ -131,7 +131,7 @@ pub async fn get_one(
         Ok(Some(record)) if wants_events => event_stream(&state, &record, position),
         Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
         Ok(None) => not_found(),
-        Err(e) => ApiError::unavailable(shape, &e).into_response(),
+        Err(e) => ApiError::store(shape, &e).into_response(),
     }
 }
 
@@ -165,7 +165,7 @@ pub async fn cancel(
     match state.workers.cancel(&namespace, uuid).await {
         Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
         Ok(None) => not_found(),
-        Err(e) => ApiError::unavailable(shape, &e).into_response(),
+        Err(e) => ApiError::store(shape, &e).into_response(),
     }
 }
 
@@ -228,7 +228,7 @@ pub async fn list(
             axum::Json(serde_json::json!({ "data": data, "next_cursor": next_cursor }))
                 .into_response()
         }
-        Err(e) => ApiError::unavailable(shape, &e).into_response(),
+        Err(e) => ApiError::store(shape, &e).into_response(),
     }
 }
 

@@ -9,20 +9,14 @@
 //!
 //! All timestamps are milliseconds since the Unix epoch ([`Millis`]).
 
-/// The columns of a [`RequestRecord`], in the order both adapters' `record_from_row` read them.
-/// A macro, so the statements that name them are `concat!`ed at compile time instead of
-/// formatted on every call (they run per request).
-macro_rules! request_columns {
-    () => {
-        "id, namespace, route, backend, model, stream, body, headers, claim_kind, status, \
-         attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
-         response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
-         updated_at, finished_at"
-    };
-}
+#[macro_use]
+mod row;
 
 pub mod postgres;
+mod rules;
 pub mod sqlite;
+
+pub use rules::{end_data, failure_releases_claim};
 
 use std::sync::Arc;
 
@@ -161,15 +155,14 @@ impl ClaimKind {
             ClaimKind::Key => "key",
         }
     }
-}
 
-/// Whether a terminal failure of `kind` releases a claim of `claim` (ID-6): a body-hash claim is
-/// released by every failure; an explicit key keeps its claim after a deterministic refusal
-/// (and replays it) and releases on everything else.
-pub fn failure_releases_claim(claim: ClaimKind, kind: ErrorType) -> bool {
-    match claim {
-        ClaimKind::BodyHash => true,
-        ClaimKind::Key => kind != ErrorType::UpstreamRefused,
+    /// Parses the database spelling.
+    pub fn parse(s: &str) -> Option<ClaimKind> {
+        match s {
+            "hash" => Some(ClaimKind::BodyHash),
+            "key" => Some(ClaimKind::Key),
+            _ => None,
+        }
     }
 }
 
@@ -335,11 +328,6 @@ pub struct ChunkBatch {
     pub upstream_request_id: Option<String>,
 }
 
-/// The `data` of an `end` chunk: `{"status","error"}`.
-pub fn end_data(status: Status, error: Option<&ErrorInfo>) -> String {
-    serde_json::json!({ "status": status, "error": error }).to_string()
-}
-
 /// The right to run one attempt (LC-2). Every write for the attempt names it (LC-3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -399,25 +387,84 @@ pub struct Swept {
     pub failed: Vec<Uuid>,
 }
 
-/// Errors of the store layer.
+/// What went wrong in the store, by what a caller can do about it (docs/architecture.md,
+/// "Store errors").
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The database driver failed (unreachable, I/O, constraint we did not expect).
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
-    /// The embedded SQLite database failed (I/O, full disk, constraint we did not expect).
-    #[error("database: {0}")]
-    Sqlite(#[from] rusqlite::Error),
-    /// The SQLite writer could not commit a group of writes, or has stopped; nothing of the
-    /// write was stored.
-    #[error("database: {0}")]
+    /// The database could not do the work now: unreachable, I/O, a full disk, a lost
+    /// connection, the SQLite writer stopped. Nothing of the write was stored, and a retry can
+    /// succeed: HTTP 503 with `x-should-retry: true`.
+    #[error("database unavailable: {0}")]
     Unavailable(String),
-    /// Migrations could not be applied.
+    /// A stored row holds a value this version cannot read. Retrying cannot help: HTTP 500
+    /// with `x-should-retry: false`, logged with the request's id.
+    #[error("corrupt row{}: {what}", id.map(|id| format!(" {id}")).unwrap_or_default())]
+    Corrupt {
+        /// The request whose row it is, when known.
+        id: Option<Uuid>,
+        /// The value that could not be read.
+        what: String,
+    },
+    /// `database_url` names a database that cannot be used (found at start-up).
+    #[error("configuration key `database_url`: {0}")]
+    Config(String),
+    /// The schema could not be migrated (found at start-up).
     #[error("database migration: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-    /// A stored row holds a value this version cannot read.
-    #[error("corrupt row: {0}")]
-    Corrupt(String),
+    Migration(String),
+}
+
+impl StoreError {
+    /// A corrupt value of request `id`.
+    pub(crate) fn corrupt(id: Option<Uuid>, what: impl std::fmt::Display) -> StoreError {
+        StoreError::Corrupt {
+            id,
+            what: what.to_string(),
+        }
+    }
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> StoreError {
+        use sqlx::Error as E;
+        match e {
+            E::Configuration(e) => StoreError::Config(e.to_string()),
+            E::Migrate(e) => StoreError::Migration(e.to_string()),
+            E::TypeNotFound { .. }
+            | E::ColumnIndexOutOfBounds { .. }
+            | E::ColumnNotFound(_)
+            | E::ColumnDecode { .. }
+            | E::Decode(_)
+            | E::Encode(_) => StoreError::corrupt(None, e),
+            e => StoreError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(e: sqlx::migrate::MigrateError) -> StoreError {
+        StoreError::Migration(e.to_string())
+    }
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> StoreError {
+        use rusqlite::Error as E;
+        use rusqlite::ErrorCode;
+        match &e {
+            E::SqliteFailure(f, _)
+                if matches!(f.code, ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase) =>
+            {
+                StoreError::corrupt(None, e)
+            }
+            E::FromSqlConversionFailure(..)
+            | E::IntegralValueOutOfRange(..)
+            | E::Utf8Error(_)
+            | E::InvalidColumnType(..)
+            | E::InvalidColumnIndex(_)
+            | E::InvalidColumnName(_) => StoreError::corrupt(None, e),
+            _ => StoreError::Unavailable(e.to_string()),
+        }
+    }
 }
 
 /// The durable log. Implementations must make `submit` and `lease` atomic in the database (a
@@ -472,35 +519,21 @@ pub trait Store: Send + Sync + 'static {
         lease_ms: i64,
     ) -> Result<Option<(Lease, RequestRecord)>, StoreError>;
 
-    /// Takes up to `limit` due pending requests at once, each leased as by [`Store::lease`]
-    /// with an owner unique to its attempt: `owner_prefix` (itself unique to the call) plus a
-    /// per-request suffix. Empty when nothing is due.
-    ///
-    /// The default calls [`Store::lease`] until `limit` or nothing is due; adapters override
-    /// it with one statement, so a burst of new requests costs one write instead of one each
-    /// (docs/benchmarks.md). A database error after some leases were taken returns those.
+    /// Takes up to `limit` due pending requests at once, oldest first, each leased as by
+    /// [`Store::lease`] with an owner unique to its attempt: `owner_prefix` (itself unique to
+    /// the call), `/`, and the request id. Empty when nothing is due. One statement on both
+    /// adapters, so a burst of new requests costs one write instead of one each
+    /// (docs/benchmarks.md).
     ///
     /// # Errors
-    /// [`StoreError`] when the database fails before anything was leased.
+    /// [`StoreError`] when the database fails; nothing was leased then.
     async fn lease_many(
         &self,
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
         limit: usize,
-    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
-        let mut leased = Vec::new();
-        while leased.len() < limit {
-            let owner = format!("{owner_prefix}/{}", leased.len());
-            match self.lease(&owner, now, lease_ms).await {
-                Ok(Some(one)) => leased.push(one),
-                Ok(None) => break,
-                Err(_) if !leased.is_empty() => break,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(leased)
-    }
+    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError>;
 
     /// Extends the lease to `now + lease_ms`. `false` when the lease was lost (swept,
     /// cancelled): the worker must stop and write nothing more (LC-3).
@@ -682,8 +715,8 @@ pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError
             postgres::PostgresStore::open_with(url, config.database_pool_size).await?,
         ))
     } else {
-        Err(StoreError::Corrupt(format!(
-            "database_url {:?}: expected sqlite:, postgres:// or postgresql://",
+        Err(StoreError::Config(format!(
+            "{:?}: expected sqlite:, postgres:// or postgresql://",
             redact_url(url)
         )))
     }

@@ -65,12 +65,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
-use crate::provider::Route;
-
+use super::row::RawRecord;
+use super::rules::{self, Expired, Settle};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, LeaseTo, Millis,
-    NewRequest, Notification, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept,
-    end_data, failure_releases_claim,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, Millis, NewRequest, Notification,
+    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept,
 };
 
 /// Connections per process unless [`PostgresStore::open_with`] says otherwise.
@@ -97,13 +96,6 @@ pub struct PostgresStore {
     /// own (the writer already woke its local hub).
     origin: String,
 }
-
-/// `error_message` of a request whose last lease expired with no attempts left (LC-4).
-const LEASE_EXPIRED_MESSAGE: &str =
-    "the worker running the last attempt stopped renewing its lease and no attempts are left";
-
-/// `error_message` of a cancelled request (LC-9).
-const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/<id>/cancel";
 
 impl PostgresStore {
     /// Connects to `url` (`postgres://` or `postgresql://`) with a pool of
@@ -240,7 +232,7 @@ impl PostgresStore {
 }
 
 fn corrupt(what: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(what.to_string())
+    StoreError::corrupt(None, what)
 }
 
 /// `s` as PostgreSQL `TEXT` can hold it: NUL becomes U+FFFD (see the module notes).
@@ -260,44 +252,30 @@ fn count(n: i32, what: &str) -> Result<u32, StoreError> {
     u32::try_from(n).map_err(|_| corrupt(format!("{what} {n}")))
 }
 
+/// Reads a [`RequestRecord`] from `row` by column name (checks in [`RawRecord::into_record`]).
 fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
-    let status: String = row.try_get("status")?;
-    let claim_kind: String = row.try_get("claim_kind")?;
-    let headers: String = row.try_get("headers")?;
-    let error_type: Option<String> = row.try_get("error_type")?;
-    let error = match error_type {
-        Some(t) => Some(ErrorInfo {
-            kind: ErrorType::parse(&t).ok_or_else(|| corrupt(format!("error_type {t:?}")))?,
-            message: row
-                .try_get::<Option<String>, _>("error_message")?
-                .unwrap_or_default(),
-            status: row
-                .try_get::<Option<i32>, _>("error_status")?
-                .and_then(|s| u16::try_from(s).ok()),
-        }),
-        None => None,
-    };
-    Ok(RequestRecord {
+    RawRecord {
         id: row.try_get("id")?,
         namespace: row.try_get("namespace")?,
-        route: {
-            let name: String = row.try_get("route")?;
-            Route::from_name(&name).ok_or_else(|| corrupt(format!("route {name:?}")))?
-        },
+        route: row.try_get("route")?,
         backend: row.try_get("backend")?,
         model: row.try_get("model")?,
         stream: row.try_get("stream")?,
         body: row.try_get("body")?,
-        headers: serde_json::from_str(&headers).map_err(|e| corrupt(format!("headers: {e}")))?,
-        claim: claim_kind_of(&claim_kind),
-        status: Status::parse(&status).ok_or_else(|| corrupt(format!("status {status:?}")))?,
-        attempts: count(row.try_get("attempts")?, "attempts")?,
-        recoveries: count(row.try_get("recoveries")?, "recoveries")?,
+        headers: row.try_get("headers")?,
+        claim_kind: row.try_get("claim_kind")?,
+        status: row.try_get("status")?,
+        attempts: i64::from(row.try_get::<i32, _>("attempts")?),
+        recoveries: i64::from(row.try_get::<i32, _>("recoveries")?),
         next_retry_at: row.try_get("next_retry_at")?,
-        error,
+        error_type: row.try_get("error_type")?,
+        error_message: row.try_get("error_message")?,
+        error_status: row
+            .try_get::<Option<i32>, _>("error_status")?
+            .map(i64::from),
         response_status: row
             .try_get::<Option<i32>, _>("response_status")?
-            .and_then(|s| u16::try_from(s).ok()),
+            .map(i64::from),
         response_body: row.try_get("response_body")?,
         upstream_request_id: row.try_get("upstream_request_id")?,
         last_seq: row.try_get("last_seq")?,
@@ -305,7 +283,8 @@ fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         finished_at: row.try_get("finished_at")?,
-    })
+    }
+    .into_record()
 }
 
 fn chunk_from_row(row: &PgRow) -> Result<Chunk, StoreError> {
@@ -319,32 +298,49 @@ fn chunk_from_row(row: &PgRow) -> Result<Chunk, StoreError> {
     })
 }
 
-fn claim_kind_of(s: &str) -> ClaimKind {
-    if s == "key" {
-        ClaimKind::Key
-    } else {
-        ClaimKind::BodyHash
-    }
-}
-
 fn attempt_number(attempt: u32) -> Result<i32, StoreError> {
     i32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))
 }
 
-/// Deletes the claims pointing at `id` when a failure of `kind` releases them (ID-6).
-async fn release_claims(
+/// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
+/// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
+/// else after the last seq.
+async fn settle_in(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
-    claim: ClaimKind,
-    kind: ErrorType,
+    attempt: i32,
+    settle: &Settle,
+    end_seq: Option<i64>,
 ) -> Result<(), StoreError> {
-    if failure_releases_claim(claim, kind) {
+    if settle.release_claim {
         sqlx::query("DELETE FROM claims WHERE request_id = $1")
             .bind(id)
             .execute(&mut **tx)
             .await?;
     }
+    match end_seq {
+        Some(seq) => {
+            sqlx::query(
+                "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+                 VALUES ($1, $2, $3, 'end', NULL, $4)",
+            )
+            .bind(id)
+            .bind(seq)
+            .bind(attempt)
+            .bind(text(&settle.end))
+            .execute(&mut **tx)
+            .await?;
+        }
+        None => {
+            append_control(tx, id, attempt, ChunkKind::End, &settle.end).await?;
+        }
+    }
     Ok(())
+}
+
+/// `claim_kind` of request `id` as stored.
+fn claim_of(id: Uuid, s: &str) -> Result<ClaimKind, StoreError> {
+    ClaimKind::parse(s).ok_or_else(|| StoreError::corrupt(Some(id), format!("claim_kind {s:?}")))
 }
 
 /// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
@@ -543,6 +539,48 @@ impl Store for PostgresStore {
         Ok(Some((lease, record)))
     }
 
+    async fn lease_many(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
+        // One statement for up to `limit` rows (LC-2): SKIP LOCKED as in `lease`, each row's
+        // owner made unique by its id.
+        let rows = sqlx::query(concat!(
+            "UPDATE requests SET status = 'running', attempts = attempts + 1,
+                 lease_owner = $1 || '/' || id::text, lease_expires_at = $2, updated_at = $3
+             WHERE id IN (SELECT id FROM requests
+                          WHERE status = 'pending' AND next_retry_at <= $3
+                          ORDER BY next_retry_at, id LIMIT $4
+                          FOR UPDATE SKIP LOCKED)
+             RETURNING lease_owner, ",
+            request_columns!()
+        ))
+        .bind(owner_prefix)
+        .bind(now + lease_ms)
+        .bind(now)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut leased = rows
+            .iter()
+            .map(|row| {
+                let record = record_from_row(row)?;
+                let lease = Lease {
+                    id: record.id,
+                    owner: row.try_get("lease_owner")?,
+                    attempt: record.attempts,
+                };
+                Ok((lease, record))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        // RETURNING has no order; run the oldest first.
+        leased.sort_by_key(|(_, r)| (r.next_retry_at, r.id));
+        Ok(leased)
+    }
+
     async fn heartbeat(
         &self,
         lease: &Lease,
@@ -651,26 +689,11 @@ impl Store for PostgresStore {
             return Ok(None);
         };
         let record = record_from_row(&row)?;
-        let end = match outcome {
-            Outcome::Succeeded { .. } => Some(end_data(Status::Succeeded, None)),
-            Outcome::Failed { error, .. } => {
-                release_claims(&mut tx, id, record.claim, error.kind).await?;
-                Some(end_data(Status::Failed, record.error.as_ref()))
-            }
-            Outcome::Retry { .. } => None,
-        };
-        if let Some(end) = end {
-            let attempt = i32::try_from(record.attempts).map_err(corrupt)?;
-            sqlx::query(
-                "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-                 VALUES ($1, $2, $3, 'end', NULL, $4)",
-            )
-            .bind(id)
-            .bind(record.last_seq)
-            .bind(attempt)
-            .bind(text(&end))
-            .execute(&mut *tx)
-            .await?;
+        if record.status.is_terminal() {
+            let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
+            // The end chunk's seq was reserved by the UPDATE above.
+            let attempt = attempt_number(record.attempts)?;
+            settle_in(&mut tx, id, attempt, &settle, Some(record.last_seq)).await?;
         }
         self.notify_changed(&mut tx, &[id]).await?;
         tx.commit().await?;
@@ -678,71 +701,72 @@ impl Store for PostgresStore {
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
-        let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
         let mut tx = self.pool.begin().await?;
         // SKIP LOCKED: a request another sweeper (or a heartbeat, finish, cancel) holds is left
         // to it; whatever we lock is ours alone until commit, so each expired lease is handled
-        // by exactly one sweeper (DU-3).
-        let failed: Vec<(Uuid, String, i32)> = sqlx::query_as(
-            "WITH expired AS MATERIALIZED (
-                 SELECT id FROM requests
-                 WHERE status = 'running' AND lease_expires_at < $1 AND attempts >= $2
-                 FOR UPDATE SKIP LOCKED)
-             UPDATE requests r SET status = 'failed', error_type = 'lease_expired',
-                 error_message = $3, error_status = NULL, lease_owner = NULL,
-                 lease_expires_at = NULL, finished_at = $1, updated_at = $1
-             FROM expired WHERE r.id = expired.id
-             RETURNING r.id, r.claim_kind, r.attempts",
-        )
-        .bind(now)
-        .bind(max_attempts)
-        .bind(LEASE_EXPIRED_MESSAGE)
-        .fetch_all(&mut *tx)
-        .await?;
-        let error = ErrorInfo {
-            kind: ErrorType::LeaseExpired,
-            message: LEASE_EXPIRED_MESSAGE.to_string(),
-            status: None,
-        };
-        let end = end_data(Status::Failed, Some(&error));
-        for (id, claim, attempts) in &failed {
-            release_claims(&mut tx, *id, claim_kind_of(claim), ErrorType::LeaseExpired).await?;
-            append_control(&mut tx, *id, *attempts, ChunkKind::End, &end).await?;
-        }
-        let recovered: Vec<(Uuid, i32, i64, i64)> = sqlx::query_as(
-            "WITH expired AS MATERIALIZED (
-                 SELECT id FROM requests
-                 WHERE status = 'running' AND lease_expires_at < $1
-                 FOR UPDATE SKIP LOCKED)
-             UPDATE requests r SET status = 'pending', recoveries = recoveries + 1,
-                 next_retry_at = $1, lease_owner = NULL, lease_expires_at = NULL, updated_at = $1
-             FROM expired WHERE r.id = expired.id
-             RETURNING r.id, r.attempts, r.last_seq, r.reset_seq",
+        // by exactly one sweeper (DU-3). Each gets the verdict of `rules::expired`.
+        let expired: Vec<(Uuid, String, i32, i64, i64)> = sqlx::query_as(
+            "SELECT id, claim_kind, attempts, last_seq, reset_seq FROM requests
+             WHERE status = 'running' AND lease_expires_at < $1
+             FOR UPDATE SKIP LOCKED",
         )
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
-        for (id, attempts, last_seq, reset_seq) in &recovered {
-            // The abandoned attempt stored chunks: the next attempt starts after a reset (LC-8).
-            if last_seq > reset_seq {
-                let next = attempts.saturating_add(1);
-                append_control(&mut tx, *id, next, ChunkKind::Reset, &next.to_string()).await?;
+        let mut swept = Swept::default();
+        for (id, claim, attempts, last_seq, reset_seq) in expired {
+            let claim = claim_of(id, &claim)?;
+            let count = u32::try_from(attempts)
+                .map_err(|_| StoreError::corrupt(Some(id), format!("attempts {attempts}")))?;
+            match rules::expired(count, max_attempts, last_seq, reset_seq) {
+                Expired::Fail(error) => {
+                    sqlx::query(
+                        "UPDATE requests SET status = 'failed', error_type = $2,
+                             error_message = $3, error_status = NULL, lease_owner = NULL,
+                             lease_expires_at = NULL, finished_at = $1, updated_at = $1
+                         WHERE id = $4",
+                    )
+                    .bind(now)
+                    .bind(error.kind.as_str())
+                    .bind(text(&error.message))
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                    let settle = rules::settle(Status::Failed, Some(&error), claim);
+                    settle_in(&mut tx, id, attempts, &settle, None).await?;
+                    swept.failed.push(id);
+                }
+                Expired::Recover { reset } => {
+                    sqlx::query(
+                        "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
+                             next_retry_at = $1, lease_owner = NULL, lease_expires_at = NULL,
+                             updated_at = $1
+                         WHERE id = $2",
+                    )
+                    .bind(now)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                    if let Some((attempt, data)) = reset {
+                        let attempt = attempt_number(attempt)?;
+                        append_control(&mut tx, id, attempt, ChunkKind::Reset, &data).await?;
+                    }
+                    swept.recovered.push(id);
+                }
             }
         }
-        let changed: Vec<Uuid> = failed
+        let changed: Vec<Uuid> = swept
+            .failed
             .iter()
-            .map(|(id, ..)| *id)
-            .chain(recovered.iter().map(|(id, ..)| *id))
+            .chain(&swept.recovered)
+            .copied()
             .collect();
         self.notify_changed(&mut tx, &changed).await?;
-        if !recovered.is_empty() {
+        if !swept.recovered.is_empty() {
             self.notify_work(&mut tx).await?;
         }
         tx.commit().await?;
-        Ok(Swept {
-            recovered: recovered.iter().map(|(id, ..)| *id).collect(),
-            failed: failed.iter().map(|(id, ..)| *id).collect(),
-        })
+        Ok(swept)
     }
 
     async fn append_chunks(
@@ -852,28 +876,24 @@ impl Store for PostgresStore {
         let mut tx = self.pool.begin().await?;
         // A finish racing this waits for us (or we for it) on the row lock; the loser re-checks
         // its condition against the winner's row and changes nothing.
+        let error = rules::cancelled();
         let cancelled: Option<(String, i32)> = sqlx::query_as(
-            "UPDATE requests SET status = 'failed', error_type = 'cancelled',
+            "UPDATE requests SET status = 'failed', error_type = $5,
                  error_message = $1, error_status = NULL,
                  lease_owner = NULL, lease_expires_at = NULL, finished_at = $2, updated_at = $2
              WHERE id = $3 AND namespace = $4 AND status IN ('pending', 'running')
              RETURNING claim_kind, attempts",
         )
-        .bind(CANCELLED_MESSAGE)
+        .bind(text(&error.message))
         .bind(now)
         .bind(id)
         .bind(namespace)
+        .bind(error.kind.as_str())
         .fetch_optional(&mut *tx)
         .await?;
         if let Some((claim, attempts)) = &cancelled {
-            release_claims(&mut tx, id, claim_kind_of(claim), ErrorType::Cancelled).await?;
-            let error = ErrorInfo {
-                kind: ErrorType::Cancelled,
-                message: CANCELLED_MESSAGE.to_string(),
-                status: None,
-            };
-            let end = end_data(Status::Failed, Some(&error));
-            append_control(&mut tx, id, *attempts, ChunkKind::End, &end).await?;
+            let settle = rules::settle(Status::Failed, Some(&error), claim_of(id, claim)?);
+            settle_in(&mut tx, id, *attempts, &settle, None).await?;
             self.notify_changed(&mut tx, &[id]).await?;
         }
         let record = Self::fetch_in(&mut tx, id)
@@ -920,11 +940,12 @@ impl Store for PostgresStore {
         .bind(&lease.owner)
         .fetch_optional(&mut *tx)
         .await?;
-        if let Some((attempts, last_seq, reset_seq)) = released
-            && last_seq > reset_seq
-        {
-            let next = attempts.saturating_add(1);
-            append_control(&mut tx, lease.id, next, ChunkKind::Reset, &next.to_string()).await?;
+        if let Some((attempts, last_seq, reset_seq)) = released {
+            let attempts = u32::try_from(attempts).map_err(corrupt)?;
+            if let Some((attempt, data)) = rules::reset_after(attempts, last_seq, reset_seq) {
+                let attempt = attempt_number(attempt)?;
+                append_control(&mut tx, lease.id, attempt, ChunkKind::Reset, &data).await?;
+            }
         }
         if released.is_some() {
             self.notify_changed(&mut tx, &[lease.id]).await?;

@@ -38,13 +38,13 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, params};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
+use super::row::{RawRecord, col};
+use super::rules::{self, Expired, Settle};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Lease, LeaseTo, Millis,
-    NewRequest, Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept, end_data,
-    failure_releases_claim,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, Millis, NewRequest, Outcome,
+    RequestRecord, Status, Store, StoreError, Submitted, Swept,
 };
 use crate::config::SqliteSynchronous;
-use crate::provider::Route;
 
 /// Most write jobs in one transaction. Bounds a commit's duration (and the delay of the first
 /// job in it), not its correctness.
@@ -92,12 +92,12 @@ fn path_of(url: &str) -> Result<PathBuf, StoreError> {
     let rest = url
         .strip_prefix("sqlite://")
         .or_else(|| url.strip_prefix("sqlite:"))
-        .ok_or_else(|| corrupt(format!("database_url {url:?}: expected sqlite://PATH")))?;
+        .ok_or_else(|| StoreError::Config(format!("{url:?}: expected sqlite://PATH")))?;
     let path = rest.split('?').next().unwrap_or_default();
     if path.is_empty() || path == ":memory:" {
-        return Err(corrupt(format!(
-            "database_url {url:?}: needs a file path (an in-memory database would lose every \
-             request on restart)"
+        return Err(StoreError::Config(format!(
+            "{url:?} needs a file path, e.g. sqlite://holdfast.db (an in-memory database would \
+             lose every request on restart)"
         )));
     }
     Ok(PathBuf::from(path))
@@ -119,7 +119,7 @@ fn open_writer(path: &Path, synchronous: SqliteSynchronous) -> Result<Connection
     configure(&conn)?;
     let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
-        return Err(corrupt(format!(
+        return Err(StoreError::Config(format!(
             "{}: could not switch to WAL mode (got {mode:?})",
             path.display()
         )));
@@ -176,7 +176,7 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
     }
     let latest = MIGRATIONS.last().map_or(0, |(n, _)| *n);
     if version > latest {
-        return Err(corrupt(format!(
+        return Err(StoreError::Migration(format!(
             "the database is at schema version {version}, newer than this holdfast knows \
              ({latest}); run the newer holdfast"
         )));
@@ -416,52 +416,40 @@ fn checkpoint_loop(conn: Connection, stop: std::sync::mpsc::Receiver<()>) {
 }
 
 fn corrupt(what: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(what.to_string())
+    StoreError::corrupt(None, what)
 }
 
-/// Reads a [`RequestRecord`] from `row`, whose columns from `at` on are `request_columns!()` (`store/mod.rs`).
+/// Reads a [`RequestRecord`] from `row`, whose columns from `at` on are `request_columns!()`
+/// (positions in [`col`], checks in [`RawRecord::into_record`]).
 fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError> {
-    let id: String = row.get(at)?;
-    let status: String = row.get(at + 9)?;
-    let claim_kind: String = row.get(at + 8)?;
-    let headers: String = row.get(at + 7)?;
-    let error_type: Option<String> = row.get(at + 13)?;
-    let error = match error_type {
-        Some(t) => Some(ErrorInfo {
-            kind: ErrorType::parse(&t).ok_or_else(|| corrupt(format!("error_type {t:?}")))?,
-            message: row.get::<_, Option<String>>(at + 14)?.unwrap_or_default(),
-            status: row
-                .get::<_, Option<i64>>(at + 15)?
-                .and_then(|s| u16::try_from(s).ok()),
-        }),
-        None => None,
-    };
-    Ok(RequestRecord {
-        id: Uuid::parse_str(&id).map_err(|e| corrupt(format!("id {id:?}: {e}")))?,
-        namespace: row.get(at + 1)?,
-        route: route_of(&row.get::<_, String>(at + 2)?)?,
-        backend: row.get(at + 3)?,
-        model: row.get(at + 4)?,
-        stream: row.get::<_, i64>(at + 5)? != 0,
-        body: row.get(at + 6)?,
-        headers: serde_json::from_str(&headers).map_err(|e| corrupt(format!("headers: {e}")))?,
-        claim: claim_kind_of(&claim_kind),
-        status: Status::parse(&status).ok_or_else(|| corrupt(format!("status {status:?}")))?,
-        attempts: u32::try_from(row.get::<_, i64>(at + 10)?).map_err(corrupt)?,
-        recoveries: u32::try_from(row.get::<_, i64>(at + 11)?).map_err(corrupt)?,
-        next_retry_at: row.get(at + 12)?,
-        error,
-        response_status: row
-            .get::<_, Option<i64>>(at + 16)?
-            .and_then(|s| u16::try_from(s).ok()),
-        response_body: row.get(at + 17)?,
-        upstream_request_id: row.get(at + 18)?,
-        last_seq: row.get(at + 19)?,
-        reset_seq: row.get(at + 20)?,
-        created_at: row.get(at + 21)?,
-        updated_at: row.get(at + 22)?,
-        finished_at: row.get(at + 23)?,
-    })
+    let id: String = row.get(at + col::ID)?;
+    RawRecord {
+        id: parse_id(&id)?,
+        namespace: row.get(at + col::NAMESPACE)?,
+        route: row.get(at + col::ROUTE)?,
+        backend: row.get(at + col::BACKEND)?,
+        model: row.get(at + col::MODEL)?,
+        stream: row.get::<_, i64>(at + col::STREAM)? != 0,
+        body: row.get(at + col::BODY)?,
+        headers: row.get(at + col::HEADERS)?,
+        claim_kind: row.get(at + col::CLAIM_KIND)?,
+        status: row.get(at + col::STATUS)?,
+        attempts: row.get(at + col::ATTEMPTS)?,
+        recoveries: row.get(at + col::RECOVERIES)?,
+        next_retry_at: row.get(at + col::NEXT_RETRY_AT)?,
+        error_type: row.get(at + col::ERROR_TYPE)?,
+        error_message: row.get(at + col::ERROR_MESSAGE)?,
+        error_status: row.get(at + col::ERROR_STATUS)?,
+        response_status: row.get(at + col::RESPONSE_STATUS)?,
+        response_body: row.get(at + col::RESPONSE_BODY)?,
+        upstream_request_id: row.get(at + col::UPSTREAM_REQUEST_ID)?,
+        last_seq: row.get(at + col::LAST_SEQ)?,
+        reset_seq: row.get(at + col::RESET_SEQ)?,
+        created_at: row.get(at + col::CREATED_AT)?,
+        updated_at: row.get(at + col::UPDATED_AT)?,
+        finished_at: row.get(at + col::FINISHED_AT)?,
+    }
+    .into_record()
 }
 
 /// Reads request `id`, any namespace.
@@ -478,18 +466,30 @@ fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreErro
     }
 }
 
-/// Deletes the claims pointing at `id` when a failure of `kind` releases them (ID-6).
-fn release_claims(
+/// Deletes the claims pointing at `id` (ID-6).
+fn release_claims(conn: &Connection, id: &str) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM claims WHERE request_id = ?1")?
+        .execute(params![id])?;
+    Ok(())
+}
+
+/// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
+/// if the rule says so, its `end` chunk at `end_seq` when the seq is already reserved, else
+/// after the last seq.
+fn settle_in(
     conn: &Connection,
     id: &str,
-    claim: ClaimKind,
-    kind: ErrorType,
+    attempt: i64,
+    settle: &Settle,
+    end_seq: Option<i64>,
 ) -> Result<(), StoreError> {
-    if failure_releases_claim(claim, kind) {
-        conn.prepare_cached("DELETE FROM claims WHERE request_id = ?1")?
-            .execute(params![id])?;
+    if settle.release_claim {
+        release_claims(conn, id)?;
     }
-    Ok(())
+    match end_seq {
+        Some(seq) => insert_control(conn, id, seq, attempt, ChunkKind::End, &settle.end),
+        None => append_control(conn, id, attempt, ChunkKind::End, &settle.end).map(|_| ()),
+    }
 }
 
 /// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
@@ -572,18 +572,6 @@ fn chunk_from_row(row: &Row<'_>) -> Result<Chunk, StoreError> {
         event: row.get(3)?,
         data: row.get(4)?,
     })
-}
-
-fn route_of(name: &str) -> Result<Route, StoreError> {
-    Route::from_name(name).ok_or_else(|| corrupt(format!("route {name:?}")))
-}
-
-fn claim_kind_of(s: &str) -> ClaimKind {
-    if s == "key" {
-        ClaimKind::Key
-    } else {
-        ClaimKind::BodyHash
-    }
 }
 
 fn parse_id(s: &str) -> Result<Uuid, StoreError> {
@@ -718,7 +706,7 @@ fn finish_in(
                      error_message = NULL, error_status = NULL, lease_owner = NULL,
                      lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
                      last_seq = last_seq + 1
-                 WHERE id = ?5 AND lease_owner = ?6
+                 WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'
                  RETURNING ",
                 request_columns!()
             ),
@@ -739,7 +727,7 @@ fn finish_in(
                 "UPDATE requests SET status = 'pending', next_retry_at = ?1,
                      error_type = ?2, error_message = ?3, error_status = ?4,
                      lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
-                 WHERE id = ?6 AND lease_owner = ?7
+                 WHERE id = ?6 AND lease_owner = ?7 AND status = 'running'
                  RETURNING ",
                 request_columns!()
             ),
@@ -763,7 +751,7 @@ fn finish_in(
                      error_status = ?3, response_status = ?4, response_body = ?5,
                      upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
                      finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1
-                 WHERE id = ?8 AND lease_owner = ?9
+                 WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'
                  RETURNING ",
                 request_columns!()
             ),
@@ -783,79 +771,67 @@ fn finish_in(
     let Some(record) = record else {
         return Ok(None);
     };
-    let end = match outcome {
-        Outcome::Succeeded { .. } => Some(end_data(Status::Succeeded, None)),
-        Outcome::Failed { error, .. } => {
-            release_claims(conn, &id, record.claim, error.kind)?;
-            Some(end_data(Status::Failed, Some(error)))
-        }
-        Outcome::Retry { .. } => None,
-    };
-    if let Some(end) = end {
-        insert_control(
-            conn,
-            &id,
-            record.last_seq,
-            i64::from(record.attempts),
-            ChunkKind::End,
-            &end,
-        )?;
+    if record.status.is_terminal() {
+        let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
+        // The end chunk's seq was reserved by the UPDATE above.
+        let attempt = i64::from(record.attempts);
+        settle_in(conn, &id, attempt, &settle, Some(record.last_seq))?;
     }
     Ok(Some(record))
 }
 
-/// [`Store::sweep`] inside the writer's transaction; ids as stored.
+/// [`Store::sweep`] inside the writer's transaction: each expired lease gets the verdict of
+/// [`rules::expired`]. Ids as stored.
 fn sweep_in(
     conn: &Connection,
     now: Millis,
     max_attempts: u32,
 ) -> Result<(Vec<String>, Vec<String>), StoreError> {
-    const MESSAGE: &str =
-        "the worker running the last attempt stopped renewing its lease and no attempts are left";
-    let failed: Vec<(String, String, i64)> = conn
+    let expired: Vec<(String, String, i64, i64, i64)> = conn
         .prepare_cached(
-            "UPDATE requests SET status = 'failed', error_type = 'lease_expired',
-                 error_message = ?3, error_status = NULL, lease_owner = NULL,
-                 lease_expires_at = NULL, finished_at = ?1, updated_at = ?1
-             WHERE status = 'running' AND lease_expires_at < ?1 AND attempts >= ?2
-             RETURNING id, claim_kind, attempts",
-        )?
-        .query_map(params![now, i64::from(max_attempts), MESSAGE], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-        })?
-        .collect::<Result<_, _>>()?;
-    let error = ErrorInfo {
-        kind: ErrorType::LeaseExpired,
-        message: MESSAGE.into(),
-        status: None,
-    };
-    let end = end_data(Status::Failed, Some(&error));
-    for (id, claim, attempts) in &failed {
-        release_claims(conn, id, claim_kind_of(claim), ErrorType::LeaseExpired)?;
-        append_control(conn, id, *attempts, ChunkKind::End, &end)?;
-    }
-    let recovered: Vec<(String, i64, i64, i64)> = conn
-        .prepare_cached(
-            "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
-                 next_retry_at = ?1, lease_owner = NULL, lease_expires_at = NULL, updated_at = ?1
-             WHERE status = 'running' AND lease_expires_at < ?1
-             RETURNING id, attempts, last_seq, reset_seq",
+            "SELECT id, claim_kind, attempts, last_seq, reset_seq FROM requests
+             WHERE status = 'running' AND lease_expires_at < ?1",
         )?
         .query_map(params![now], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
         })?
         .collect::<Result<_, _>>()?;
-    for (id, attempts, last_seq, reset_seq) in &recovered {
-        // The abandoned attempt stored chunks: the next attempt starts after a reset (LC-8).
-        if last_seq > reset_seq {
-            let next = (attempts + 1).to_string();
-            append_control(conn, id, attempts + 1, ChunkKind::Reset, &next)?;
+    let (mut recovered, mut failed) = (Vec::new(), Vec::new());
+    for (id, claim, attempts, last_seq, reset_seq) in expired {
+        let request = Some(parse_id(&id)?);
+        let claim = ClaimKind::parse(&claim)
+            .ok_or_else(|| StoreError::corrupt(request, format!("claim_kind {claim:?}")))?;
+        let attempts = u32::try_from(attempts)
+            .map_err(|_| StoreError::corrupt(request, format!("attempts {attempts}")))?;
+        match rules::expired(attempts, max_attempts, last_seq, reset_seq) {
+            Expired::Fail(error) => {
+                conn.prepare_cached(
+                    "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
+                         error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
+                         finished_at = ?1, updated_at = ?1
+                     WHERE id = ?4",
+                )?
+                .execute(params![now, error.kind.as_str(), error.message, id])?;
+                let settle = rules::settle(Status::Failed, Some(&error), claim);
+                settle_in(conn, &id, i64::from(attempts), &settle, None)?;
+                failed.push(id);
+            }
+            Expired::Recover { reset } => {
+                conn.prepare_cached(
+                    "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
+                         next_retry_at = ?1, lease_owner = NULL, lease_expires_at = NULL,
+                         updated_at = ?1
+                     WHERE id = ?2",
+                )?
+                .execute(params![now, id])?;
+                if let Some((attempt, data)) = reset {
+                    append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+                }
+                recovered.push(id);
+            }
         }
     }
-    Ok((
-        recovered.into_iter().map(|(id, ..)| id).collect(),
-        failed.into_iter().map(|(id, ..)| id).collect(),
-    ))
+    Ok((recovered, failed))
 }
 
 /// [`Store::append_chunks`] inside the writer's transaction. With the statements prepared once
@@ -920,28 +896,26 @@ fn cancel_in(
     id: &str,
     now: Millis,
 ) -> Result<Option<RequestRecord>, StoreError> {
-    const MESSAGE: &str = "cancelled through POST /requests/<id>/cancel";
+    let error = rules::cancelled();
     let cancelled: Option<(String, i64)> = conn
         .prepare_cached(
-            "UPDATE requests SET status = 'failed', error_type = 'cancelled',
-                 error_message = ?4, error_status = NULL,
+            "UPDATE requests SET status = 'failed', error_type = ?4,
+                 error_message = ?5, error_status = NULL,
                  lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1
              WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
              RETURNING claim_kind, attempts",
         )?
-        .query_row(params![now, id, namespace, MESSAGE], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
+        .query_row(
+            params![now, id, namespace, error.kind.as_str(), error.message],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
         .optional()?;
     if let Some((claim, attempts)) = &cancelled {
-        release_claims(conn, id, claim_kind_of(claim), ErrorType::Cancelled)?;
-        let error = ErrorInfo {
-            kind: ErrorType::Cancelled,
-            message: MESSAGE.into(),
-            status: None,
-        };
-        let end = end_data(Status::Failed, Some(&error));
-        append_control(conn, id, *attempts, ChunkKind::End, &end)?;
+        let claim = ClaimKind::parse(claim).ok_or_else(|| {
+            StoreError::corrupt(parse_id(id).ok(), format!("claim_kind {claim:?}"))
+        })?;
+        let settle = rules::settle(Status::Failed, Some(&error), claim);
+        settle_in(conn, id, *attempts, &settle, None)?;
     }
     Ok(fetch(conn, id)?.filter(|r| r.namespace == namespace))
 }
@@ -960,11 +934,11 @@ fn release_in(conn: &Connection, lease: &Lease, now: Millis) -> Result<bool, Sto
             Ok((r.get(0)?, r.get(1)?, r.get(2)?))
         })
         .optional()?;
-    if let Some((attempts, last_seq, reset_seq)) = released
-        && last_seq > reset_seq
-    {
-        let next = (attempts + 1).to_string();
-        append_control(conn, &id, attempts + 1, ChunkKind::Reset, &next)?;
+    if let Some((attempts, last_seq, reset_seq)) = released {
+        let attempts = u32::try_from(attempts).map_err(corrupt)?;
+        if let Some((attempt, data)) = rules::reset_after(attempts, last_seq, reset_seq) {
+            append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+        }
     }
     Ok(released.is_some())
 }

@@ -183,29 +183,66 @@ pub fn holdfast_bin() -> PathBuf {
 pub struct Process {
     pub child: Child,
     pub base: String,
+    /// Where its stderr (the log) goes, for [`Process::serve_logged`].
+    pub log: Option<PathBuf>,
 }
 
 impl Process {
     /// Runs `holdfast serve --config FILE --listen ADDR` in `dir` and waits for `/healthz`.
     pub async fn serve(dir: &Path, config_toml: &str, addr: SocketAddr) -> Process {
+        Process::start(dir, config_toml, addr, None, &[]).await
+    }
+
+    /// [`Process::serve`] with its log (stderr) written to `dir/holdfast.log` and `env` set.
+    pub async fn serve_logged(
+        dir: &Path,
+        config_toml: &str,
+        addr: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Process {
+        let log = dir.join("holdfast.log");
+        Process::start(dir, config_toml, addr, Some(log), env).await
+    }
+
+    async fn start(
+        dir: &Path,
+        config_toml: &str,
+        addr: SocketAddr,
+        log: Option<PathBuf>,
+        env: &[(&str, &str)],
+    ) -> Process {
         let config = dir.join("holdfast.toml");
         std::fs::write(&config, config_toml).expect("write config");
-        let child = Command::new(holdfast_bin())
+        let stderr = match &log {
+            Some(path) => Stdio::from(std::fs::File::create(path).expect("create log")),
+            None => Stdio::inherit(),
+        };
+        let mut command = Command::new(holdfast_bin());
+        command
             .args(["serve", "--config"])
             .arg(&config)
             .args(["--listen", &addr.to_string()])
             .current_dir(dir)
             .env("RUST_LOG", "holdfast=debug")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn holdfast");
+            .stderr(stderr);
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let child = command.spawn().expect("spawn holdfast");
         let process = Process {
             child,
             base: format!("http://{addr}"),
+            log,
         };
         process.wait_healthy().await;
         process
+    }
+
+    /// What the process logged so far ([`Process::serve_logged`]).
+    pub fn log_text(&self) -> String {
+        let path = self.log.as_ref().expect("started with serve_logged");
+        std::fs::read_to_string(path).expect("read log")
     }
 
     /// Waits until `/healthz` answers 200 (at most 30 s).
@@ -447,4 +484,25 @@ pub fn use_backend_url(config: &mut Config, base_url: &str) {
     for b in &mut config.backends {
         b.base_url = base_url.to_string();
     }
+}
+
+/// Runs the holdfast binary with `args` in `dir` (environment: this process's, minus every
+/// `HOLDFAST_*` and `RUST_LOG` variable, plus `env`) and returns its exit code, stdout and stderr.
+pub fn run_holdfast(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut command = Command::new(holdfast_bin());
+    command.args(args).current_dir(dir);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HOLDFAST_") || k == "RUST_LOG" {
+            command.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let out = command.output().expect("run holdfast");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

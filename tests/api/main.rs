@@ -14,5 +14,6 @@ mod ops;
 mod proxy;
 mod sqlite_writer;
 mod store_conformance;
+mod store_errors;
 mod streams;
 mod tenancy;

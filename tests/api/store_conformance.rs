@@ -208,6 +208,7 @@ conformance!(
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
     finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
+    finish_refuses_a_request_that_is_not_running_lc3,
     cancel_fails_pending_and_running_requests_lc9,
     cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
     list_is_newest_first_with_status_filter_and_cursor_rd7,
@@ -1302,6 +1303,71 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
     assert_eq!(settled, get(&store, r.id).await);
 }
 
+async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
+    let outcomes = [succeeded(), failed(ErrorType::UpstreamInvalid), refused()];
+    for (i, outcome) in outcomes.iter().enumerate() {
+        let now = T0 + 100 * i as Millis;
+        // Cancelled while running: the worker's outcome is refused (LC-3, LC-9).
+        let cancelled = create(&store, by_hash(&format!("cancelled {i}"), now)).await;
+        let (l, _) = lease_at(&store, "node/a", now).await;
+        store
+            .cancel(NS, cancelled.id, now + 1)
+            .await
+            .expect("cancel");
+        let before = get(&store, cancelled.id).await;
+        assert!(
+            store
+                .finish_read(&l, outcome, now + 2)
+                .await
+                .expect("finish_read")
+                .is_none(),
+            "a cancelled request is not finished by its worker"
+        );
+        assert_eq!(get(&store, cancelled.id).await, before, "nothing written");
+        assert_single_end(&store, &before).await;
+
+        // Handed back to pending (DU-5): not running, so not finished either.
+        let pending = create(&store, by_hash(&format!("pending {i}"), now + 10)).await;
+        let (l, _) = lease_at(&store, "node/a", now + 10).await;
+        assert!(store.release(&l, now + 11).await.expect("release"));
+        let before = get(&store, pending.id).await;
+        assert_eq!(before.status, Status::Pending);
+        assert!(
+            store
+                .finish_read(&l, outcome, now + 12)
+                .await
+                .expect("finish_read")
+                .is_none()
+        );
+        assert_eq!(get(&store, pending.id).await, before);
+        // Out of the way of the next lease.
+        store
+            .cancel(NS, pending.id, now + 13)
+            .await
+            .expect("cancel");
+
+        // Already terminal: a second outcome changes nothing.
+        let done = create(&store, by_hash(&format!("done {i}"), now + 20)).await;
+        let (l, _) = lease_at(&store, "node/a", now + 20).await;
+        assert!(
+            store
+                .finish(&l, succeeded(), now + 21)
+                .await
+                .expect("finish")
+        );
+        let before = get(&store, done.id).await;
+        assert!(
+            store
+                .finish_read(&l, outcome, now + 22)
+                .await
+                .expect("finish_read")
+                .is_none()
+        );
+        assert_eq!(get(&store, done.id).await, before);
+        assert_single_end(&store, &before).await;
+    }
+}
+
 async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
     let new = by_hash("leased at admission", T0);
     let id = new.id;
@@ -1843,4 +1909,49 @@ async fn nul_characters_in_text_never_fail_a_write_in2(store: DynStore) {
     );
     assert_eq!(rec.response_body.as_deref(), Some(&b"\0\x01binary"[..]));
     assert_single_end(&store, &rec).await;
+}
+
+/// Counts the statements sqlx runs (its `sqlx::query` log events) on this thread.
+#[derive(Default, Clone)]
+struct StatementCounter(Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for StatementCounter {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if event.metadata().target().starts_with("sqlx::query") {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// LC-2 on PostgreSQL: the dispatcher's batch lease is one statement, however many requests it
+/// takes (a round trip per lease would make a burst of requests wait on each other).
+#[tokio::test]
+async fn postgres_leases_a_batch_in_one_statement_lc2() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let Some(t) = postgres_store().await else {
+        return;
+    };
+    let store = t.store.clone();
+    for i in 0..20 {
+        create(&store, by_hash(&format!("batch {i}"), T0)).await;
+    }
+    let counter = StatementCounter::default();
+    let subscriber = tracing_subscriber::registry().with(counter.clone());
+    // Current-thread runtime: every future of the call runs on this thread, under this
+    // subscriber.
+    let leased = {
+        let _guard = tracing::subscriber::set_default(subscriber);
+        store
+            .lease_many("node/batch", T0 + 1, LEASE_MS, 50)
+            .await
+            .expect("lease_many")
+    };
+    assert_eq!(leased.len(), 20);
+    let owners: HashSet<&str> = leased.iter().map(|(l, _)| l.owner.as_str()).collect();
+    assert_eq!(owners.len(), 20, "an owner per attempt");
+    assert_eq!(
+        counter.0.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one statement for the whole batch"
+    );
 }

@@ -1,0 +1,126 @@
+//! The one mapping from a stored `requests` row to a [`RequestRecord`], shared by both
+//! adapters: the column list every statement names, the position of each column in it, and
+//! the checks that turn stored values into typed ones. A value this version does not know is
+//! [`StoreError::Corrupt`] naming the request, never a silent default.
+
+use uuid::Uuid;
+
+use super::{ClaimKind, ErrorInfo, ErrorType, RequestRecord, Status, StoreError};
+use crate::provider::Route;
+
+/// The columns of a [`RequestRecord`], in the order of [`col`]. A macro, so the statements
+/// that name them are `concat!`ed at compile time instead of formatted on every call (they
+/// run per request).
+macro_rules! request_columns {
+    () => {
+        "id, namespace, route, backend, model, stream, body, headers, claim_kind, status, \
+         attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
+         response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
+         updated_at, finished_at"
+    };
+}
+
+/// Positions in [`request_columns!`], for adapters that read columns by index.
+pub(crate) mod col {
+    pub(crate) const ID: usize = 0;
+    pub(crate) const NAMESPACE: usize = 1;
+    pub(crate) const ROUTE: usize = 2;
+    pub(crate) const BACKEND: usize = 3;
+    pub(crate) const MODEL: usize = 4;
+    pub(crate) const STREAM: usize = 5;
+    pub(crate) const BODY: usize = 6;
+    pub(crate) const HEADERS: usize = 7;
+    pub(crate) const CLAIM_KIND: usize = 8;
+    pub(crate) const STATUS: usize = 9;
+    pub(crate) const ATTEMPTS: usize = 10;
+    pub(crate) const RECOVERIES: usize = 11;
+    pub(crate) const NEXT_RETRY_AT: usize = 12;
+    pub(crate) const ERROR_TYPE: usize = 13;
+    pub(crate) const ERROR_MESSAGE: usize = 14;
+    pub(crate) const ERROR_STATUS: usize = 15;
+    pub(crate) const RESPONSE_STATUS: usize = 16;
+    pub(crate) const RESPONSE_BODY: usize = 17;
+    pub(crate) const UPSTREAM_REQUEST_ID: usize = 18;
+    pub(crate) const LAST_SEQ: usize = 19;
+    pub(crate) const RESET_SEQ: usize = 20;
+    pub(crate) const CREATED_AT: usize = 21;
+    pub(crate) const UPDATED_AT: usize = 22;
+    pub(crate) const FINISHED_AT: usize = 23;
+}
+
+/// A `requests` row as stored, before its values are checked.
+#[derive(Debug)]
+pub(crate) struct RawRecord {
+    pub id: Uuid,
+    pub namespace: String,
+    pub route: String,
+    pub backend: String,
+    pub model: Option<String>,
+    pub stream: bool,
+    pub body: Vec<u8>,
+    pub headers: String,
+    pub claim_kind: String,
+    pub status: String,
+    pub attempts: i64,
+    pub recoveries: i64,
+    pub next_retry_at: i64,
+    pub error_type: Option<String>,
+    pub error_message: Option<String>,
+    pub error_status: Option<i64>,
+    pub response_status: Option<i64>,
+    pub response_body: Option<Vec<u8>>,
+    pub upstream_request_id: Option<String>,
+    pub last_seq: i64,
+    pub reset_seq: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub finished_at: Option<i64>,
+}
+
+impl RawRecord {
+    /// The typed record.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] naming the request and the value it cannot read.
+    pub(crate) fn into_record(self) -> Result<RequestRecord, StoreError> {
+        let id = self.id;
+        let bad = |what: String| StoreError::Corrupt { id: Some(id), what };
+        let count = |n: i64, what: &str| u32::try_from(n).map_err(|_| bad(format!("{what} {n}")));
+        let error = match self.error_type {
+            Some(t) => Some(ErrorInfo {
+                kind: ErrorType::parse(&t).ok_or_else(|| bad(format!("error_type {t:?}")))?,
+                message: self.error_message.unwrap_or_default(),
+                status: self.error_status.and_then(|s| u16::try_from(s).ok()),
+            }),
+            None => None,
+        };
+        Ok(RequestRecord {
+            id,
+            route: Route::from_name(&self.route)
+                .ok_or_else(|| bad(format!("route {:?}", self.route)))?,
+            claim: ClaimKind::parse(&self.claim_kind)
+                .ok_or_else(|| bad(format!("claim_kind {:?}", self.claim_kind)))?,
+            status: Status::parse(&self.status)
+                .ok_or_else(|| bad(format!("status {:?}", self.status)))?,
+            headers: serde_json::from_str(&self.headers)
+                .map_err(|e| bad(format!("headers: {e}")))?,
+            attempts: count(self.attempts, "attempts")?,
+            recoveries: count(self.recoveries, "recoveries")?,
+            namespace: self.namespace,
+            backend: self.backend,
+            model: self.model,
+            stream: self.stream,
+            body: self.body,
+            next_retry_at: self.next_retry_at,
+            error,
+            response_status: self.response_status.and_then(|s| u16::try_from(s).ok()),
+            response_body: self.response_body,
+            upstream_request_id: self.upstream_request_id,
+            last_seq: self.last_seq,
+            reset_seq: self.reset_seq,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            finished_at: self.finished_at,
+        })
+    }
+}

@@ -1,0 +1,131 @@
+//! Lifecycle decisions both adapters make the same way (SPEC LC-4, LC-6, LC-8, LC-9, ID-6,
+//! RD-5, RD-6). Each adapter runs only the SQL; what to write is decided here, once.
+
+use super::{ClaimKind, ErrorInfo, ErrorType, Status};
+
+/// `error.message` of a request whose last lease expired with no attempts left (LC-4).
+pub(crate) const LEASE_EXPIRED_MESSAGE: &str =
+    "the worker running the last attempt stopped renewing its lease and no attempts are left";
+
+/// `error.message` of a cancelled request (LC-9).
+pub(crate) const CANCELLED_MESSAGE: &str = "cancelled through POST /requests/{id}/cancel";
+
+/// Whether a terminal failure of `kind` releases a claim of `claim` (ID-6): a body-hash claim is
+/// released by every failure; an explicit key keeps its claim after a deterministic refusal
+/// (and replays it) and releases on everything else.
+pub fn failure_releases_claim(claim: ClaimKind, kind: ErrorType) -> bool {
+    match claim {
+        ClaimKind::BodyHash => true,
+        ClaimKind::Key => kind != ErrorType::UpstreamRefused,
+    }
+}
+
+/// What the write that makes a request terminal also does, in its transaction: append the
+/// `end` chunk with this data (RD-5), and delete the request's claims when `release_claim`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Settle {
+    /// The `end` chunk's data: `{"status","error"}`.
+    pub end: String,
+    /// Delete the claims that point at the request (ID-6).
+    pub release_claim: bool,
+}
+
+/// How a request of claim kind `claim` settles as `status` with `error`.
+pub(crate) fn settle(status: Status, error: Option<&ErrorInfo>, claim: ClaimKind) -> Settle {
+    Settle {
+        end: end_data(status, error),
+        release_claim: status == Status::Failed
+            && error.is_some_and(|e| failure_releases_claim(claim, e.kind)),
+    }
+}
+
+/// The `data` of an `end` chunk: `{"status","error"}` (RD-5).
+pub fn end_data(status: Status, error: Option<&ErrorInfo>) -> String {
+    serde_json::json!({ "status": status, "error": error }).to_string()
+}
+
+/// The `reset` chunk that separates an abandoned attempt from the next one (LC-8, RD-6):
+/// needed only when the abandoned attempt (number `attempts`) stored chunks after the latest
+/// reset. Its data is the next attempt's number; the chunk is written as that attempt's.
+pub(crate) fn reset_after(attempts: u32, last_seq: i64, reset_seq: i64) -> Option<(u32, String)> {
+    (last_seq > reset_seq).then(|| {
+        let next = attempts.saturating_add(1);
+        (next, next.to_string())
+    })
+}
+
+/// What the sweep does with a `running` request whose lease expired (LC-4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Expired {
+    /// Back to `pending` with `recoveries + 1`, after a `reset` chunk when one is due.
+    Recover {
+        /// The reset chunk's attempt number and data ([`reset_after`]).
+        reset: Option<(u32, String)>,
+    },
+    /// No attempts left: `failed` with this error.
+    Fail(ErrorInfo),
+}
+
+/// The sweep's verdict on an expired lease of a request with `attempts` of `max_attempts`.
+pub(crate) fn expired(attempts: u32, max_attempts: u32, last_seq: i64, reset_seq: i64) -> Expired {
+    if attempts >= max_attempts {
+        Expired::Fail(ErrorInfo {
+            kind: ErrorType::LeaseExpired,
+            message: LEASE_EXPIRED_MESSAGE.into(),
+            status: None,
+        })
+    } else {
+        Expired::Recover {
+            reset: reset_after(attempts, last_seq, reset_seq),
+        }
+    }
+}
+
+/// The error of a cancelled request (LC-9).
+pub(crate) fn cancelled() -> ErrorInfo {
+    ErrorInfo {
+        kind: ErrorType::Cancelled,
+        message: CANCELLED_MESSAGE.into(),
+        status: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_keyed_refusal_keeps_its_claim_id6() {
+        for kind in [
+            ErrorType::UpstreamRefused,
+            ErrorType::AttemptsExhausted,
+            ErrorType::StreamInterrupted,
+            ErrorType::LeaseExpired,
+            ErrorType::Cancelled,
+            ErrorType::UpstreamInvalid,
+        ] {
+            assert!(failure_releases_claim(ClaimKind::BodyHash, kind));
+            assert_eq!(
+                failure_releases_claim(ClaimKind::Key, kind),
+                kind != ErrorType::UpstreamRefused
+            );
+        }
+        let ok = settle(Status::Succeeded, None, ClaimKind::BodyHash);
+        assert!(!ok.release_claim);
+        assert_eq!(ok.end, r#"{"error":null,"status":"succeeded"}"#);
+    }
+
+    #[test]
+    fn the_sweep_recovers_while_attempts_are_left_and_resets_only_after_chunks_lc4_lc8() {
+        assert_eq!(expired(1, 5, 0, 0), Expired::Recover { reset: None });
+        assert_eq!(
+            expired(2, 5, 7, 3),
+            Expired::Recover {
+                reset: Some((3, "3".into()))
+            }
+        );
+        assert!(
+            matches!(expired(5, 5, 7, 3), Expired::Fail(e) if e.kind == ErrorType::LeaseExpired)
+        );
+    }
+}
