@@ -1,3 +1,7 @@
+//! Canonicalisation and hashing speed (SPEC ID-1..ID-3): `cargo bench --bench canonical`.
+
+#![allow(clippy::unwrap_used, missing_docs)] // criterion_group! makes an undocumented pub fn
+
 use holdfast::canonical::{canonicalize, request_hash};
 
 use criterion::{BenchmarkId, Criterion, Throughput, black_box, criterion_group, criterion_main};

@@ -5,15 +5,17 @@
 //! 256 concurrent streams, each appending 64 events of ~120 bytes, on a SQLite file in WAL mode
 //! with `synchronous = FULL` and `NORMAL`.
 
+#![allow(clippy::unwrap_used, missing_docs)] // criterion_group! makes an undocumented pub fn
+
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use holdfast::ChunkWriter;
 use holdfast::config::SqliteSynchronous;
 use holdfast::provider::Route;
 use holdfast::store::ChunkBatch;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{ClaimKind, DynStore, Lease, NewChunk, NewRequest, now_ms};
-use holdfast::worker::chunks::ChunkWriter;
 
 const EVENTS_PER_STREAM: usize = 64;
 

@@ -99,11 +99,6 @@ impl Running {
             self.server.abort();
         }
     }
-
-    /// A token that, when cancelled, starts the shutdown.
-    pub fn shutdown_token(&self) -> CancellationToken {
-        self.shutdown.clone()
-    }
 }
 
 /// Turns the store's reports of changes made by other nodes (PostgreSQL LISTEN/NOTIFY; SQLite

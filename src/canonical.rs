@@ -71,20 +71,36 @@ pub enum CanonError {
     /// Not JSON: unexpected byte, unexpected end, bad number, bad escape, raw control character
     /// in a string, or data after the top-level value.
     #[error("body is not valid JSON: {reason} at byte {offset}")]
-    Syntax { offset: usize, reason: &'static str },
+    Syntax {
+        /// Where.
+        offset: usize,
+        /// What was wrong there.
+        reason: &'static str,
+    },
     /// Valid JSON whose top-level value is not an object.
     #[error("body must be a JSON object")]
     NotObject,
     /// One object holds two keys that are equal after decoding; `offset` is the second one's.
     #[error("duplicate key {key:?} in one object at byte {offset}")]
-    DuplicateKey { key: String, offset: usize },
+    DuplicateKey {
+        /// The repeated key, decoded.
+        key: String,
+        /// Where its second occurrence starts.
+        offset: usize,
+    },
     /// A byte sequence that is not UTF-8, inside or outside a string.
     #[error("body is not valid UTF-8 at byte {offset}")]
-    InvalidUtf8 { offset: usize },
+    InvalidUtf8 {
+        /// Where.
+        offset: usize,
+    },
     /// A `\uD800`..`\uDFFF` escape that is not a high surrogate followed by a low one; `offset` is
     /// the escape's backslash.
     #[error("lone surrogate escape at byte {offset}")]
-    LoneSurrogate { offset: usize },
+    LoneSurrogate {
+        /// Where the escape's backslash is.
+        offset: usize,
+    },
     /// More than [`MAX_DEPTH`] nested objects and arrays.
     #[error("body nests deeper than {MAX_DEPTH} levels")]
     TooDeep,

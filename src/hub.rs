@@ -18,7 +18,7 @@ use crate::store::{Chunk, RequestRecord};
 
 /// What happened to a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HubEvent {
+pub(crate) enum HubEvent {
     /// Status, attempts or result changed: re-read the record (and chunks).
     Changed,
     /// A chunk was stored (durably, before it is published).
@@ -31,13 +31,13 @@ pub enum HubEvent {
 
 /// Per-request broadcast channels, created on first subscription and dropped with the last.
 #[derive(Debug, Default)]
-pub struct Hub {
+pub(crate) struct Hub {
     channels: Mutex<HashMap<Uuid, broadcast::Sender<HubEvent>>>,
 }
 
 /// A reader's subscription to one request; unsubscribes on drop.
 #[derive(Debug)]
-pub struct Subscription {
+pub(crate) struct Subscription {
     hub: Arc<Hub>,
     id: Uuid,
     rx: broadcast::Receiver<HubEvent>,
@@ -52,12 +52,12 @@ const CHANNEL_CAPACITY: usize = 128;
 
 impl Hub {
     /// A new, empty hub.
-    pub fn new() -> Arc<Hub> {
+    pub(crate) fn new() -> Arc<Hub> {
         Arc::new(Hub::default())
     }
 
     /// Subscribes to events of request `id`.
-    pub fn subscribe(self: &Arc<Self>, id: Uuid) -> Subscription {
+    pub(crate) fn subscribe(self: &Arc<Self>, id: Uuid) -> Subscription {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         let rx = channels
             .entry(id)
@@ -71,7 +71,7 @@ impl Hub {
     }
 
     /// Publishes `event` to the subscribers of `id`, if there are any.
-    pub fn publish(&self, id: Uuid, event: HubEvent) {
+    pub(crate) fn publish(&self, id: Uuid, event: HubEvent) {
         let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(tx) = channels.get(&id) {
             // No receivers left is not an error: the last one is about to unsubscribe.
@@ -80,7 +80,8 @@ impl Hub {
     }
 
     /// Number of requests with at least one subscriber.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.channels
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -88,7 +89,8 @@ impl Hub {
     }
 
     /// Whether no request has a subscriber.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
@@ -96,7 +98,7 @@ impl Hub {
 impl Subscription {
     /// Waits for the next event. A lagged receiver gets [`HubEvent::Changed`], which makes the
     /// reader re-read the store; a closed channel never happens while this subscription lives.
-    pub async fn recv(&mut self) -> HubEvent {
+    pub(crate) async fn recv(&mut self) -> HubEvent {
         match self.rx.recv().await {
             Ok(event) => event,
             Err(broadcast::error::RecvError::Lagged(_)) => HubEvent::Changed,

@@ -28,15 +28,20 @@
 //! - [`metrics`]: Prometheus metric names and the recorder.
 //! - [`app`]: wiring it all together.
 
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
 pub mod app;
 pub mod canonical;
 pub mod config;
-pub mod http;
-pub mod hub;
-pub mod metrics;
+mod http;
+mod hub;
+mod metrics;
 pub mod mock;
 pub mod provider;
 pub mod sse;
 pub mod store;
-pub mod upstream;
-pub mod worker;
+mod upstream;
+mod worker;
+
+pub use http::openapi::ROUTES as OPENAPI_ROUTES;
+pub use worker::ChunkWriter;

@@ -17,29 +17,29 @@ use std::sync::OnceLock;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Requests by route and outcome.
-pub const REQUESTS: &str = "holdfast_requests_total";
+pub(crate) const REQUESTS: &str = "holdfast_requests_total";
 /// Provider calls by backend and status.
-pub const UPSTREAM_CALLS: &str = "holdfast_upstream_calls_total";
+pub(crate) const UPSTREAM_CALLS: &str = "holdfast_upstream_calls_total";
 /// Attempts started, by backend.
-pub const ATTEMPTS: &str = "holdfast_attempts_total";
+pub(crate) const ATTEMPTS: &str = "holdfast_attempts_total";
 /// Attempts re-run because a lease expired.
-pub const RECOVERIES: &str = "holdfast_recoveries_total";
+pub(crate) const RECOVERIES: &str = "holdfast_recoveries_total";
 /// Leases found expired by the sweep.
-pub const LEASE_EXPIRATIONS: &str = "holdfast_lease_expirations_total";
+pub(crate) const LEASE_EXPIRATIONS: &str = "holdfast_lease_expirations_total";
 /// Requests per status.
-pub const QUEUE_DEPTH: &str = "holdfast_queue_depth";
+pub(crate) const QUEUE_DEPTH: &str = "holdfast_queue_depth";
 /// Duration of one chunk group commit, in seconds.
-pub const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
+pub(crate) const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
 /// Duration of one SQLite writer transaction (a group of store writes), in seconds.
-pub const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";
+pub(crate) const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";
 /// Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction.
-pub const SQLITE_COMMIT_JOBS: &str = "holdfast_sqlite_commit_jobs";
+pub(crate) const SQLITE_COMMIT_JOBS: &str = "holdfast_sqlite_commit_jobs";
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 /// Installs the process-wide Prometheus recorder once and returns its handle. `None` when
 /// another recorder was installed first (then `/metrics` says so).
-pub fn handle() -> Option<&'static PrometheusHandle> {
+pub(crate) fn handle() -> Option<&'static PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
             let buckets = [

@@ -13,7 +13,7 @@ use crate::store::StoreError;
 
 /// An error answer. Build with the constructors; render with [`IntoResponse`].
 #[derive(Debug, Clone)]
-pub struct ApiError {
+pub(crate) struct ApiError {
     /// HTTP status.
     pub status: StatusCode,
     /// Stable holdfast cause, e.g. `invalid_json`.
@@ -32,7 +32,7 @@ pub struct ApiError {
 
 impl ApiError {
     /// A new error of `status` and `code`.
-    pub fn new(
+    pub(crate) fn new(
         shape: Provider,
         status: StatusCode,
         code: &'static str,
@@ -50,12 +50,16 @@ impl ApiError {
     }
 
     /// 400 with `code`.
-    pub fn bad_request(shape: Provider, code: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn bad_request(
+        shape: Provider,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
         Self::new(shape, StatusCode::BAD_REQUEST, code, message)
     }
 
     /// 404 `not_found`.
-    pub fn not_found(shape: Provider, message: impl Into<String>) -> Self {
+    pub(crate) fn not_found(shape: Provider, message: impl Into<String>) -> Self {
         Self::new(shape, StatusCode::NOT_FOUND, "not_found", message)
     }
 
@@ -64,7 +68,7 @@ impl ApiError {
     /// true` when a retry can succeed (RS-8; nothing was recorded); 500 `store_corrupt` with
     /// `x-should-retry: false` for a row this version cannot read (retrying cannot help), logged
     /// with the request's id; 500 `store_error` for anything else.
-    pub fn store(shape: Provider, e: &StoreError) -> Self {
+    pub(crate) fn store(shape: Provider, e: &StoreError) -> Self {
         match e {
             StoreError::Unavailable(_) => {
                 tracing::error!(error = %e, "store unavailable");
@@ -106,13 +110,13 @@ impl ApiError {
     }
 
     /// Marks the answer as final for the SDK (`x-should-retry: false`, RS-7).
-    pub fn final_answer(mut self) -> Self {
+    pub(crate) fn final_answer(mut self) -> Self {
         self.should_retry = Some(false);
         self
     }
 
     /// Attaches the request id header.
-    pub fn for_request(mut self, id: impl ToString) -> Self {
+    pub(crate) fn for_request(mut self, id: impl ToString) -> Self {
         self.request_id = Some(id.to_string());
         self
     }

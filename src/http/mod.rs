@@ -2,12 +2,12 @@
 //! (HTTP-3). Handlers are thin: admission and responses live in [`proxy`], reading back in
 //! [`requests`], provider-shaped errors in [`errors`].
 
-pub mod errors;
-pub mod openapi;
-pub mod ops;
-pub mod proxy;
-pub mod requests;
-pub mod stream;
+mod errors;
+pub(crate) mod openapi;
+mod ops;
+mod proxy;
+mod requests;
+mod stream;
 
 use std::sync::Arc;
 
@@ -28,7 +28,7 @@ use errors::ApiError;
 
 /// Shared state of every handler.
 #[derive(Clone)]
-pub struct AppState {
+pub(crate) struct AppState {
     /// Validated configuration.
     pub config: Arc<Config>,
     /// The durable log.
@@ -42,7 +42,7 @@ pub struct AppState {
 }
 
 /// The router with every route of SPEC §1.
-pub fn router(state: AppState) -> Router {
+pub(crate) fn router(state: AppState) -> Router {
     let cors = cors(&state.config.cors_allow_origins);
     let mut router = Router::new();
     for route in Route::ALL {
@@ -141,7 +141,7 @@ async fn method_not_allowed(uri: Uri) -> Response {
 ///
 /// # Errors
 /// 401 `invalid_api_key` when namespaces are configured and the key is missing or unknown.
-pub fn namespace(
+pub(crate) fn namespace(
     config: &Config,
     headers: &HeaderMap,
     shape: Provider,

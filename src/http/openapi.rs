@@ -15,7 +15,7 @@ use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
 /// The OpenAPI 3.1 document, as served.
-pub const DOCUMENT: &str = include_str!("openapi.json");
+pub(crate) const DOCUMENT: &str = include_str!("openapi.json");
 
 /// Every (method, path) [`super::router`] serves, paths in the router's `{param}` syntax.
 /// Not used by the router; kept for the test that checks the document against the server.
@@ -35,7 +35,7 @@ pub const ROUTES: &[(&str, &str)] = &[
 ];
 
 /// `GET /openapi.json`: [`DOCUMENT`] as `application/json`. Needs no API key.
-pub async fn serve() -> Response {
+pub(crate) async fn serve() -> Response {
     (
         [(
             header::CONTENT_TYPE,

@@ -9,12 +9,12 @@ use super::AppState;
 use crate::store::Status;
 
 /// `GET /healthz`: 200 as soon as the server accepts requests (CLI-4a).
-pub async fn healthz() -> Response {
+pub(super) async fn healthz() -> Response {
     axum::Json(json!({"status": "ok"})).into_response()
 }
 
 /// `GET /readyz`: 200 when the database answers, else 503.
-pub async fn readyz(State(state): State<AppState>) -> Response {
+pub(super) async fn readyz(State(state): State<AppState>) -> Response {
     match state.store.ping().await {
         Ok(()) => axum::Json(json!({"status": "ready"})).into_response(),
         Err(e) => (
@@ -26,7 +26,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 /// `GET /metrics`: Prometheus text format (HTTP-3). Queue depth is read from the store now.
-pub async fn metrics(State(state): State<AppState>) -> Response {
+pub(super) async fn metrics(State(state): State<AppState>) -> Response {
     let Some(handle) = crate::metrics::handle() else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,

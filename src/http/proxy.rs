@@ -36,7 +36,7 @@ use crate::store::{
 const WAIT_POLL: Duration = Duration::from_millis(500);
 
 /// Handles one proxied call.
-pub async fn handle(
+pub(super) async fn handle(
     State(state): State<AppState>,
     route: Route,
     headers: HeaderMap,
@@ -336,7 +336,7 @@ fn invalid_body(shape: Provider, e: &CanonError) -> ApiError {
 /// CLI-5: the first matching rewrite rule whose backend serves the route, else the first
 /// backend of the route's kind. Returns the backend name and the model to send upstream
 /// (`None`: keep the client's).
-pub fn choose_backend(
+pub(super) fn choose_backend(
     config: &Config,
     route: Route,
     model: Option<&str>,
@@ -399,7 +399,10 @@ fn forwarded_headers(
 ///
 /// # Errors
 /// 400 `invalid_idempotency_key` when empty, too long, not visible ASCII, or repeated.
-pub fn idempotency_key(headers: &HeaderMap, shape: Provider) -> Result<Option<String>, ApiError> {
+pub(super) fn idempotency_key(
+    headers: &HeaderMap,
+    shape: Provider,
+) -> Result<Option<String>, ApiError> {
     let mut values = headers.get_all("idempotency-key").iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -546,7 +549,7 @@ fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config)
 }
 
 /// RS-7: the status for a failure that is not a provider refusal.
-pub fn failure_status(kind: ErrorType) -> StatusCode {
+pub(super) fn failure_status(kind: ErrorType) -> StatusCode {
     match kind {
         ErrorType::LeaseExpired | ErrorType::Cancelled => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::BAD_GATEWAY,

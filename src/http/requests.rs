@@ -21,7 +21,7 @@ use crate::store::{ErrorInfo, Millis, RequestRecord, Status};
 
 /// The JSON record of RD-1.
 #[derive(Debug, Serialize)]
-pub struct RecordView {
+pub(super) struct RecordView {
     id: Uuid,
     status: Status,
     route: &'static str,
@@ -52,7 +52,7 @@ struct ResponseView {
 }
 
 /// RFC 3339 with milliseconds, UTC.
-pub fn rfc3339(ms: Millis) -> String {
+pub(super) fn rfc3339(ms: Millis) -> String {
     Utc.timestamp_millis_opt(ms)
         .single()
         .unwrap_or_default()
@@ -103,7 +103,7 @@ impl From<&RequestRecord> for RecordView {
 /// `GET /requests/{id}`: the record as JSON (RD-1), or with `Accept: text/event-stream` its
 /// chunk log as a numbered event stream (RD-2..RD-6). Unknown, malformed or another
 /// namespace's id: 404.
-pub async fn get_one(
+pub(super) async fn get_one(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
@@ -151,7 +151,7 @@ fn addressed(state: &AppState, headers: &HeaderMap, id: &str) -> Result<(String,
 /// its upstream call is aborted (at once on this node; on another node at its next heartbeat),
 /// its claim released. Answers 200 with the record — also when it was already terminal, in which
 /// case nothing changed. Unknown or another namespace's id: 404.
-pub async fn cancel(
+pub(super) async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
     headers: HeaderMap,
@@ -171,7 +171,7 @@ pub async fn cancel(
 
 /// Query of `GET /requests`.
 #[derive(Debug, serde::Deserialize)]
-pub struct ListQuery {
+pub(super) struct ListQuery {
     status: Option<String>,
     cursor: Option<String>,
     limit: Option<i64>,
@@ -181,7 +181,7 @@ pub struct ListQuery {
 /// one `status`, `limit` per page (default 50, at most 500). The answer is
 /// `{"data": [record...], "next_cursor": id | null}`; pass `cursor=<next_cursor>` for the next
 /// page. Records in the list leave out `response`.
-pub async fn list(
+pub(super) async fn list(
     State(state): State<AppState>,
     Query(query): Query<ListQuery>,
     headers: HeaderMap,

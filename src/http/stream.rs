@@ -20,13 +20,13 @@ use crate::sse;
 use crate::store::{Chunk, ChunkKind, DynStore, StoreError};
 
 /// Re-read the store at least this often while following.
-pub const POLL: Duration = Duration::from_millis(500);
+pub(super) const POLL: Duration = Duration::from_millis(500);
 /// Chunks read from the store at a time.
 const PAGE: i64 = 512;
 
 /// An item of a followed chunk log.
 #[derive(Debug, Clone)]
-pub enum Followed {
+pub(super) enum Followed {
     /// The next chunk.
     Chunk(Chunk),
     /// Nothing new for a keep-alive interval.
@@ -35,7 +35,7 @@ pub enum Followed {
 
 /// Chunks of request `id` after seq `after`, stored then live, ending after the `end` chunk.
 /// Yields [`Followed::KeepAlive`] every `keepalive` without a chunk.
-pub fn follow(
+pub(super) fn follow(
     store: DynStore,
     hub: Arc<Hub>,
     id: Uuid,
@@ -108,7 +108,7 @@ struct EndError {
 /// them (keeping `event:`, adding no `id:`); a failed `end` or a `reset` (this reader's attempt
 /// was abandoned) becomes an error event in the provider's stream shape, after which the
 /// caller ends the connection. Returns the bytes and whether the stream is over.
-pub fn provider_bytes(item: &Followed, shape: Provider) -> (Bytes, bool) {
+pub(super) fn provider_bytes(item: &Followed, shape: Provider) -> (Bytes, bool) {
     match item {
         Followed::KeepAlive => (sse::comment("keep-alive"), false),
         Followed::Chunk(chunk) => match chunk.kind {
@@ -143,14 +143,14 @@ pub fn provider_bytes(item: &Followed, shape: Provider) -> (Bytes, bool) {
 }
 
 /// An error event in the provider's stream shape, which its SDKs raise on (RS-4, LC-7).
-pub fn provider_error(shape: Provider, code: &str, message: &str) -> Bytes {
+pub(super) fn provider_error(shape: Provider, code: &str, message: &str) -> Bytes {
     let (event, data) = shape.error_event(code, message);
     sse::encode(None, event, &data)
 }
 
 /// Renders one followed item for `GET /requests/{id}` (RD-2): `id: <seq>`, the stored `event:`
 /// name (or `reset` / `end` for control chunks), and its data.
-pub fn log_bytes(item: &Followed) -> Bytes {
+pub(super) fn log_bytes(item: &Followed) -> Bytes {
     match item {
         Followed::KeepAlive => sse::comment("keep-alive"),
         Followed::Chunk(chunk) => {
@@ -165,7 +165,7 @@ pub fn log_bytes(item: &Followed) -> Bytes {
 }
 
 /// A `200 text/event-stream` response around `body`, uncached and unbuffered by proxies.
-pub fn event_stream_response<S>(body: S) -> axum::response::Response
+pub(super) fn event_stream_response<S>(body: S) -> axum::response::Response
 where
     S: Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
 {

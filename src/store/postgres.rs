@@ -210,11 +210,6 @@ impl PostgresStore {
         }
     }
 
-    /// The pool, for tests and tools that need raw access.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
     async fn fetch_in(
         tx: &mut Transaction<'_, Postgres>,
         id: Uuid,

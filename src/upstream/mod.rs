@@ -15,7 +15,7 @@ use crate::provider::Route;
 
 /// One provider call: what is sent, and to which backend and route.
 #[derive(Debug, Clone, Copy)]
-pub struct Call<'a> {
+pub(crate) struct Call<'a> {
     /// Backend name (a `[[backends]]` entry).
     pub backend: &'a str,
     /// The route: its provider and upstream path.
@@ -29,7 +29,7 @@ pub struct Call<'a> {
 /// Why a call produced no usable HTTP response. All of these are transient (LC-5) when they
 /// happen before the first chunk.
 #[derive(Debug, thiserror::Error)]
-pub enum CallError {
+pub(crate) enum CallError {
     /// The backend named by the request is not configured (any more).
     #[error("backend {0:?} is not configured")]
     UnknownBackend(String),
@@ -52,7 +52,7 @@ pub enum CallError {
 
 /// Provider HTTP clients and keys for every configured backend.
 #[derive(Debug, Clone)]
-pub struct Upstreams {
+pub(crate) struct Upstreams {
     client: reqwest::Client,
     /// Per backend name.
     backends: HashMap<String, Target>,
@@ -77,7 +77,7 @@ impl Upstreams {
     ///
     /// # Errors
     /// When the HTTP client cannot be built or a key is not a valid header value.
-    pub fn new(config: &Config) -> anyhow::Result<Upstreams> {
+    pub(crate) fn new(config: &Config) -> anyhow::Result<Upstreams> {
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_millis(config.upstream.connect_timeout_ms))
             .pool_idle_timeout(Duration::from_secs(90))
@@ -138,7 +138,7 @@ impl Upstreams {
     ///
     /// # Errors
     /// [`CallError`] when no response headers arrived.
-    pub async fn send(&self, call: &Call<'_>) -> Result<reqwest::Response, CallError> {
+    pub(crate) async fn send(&self, call: &Call<'_>) -> Result<reqwest::Response, CallError> {
         let Target { backend, key, urls } = self
             .backends
             .get(call.backend)
@@ -192,7 +192,7 @@ impl Upstreams {
     ///
     /// # Errors
     /// [`CallError::IdleTimeout`] or [`CallError::Read`].
-    pub async fn next_piece(
+    pub(crate) async fn next_piece(
         &self,
         response: &mut reqwest::Response,
     ) -> Result<Option<Bytes>, CallError> {
@@ -207,7 +207,10 @@ impl Upstreams {
     ///
     /// # Errors
     /// [`CallError`] on timeout, a broken connection or an oversized body.
-    pub async fn read_body(&self, response: &mut reqwest::Response) -> Result<Vec<u8>, CallError> {
+    pub(crate) async fn read_body(
+        &self,
+        response: &mut reqwest::Response,
+    ) -> Result<Vec<u8>, CallError> {
         let mut body = Vec::new();
         while let Some(piece) = self.next_piece(response).await? {
             if body.len() + piece.len() > self.max_response_bytes {
@@ -223,7 +226,7 @@ impl Upstreams {
     /// Reads what a body holds, up to `max_response_bytes`, for a record that keeps an answer
     /// that could not be used: whatever arrived before the end, a failure or the cap. The flag
     /// says whether the body was cut short (by the cap or a failure).
-    pub async fn read_capped(&self, response: &mut reqwest::Response) -> (Vec<u8>, bool) {
+    pub(crate) async fn read_capped(&self, response: &mut reqwest::Response) -> (Vec<u8>, bool) {
         let mut body = Vec::new();
         loop {
             match self.next_piece(response).await {

@@ -8,8 +8,8 @@
 //! attempt writes nothing more (LC-3). A separate sweeper sends expired leases back to
 //! `pending` (LC-4).
 
-pub mod chunks;
-pub mod retry;
+mod chunks;
+mod retry;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -30,7 +30,8 @@ use crate::store::{
     RequestRecord, StoreError, Submitted, now_ms,
 };
 use crate::upstream::{Call, CallError, Upstreams};
-use chunks::{AppendError, ChunkWriter};
+use chunks::AppendError;
+pub use chunks::ChunkWriter;
 
 /// How often expired terminal requests are pruned (DU-4).
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
@@ -43,7 +44,7 @@ const FINISH_TRIES: u32 = 3;
 
 /// What a worker pool needs.
 #[derive(Clone)]
-pub struct WorkerPool {
+pub(crate) struct WorkerPool {
     store: DynStore,
     hub: Arc<Hub>,
     /// Shared: the pool is cloned for every request (HTTP state) and attempt.
@@ -92,7 +93,7 @@ enum StreamEnd {
 
 impl WorkerPool {
     /// A pool for this process.
-    pub fn new(
+    pub(crate) fn new(
         store: DynStore,
         hub: Arc<Hub>,
         upstreams: Upstreams,
@@ -116,7 +117,7 @@ impl WorkerPool {
     }
 
     /// Wakes the dispatcher: new work may be due (a request recorded by another node).
-    pub fn wake(&self) {
+    pub(crate) fn wake(&self) {
         self.wake.notify_one();
     }
 
@@ -132,7 +133,7 @@ impl WorkerPool {
     ///
     /// # Errors
     /// [`StoreError`] when the request could not be recorded; nothing was then.
-    pub async fn admit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+    pub(crate) async fn admit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
         let pool = self.clone();
         let admission = tokio::spawn(async move {
             let permit = pool.try_permit();
@@ -163,7 +164,7 @@ impl WorkerPool {
     ///
     /// # Errors
     /// [`StoreError`] when the database fails.
-    pub async fn cancel(
+    pub(crate) async fn cancel(
         &self,
         namespace: &str,
         id: Uuid,
@@ -207,17 +208,22 @@ impl WorkerPool {
     }
 
     /// A lease owner unique to one attempt (or, for `lease_many`, one call): `<host>-<pid>/<uuid>`.
-    pub fn lease_owner(&self) -> String {
+    pub(crate) fn lease_owner(&self) -> String {
         format!("{}/{}", self.node, uuid::Uuid::new_v4())
     }
 
     /// Lease length in milliseconds (`workers.lease_secs`).
-    pub fn lease_ms(&self) -> i64 {
+    pub(crate) fn lease_ms(&self) -> i64 {
         i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
     }
 
     /// Runs the attempt `lease` holds, keeping `permit` until it ends.
-    pub fn spawn_attempt(&self, lease: Lease, record: RequestRecord, permit: OwnedSemaphorePermit) {
+    pub(crate) fn spawn_attempt(
+        &self,
+        lease: Lease,
+        record: RequestRecord,
+        permit: OwnedSemaphorePermit,
+    ) {
         metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone()).increment(1);
         let pool = self.clone();
         tokio::spawn(async move {
@@ -228,7 +234,7 @@ impl WorkerPool {
 
     /// Runs the dispatcher and the sweeper until `shutdown` is cancelled, then waits for
     /// in-flight attempts to finish.
-    pub async fn run(self, shutdown: CancellationToken) {
+    pub(crate) async fn run(self, shutdown: CancellationToken) {
         let sweeper = tokio::spawn(self.clone().sweep_loop(shutdown.clone()));
         let permits = Arc::clone(&self.permits);
         let poll = Duration::from_millis(self.workers().poll_interval_ms);

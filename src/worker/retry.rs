@@ -8,13 +8,13 @@ use crate::config::Workers;
 
 /// Whether an upstream HTTP status is transient (LC-5): 408, 409, 425, 429 and every 5xx.
 /// Every other 4xx is a terminal refusal (LC-6).
-pub fn is_transient_status(status: u16) -> bool {
+pub(super) fn is_transient_status(status: u16) -> bool {
     matches!(status, 408 | 409 | 425 | 429) || (500..=599).contains(&status)
 }
 
 /// The provider's requested delay: `retry-after-ms` (milliseconds, OpenAI), else `retry-after`
 /// as delta-seconds or an HTTP date (RFC 9110 §10.2.3). `None` when absent or unreadable.
-pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+pub(super) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     if let Some(ms) = headers
         .get("retry-after-ms")
         .and_then(|v| v.to_str().ok())
@@ -37,7 +37,11 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 /// exponential from `backoff_initial_ms`, capped at `backoff_max_ms`, with "equal jitter" (half
 /// fixed, half random) so that a burst of failures does not retry in lock-step. A provider's
 /// `retry-after` is honoured as a lower bound, itself capped at `backoff_max_ms` (LC-5).
-pub fn backoff(workers: &Workers, attempt: u32, provider_hint: Option<Duration>) -> Duration {
+pub(super) fn backoff(
+    workers: &Workers,
+    attempt: u32,
+    provider_hint: Option<Duration>,
+) -> Duration {
     let max = workers.backoff_max_ms;
     let exp = workers
         .backoff_initial_ms

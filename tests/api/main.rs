@@ -1,6 +1,10 @@
 //! Black-box tests over real sockets: holdfast in front of the mock provider (one test binary,
 //! shared helpers; see `helpers.rs`). Test names say the behaviour; comments cite SPEC ids.
 
+// Tests unwrap freely: a panic is the failure report. Helpers are `pub` for their sibling
+// modules, not for anyone outside.
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
 mod browser;
 mod chaos;
 mod clients;

@@ -1,10 +1,10 @@
 //! `GET /openapi.json` against the real router: the document is OpenAPI 3.1-shaped, every
-//! operation in it is served, and every route in `holdfast::http::openapi::ROUTES` is both
+//! operation in it is served, and every route in `holdfast::OPENAPI_ROUTES as ROUTES` is both
 //! documented and served.
 
 use std::collections::BTreeSet;
 
-use holdfast::http::openapi::ROUTES;
+use holdfast::OPENAPI_ROUTES as ROUTES;
 use holdfast::mock::MockConfig;
 use holdfast::provider::Route;
 use serde_json::Value;
