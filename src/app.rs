@@ -57,8 +57,8 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     };
     let addr = listener.local_addr()?;
     // TCP_NODELAY on every accepted connection: a stream's events are small writes after the
-    // headers, and with Nagle each one waited for the client's delayed ACK (~40 ms on Linux)
-    // whenever the previous write was still unacknowledged (docs/benchmarks.md).
+    // headers, and with Nagle each one would wait for the client's delayed ACK whenever the
+    // previous write is still unacknowledged.
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "could not set TCP_NODELAY");

@@ -3,29 +3,51 @@
 //! Unmodified vendor SDKs point their `base_url` at holdfast. Every request is written to a
 //! durable log before anything else happens, keyed by a hash of its canonical JSON body, so an
 //! SDK's own retry of a call lands on the first execution instead of paying for a second one.
-//! The contract is `SPEC.md` (rule ids like `ID-3` are cited throughout).
+//! The contract is `docs/spec.md` (rule ids like `ID-3` are cited throughout); the tour is
+//! `docs/architecture.md`.
 //!
 //! One request flows one way:
 //!
 //! ```text
-//! client ─► http (admit: auth, size, JSON) ─► canonical (hash) ─► store.submit (claim) ─► answer (hold / replay)
-//!                                                                       │                    ▲
-//!                                     worker ◄── store.lease ◄──────────┘                    │
-//!                                       │                                                    │
-//!                                       └─► upstream (provider call) ─► store.finish ─► hub (wake readers)
+//! client ─► http (admit: auth, size, JSON) ─► canonical (hash) ─► worker.admit ─► store.submit_and_lease (claim)
+//!                                                                                      │
+//!              worker (attempt, started at admission or by the dispatcher's lease) ◄───┘
+//!                │
+//!                └─► upstream (provider call; provider rules) ─► store.append_chunks / finish_read
+//!                                                                  │
+//! client ◄── http (hold / stream / replay) ◄── hub (live chunks, settled record) ◄──┘
 //! ```
 //!
-//! Modules, in the order of that flow:
+//! # The dependency rule
+//!
+//! Modules depend downwards only, never on a module above them:
+//!
+//! ```text
+//! main ─► app ─► http ─► worker ─► upstream ─► provider
+//!                  │        │         │
+//!                  └────────┴──► hub ─┴──► store ─► provider
+//!                                  leaves: canonical, sse, config, metrics
+//! ```
+//!
+//! - [`store`] knows nothing of readers or workers: it reports other nodes' changes as
+//!   [`store::Notification`]s, and `app` bridges them into the hub and the worker pool.
+//! - `http` admits and cancels through the worker pool's methods (`WorkerPool::admit`,
+//!   `WorkerPool::cancel`); the pool's permits, dispatcher and attempt registry are its own.
+//! - [`provider`] is the only place that spells a provider rule; everything else asks it.
+//!
+//! Modules, in the order of the flow:
 //! - [`config`]: TOML + `HOLDFAST_*` environment, validated once at start.
-//! - [`http`]: router, admission, provider-shaped errors, `/requests`, operations.
+//! - `http`: router, admission, provider-shaped errors, `/requests`, operations.
 //! - [`canonical`]: canonical JSON and the request hash (ID-1..ID-3).
-//! - [`route`]: the proxied endpoints.
-//! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL adapters).
-//! - [`worker`]: lease loop, heartbeat, sweep, retry classification and backoff.
-//! - [`upstream`]: provider HTTP calls, auth, timeouts, and the SSE parser.
-//! - [`hub`]: in-process wake-ups for waiting readers.
+//! - [`provider`]: provider kinds and routes, and every rule that differs between providers.
+//! - `worker`: admission, dispatcher, attempts (call, classify, stream), heartbeat, sweep,
+//!   retry classification and backoff, the group-commit chunk writer.
+//! - `upstream`: provider HTTP calls with their three timeouts.
+//! - [`sse`]: the event-stream parser and encoder.
+//! - `hub`: in-process fan-out of chunks and settled records to waiting readers.
+//! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
-//! - [`metrics`]: Prometheus metric names and the recorder.
+//! - `metrics`: Prometheus metric names and the recorder.
 //! - [`app`]: wiring it all together.
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
@@ -44,4 +66,4 @@ mod upstream;
 mod worker;
 
 pub use http::openapi::ROUTES as OPENAPI_ROUTES;
-pub use worker::ChunkWriter;
+pub use worker::{AppendError, ChunkWriter};

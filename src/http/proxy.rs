@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
+use tracing::Instrument;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -42,7 +43,18 @@ pub(super) async fn handle(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match admit_and_answer(&state, route, &headers, body).await {
+    // Every log line of the call names its request once it is known.
+    let span = tracing::info_span!(
+        "request",
+        route = route.name(),
+        id = tracing::field::Empty,
+        namespace = tracing::field::Empty,
+        backend = tracing::field::Empty,
+    );
+    match admit_and_answer(&state, route, &headers, body)
+        .instrument(span)
+        .await
+    {
         Ok(response) => response,
         Err(e) => {
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
@@ -60,6 +72,7 @@ async fn admit_and_answer(
 ) -> Result<Response, ApiError> {
     let shape = route.provider();
     let namespace = namespace(&state.config, headers, shape)?;
+    tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
     let canonical = canonical::canonicalize(&body).map_err(|e| invalid_body(shape, &e))?;
@@ -160,6 +173,10 @@ async fn admit_and_answer(
         Err(e) => return Err(ApiError::store(shape, &e)),
     };
 
+    let span = tracing::Span::current();
+    span.record("id", tracing::field::display(record.id));
+    span.record("backend", record.backend.as_str());
+
     if prefers_async(headers) {
         let mut response = (
             StatusCode::ACCEPTED,
@@ -218,6 +235,7 @@ async fn stream_answer(
         record.reset_seq,
         Duration::from_millis(state.config.sse_keepalive_ms),
     );
+    let id = record.id;
     let body = async_stream::stream! {
         // The slot is held for as long as the stream is.
         let _held = held;
@@ -226,7 +244,7 @@ async fn stream_answer(
             let (bytes, done) = match item {
                 Ok(item) => stream::provider_bytes(&item, shape),
                 Err(e) => {
-                    tracing::warn!(error = %e, "reading stored chunks failed");
+                    tracing::warn!(id = %id, error = %e, "reading stored chunks failed");
                     let message = "holdfast could not read the stored stream; retry the request to attach to it again";
                     (stream::provider_error(shape, "store_unavailable", message), true)
                 }

@@ -284,6 +284,7 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
         after,
         Duration::from_millis(state.config.sse_keepalive_ms),
     );
+    let record_id = record.id;
     let body = async_stream::stream! {
         yield Ok::<_, std::convert::Infallible>(Bytes::from_static(b"retry: 1000\n\n"));
         let mut items = std::pin::pin!(items);
@@ -291,7 +292,7 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
             match item {
                 Ok(item) => yield Ok(stream::log_bytes(&item)),
                 Err(e) => {
-                    tracing::warn!(error = %e, "reading stored chunks failed");
+                    tracing::warn!(id = %record_id, error = %e, "reading stored chunks failed");
                     // Ending without `end` makes the reader reconnect with its position.
                     break;
                 }

@@ -1,5 +1,5 @@
 //! What holdfast knows about each provider, in one place: one module per provider kind
-//! ([`openai`], [`anthropic`]), and the proxied [`Route`]s each serves.
+//! (`openai.rs`, `anthropic.rs`), and the proxied [`Route`]s each serves.
 //!
 //! A provider module owns every rule that differs between providers: the upstream paths of its
 //! routes, how the backend's key is sent, which client headers are forwarded and which are

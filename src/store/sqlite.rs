@@ -131,12 +131,10 @@ fn open_writer(path: &Path, synchronous: SqliteSynchronous) -> Result<Connection
     // The checkpoint thread copies the WAL back while the writer goes on. Under writes that
     // never pause its PASSIVE rounds never catch up with the commits made meanwhile, and only
     // a checkpoint run by the writer itself lets the WAL start over: SQLite's automatic one
-    // stays on as that bound (without it the WAL grew to 700 MB in 4 s of load, test
-    // `the_wal_stays_bounded_while_writes_never_pause_du2`). At SQLite's default of 1,000
-    // pages it ran inside one commit in ~100 at concurrency 1 and showed as a 5 ms p99
-    // (docs/benchmarks.md); at 8,192 pages (32 MiB) it is rare, and the background rounds have
-    // already copied most of what it covers. After a burst the file is cut back to
-    // `journal_size_limit`.
+    // stays on as that bound (test `the_wal_stays_bounded_while_writes_never_pause_du2`), at
+    // 8,192 pages (32 MiB) so that it is rare and the background rounds have already copied
+    // most of what it covers (the measurements behind the number: docs/benchmarks.md). After
+    // a burst the file is cut back to `journal_size_limit`.
     conn.execute_batch(
         "PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 8192;
          PRAGMA journal_size_limit = 67108864",

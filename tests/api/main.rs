@@ -8,6 +8,7 @@
 mod browser;
 mod chaos;
 mod clients;
+mod docs;
 mod durability;
 mod faults;
 mod helpers;
