@@ -315,7 +315,7 @@ fn run_retries(base: String, mode: &'static str) -> serde_json::Value {
 }
 
 #[tokio::test]
-async fn should_retry_false_stops_the_sdk_from_retrying_a_failed_request_rs7() {
+async fn should_retry_false_stops_the_python_sdk_from_retrying_a_failed_request_rs7() {
     if !python_has("openai") {
         return;
     }
@@ -344,7 +344,7 @@ async fn should_retry_false_stops_the_sdk_from_retrying_a_failed_request_rs7() {
 }
 
 #[tokio::test]
-async fn sdk_waits_retry_after_ms_on_an_overload_refusal_and_then_succeeds_rs8() {
+async fn python_sdk_waits_retry_after_ms_on_an_overload_refusal_and_then_succeeds_rs8() {
     if !python_has("openai") {
         return;
     }
@@ -497,7 +497,7 @@ async fn overload_refusal_is_503_with_retry_hints_and_records_nothing_rs8_id8() 
 /// `response.completed`) is not a finished answer: the official SDK's iteration raises, the
 /// record is `stream_interrupted`, and the provider was called once.
 #[tokio::test]
-async fn official_sdks_raise_when_the_provider_stream_ends_without_its_final_event_lc7() {
+async fn official_python_sdks_raise_when_the_provider_stream_ends_without_its_final_event_lc7() {
     if !python_has("openai") || !python_has("anthropic") {
         return;
     }

@@ -44,7 +44,7 @@ fn value(samples: &serde_json::Value, key: &str) -> f64 {
 }
 
 #[tokio::test]
-async fn metrics_parse_as_prometheus_text_and_move_as_requests_happen_http3() {
+async fn metrics_parse_with_python_prometheus_client_and_move_as_requests_happen_http3() {
     if !python_has("prometheus_client") {
         return;
     }
