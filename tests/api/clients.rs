@@ -10,9 +10,7 @@ use crate::helpers::*;
 
 #[tokio::test]
 async fn openai_python_timeout_retry_attaches_to_the_first_execution_rs2() {
-    if !python_has("openai") {
-        return;
-    }
+    require_python(&["openai"]);
     // The provider answers after 3 s; the SDK gives up after 1 s and retries the same body.
     let app = spawn_app(
         MockConfig {
@@ -50,9 +48,7 @@ async fn openai_python_timeout_retry_attaches_to_the_first_execution_rs2() {
 
 #[tokio::test]
 async fn openai_python_without_retries_gets_200_after_two_upstream_500s_lc5() {
-    if !python_has("openai") {
-        return;
-    }
+    require_python(&["openai"]);
     let app = spawn_app(
         MockConfig {
             fail_first: 2,
@@ -132,10 +128,7 @@ async fn readme_demo_and_curl_example_work_on_a_fresh_directory_cli2() {
 async fn run_streams_mode(app: &TestApp, mode: &'static str) -> serde_json::Value {
     let url = app.base.clone();
     let out = tokio::task::spawn_blocking(move || {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/sdk_streams.py");
-        let out = Command::new("python3")
-            .arg(path)
+        let out = python_command("sdk_streams.py")
             .arg(mode)
             .env("HOLDFAST_URL", url)
             .output()
@@ -154,9 +147,7 @@ async fn run_streams_mode(app: &TestApp, mode: &'static str) -> serde_json::Valu
 
 #[tokio::test]
 async fn openai_python_streams_through_holdfast_and_a_repeat_replays_despite_keepalives_rs3_rs4() {
-    if !python_has("openai") {
-        return;
-    }
+    require_python(&["openai"]);
     // A slow stream with keep-alive comments between the chunks.
     let app = spawn_app(
         MockConfig {
@@ -187,9 +178,7 @@ async fn openai_python_streams_through_holdfast_and_a_repeat_replays_despite_kee
 
 #[tokio::test]
 async fn anthropic_python_streams_through_holdfast_and_a_repeat_replays() {
-    if !python_has("anthropic") {
-        return;
-    }
+    require_python(&["anthropic"]);
     let app = spawn_app(MockConfig::default(), |_| {}).await;
     let result = run_streams_mode(&app, "anthropic").await;
     let texts = result["texts"].as_array().unwrap();
@@ -219,9 +208,7 @@ async fn anthropic_python_streams_through_holdfast_and_a_repeat_replays() {
 
 #[tokio::test]
 async fn openai_python_raises_api_error_when_the_provider_drops_mid_stream_lc7() {
-    if !python_has("openai") {
-        return;
-    }
+    require_python(&["openai"]);
     let app = spawn_app(
         MockConfig {
             chunks: 20,
@@ -243,9 +230,7 @@ async fn openai_python_raises_api_error_when_the_provider_drops_mid_stream_lc7()
 
 #[tokio::test]
 async fn every_route_works_through_its_official_python_sdk_method_and_replays_http1() {
-    if !python_has("openai") || !python_has("anthropic") {
-        return;
-    }
+    require_python(&["openai", "anthropic"]);
     let app = spawn_app(MockConfig::default(), |_| {}).await;
     let url = app.base.clone();
     let out =
@@ -298,10 +283,7 @@ async fn every_route_works_through_its_official_python_sdk_method_and_replays_ht
 }
 
 fn run_retries(base: String, mode: &'static str) -> serde_json::Value {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/sdk_retries.py");
-    let out = Command::new("python3")
-        .arg(path)
+    let out = python_command("sdk_retries.py")
         .arg(mode)
         .env("HOLDFAST_BASE_URL", base)
         .output()
@@ -315,10 +297,8 @@ fn run_retries(base: String, mode: &'static str) -> serde_json::Value {
 }
 
 #[tokio::test]
-async fn should_retry_false_stops_the_sdk_from_retrying_a_failed_request_rs7() {
-    if !python_has("openai") {
-        return;
-    }
+async fn should_retry_false_stops_the_python_sdk_from_retrying_a_failed_request_rs7() {
+    require_python(&["openai"]);
     let app = spawn_app(
         MockConfig {
             fail_first: 1_000,
@@ -344,10 +324,8 @@ async fn should_retry_false_stops_the_sdk_from_retrying_a_failed_request_rs7() {
 }
 
 #[tokio::test]
-async fn sdk_waits_retry_after_ms_on_an_overload_refusal_and_then_succeeds_rs8() {
-    if !python_has("openai") {
-        return;
-    }
+async fn python_sdk_waits_retry_after_ms_on_an_overload_refusal_and_then_succeeds_rs8() {
+    require_python(&["openai"]);
     // The first provider call hangs, so its caller holds the only slot until we cancel it.
     let app = spawn_app(
         MockConfig {
@@ -497,10 +475,8 @@ async fn overload_refusal_is_503_with_retry_hints_and_records_nothing_rs8_id8() 
 /// `response.completed`) is not a finished answer: the official SDK's iteration raises, the
 /// record is `stream_interrupted`, and the provider was called once.
 #[tokio::test]
-async fn official_sdks_raise_when_the_provider_stream_ends_without_its_final_event_lc7() {
-    if !python_has("openai") || !python_has("anthropic") {
-        return;
-    }
+async fn official_python_sdks_raise_when_the_provider_stream_ends_without_its_final_event_lc7() {
+    require_python(&["openai", "anthropic"]);
     let two_events = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hel\"},\"finish_reason\":null}]}\n\n\
 data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":null}]}\n\n";
     let cases: Vec<(&str, &'static str, MockConfig, Option<Vec<u8>>)> = vec![

@@ -300,39 +300,112 @@ pub fn free_addr() -> SocketAddr {
     l.local_addr().expect("addr")
 }
 
-/// Whether a Python module can be imported. In CI (`CI` set) a missing module fails the test;
-/// elsewhere the caller skips loudly.
-pub fn python_has(module: &str) -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", &format!("import {module}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "python module {module} is missing in CI: .ci/run must install it"
-        );
-        eprintln!(
-            "\n*** SKIPPED: python3 module `{module}` is not installed (pip install {module}) ***\n"
-        );
-    }
-    ok
+// ---------------------------------------------------------------------------------------------
+// Dependencies outside Rust
+// ---------------------------------------------------------------------------------------------
+//
+// Tests that drive a real client need something cargo does not build: Python with the official
+// SDKs, Node with the npm clients, Chromium, PostgreSQL. `scripts/test` installs or starts each of
+// them. A test whose dependency is missing fails, naming it and the fix; it never passes without
+// having run. Opting out of a group is explicit: `HOLDFAST_TEST_SKIP=browser,python,node,postgres`
+// makes `scripts/test` filter that group's tests out, so nextest counts them as skipped.
+
+/// Fails the calling test: `what` is missing, `fix` installs it. `group` is the test's group in
+/// `scripts/test` (the name `HOLDFAST_TEST_SKIP` takes).
+#[track_caller]
+pub fn missing_dependency(group: &str, what: &str, fix: &str) -> ! {
+    panic!(
+        "\n\n*** MISSING TEST DEPENDENCY ({group}): {what}\n    \
+         fix: {fix}\n    \
+         or run `scripts/test`, which sets up every test dependency,\n    \
+         or opt out of these tests explicitly: HOLDFAST_TEST_SKIP={group} scripts/test\n    \
+         (if this test ran although `{group}` was opted out, the `{group}` row of the group \
+         table in scripts/test does not select it: fix its name or the row)\n\n"
+    )
 }
 
-/// Runs `python3 tests/clients/SCRIPT` with `env`, returning its stdout; panics with its
-/// stderr when it fails.
+/// The Python interpreter the client tests run: the project's `.venv` (created by
+/// `scripts/test`), else `python3` on PATH. (No `HOLDFAST_`-prefixed variable selects it:
+/// `holdfast` reads every such variable as a config key.)
+pub fn python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("python3")
+}
+
+/// Fails the calling test unless every Python module in `modules` can be imported by
+/// [`python()`].
+#[track_caller]
+pub fn require_python(modules: &[&str]) {
+    let python = python();
+    let shown = python.display();
+    let fix = "scripts/test creates .venv from tests/clients/requirements.txt \
+               (by hand: python3 -m venv .venv && .venv/bin/pip install -r \
+               tests/clients/requirements.txt)";
+    let probe = "import importlib.util, sys\n\
+                 missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]\n\
+                 print(' '.join(missing))\n";
+    let out = Command::new(&python)
+        .arg("-c")
+        .arg(probe)
+        .args(modules)
+        .output()
+        .unwrap_or_else(|e| {
+            missing_dependency(
+                "python",
+                &format!("cannot run the Python interpreter {shown} ({e})"),
+                fix,
+            )
+        });
+    let missing = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() {
+        missing_dependency(
+            "python",
+            &format!(
+                "the Python interpreter {shown} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            fix,
+        );
+    }
+    if !missing.is_empty() {
+        let names: Vec<String> = missing.split(' ').map(|m| format!("`{m}`")).collect();
+        missing_dependency(
+            "python",
+            &format!(
+                "python module{} {} not found in {shown}",
+                if names.len() > 1 { "s" } else { "" },
+                names.join(", ")
+            ),
+            fix,
+        );
+    }
+}
+
+/// `python tests/clients/SCRIPT ARGS` with [`python()`], not yet run.
+pub fn python_command(script: &str) -> Command {
+    let mut cmd = Command::new(python());
+    cmd.arg(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/clients")
+            .join(script),
+    );
+    cmd
+}
+
+/// Runs `python tests/clients/SCRIPT` with `env`, returning its stdout; panics with its stderr
+/// when it fails.
 pub fn run_python(script: &str, env: &[(&str, &str)]) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/clients")
-        .join(script);
-    let mut cmd = Command::new("python3");
-    cmd.arg(&path);
+    let mut cmd = python_command(script);
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("run python3");
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("run {} {script}: {e}", python().display()));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),

@@ -1,7 +1,7 @@
 //! Real JavaScript clients against holdfast (tests/clients/*.mjs): the official OpenAI Node SDK
 //! on the proxied routes, and a WHATWG-faithful `EventSource` on the log stream. Both need
-//! `npm ci --prefix tests/clients`; without it these tests print a loud `SKIPPED` line (in CI,
-//! `CI` is set and they fail instead).
+//! `npm ci --prefix tests/clients` (`scripts/test` runs it); without it they fail, naming what
+//! is missing (`HOLDFAST_TEST_SKIP=node` opts out of them).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -19,34 +19,41 @@ fn clients_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
 }
 
-/// Whether `node` runs and the npm package `pkg` is installed under `tests/clients`. In CI (`CI`
-/// set) a missing one fails the test; elsewhere the caller skips loudly.
-fn node_has(pkg: &str) -> bool {
-    let node = Command::new("node")
+/// Fails the calling test unless `node` runs and the npm package `pkg` is installed under
+/// `tests/clients`.
+#[track_caller]
+fn require_node(pkg: &str) {
+    let version = Command::new("node")
         .arg("--version")
-        .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    let installed = clients_dir()
+        .output();
+    match version {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => missing_dependency(
+            "node",
+            &format!("`node --version` failed ({})", out.status),
+            "install Node.js 20 or later (Debian: apt-get install nodejs npm)",
+        ),
+        Err(e) => missing_dependency(
+            "node",
+            &format!("`node` is not on PATH ({e})"),
+            "install Node.js 20 or later (Debian: apt-get install nodejs npm)",
+        ),
+    }
+    let manifest = clients_dir()
         .join("node_modules")
         .join(pkg)
-        .join("package.json")
-        .is_file();
-    let ok = node && installed;
-    if !ok {
-        let what = if node {
-            format!("npm package `{pkg}` is not installed")
-        } else {
-            "`node` is not on PATH".to_string()
-        };
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{what} in CI: .ci/run must run `npm ci --prefix tests/clients`"
+        .join("package.json");
+    if !manifest.is_file() {
+        missing_dependency(
+            "node",
+            &format!(
+                "npm package `{pkg}` is not installed ({} is missing)",
+                manifest.display()
+            ),
+            "npm ci --prefix tests/clients",
         );
-        eprintln!("\n*** SKIPPED: {what}; run npm ci --prefix tests/clients ***\n");
     }
-    ok
 }
 
 /// Runs `node tests/clients/SCRIPT ARGS` with `env` and parses the JSON object it prints; panics
@@ -73,7 +80,8 @@ async fn run_node(script: &str, args: &[&str], env: &[(&str, &str)]) -> Value {
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{script} printed {stdout}: {e}"))
 }
 
-/// Runs `python3 tests/clients/SCRIPT` off the runtime and parses the JSON object it prints.
+/// Runs `python tests/clients/SCRIPT` ([`python()`]) off the runtime and parses the JSON object
+/// it prints.
 async fn python_json(script: &'static str, env: Vec<(&'static str, String)>) -> Value {
     let out = tokio::task::spawn_blocking(move || {
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -220,9 +228,7 @@ fn assert_stops_after_end_with_204(report: &Value, streams: usize, last_seq: i64
 
 #[tokio::test]
 async fn openai_node_repeat_create_replays_the_stored_answer_rs3_rs5() {
-    if !node_has("openai") {
-        return;
-    }
+    require_node("openai");
     let app = spawn_app(MockConfig::default(), |_| {}).await;
     let out = openai_node(&app, "create", &[]).await;
     let calls = out["calls"].as_array().unwrap();
@@ -256,9 +262,7 @@ async fn openai_node_repeat_create_replays_the_stored_answer_rs3_rs5() {
 
 #[tokio::test]
 async fn openai_node_stream_reassembles_the_text_and_a_repeat_replays_rs3_rs4() {
-    if !node_has("openai") {
-        return;
-    }
+    require_node("openai");
     // Keep-alive comments between slow chunks must not confuse the SDK's SSE decoder.
     let app = spawn_app(
         MockConfig {
@@ -295,9 +299,7 @@ async fn openai_node_stream_reassembles_the_text_and_a_repeat_replays_rs3_rs4() 
 
 #[tokio::test]
 async fn openai_node_timeout_retries_attach_to_the_first_execution_rs2() {
-    if !node_has("openai") {
-        return;
-    }
+    require_node("openai");
     // The provider answers after 3 s; the SDK gives up after 1 s and retries the same body.
     let app = spawn_app(
         MockConfig {
@@ -343,9 +345,7 @@ async fn openai_node_timeout_retries_attach_to_the_first_execution_rs2() {
 
 #[tokio::test]
 async fn openai_node_raises_api_error_when_the_provider_drops_mid_stream_lc7() {
-    if !node_has("openai") {
-        return;
-    }
+    require_node("openai");
     let app = spawn_app(
         MockConfig {
             chunks: 20,
@@ -370,9 +370,7 @@ async fn openai_node_raises_api_error_when_the_provider_drops_mid_stream_lc7() {
 
 #[tokio::test]
 async fn openai_node_stream_abandoned_mid_way_and_sent_again_gets_the_whole_text_rs2_lc9() {
-    if !node_has("openai") {
-        return;
-    }
+    require_node("openai");
     let app = spawn_app(
         MockConfig {
             chunks: 20,
@@ -412,9 +410,7 @@ async fn openai_node_stream_abandoned_mid_way_and_sent_again_gets_the_whole_text
 
 #[tokio::test]
 async fn openai_node_responses_api_streams_named_events_and_replays_them_rs3_rs4() {
-    if !node_has("openai") {
-        return;
-    }
+    require_node("openai");
     let app = spawn_app(
         MockConfig {
             chunks: 5,
@@ -469,9 +465,8 @@ async fn openai_node_responses_api_streams_named_events_and_replays_them_rs3_rs4
 
 #[tokio::test]
 async fn python_and_node_openai_calls_with_the_same_numbers_are_one_request_id1() {
-    if !python_has("openai") || !node_has("openai") {
-        return;
-    }
+    require_python(&["openai"]);
+    require_node("openai");
     let app = spawn_app(MockConfig::default(), |_| {}).await;
     let base_v1 = format!("{}/v1", app.base);
     for temperature in ["1", "none"] {
@@ -517,9 +512,8 @@ async fn python_and_node_openai_calls_with_the_same_numbers_are_one_request_id1(
 
 #[tokio::test]
 async fn python_float_1_0_and_node_1_are_two_requests_numbers_kept_as_spelled_id1() {
-    if !python_has("openai") || !node_has("openai") {
-        return;
-    }
+    require_python(&["openai"]);
+    require_node("openai");
     let app = spawn_app(MockConfig::default(), |_| {}).await;
     let py = python_json(
         "openai_identity.py",
@@ -565,9 +559,7 @@ async fn python_float_1_0_and_node_1_are_two_requests_numbers_kept_as_spelled_id
 
 #[tokio::test]
 async fn eventsource_reads_a_finished_stream_then_stops_for_good_on_204_rd2_rd5() {
-    if !node_has("eventsource") {
-        return;
-    }
+    require_node("eventsource");
     let app = spawn_app(
         MockConfig {
             chunks: 6,
@@ -602,9 +594,7 @@ async fn eventsource_reads_a_finished_stream_then_stops_for_good_on_204_rd2_rd5(
 
 #[tokio::test]
 async fn eventsource_opened_on_a_running_stream_gets_every_chunk_once_rd4() {
-    if !node_has("eventsource") {
-        return;
-    }
+    require_node("eventsource");
     let app = spawn_app(
         MockConfig {
             chunks: 50,
@@ -652,9 +642,7 @@ async fn eventsource_opened_on_a_running_stream_gets_every_chunk_once_rd4() {
 
 #[tokio::test]
 async fn eventsource_first_connect_resumes_from_the_last_event_id_query_parameter_rd3() {
-    if !node_has("eventsource") {
-        return;
-    }
+    require_node("eventsource");
     let app = spawn_app(
         MockConfig {
             chunks: 6,
@@ -684,9 +672,7 @@ async fn eventsource_first_connect_resumes_from_the_last_event_id_query_paramete
 
 #[tokio::test]
 async fn eventsource_gets_a_failed_end_after_an_interrupted_stream_then_stops_rd5_lc7() {
-    if !node_has("eventsource") {
-        return;
-    }
+    require_node("eventsource");
     let app = spawn_app(
         MockConfig {
             chunks: 20,
@@ -723,9 +709,7 @@ async fn eventsource_gets_a_failed_end_after_an_interrupted_stream_then_stops_rd
 #[tokio::test]
 async fn eventsource_dropped_mid_event_resumes_from_last_event_id_without_gap_or_duplicate_rd3_rd4()
 {
-    if !node_has("eventsource") {
-        return;
-    }
+    require_node("eventsource");
     let app = spawn_app(
         MockConfig {
             chunks: 80,

@@ -1,7 +1,7 @@
 //! Operations surface: health, readiness, metrics (HTTP-3).
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use holdfast::mock::MockConfig;
 
@@ -17,10 +17,7 @@ async fn scrape(app: &TestApp) -> serde_json::Value {
         .text()
         .await
         .unwrap();
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/parse_metrics.py");
-    let mut child = Command::new("python3")
-        .arg(path)
+    let mut child = python_command("parse_metrics.py")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -44,10 +41,8 @@ fn value(samples: &serde_json::Value, key: &str) -> f64 {
 }
 
 #[tokio::test]
-async fn metrics_parse_as_prometheus_text_and_move_as_requests_happen_http3() {
-    if !python_has("prometheus_client") {
-        return;
-    }
+async fn metrics_parse_with_python_prometheus_client_and_move_as_requests_happen_http3() {
+    require_python(&["prometheus_client"]);
     let app = spawn_app(MockConfig::default(), |_| {}).await;
     let before = scrape(&app).await;
     let body = chat_body("count me");

@@ -5,8 +5,8 @@
 //!
 //! PostgreSQL comes from `HOLDFAST_TEST_DATABASE_URL`, else
 //! `postgres://postgres@127.0.0.1:5432/test`; each test creates its own database there and drops
-//! it afterwards. When the server is unreachable the PostgreSQL tests print a loud `SKIPPED` line
-//! and pass — unless the environment variable `CI` is set, then they fail.
+//! it afterwards. When the server is unreachable the PostgreSQL tests fail, naming it
+//! (`scripts/test` starts the local server; `HOLDFAST_TEST_SKIP=postgres` opts out of them).
 
 #![allow(dead_code)]
 
@@ -56,18 +56,17 @@ pub async fn sqlite_store() -> TestStore {
     }
 }
 
-/// A fresh PostgreSQL store on its own database, or `None` (after a loud message on stderr)
-/// when PostgreSQL is unreachable and `CI` is not set.
-pub async fn postgres_store() -> Option<TestStore> {
-    let db = TestDatabase::create().await?;
+/// A fresh PostgreSQL store on its own database; fails the test when PostgreSQL is unreachable.
+pub async fn postgres_store() -> TestStore {
+    let db = TestDatabase::create().await;
     let store = PostgresStore::open(&db.url)
         .await
         .expect("open PostgreSQL store");
-    Some(TestStore {
+    TestStore {
         store: Arc::new(store),
         _sqlite_dir: None,
         _postgres_db: Some(db),
-    })
+    }
 }
 
 /// The server the PostgreSQL tests use: `HOLDFAST_TEST_DATABASE_URL`, else the local one.
@@ -89,9 +88,8 @@ pub struct TestDatabase {
 }
 
 impl TestDatabase {
-    /// Creates the database. `None` when PostgreSQL is unreachable and `CI` is unset (a
-    /// `*** SKIPPED ***` line goes to stderr); panics when it is unreachable and `CI` is set.
-    pub async fn create() -> Option<TestDatabase> {
+    /// Creates the database; fails the test, naming the server, when PostgreSQL is unreachable.
+    pub async fn create() -> TestDatabase {
         let admin_url = test_database_admin_url();
         let shown = holdfast::store::redact_url(&admin_url);
         let admin = PgConnectOptions::from_str(&admin_url)
@@ -100,8 +98,8 @@ impl TestDatabase {
             tokio::time::timeout(Duration::from_secs(5), PgConnection::connect_with(&admin)).await;
         let mut conn = match connected {
             Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return postgres_unreachable(&shown, &e.to_string()),
-            Err(_) => return postgres_unreachable(&shown, "timed out after 5 s"),
+            Ok(Err(e)) => postgres_unreachable(&shown, &e.to_string()),
+            Err(_) => postgres_unreachable(&shown, "timed out after 5 s"),
         };
         let name = format!("holdfast_test_{}", Uuid::new_v4().simple());
         sqlx::query(&format!("CREATE DATABASE {name}"))
@@ -112,23 +110,22 @@ impl TestDatabase {
         let mut url = reqwest::Url::parse(&admin_url)
             .unwrap_or_else(|e| panic!("HOLDFAST_TEST_DATABASE_URL {shown}: {e}"));
         url.set_path(&format!("/{name}"));
-        Some(TestDatabase {
+        TestDatabase {
             url: url.to_string(),
             name,
             admin,
-        })
+        }
     }
 }
 
-fn postgres_unreachable<T>(shown: &str, why: &str) -> Option<T> {
-    if std::env::var_os("CI").is_some() {
-        panic!("PostgreSQL not reachable at {shown} ({why}); CI must run the PostgreSQL tests");
-    }
-    eprintln!(
-        "*** SKIPPED: PostgreSQL not reachable at {shown} ({why}); \
-         set HOLDFAST_TEST_DATABASE_URL or start PostgreSQL ***"
-    );
-    None
+fn postgres_unreachable(shown: &str, why: &str) -> ! {
+    crate::helpers::missing_dependency(
+        "postgres",
+        &format!("PostgreSQL not reachable at {shown} ({why})"),
+        "start PostgreSQL on 127.0.0.1:5432 (Debian: pg_ctlcluster --skip-systemctl-redirect \
+         VERSION main start), or set HOLDFAST_TEST_DATABASE_URL to a server where this user may \
+         CREATE DATABASE",
+    )
 }
 
 impl Drop for TestDatabase {
@@ -172,7 +169,7 @@ macro_rules! conformance {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $name() {
-                    let Some(t) = super::postgres_store().await else { return };
+                    let t = super::postgres_store().await;
                     super::$name(t.store.clone()).await;
                 }
             )*
