@@ -55,6 +55,8 @@ pub struct Config {
     /// On SIGTERM/SIGINT, how long in-flight attempts may run on before they are handed back
     /// to `pending`, in milliseconds (DU-5).
     pub shutdown_grace_ms: u64,
+    /// Log line format on stderr: `text` (default) or `json` (one JSON object per line).
+    pub log_format: LogFormat,
     /// Worker pool settings (LC-2..LC-5).
     pub workers: Workers,
     /// Timeouts towards providers (LC-10).
@@ -75,6 +77,16 @@ pub enum SqliteSynchronous {
     Full,
     /// `PRAGMA synchronous = NORMAL`.
     Normal,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines, coloured only on a terminal.
+    Text,
+    /// One JSON object per line, for log shippers.
+    Json,
 }
 
 /// `[workers]`.
@@ -177,6 +189,7 @@ impl Default for Config {
             shutdown_grace_ms: 30_000,
             max_held_requests: 10_000,
             cors_allow_origins: Vec::new(),
+            log_format: LogFormat::Text,
             workers: Workers::default(),
             upstream: Upstream::default(),
             backends: Vec::new(),
@@ -210,18 +223,18 @@ impl Default for Upstream {
     }
 }
 
-/// A configuration that cannot be used. The message names the offending key.
+/// A configuration that cannot be used. The message is one line naming the offending key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file or an environment variable could not be parsed into [`Config`].
-    #[error("configuration: {0}")]
+    #[error("configuration: {}", describe(.0))]
     Parse(#[from] Box<figment::Error>),
     /// A value parsed but makes no sense.
     #[error("configuration key `{key}`: {message}")]
     Invalid {
         /// Dotted key path, e.g. `workers.lease_secs`.
         key: String,
-        /// What is wrong with it.
+        /// What is wrong with it, and how to fix it.
         message: String,
     },
 }
@@ -231,6 +244,100 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
         key: key.into(),
         message: message.into(),
     }
+}
+
+/// Environment variables starting with `HOLDFAST_` that are holdfast's own but not config
+/// keys (the `holdfast requests` CLI's and the test harness's): `serve` ignores them silently.
+const OWN_VARIABLES: &[&str] = &["HOLDFAST_URL", "HOLDFAST_API_KEY", "HOLDFAST_CONFIG"];
+
+/// One line for a figment error: the key as written (without figment's profile prefix), where
+/// it came from, what is wrong, and for an unknown key the nearest known one.
+fn describe(e: &figment::Error) -> String {
+    use figment::error::Kind;
+    let key = e.path.join(".");
+    let source = e
+        .metadata
+        .as_ref()
+        .map(|m| match &m.source {
+            Some(source) => format!(" in {source}"),
+            None => format!(" in {}", m.name),
+        })
+        .unwrap_or_default();
+    match &e.kind {
+        Kind::UnknownField(found, expected) => {
+            let table = match e.path.split_last() {
+                Some((_, table)) if !table.is_empty() => format!("{}.", table.join(".")),
+                _ => String::new(),
+            };
+            let at = format!("{table}{found}");
+            let hint = nearest(found, expected)
+                .map(|k| format!("; did you mean `{table}{k}`?"))
+                .unwrap_or_else(|| "; docs/configuration.md lists every key".into());
+            format!("unknown key `{at}`{source}{hint}")
+        }
+        Kind::UnknownVariant(found, expected) => format!(
+            "key `{key}`{source}: `{found}` is not one of {}",
+            expected
+                .iter()
+                .map(|v| format!("`{v}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Kind::MissingField(field) => {
+            let at = if key.is_empty() {
+                field.to_string()
+            } else {
+                format!("{key}.{field}")
+            };
+            format!("key `{at}`{source} is required")
+        }
+        kind => format!("key `{key}`{source}: {kind}"),
+    }
+}
+
+/// The known key closest to `found` (edit distance at most 3), for "did you mean".
+fn nearest<'a>(found: &str, known: &[&'a str]) -> Option<&'a str> {
+    fn distance(a: &str, b: &str) -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut row: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut prev = row[0];
+            row[0] = i + 1;
+            for (j, cb) in b.iter().enumerate() {
+                let cost = usize::from(ca != *cb);
+                let next = (row[j + 1] + 1).min(row[j] + 1).min(prev + cost);
+                prev = row[j + 1];
+                row[j + 1] = next;
+            }
+        }
+        row[b.len()]
+    }
+    known
+        .iter()
+        .map(|k| (distance(found, k), *k))
+        .filter(|(d, _)| *d <= 3)
+        .min()
+        .map(|(_, k)| k)
+}
+
+/// The dotted keys `HOLDFAST_*` variables may set: every top-level key, and every key of the
+/// `[workers]` and `[upstream]` tables (an array of tables only as a whole).
+fn env_keys() -> Vec<String> {
+    let mut keys = Vec::new();
+    if let Ok(serde_json::Value::Object(top)) = serde_json::to_value(Config::default()) {
+        for (key, value) in top {
+            if let serde_json::Value::Object(table) = value {
+                keys.extend(table.keys().map(|k| format!("{key}.{k}")));
+            }
+            keys.push(key);
+        }
+    }
+    keys
+}
+
+/// The key a `HOLDFAST_*` variable's name (without the prefix) sets: lower-case, `__` → `.`.
+fn env_key(name: &str) -> String {
+    name.to_ascii_lowercase().replace("__", ".")
 }
 
 impl Config {
@@ -246,6 +353,10 @@ impl Config {
     /// Like [`Config::load`], with `base` in place of the built-in defaults (`--demo` uses this
     /// to supply its mock backends while the file and environment still override).
     ///
+    /// A `HOLDFAST_*` variable that names no key is not read ([`Config::unknown_env`] lists
+    /// them for a warning): the environment is shared with scripts and with holdfast's own
+    /// CLI. An unknown key in the file is an error.
+    ///
     /// # Errors
     /// [`ConfigError`] naming the key that failed to parse or validate.
     pub fn load_over(base: Config, file: Option<&Path>) -> Result<Config, ConfigError> {
@@ -259,12 +370,53 @@ impl Config {
             }
             figment = figment.merge(Toml::file(path));
         }
+        let known = env_keys();
         let config: Config = figment
-            .merge(Env::prefixed("HOLDFAST_").split("__"))
+            .merge(
+                Env::prefixed("HOLDFAST_")
+                    .filter(move |k| known.contains(&env_key(k.as_str())))
+                    .split("__"),
+            )
             .extract()
             .map_err(Box::new)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// [`Config::load`] without the validation, for tools that only read a key
+    /// (`holdfast --version` reads `database_url`).
+    ///
+    /// # Errors
+    /// [`ConfigError::Parse`] when the file or the environment cannot be parsed.
+    pub fn load_unvalidated(file: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = file {
+            figment = figment.merge(Toml::file(path));
+        }
+        let known = env_keys();
+        Ok(figment
+            .merge(
+                Env::prefixed("HOLDFAST_")
+                    .filter(move |k| known.contains(&env_key(k.as_str())))
+                    .split("__"),
+            )
+            .extract()
+            .map_err(Box::new)?)
+    }
+
+    /// The `HOLDFAST_*` environment variables that name no config key (and are not holdfast's
+    /// own CLI variables), which [`Config::load`] leaves unread.
+    pub fn unknown_env() -> Vec<String> {
+        let known = env_keys();
+        std::env::vars_os()
+            .filter_map(|(name, _)| name.into_string().ok())
+            .filter(|name| {
+                name.get(..9)
+                    .is_some_and(|p| p.eq_ignore_ascii_case("HOLDFAST_"))
+                    && !OWN_VARIABLES.contains(&name.as_str())
+                    && !known.contains(&env_key(&name[9..]))
+            })
+            .collect()
     }
 
     /// Checks cross-field rules: backend names unique and kinds valid, rewrite rules naming a
@@ -286,15 +438,22 @@ impl Config {
             if self.backends[..i].iter().any(|o| o.name == b.name) {
                 return Err(invalid(
                     format!("backends[{i}].name"),
-                    format!("duplicate backend name {:?}", b.name),
+                    format!(
+                        "duplicate backend name {:?}; give each [[backends]] entry its own name",
+                        b.name
+                    ),
                 ));
             }
-            if !(b.base_url.starts_with("http://") || b.base_url.starts_with("https://")) {
-                return Err(invalid(
+            check_base_url(&b.base_url).map_err(|why| {
+                invalid(
                     format!("backends[{i}].base_url"),
-                    "must start with http:// or https://",
-                ));
-            }
+                    format!(
+                        "{:?} {why}; write the provider's URL with its version prefix, e.g. \
+                         https://api.openai.com/v1",
+                        b.base_url
+                    ),
+                )
+            })?;
         }
         for (i, r) in self.model_rewrites.iter().enumerate() {
             if r.pattern.is_empty() {
@@ -306,7 +465,15 @@ impl Config {
             if !self.backends.iter().any(|b| b.name == r.backend) {
                 return Err(invalid(
                     format!("model_rewrites[{i}].backend"),
-                    format!("no backend named {:?}", r.backend),
+                    format!(
+                        "no backend named {:?}; name one of the [[backends]] ({})",
+                        r.backend,
+                        self.backends
+                            .iter()
+                            .map(|b| b.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
                 ));
             }
         }
@@ -320,7 +487,7 @@ impl Config {
             if n.api_keys.is_empty() || n.api_keys.iter().any(String::is_empty) {
                 return Err(invalid(
                     format!("namespaces[{i}].api_keys"),
-                    "needs at least one non-empty key",
+                    "needs at least one non-empty key, e.g. api_keys = [\"hf-team-a-key\"]",
                 ));
             }
         }
@@ -379,9 +546,25 @@ impl Config {
     }
 
     /// The backend named `name`.
-    pub fn backend(&self, name: &str) -> Option<&Backend> {
+    pub(crate) fn backend(&self, name: &str) -> Option<&Backend> {
         self.backends.iter().find(|b| b.name == name)
     }
+}
+
+/// Why `url` cannot be a backend's `base_url`: not a URL, a scheme other than http or https, or
+/// no host.
+fn check_base_url(url: &str) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("is not a URL ({e})"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(format!(
+            "has scheme {:?}; holdfast calls providers over http or https",
+            parsed.scheme()
+        ));
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err("has no host".into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -3,18 +3,34 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use std::process::ExitCode;
+
 use clap::{Args, Parser, Subcommand};
-use holdfast::config::{Backend, Config};
+use holdfast::config::{Backend, Config, LogFormat};
 use holdfast::mock::{MockConfig, MockServer};
 use holdfast::provider::Provider;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "holdfast", version, about = "A durable proxy for LLM APIs")]
+#[command(
+    name = "holdfast",
+    about = "A durable proxy for LLM APIs",
+    disable_version_flag = true,
+    subcommand_required = false,
+    arg_required_else_help = true
+)]
 struct Cli {
+    /// Print the version, and the schema version of the database the configuration names
+    /// (read without creating or changing it).
+    #[arg(short = 'V', long)]
+    version: bool,
+    /// TOML configuration file; every key can be overridden by HOLDFAST_<KEY>
+    /// (docs/configuration.md).
+    #[arg(long, global = true, env = "HOLDFAST_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -27,14 +43,12 @@ enum Command {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// TOML configuration file; every key can be overridden by HOLDFAST_<KEY>.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// No config, no network: embedded SQLite file and an in-process mock provider.
+    /// No config, no network: embedded SQLite file (holdfast-demo.db) and an in-process mock
+    /// provider as the only backend.
     #[arg(long)]
     demo: bool,
-    /// Listen address (overrides the `listen` key).
-    #[arg(long)]
+    /// Listen address [default: the `listen` key, 127.0.0.1:8080].
+    #[arg(long, env = "HOLDFAST_LISTEN", value_name = "ADDR")]
     listen: Option<SocketAddr>,
 }
 
@@ -136,76 +150,157 @@ fn parse_stall(s: &str) -> Result<(u32, u64), String> {
     ))
 }
 
-fn main() -> anyhow::Result<()> {
-    // The log goes to stderr, coloured only when that is a terminal (a file or a pipe gets
-    // plain text); stdout is for what a command prints.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("holdfast=info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async {
-        match Cli::parse().command {
-            Command::Serve(args) => serve(args).await,
-            Command::MockUpstream(args) => {
-                holdfast::mock::run(args.listen, MockConfig::from(&args)).await?;
-                Ok(())
-            }
-        }
-    })
+/// Exit status of a configuration that cannot work (and of a usage error, as clap does).
+const EXIT_CONFIG: u8 = 2;
+
+/// A reason to stop, already worded for the operator, and the exit status.
+struct Stop(u8, String);
+
+impl From<anyhow::Error> for Stop {
+    fn from(e: anyhow::Error) -> Stop {
+        let config = e
+            .downcast_ref::<holdfast::store::StoreError>()
+            .is_some_and(|e| matches!(e, holdfast::store::StoreError::Config(_)))
+            || e.downcast_ref::<holdfast::config::ConfigError>().is_some();
+        Stop(if config { EXIT_CONFIG } else { 1 }, format!("{e:#}"))
+    }
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut mock = None;
+impl From<holdfast::config::ConfigError> for Stop {
+    fn from(e: holdfast::config::ConfigError) -> Stop {
+        Stop(EXIT_CONFIG, e.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let done = tokio::runtime::Runtime::new()
+        .map_err(|e| Stop(1, format!("cannot start the runtime: {e}")))
+        .and_then(|runtime| runtime.block_on(run(cli)));
+    match done {
+        Ok(()) => ExitCode::SUCCESS,
+        // One line, never a backtrace: the message says what to change.
+        Err(Stop(code, message)) => {
+            eprintln!("holdfast: {message}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Stop> {
+    if cli.version {
+        return version(cli.config.as_deref()).await;
+    }
+    match cli.command {
+        Some(Command::Serve(args)) => serve(args, cli.config.as_deref()).await,
+        Some(Command::MockUpstream(args)) => {
+            init_tracing(LogFormat::Text);
+            holdfast::mock::run(args.listen, MockConfig::from(&args))
+                .await
+                .map_err(|e| Stop(1, format!("mock-upstream on {}: {e}", args.listen)))
+        }
+        None => Err(Stop(EXIT_CONFIG, "no command; see holdfast --help".into())),
+    }
+}
+
+/// The log goes to stderr, coloured only when that is a terminal (a file or a pipe gets plain
+/// text), or as one JSON object per line; stdout is for what a command prints.
+fn init_tracing(format: LogFormat) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("holdfast=info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => builder.json().with_ansi(false).init(),
+    }
+}
+
+/// `holdfast --version`: the version, and where the database the configuration names stands.
+async fn version(file: Option<&std::path::Path>) -> Result<(), Stop> {
+    println!("holdfast {}", env!("CARGO_PKG_VERSION"));
+    let config = Config::load_unvalidated(file)?;
+    let url = holdfast::store::redact_url(&config.database_url);
+    match holdfast::store::schema_version(&config.database_url).await {
+        Ok(v) => match v.database {
+            Some(n) => println!(
+                "database {url}: schema version {n} (this binary's: {})",
+                v.binary
+            ),
+            None => println!(
+                "database {url}: not created yet (this binary creates schema version {})",
+                v.binary
+            ),
+        },
+        Err(e) => println!("database {url}: cannot be read: {e}"),
+    }
+    Ok(())
+}
+
+async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), Stop> {
     let mut config = if args.demo {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Config::load_over(demo_config(), file)?
+    } else {
+        Config::load(file)?
+    };
+    if let Some(listen) = args.listen {
+        config.listen = listen;
+    }
+    init_tracing(config.log_format);
+    for name in Config::unknown_env() {
+        tracing::warn!(
+            variable = %name,
+            "ignoring {name}: it names no configuration key (docs/configuration.md)"
+        );
+    }
+    let listener = TcpListener::bind(config.listen).await.map_err(|e| {
+        Stop(
+            1,
+            format!(
+                "cannot listen on {}: {e}; choose another address with --listen ADDR or HOLDFAST_LISTEN",
+                config.listen
+            ),
+        )
+    })?;
+    // The demo's provider, in-process on a loopback port of its own.
+    let mock = if args.demo {
+        let mock_listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| Stop(1, format!("cannot start the demo's mock provider: {e}")))?;
         let server = MockServer::start(
-            listener,
+            mock_listener,
             MockConfig {
                 chunk_delay_ms: 40,
                 ..MockConfig::default()
             },
         )
-        .await?;
-        let base = Config {
-            database_url: "sqlite://holdfast-demo.db".into(),
-            backends: vec![
-                Backend {
-                    name: "mock-openai".into(),
-                    kind: Provider::Openai,
-                    base_url: server.base_url(),
-                    api_key_env: None,
-                },
-                Backend {
-                    name: "mock-anthropic".into(),
-                    kind: Provider::Anthropic,
-                    base_url: server.base_url(),
-                    api_key_env: None,
-                },
-            ],
-            ..Config::default()
-        };
-        mock = Some(server);
-        Config::load_over(base, args.config.as_deref())?
+        .await
+        .map_err(|e| Stop(1, format!("cannot start the demo's mock provider: {e}")))?;
+        for backend in &mut config.backends {
+            if backend.base_url == DEMO_MOCK_URL {
+                backend.base_url = server.base_url();
+            }
+        }
+        Some(server)
     } else {
-        Config::load(args.config.as_deref())?
+        None
     };
-    if let Some(listen) = args.listen {
-        config.listen = listen;
-    }
-    let listener = TcpListener::bind(config.listen).await?;
     let database = holdfast::store::redact_url(&config.database_url);
     let running = holdfast::app::start(config, listener).await?;
     tracing::info!(addr = %running.addr, %database, demo = args.demo, "holdfast serving");
-    if args.demo {
+    if let Some(mock) = &mock {
         println!(
-            "holdfast demo on http://{addr} (mock provider inside, database holdfast-demo.db)\n\
-             try:\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \
+            "holdfast demo on http://{addr}\n\
+             \x20 mock provider (the only backend): {mock}\n\
+             \x20 database: holdfast-demo.db\n\
+             try it (send it twice: the second answer is replayed, Idempotent-Replayed: true):\n\
+             \x20 curl -i http://{addr}/v1/chat/completions -H 'content-type: application/json' \
              -d '{{\"model\":\"gpt-4o-mini\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
-            addr = running.addr
+            addr = running.addr,
+            mock = mock.base_url(),
         );
     }
     shutdown_signal().await;
@@ -215,6 +310,31 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         mock.shutdown().await;
     }
     Ok(())
+}
+
+/// Stands for the demo's mock provider in `--demo`'s configuration until it is started.
+const DEMO_MOCK_URL: &str = "http://demo-mock.invalid/v1";
+
+/// `--demo`'s base configuration: its own SQLite file and the mock provider as both backends.
+fn demo_config() -> Config {
+    Config {
+        database_url: "sqlite://holdfast-demo.db".into(),
+        backends: vec![
+            Backend {
+                name: "mock-openai".into(),
+                kind: Provider::Openai,
+                base_url: DEMO_MOCK_URL.into(),
+                api_key_env: None,
+            },
+            Backend {
+                name: "mock-anthropic".into(),
+                kind: Provider::Anthropic,
+                base_url: DEMO_MOCK_URL.into(),
+                api_key_env: None,
+            },
+        ],
+        ..Config::default()
+    }
 }
 
 async fn shutdown_signal() {

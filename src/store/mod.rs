@@ -722,6 +722,39 @@ pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError
     }
 }
 
+/// Which schema the database `database_url` names is at, next to the newest this binary
+/// knows, read without creating or migrating anything (`holdfast --version`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaVersion {
+    /// The database's: `None` when it does not exist yet (SQLite), 0 when never migrated.
+    pub database: Option<i64>,
+    /// This binary's newest migration.
+    pub binary: i64,
+}
+
+/// Reads [`SchemaVersion`] of the database `url` names.
+///
+/// # Errors
+/// [`StoreError`] when the URL is not usable or the database cannot be read.
+pub async fn schema_version(url: &str) -> Result<SchemaVersion, StoreError> {
+    if url.starts_with("sqlite:") {
+        Ok(SchemaVersion {
+            database: sqlite::schema_version(url)?,
+            binary: sqlite::LATEST_SCHEMA,
+        })
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(SchemaVersion {
+            database: Some(postgres::schema_version(url).await?),
+            binary: postgres::latest_schema(),
+        })
+    } else {
+        Err(StoreError::Config(format!(
+            "{:?}: expected sqlite:, postgres:// or postgresql://",
+            redact_url(url)
+        )))
+    }
+}
+
 /// A database URL with any password replaced by `***`, for messages and logs (IN-3): the one in
 /// the user-info part (`postgres://user:secret@host`) and a `password=` query parameter
 /// (`postgres://host/db?password=secret`).

@@ -97,6 +97,39 @@ pub struct PostgresStore {
     origin: String,
 }
 
+/// The migrations of `migrations/postgres`, compiled in.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+
+/// The newest schema version this binary knows.
+pub(crate) fn latest_schema() -> i64 {
+    MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+/// The schema version of the database at `url`, read without changing it (0: not migrated yet).
+///
+/// # Errors
+/// [`StoreError`] when the server cannot be reached.
+pub(crate) async fn schema_version(url: &str) -> Result<i64, StoreError> {
+    let options = PgConnectOptions::from_str(url)?.application_name("holdfast-version");
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await?;
+    let migrated: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&pool)
+        .await?;
+    let version: i64 = if migrated {
+        sqlx::query_scalar("SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success")
+            .fetch_one(&pool)
+            .await?
+    } else {
+        0
+    };
+    pool.close().await;
+    Ok(version)
+}
+
 impl PostgresStore {
     /// Connects to `url` (`postgres://` or `postgresql://`) with a pool of
     /// [`DEFAULT_MAX_CONNECTIONS`] and applies the migrations in `migrations/postgres`.
@@ -124,7 +157,7 @@ impl PostgresStore {
             .connect_with(options)
             .await?;
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
-        sqlx::migrate!("./migrations/postgres").run(&pool).await?;
+        MIGRATOR.run(&pool).await?;
         Ok(PostgresStore {
             pool,
             listen_pool,

@@ -156,23 +156,8 @@ fn open_reader(path: &Path) -> Result<Connection, StoreError> {
 /// transaction. A file created by an earlier holdfast (sqlx's migrator) records its migrations
 /// in `_sqlx_migrations` instead; those count as applied.
 fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
-    let mut version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-    if version == 0 {
-        let sqlx_table: bool = conn.query_row(
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master
-                            WHERE type = 'table' AND name = '_sqlx_migrations')",
-            [],
-            |r| r.get(0),
-        )?;
-        if sqlx_table {
-            version = conn.query_row(
-                "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success",
-                [],
-                |r| r.get(0),
-            )?;
-        }
-    }
-    let latest = MIGRATIONS.last().map_or(0, |(n, _)| *n);
+    let version = applied_version(conn)?;
+    let latest = LATEST_SCHEMA;
     if version > latest {
         return Err(StoreError::Migration(format!(
             "the database is at schema version {version}, newer than this holdfast knows \
@@ -186,6 +171,46 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         tx.commit()?;
     }
     Ok(())
+}
+
+/// The newest schema version this binary knows.
+pub(crate) const LATEST_SCHEMA: i64 = MIGRATIONS[MIGRATIONS.len() - 1].0;
+
+/// The last migration applied to the database on `conn`: `PRAGMA user_version`, or for a file
+/// created by the sqlx-based holdfast, its `_sqlx_migrations` table.
+fn applied_version(conn: &Connection) -> Result<i64, StoreError> {
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if version != 0 {
+        return Ok(version);
+    }
+    let sqlx_table: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master
+                        WHERE type = 'table' AND name = '_sqlx_migrations')",
+        [],
+        |r| r.get(0),
+    )?;
+    if !sqlx_table {
+        return Ok(0);
+    }
+    Ok(conn.query_row(
+        "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success",
+        [],
+        |r| r.get(0),
+    )?)
+}
+
+/// The schema version of the database `url` names, read without creating or changing it;
+/// `None` when the file does not exist yet.
+///
+/// # Errors
+/// [`StoreError`] when the URL is not usable or the file cannot be read.
+pub(crate) fn schema_version(url: &str) -> Result<Option<i64>, StoreError> {
+    let path = path_of(url)?;
+    if !path.exists() {
+        return Ok(None);
+    }
+    let conn = open_reader(&path)?;
+    applied_version(&conn).map(Some)
 }
 
 impl SqliteStore {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::chunks::AppendError;
 use super::{FINISH_TRIES, WorkerPool, retry};
@@ -59,6 +59,7 @@ impl WorkerPool {
             Outcome::Retry { next_retry_at, .. } => Some(*next_retry_at),
             _ => None,
         };
+        log_attempt(&outcome);
         // The provider has answered: losing the outcome now would cost a second provider call
         // when the sweep re-runs the request, so a failed write is tried again (fenced, so a
         // lease lost meanwhile makes it a no-op), as the chunk writer does.
@@ -75,6 +76,9 @@ impl WorkerPool {
         };
         match finished {
             Ok(Some(settled)) => {
+                if settled.status.is_terminal() {
+                    log_finished(&settled);
+                }
                 self.hub
                     .publish(lease.id, HubEvent::Settled(Arc::new(settled)));
                 if let Some(at) = retry_at {
@@ -88,7 +92,9 @@ impl WorkerPool {
             }
             Ok(None) => info!("lease lost before the outcome was written"),
             // The lease will expire and the sweep re-runs the request.
-            Err(e) => warn!(error = %e, "could not record the outcome"),
+            Err(e) => {
+                error!(error = %e, "could not record the outcome; the lease will expire and the request re-run")
+            }
         }
     }
 
@@ -443,6 +449,48 @@ impl WorkerPool {
             },
         }
     }
+}
+
+/// One `warn` line for an attempt that failed: the cause, and what happens next.
+fn log_attempt(outcome: &Outcome) {
+    match outcome {
+        Outcome::Succeeded { .. } => {}
+        Outcome::Retry {
+            next_retry_at,
+            error,
+        } => warn!(
+            cause = %error.message,
+            upstream_status = ?error.status,
+            retry_in_ms = (next_retry_at - now_ms()).max(0),
+            "attempt failed; the request is retried"
+        ),
+        Outcome::Failed { error, .. } => warn!(
+            error_type = error.kind.as_str(),
+            cause = %error.message,
+            upstream_status = ?error.status,
+            "attempt failed; the request failed for good"
+        ),
+    }
+}
+
+/// One `info` line for a request that became terminal: what it was, how it ended, how long it
+/// took (the request and attempt spans around it name the id, namespace, route and backend).
+pub(super) fn log_finished(record: &RequestRecord) {
+    let error = record.error.as_ref();
+    info!(
+        id = %record.id,
+        namespace = %record.namespace,
+        route = record.route.name(),
+        model = record.model.as_deref().unwrap_or(""),
+        backend = %record.backend,
+        status = record.status.as_str(),
+        error_type = error.map(|e| e.kind.as_str()),
+        attempts = record.attempts,
+        recoveries = record.recoveries,
+        duration_ms = record.finished_at.unwrap_or(record.updated_at) - record.created_at,
+        upstream_status = record.response_status.or(error.and_then(|e| e.status)),
+        "request finished"
+    );
 }
 
 /// What [`inspect_event`] found in one provider event.

@@ -158,7 +158,14 @@ impl WorkerPool {
         namespace: &str,
         id: Uuid,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let record = self.store.cancel(namespace, id, now_ms()).await?;
+        let now = now_ms();
+        let record = self.store.cancel(namespace, id, now).await?;
+        // Finished by this call (an already terminal request comes back unchanged).
+        if let Some(r) = &record
+            && r.finished_at == Some(now)
+        {
+            attempt::log_finished(r);
+        }
         if record.is_some() {
             let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(abort) = running.get(&id) {
@@ -352,10 +359,11 @@ impl WorkerPool {
                         );
                         self.wake.notify_one();
                     }
-                    if !swept.failed.is_empty() {
+                    for id in &swept.failed {
                         warn!(
-                            failed = swept.failed.len(),
-                            "expired leases with no attempts left"
+                            %id,
+                            error_type = "lease_expired",
+                            "request failed: its last attempt's lease expired and no attempts are left"
                         );
                     }
                 }

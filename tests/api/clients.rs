@@ -109,15 +109,30 @@ async fn readme_demo_and_curl_example_work_on_a_fresh_directory_cli2() {
         .unwrap_or_default();
     assert!(banner.contains(&addr.to_string()), "{banner}");
 
+    // Pasted twice, as the README says: the second answer is replayed, and -i shows it.
     let curl = curl.replace("127.0.0.1:8080", &addr.to_string());
-    let out = Command::new("sh").args(["-c", &curl]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "curl failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("curl prints JSON");
-    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    let mut outputs = Vec::new();
+    for _ in 0..2 {
+        let out = Command::new("sh").args(["-c", &curl]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "curl failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        outputs.push(String::from_utf8(out.stdout).unwrap());
+    }
+    for (output, replayed) in outputs.iter().zip(["false", "true"]) {
+        let (head, body) = output
+            .split_once("\r\n\r\n")
+            .unwrap_or_else(|| panic!("curl -i prints the headers: {output}"));
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("idempotent-replayed: {replayed}")),
+            "{head}"
+        );
+        let answer: serde_json::Value = serde_json::from_str(body).expect("then the JSON");
+        assert_eq!(answer["object"], "chat.completion", "{answer}");
+    }
     assert!(
         dir.path().join("holdfast-demo.db").exists(),
         "CLI-4a: the SQLite file is created"

@@ -107,3 +107,87 @@ fn rule_ids_are_found_as_whole_words_only() {
         ["LC-7", "ID-3a", "RD-6"]
     );
 }
+
+/// The keys `docs/configuration.md` documents, as dotted paths (`workers.lease_secs`,
+/// `backends.name`): the first column of each table under the key sections.
+fn documented_config_keys(doc: &str) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let mut section: Option<String> = None;
+    for line in doc.lines() {
+        if let Some(heading) = line.strip_prefix("## ") {
+            let heading = heading.trim_matches('`');
+            section = if heading == "Top-level keys" {
+                Some(String::new())
+            } else if heading.starts_with('[') {
+                Some(format!(
+                    "{}.",
+                    heading.trim_matches(|c| c == '[' || c == ']')
+                ))
+            } else {
+                None
+            };
+            continue;
+        }
+        let Some(prefix) = &section else { continue };
+        if let Some(rest) = line.strip_prefix("| `")
+            && let Some((key, _)) = rest.split_once('`')
+        {
+            keys.insert(format!("{prefix}{key}"));
+        }
+    }
+    keys
+}
+
+/// The keys the code accepts, from the config struct itself.
+fn config_keys() -> BTreeSet<String> {
+    use holdfast::config::{Backend, Config, ModelRewrite, Namespace};
+    let config = Config {
+        backends: vec![Backend {
+            name: "b".into(),
+            kind: holdfast::provider::Provider::Openai,
+            base_url: "http://x/v1".into(),
+            api_key_env: None,
+        }],
+        model_rewrites: vec![ModelRewrite {
+            pattern: "m".into(),
+            backend: "b".into(),
+            model: None,
+        }],
+        namespaces: vec![Namespace {
+            name: "n".into(),
+            api_keys: vec!["k".into()],
+        }],
+        ..Config::default()
+    };
+    let mut keys = BTreeSet::new();
+    let serde_json::Value::Object(top) = serde_json::to_value(&config).unwrap() else {
+        panic!("config serialises to an object")
+    };
+    for (key, value) in top {
+        let nested = match &value {
+            serde_json::Value::Object(table) => Some(table.clone()),
+            serde_json::Value::Array(items) => items.first().and_then(|v| v.as_object().cloned()),
+            _ => None,
+        };
+        if let Some(table) = nested {
+            keys.extend(table.keys().map(|k| format!("{key}.{k}")));
+        }
+        keys.insert(key);
+    }
+    keys
+}
+
+#[test]
+fn docs_configuration_lists_exactly_the_keys_the_code_accepts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
+    let documented = documented_config_keys(&doc);
+    let code = config_keys();
+    let undocumented: Vec<_> = code.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&code).collect();
+    assert!(
+        undocumented.is_empty() && unknown.is_empty(),
+        "keys the code accepts but docs/configuration.md does not list: {undocumented:?}; \
+         keys it lists that the code does not know: {unknown:?}"
+    );
+}

@@ -18,6 +18,7 @@ mod openapi;
 mod ops;
 mod proxy;
 mod sqlite_writer;
+mod startup;
 mod store_conformance;
 mod store_errors;
 mod streams;

@@ -1,5 +1,5 @@
 //! `GET /openapi.json` against the real router: the document is OpenAPI 3.1-shaped, every
-//! operation in it is served, and every route in `holdfast::OPENAPI_ROUTES as ROUTES` is both
+//! operation in it is served, and every route in `holdfast::OPENAPI_ROUTES` is both
 //! documented and served.
 
 use std::collections::BTreeSet;
@@ -196,5 +196,116 @@ async fn every_router_route_is_documented_and_served_and_the_check_can_fail() {
         call(&app, "DELETE", "/requests/{id}", &id).await,
         Answer::MethodNotAllowed
     );
+    app.stop().await;
+}
+
+/// Every response header holdfast sets on a proxied route is documented in `/openapi.json`
+/// (components.headers) and named on that route's responses: headers are collected from real
+/// answers — a new request, a replay, `Prefer: respond-async`, a key reused with another body,
+/// an overload refusal, a replayed provider refusal and a failure.
+#[tokio::test]
+async fn every_response_header_holdfast_sets_is_documented() {
+    let app = spawn_app(MockConfig::default(), |c| c.workers.max_attempts = 1).await;
+    let doc: Value = app
+        .http
+        .get(format!("{}/openapi.json", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let components: BTreeSet<String> = doc["components"]["headers"]
+        .as_object()
+        .expect("components.headers")
+        .keys()
+        .map(|k| k.to_ascii_lowercase())
+        .collect();
+    let named_on_routes: BTreeSet<String> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(path, _)| path.starts_with("/v1/"))
+        .flat_map(|(_, item)| item.as_object().unwrap().values())
+        .flat_map(|op| op["responses"].as_object().into_iter().flatten())
+        .map(|(_, r)| match r["$ref"].as_str() {
+            // A shared response: "#/components/responses/<name>".
+            Some(target) => &doc["components"]["responses"][target.rsplit('/').next().unwrap()],
+            None => r,
+        })
+        .flat_map(|r| r["headers"].as_object().into_iter().flatten())
+        .map(|(name, _)| name.to_ascii_lowercase())
+        .collect();
+
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut collect = |r: &reqwest::Response| {
+        seen.extend(r.headers().keys().map(|k| k.as_str().to_string()));
+    };
+    let body = chat_body("headers");
+    collect(&app.chat(&body).await);
+    collect(&app.chat(&body).await);
+    collect(
+        &app.post(
+            "/v1/chat/completions",
+            chat_body("async headers"),
+            &[("prefer", "respond-async")],
+        )
+        .await,
+    );
+    collect(
+        &app.post(
+            "/v1/messages",
+            r#"{"model":"m","max_tokens":1,"messages":[]}"#,
+            &[],
+        )
+        .await,
+    );
+    let key = [("idempotency-key", "k-1")];
+    collect(&app.post("/v1/chat/completions", chat_body("a"), &key).await);
+    collect(&app.post("/v1/chat/completions", chat_body("b"), &key).await);
+    app.mock.set_config(MockConfig {
+        fail_first: 1,
+        fail_status: 400,
+        ..MockConfig::default()
+    });
+    collect(&app.chat(&chat_body("refused")).await);
+    app.mock.set_config(MockConfig {
+        fail_first: 1,
+        fail_status: 500,
+        ..MockConfig::default()
+    });
+    collect(&app.chat(&chat_body("failed")).await);
+    collect(&app.post("/v1/chat/completions", "not json", &[]).await);
+
+    // Standard HTTP headers, not holdfast's to document.
+    let standard = [
+        "content-type",
+        "content-length",
+        "date",
+        "cache-control",
+        "x-accel-buffering",
+        "transfer-encoding",
+        "vary",
+    ];
+    let ours: Vec<&String> = seen
+        .iter()
+        .filter(|h| !standard.contains(&h.as_str()))
+        .collect();
+    for must in ["holdfast-claim-expires-at", "location", "holdfast-error"] {
+        assert!(
+            ours.iter().any(|h| *h == must),
+            "{must} was exercised: {ours:?}"
+        );
+    }
+    for header in ours {
+        assert!(
+            components.contains(header),
+            "{header} is in components.headers"
+        );
+        assert!(
+            named_on_routes.contains(header),
+            "{header} is named on the proxied routes' responses"
+        );
+    }
     app.stop().await;
 }

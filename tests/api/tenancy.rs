@@ -324,6 +324,13 @@ async fn cancel_during_a_stream_fails_it_and_ends_every_reader_lc9() {
     let record: serde_json::Value = cancelled.json().await.unwrap();
     assert_eq!(record["status"], "failed");
     assert_eq!(record["error"]["type"], "cancelled");
+    // docs/api.md quotes the message literally: the quote is the code's.
+    let message = record["error"]["message"].as_str().unwrap();
+    let api = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/api.md")).unwrap();
+    assert!(
+        api.contains(&format!("`{message}`, literally")),
+        "docs/api.md quotes {message:?}"
+    );
     // The upstream call is aborted: the provider sees its connection close within a second.
     wait_until(
         Duration::from_secs(1),

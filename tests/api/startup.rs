@@ -1,0 +1,326 @@
+//! The first day: start-up refuses what cannot work with one line naming the key (exit 2),
+//! says what it does, and logs every request and failed attempt (issue 13; SPEC CLI-1, IN-3).
+
+use std::time::Duration;
+
+use holdfast::mock::MockConfig;
+use serde_json::Value;
+
+use crate::helpers::*;
+
+const BACKEND: &str =
+    "[[backends]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:9/v1\"\n";
+
+/// Runs `holdfast serve --config` on `toml` and returns (exit code, stderr).
+fn serve_config(toml: &str, env: &[(&str, &str)]) -> (i32, String) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("holdfast.toml"), toml).unwrap();
+    let (code, _, stderr) = run_holdfast(
+        dir.path(),
+        &[
+            "serve",
+            "--config",
+            "holdfast.toml",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        env,
+    );
+    (code, stderr)
+}
+
+#[test]
+fn each_invalid_configuration_fails_start_up_with_exit_2_and_one_line_naming_the_key_cli1() {
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "base_url without a host",
+            BACKEND.replace("http://127.0.0.1:9/v1", "http://"),
+            "backends[0].base_url",
+        ),
+        (
+            "base_url with another scheme",
+            BACKEND.replace("http://127.0.0.1:9/v1", "ftp://example.com/v1"),
+            "backends[0].base_url",
+        ),
+        (
+            "base_url that does not parse",
+            BACKEND.replace("http://127.0.0.1:9/v1", "api.openai.com/v1"),
+            "backends[0].base_url",
+        ),
+        (
+            "duplicate backend name",
+            format!("{BACKEND}{BACKEND}"),
+            "backends[1].name",
+        ),
+        (
+            "rewrite to an unknown backend",
+            format!("{BACKEND}[[model_rewrites]]\nmatch = \"fast\"\nbackend = \"nope\"\n"),
+            "model_rewrites[0].backend",
+        ),
+        (
+            "namespace without keys",
+            format!("{BACKEND}[[namespaces]]\nname = \"team\"\napi_keys = []\n"),
+            "namespaces[0].api_keys",
+        ),
+        (
+            "typo in a key",
+            format!("lisen = \"127.0.0.1:1\"\n{BACKEND}"),
+            "did you mean `listen`?",
+        ),
+        (
+            "typo in a table's key",
+            format!("[workers]\nlease_sec = 3\n{BACKEND}"),
+            "did you mean `workers.lease_secs`?",
+        ),
+        (
+            "an in-memory database",
+            format!("database_url = \"sqlite::memory:\"\n{BACKEND}"),
+            "database_url",
+        ),
+    ];
+    for (name, toml, names) in cases {
+        let (code, stderr) = serve_config(&toml, &[("RUST_BACKTRACE", "1")]);
+        assert_eq!(code, 2, "{name}: exit status 2: {stderr}");
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{name}: one line, no backtrace: {stderr}");
+        assert!(lines[0].starts_with("holdfast: "), "{name}: {stderr}");
+        assert!(
+            lines[0].contains(names),
+            "{name}: names {names:?}: {stderr}"
+        );
+        assert!(lines[0].len() < 300, "{name}: short: {stderr}");
+        assert!(
+            !lines[0].contains("default."),
+            "{name}: no profile prefix: {stderr}"
+        );
+    }
+    // An unknown key in the file is refused; the same name as an environment variable is not.
+    let (code, _) = serve_config(&format!("colour = \"red\"\n{BACKEND}"), &[]);
+    assert_eq!(code, 2);
+}
+
+#[tokio::test]
+async fn an_unknown_holdfast_variable_is_one_warning_and_the_demo_starts_and_says_where_its_mock_is()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = free_addr();
+    let log = dir.path().join("stderr.log");
+    let out = dir.path().join("stdout.log");
+    let mut child = std::process::Command::new(holdfast_bin())
+        .args(["serve", "--demo", "--listen", &addr.to_string()])
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG")
+        .env("HOLDFAST_BIN", "x")
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let process = Process {
+        child: child_take(&mut child),
+        base: format!("http://{addr}"),
+        log: Some(log.clone()),
+    };
+    process.wait_healthy().await;
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(warnings[0].contains("HOLDFAST_BIN"), "{stderr}");
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "no colour codes in a file: {stderr:?}"
+    );
+    let banner = wait_for_file(&out, "curl").await;
+    assert!(banner.contains(&format!("http://{addr}")), "{banner}");
+    let mock_line = banner
+        .lines()
+        .find(|l| l.contains("mock provider"))
+        .unwrap_or_else(|| panic!("the banner names the mock provider: {banner}"));
+    assert!(mock_line.contains("http://127.0.0.1:"), "{mock_line}");
+    assert!(
+        banner.contains("curl -i "),
+        "the curl shows headers: {banner}"
+    );
+    drop(process);
+}
+
+/// Takes the child out of `child`, leaving a dummy behind (so `Process` owns and kills it).
+fn child_take(child: &mut std::process::Child) -> std::process::Child {
+    std::mem::replace(child, std::process::Command::new("true").spawn().unwrap())
+}
+
+/// Waits until `path` holds `needle`, at most 10 s; returns the text.
+async fn wait_for_file(path: &std::path::Path, needle: &str) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{needle} in {}",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn a_listen_address_in_use_names_the_address_and_how_to_choose_another() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("holdfast.toml"), BACKEND).unwrap();
+    let (code, _, stderr) = run_holdfast(
+        dir.path(),
+        &["serve", "--config", "holdfast.toml", "--listen", &addr],
+        &[],
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    for must in [addr.as_str(), "--listen", "HOLDFAST_LISTEN"] {
+        assert!(stderr.contains(must), "names {must}: {stderr}");
+    }
+}
+
+#[test]
+fn serve_help_lists_defaults_and_environment_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, stdout, _) = run_holdfast(dir.path(), &["serve", "--help"], &[]);
+    assert_eq!(code, 0);
+    for must in [
+        "HOLDFAST_LISTEN",
+        "HOLDFAST_CONFIG",
+        "127.0.0.1:8080",
+        "--demo",
+    ] {
+        assert!(stdout.contains(must), "{must}: {stdout}");
+    }
+}
+
+#[tokio::test]
+async fn version_prints_the_schema_version_of_the_database_it_would_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, stdout, _) = run_holdfast(dir.path(), &["--version"], &[]);
+    assert_eq!(code, 0);
+    assert!(stdout.starts_with("holdfast "), "{stdout}");
+    assert!(stdout.contains("not created yet"), "{stdout}");
+    assert!(
+        !dir.path().join("holdfast.db").exists(),
+        "--version creates nothing"
+    );
+    // Once a server has created it, its schema version.
+    let mock = start_mock(MockConfig::default()).await;
+    let toml = format!(
+        "[[backends]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"{}\"\n",
+        mock.base_url()
+    );
+    let node = Process::serve(dir.path(), &toml, free_addr()).await;
+    drop(node);
+    let (code, stdout, _) = run_holdfast(dir.path(), &["--version"], &[]);
+    assert_eq!(code, 0);
+    let line = stdout.lines().nth(1).unwrap_or_default();
+    assert!(
+        line.contains("sqlite://holdfast.db: schema version"),
+        "{stdout}"
+    );
+    let (db, binary) = line
+        .split_once("schema version ")
+        .and_then(|(_, rest)| rest.split_once(" (this binary's: "))
+        .map(|(db, rest)| (db.to_string(), rest.trim_end_matches(')').to_string()))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert_eq!(
+        db, binary,
+        "a fresh database is at the binary's schema: {stdout}"
+    );
+}
+
+/// A backend that refuses every call: one `warn` line per attempt and one line for the request,
+/// each naming the request id; plain text in a file; `log_format = "json"` one JSON object per
+/// line; the provider key never appears (IN-3).
+#[tokio::test]
+async fn a_refused_request_leaves_a_line_per_attempt_and_one_for_the_request_in1_in3() {
+    let mock = start_mock(MockConfig {
+        fail_first: 1_000,
+        fail_status: 503,
+        ..MockConfig::default()
+    })
+    .await;
+    let secret = "sk-holdfast-test-9f3c2e";
+    for format in ["text", "json"] {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = format!(
+            r#"log_format = "{format}"
+[workers]
+max_attempts = 3
+backoff_initial_ms = 10
+backoff_max_ms = 20
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+api_key_env = "HF_TEST_PROVIDER_KEY"
+"#,
+            mock.base_url()
+        );
+        let node = Process::serve_logged(
+            dir.path(),
+            &toml,
+            free_addr(),
+            &[
+                ("HF_TEST_PROVIDER_KEY", secret),
+                ("RUST_LOG", "holdfast=debug"),
+            ],
+        )
+        .await;
+        let http = reqwest::Client::new();
+        let r = http
+            .post(format!("{}/v1/chat/completions", node.base))
+            .header("content-type", "application/json")
+            .body(chat_body(&format!("refused, logged as {format}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 502);
+        let id = header(&r, "holdfast-request-id");
+        // The finished line is written before the answer is sent; read the log once it holds it.
+        let path = dir.path().join("holdfast.log");
+        let log = wait_for_file(&path, "request finished").await;
+        assert!(!log.contains('\u{1b}'), "no escape codes in a file");
+        assert!(
+            !log.contains(secret),
+            "the provider key never appears in the log"
+        );
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains(&id)).collect();
+        let failed: Vec<&&str> = lines
+            .iter()
+            .filter(|l| l.contains("attempt failed"))
+            .collect();
+        let finished: Vec<&&str> = lines
+            .iter()
+            .filter(|l| l.contains("request finished"))
+            .collect();
+        assert_eq!(
+            failed.len(),
+            3,
+            "{format}: a warn line per attempt with the id:\n{log}"
+        );
+        assert_eq!(
+            finished.len(),
+            1,
+            "{format}: one line for the request:\n{log}"
+        );
+        assert!(failed.iter().all(|l| l.contains("WARN")), "{log}");
+        assert!(failed[..2].iter().all(|l| l.contains("retried")), "{log}");
+        assert!(failed[2].contains("for good"), "{log}");
+        assert!(finished[0].contains("attempts_exhausted"), "{log}");
+        if format == "json" {
+            for line in log.lines().filter(|l| !l.is_empty()) {
+                let v: Value = serde_json::from_str(line)
+                    .unwrap_or_else(|e| panic!("one JSON object per line ({e}): {line}"));
+                assert!(v.is_object());
+            }
+        }
+        drop(node);
+    }
+}
