@@ -105,6 +105,7 @@ fn bench(c: &mut Criterion) {
                                                 lease: lease.clone(),
                                                 chunks: vec![event(i)],
                                                 upstream_request_id: None,
+                                                response_id: None,
                                             };
                                             writer.append(batch).await.expect("append");
                                         }

@@ -37,12 +37,12 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     crate::metrics::handle();
     let store = store::open(&config).await?;
     let hub = Hub::new();
-    let upstreams = Upstreams::new(&config)?;
+    let upstreams = Arc::new(Upstreams::new(&config)?);
     let shutdown = CancellationToken::new();
     let pool = WorkerPool::new(
         store.clone(),
         Arc::clone(&hub),
-        upstreams,
+        Arc::clone(&upstreams),
         Arc::clone(&config),
     );
     let wakeups = bridge_notifications(&store, Arc::clone(&hub), pool.clone(), &shutdown);
@@ -53,6 +53,8 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         store,
         hub,
         workers: pool,
+        upstreams,
+        models: Arc::default(),
         held: Arc::default(),
     };
     let addr = listener.local_addr()?;

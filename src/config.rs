@@ -67,6 +67,32 @@ pub struct Config {
     pub model_rewrites: Vec<ModelRewrite>,
     /// Tenants. Empty: every caller is namespace `default` (CLI-5).
     pub namespaces: Vec<Namespace>,
+    /// Further provider paths forwarded as they are, not logged (off by default): e.g. an
+    /// OpenAI-compatible server's `/v1/moderations`. The backend's key is sent, the client's
+    /// never.
+    pub passthrough: Vec<Passthrough>,
+}
+
+/// One `[[passthrough]]` entry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Passthrough {
+    /// The client path, starting with the version prefix (`/v1/moderations`), or a prefix ending
+    /// in `/*` (`/v1/files/*` forwards `/v1/files` and everything under it). Every method.
+    pub path: String,
+    /// Backend name the calls go to; the path without its first segment (`/v1`) is appended to
+    /// its `base_url`.
+    pub backend: String,
+}
+
+impl Passthrough {
+    /// The path without its `/*` suffix, and whether it is a prefix.
+    pub(crate) fn base(&self) -> (&str, bool) {
+        match self.path.strip_suffix("/*") {
+            Some(base) => (base, true),
+            None => (&self.path, false),
+        }
+    }
 }
 
 /// SQLite durability mode (SPEC DU-2).
@@ -195,6 +221,7 @@ impl Default for Config {
             backends: Vec::new(),
             model_rewrites: Vec::new(),
             namespaces: Vec::new(),
+            passthrough: Vec::new(),
         }
     }
 }
@@ -245,6 +272,26 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
         message: message.into(),
     }
 }
+
+/// Paths holdfast serves itself; a `[[passthrough]]` path may not overlap them.
+const RESERVED_PATHS: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/models",
+    "/requests",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/openapi.json",
+    "/ui",
+    "/v1/messages/count_tokens",
+];
+
+/// Of [`RESERVED_PATHS`], those holdfast also serves paths under.
+const RESERVED_PREFIXES: &[&str] = &["/v1/responses", "/requests", "/ui"];
 
 /// Environment variables starting with `HOLDFAST_` that are holdfast's own but not config
 /// keys (the `holdfast requests` CLI's and the test harness's): `serve` ignores them silently.
@@ -474,6 +521,46 @@ impl Config {
                             .collect::<Vec<_>>()
                             .join(", ")
                     ),
+                ));
+            }
+        }
+        for (i, p) in self.passthrough.iter().enumerate() {
+            let (base, _) = p.base();
+            let segments: Vec<&str> = base.split('/').skip(1).collect();
+            if !base.starts_with('/') || segments.len() < 2 || segments.iter().any(|s| s.is_empty())
+            {
+                return Err(invalid(
+                    format!("passthrough[{i}].path"),
+                    format!(
+                        "{:?} must be a path with its version prefix, e.g. \"/v1/moderations\" \
+                         or \"/v1/files/*\"",
+                        p.path
+                    ),
+                ));
+            }
+            if segments.iter().any(|s| s.contains(['{', '}', '*'])) {
+                return Err(invalid(
+                    format!("passthrough[{i}].path"),
+                    format!("{:?}: only a final /* is allowed as a pattern", p.path),
+                ));
+            }
+            let (_, prefix) = p.base();
+            let overlaps = |own: &&str| {
+                let own = own.trim_end_matches("/*");
+                base == own
+                    || (prefix && own.starts_with(&format!("{base}/")))
+                    || (RESERVED_PREFIXES.contains(&own) && base.starts_with(&format!("{own}/")))
+            };
+            if let Some(own) = RESERVED_PATHS.iter().find(|own| overlaps(own)) {
+                return Err(invalid(
+                    format!("passthrough[{i}].path"),
+                    format!("{:?} overlaps holdfast's own route {own}", p.path),
+                ));
+            }
+            if !self.backends.iter().any(|b| b.name == p.backend) {
+                return Err(invalid(
+                    format!("passthrough[{i}].backend"),
+                    format!("no backend named {:?}", p.backend),
                 ));
             }
         }

@@ -5,17 +5,20 @@
 mod errors;
 pub(crate) mod openapi;
 mod ops;
+mod passthrough;
 mod proxy;
 mod requests;
+mod responses;
 mod stream;
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, any, get, post};
 use subtle::ConstantTimeEq;
 
 use crate::config::Config;
@@ -23,6 +26,7 @@ use crate::hub::Hub;
 use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::DynStore;
+use crate::upstream::Upstreams;
 use crate::worker::WorkerPool;
 use errors::ApiError;
 
@@ -37,6 +41,10 @@ pub(crate) struct AppState {
     pub hub: Arc<Hub>,
     /// This node's workers: admission ([`WorkerPool::admit`]) and cancel.
     pub workers: WorkerPool,
+    /// Provider clients, for the calls that are forwarded without being logged.
+    pub upstreams: Arc<Upstreams>,
+    /// Each backend's model list, fetched briefly ago (`GET /v1/models`).
+    pub models: Arc<passthrough::ModelsCache>,
     /// Proxied calls this node is holding open right now (RS-8 overload limit).
     pub held: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -45,25 +53,68 @@ pub(crate) struct AppState {
 pub(crate) fn router(state: AppState) -> Router {
     let cors = cors(&state.config.cors_allow_origins);
     let mut router = Router::new();
-    for route in Route::ALL {
-        router = router.route(
-            route.client_path(),
-            post(move |state, headers, body| proxy::handle(state, route, headers, body)),
+    for (_, path, handler) in fixed_routes() {
+        router = router.route(path, handler);
+    }
+    for (i, rule) in state.config.passthrough.iter().enumerate() {
+        let (base, prefix) = rule.base();
+        let handler = any(
+            move |State(state): State<AppState>, method, uri, headers, body| {
+                passthrough::configured(state, i, method, uri, headers, body)
+            },
         );
+        router = router.route(base, handler.clone());
+        if prefix {
+            router = router.route(&format!("{base}/{{*rest}}"), handler);
+        }
     }
     router
-        .route("/requests", get(requests::list))
-        .route("/requests/{id}", get(requests::get_one))
-        .route("/requests/{id}/cancel", post(requests::cancel))
-        .route("/healthz", get(ops::healthz))
-        .route("/readyz", get(ops::readyz))
-        .route("/metrics", get(ops::metrics))
-        .route("/openapi.json", get(openapi::serve))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
         .layer(tower::util::option_layer(cors))
         .with_state(state)
+}
+
+/// Every route holdfast serves whatever the configuration says: (method, path in the router's
+/// `{param}` syntax, handler). The router is built from this table and `/openapi.json` is
+/// checked against it (`tests/api/openapi.rs`), so a route cannot be added undocumented.
+fn fixed_routes() -> Vec<(&'static str, &'static str, MethodRouter<AppState>)> {
+    let mut routes: Vec<(&'static str, &'static str, MethodRouter<AppState>)> = Route::ALL
+        .into_iter()
+        .map(|route| {
+            let handler =
+                post(move |state, headers, body| proxy::handle(state, route, headers, body));
+            ("POST", route.client_path(), handler)
+        })
+        .collect();
+    routes.extend([
+        ("GET", "/v1/models", get(passthrough::models)),
+        (
+            "POST",
+            "/v1/messages/count_tokens",
+            post(passthrough::count_tokens),
+        ),
+        ("GET", "/v1/responses/{id}", get(responses::retrieve)),
+        ("POST", "/v1/responses/{id}/cancel", post(responses::cancel)),
+        ("GET", "/requests", get(requests::list)),
+        ("GET", "/requests/{id}", get(requests::get_one)),
+        ("POST", "/requests/{id}/cancel", post(requests::cancel)),
+        ("GET", "/healthz", get(ops::healthz)),
+        ("GET", "/readyz", get(ops::readyz)),
+        ("GET", "/metrics", get(ops::metrics)),
+        ("GET", "/openapi.json", get(openapi::serve)),
+    ]);
+    routes
+}
+
+/// (method, path) of every route of [`fixed_routes`], for the test that checks
+/// `/openapi.json` against the server.
+pub(crate) fn route_list() -> Vec<(&'static str, &'static str)> {
+    fixed_routes()
+        .into_iter()
+        .map(|(method, path, _)| (method, path))
+        .collect()
 }
 
 /// CORS for browser readers (`EventSource` on `/requests/{id}`, fetch on the proxied routes),

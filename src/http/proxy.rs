@@ -297,7 +297,7 @@ const OVERLOAD_RETRY_AFTER_MS: u64 = 500;
 
 /// Reads the body, refusing one over `max_body_bytes` with 413 before reading it when
 /// `Content-Length` says so (IN-1).
-async fn read_body(
+pub(super) async fn read_body(
     config: &Config,
     headers: &HeaderMap,
     body: Body,

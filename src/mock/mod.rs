@@ -223,6 +223,20 @@ impl MockServer {
         self.shared.recorded()
     }
 
+    /// Calls that are not model calls (`GET /v1/models`, `POST /v1/messages/count_tokens`,
+    /// `GET /v1/responses/{id}`), oldest first, with `n = 0`.
+    pub fn other_calls(&self) -> Vec<RecordedCall> {
+        let raw: Vec<RawCall> = self
+            .shared
+            .others
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect();
+        raw.into_iter().map(RawCall::into_recorded).collect()
+    }
+
     /// Replaces the config and restarts the fault windows (call positions count from 1 again).
     pub fn set_config(&self, config: MockConfig) {
         self.shared.set_config(config);
@@ -276,6 +290,9 @@ struct Shared {
     /// Streamed response bodies being sent right now (paced streams only): drops to zero when
     /// the client closes its connection, which is how tests see an upstream call aborted.
     open_streams: Arc<AtomicU64>,
+    /// Calls that are not model calls (models list, token counting, response retrieval), last
+    /// [`RECORDED_MAX`]; not counted in `calls`.
+    others: Mutex<VecDeque<RawCall>>,
 }
 
 impl Shared {
@@ -286,7 +303,16 @@ impl Shared {
             fault_seq: AtomicU64::new(0),
             recorded: Mutex::new(VecDeque::with_capacity(64)),
             open_streams: Arc::default(),
+            others: Mutex::new(VecDeque::new()),
         }
+    }
+
+    fn record_other(&self, call: RawCall) {
+        let mut others = self.others.lock().unwrap_or_else(PoisonError::into_inner);
+        if others.len() >= RECORDED_MAX {
+            others.pop_front();
+        }
+        others.push_back(call);
     }
 
     fn config(&self) -> Arc<MockConfig> {
@@ -506,6 +532,10 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/embeddings", model(Route::Embeddings))
         .route("/v1/responses", model(Route::Responses))
         .route("/v1/messages", model(Route::Messages))
+        .route("/v1/models", get(list_models))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/responses/{id}", get(unknown_response))
+        .route("/v1/responses/{id}/cancel", post(unknown_response))
         .route("/_mock/calls", get(control_calls))
         .route("/_mock/recorded", get(control_recorded))
         .route(
@@ -761,6 +791,74 @@ async fn not_found(method: Method, uri: Uri) -> Response {
     let msg = format!("mock: no route for {method} {}", uri.path());
     let body = openai::error_body(404, &msg);
     (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+}
+
+/// The models the mock lists, in both providers' shapes.
+const MOCK_MODELS: [&str; 3] = ["mock-small", "mock-large", "gpt-4o-mini"];
+
+/// `GET /v1/models`: Anthropic's list shape when `anthropic-version` is sent, else OpenAI's.
+/// Recorded with the other calls that are not model calls; not counted.
+async fn list_models(State(shared): State<Arc<Shared>>, uri: Uri, headers: HeaderMap) -> Response {
+    shared.record_other(RawCall::new(0, &uri, &headers, b""));
+    if headers.contains_key("anthropic-version") {
+        let data: Vec<Value> = MOCK_MODELS
+            .iter()
+            .map(|id| {
+                json!({"type": "model", "id": format!("claude-{id}"), "display_name": id,
+                       "created_at": "2025-01-01T00:00:00Z"})
+            })
+            .collect();
+        let (first, last) = (data[0]["id"].clone(), data[data.len() - 1]["id"].clone());
+        return axum::Json(
+            json!({"data": data, "has_more": false, "first_id": first, "last_id": last}),
+        )
+        .into_response();
+    }
+    let data: Vec<Value> = MOCK_MODELS
+        .iter()
+        .map(
+            |id| json!({"id": id, "object": "model", "created": 1_700_000_000, "owned_by": "mock"}),
+        )
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, N from the body as the mock counts
+/// prompt tokens. Recorded with the other calls; not counted.
+async fn count_tokens(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    shared.record_other(RawCall::new(0, &uri, &headers, &body));
+    match serde_json::from_slice::<Value>(&body) {
+        Ok(value) => {
+            axum::Json(json!({"input_tokens": text::seed_of(&value).prompt_tokens})).into_response()
+        }
+        Err(e) => error_response(
+            Provider::Anthropic,
+            StatusCode::BAD_REQUEST,
+            &format!("mock: body is not JSON: {e}"),
+            0,
+        ),
+    }
+}
+
+/// `GET /v1/responses/{id}` and its `/cancel`: the mock stores no responses, so 404 in OpenAI's
+/// shape, as OpenAI answers for an id it does not hold. Recorded with the other calls.
+async fn unknown_response(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    shared.record_other(RawCall::new(0, &uri, &headers, b""));
+    let message = format!("mock: no response found at {}", uri.path());
+    (
+        StatusCode::NOT_FOUND,
+        axum::Json(openai::error_body(404, &message)),
+    )
+        .into_response()
 }
 
 /// Known path, wrong method: 405 in OpenAI's shape; not counted as a call.

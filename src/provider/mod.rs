@@ -130,6 +130,25 @@ impl Provider {
     }
 }
 
+/// The parts of a stream event the provider rules read, borrowed from its data (parsed once by
+/// the worker).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct EventParts<'a> {
+    /// The event's type: its `event:` name, else its data's `type` member.
+    pub kind: Option<&'a str>,
+    /// The data's `response` member, unparsed (Responses lifecycle events).
+    pub response: Option<&'a serde_json::value::RawValue>,
+}
+
+/// The parts of a non-stream answer the provider rules read, borrowed from its body.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct BodyParts<'a> {
+    /// The top-level `id`.
+    pub id: Option<&'a str>,
+    /// The top-level `object`.
+    pub object: Option<&'a str>,
+}
+
 impl Route {
     /// Every route, in documentation order.
     pub const ALL: [Route; 5] = [
@@ -194,6 +213,32 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::stream_end_name(self),
             Provider::Anthropic => anthropic::STREAM_END,
+        }
+    }
+
+    /// Whether this route's answers carry a provider id that the provider's own API retrieves
+    /// them by (the Responses API's `resp_...`), which holdfast records to serve that retrieval
+    /// from the log.
+    pub(crate) fn keeps_answer_ids(self) -> bool {
+        match self.provider() {
+            Provider::Openai => openai::keeps_answer_ids(self),
+            Provider::Anthropic => false,
+        }
+    }
+
+    /// The provider's id of the answer a stream event announces, if it announces one.
+    pub(crate) fn answer_id_of_event(self, event: &EventParts<'_>) -> Option<String> {
+        match self.provider() {
+            Provider::Openai => openai::answer_id_of_event(self, event),
+            Provider::Anthropic => None,
+        }
+    }
+
+    /// The provider's id of a non-stream answer, if it has one.
+    pub(crate) fn answer_id_of_body(self, body: &BodyParts<'_>) -> Option<String> {
+        match self.provider() {
+            Provider::Openai => openai::answer_id_of_body(self, body),
+            Provider::Anthropic => None,
         }
     }
 

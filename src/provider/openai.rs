@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use super::Route;
+use super::{BodyParts, EventParts, Route};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] =
@@ -72,4 +72,31 @@ pub(super) fn result_members(route: Route) -> &'static [&'static str] {
         Route::OpenaiResponses => &["output"],
         _ => &["choices"],
     }
+}
+
+/// The Responses API's answers have ids its API retrieves them by (`GET /v1/responses/{id}`).
+pub(super) fn keeps_answer_ids(route: Route) -> bool {
+    route == Route::OpenaiResponses
+}
+
+/// A Responses lifecycle event (`response.created`, `response.queued`, ...) carries the
+/// response object, whose `id` is the answer's.
+pub(super) fn answer_id_of_event(route: Route, event: &EventParts<'_>) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Response<'a> {
+        #[serde(borrow)]
+        id: Option<std::borrow::Cow<'a, str>>,
+    }
+    if route != Route::OpenaiResponses || !event.kind.is_some_and(|k| k.starts_with("response.")) {
+        return None;
+    }
+    let response: Response<'_> = serde_json::from_str(event.response?.get()).ok()?;
+    response.id.map(std::borrow::Cow::into_owned)
+}
+
+/// A Responses body is the response object: `{"object": "response", "id": ...}`.
+pub(super) fn answer_id_of_body(route: Route, body: &BodyParts<'_>) -> Option<String> {
+    (route == Route::OpenaiResponses && body.object == Some("response"))
+        .then(|| body.id.map(str::to_owned))
+        .flatten()
 }

@@ -326,6 +326,9 @@ pub struct ChunkBatch {
     pub chunks: Vec<NewChunk>,
     /// The provider's request id, recorded with the first batch of an attempt (RS-5).
     pub upstream_request_id: Option<String>,
+    /// The provider's own id of this answer (a Responses `resp_...`), recorded with the batch
+    /// that carried it, so the provider's retrieval protocol can be served from the log.
+    pub response_id: Option<String>,
 }
 
 /// The right to run one attempt (LC-2). Every write for the attempt names it (LC-3).
@@ -359,6 +362,8 @@ pub enum Outcome {
         body: Vec<u8>,
         /// Provider request id header.
         upstream_request_id: Option<String>,
+        /// The provider's own id of a non-stream answer (a Responses `resp_...`), if any.
+        response_id: Option<String>,
     },
     /// Transient failure with attempts left: back to pending until `next_retry_at` (LC-5).
     Retry {
@@ -376,6 +381,17 @@ pub enum Outcome {
         /// Provider request id header.
         upstream_request_id: Option<String>,
     },
+}
+
+/// Where a provider's answer id was recorded ([`Store::find_response`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseRef {
+    /// The request it answered.
+    pub request_id: Uuid,
+    /// That request's namespace.
+    pub namespace: String,
+    /// The attempt that produced it.
+    pub attempt: u32,
 }
 
 /// What a sweep did (LC-4).
@@ -649,6 +665,13 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] when the database fails.
     async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError>;
+
+    /// Which request, namespace and attempt a provider's answer id belongs to, in any
+    /// namespace (the caller checks it); `None` for an id holdfast never recorded.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn find_response(&self, response_id: &str) -> Result<Option<ResponseRef>, StoreError>;
 
     /// Number of requests per status (for queue-depth metrics).
     ///

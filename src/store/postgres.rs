@@ -69,7 +69,7 @@ use super::row::RawRecord;
 use super::rules::{self, Expired, Settle};
 use super::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, Millis, NewRequest, Notification,
-    Outcome, RequestRecord, Status, Store, StoreError, Submitted, Swept,
+    Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
 };
 
 /// Connections per process unless [`PostgresStore::open_with`] says otherwise.
@@ -366,6 +366,27 @@ async fn settle_in(
     Ok(())
 }
 
+/// Records that `response_id` is the provider's id of attempt `attempt` of request `id`. An id
+/// already recorded keeps its first owner (providers do not reuse ids).
+async fn insert_response_id(
+    tx: &mut Transaction<'_, Postgres>,
+    response_id: &str,
+    id: Uuid,
+    attempt: u32,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT $1, namespace, id, $3 FROM requests WHERE id = $2
+         ON CONFLICT (response_id) DO NOTHING",
+    )
+    .bind(text(response_id))
+    .bind(id)
+    .bind(attempt_number(attempt)?)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// `claim_kind` of request `id` as stored.
 fn claim_of(id: Uuid, s: &str) -> Result<ClaimKind, StoreError> {
     ClaimKind::parse(s).ok_or_else(|| StoreError::corrupt(Some(id), format!("claim_kind {s:?}")))
@@ -643,6 +664,7 @@ impl Store for PostgresStore {
                 status,
                 body,
                 upstream_request_id,
+                ..
             } => {
                 sqlx::query(concat!(
                     "UPDATE requests SET status = 'succeeded', response_status = $1,
@@ -717,6 +739,13 @@ impl Store for PostgresStore {
             return Ok(None);
         };
         let record = record_from_row(&row)?;
+        if let Outcome::Succeeded {
+            response_id: Some(response_id),
+            ..
+        } = outcome
+        {
+            insert_response_id(&mut tx, response_id, id, lease.attempt).await?;
+        }
         if record.status.is_terminal() {
             let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
             // The end chunk's seq was reserved by the UPDATE above.
@@ -824,6 +853,10 @@ impl Store for PostgresStore {
             .fetch_optional(&mut *tx)
             .await?;
             let Some(last) = last else { continue };
+            if let Some(response_id) = &batch.response_id {
+                insert_response_id(&mut tx, response_id, batch.lease.id, batch.lease.attempt)
+                    .await?;
+            }
             let first = last - n + 1;
             let events: Vec<Option<String>> = batch
                 .chunks
@@ -1004,6 +1037,10 @@ impl Store for PostgresStore {
             .bind(&ids)
             .execute(&mut *tx)
             .await?;
+        sqlx::query("DELETE FROM response_ids WHERE request_id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query("DELETE FROM claims WHERE request_id = ANY($1)")
             .bind(&ids)
             .execute(&mut *tx)
@@ -1015,6 +1052,26 @@ impl Store for PostgresStore {
             .rows_affected();
         tx.commit().await?;
         Ok(deleted)
+    }
+
+    async fn find_response(&self, response_id: &str) -> Result<Option<ResponseRef>, StoreError> {
+        let found: Option<(Uuid, String, i32)> = sqlx::query_as(
+            "SELECT request_id, namespace, attempt FROM response_ids WHERE response_id = $1",
+        )
+        .bind(response_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        found
+            .map(|(request_id, namespace, attempt)| {
+                Ok(ResponseRef {
+                    request_id,
+                    namespace,
+                    attempt: u32::try_from(attempt).map_err(|_| {
+                        StoreError::corrupt(Some(request_id), format!("attempt {attempt}"))
+                    })?,
+                })
+            })
+            .transpose()
     }
 
     async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {

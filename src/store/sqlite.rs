@@ -42,7 +42,7 @@ use super::row::{RawRecord, col};
 use super::rules::{self, Expired, Settle};
 use super::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, Millis, NewRequest, Outcome,
-    RequestRecord, Status, Store, StoreError, Submitted, Swept,
+    RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
 };
 use crate::config::SqliteSynchronous;
 
@@ -60,6 +60,10 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../migrations/sqlite/0001_requests.sql")),
     (2, include_str!("../../migrations/sqlite/0002_chunks.sql")),
+    (
+        3,
+        include_str!("../../migrations/sqlite/0003_response_ids.sql"),
+    ),
 ];
 
 /// The embedded store. Cloning is cheap; the writer and checkpoint threads stop when the last
@@ -722,6 +726,7 @@ fn finish_in(
             status,
             body,
             upstream_request_id,
+            ..
         } => returning(
             concat!(
                 "UPDATE requests SET status = 'succeeded', response_status = ?1,
@@ -794,6 +799,13 @@ fn finish_in(
     let Some(record) = record else {
         return Ok(None);
     };
+    if let Outcome::Succeeded {
+        response_id: Some(response_id),
+        ..
+    } = outcome
+    {
+        insert_response_id(conn, response_id, &id, lease.attempt)?;
+    }
     if record.status.is_terminal() {
         let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
         // The end chunk's seq was reserved by the UPDATE above.
@@ -907,9 +919,29 @@ fn append_in(
                 data: c.data.clone(),
             });
         }
+        if let Some(response_id) = &batch.response_id {
+            insert_response_id(conn, response_id, &id, batch.lease.attempt)?;
+        }
         results.push(Some(stored));
     }
     Ok(results)
+}
+
+/// Records that `response_id` is the provider's id of attempt `attempt` of request `id`. An id
+/// already recorded keeps its first owner (providers do not reuse ids).
+fn insert_response_id(
+    conn: &Connection,
+    response_id: &str,
+    id: &str,
+    attempt: u32,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT ?1, namespace, id, ?3 FROM requests WHERE id = ?2
+         ON CONFLICT (response_id) DO NOTHING",
+    )?
+    .execute(params![response_id, id, i64::from(attempt)])?;
+    Ok(())
 }
 
 /// [`Store::cancel`] inside the writer's transaction.
@@ -980,6 +1012,7 @@ fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreE
         for sql in [
             "DELETE FROM chunks WHERE request_id = ?1",
             "DELETE FROM claims WHERE request_id = ?1",
+            "DELETE FROM response_ids WHERE request_id = ?1",
             "DELETE FROM requests WHERE id = ?1",
         ] {
             conn.prepare_cached(sql)?.execute(params![id])?;
@@ -1213,6 +1246,28 @@ impl Store for SqliteStore {
         self.write(move |conn| prune_in(conn, before, limit)).await
     }
 
+    async fn find_response(&self, response_id: &str) -> Result<Option<ResponseRef>, StoreError> {
+        let response_id = response_id.to_string();
+        self.read(move |conn| {
+            let found: Option<(String, String, i64)> = conn
+                .prepare_cached(
+                    "SELECT request_id, namespace, attempt FROM response_ids WHERE response_id = ?1",
+                )?
+                .query_row(params![response_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .optional()?;
+            found
+                .map(|(id, namespace, attempt)| {
+                    Ok(ResponseRef {
+                        request_id: parse_id(&id)?,
+                        namespace,
+                        attempt: u32::try_from(attempt).map_err(corrupt)?,
+                    })
+                })
+                .transpose()
+        })
+        .await
+    }
+
     async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {
         self.read(|conn| {
             let rows: Vec<(String, i64)> = conn
@@ -1364,16 +1419,19 @@ mod tests {
                 lease: first[0].0.clone(),
                 chunks: vec![chunk("a1"), chunk("a2")],
                 upstream_request_id: Some("req-a".into()),
+                response_id: None,
             },
             ChunkBatch {
                 lease: stale,
                 chunks: vec![chunk("x")],
                 upstream_request_id: None,
+                response_id: None,
             },
             ChunkBatch {
                 lease: rest[0].0.clone(),
                 chunks: vec![chunk("c1")],
                 upstream_request_id: None,
+                response_id: None,
             },
         ];
         let stored = store.append_chunks(&batches).await.expect("append");

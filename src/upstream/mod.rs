@@ -187,6 +187,60 @@ impl Upstreams {
         }
     }
 
+    /// Forwards a call that is not logged (models, token counting, configured pass-through
+    /// paths, retrieval of answers holdfast does not hold) to `backend`: `path_and_query` is
+    /// appended to its `base_url` (so it starts after the version prefix, e.g. `/models`),
+    /// `headers` are the client's allowed ones; the backend's key and default headers are
+    /// added, the client's credentials never reach the provider. Waits for the response
+    /// headers at most `header_timeout_ms`.
+    ///
+    /// # Errors
+    /// [`CallError`] when the backend is unknown or no response headers arrived.
+    pub(crate) async fn forward(
+        &self,
+        backend: &str,
+        method: reqwest::Method,
+        path_and_query: &str,
+        mut headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<reqwest::Response, CallError> {
+        let Target {
+            backend: config,
+            key,
+            ..
+        } = self
+            .backends
+            .get(backend)
+            .ok_or_else(|| CallError::UnknownBackend(backend.to_string()))?;
+        let url = format!("{}{path_and_query}", config.base_url.trim_end_matches('/'));
+        let url =
+            reqwest::Url::parse(&url).map_err(|e| CallError::Connect(format!("{url}: {e}")))?;
+        for name in ["authorization", "x-api-key", "cookie", "host"] {
+            headers.remove(name);
+        }
+        if let Some((name, value)) = key {
+            headers.insert(name.clone(), value.clone());
+        }
+        for (name, value) in config.kind.default_headers() {
+            if !headers.contains_key(*name) {
+                headers.insert(*name, HeaderValue::from_static(value));
+            }
+        }
+        let send = self
+            .client
+            .request(method, url)
+            .headers(headers)
+            .body(body)
+            .send();
+        match tokio::time::timeout(self.header_timeout, send).await {
+            Err(_) => Err(CallError::HeaderTimeout(
+                self.header_timeout.as_millis() as u64
+            )),
+            Ok(Err(e)) => Err(CallError::Connect(error_chain(&e))),
+            Ok(Ok(response)) => Ok(response),
+        }
+    }
+
     /// Reads the next piece of a response body, waiting at most `idle_timeout_ms`. `None` at
     /// the end of the body.
     ///

@@ -12,12 +12,13 @@ use super::chunks::AppendError;
 use super::{FINISH_TRIES, WorkerPool, retry};
 use crate::hub::HubEvent;
 use crate::metrics as m;
-use crate::provider::Route;
+use crate::provider::{BodyParts, EventParts, Route};
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{
     ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
 };
 use crate::upstream::{Call, CallError};
+use serde_json::value::RawValue;
 
 /// How a streamed attempt ended, before it becomes an [`Outcome`].
 enum StreamEnd {
@@ -186,9 +187,15 @@ impl WorkerPool {
             Err(e) => return self.transient(lease, Some(status), e.to_string(), hint),
         };
         if (200..300).contains(&status) {
-            if let Err(why) = check_answer(route, &body) {
+            return match check_answer(route, &body) {
+                Ok(response_id) => Outcome::Succeeded {
+                    status,
+                    body,
+                    upstream_request_id: request_id,
+                    response_id,
+                },
                 // Kept on the record so the operator sees what came back; never replayed.
-                return Outcome::Failed {
+                Err(why) => Outcome::Failed {
                     error: ErrorInfo {
                         kind: ErrorType::UpstreamInvalid,
                         message: format!("the provider answered {status} with {why}"),
@@ -196,12 +203,7 @@ impl WorkerPool {
                     },
                     response: Some((status, body)),
                     upstream_request_id: request_id,
-                };
-            }
-            return Outcome::Succeeded {
-                status,
-                body,
-                upstream_request_id: request_id,
+                },
             };
         }
         if retry::is_transient_status(status) {
@@ -289,6 +291,8 @@ impl WorkerPool {
         // The body as received while no event has been seen, kept (capped) for the record if
         // none ever arrives.
         let mut unseen = Vec::new();
+        // The answer's provider id is recorded once, with the batch that announced it.
+        let mut answer_id_seen = !route.keeps_answer_ids();
         loop {
             let piece = match self.upstreams.next_piece(&mut response).await {
                 Ok(piece) => piece,
@@ -329,6 +333,7 @@ impl WorkerPool {
             let mut chunks = Vec::with_capacity(events.len());
             let mut provider_error = None;
             let mut ended = false;
+            let mut response_id = None;
             for event in events {
                 match inspect_event(route, &event) {
                     Ok(seen) => {
@@ -336,6 +341,10 @@ impl WorkerPool {
                             provider_error = Some(event.data.clone());
                         }
                         ended |= seen.ends_stream;
+                        if !answer_id_seen && seen.answer_id.is_some() {
+                            answer_id_seen = true;
+                            response_id = seen.answer_id;
+                        }
                     }
                     Err(why) => {
                         let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
@@ -358,6 +367,7 @@ impl WorkerPool {
                 lease: lease.clone(),
                 chunks,
                 upstream_request_id: request_id_to_store.take(),
+                response_id,
             };
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
@@ -388,6 +398,7 @@ impl WorkerPool {
                     status,
                     body: Vec::new(),
                     upstream_request_id: request_id,
+                    response_id: None,
                 });
             }
         }
@@ -494,12 +505,15 @@ pub(super) fn log_finished(record: &RequestRecord) {
 }
 
 /// What [`inspect_event`] found in one provider event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 struct Seen {
     /// The event reports an error (LC-7).
     error: bool,
     /// The event completes the route's stream ([`Route::ends_stream`]).
     ends_stream: bool,
+    /// The provider's id of the answer, when the event announces it
+    /// ([`Route::answer_id_of_event`]).
+    answer_id: Option<String>,
 }
 
 /// Checks a provider event before it is stored: its data must be JSON or `[DONE]` (otherwise
@@ -510,12 +524,14 @@ struct Seen {
 /// so nothing is allocated for the rest, which is still fully validated) and `type`. Only what
 /// that cannot read (a duplicated key) takes the slower path through `serde_json::Value`.
 fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
-    #[derive(serde::Deserialize)]
+    #[derive(serde::Deserialize, Default)]
     struct Probe<'a> {
         #[serde(borrow)]
-        error: Option<&'a serde_json::value::RawValue>,
+        error: Option<&'a RawValue>,
         #[serde(borrow, rename = "type")]
         kind: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        response: Option<&'a RawValue>,
     }
     let provider = route.provider();
     let name = event.event.as_deref();
@@ -523,21 +539,27 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         return Ok(Seen {
             error: provider.is_error_event(name, None, false),
             ends_stream: route.ends_stream(&event.data, name),
+            answer_id: None,
         });
     }
-    let (error, kind) = match serde_json::from_str::<Probe<'_>>(&event.data) {
-        Ok(probe) if event.data.starts_with('{') => (
-            probe.error.is_some_and(|e| e.get() != "null"),
-            probe.kind.map(std::borrow::Cow::into_owned),
-        ),
+    // The slower path owns what it read; the fast one borrows from the data.
+    let fallback: Option<(bool, Option<String>)>;
+    let probe = match serde_json::from_str::<Probe<'_>>(&event.data) {
+        Ok(probe) if event.data.starts_with('{') => {
+            fallback = None;
+            probe
+        }
         _ => match serde_json::from_str::<serde_json::Value>(&event.data) {
-            Ok(value) => (
-                value.get("error").is_some_and(|e| !e.is_null()),
-                value
-                    .get("type")
-                    .and_then(|t| t.as_str())
-                    .map(str::to_owned),
-            ),
+            Ok(value) => {
+                fallback = Some((
+                    value.get("error").is_some_and(|e| !e.is_null()),
+                    value
+                        .get("type")
+                        .and_then(|t| t.as_str())
+                        .map(str::to_owned),
+                ));
+                Probe::default()
+            }
             Err(_) => {
                 return Err(format!(
                     "the provider sent an event whose data is not JSON: {}",
@@ -546,10 +568,21 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
             }
         },
     };
-    let kind = name.or(kind.as_deref());
+    let (error, kind) = match &fallback {
+        Some((error, kind)) => (*error, kind.as_deref()),
+        None => (
+            probe.error.is_some_and(|e| e.get() != "null"),
+            probe.kind.as_deref(),
+        ),
+    };
+    let parts = EventParts {
+        kind: name.or(kind),
+        response: probe.response,
+    };
     Ok(Seen {
-        error: provider.is_error_event(name, kind, error),
-        ends_stream: route.ends_stream(&event.data, kind),
+        error: provider.is_error_event(name, parts.kind, error),
+        ends_stream: route.ends_stream(&event.data, parts.kind),
+        answer_id: route.answer_id_of_event(&parts),
     })
 }
 
@@ -572,31 +605,43 @@ fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
 
 /// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error object
 /// (a non-null top-level `error` with none of the route's [`Route::result_members`]). `Err`
-/// says what it is instead.
-fn check_answer(route: Route, body: &[u8]) -> Result<(), &'static str> {
+/// says what it is instead; `Ok` carries the provider's id of the answer, if it has one.
+fn check_answer(route: Route, body: &[u8]) -> Result<Option<String>, &'static str> {
     #[derive(serde::Deserialize)]
     struct Probe<'a> {
         #[serde(borrow)]
-        error: Option<&'a serde_json::value::RawValue>,
+        error: Option<&'a RawValue>,
         choices: Option<serde::de::IgnoredAny>,
         data: Option<serde::de::IgnoredAny>,
         output: Option<serde::de::IgnoredAny>,
         content: Option<serde::de::IgnoredAny>,
+        #[serde(borrow)]
+        id: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        object: Option<std::borrow::Cow<'a, str>>,
     }
     let has = |member: &str| route.result_members().contains(&member);
-    let (error, answered) = match serde_json::from_slice::<Probe<'_>>(body) {
+    let (error, answered, answer_id) = match serde_json::from_slice::<Probe<'_>>(body) {
         Ok(p) if body.trim_ascii_start().starts_with(b"{") => (
             p.error.is_some_and(|e| e.get() != "null"),
             (p.choices.is_some() && has("choices"))
                 || (p.data.is_some() && has("data"))
                 || (p.output.is_some() && has("output"))
                 || (p.content.is_some() && has("content")),
+            route.answer_id_of_body(&BodyParts {
+                id: p.id.as_deref(),
+                object: p.object.as_deref(),
+            }),
         ),
         // A duplicated key (serde_json::Value keeps the last), or not an object at all.
         _ => match serde_json::from_slice::<serde_json::Value>(body) {
             Ok(serde_json::Value::Object(map)) => (
                 map.get("error").is_some_and(|e| !e.is_null()),
                 map.keys().any(|k| has(k)),
+                route.answer_id_of_body(&BodyParts {
+                    id: map.get("id").and_then(|v| v.as_str()),
+                    object: map.get("object").and_then(|v| v.as_str()),
+                }),
             ),
             Ok(_) => return Err("JSON that is not an object"),
             Err(_) => return Err("a body that is not JSON"),
@@ -605,7 +650,7 @@ fn check_answer(route: Route, body: &[u8]) -> Result<(), &'static str> {
     if error && !answered {
         return Err("an error object instead of an answer");
     }
-    Ok(())
+    Ok(answer_id)
 }
 
 /// The first 200 characters of a provider body, for messages.
@@ -705,16 +750,20 @@ mod tests {
         let chat = Route::OpenaiChat;
         assert_eq!(
             check_answer(chat, br#"{"choices":[],"error":null}"#),
-            Ok(())
+            Ok(None)
         );
-        assert_eq!(check_answer(chat, br#"{"id":"x"}"#), Ok(()));
+        assert_eq!(check_answer(chat, br#"{"id":"x"}"#), Ok(None));
         assert!(check_answer(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
         assert!(check_answer(chat, br#" [1,2]"#).is_err());
         assert!(check_answer(chat, br#""text""#).is_err());
         assert!(check_answer(chat, b"not json").is_err());
         // An answer with both is the provider's answer (a failed Responses object has both).
-        let failed = br#"{"object":"response","status":"failed","output":[],"error":{"code":"server_error"}}"#;
-        assert_eq!(check_answer(Route::OpenaiResponses, failed), Ok(()));
+        let failed = br#"{"object":"response","id":"resp_1","status":"failed","output":[],"error":{"code":"server_error"}}"#;
+        assert_eq!(
+            check_answer(Route::OpenaiResponses, failed),
+            Ok(Some("resp_1".into())),
+            "and its id is kept"
+        );
         let refused = br#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#;
         assert!(check_answer(Route::AnthropicMessages, refused).is_err());
         assert_eq!(
@@ -722,7 +771,7 @@ mod tests {
                 Route::AnthropicMessages,
                 br#"{"type":"message","content":[]}"#
             ),
-            Ok(())
+            Ok(None)
         );
         assert!(
             check_answer(
@@ -733,7 +782,10 @@ mod tests {
         );
         // A duplicated key takes the slower path and the same rule.
         assert!(check_answer(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
-        assert_eq!(check_answer(chat, br#"{"choices":1,"choices":[]}"#), Ok(()));
+        assert_eq!(
+            check_answer(chat, br#"{"choices":1,"choices":[]}"#),
+            Ok(None)
+        );
     }
 
     #[test]

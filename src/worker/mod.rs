@@ -85,7 +85,7 @@ impl WorkerPool {
     pub(crate) fn new(
         store: DynStore,
         hub: Arc<Hub>,
-        upstreams: Upstreams,
+        upstreams: Arc<Upstreams>,
         config: Arc<Config>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
@@ -97,7 +97,7 @@ impl WorkerPool {
             chunks,
             store,
             hub,
-            upstreams: Arc::new(upstreams),
+            upstreams,
             config,
             wake: Arc::new(Notify::new()),
             node: node.into(),

@@ -140,7 +140,7 @@ fn documented_config_keys(doc: &str) -> BTreeSet<String> {
 
 /// The keys the code accepts, from the config struct itself.
 fn config_keys() -> BTreeSet<String> {
-    use holdfast::config::{Backend, Config, ModelRewrite, Namespace};
+    use holdfast::config::{Backend, Config, ModelRewrite, Namespace, Passthrough};
     let config = Config {
         backends: vec![Backend {
             name: "b".into(),
@@ -156,6 +156,10 @@ fn config_keys() -> BTreeSet<String> {
         namespaces: vec![Namespace {
             name: "n".into(),
             api_keys: vec!["k".into()],
+        }],
+        passthrough: vec![Passthrough {
+            path: "/v1/moderations".into(),
+            backend: "b".into(),
         }],
         ..Config::default()
     };

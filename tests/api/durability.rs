@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use holdfast::mock::MockConfig;
+use serde_json::Value;
 
 use crate::helpers::*;
 
@@ -245,6 +246,102 @@ async fn sigterm_with_a_short_grace_hands_the_request_back_without_a_recovery_du
         events[0].event.as_deref(),
         Some("reset"),
         "the new attempt follows a reset"
+    );
+    drop(second);
+    mock.shutdown().await;
+}
+
+/// LC-8 with OpenAI's retrieval protocol (decision 25): after a SIGKILL mid-stream the request
+/// re-runs as a new attempt with a new provider id. Retrieving the old id answers the request's
+/// current response object (the new id, completed); streaming the old id from a position inside
+/// the abandoned attempt gives that attempt's remaining stored events, then an error event in
+/// OpenAI's shape, never a splice of two attempts (RS-4, RD-6).
+#[tokio::test]
+async fn a_response_id_of_an_abandoned_attempt_points_to_the_request_and_never_splices_lc8_rd6() {
+    let mock = start_mock(MockConfig {
+        chunks: 30,
+        chunk_delay_ms: 60,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = config_toml(dir.path(), &mock.base_url());
+    let addr = free_addr();
+    let mut first = Process::serve(dir.path(), &toml, addr).await;
+    let http = reqwest::Client::new();
+    let body = r#"{"model":"gpt-4o-mini","input":"survive as a response","stream":true}"#;
+    let mut response = http
+        .post(format!("{}/v1/responses", first.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let id = header(&response, "holdfast-request-id");
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut events = Vec::new();
+    while events.len() < 8 {
+        events.extend(
+            parser
+                .push(&response.chunk().await.unwrap().unwrap())
+                .unwrap(),
+        );
+    }
+    let old: Value = serde_json::from_str(&events[0].data).unwrap();
+    let old_id = old["response"]["id"].as_str().unwrap().to_string();
+    first.kill9();
+    drop(response);
+
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["recoveries"], 1, "{record}");
+
+    let object: Value = http
+        .get(format!("{}/v1/responses/{old_id}", second.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_ne!(
+        object["id"],
+        old_id.as_str(),
+        "the current attempt's response: {object}"
+    );
+    assert_eq!(object["status"], "completed", "{object}");
+
+    let r = http
+        .get(format!(
+            "{}/v1/responses/{old_id}?stream=true&starting_after=3",
+            second.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    let (_, replay) = read_events(r).await;
+    let last: Value = serde_json::from_str(&replay.last().unwrap().data).unwrap();
+    assert_eq!(last["error"]["code"], "attempt_abandoned", "{replay:?}");
+    let numbers: Vec<i64> = replay[..replay.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(&e.data).unwrap();
+            v["sequence_number"].as_i64().unwrap()
+        })
+        .collect();
+    assert!(
+        !numbers.is_empty(),
+        "the abandoned attempt's stored events after 3"
+    );
+    assert_eq!(numbers[0], 4);
+    assert_eq!(numbers, (4..4 + numbers.len() as i64).collect::<Vec<_>>());
+    assert!(
+        replay[..replay.len() - 1].iter().all(|e| {
+            let v: Value = serde_json::from_str(&e.data).unwrap();
+            v["response"]["id"].as_str().is_none_or(|r| r == old_id)
+        }),
+        "only the abandoned attempt's events"
     );
     drop(second);
     mock.shutdown().await;

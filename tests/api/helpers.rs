@@ -399,7 +399,13 @@ pub fn python_command(script: &str) -> Command {
 /// Runs `python tests/clients/SCRIPT` with `env`, returning its stdout; panics with its stderr
 /// when it fails.
 pub fn run_python(script: &str, env: &[(&str, &str)]) -> String {
+    run_python_args(script, &[], env)
+}
+
+/// [`run_python`] with command-line arguments after the script.
+pub fn run_python_args(script: &str, args: &[&str], env: &[(&str, &str)]) -> String {
     let mut cmd = python_command(script);
+    cmd.args(args.iter().filter(|a| !a.is_empty()));
     for (k, v) in env {
         cmd.env(k, v);
     }

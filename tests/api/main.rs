@@ -17,6 +17,7 @@ mod node;
 mod openapi;
 mod ops;
 mod proxy;
+mod sdk_surface;
 mod sqlite_writer;
 mod startup;
 mod store_conformance;

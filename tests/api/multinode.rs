@@ -547,6 +547,7 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
                 data: "{}".into(),
             }],
             upstream_request_id: None,
+            response_id: None,
         })
         .collect();
     // Drop what the submissions reported so far, then append.
@@ -578,6 +579,7 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
                 status: 200,
                 body: Vec::new(),
                 upstream_request_id: None,
+                response_id: None,
             },
             now_ms(),
         )

@@ -756,3 +756,105 @@ async fn eventsource_dropped_mid_event_resumes_from_last_event_id_without_gap_or
     assert_eq!(app.mock.calls(), 1);
     app.stop().await;
 }
+
+/// Issue 14 with openai-node: `models.list()` lists the backends' models and nothing is
+/// recorded; a Responses stream dropped after `sequence_number` 10 resumes from the log with
+/// `responses.retrieve(id, {stream, starting_after: 10})` and with the `responses.stream`
+/// helper — the remaining events, consecutive numbers, the uninterrupted text, one upstream call.
+#[tokio::test]
+async fn openai_node_lists_models_and_resumes_a_responses_stream_from_the_log_rd3() {
+    require_node("openai");
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let out = run_node(
+        "responses_resume.mjs",
+        &["models"],
+        &[("HOLDFAST_URL", &app.base)],
+    )
+    .await;
+    assert_eq!(
+        out["ids"],
+        serde_json::json!(["mock-small", "mock-large", "gpt-4o-mini"])
+    );
+    assert_eq!(app.mock.calls(), 0);
+    app.stop().await;
+    for mode in ["retrieve", "helper"] {
+        let app = spawn_app(
+            MockConfig {
+                chunks: 30,
+                chunk_delay_ms: 60,
+                ..MockConfig::default()
+            },
+            |_| {},
+        )
+        .await;
+        let out = run_node(
+            "responses_resume.mjs",
+            &[mode],
+            &[("HOLDFAST_URL", &app.base)],
+        )
+        .await;
+        let before = out["before"].as_array().unwrap();
+        let after = out["after"].as_array().unwrap();
+        let seqs: Vec<i64> = before
+            .iter()
+            .chain(after)
+            .map(|e| e["sequence_number"].as_i64().unwrap())
+            .collect();
+        assert_eq!(
+            seqs,
+            (0..seqs.len() as i64).collect::<Vec<_>>(),
+            "{mode}: {out}"
+        );
+        assert_eq!(
+            after.first().unwrap()["sequence_number"],
+            11,
+            "{mode}: {out}"
+        );
+        assert_eq!(
+            after.last().unwrap()["type"],
+            "response.completed",
+            "{mode}: {out}"
+        );
+        let text: String = before
+            .iter()
+            .chain(after)
+            .filter_map(|e| e["delta"].as_str())
+            .collect();
+        assert_eq!(text, out["final_text"].as_str().unwrap(), "{mode}: {out}");
+        assert_eq!(app.mock.calls(), 1, "{mode}: one upstream call");
+        app.stop().await;
+    }
+}
+
+/// The Vercel AI SDK's `streamText` (default provider call: the Responses API) aborted by its
+/// timeout against a slower provider, then called again as an application retries: the retry
+/// attaches to the first execution and gets its text; one upstream call.
+#[tokio::test]
+async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_call() {
+    require_node("ai");
+    require_node("@ai-sdk/openai");
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 2_000,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = run_node(
+        "responses_resume.mjs",
+        &["aisdk"],
+        &[("HOLDFAST_URL", &app.base)],
+    )
+    .await;
+    assert_eq!(out["first"]["text"], "", "the first call timed out: {out}");
+    assert!(
+        out["second"]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply"),
+        "{out}"
+    );
+    assert_eq!(app.mock.calls(), 1, "one upstream call: {out}");
+    app.stop().await;
+}

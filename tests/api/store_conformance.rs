@@ -324,6 +324,7 @@ async fn append(store: &DynStore, lease: &Lease, chunks: Vec<NewChunk>) -> Optio
         lease: lease.clone(),
         chunks,
         upstream_request_id: None,
+        response_id: None,
     };
     let mut out = store.append_chunks(&[batch]).await.expect("append_chunks");
     assert_eq!(out.len(), 1);
@@ -335,6 +336,7 @@ fn succeeded() -> Outcome {
         status: 200,
         body: br#"{"id":"chatcmpl-1","choices":[]}"#.to_vec(),
         upstream_request_id: Some("req_up_1".into()),
+        response_id: None,
     }
 }
 
@@ -1086,11 +1088,13 @@ async fn append_chunks_assigns_consecutive_seqs_across_batches(store: DynStore) 
         lease: lease.clone(),
         chunks: new_chunks("one", 3),
         upstream_request_id: Some("req_up_stream".into()),
+        response_id: None,
     };
     let second = ChunkBatch {
         lease: lease.clone(),
         chunks: new_chunks("two", 2),
         upstream_request_id: None,
+        response_id: None,
     };
     let out = store.append_chunks(&[first, second]).await.expect("append");
     let seqs: Vec<Vec<i64>> = out
@@ -1148,6 +1152,7 @@ async fn append_chunks_group_commit_keeps_each_requests_order(store: DynStore) {
                 lease: lease.clone(),
                 chunks: new_chunks(&format!("r{round}"), 2),
                 upstream_request_id: None,
+                response_id: None,
             });
         }
     }
@@ -1194,11 +1199,13 @@ async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
                 lease: lb.clone(),
                 chunks: new_chunks("lost", 2),
                 upstream_request_id: Some("nope".into()),
+                response_id: None,
             },
             ChunkBatch {
                 lease: la.clone(),
                 chunks: new_chunks("kept", 2),
                 upstream_request_id: None,
+                response_id: None,
             },
         ])
         .await

@@ -1,0 +1,332 @@
+//! Calls an SDK makes around the logged routes, forwarded without being logged: the model
+//! lists (`GET /v1/models`, merged over the backends, with the rewrite aliases), Anthropic's
+//! token counting, and the `[[passthrough]]` paths of the configuration. The backend's key is
+//! sent; the client's credentials never reach the provider.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use super::errors::ApiError;
+use super::{AppState, namespace};
+use crate::config::Config;
+use crate::provider::{Provider, Route};
+
+/// How long a backend's model list is reused before it is fetched again.
+const MODELS_TTL: Duration = Duration::from_secs(60);
+
+/// Each backend's model list, as fetched at a time.
+#[derive(Debug, Default)]
+pub(crate) struct ModelsCache {
+    lists: Mutex<HashMap<String, (Instant, Vec<Value>)>>,
+}
+
+impl ModelsCache {
+    fn get(&self, backend: &str) -> Option<Vec<Value>> {
+        let lists = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        lists
+            .get(backend)
+            .filter(|(at, _)| at.elapsed() < MODELS_TTL)
+            .map(|(_, list)| list.clone())
+    }
+
+    fn put(&self, backend: &str, list: Vec<Value>) {
+        let mut lists = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        lists.insert(backend.to_string(), (Instant::now(), list));
+    }
+}
+
+/// `GET /v1/models`: the models of every backend of the caller's provider — Anthropic's shape
+/// when the call carries `anthropic-version` (Anthropic's SDKs send it), else OpenAI's — plus
+/// every exact `model_rewrites` alias served by such a backend. Each backend's list is fetched
+/// with its own key and kept for a minute; a backend that fails is skipped and logged. Not
+/// recorded in the log.
+pub(super) async fn models(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    let provider = if headers.contains_key("anthropic-version") {
+        Provider::Anthropic
+    } else {
+        Provider::Openai
+    };
+    if let Err(e) = namespace(&state.config, &headers, provider) {
+        return e.into_response();
+    }
+    let mut models: Vec<Value> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for backend in state.config.backends.iter().filter(|b| b.kind == provider) {
+        let list = match state.models.get(&backend.name) {
+            Some(list) => list,
+            None => match fetch_models(&state, &backend.name, provider).await {
+                Ok(list) => {
+                    state.models.put(&backend.name, list.clone());
+                    list
+                }
+                Err(why) => {
+                    tracing::warn!(backend = %backend.name, %why, "skipping a backend's model list");
+                    continue;
+                }
+            },
+        };
+        for model in list {
+            let id = model["id"].as_str().unwrap_or_default().to_string();
+            if !id.is_empty() && seen.insert(id) {
+                models.push(model);
+            }
+        }
+    }
+    for alias in aliases(&state.config, provider) {
+        if seen.insert(alias.clone()) {
+            models.push(match provider {
+                Provider::Openai => json!({
+                    "id": alias, "object": "model", "created": 0, "owned_by": "holdfast",
+                }),
+                Provider::Anthropic => json!({
+                    "type": "model", "id": alias, "display_name": alias,
+                    "created_at": "1970-01-01T00:00:00Z",
+                }),
+            });
+        }
+    }
+    match provider {
+        Provider::Openai => axum::Json(json!({"object": "list", "data": models})).into_response(),
+        Provider::Anthropic => anthropic_page(models, &query).into_response(),
+    }
+}
+
+/// One page of Anthropic's list shape: `limit` (default 20, at most 1000), after `after_id` or
+/// before `before_id`.
+fn anthropic_page(models: Vec<Value>, query: &HashMap<String, String>) -> axum::Json<Value> {
+    let limit = query
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(20)
+        .clamp(1, 1000);
+    let position = |id: &String| models.iter().position(|m| m["id"] == id.as_str());
+    let (start, end) = match (query.get("after_id"), query.get("before_id")) {
+        (Some(after), _) => {
+            let start = position(after).map_or(models.len(), |i| i + 1);
+            (start, (start + limit).min(models.len()))
+        }
+        (None, Some(before)) => {
+            let end = position(before).unwrap_or(0);
+            (end.saturating_sub(limit), end)
+        }
+        (None, None) => (0, limit.min(models.len())),
+    };
+    let has_more = match query.get("before_id") {
+        Some(_) if query.get("after_id").is_none() => start > 0,
+        _ => end < models.len(),
+    };
+    let page: Vec<Value> = models[start..end].to_vec();
+    let first = page.first().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    let last = page.last().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    axum::Json(json!({"data": page, "has_more": has_more, "first_id": first, "last_id": last}))
+}
+
+/// Exact model names that `model_rewrites` send to a backend of `provider`.
+fn aliases(config: &Config, provider: Provider) -> Vec<String> {
+    config
+        .model_rewrites
+        .iter()
+        .filter(|r| !r.pattern.ends_with('*'))
+        .filter(|r| {
+            config
+                .backend(&r.backend)
+                .is_some_and(|b| b.kind == provider)
+        })
+        .map(|r| r.pattern.clone())
+        .collect()
+}
+
+/// A backend's model list: its `GET /models`, every page of it.
+async fn fetch_models(
+    state: &AppState,
+    backend: &str,
+    provider: Provider,
+) -> Result<Vec<Value>, String> {
+    let mut models = Vec::new();
+    let mut after: Option<String> = None;
+    // Bounded: a provider that pages forever is cut at 50 pages.
+    for _ in 0..50 {
+        let path = match (&after, provider) {
+            (Some(after), Provider::Anthropic) => format!("/models?limit=1000&after_id={after}"),
+            (None, Provider::Anthropic) => "/models?limit=1000".to_string(),
+            (_, Provider::Openai) => "/models".to_string(),
+        };
+        let mut response = state
+            .upstreams
+            .forward(
+                backend,
+                reqwest::Method::GET,
+                &path,
+                HeaderMap::new(),
+                Bytes::new(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = response.status();
+        let (body, cut) = state.upstreams.read_capped(&mut response).await;
+        if !status.is_success() || cut {
+            return Err(format!("GET /models answered {status}"));
+        }
+        let page: Value =
+            serde_json::from_slice(&body).map_err(|e| format!("GET /models: not JSON: {e}"))?;
+        let data = page["data"]
+            .as_array()
+            .ok_or("GET /models: no `data` list")?;
+        models.extend(data.iter().cloned());
+        let more = provider == Provider::Anthropic && page["has_more"] == true;
+        match page["last_id"].as_str() {
+            Some(last) if more => after = Some(last.to_string()),
+            _ => return Ok(models),
+        }
+    }
+    Ok(models)
+}
+
+/// `POST /v1/messages/count_tokens`: forwarded to the backend the body's model is routed to
+/// (CLI-5), not logged.
+pub(super) async fn count_tokens(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let route = Route::AnthropicMessages;
+    let shape = route.provider();
+    if let Err(e) = namespace(&state.config, &headers, shape) {
+        return e.into_response();
+    }
+    let body = match super::proxy::read_body(&state.config, &headers, body, shape).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let model = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["model"].as_str().map(str::to_owned));
+    let Some((backend, _)) = super::proxy::choose_backend(&state.config, route, model.as_deref())
+    else {
+        return ApiError::bad_request(shape, "no_backend", "no backend serves /v1/messages")
+            .into_response();
+    };
+    let forwarded = client_headers(&headers, shape);
+    relay(
+        &state,
+        &backend,
+        shape,
+        Method::POST,
+        "/messages/count_tokens",
+        forwarded,
+        body,
+    )
+    .await
+}
+
+/// A `[[passthrough]]` path (the rule's index in the configuration): forwarded with any method,
+/// its query included, not logged.
+pub(super) async fn configured(
+    state: AppState,
+    rule: usize,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let shape = Provider::for_path(uri.path());
+    if let Err(e) = namespace(&state.config, &headers, shape) {
+        return e.into_response();
+    }
+    let body = match super::proxy::read_body(&state.config, &headers, body, shape).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let Some(rule) = state.config.passthrough.get(rule) else {
+        return ApiError::not_found(shape, "no such pass-through rule").into_response();
+    };
+    let backend = rule.backend.clone();
+    let provider = state.config.backend(&backend).map_or(shape, |b| b.kind);
+    // The path after its first segment (the version prefix), which `base_url` carries.
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let rest = path
+        .get(1..)
+        .and_then(|p| p.find('/').map(|i| &path[i + 1..]))
+        .unwrap_or(path);
+    let forwarded = client_headers(&headers, provider);
+    relay(&state, &backend, shape, method, rest, forwarded, body).await
+}
+
+/// The client headers a forwarded call keeps: its content type and accept, and the provider's
+/// forwarded headers (ID-3a). Never its credentials.
+pub(super) fn client_headers(headers: &HeaderMap, provider: Provider) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    let keep = ["content-type", "accept"]
+        .into_iter()
+        .chain(provider.forwarded_headers().iter().copied());
+    for name in keep {
+        for value in headers.get_all(name) {
+            out.append(HeaderName::from_static(name), value.clone());
+        }
+    }
+    out
+}
+
+/// Forwards to `backend` and streams its answer back as it comes: status, body, content type
+/// and the provider's request-id header. A backend that cannot be reached is 502
+/// `upstream_unreachable` (nothing was recorded; a retry may succeed).
+pub(super) async fn relay(
+    state: &AppState,
+    backend: &str,
+    shape: Provider,
+    method: Method,
+    path_and_query: &str,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let response = match state
+        .upstreams
+        .forward(backend, method, path_and_query, headers, body)
+        .await
+    {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::warn!(%backend, path = %path_and_query, error = %e, "pass-through call failed");
+            let mut err = ApiError::new(
+                shape,
+                StatusCode::BAD_GATEWAY,
+                "upstream_unreachable",
+                format!("the backend {backend} could not be reached: {e}"),
+            );
+            err.should_retry = Some(true);
+            return err.into_response();
+        }
+    };
+    let status = response.status();
+    let kept: Vec<(HeaderName, axum::http::HeaderValue)> = response
+        .headers()
+        .iter()
+        .filter(|(name, _)| {
+            let name = name.as_str();
+            name == "content-type"
+                || name == "retry-after"
+                || name == "retry-after-ms"
+                || name == "x-should-retry"
+                || Provider::ALL.iter().any(|p| p.request_id_header() == name)
+        })
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    let body = Body::from_stream(response.bytes_stream().map(|piece| piece));
+    let mut out = Response::new(body);
+    *out.status_mut() = status;
+    out.headers_mut().extend(kept);
+    out
+}

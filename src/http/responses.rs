@@ -1,0 +1,370 @@
+//! OpenAI's Responses retrieval protocol, served from the log: `GET /v1/responses/{id}` (the
+//! response object, or with `stream=true` its events, `starting_after` the provider's
+//! `sequence_number`) and `POST /v1/responses/{id}/cancel`. holdfast records the provider's
+//! response id of every Responses request it runs, so this works for any Responses-compatible
+//! backend, stored upstream or not. An id holdfast never recorded is passed to the backend
+//! unchanged; another namespace's is 404.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, Method};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::errors::ApiError;
+use super::{AppState, namespace, passthrough, stream};
+use crate::provider::{Provider, Route};
+use crate::store::{Chunk, ChunkKind, ErrorType, RequestRecord, ResponseRef, Status};
+
+const SHAPE: Provider = Provider::Openai;
+
+/// Chunks read from the store at a time while looking for an attempt's events.
+const PAGE: i64 = 512;
+
+/// A response id, found in the log or not.
+enum Located {
+    /// Recorded in the caller's namespace: the request and the attempt that produced the id.
+    Known(Box<RequestRecord>, u32),
+    /// Never recorded here: the backend may know it (a response it stores itself).
+    Unknown,
+}
+
+async fn locate(state: &AppState, namespace: &str, response_id: &str) -> Result<Located, Response> {
+    let not_found = || {
+        ApiError::not_found(SHAPE, format!("No response found with id '{response_id}'."))
+            .into_response()
+    };
+    let found = state
+        .store
+        .find_response(response_id)
+        .await
+        .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
+    let Some(ResponseRef {
+        request_id,
+        namespace: owner,
+        attempt,
+    }) = found
+    else {
+        return Ok(Located::Unknown);
+    };
+    if owner != namespace {
+        return Err(not_found());
+    }
+    match state.store.get(namespace, request_id).await {
+        Ok(Some(record)) => Ok(Located::Known(Box::new(record), attempt)),
+        Ok(None) => Err(not_found()),
+        Err(e) => Err(ApiError::store(SHAPE, &e).into_response()),
+    }
+}
+
+/// `GET /v1/responses/{id}`: the response object (JSON), or with `stream=true` the stored
+/// events after `starting_after`, then live ones until the response ends.
+pub(super) async fn retrieve(
+    State(state): State<AppState>,
+    Path(response_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    let namespace = match namespace(&state.config, &headers, SHAPE) {
+        Ok(ns) => ns,
+        Err(e) => return e.into_response(),
+    };
+    let streamed = query.get("stream").is_some_and(|v| v == "true");
+    let after = match query.get("starting_after").map(|v| v.parse::<i64>()) {
+        None => None,
+        Some(Ok(n)) => Some(n),
+        Some(Err(_)) => {
+            return ApiError::bad_request(
+                SHAPE,
+                "invalid_starting_after",
+                "starting_after must be an integer sequence_number",
+            )
+            .into_response();
+        }
+    };
+    let (record, attempt) = match locate(&state, &namespace, &response_id).await {
+        Ok(Located::Known(record, attempt)) => (record, attempt),
+        Ok(Located::Unknown) => {
+            let path = format!(
+                "/responses/{response_id}{}",
+                uri.query().map(|q| format!("?{q}")).unwrap_or_default()
+            );
+            return pass_through(&state, &headers, Method::GET, &path).await;
+        }
+        Err(response) => return response,
+    };
+    if streamed {
+        if !record.stream {
+            return ApiError::bad_request(
+                SHAPE,
+                "not_streamed",
+                "this response was not streamed; retrieve it without stream=true",
+            )
+            .into_response();
+        }
+        return match attempt_start(&state, record.id, attempt).await {
+            Ok(start) => events(&state, &record, start, after),
+            Err(response) => response,
+        };
+    }
+    match response_object(&state, &record, attempt).await {
+        Ok(object) => axum::Json(object).into_response(),
+        Err(response) => response,
+    }
+}
+
+/// `POST /v1/responses/{id}/cancel`: holdfast's cancel (LC-9) — the request fails `cancelled`
+/// and its upstream call is aborted — answered with the response object, `status:
+/// "cancelled"`. A response that already finished is answered as it is.
+pub(super) async fn cancel(
+    State(state): State<AppState>,
+    Path(response_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let namespace = match namespace(&state.config, &headers, SHAPE) {
+        Ok(ns) => ns,
+        Err(e) => return e.into_response(),
+    };
+    let (record, attempt) = match locate(&state, &namespace, &response_id).await {
+        Ok(Located::Known(record, attempt)) => (record, attempt),
+        Ok(Located::Unknown) => {
+            let path = format!("/responses/{response_id}/cancel");
+            return pass_through(&state, &headers, Method::POST, &path).await;
+        }
+        Err(response) => return response,
+    };
+    let record = match state.workers.cancel(&namespace, record.id).await {
+        Ok(Some(record)) => record,
+        Ok(None) => *record,
+        Err(e) => return ApiError::store(SHAPE, &e).into_response(),
+    };
+    match response_object(&state, &record, attempt).await {
+        Ok(object) => axum::Json(object).into_response(),
+        Err(response) => response,
+    }
+}
+
+/// An id holdfast does not hold goes to the first OpenAI backend unchanged.
+async fn pass_through(
+    state: &AppState,
+    headers: &HeaderMap,
+    method: Method,
+    path: &str,
+) -> Response {
+    let Some(backend) = state
+        .config
+        .backends
+        .iter()
+        .find(|b| b.kind == Route::OpenaiResponses.provider())
+    else {
+        return ApiError::not_found(SHAPE, "no backend serves /v1/responses").into_response();
+    };
+    let forwarded = passthrough::client_headers(headers, SHAPE);
+    passthrough::relay(
+        state,
+        &backend.name,
+        SHAPE,
+        method,
+        path,
+        forwarded,
+        Bytes::new(),
+    )
+    .await
+}
+
+/// The seq after which attempt `attempt`'s chunks start: its `reset` chunk, or 0 for the first
+/// attempt that stored anything.
+async fn attempt_start(state: &AppState, id: Uuid, attempt: u32) -> Result<i64, Response> {
+    let mut after = 0;
+    let mut start = 0;
+    loop {
+        let page = state
+            .store
+            .chunks_after(id, after, PAGE)
+            .await
+            .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
+        let full = page.len() as i64 == PAGE;
+        for chunk in &page {
+            after = chunk.seq;
+            if chunk.kind == ChunkKind::Reset && chunk.attempt == attempt {
+                start = chunk.seq;
+            }
+            if chunk.kind == ChunkKind::Data && chunk.attempt > attempt {
+                return Ok(start);
+            }
+        }
+        if !full {
+            return Ok(start);
+        }
+    }
+}
+
+/// The events of the attempt that starts after `start`, as the provider sent them (RS-4): those
+/// whose `sequence_number` is above `after`, stored then live. The stream ends with the
+/// response; an attempt that was abandoned, or a request that failed, ends with an error event
+/// in OpenAI's stream shape (RS-4, RD-6).
+fn events(state: &AppState, record: &RequestRecord, start: i64, after: Option<i64>) -> Response {
+    let items = stream::follow(
+        state.store.clone(),
+        Arc::clone(&state.hub),
+        record.id,
+        start,
+        Duration::from_millis(state.config.sse_keepalive_ms),
+    );
+    let id = record.id;
+    let body = async_stream::stream! {
+        let mut items = std::pin::pin!(items);
+        while let Some(item) = items.next().await {
+            let (bytes, done) = match item {
+                Ok(stream::Followed::Chunk(chunk))
+                    if chunk.kind == ChunkKind::Data && !after_position(&chunk, after) =>
+                {
+                    continue;
+                }
+                Ok(item) => stream::provider_bytes(&item, SHAPE),
+                Err(e) => {
+                    tracing::warn!(%id, error = %e, "reading stored chunks failed");
+                    let message = "holdfast could not read the stored stream; retrieve it again";
+                    (stream::provider_error(SHAPE, "store_unavailable", message), true)
+                }
+            };
+            if !bytes.is_empty() {
+                yield Ok::<_, std::convert::Infallible>(bytes);
+            }
+            if done {
+                break;
+            }
+        }
+    };
+    let mut response = stream::event_stream_response(body);
+    if let Ok(v) = axum::http::HeaderValue::from_str(&record.id.to_string()) {
+        response.headers_mut().insert("holdfast-request-id", v);
+    }
+    response
+}
+
+/// Whether a stored event comes after the provider position `after` (its `sequence_number`).
+fn after_position(chunk: &Chunk, after: Option<i64>) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Numbered {
+        sequence_number: Option<i64>,
+    }
+    let Some(after) = after else { return true };
+    serde_json::from_str::<Numbered>(&chunk.data)
+        .ok()
+        .and_then(|n| n.sequence_number)
+        .is_none_or(|n| n > after)
+}
+
+/// The response object of `record` as the provider last described it in attempt `attempt`,
+/// with the status the request has since reached (`cancelled`, or `failed` when holdfast
+/// failed it while the provider still said `in_progress`).
+async fn response_object(
+    state: &AppState,
+    record: &RequestRecord,
+    attempt: u32,
+) -> Result<Value, Response> {
+    let mut object = if record.stream {
+        // An id of an attempt that was abandoned (LC-8) answers with the request's current
+        // attempt's response once that has one: a poller follows the request to its answer.
+        let current = current_attempt(state, record).await?;
+        let mut object = Value::Null;
+        if current > attempt {
+            object = latest_streamed_object(state, record.id, current).await?;
+        }
+        if object.is_null() {
+            object = latest_streamed_object(state, record.id, attempt).await?;
+        }
+        object
+    } else {
+        record
+            .response_body
+            .as_deref()
+            .and_then(|body| serde_json::from_slice::<Value>(body).ok())
+            .unwrap_or(Value::Null)
+    };
+    if !object.is_object() {
+        return Err(
+            ApiError::not_found(SHAPE, "the response holds no response object yet").into_response(),
+        );
+    }
+    if let (Status::Failed, Some(error)) = (record.status, &record.error) {
+        let unfinished = matches!(
+            object["status"].as_str(),
+            Some("in_progress" | "queued") | None
+        );
+        if error.kind == ErrorType::Cancelled {
+            object["status"] = json!("cancelled");
+        } else if unfinished {
+            object["status"] = json!("failed");
+            object["error"] = json!({"code": error.kind.as_str(), "message": error.message});
+        }
+    }
+    Ok(object)
+}
+
+/// The attempt the request's chunk log now belongs to: the one after its latest `reset`, else
+/// the first.
+async fn current_attempt(state: &AppState, record: &RequestRecord) -> Result<u32, Response> {
+    if record.reset_seq == 0 {
+        return Ok(1);
+    }
+    let reset = state
+        .store
+        .chunks_after(record.id, record.reset_seq - 1, 1)
+        .await
+        .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
+    Ok(reset.first().map_or(1, |c| c.attempt))
+}
+
+/// The `response` member of the last lifecycle event (`response.created`, `.in_progress`,
+/// `.completed`, ...) attempt `attempt` stored.
+async fn latest_streamed_object(
+    state: &AppState,
+    id: Uuid,
+    attempt: u32,
+) -> Result<Value, Response> {
+    #[derive(serde::Deserialize)]
+    struct Lifecycle {
+        response: Option<Value>,
+    }
+    let mut latest = Value::Null;
+    let mut after = attempt_start(state, id, attempt).await?;
+    loop {
+        let page = state
+            .store
+            .chunks_after(id, after, PAGE)
+            .await
+            .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
+        let full = page.len() as i64 == PAGE;
+        for chunk in &page {
+            after = chunk.seq;
+            if chunk.kind != ChunkKind::Data || chunk.attempt != attempt {
+                if chunk.kind == ChunkKind::Reset {
+                    return Ok(latest);
+                }
+                continue;
+            }
+            // Only lifecycle events carry the object; skip the rest without parsing them.
+            if !chunk.data.contains("\"response\"") {
+                continue;
+            }
+            if let Ok(Lifecycle {
+                response: Some(object),
+            }) = serde_json::from_str(&chunk.data)
+            {
+                latest = object;
+            }
+        }
+        if !full {
+            return Ok(latest);
+        }
+    }
+}

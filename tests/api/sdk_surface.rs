@@ -1,0 +1,313 @@
+//! Every call an SDK makes works through holdfast (issue 14): model lists, token counting,
+//! configured pass-through paths, and OpenAI's Responses retrieval protocol served from the log
+//! (RS-4, RD-3, RD-6, LC-9). Tests that drive Python have `python` in their name.
+
+use std::time::Duration;
+
+use holdfast::config::{ModelRewrite, Namespace, Passthrough};
+use holdfast::mock::MockConfig;
+use serde_json::Value;
+
+use crate::helpers::*;
+
+/// Runs `python tests/clients/SCRIPT ARGS...` (args through `HOLDFAST_MODE`) off the runtime and
+/// parses the JSON object it prints.
+async fn python_json(script: &'static str, mode: &str, base: &str) -> Value {
+    let (mode, base) = (mode.to_string(), base.to_string());
+    let out = tokio::task::spawn_blocking(move || {
+        run_python_args(script, &[&mode], &[("HOLDFAST_URL", &base)])
+    })
+    .await
+    .unwrap();
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{script} printed {out}: {e}"))
+}
+
+async fn records(app: &TestApp) -> Vec<Value> {
+    let list: Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    list["data"].as_array().unwrap().clone()
+}
+
+#[tokio::test]
+async fn python_sdks_list_models_with_aliases_and_count_tokens_and_nothing_is_recorded() {
+    require_python(&["openai", "anthropic"]);
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.model_rewrites = vec![
+            ModelRewrite {
+                pattern: "fast".into(),
+                backend: "mock-openai".into(),
+                model: Some("mock-small".into()),
+            },
+            ModelRewrite {
+                pattern: "claude-fast".into(),
+                backend: "mock-anthropic".into(),
+                model: None,
+            },
+            ModelRewrite {
+                pattern: "gpt-*".into(),
+                backend: "mock-openai".into(),
+                model: None,
+            },
+        ];
+    })
+    .await;
+    let out = python_json("sdk_surface.py", "", &app.base).await;
+    let openai: Vec<&str> = out["openai_models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        openai,
+        ["mock-small", "mock-large", "gpt-4o-mini", "fast"],
+        "{out}"
+    );
+    let anthropic: Vec<&str> = out["anthropic_models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        anthropic,
+        [
+            "claude-mock-small",
+            "claude-mock-large",
+            "claude-gpt-4o-mini",
+            "claude-fast"
+        ],
+        "{out}"
+    );
+    assert!(out["count_tokens"].as_u64().unwrap() > 0, "{out}");
+    assert!(records(&app).await.is_empty(), "nothing is recorded");
+    assert_eq!(app.mock.calls(), 0, "no model call");
+    // The client's key never reaches the provider; the provider's default version header does.
+    for call in app.mock.other_calls() {
+        assert!(
+            !call
+                .headers
+                .iter()
+                .any(|(n, v)| n == "authorization" && v.contains("unused")),
+            "{call:?}"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn configured_pass_through_paths_are_forwarded_with_the_backends_key_only() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.passthrough = vec![Passthrough {
+            path: "/v1/responses_extra/*".into(),
+            backend: "mock-openai".into(),
+        }];
+    })
+    .await;
+    // The mock has no such route: its 404 comes back as it is, from the backend.
+    let r = app
+        .http
+        .get(format!("{}/v1/responses_extra/abc?x=1", app.base))
+        .header("authorization", "Bearer client-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("mock: no route for GET /v1/responses_extra/abc"),
+        "{body}"
+    );
+    // Not configured: holdfast's own 404.
+    let r = app
+        .http
+        .get(format!("{}/v1/moderations", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "holdfast-error"), "not_found");
+    assert!(records(&app).await.is_empty());
+    app.stop().await;
+}
+
+/// A slow Responses stream: 30 content events, 60 ms apart.
+fn slow_responses() -> MockConfig {
+    MockConfig {
+        chunks: 30,
+        chunk_delay_ms: 60,
+        ..MockConfig::default()
+    }
+}
+
+/// The assertions of acceptance 2: after the drop, exactly the remaining events, consecutive
+/// `sequence_number`s from 11, ending in `response.completed`; the text before and after the
+/// drop is the uninterrupted text; one upstream call.
+fn assert_resumed(out: &Value, app: &TestApp) {
+    let before = out["before"].as_array().unwrap();
+    let after = out["after"].as_array().unwrap();
+    let seqs: Vec<i64> = before
+        .iter()
+        .chain(after)
+        .map(|e| e["sequence_number"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (0..seqs.len() as i64).collect::<Vec<_>>(),
+        "consecutive sequence numbers, none repeated: {out}"
+    );
+    assert_eq!(before.last().unwrap()["sequence_number"], 10, "{out}");
+    assert_eq!(after.first().unwrap()["sequence_number"], 11, "{out}");
+    assert_eq!(after.last().unwrap()["type"], "response.completed", "{out}");
+    let text: String = before
+        .iter()
+        .chain(after)
+        .filter_map(|e| e["delta"].as_str())
+        .collect();
+    assert_eq!(text, out["final_text"].as_str().unwrap(), "{out}");
+    assert!(text.starts_with("mock reply"), "{out}");
+    assert_eq!(out["status"], "completed");
+    assert_eq!(app.mock.calls(), 1, "one upstream call");
+}
+
+#[tokio::test]
+async fn python_responses_retrieve_resumes_after_sequence_number_10_from_the_log_rd3() {
+    require_python(&["openai"]);
+    let app = spawn_app(slow_responses(), |_| {}).await;
+    let out = python_json("responses_resume.py", "retrieve", &app.base).await;
+    assert_resumed(&out, &app);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn python_responses_stream_helper_resumes_after_sequence_number_10_rd3() {
+    require_python(&["openai"]);
+    let app = spawn_app(slow_responses(), |_| {}).await;
+    let out = python_json("responses_resume.py", "helper", &app.base).await;
+    assert_resumed(&out, &app);
+    assert_eq!(out["helper_final_text"], out["final_text"], "{out}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn python_responses_retrieve_shows_the_status_during_and_after_and_cancel_aborts_the_call_lc9()
+ {
+    require_python(&["openai"]);
+    let app = spawn_app(slow_responses(), |_| {}).await;
+    let out = python_json("responses_resume.py", "status", &app.base).await;
+    assert_eq!(out["during"], "in_progress", "{out}");
+    assert_eq!(out["after"], "completed", "{out}");
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+
+    let app = spawn_app(slow_responses(), |_| {}).await;
+    let out = python_json("responses_resume.py", "cancel", &app.base).await;
+    assert_eq!(out["cancelled"], "cancelled", "{out}");
+    assert_eq!(out["after"], "cancelled", "{out}");
+    // The upstream call is aborted: the provider sees its connection close within a second.
+    wait_until(
+        Duration::from_secs(1),
+        "the upstream stream to close",
+        || app.mock.open_streams() == 0,
+    )
+    .await;
+    let record = &records(&app).await[0];
+    assert_eq!(record["error"]["type"], "cancelled", "{record}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_response_ids_go_to_the_backend_and_another_namespaces_are_404() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = vec![
+            Namespace {
+                name: "a".into(),
+                api_keys: vec!["key-a".into()],
+            },
+            Namespace {
+                name: "b".into(),
+                api_keys: vec!["key-b".into()],
+            },
+        ];
+    })
+    .await;
+    let body = r#"{"model":"gpt-4o-mini","input":"whose is it"}"#;
+    let r = app
+        .post("/v1/responses", body, &[("authorization", "Bearer key-a")])
+        .await;
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    let id = answer["id"].as_str().unwrap().to_string();
+    // Its namespace reads it from the log (no backend call).
+    let get = |key: &'static str, id: String| {
+        let app = &app;
+        async move {
+            app.http
+                .get(format!("{}/v1/responses/{id}", app.base))
+                .header("authorization", format!("Bearer {key}"))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let r = get("key-a", id.clone()).await;
+    assert_eq!(r.status(), 200);
+    let object: Value = r.json().await.unwrap();
+    assert_eq!(object, answer);
+    assert!(app.mock.other_calls().is_empty());
+    // Another namespace: 404, not forwarded.
+    let r = get("key-b", id.clone()).await;
+    assert_eq!(r.status(), 404);
+    assert!(app.mock.other_calls().is_empty());
+    // An id holdfast never recorded: forwarded unchanged, with the backend's key only.
+    let r = get("key-a", "resp_stored_upstream".into()).await;
+    assert_eq!(r.status(), 404, "the mock's own answer");
+    let calls = app.mock.other_calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].path, "/v1/responses/resp_stored_upstream");
+    assert!(
+        !calls[0].headers.iter().any(|(_, v)| v.contains("key-a")),
+        "the client's key is not forwarded: {:?}",
+        calls[0].headers
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn langchain_python_chat_openai_retries_attach_to_one_upstream_call() {
+    require_python(&["langchain_openai"]);
+    for mode in ["invoke", "stream"] {
+        let app = spawn_app(
+            MockConfig {
+                header_delay_ms: 2_500,
+                ..MockConfig::default()
+            },
+            |_| {},
+        )
+        .await;
+        let out = python_json("langchain_retry.py", mode, &app.base).await;
+        assert_eq!(out["error"], Value::Null, "{mode}: {out}");
+        assert!(
+            out["text"].as_str().unwrap().starts_with("mock reply"),
+            "{mode}: {out}"
+        );
+        assert_eq!(
+            app.mock.calls(),
+            1,
+            "{mode}: one upstream call under retries"
+        );
+        let all = records(&app).await;
+        assert_eq!(all.len(), 1, "{mode}: one request");
+        assert_eq!(all[0]["stream"], mode == "stream");
+        app.stop().await;
+    }
+}
