@@ -43,8 +43,10 @@ pub(super) async fn handle(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    // Every log line of the call names its request once it is known.
-    let span = tracing::info_span!(
+    // Every log line of the call names its request once it is known. At `debug`: the lines a
+    // proxied call logs at `info` and above already name their request, and a span per call
+    // costs more than a replay's whole answer at the default level (docs/benchmarks.md).
+    let span = tracing::debug_span!(
         "request",
         route = route.name(),
         id = tracing::field::Empty,
