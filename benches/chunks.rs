@@ -106,6 +106,7 @@ fn bench(c: &mut Criterion) {
                                                 chunks: vec![event(i)],
                                                 upstream_request_id: None,
                                                 response_id: None,
+                                                usage: None,
                                             };
                                             writer.append(batch).await.expect("append");
                                         }

@@ -71,6 +71,47 @@ pub struct Config {
     /// OpenAI-compatible server's `/v1/moderations`. The backend's key is sent, the client's
     /// never.
     pub passthrough: Vec<Passthrough>,
+    /// Prices per backend and model, USD per million tokens, for the cost and saved cost of
+    /// the usage ledger (docs/usage.md). Empty (the default): no cost is computed.
+    pub prices: Vec<Price>,
+    /// Add `stream_options.include_usage: true` to chat and completions stream requests that
+    /// do not set `stream_options`, after the request is hashed, so their usage is recorded.
+    /// The client then also receives the provider's usage chunk. Default false.
+    pub inject_stream_usage: bool,
+    /// Keys whose holders may read `GET /usage` and `GET /requests` across namespaces
+    /// (`?namespace=` narrows). They are not namespace keys: proxied calls refuse them.
+    pub admin_api_keys: Vec<String>,
+}
+
+/// One `[[prices]]` entry: USD per million tokens for a backend's models.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    /// Backend name.
+    pub backend: String,
+    /// Exact model name, or a prefix ending in `*`. The first matching entry wins.
+    pub model: String,
+    /// Input tokens that were not read from the cache.
+    pub input_per_mtok: f64,
+    /// Output tokens (reasoning tokens included).
+    pub output_per_mtok: f64,
+    /// Input tokens read from the prompt cache; `input_per_mtok` when absent.
+    #[serde(default)]
+    pub cached_input_per_mtok: Option<f64>,
+    /// Input tokens written to the prompt cache; `input_per_mtok` when absent.
+    #[serde(default)]
+    pub cache_write_per_mtok: Option<f64>,
+}
+
+impl Price {
+    /// Whether this entry prices `model` on `backend`.
+    pub(crate) fn matches(&self, backend: &str, model: &str) -> bool {
+        self.backend == backend
+            && match self.model.strip_suffix('*') {
+                Some(prefix) => model.starts_with(prefix),
+                None => model == self.model,
+            }
+    }
 }
 
 /// One `[[passthrough]]` entry.
@@ -222,6 +263,9 @@ impl Default for Config {
             model_rewrites: Vec::new(),
             namespaces: Vec::new(),
             passthrough: Vec::new(),
+            prices: Vec::new(),
+            inject_stream_usage: false,
+            admin_api_keys: Vec::new(),
         }
     }
 }
@@ -563,6 +607,31 @@ impl Config {
                     format!("no backend named {:?}", p.backend),
                 ));
             }
+        }
+        for (i, p) in self.prices.iter().enumerate() {
+            if !self.backends.iter().any(|b| b.name == p.backend) {
+                return Err(invalid(
+                    format!("prices[{i}].backend"),
+                    format!("no backend named {:?}", p.backend),
+                ));
+            }
+            let rates = [
+                ("input_per_mtok", Some(p.input_per_mtok)),
+                ("output_per_mtok", Some(p.output_per_mtok)),
+                ("cached_input_per_mtok", p.cached_input_per_mtok),
+                ("cache_write_per_mtok", p.cache_write_per_mtok),
+            ];
+            for (key, rate) in rates {
+                if rate.is_some_and(|r| !r.is_finite() || r < 0.0) {
+                    return Err(invalid(
+                        format!("prices[{i}].{key}"),
+                        "must be a price in USD per million tokens, 0 or more",
+                    ));
+                }
+            }
+        }
+        if self.admin_api_keys.iter().any(String::is_empty) {
+            return Err(invalid("admin_api_keys", "must not hold an empty key"));
         }
         for (i, n) in self.namespaces.iter().enumerate() {
             if n.name.is_empty() {

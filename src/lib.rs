@@ -57,6 +57,7 @@ pub mod canonical;
 pub mod config;
 mod http;
 mod hub;
+mod ledger;
 mod metrics;
 pub mod mock;
 pub mod provider;

@@ -11,6 +11,11 @@
 //! | `holdfast_chunk_commit_seconds` | histogram | — (one group commit of stream chunks) |
 //! | `holdfast_sqlite_commit_seconds` | histogram | — (one SQLite writer transaction, every write in it) |
 //! | `holdfast_sqlite_commit_jobs` | histogram | — (store writes sharing that transaction) |
+//! | `holdfast_upstream_tokens_total` | counter | `backend`, `model`, `kind` = `input` \| `output` \| `cached_input` \| `cache_write` \| `reasoning` |
+//! | `holdfast_cost_usd_total` | gauge that only grows (USD is not an integer) | `backend`, `model` (priced usage, `[[prices]]`) |
+//! | `holdfast_saved_calls_total` | counter | `backend`, `model` |
+//! | `holdfast_saved_tokens_total` | counter | `backend`, `model`, `kind` |
+//! | `holdfast_saved_cost_usd_total` | gauge that only grows | `backend`, `model` |
 
 use std::sync::OnceLock;
 
@@ -34,6 +39,17 @@ pub(crate) const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
 pub(crate) const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";
 /// Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction.
 pub(crate) const SQLITE_COMMIT_JOBS: &str = "holdfast_sqlite_commit_jobs";
+
+/// Tokens providers reported, by backend, model and kind.
+pub(crate) const UPSTREAM_TOKENS: &str = "holdfast_upstream_tokens_total";
+/// USD of the reported tokens at the configured prices.
+pub(crate) const COST_USD: &str = "holdfast_cost_usd_total";
+/// Provider calls deliveries did not make.
+pub(crate) const SAVED_CALLS: &str = "holdfast_saved_calls_total";
+/// Tokens the saved calls would have cost.
+pub(crate) const SAVED_TOKENS: &str = "holdfast_saved_tokens_total";
+/// USD the saved calls would have cost.
+pub(crate) const SAVED_COST_USD: &str = "holdfast_saved_cost_usd_total";
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -82,6 +98,23 @@ fn describe() {
         "Expired leases found by this node's sweep."
     );
     metrics::describe_gauge!(QUEUE_DEPTH, "Requests in the log by status.");
+    metrics::describe_counter!(
+        UPSTREAM_TOKENS,
+        "Tokens providers reported for attempts this node ran, by kind."
+    );
+    metrics::describe_gauge!(
+        COST_USD,
+        "USD of the reported tokens at the configured prices."
+    );
+    metrics::describe_counter!(
+        SAVED_CALLS,
+        "Provider calls that deliveries answered by this node did not make."
+    );
+    metrics::describe_counter!(
+        SAVED_TOKENS,
+        "Tokens the saved calls would have cost, by kind."
+    );
+    metrics::describe_gauge!(SAVED_COST_USD, "USD the saved calls would have cost.");
     metrics::describe_histogram!(
         CHUNK_COMMIT_SECONDS,
         metrics::Unit::Seconds,

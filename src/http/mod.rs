@@ -10,6 +10,7 @@ mod proxy;
 mod requests;
 mod responses;
 mod stream;
+mod usage;
 
 use std::sync::Arc;
 
@@ -97,6 +98,7 @@ fn fixed_routes() -> Vec<(&'static str, &'static str, MethodRouter<AppState>)> {
         ),
         ("GET", "/v1/responses/{id}", get(responses::retrieve)),
         ("POST", "/v1/responses/{id}/cancel", post(responses::cancel)),
+        ("GET", "/usage", get(usage::usage)),
         ("GET", "/requests", get(requests::list)),
         ("GET", "/requests/{id}", get(requests::get_one)),
         ("POST", "/requests/{id}/cancel", post(requests::cancel)),
@@ -186,6 +188,40 @@ async fn method_not_allowed(uri: Uri) -> Response {
     .into_response()
 }
 
+/// The key a caller presented: `x-api-key: KEY`, else `Authorization: Bearer KEY`.
+fn presented_key(headers: &HeaderMap) -> Option<&[u8]> {
+    headers
+        .get("x-api-key")
+        .map(|v| v.as_bytes())
+        .or_else(|| {
+            headers
+                .get(axum::http::header::AUTHORIZATION)
+                .map(|v| v.as_bytes())
+                .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+                .map(|v| &v[7..])
+        })
+        .map(<[u8]>::trim_ascii)
+}
+
+/// Whether `presented` is one of `keys`, compared in constant time against every key so the
+/// time taken does not say which one matched (IN-3).
+fn key_among<'a>(presented: &[u8], keys: impl Iterator<Item = &'a String>) -> bool {
+    let mut found = false;
+    for key in keys {
+        found |= bool::from(key.as_bytes().ct_eq(presented));
+    }
+    found
+}
+
+fn unauthorized(shape: Provider) -> ApiError {
+    ApiError::new(
+        shape,
+        StatusCode::UNAUTHORIZED,
+        "invalid_api_key",
+        "missing or unknown API key: send a holdfast namespace key as `Authorization: Bearer KEY` or `x-api-key: KEY`",
+    )
+}
+
 /// The caller's namespace (CLI-5): `default` when no namespaces are configured, else the one
 /// whose key the caller sent as `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in
 /// constant time (IN-3).
@@ -200,34 +236,51 @@ pub(crate) fn namespace(
     if config.namespaces.is_empty() {
         return Ok("default".into());
     }
-    let presented = headers
-        .get("x-api-key")
-        .map(|v| v.as_bytes())
-        .or_else(|| {
-            headers
-                .get(axum::http::header::AUTHORIZATION)
-                .map(|v| v.as_bytes())
-                .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
-                .map(|v| &v[7..])
-        })
-        .map(<[u8]>::trim_ascii);
+    let presented = presented_key(headers).ok_or_else(|| unauthorized(shape))?;
     let mut found = None;
-    if let Some(presented) = presented {
-        // Compare against every key so the time taken does not say which one matched.
-        for ns in &config.namespaces {
-            for key in &ns.api_keys {
-                if bool::from(key.as_bytes().ct_eq(presented)) && found.is_none() {
-                    found = Some(ns.name.clone());
-                }
-            }
+    for ns in &config.namespaces {
+        if key_among(presented, ns.api_keys.iter()) && found.is_none() {
+            found = Some(ns.name.clone());
         }
     }
-    found.ok_or_else(|| {
-        ApiError::new(
-            shape,
-            StatusCode::UNAUTHORIZED,
-            "invalid_api_key",
-            "missing or unknown API key: send a holdfast namespace key as `Authorization: Bearer KEY` or `x-api-key: KEY`",
-        )
-    })
+    found.ok_or_else(|| unauthorized(shape))
+}
+
+/// Who reads the log: one namespace's key, or an admin key (`admin_api_keys`), which reads
+/// every namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Caller {
+    /// A namespace's key (or anyone, when no namespaces are configured).
+    Namespace(String),
+    /// An admin key.
+    Admin,
+}
+
+impl Caller {
+    /// The namespace a read is limited to: the caller's own, or for an admin the one it asked
+    /// for (`?namespace=`), else none (every namespace).
+    pub(crate) fn scope(&self, asked: Option<&str>) -> Option<String> {
+        match self {
+            Caller::Namespace(ns) => Some(ns.clone()),
+            Caller::Admin => asked.map(str::to_owned),
+        }
+    }
+}
+
+/// The caller of a log route: an admin key first, else a namespace key (CLI-5).
+///
+/// # Errors
+/// 401 `invalid_api_key` as [`namespace`].
+pub(crate) fn caller(
+    config: &Config,
+    headers: &HeaderMap,
+    shape: Provider,
+) -> Result<Caller, ApiError> {
+    if !config.admin_api_keys.is_empty()
+        && let Some(presented) = presented_key(headers)
+        && key_among(presented, config.admin_api_keys.iter())
+    {
+        return Ok(Caller::Admin);
+    }
+    namespace(config, headers, shape).map(Caller::Namespace)
 }

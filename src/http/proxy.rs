@@ -113,6 +113,12 @@ async fn admit_and_answer(
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
     let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
+    // After the hash: the identity is the client's body (docs/usage.md).
+    let upstream_body = if state.config.inject_stream_usage && canonical.stream {
+        inject_usage_request(route, upstream_body)
+    } else {
+        upstream_body
+    };
     let now = now_ms();
     let (claim, claim_key, ttl_secs) = match key {
         Some(key) => (
@@ -182,7 +188,7 @@ async fn admit_and_answer(
     if prefers_async(headers) {
         let mut response = (
             StatusCode::ACCEPTED,
-            axum::Json(requests::RecordView::from(&record)),
+            axum::Json(requests::RecordView::new(&record, &state.config, None)),
         )
             .into_response();
         let location = format!("/requests/{}", record.id);
@@ -376,6 +382,31 @@ pub(super) fn choose_backend(
         .iter()
         .find(|b| b.kind == route.provider())
         .map(|b| (b.name.clone(), None))
+}
+
+/// `inject_stream_usage`: the member that asks the route's provider to report a stream's usage,
+/// added at the end of the top-level object when the body has no member of that name. Only
+/// that edit: the rest of the bytes stay the client's (ID-3b).
+fn inject_usage_request(route: Route, mut body: Vec<u8>) -> Vec<u8> {
+    let Some((name, member)) = route.stream_usage_request() else {
+        return body;
+    };
+    let has_it = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
+        .map_or(true, |object| object.contains_key(name));
+    if has_it {
+        return body;
+    }
+    let Some(end) = body.iter().rposition(|b| *b == b'}') else {
+        return body;
+    };
+    let empty = body[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let insert = if empty {
+        member.to_string()
+    } else {
+        format!(",{member}")
+    };
+    body.splice(end..end, insert.into_bytes());
+    body
 }
 
 /// The route's provider's allow-listed client headers (ID-3a), lower-cased names, sorted,

@@ -15,9 +15,12 @@ use serde_json::value::RawValue;
 use uuid::Uuid;
 
 use super::errors::ApiError;
-use super::{AppState, namespace, stream};
+use super::{AppState, Caller, caller, stream};
+use crate::config::Config;
+use crate::ledger;
 use crate::provider::Provider;
-use crate::store::{ErrorInfo, Millis, RequestRecord, Status};
+use crate::provider::Route;
+use crate::store::{ErrorInfo, ListFilter, Millis, RequestRecord, Status, Usage};
 
 /// The JSON record of RD-1.
 #[derive(Debug, Serialize)]
@@ -43,6 +46,44 @@ pub(super) struct RecordView {
     /// LC-11); `body` is the provider's JSON, or a string when it was not JSON.
     #[serde(skip_serializing_if = "Option::is_none")]
     response: Option<ResponseView>,
+    /// Tokens the provider reported: every attempt's summed in the record, the answering
+    /// attempt's in a list (docs/usage.md).
+    usage: Usage,
+    /// Each attempt's usage (the record only; an attempt that reported nothing is absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage_by_attempt: Option<Vec<AttemptUsage>>,
+    /// `usage` at the configured price; `null` without a matching `[[prices]]` entry.
+    cost_usd: Option<f64>,
+    /// Client submissions this request answered.
+    deliveries: Deliveries,
+    /// Provider calls the deliveries did not make: deliveries minus attempts, when positive.
+    saved_calls: u32,
+    /// What the saved calls would have cost in tokens: `saved_calls` times the answering
+    /// attempt's usage.
+    saved_tokens: Usage,
+    /// `saved_tokens` at the configured price.
+    saved_cost_usd: Option<f64>,
+}
+
+/// One attempt's reported usage.
+#[derive(Debug, Serialize)]
+struct AttemptUsage {
+    attempt: u32,
+    #[serde(flatten)]
+    usage: Usage,
+}
+
+/// Who a request answered (docs/usage.md).
+#[derive(Debug, Serialize)]
+struct Deliveries {
+    /// Client submissions answered: the one that created it, and every duplicate.
+    total: u32,
+    /// Of which attached to the running execution.
+    attached: u32,
+    /// Of which replayed from storage after it ended.
+    replayed: u32,
+    /// Readers of its log as an event stream, counted apart (not deliveries).
+    log_reads: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -67,8 +108,21 @@ fn body_json(body: &[u8]) -> Option<Box<RawValue>> {
         .or_else(|| serde_json::value::to_raw_value(&String::from_utf8_lossy(body)).ok())
 }
 
-impl From<&RequestRecord> for RecordView {
-    fn from(r: &RequestRecord) -> Self {
+impl RecordView {
+    /// The record `r`, priced with `config`; `by_attempt` is each attempt's usage for the full
+    /// record (its sum is the record's usage), `None` in a list.
+    pub(super) fn new(
+        r: &RequestRecord,
+        config: &Config,
+        by_attempt: Option<Vec<(u32, Usage)>>,
+    ) -> Self {
+        let price = ledger::price(config, &r.backend, r.model.as_deref());
+        let usage = by_attempt.as_ref().map_or(r.usage, |rows| {
+            rows.iter()
+                .fold(Usage::default(), |sum, (_, u)| sum.plus(*u))
+        });
+        let saved_calls = r.saved_calls();
+        let saved = r.usage.times(u64::from(saved_calls));
         RecordView {
             id: r.id,
             status: r.status,
@@ -96,13 +150,31 @@ impl From<&RequestRecord> for RecordView {
                 }
                 _ => None,
             },
+            usage,
+            usage_by_attempt: by_attempt.map(|rows| {
+                rows.into_iter()
+                    .map(|(attempt, usage)| AttemptUsage { attempt, usage })
+                    .collect()
+            }),
+            cost_usd: price.and_then(|p| ledger::cost(p, &usage)),
+            deliveries: Deliveries {
+                total: r.deliveries(),
+                attached: r.attached,
+                replayed: r.replayed,
+                log_reads: r.log_reads,
+            },
+            saved_calls,
+            saved_tokens: saved,
+            saved_cost_usd: price.and_then(|p| ledger::cost(p, &saved)),
         }
     }
 }
 
-/// `GET /requests/{id}`: the record as JSON (RD-1), or with `Accept: text/event-stream` its
-/// chunk log as a numbered event stream (RD-2..RD-6). Unknown, malformed or another
-/// namespace's id: 404.
+/// `GET /requests/{id}`: the record as JSON (RD-1) with its usage by attempt, or with
+/// `Accept: text/event-stream` its chunk log as a numbered event stream (RD-2..RD-6).
+/// `?include=body` adds the request as sent upstream and the stored answer (bodies can hold
+/// secrets: only the request's own namespace keys and admin keys read them, as every read
+/// here). Unknown, malformed or another namespace's id: 404.
 pub(super) async fn get_one(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -110,11 +182,6 @@ pub(super) async fn get_one(
     headers: HeaderMap,
 ) -> Response {
     let shape = Provider::Openai;
-    let (namespace, uuid) = match addressed(&state, &headers, &id) {
-        Ok(found) => found,
-        Err(e) => return e.into_response(),
-    };
-    let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
     let wants_events = headers
         .get_all(header::ACCEPT)
         .iter()
@@ -127,24 +194,116 @@ pub(super) async fn get_one(
     } else {
         None
     };
-    match state.store.get(&namespace, uuid).await {
-        Ok(Some(record)) if wants_events => event_stream(&state, &record, position),
-        Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
-        Ok(None) => not_found(),
-        Err(e) => ApiError::store(shape, &e).into_response(),
+    let include_body = match query.get("include").map(String::as_str) {
+        None => false,
+        Some("body") => true,
+        Some(other) => {
+            return ApiError::bad_request(
+                shape,
+                "invalid_parameter",
+                format!("include={other:?}: the only value is `body`"),
+            )
+            .into_response();
+        }
+    };
+    let record = match addressed(&state, &headers, &id).await {
+        Ok(record) => record,
+        Err(e) => return e.into_response(),
+    };
+    if wants_events {
+        if let Err(e) = state.store.count_log_read(record.id).await {
+            tracing::warn!(id = %record.id, error = %e, "could not count a log reader");
+        }
+        return event_stream(&state, &record, position);
     }
+    let by_attempt = match state.store.attempt_usage(record.id).await {
+        Ok(rows) => rows,
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
+    let view = RecordView::new(&record, &state.config, Some(by_attempt));
+    if !include_body {
+        return axum::Json(view).into_response();
+    }
+    let bodies = match bodies(&state, &record).await {
+        Ok(bodies) => bodies,
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
+    let mut value = serde_json::to_value(view).unwrap_or_default();
+    if let Some(object) = value.as_object_mut() {
+        object.insert("request".into(), bodies.0);
+        object.insert("answer".into(), bodies.1);
+    }
+    axum::Json(value).into_response()
 }
 
-/// The caller's namespace and the request id of a `/requests/{id}` path.
+/// The request as sent upstream (`{"headers", "body"}`) and the stored answer: the provider's
+/// JSON body, or for a stream `{"text", "events"}` with the text reassembled from the current
+/// attempt's events.
+async fn bodies(
+    state: &AppState,
+    record: &RequestRecord,
+) -> Result<(serde_json::Value, serde_json::Value), crate::store::StoreError> {
+    use serde_json::{Value, json};
+    let request = json!({
+        "headers": record.headers.iter().map(|(n, v)| json!([n, v])).collect::<Vec<_>>(),
+        "body": body_json(&record.body),
+    });
+    if !record.stream {
+        let answer = record.response_body.as_deref().map_or(Value::Null, |b| {
+            serde_json::to_value(body_json(b)).unwrap_or_default()
+        });
+        return Ok((request, answer));
+    }
+    let mut text = String::new();
+    let mut events = 0u64;
+    let mut after = record.reset_seq;
+    loop {
+        let page = state.store.chunks_after(record.id, after, 512).await?;
+        let full = page.len() == 512;
+        for chunk in &page {
+            after = chunk.seq;
+            if chunk.kind != crate::store::ChunkKind::Data {
+                continue;
+            }
+            events += 1;
+            if let Ok(data) = serde_json::from_str::<Value>(&chunk.data) {
+                let kind = chunk.event.as_deref().or(data["type"].as_str());
+                if let Some(piece) = record.route.text_of_event(kind, &data) {
+                    text.push_str(&piece);
+                }
+            }
+        }
+        if !full {
+            break;
+        }
+    }
+    Ok((request, json!({"text": text, "events": events})))
+}
+
+/// The request a `/requests/{id}` path names, as the caller may see it: in its namespace, or
+/// in any for an admin key.
 ///
 /// # Errors
 /// 401 for an unknown key (when namespaces are configured); 404 for a malformed id, which can
-/// name no request.
-fn addressed(state: &AppState, headers: &HeaderMap, id: &str) -> Result<(String, Uuid), ApiError> {
-    let namespace = namespace(&state.config, headers, Provider::Openai)?;
-    let uuid = Uuid::parse_str(id)
-        .map_err(|_| ApiError::not_found(Provider::Openai, format!("no request {id}")))?;
-    Ok((namespace, uuid))
+/// name no request, and for one the caller may not see.
+async fn addressed(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: &str,
+) -> Result<RequestRecord, ApiError> {
+    let shape = Provider::Openai;
+    let caller = caller(&state.config, headers, shape)?;
+    let not_found = || ApiError::not_found(shape, format!("no request {id}"));
+    let uuid = Uuid::parse_str(id).map_err(|_| not_found())?;
+    let found = match &caller {
+        Caller::Namespace(ns) => state.store.get(ns, uuid).await,
+        Caller::Admin => state.store.get_any(uuid).await,
+    };
+    match found {
+        Ok(Some(record)) => Ok(record),
+        Ok(None) => Err(not_found()),
+        Err(e) => Err(ApiError::store(shape, &e)),
+    }
 }
 
 /// `POST /requests/{id}/cancel` (LC-9): a request that is not terminal fails with `cancelled`,
@@ -157,70 +316,67 @@ pub(super) async fn cancel(
     headers: HeaderMap,
 ) -> Response {
     let shape = Provider::Openai;
-    let (namespace, uuid) = match addressed(&state, &headers, &id) {
-        Ok(found) => found,
+    let record = match addressed(&state, &headers, &id).await {
+        Ok(record) => record,
         Err(e) => return e.into_response(),
     };
     let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
-    match state.workers.cancel(&namespace, uuid).await {
-        Ok(Some(record)) => axum::Json(RecordView::from(&record)).into_response(),
+    match state.workers.cancel(&record.namespace, record.id).await {
+        Ok(Some(record)) => {
+            axum::Json(RecordView::new(&record, &state.config, None)).into_response()
+        }
         Ok(None) => not_found(),
         Err(e) => ApiError::store(shape, &e).into_response(),
     }
 }
 
-/// Query of `GET /requests`.
-#[derive(Debug, serde::Deserialize)]
-pub(super) struct ListQuery {
-    status: Option<String>,
-    cursor: Option<String>,
-    limit: Option<i64>,
-}
+/// The parameters `GET /requests` knows.
+const LIST_PARAMETERS: [&str; 12] = [
+    "status",
+    "route",
+    "model",
+    "backend",
+    "since",
+    "until",
+    "q",
+    "replayed",
+    "cursor",
+    "limit",
+    "namespace",
+    "include",
+];
 
-/// `GET /requests` (RD-7): the caller's namespace's requests, newest first, optionally only
-/// one `status`, `limit` per page (default 50, at most 500). The answer is
-/// `{"data": [record...], "next_cursor": id | null}`; pass `cursor=<next_cursor>` for the next
-/// page. Records in the list leave out `response`.
+/// `GET /requests` (RD-7): the caller's namespace's requests (an admin key's: every
+/// namespace's, or `namespace=`'s), newest first, filtered by `status`, `route`, `model`,
+/// `backend`, `since` / `until` (RFC 3339, submission time), `q` (a substring of the request
+/// body as sent upstream, best effort), `replayed=true` (answered more than one submission);
+/// `limit` per page (default 50, at most 500). The answer is `{"data": [record...],
+/// "next_cursor": id | null}`; pass `cursor=<next_cursor>` for the next page. Records in the list
+/// leave out `response` and show the answering attempt's usage. An unknown parameter or a bad
+/// value is 400 naming it.
 pub(super) async fn list(
     State(state): State<AppState>,
-    Query(query): Query<ListQuery>,
+    Query(query): Query<Vec<(String, String)>>,
     headers: HeaderMap,
 ) -> Response {
     let shape = Provider::Openai;
-    let namespace = match namespace(&state.config, &headers, shape) {
-        Ok(ns) => ns,
+    let caller = match caller(&state.config, &headers, shape) {
+        Ok(caller) => caller,
         Err(e) => return e.into_response(),
     };
-    let status = match query.status.as_deref().map(|s| (s, Status::parse(s))) {
-        None => None,
-        Some((_, Some(s))) => Some(s),
-        Some((s, None)) => {
-            return ApiError::bad_request(
-                shape,
-                "invalid_status",
-                format!("status {s:?} is not one of pending, running, succeeded, failed"),
-            )
-            .into_response();
-        }
+    let filter = match list_filter(&caller, &query) {
+        Ok(filter) => filter,
+        Err(e) => return e.into_response(),
     };
-    let cursor = match query.cursor.as_deref().map(Uuid::parse_str) {
-        None => None,
-        Some(Ok(c)) => Some(c),
-        Some(Err(_)) => {
-            return ApiError::bad_request(shape, "invalid_cursor", "cursor must be a request id")
-                .into_response();
-        }
-    };
-    let limit = query.limit.unwrap_or(50).clamp(1, 500);
-    match state.store.list(&namespace, status, cursor, limit).await {
+    match state.store.list(&filter).await {
         Ok(records) => {
-            let next_cursor = (records.len() as i64 == limit)
+            let next_cursor = (records.len() as i64 == filter.limit)
                 .then(|| records.last().map(|r| r.id))
                 .flatten();
             let data: Vec<RecordView> = records
                 .iter()
                 .map(|r| {
-                    let mut view = RecordView::from(r);
+                    let mut view = RecordView::new(r, &state.config, None);
                     view.response = None;
                     view
                 })
@@ -230,6 +386,93 @@ pub(super) async fn list(
         }
         Err(e) => ApiError::store(shape, &e).into_response(),
     }
+}
+
+/// 400 `invalid_parameter` naming the parameter.
+pub(super) fn bad_parameter(name: &str, why: impl std::fmt::Display) -> ApiError {
+    ApiError::bad_request(
+        Provider::Openai,
+        "invalid_parameter",
+        format!("{name}: {why}"),
+    )
+}
+
+/// An RFC 3339 time parameter, in [`Millis`].
+pub(super) fn time_parameter(name: &str, value: &str) -> Result<Millis, ApiError> {
+    chrono::DateTime::parse_from_rfc3339(value)
+        .map(|t| t.timestamp_millis())
+        .map_err(|e| bad_parameter(name, format!("{value:?} is not an RFC 3339 time ({e})")))
+}
+
+/// The store filter of a `GET /requests` query.
+fn list_filter(caller: &Caller, query: &[(String, String)]) -> Result<ListFilter, ApiError> {
+    let mut filter = ListFilter {
+        limit: 50,
+        ..ListFilter::default()
+    };
+    let mut namespace = None;
+    for (name, value) in query {
+        match name.as_str() {
+            "status" => {
+                filter.status = Some(Status::parse(value).ok_or_else(|| {
+                    bad_parameter(
+                        "status",
+                        format!("{value:?} is not one of pending, running, succeeded, failed"),
+                    )
+                })?);
+            }
+            "route" => {
+                filter.route = Some(Route::from_name(value).ok_or_else(|| {
+                    let names: Vec<&str> = Route::ALL.iter().map(|r| r.name()).collect();
+                    bad_parameter(
+                        "route",
+                        format!("{value:?} is not one of {}", names.join(", ")),
+                    )
+                })?);
+            }
+            "model" => filter.model = Some(value.clone()),
+            "backend" => filter.backend = Some(value.clone()),
+            "since" => filter.since = Some(time_parameter("since", value)?),
+            "until" => filter.until = Some(time_parameter("until", value)?),
+            "q" if !value.is_empty() => filter.text = Some(value.clone()),
+            "q" => {}
+            "replayed" => {
+                filter.replayed = match value.as_str() {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(bad_parameter("replayed", "must be true or false")),
+                }
+            }
+            "cursor" => {
+                filter.before = Some(
+                    Uuid::parse_str(value)
+                        .map_err(|_| bad_parameter("cursor", "must be a request id"))?,
+                );
+            }
+            "limit" => {
+                filter.limit = value
+                    .parse::<i64>()
+                    .map_err(|_| bad_parameter("limit", "must be an integer"))?
+                    .clamp(1, 500);
+            }
+            "namespace" => namespace = Some(value.clone()),
+            "include" => return Err(bad_parameter("include", "only GET /requests/{id} takes it")),
+            other => {
+                return Err(bad_parameter(
+                    other,
+                    format!("unknown parameter; known: {}", LIST_PARAMETERS.join(", ")),
+                ));
+            }
+        }
+    }
+    if namespace.is_some() && *caller != Caller::Admin {
+        return Err(bad_parameter(
+            "namespace",
+            "only admin keys choose a namespace",
+        ));
+    }
+    filter.namespace = caller.scope(namespace.as_deref());
+    Ok(filter)
 }
 
 /// The resume position (RD-3): `Last-Event-ID`, else the `last_event_id` query parameter (a

@@ -1,7 +1,10 @@
 //! Anthropic's Messages API.
 
 use axum::http::StatusCode;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
+
+use super::{EventParts, Usage};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] = &["anthropic-beta", "anthropic-version"];
@@ -58,4 +61,66 @@ pub(super) fn is_error_event(event: Option<&str>, kind: Option<&str>, error: boo
 /// `message_stop`, by its `event:` name or its data's `type`.
 pub(super) fn ends_stream(kind: Option<&str>) -> bool {
     kind == Some(STREAM_END)
+}
+
+/// Anthropic's usage object. Its `input_tokens` leaves out the prompt-cache reads and writes
+/// (`cache_read_input_tokens`, `cache_creation_input_tokens`); the normalised `input_tokens`
+/// counts every input token, so they are added.
+pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
+    #[derive(serde::Deserialize)]
+    struct Raw {
+        input_tokens: Option<u64>,
+        output_tokens: Option<u64>,
+        cache_creation_input_tokens: Option<u64>,
+        cache_read_input_tokens: Option<u64>,
+    }
+    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
+    let input = raw.input_tokens.map(|n| {
+        n.saturating_add(raw.cache_creation_input_tokens.unwrap_or(0))
+            .saturating_add(raw.cache_read_input_tokens.unwrap_or(0))
+    });
+    let usage = Usage {
+        input_tokens: input,
+        output_tokens: raw.output_tokens,
+        cached_input_tokens: raw.cache_read_input_tokens,
+        cache_write_tokens: raw.cache_creation_input_tokens,
+        reasoning_tokens: None,
+    };
+    (!usage.is_empty()).then_some(usage)
+}
+
+/// `message_start` carries the message's usage (the input, and the first output count);
+/// `message_delta` the output so far, cumulative. Only its `output_tokens` is taken: the input
+/// was final at `message_start`.
+pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
+    match event.kind {
+        Some("message_start") => {
+            #[derive(serde::Deserialize)]
+            struct Message<'a> {
+                #[serde(borrow)]
+                usage: Option<&'a RawValue>,
+            }
+            let message: Message<'_> = serde_json::from_str(event.message?.get()).ok()?;
+            usage_of(message.usage?)
+        }
+        Some("message_delta") => {
+            #[derive(serde::Deserialize)]
+            struct Delta {
+                output_tokens: Option<u64>,
+            }
+            let delta: Delta = serde_json::from_str(event.usage?.get()).ok()?;
+            Some(Usage {
+                output_tokens: Some(delta.output_tokens?),
+                ..Usage::default()
+            })
+        }
+        _ => None,
+    }
+}
+
+/// A `content_block_delta`'s `text_delta` text.
+pub(super) fn text_of_event(data: &Value) -> Option<String> {
+    (data["type"] == "content_block_delta" && data["delta"]["type"] == "text_delta")
+        .then(|| data["delta"]["text"].as_str().map(str::to_owned))
+        .flatten()
 }

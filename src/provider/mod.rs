@@ -14,6 +14,7 @@ mod openai;
 use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// The kind of API a backend speaks, and the shape its clients expect (SPEC §0 "backend").
 /// The config spelling is lower-case: `kind = "openai"` or `kind = "anthropic"`.
@@ -137,7 +138,11 @@ pub(crate) struct EventParts<'a> {
     /// The event's type: its `event:` name, else its data's `type` member.
     pub kind: Option<&'a str>,
     /// The data's `response` member, unparsed (Responses lifecycle events).
-    pub response: Option<&'a serde_json::value::RawValue>,
+    pub response: Option<&'a RawValue>,
+    /// The data's `message` member, unparsed (Anthropic's `message_start`).
+    pub message: Option<&'a RawValue>,
+    /// The data's `usage` member, unparsed (a chat usage chunk, Anthropic's `message_delta`).
+    pub usage: Option<&'a RawValue>,
 }
 
 /// The parts of a non-stream answer the provider rules read, borrowed from its body.
@@ -147,6 +152,73 @@ pub(crate) struct BodyParts<'a> {
     pub id: Option<&'a str>,
     /// The top-level `object`.
     pub object: Option<&'a str>,
+    /// The top-level `usage`, unparsed.
+    pub usage: Option<&'a RawValue>,
+}
+
+/// Tokens a provider reported for one attempt, normalised across providers (docs/usage.md).
+/// `None`: the provider did not say; nothing is guessed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Usage {
+    /// Every input token processed, cached ones included.
+    pub input_tokens: Option<u64>,
+    /// Every output token, reasoning ones included.
+    pub output_tokens: Option<u64>,
+    /// Input tokens read from the provider's prompt cache (part of `input_tokens`).
+    pub cached_input_tokens: Option<u64>,
+    /// Input tokens written to the provider's prompt cache (part of `input_tokens`).
+    pub cache_write_tokens: Option<u64>,
+    /// Output tokens spent on reasoning (part of `output_tokens`).
+    pub reasoning_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// Whether the provider reported nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == Usage::default()
+    }
+
+    /// `later` over `self`, field by field: what a later event reports replaces what an earlier
+    /// one did (Anthropic's `message_delta` after `message_start`).
+    pub fn update(&mut self, later: Usage) {
+        let pick = |now: &mut Option<u64>, new: Option<u64>| {
+            if new.is_some() {
+                *now = new;
+            }
+        };
+        pick(&mut self.input_tokens, later.input_tokens);
+        pick(&mut self.output_tokens, later.output_tokens);
+        pick(&mut self.cached_input_tokens, later.cached_input_tokens);
+        pick(&mut self.cache_write_tokens, later.cache_write_tokens);
+        pick(&mut self.reasoning_tokens, later.reasoning_tokens);
+    }
+
+    /// The field-by-field sum of `self` and `other` (`None` only where both are).
+    pub fn plus(self, other: Usage) -> Usage {
+        let add = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
+        };
+        Usage {
+            input_tokens: add(self.input_tokens, other.input_tokens),
+            output_tokens: add(self.output_tokens, other.output_tokens),
+            cached_input_tokens: add(self.cached_input_tokens, other.cached_input_tokens),
+            cache_write_tokens: add(self.cache_write_tokens, other.cache_write_tokens),
+            reasoning_tokens: add(self.reasoning_tokens, other.reasoning_tokens),
+        }
+    }
+
+    /// Each field times `n`.
+    pub fn times(self, n: u64) -> Usage {
+        let mul = |a: Option<u64>| a.map(|a| a.saturating_mul(n));
+        Usage {
+            input_tokens: mul(self.input_tokens),
+            output_tokens: mul(self.output_tokens),
+            cached_input_tokens: mul(self.cached_input_tokens),
+            cache_write_tokens: mul(self.cache_write_tokens),
+            reasoning_tokens: mul(self.reasoning_tokens),
+        }
+    }
 }
 
 impl Route {
@@ -239,6 +311,42 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::answer_id_of_body(self, body),
             Provider::Anthropic => None,
+        }
+    }
+
+    /// What a stream event reports the attempt has cost so far, if it reports usage: to be
+    /// applied over what earlier events reported ([`Usage::update`]).
+    pub(crate) fn usage_of_event(self, event: &EventParts<'_>) -> Option<Usage> {
+        match self.provider() {
+            Provider::Openai => openai::usage_of_event(self, event),
+            Provider::Anthropic => anthropic::usage_of_event(event),
+        }
+    }
+
+    /// What a non-stream answer reports it cost.
+    pub(crate) fn usage_of_body(self, body: &BodyParts<'_>) -> Option<Usage> {
+        match self.provider() {
+            Provider::Openai => openai::usage_of(body.usage?),
+            Provider::Anthropic => anthropic::usage_of(body.usage?),
+        }
+    }
+
+    /// The top-level member a stream request of this route needs for the provider to report
+    /// its usage, as (name, `"name":value` text), when it needs one (OpenAI's chat and
+    /// completions streams report usage only when asked).
+    pub(crate) fn stream_usage_request(self) -> Option<(&'static str, &'static str)> {
+        match self.provider() {
+            Provider::Openai => openai::stream_usage_request(self),
+            Provider::Anthropic => None,
+        }
+    }
+
+    /// The answer text a stream event carries (a chat delta's content, a Responses
+    /// `output_text` delta, a Messages `text_delta`), for showing a streamed answer as text.
+    pub(crate) fn text_of_event(self, kind: Option<&str>, data: &Value) -> Option<String> {
+        match self.provider() {
+            Provider::Openai => openai::text_of_event(self, kind, data),
+            Provider::Anthropic => anthropic::text_of_event(data),
         }
     }
 

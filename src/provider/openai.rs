@@ -3,7 +3,9 @@
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use super::{BodyParts, EventParts, Route};
+use serde_json::value::RawValue;
+
+use super::{BodyParts, EventParts, Route, Usage};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] =
@@ -99,4 +101,83 @@ pub(super) fn answer_id_of_body(route: Route, body: &BodyParts<'_>) -> Option<St
     (route == Route::OpenaiResponses && body.object == Some("response"))
         .then(|| body.id.map(str::to_owned))
         .flatten()
+}
+
+/// OpenAI's usage objects, both conventions: chat, completions and embeddings
+/// (`prompt_tokens`, `completion_tokens`, `*_details`) and the Responses API (`input_tokens`,
+/// `output_tokens`, `*_details`).
+pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
+    #[derive(serde::Deserialize, Default)]
+    struct Details {
+        cached_tokens: Option<u64>,
+        cache_write_tokens: Option<u64>,
+        reasoning_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Raw {
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+        input_tokens: Option<u64>,
+        output_tokens: Option<u64>,
+        prompt_tokens_details: Option<Details>,
+        completion_tokens_details: Option<Details>,
+        input_tokens_details: Option<Details>,
+        output_tokens_details: Option<Details>,
+    }
+    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
+    let input = raw
+        .prompt_tokens_details
+        .or(raw.input_tokens_details)
+        .unwrap_or_default();
+    let output = raw
+        .completion_tokens_details
+        .or(raw.output_tokens_details)
+        .unwrap_or_default();
+    let usage = Usage {
+        input_tokens: raw.prompt_tokens.or(raw.input_tokens),
+        output_tokens: raw.completion_tokens.or(raw.output_tokens),
+        cached_input_tokens: input.cached_tokens,
+        cache_write_tokens: input.cache_write_tokens,
+        reasoning_tokens: output.reasoning_tokens,
+    };
+    (!usage.is_empty()).then_some(usage)
+}
+
+/// Chat and completions streams report usage in a chunk of their own (when the request asked
+/// with `stream_options.include_usage`); Responses streams in the response object of their final
+/// event (`response.completed`, `.incomplete`, `.failed`).
+pub(super) fn usage_of_event(route: Route, event: &EventParts<'_>) -> Option<Usage> {
+    match route {
+        Route::OpenaiResponses => {
+            #[derive(serde::Deserialize)]
+            struct Response<'a> {
+                #[serde(borrow)]
+                usage: Option<&'a RawValue>,
+            }
+            let response: Response<'_> = serde_json::from_str(event.response?.get()).ok()?;
+            usage_of(response.usage?)
+        }
+        _ => usage_of(event.usage?),
+    }
+}
+
+/// A chat chunk's `choices[0].delta.content`, a completion chunk's `choices[0].text`, a
+/// Responses `response.output_text.delta`'s `delta`.
+pub(super) fn text_of_event(route: Route, kind: Option<&str>, data: &Value) -> Option<String> {
+    let text = match route {
+        Route::OpenaiResponses if kind == Some("response.output_text.delta") => &data["delta"],
+        Route::OpenaiResponses => return None,
+        Route::OpenaiCompletions => &data["choices"][0]["text"],
+        _ => &data["choices"][0]["delta"]["content"],
+    };
+    text.as_str().map(str::to_owned)
+}
+
+/// Chat and completions streams carry a usage chunk only with
+/// `stream_options.include_usage: true`.
+pub(super) fn stream_usage_request(route: Route) -> Option<(&'static str, &'static str)> {
+    matches!(route, Route::OpenaiChat | Route::OpenaiCompletions).then_some((
+        "stream_options",
+        r#""stream_options":{"include_usage":true}"#,
+    ))
 }

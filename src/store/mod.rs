@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::provider::Route;
+pub use crate::provider::Usage;
 
 /// Milliseconds since the Unix epoch.
 pub type Millis = i64;
@@ -259,6 +260,111 @@ pub struct RequestRecord {
     pub updated_at: Millis,
     /// When it became terminal.
     pub finished_at: Option<Millis>,
+    /// Client submissions that attached to it while it ran (deliveries beyond the first).
+    pub attached: u32,
+    /// Client submissions answered from storage after it ended.
+    pub replayed: u32,
+    /// Readers of its log as an event stream (`GET /requests/{id}`).
+    pub log_reads: u32,
+    /// What the attempt that gave its answer reported it cost (the last one that reported
+    /// usage): what each saved call would have cost.
+    pub usage: Usage,
+}
+
+impl RequestRecord {
+    /// Client submissions this request answered: the one that created it, and every one that
+    /// attached or was replayed.
+    pub fn deliveries(&self) -> u32 {
+        1 + self.attached + self.replayed
+    }
+
+    /// Provider calls deliveries beyond them did not make: deliveries minus attempts, when
+    /// positive (docs/usage.md).
+    pub fn saved_calls(&self) -> u32 {
+        self.deliveries().saturating_sub(self.attempts)
+    }
+}
+
+/// Which requests [`Store::list`] returns. Every `None` matches everything.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    /// Only this namespace's; `None`: every namespace (admin keys).
+    pub namespace: Option<String>,
+    /// Only this status.
+    pub status: Option<Status>,
+    /// Only this route.
+    pub route: Option<Route>,
+    /// Only this model (as sent upstream).
+    pub model: Option<String>,
+    /// Only this backend.
+    pub backend: Option<String>,
+    /// Submitted at or after.
+    pub since: Option<Millis>,
+    /// Submitted before.
+    pub until: Option<Millis>,
+    /// Only those whose body (as sent upstream) holds these bytes: a substring of the prompt,
+    /// best effort (the body is JSON, so text with escapes must be searched as escaped).
+    pub text: Option<String>,
+    /// Only those that answered more than one submission (attached or replayed).
+    pub replayed: bool,
+    /// Only ids below this one (the paging cursor).
+    pub before: Option<Uuid>,
+    /// At most this many.
+    pub limit: i64,
+}
+
+/// How `GET /usage` groups requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageGroup {
+    /// By the model sent upstream.
+    Model,
+    /// By backend.
+    Backend,
+    /// By namespace.
+    Namespace,
+    /// By UTC day of submission (`YYYY-MM-DD`).
+    Day,
+}
+
+/// Which requests `Store::usage` sums: submitted in `[since, until)`, of one namespace or all.
+#[derive(Debug, Clone)]
+pub struct UsageQuery {
+    /// Only this namespace's requests; `None`: every namespace.
+    pub namespace: Option<String>,
+    /// Submitted at or after.
+    pub since: Millis,
+    /// Submitted before.
+    pub until: Millis,
+    /// The grouping.
+    pub group_by: UsageGroup,
+}
+
+/// One group of `Store::usage`, split by (backend, model) so prices can apply.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UsageRow {
+    /// The group's key (a model, backend, namespace, or `YYYY-MM-DD`).
+    pub key: String,
+    /// Backend of these requests.
+    pub backend: String,
+    /// Model of these requests.
+    pub model: Option<String>,
+    /// Requests.
+    pub requests: u64,
+    /// Attempts (provider calls).
+    pub attempts: u64,
+    /// Client submissions answered (created, attached, replayed).
+    pub deliveries: u64,
+    /// Of which attached to a running execution.
+    pub attached: u64,
+    /// Of which replayed from storage.
+    pub replayed: u64,
+    /// Provider calls saved: per request, deliveries minus attempts when positive.
+    pub saved_calls: u64,
+    /// Tokens the provider reported, every attempt.
+    pub usage: Usage,
+    /// Tokens the saved calls would have cost: per request, saved calls times the usage of its
+    /// answering (last) attempt.
+    pub saved: Usage,
 }
 
 /// What a stored chunk is (SPEC §0 "chunk", RD-5, RD-6).
@@ -329,6 +435,9 @@ pub struct ChunkBatch {
     /// The provider's own id of this answer (a Responses `resp_...`), recorded with the batch
     /// that carried it, so the provider's retrieval protocol can be served from the log.
     pub response_id: Option<String>,
+    /// The attempt's usage as reported so far, when this batch changed it: recorded with the
+    /// batch, so an attempt that is abandoned keeps what the provider reported (it was billed).
+    pub usage: Option<Usage>,
 }
 
 /// The right to run one attempt (LC-2). Every write for the attempt names it (LC-3).
@@ -364,6 +473,8 @@ pub enum Outcome {
         upstream_request_id: Option<String>,
         /// The provider's own id of a non-stream answer (a Responses `resp_...`), if any.
         response_id: Option<String>,
+        /// What the provider reported the attempt cost.
+        usage: Option<Usage>,
     },
     /// Transient failure with attempts left: back to pending until `next_retry_at` (LC-5).
     Retry {
@@ -380,6 +491,9 @@ pub enum Outcome {
         response: Option<(u16, Vec<u8>)>,
         /// Provider request id header.
         upstream_request_id: Option<String>,
+        /// What the provider reported before the attempt failed (an interrupted stream was
+        /// billed for what it produced).
+        usage: Option<Usage>,
     },
 }
 
@@ -638,18 +752,18 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError>;
 
-    /// Requests of `namespace`, newest first (ids are UUID v7), optionally only those with
-    /// `status`, only ids below `before` (the paging cursor), at most `limit` (RD-7).
+    /// The requests `filter` selects, newest first (ids are UUID v7), at most `filter.limit`
+    /// (RD-7).
     ///
     /// # Errors
     /// [`StoreError`] when the database fails.
-    async fn list(
-        &self,
-        namespace: &str,
-        status: Option<Status>,
-        before: Option<Uuid>,
-        limit: i64,
-    ) -> Result<Vec<RequestRecord>, StoreError>;
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RequestRecord>, StoreError>;
+
+    /// Reads request `id` whatever its namespace (for admin keys).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails or the row is unreadable.
+    async fn get_any(&self, id: Uuid) -> Result<Option<RequestRecord>, StoreError>;
 
     /// Hands a running attempt back to `pending` without counting a recovery (DU-5, graceful
     /// shutdown), fenced on the lease; a `reset` chunk follows if the attempt stored chunks.
@@ -672,6 +786,24 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] when the database fails.
     async fn find_response(&self, response_id: &str) -> Result<Option<ResponseRef>, StoreError>;
+
+    /// The usage each attempt of request `id` reported, by attempt number.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError>;
+
+    /// Counts a reader of request `id`'s log as an event stream (it is not a delivery).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError>;
+
+    /// The usage ledger of the requests `query` selects, one row per (group, backend, model).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError>;
 
     /// Number of requests per status (for queue-depth metrics).
     ///

@@ -66,11 +66,14 @@ use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use super::row::RawRecord;
+use super::row::tokens_of;
 use super::rules::{self, Expired, Settle};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, Millis, NewRequest, Notification,
-    Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, ListFilter, Millis, NewRequest,
+    Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
+    Usage, UsageGroup, UsageQuery, UsageRow,
 };
+use crate::provider::Route;
 
 /// Connections per process unless [`PostgresStore::open_with`] says otherwise.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
@@ -280,6 +283,13 @@ fn count(n: i32, what: &str) -> Result<u32, StoreError> {
     u32::try_from(n).map_err(|_| corrupt(format!("{what} {n}")))
 }
 
+/// A token count column by name.
+fn tokens(row: &PgRow, name: &str) -> Result<Option<u64>, StoreError> {
+    Ok(row
+        .try_get::<Option<i64>, _>(name)?
+        .and_then(|v| u64::try_from(v).ok()))
+}
+
 /// Reads a [`RequestRecord`] from `row` by column name (checks in [`RawRecord::into_record`]).
 fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
     RawRecord {
@@ -311,6 +321,16 @@ fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         finished_at: row.try_get("finished_at")?,
+        attached: i64::from(row.try_get::<i32, _>("attached")?),
+        replayed: i64::from(row.try_get::<i32, _>("replayed")?),
+        log_reads: i64::from(row.try_get::<i32, _>("log_reads")?),
+        usage: Usage {
+            input_tokens: tokens(row, "usage_input_tokens")?,
+            output_tokens: tokens(row, "usage_output_tokens")?,
+            cached_input_tokens: tokens(row, "usage_cached_input_tokens")?,
+            cache_write_tokens: tokens(row, "usage_cache_write_tokens")?,
+            reasoning_tokens: tokens(row, "usage_reasoning_tokens")?,
+        },
     }
     .into_record()
 }
@@ -386,6 +406,79 @@ async fn insert_response_id(
     .await?;
     Ok(())
 }
+
+/// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
+/// (usage is reported cumulatively).
+async fn upsert_usage(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    attempt: u32,
+    usage: &Usage,
+) -> Result<(), StoreError> {
+    let u = tokens_of(Some(usage));
+    sqlx::query(
+        "INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+             cached_input_tokens, cache_write_tokens, reasoning_tokens)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
+         ON CONFLICT (request_id, attempt) DO UPDATE SET
+             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+             cached_input_tokens = EXCLUDED.cached_input_tokens,
+             cache_write_tokens = EXCLUDED.cache_write_tokens,
+             reasoning_tokens = EXCLUDED.reasoning_tokens",
+    )
+    .bind(id)
+    .bind(attempt_number(attempt)?)
+    .bind(u[0])
+    .bind(u[1])
+    .bind(u[2])
+    .bind(u[3])
+    .bind(u[4])
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// A usage row's five token columns from `at` on.
+fn usage_from_row(row: &PgRow, at: usize) -> Result<Usage, StoreError> {
+    let n = |i: usize| -> Result<Option<u64>, StoreError> {
+        Ok(row
+            .try_get::<Option<i64>, _>(at + i)?
+            .and_then(|v| u64::try_from(v).ok()))
+    };
+    Ok(Usage {
+        input_tokens: n(0)?,
+        output_tokens: n(1)?,
+        cached_input_tokens: n(2)?,
+        cache_write_tokens: n(3)?,
+        reasoning_tokens: n(4)?,
+    })
+}
+
+/// `Store::usage`'s statement around its group key (as the SQLite adapter's; sums are cast to
+/// BIGINT, since PostgreSQL sums BIGINT as NUMERIC).
+const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
+        COUNT(*)::bigint, SUM(r.attempts)::bigint, SUM(1 + r.attached + r.replayed)::bigint,
+        SUM(r.attached)::bigint, SUM(r.replayed)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0))::bigint,
+        SUM(u.input_tokens)::bigint, SUM(u.output_tokens)::bigint,
+        SUM(u.cached_input_tokens)::bigint, SUM(u.cache_write_tokens)::bigint,
+        SUM(u.reasoning_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.input_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.output_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.cached_input_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.cache_write_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.reasoning_tokens)::bigint
+    FROM requests r
+    LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
+                   SUM(output_tokens) AS output_tokens,
+                   SUM(cached_input_tokens) AS cached_input_tokens,
+                   SUM(cache_write_tokens) AS cache_write_tokens,
+                   SUM(reasoning_tokens) AS reasoning_tokens
+               FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
+    LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
+    WHERE ($1::text IS NULL OR r.namespace = $1) AND r.created_at >= $2 AND r.created_at < $3
+    GROUP BY 1, r.backend, r.model
+    ORDER BY 1, r.backend, r.model";
 
 /// `claim_kind` of request `id` as stored.
 fn claim_of(id: Uuid, s: &str) -> Result<ClaimKind, StoreError> {
@@ -535,9 +628,22 @@ impl Store for PostgresStore {
             tx.commit().await?;
             return Ok((Submitted::KeyMismatch { existing }, None));
         }
-        let record = Self::fetch_in(&mut tx, existing)
-            .await?
-            .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
+        // One more delivery: attached while it runs, replayed once it ended (docs/usage.md).
+        let row = sqlx::query(concat!(
+            "UPDATE requests SET
+                 attached = attached + (status IN ('pending', 'running'))::int,
+                 replayed = replayed + (status IN ('succeeded', 'failed'))::int
+             WHERE id = $1
+             RETURNING ",
+            request_columns!()
+        ))
+        .bind(existing)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or_else(|| {
+            StoreError::corrupt(Some(existing), "a live claim points at a missing request")
+        })?;
+        let record = record_from_row(&row)?;
         tx.commit().await?;
         Ok((Submitted::Attached(Box::new(record)), None))
     }
@@ -664,15 +770,18 @@ impl Store for PostgresStore {
                 status,
                 body,
                 upstream_request_id,
+                usage,
                 ..
             } => {
+                let u = tokens_of(usage.as_ref());
                 sqlx::query(concat!(
                     "UPDATE requests SET status = 'succeeded', response_status = $1,
                          response_body = $2, upstream_request_id = $3, error_type = NULL,
                          error_message = NULL, error_status = NULL, lease_owner = NULL,
                          lease_expires_at = NULL, finished_at = $4, updated_at = $4,
-                         last_seq = last_seq + 1
-                     WHERE id = $5 AND lease_owner = $6 AND status = 'running'
+                         last_seq = last_seq + 1, ",
+                    usage_assignments!("$7", "$8", "$9", "$10", "$11"),
+                    " WHERE id = $5 AND lease_owner = $6 AND status = 'running'
                      RETURNING ",
                     request_columns!()
                 ))
@@ -682,6 +791,11 @@ impl Store for PostgresStore {
                 .bind(now)
                 .bind(id)
                 .bind(&lease.owner)
+                .bind(u[0])
+                .bind(u[1])
+                .bind(u[2])
+                .bind(u[3])
+                .bind(u[4])
                 .fetch_optional(&mut *tx)
                 .await?
             }
@@ -711,13 +825,16 @@ impl Store for PostgresStore {
                 error,
                 response,
                 upstream_request_id,
+                usage,
             } => {
+                let u = tokens_of(usage.as_ref());
                 sqlx::query(concat!(
                     "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
                          error_status = $3, response_status = $4, response_body = $5,
                          upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = $7, updated_at = $7, last_seq = last_seq + 1
-                     WHERE id = $8 AND lease_owner = $9 AND status = 'running'
+                         finished_at = $7, updated_at = $7, last_seq = last_seq + 1, ",
+                    usage_assignments!("$10", "$11", "$12", "$13", "$14"),
+                    " WHERE id = $8 AND lease_owner = $9 AND status = 'running'
                      RETURNING ",
                     request_columns!()
                 ))
@@ -730,6 +847,11 @@ impl Store for PostgresStore {
                 .bind(now)
                 .bind(id)
                 .bind(&lease.owner)
+                .bind(u[0])
+                .bind(u[1])
+                .bind(u[2])
+                .bind(u[3])
+                .bind(u[4])
                 .fetch_optional(&mut *tx)
                 .await?
             }
@@ -745,6 +867,15 @@ impl Store for PostgresStore {
         } = outcome
         {
             insert_response_id(&mut tx, response_id, id, lease.attempt).await?;
+        }
+        if let Outcome::Succeeded {
+            usage: Some(usage), ..
+        }
+        | Outcome::Failed {
+            usage: Some(usage), ..
+        } = outcome
+        {
+            upsert_usage(&mut tx, id, lease.attempt, usage).await?;
         }
         if record.status.is_terminal() {
             let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
@@ -857,6 +988,9 @@ impl Store for PostgresStore {
                 insert_response_id(&mut tx, response_id, batch.lease.id, batch.lease.attempt)
                     .await?;
             }
+            if let Some(usage) = &batch.usage {
+                upsert_usage(&mut tx, batch.lease.id, batch.lease.attempt, usage).await?;
+            }
             let first = last - n + 1;
             let events: Vec<Option<String>> = batch
                 .chunks
@@ -964,28 +1098,47 @@ impl Store for PostgresStore {
         Ok(record)
     }
 
-    async fn list(
-        &self,
-        namespace: &str,
-        status: Option<Status>,
-        before: Option<Uuid>,
-        limit: i64,
-    ) -> Result<Vec<RequestRecord>, StoreError> {
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RequestRecord>, StoreError> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             request_columns!(),
             " FROM requests
-             WHERE namespace = $1 AND ($2::text IS NULL OR status = $2)
-                 AND ($3::uuid IS NULL OR id < $3)
-             ORDER BY id DESC LIMIT $4"
+             WHERE ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR status = $2)
+                 AND ($3::text IS NULL OR route = $3) AND ($4::text IS NULL OR model = $4)
+                 AND ($5::text IS NULL OR backend = $5)
+                 AND ($6::bigint IS NULL OR created_at >= $6)
+                 AND ($7::bigint IS NULL OR created_at < $7)
+                 AND ($8::text IS NULL OR position(convert_to($8, 'UTF8') IN body) > 0)
+                 AND (NOT $9 OR attached + replayed > 0)
+                 AND ($10::uuid IS NULL OR id < $10)
+             ORDER BY id DESC LIMIT $11"
         ))
-        .bind(namespace)
-        .bind(status.map(Status::as_str))
-        .bind(before)
-        .bind(limit.max(0))
+        .bind(&filter.namespace)
+        .bind(filter.status.map(Status::as_str))
+        .bind(filter.route.map(Route::name))
+        .bind(&filter.model)
+        .bind(&filter.backend)
+        .bind(filter.since)
+        .bind(filter.until)
+        .bind(filter.text.as_deref().map(text))
+        .bind(filter.replayed)
+        .bind(filter.before)
+        .bind(filter.limit.max(0))
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(record_from_row).collect()
+    }
+
+    async fn get_any(&self, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            request_columns!(),
+            " FROM requests WHERE id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(record_from_row).transpose()
     }
 
     async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
@@ -1037,6 +1190,10 @@ impl Store for PostgresStore {
             .bind(&ids)
             .execute(&mut *tx)
             .await?;
+        sqlx::query("DELETE FROM attempt_usage WHERE request_id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query("DELETE FROM response_ids WHERE request_id = ANY($1)")
             .bind(&ids)
             .execute(&mut *tx)
@@ -1072,6 +1229,69 @@ impl Store for PostgresStore {
                 })
             })
             .transpose()
+    }
+
+    async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT attempt, input_tokens, output_tokens, cached_input_tokens,
+                 cache_write_tokens, reasoning_tokens
+             FROM attempt_usage WHERE request_id = $1 ORDER BY attempt",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let attempt = count(row.try_get("attempt")?, "usage attempt")?;
+                Ok((attempt, usage_from_row(row, 1)?))
+            })
+            .collect()
+    }
+
+    async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
+        sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
+        let key = match query.group_by {
+            UsageGroup::Model => "COALESCE(r.model, '')",
+            UsageGroup::Backend => "r.backend",
+            UsageGroup::Namespace => "r.namespace",
+            UsageGroup::Day => {
+                "to_char(to_timestamp(r.created_at / 1000.0) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+            }
+        };
+        let sql = format!("SELECT {key}{USAGE_SQL_TAIL}");
+        let rows = sqlx::query(&sql)
+            .bind(&query.namespace)
+            .bind(query.since)
+            .bind(query.until)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let n = |i: usize| -> Result<u64, StoreError> {
+                    Ok(u64::try_from(row.try_get::<Option<i64>, _>(i)?.unwrap_or(0)).unwrap_or(0))
+                };
+                Ok(UsageRow {
+                    key: row.try_get(0)?,
+                    backend: row.try_get(1)?,
+                    model: row.try_get(2)?,
+                    requests: n(3)?,
+                    attempts: n(4)?,
+                    deliveries: n(5)?,
+                    attached: n(6)?,
+                    replayed: n(7)?,
+                    saved_calls: n(8)?,
+                    usage: usage_from_row(row, 9)?,
+                    saved: usage_from_row(row, 14)?,
+                })
+            })
+            .collect()
     }
 
     async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {

@@ -5,7 +5,7 @@
 
 use uuid::Uuid;
 
-use super::{ClaimKind, ErrorInfo, ErrorType, RequestRecord, Status, StoreError};
+use super::{ClaimKind, ErrorInfo, ErrorType, RequestRecord, Status, StoreError, Usage};
 use crate::provider::Route;
 
 /// The columns of a [`RequestRecord`], in the order of [`col`]. A macro, so the statements
@@ -16,7 +16,33 @@ macro_rules! request_columns {
         "id, namespace, route, backend, model, stream, body, headers, claim_kind, status, \
          attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
          response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
-         updated_at, finished_at"
+         updated_at, finished_at, attached, replayed, log_reads, usage_input_tokens, \
+         usage_output_tokens, usage_cached_input_tokens, usage_cache_write_tokens, \
+         usage_reasoning_tokens"
+    };
+}
+
+/// `SET` assignments of the five answer-usage columns from five placeholders, keeping what was
+/// stored where the new value is `NULL` (the attempt reported nothing).
+macro_rules! usage_assignments {
+    ($input:literal, $output:literal, $cached:literal, $write:literal, $reasoning:literal) => {
+        concat!(
+            "usage_input_tokens = COALESCE(",
+            $input,
+            ", usage_input_tokens), ",
+            "usage_output_tokens = COALESCE(",
+            $output,
+            ", usage_output_tokens), ",
+            "usage_cached_input_tokens = COALESCE(",
+            $cached,
+            ", usage_cached_input_tokens), ",
+            "usage_cache_write_tokens = COALESCE(",
+            $write,
+            ", usage_cache_write_tokens), ",
+            "usage_reasoning_tokens = COALESCE(",
+            $reasoning,
+            ", usage_reasoning_tokens)"
+        )
     };
 }
 
@@ -46,6 +72,12 @@ pub(crate) mod col {
     pub(crate) const CREATED_AT: usize = 21;
     pub(crate) const UPDATED_AT: usize = 22;
     pub(crate) const FINISHED_AT: usize = 23;
+    pub(crate) const ATTACHED: usize = 24;
+    pub(crate) const REPLAYED: usize = 25;
+    pub(crate) const LOG_READS: usize = 26;
+    /// The first of the five usage columns (input, output, cached input, cache write,
+    /// reasoning).
+    pub(crate) const USAGE: usize = 27;
 }
 
 /// A `requests` row as stored, before its values are checked.
@@ -75,6 +107,10 @@ pub(crate) struct RawRecord {
     pub created_at: i64,
     pub updated_at: i64,
     pub finished_at: Option<i64>,
+    pub attached: i64,
+    pub replayed: i64,
+    pub log_reads: i64,
+    pub usage: Usage,
 }
 
 impl RawRecord {
@@ -121,6 +157,25 @@ impl RawRecord {
             created_at: self.created_at,
             updated_at: self.updated_at,
             finished_at: self.finished_at,
+            attached: count(self.attached, "attached")?,
+            replayed: count(self.replayed, "replayed")?,
+            log_reads: count(self.log_reads, "log_reads")?,
+            usage: self.usage,
         })
+    }
+}
+
+/// The five token counts of `usage` as stored (`NULL` when not reported).
+pub(crate) fn tokens_of(usage: Option<&Usage>) -> [Option<i64>; 5] {
+    let n = |v: Option<u64>| v.and_then(|v| i64::try_from(v).ok());
+    match usage {
+        Some(u) => [
+            n(u.input_tokens),
+            n(u.output_tokens),
+            n(u.cached_input_tokens),
+            n(u.cache_write_tokens),
+            n(u.reasoning_tokens),
+        ],
+        None => [None; 5],
     }
 }

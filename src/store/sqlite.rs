@@ -38,13 +38,16 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, params};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
+use super::row::tokens_of;
 use super::row::{RawRecord, col};
 use super::rules::{self, Expired, Settle};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, Millis, NewRequest, Outcome,
-    RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, ListFilter, Millis, NewRequest,
+    Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage,
+    UsageGroup, UsageQuery, UsageRow,
 };
 use crate::config::SqliteSynchronous;
+use crate::provider::Route;
 
 /// Most write jobs in one transaction. Bounds a commit's duration (and the delay of the first
 /// job in it), not its correctness.
@@ -64,6 +67,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         3,
         include_str!("../../migrations/sqlite/0003_response_ids.sql"),
     ),
+    (4, include_str!("../../migrations/sqlite/0004_usage.sql")),
 ];
 
 /// The embedded store. Cloning is cheap; the writer and checkpoint threads stop when the last
@@ -475,6 +479,10 @@ fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError
         created_at: row.get(at + col::CREATED_AT)?,
         updated_at: row.get(at + col::UPDATED_AT)?,
         finished_at: row.get(at + col::FINISHED_AT)?,
+        attached: row.get(at + col::ATTACHED)?,
+        replayed: row.get(at + col::REPLAYED)?,
+        log_reads: row.get(at + col::LOG_READS)?,
+        usage: usage_from_row(row, at + col::USAGE)?,
     }
     .into_record()
 }
@@ -587,6 +595,10 @@ fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
         created_at: new.now,
         updated_at: new.now,
         finished_at: None,
+        attached: 0,
+        replayed: 0,
+        log_reads: 0,
+        usage: Usage::default(),
     }
 }
 
@@ -695,8 +707,25 @@ fn submit_in(
             None,
         ));
     }
-    let record = fetch(conn, &existing)?
-        .ok_or_else(|| corrupt(format!("claim points at missing request {existing}")))?;
+    // One more delivery: attached while it runs, replayed once it ended (docs/usage.md).
+    let mut stmt = conn.prepare_cached(concat!(
+        "UPDATE requests SET
+             attached = attached + (status IN ('pending', 'running')),
+             replayed = replayed + (status IN ('succeeded', 'failed'))
+         WHERE id = ?1
+         RETURNING ",
+        request_columns!()
+    ))?;
+    let mut rows = stmt.query(params![existing])?;
+    let record = match rows.next()? {
+        Some(row) => record_from_row(row, 0)?,
+        None => {
+            return Err(StoreError::corrupt(
+                Some(existing_id),
+                "a live claim points at a missing request",
+            ));
+        }
+    };
     Ok((Submitted::Attached(Box::new(record)), None))
 }
 
@@ -726,27 +755,37 @@ fn finish_in(
             status,
             body,
             upstream_request_id,
+            usage,
             ..
-        } => returning(
-            concat!(
-                "UPDATE requests SET status = 'succeeded', response_status = ?1,
-                     response_body = ?2, upstream_request_id = ?3, error_type = NULL,
-                     error_message = NULL, error_status = NULL, lease_owner = NULL,
-                     lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
-                     last_seq = last_seq + 1
-                 WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'
-                 RETURNING ",
-                request_columns!()
-            ),
-            params![
-                i64::from(*status),
-                body,
-                upstream_request_id,
-                now,
-                id,
-                lease.owner
-            ],
-        )?,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            returning(
+                concat!(
+                    "UPDATE requests SET status = 'succeeded', response_status = ?1,
+                         response_body = ?2, upstream_request_id = ?3, error_type = NULL,
+                         error_message = NULL, error_status = NULL, lease_owner = NULL,
+                         lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
+                         last_seq = last_seq + 1, ",
+                    usage_assignments!("?7", "?8", "?9", "?10", "?11"),
+                    " WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'
+                     RETURNING ",
+                    request_columns!()
+                ),
+                params![
+                    i64::from(*status),
+                    body,
+                    upstream_request_id,
+                    now,
+                    id,
+                    lease.owner,
+                    u[0],
+                    u[1],
+                    u[2],
+                    u[3],
+                    u[4]
+                ],
+            )?
+        }
         Outcome::Retry {
             next_retry_at,
             error,
@@ -773,28 +812,38 @@ fn finish_in(
             error,
             response,
             upstream_request_id,
-        } => returning(
-            concat!(
-                "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
-                     error_status = ?3, response_status = ?4, response_body = ?5,
-                     upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
-                     finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1
-                 WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'
-                 RETURNING ",
-                request_columns!()
-            ),
-            params![
-                error.kind.as_str(),
-                error.message,
-                error.status.map(i64::from),
-                response.as_ref().map(|(s, _)| i64::from(*s)),
-                response.as_ref().map(|(_, b)| b.as_slice()),
-                upstream_request_id,
-                now,
-                id,
-                lease.owner
-            ],
-        )?,
+            usage,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            returning(
+                concat!(
+                    "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
+                         error_status = ?3, response_status = ?4, response_body = ?5,
+                         upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
+                         finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1, ",
+                    usage_assignments!("?10", "?11", "?12", "?13", "?14"),
+                    " WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'
+                     RETURNING ",
+                    request_columns!()
+                ),
+                params![
+                    error.kind.as_str(),
+                    error.message,
+                    error.status.map(i64::from),
+                    response.as_ref().map(|(s, _)| i64::from(*s)),
+                    response.as_ref().map(|(_, b)| b.as_slice()),
+                    upstream_request_id,
+                    now,
+                    id,
+                    lease.owner,
+                    u[0],
+                    u[1],
+                    u[2],
+                    u[3],
+                    u[4]
+                ],
+            )?
+        }
     };
     let Some(record) = record else {
         return Ok(None);
@@ -805,6 +854,15 @@ fn finish_in(
     } = outcome
     {
         insert_response_id(conn, response_id, &id, lease.attempt)?;
+    }
+    if let Outcome::Succeeded {
+        usage: Some(usage), ..
+    }
+    | Outcome::Failed {
+        usage: Some(usage), ..
+    } = outcome
+    {
+        upsert_usage(conn, &id, lease.attempt, usage)?;
     }
     if record.status.is_terminal() {
         let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
@@ -922,6 +980,9 @@ fn append_in(
         if let Some(response_id) = &batch.response_id {
             insert_response_id(conn, response_id, &id, batch.lease.attempt)?;
         }
+        if let Some(usage) = &batch.usage {
+            upsert_usage(conn, &id, batch.lease.attempt, usage)?;
+        }
         results.push(Some(stored));
     }
     Ok(results)
@@ -943,6 +1004,79 @@ fn insert_response_id(
     .execute(params![response_id, id, i64::from(attempt)])?;
     Ok(())
 }
+
+/// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
+/// (usage is reported cumulatively).
+fn upsert_usage(
+    conn: &Connection,
+    id: &str,
+    attempt: u32,
+    usage: &Usage,
+) -> Result<(), StoreError> {
+    let u = tokens_of(Some(usage));
+    conn.prepare_cached(
+        "INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+             cached_input_tokens, cache_write_tokens, reasoning_tokens)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+         ON CONFLICT (request_id, attempt) DO UPDATE SET
+             input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
+             cached_input_tokens = excluded.cached_input_tokens,
+             cache_write_tokens = excluded.cache_write_tokens,
+             reasoning_tokens = excluded.reasoning_tokens",
+    )?
+    .execute(params![
+        id,
+        i64::from(attempt),
+        u[0],
+        u[1],
+        u[2],
+        u[3],
+        u[4]
+    ])?;
+    Ok(())
+}
+
+/// A usage row's five token columns from `at` on.
+fn usage_from_row(row: &Row<'_>, at: usize) -> Result<Usage, StoreError> {
+    let n = |i: usize| -> Result<Option<u64>, StoreError> {
+        Ok(row
+            .get::<_, Option<i64>>(at + i)?
+            .and_then(|v| u64::try_from(v).ok()))
+    };
+    Ok(Usage {
+        input_tokens: n(0)?,
+        output_tokens: n(1)?,
+        cached_input_tokens: n(2)?,
+        cache_write_tokens: n(3)?,
+        reasoning_tokens: n(4)?,
+    })
+}
+
+/// `Store::usage`'s statement around its group key: per (key, backend, model), the request
+/// counts and the token sums of every attempt and of the saved calls (saved calls times the
+/// answering attempt's usage).
+const USAGE_SQL_HEAD: &str = "SELECT ";
+const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
+        COUNT(*), SUM(r.attempts), SUM(1 + r.attached + r.replayed), SUM(r.attached),
+        SUM(r.replayed), SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0)),
+        SUM(u.input_tokens), SUM(u.output_tokens), SUM(u.cached_input_tokens),
+        SUM(u.cache_write_tokens), SUM(u.reasoning_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.input_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.output_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.cached_input_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.cache_write_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.reasoning_tokens)
+    FROM requests r
+    LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
+                   SUM(output_tokens) AS output_tokens,
+                   SUM(cached_input_tokens) AS cached_input_tokens,
+                   SUM(cache_write_tokens) AS cache_write_tokens,
+                   SUM(reasoning_tokens) AS reasoning_tokens
+               FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
+    LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
+    WHERE (?1 IS NULL OR r.namespace = ?1) AND r.created_at >= ?2 AND r.created_at < ?3
+    GROUP BY key, r.backend, r.model
+    ORDER BY key, r.backend, r.model";
 
 /// [`Store::cancel`] inside the writer's transaction.
 fn cancel_in(
@@ -1013,6 +1147,7 @@ fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreE
             "DELETE FROM chunks WHERE request_id = ?1",
             "DELETE FROM claims WHERE request_id = ?1",
             "DELETE FROM response_ids WHERE request_id = ?1",
+            "DELETE FROM attempt_usage WHERE request_id = ?1",
             "DELETE FROM requests WHERE id = ?1",
         ] {
             conn.prepare_cached(sql)?.execute(params![id])?;
@@ -1206,27 +1341,34 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn list(
-        &self,
-        namespace: &str,
-        status: Option<Status>,
-        before: Option<Uuid>,
-        limit: i64,
-    ) -> Result<Vec<RequestRecord>, StoreError> {
-        let namespace = namespace.to_string();
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RequestRecord>, StoreError> {
+        let f = filter.clone();
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(concat!(
                 "SELECT ",
                 request_columns!(),
                 " FROM requests
-                 WHERE namespace = ?1 AND (?2 IS NULL OR status = ?2) AND (?3 IS NULL OR id < ?3)
-                 ORDER BY id DESC LIMIT ?4"
+                 WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
+                     AND (?3 IS NULL OR route = ?3) AND (?4 IS NULL OR model = ?4)
+                     AND (?5 IS NULL OR backend = ?5) AND (?6 IS NULL OR created_at >= ?6)
+                     AND (?7 IS NULL OR created_at < ?7)
+                     AND (?8 IS NULL OR instr(body, CAST(?8 AS BLOB)) > 0)
+                     AND (?9 = 0 OR attached + replayed > 0)
+                     AND (?10 IS NULL OR id < ?10)
+                 ORDER BY id DESC LIMIT ?11"
             ))?;
             let mut rows = stmt.query(params![
-                namespace,
-                status.map(Status::as_str),
-                before.map(|b| b.to_string()),
-                limit
+                f.namespace,
+                f.status.map(Status::as_str),
+                f.route.map(Route::name),
+                f.model,
+                f.backend,
+                f.since,
+                f.until,
+                f.text,
+                f.replayed,
+                f.before.map(|b| b.to_string()),
+                f.limit
             ])?;
             let mut records = Vec::new();
             while let Some(row) = rows.next()? {
@@ -1235,6 +1377,10 @@ impl Store for SqliteStore {
             Ok(records)
         })
         .await
+    }
+
+    async fn get_any(&self, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        self.read(move |conn| fetch(conn, &id.to_string())).await
     }
 
     async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
@@ -1264,6 +1410,69 @@ impl Store for SqliteStore {
                     })
                 })
                 .transpose()
+        })
+        .await
+    }
+
+    async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError> {
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT attempt, input_tokens, output_tokens, cached_input_tokens,
+                     cache_write_tokens, reasoning_tokens
+                 FROM attempt_usage WHERE request_id = ?1 ORDER BY attempt",
+            )?;
+            let mut rows = stmt.query(params![id.to_string()])?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                let attempt = u32::try_from(row.get::<_, i64>(0)?).map_err(corrupt)?;
+                out.push((attempt, usage_from_row(row, 1)?));
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
+        self.write(move |conn| {
+            conn.prepare_cached("UPDATE requests SET log_reads = log_reads + 1 WHERE id = ?1")?
+                .execute(params![id.to_string()])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
+        let query = query.clone();
+        self.read(move |conn| {
+            let key = match query.group_by {
+                UsageGroup::Model => "COALESCE(r.model, '')",
+                UsageGroup::Backend => "r.backend",
+                UsageGroup::Namespace => "r.namespace",
+                UsageGroup::Day => "strftime('%Y-%m-%d', r.created_at / 1000, 'unixepoch')",
+            };
+            let sql = format!("{}{key}{}", USAGE_SQL_HEAD, USAGE_SQL_TAIL);
+            let mut stmt = conn.prepare_cached(&sql)?;
+            let mut rows = stmt.query(params![query.namespace, query.since, query.until])?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                let count = |i: usize| -> Result<u64, StoreError> {
+                    Ok(u64::try_from(row.get::<_, Option<i64>>(i)?.unwrap_or(0)).unwrap_or(0))
+                };
+                out.push(UsageRow {
+                    key: row.get(0)?,
+                    backend: row.get(1)?,
+                    model: row.get(2)?,
+                    requests: count(3)?,
+                    attempts: count(4)?,
+                    deliveries: count(5)?,
+                    attached: count(6)?,
+                    replayed: count(7)?,
+                    saved_calls: count(8)?,
+                    usage: usage_from_row(row, 9)?,
+                    saved: usage_from_row(row, 14)?,
+                });
+            }
+            Ok(out)
         })
         .await
     }
@@ -1420,18 +1629,21 @@ mod tests {
                 chunks: vec![chunk("a1"), chunk("a2")],
                 upstream_request_id: Some("req-a".into()),
                 response_id: None,
+                usage: None,
             },
             ChunkBatch {
                 lease: stale,
                 chunks: vec![chunk("x")],
                 upstream_request_id: None,
                 response_id: None,
+                usage: None,
             },
             ChunkBatch {
                 lease: rest[0].0.clone(),
                 chunks: vec![chunk("c1")],
                 upstream_request_id: None,
                 response_id: None,
+                usage: None,
             },
         ];
         let stored = store.append_chunks(&batches).await.expect("append");

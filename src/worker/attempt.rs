@@ -11,11 +11,12 @@ use tracing::{debug, error, info, warn};
 use super::chunks::AppendError;
 use super::{FINISH_TRIES, WorkerPool, retry};
 use crate::hub::HubEvent;
+use crate::ledger;
 use crate::metrics as m;
 use crate::provider::{BodyParts, EventParts, Route};
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{
-    ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, now_ms,
+    ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, Usage, now_ms,
 };
 use crate::upstream::{Call, CallError};
 use serde_json::value::RawValue;
@@ -61,6 +62,10 @@ impl WorkerPool {
             _ => None,
         };
         log_attempt(&outcome);
+        let reported = match &outcome {
+            Outcome::Succeeded { usage, .. } | Outcome::Failed { usage, .. } => *usage,
+            Outcome::Retry { .. } => None,
+        };
         // The provider has answered: losing the outcome now would cost a second provider call
         // when the sweep re-runs the request, so a failed write is tried again (fenced, so a
         // lease lost meanwhile makes it a no-op), as the chunk writer does.
@@ -77,8 +82,24 @@ impl WorkerPool {
         };
         match finished {
             Ok(Some(settled)) => {
+                if let Some(usage) = &reported {
+                    ledger::count_upstream(
+                        &self.config,
+                        &settled.backend,
+                        settled.model.as_deref(),
+                        usage,
+                    );
+                }
                 if settled.status.is_terminal() {
                     log_finished(&settled);
+                    // Deliveries that attached while it ran saved calls whose cost is known now.
+                    ledger::count_saved(
+                        &self.config,
+                        &settled.backend,
+                        settled.model.as_deref(),
+                        u64::from(settled.saved_calls()),
+                        &settled.usage,
+                    );
                 }
                 self.hub
                     .publish(lease.id, HubEvent::Settled(Arc::new(settled)));
@@ -182,17 +203,19 @@ impl WorkerPool {
                     },
                     response: None,
                     upstream_request_id: request_id,
+                    usage: None,
                 };
             }
             Err(e) => return self.transient(lease, Some(status), e.to_string(), hint),
         };
         if (200..300).contains(&status) {
             return match check_answer(route, &body) {
-                Ok(response_id) => Outcome::Succeeded {
+                Ok((response_id, usage)) => Outcome::Succeeded {
                     status,
                     body,
                     upstream_request_id: request_id,
                     response_id,
+                    usage,
                 },
                 // Kept on the record so the operator sees what came back; never replayed.
                 Err(why) => Outcome::Failed {
@@ -203,6 +226,7 @@ impl WorkerPool {
                     },
                     response: Some((status, body)),
                     upstream_request_id: request_id,
+                    usage: None,
                 },
             };
         }
@@ -214,6 +238,7 @@ impl WorkerPool {
                     error,
                     response: Some((status, body)),
                     upstream_request_id: request_id,
+                    usage: None,
                 },
                 other => other,
             };
@@ -227,6 +252,7 @@ impl WorkerPool {
                 },
                 response: Some((status, body)),
                 upstream_request_id: request_id,
+                usage: None,
             };
         }
         Outcome::Failed {
@@ -237,6 +263,7 @@ impl WorkerPool {
             },
             response: None,
             upstream_request_id: request_id,
+            usage: None,
         }
     }
 
@@ -258,7 +285,10 @@ impl WorkerPool {
         status: u16,
         request_id: Option<String>,
     ) -> StreamEnd {
-        let fail = |kind: ErrorType, message: String, response: Option<Vec<u8>>| {
+        // What the provider reported the attempt has cost so far: kept on every ending, since
+        // an interrupted stream was billed for what it produced.
+        let mut usage = Usage::default();
+        let fail = |kind: ErrorType, message: String, response: Option<Vec<u8>>, usage: &Usage| {
             StreamEnd::Outcome(Outcome::Failed {
                 error: ErrorInfo {
                     kind,
@@ -267,6 +297,7 @@ impl WorkerPool {
                 },
                 response: response.map(|body| (status, body)),
                 upstream_request_id: request_id.clone(),
+                usage: (!usage.is_empty()).then_some(*usage),
             })
         };
         let content_type = response
@@ -283,6 +314,7 @@ impl WorkerPool {
                      {shown:?} instead of an event stream"
                 ),
                 Some(body),
+                &usage,
             );
         }
         let mut parser = SseParser::new();
@@ -309,6 +341,7 @@ impl WorkerPool {
                         ErrorType::StreamInterrupted,
                         format!("the provider stream broke after {stored} events: {e}"),
                         None,
+                        &usage,
                     );
                 }
             };
@@ -324,6 +357,7 @@ impl WorkerPool {
                         ErrorType::UpstreamInvalid,
                         format!("the provider stream is not valid SSE: {e}"),
                         kept,
+                        &usage,
                     );
                 }
             };
@@ -334,6 +368,7 @@ impl WorkerPool {
             let mut provider_error = None;
             let mut ended = false;
             let mut response_id = None;
+            let mut usage_changed = false;
             for event in events {
                 match inspect_event(route, &event) {
                     Ok(seen) => {
@@ -345,10 +380,14 @@ impl WorkerPool {
                             answer_id_seen = true;
                             response_id = seen.answer_id;
                         }
+                        if let Some(reported) = seen.usage {
+                            usage.update(reported);
+                            usage_changed = true;
+                        }
                     }
                     Err(why) => {
                         let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
-                        return fail(ErrorType::UpstreamInvalid, why, kept);
+                        return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
                     }
                 }
                 chunks.push(NewChunk {
@@ -368,6 +407,7 @@ impl WorkerPool {
                 chunks,
                 upstream_request_id: request_id_to_store.take(),
                 response_id,
+                usage: usage_changed.then_some(usage),
             };
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
@@ -390,6 +430,7 @@ impl WorkerPool {
                     ErrorType::StreamInterrupted,
                     format!("the provider failed mid-stream: {error}"),
                     None,
+                    &usage,
                 );
             }
             if ended {
@@ -399,6 +440,7 @@ impl WorkerPool {
                     body: Vec::new(),
                     upstream_request_id: request_id,
                     response_id: None,
+                    usage: (!usage.is_empty()).then_some(usage),
                 });
             }
         }
@@ -409,6 +451,7 @@ impl WorkerPool {
                     ErrorType::UpstreamInvalid,
                     format!("the provider stream is not valid SSE: {e}"),
                     kept,
+                    &usage,
                 )
             }
             Ok(_) if stored == 0 => fail(
@@ -417,6 +460,7 @@ impl WorkerPool {
                     "the provider answered {status} with an event stream that ended without any event"
                 ),
                 Some(unseen),
+                &usage,
             ),
             Ok(_) => fail(
                 ErrorType::StreamInterrupted,
@@ -425,6 +469,7 @@ impl WorkerPool {
                     route.stream_end_name()
                 ),
                 None,
+                &usage,
             ),
         }
     }
@@ -448,6 +493,7 @@ impl WorkerPool {
                 },
                 response: None,
                 upstream_request_id: None,
+                usage: None,
             };
         }
         let delay = retry::backoff(w, lease.attempt, hint);
@@ -514,6 +560,8 @@ struct Seen {
     /// The provider's id of the answer, when the event announces it
     /// ([`Route::answer_id_of_event`]).
     answer_id: Option<String>,
+    /// What the event reports the attempt has cost ([`Route::usage_of_event`]).
+    usage: Option<Usage>,
 }
 
 /// Checks a provider event before it is stored: its data must be JSON or `[DONE]` (otherwise
@@ -532,6 +580,10 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         kind: Option<std::borrow::Cow<'a, str>>,
         #[serde(borrow)]
         response: Option<&'a RawValue>,
+        #[serde(borrow)]
+        message: Option<&'a RawValue>,
+        #[serde(borrow)]
+        usage: Option<&'a RawValue>,
     }
     let provider = route.provider();
     let name = event.event.as_deref();
@@ -540,6 +592,7 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
             error: provider.is_error_event(name, None, false),
             ends_stream: route.ends_stream(&event.data, name),
             answer_id: None,
+            usage: None,
         });
     }
     // The slower path owns what it read; the fast one borrows from the data.
@@ -578,11 +631,14 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
     let parts = EventParts {
         kind: name.or(kind),
         response: probe.response,
+        message: probe.message,
+        usage: probe.usage.filter(|u| u.get() != "null"),
     };
     Ok(Seen {
         error: provider.is_error_event(name, parts.kind, error),
         ends_stream: route.ends_stream(&event.data, parts.kind),
         answer_id: route.answer_id_of_event(&parts),
+        usage: route.usage_of_event(&parts),
     })
 }
 
@@ -606,7 +662,10 @@ fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
 /// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error object
 /// (a non-null top-level `error` with none of the route's [`Route::result_members`]). `Err`
 /// says what it is instead; `Ok` carries the provider's id of the answer, if it has one.
-fn check_answer(route: Route, body: &[u8]) -> Result<Option<String>, &'static str> {
+fn check_answer(
+    route: Route,
+    body: &[u8],
+) -> Result<(Option<String>, Option<Usage>), &'static str> {
     #[derive(serde::Deserialize)]
     struct Probe<'a> {
         #[serde(borrow)]
@@ -619,29 +678,42 @@ fn check_answer(route: Route, body: &[u8]) -> Result<Option<String>, &'static st
         id: Option<std::borrow::Cow<'a, str>>,
         #[serde(borrow)]
         object: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        usage: Option<&'a RawValue>,
     }
     let has = |member: &str| route.result_members().contains(&member);
-    let (error, answered, answer_id) = match serde_json::from_slice::<Probe<'_>>(body) {
+    let (error, answered, (answer_id, usage)) = match serde_json::from_slice::<Probe<'_>>(body) {
         Ok(p) if body.trim_ascii_start().starts_with(b"{") => (
             p.error.is_some_and(|e| e.get() != "null"),
             (p.choices.is_some() && has("choices"))
                 || (p.data.is_some() && has("data"))
                 || (p.output.is_some() && has("output"))
                 || (p.content.is_some() && has("content")),
-            route.answer_id_of_body(&BodyParts {
-                id: p.id.as_deref(),
-                object: p.object.as_deref(),
-            }),
+            {
+                let parts = BodyParts {
+                    id: p.id.as_deref(),
+                    object: p.object.as_deref(),
+                    usage: p.usage,
+                };
+                (route.answer_id_of_body(&parts), route.usage_of_body(&parts))
+            },
         ),
         // A duplicated key (serde_json::Value keeps the last), or not an object at all.
         _ => match serde_json::from_slice::<serde_json::Value>(body) {
             Ok(serde_json::Value::Object(map)) => (
                 map.get("error").is_some_and(|e| !e.is_null()),
                 map.keys().any(|k| has(k)),
-                route.answer_id_of_body(&BodyParts {
-                    id: map.get("id").and_then(|v| v.as_str()),
-                    object: map.get("object").and_then(|v| v.as_str()),
-                }),
+                {
+                    let usage = map
+                        .get("usage")
+                        .and_then(|u| serde_json::value::to_raw_value(u).ok());
+                    let parts = BodyParts {
+                        id: map.get("id").and_then(|v| v.as_str()),
+                        object: map.get("object").and_then(|v| v.as_str()),
+                        usage: usage.as_deref(),
+                    };
+                    (route.answer_id_of_body(&parts), route.usage_of_body(&parts))
+                },
             ),
             Ok(_) => return Err("JSON that is not an object"),
             Err(_) => return Err("a body that is not JSON"),
@@ -650,7 +722,7 @@ fn check_answer(route: Route, body: &[u8]) -> Result<Option<String>, &'static st
     if error && !answered {
         return Err("an error object instead of an answer");
     }
-    Ok(answer_id)
+    Ok((answer_id, usage))
 }
 
 /// The first 200 characters of a provider body, for messages.
@@ -745,47 +817,46 @@ mod tests {
         assert!(!ends(messages, None, "[DONE]"));
     }
 
+    /// [`check_answer`]'s verdict and the answer's id, without the usage.
+    fn answer_id(route: Route, body: &[u8]) -> Result<Option<String>, &'static str> {
+        check_answer(route, body).map(|(id, _)| id)
+    }
+
     #[test]
     fn a_2xx_answer_must_be_an_object_and_not_an_error_object_lc11() {
         let chat = Route::OpenaiChat;
-        assert_eq!(
-            check_answer(chat, br#"{"choices":[],"error":null}"#),
-            Ok(None)
-        );
-        assert_eq!(check_answer(chat, br#"{"id":"x"}"#), Ok(None));
-        assert!(check_answer(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
-        assert!(check_answer(chat, br#" [1,2]"#).is_err());
-        assert!(check_answer(chat, br#""text""#).is_err());
-        assert!(check_answer(chat, b"not json").is_err());
+        assert_eq!(answer_id(chat, br#"{"choices":[],"error":null}"#), Ok(None));
+        assert_eq!(answer_id(chat, br#"{"id":"x"}"#), Ok(None));
+        assert!(answer_id(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
+        assert!(answer_id(chat, br#" [1,2]"#).is_err());
+        assert!(answer_id(chat, br#""text""#).is_err());
+        assert!(answer_id(chat, b"not json").is_err());
         // An answer with both is the provider's answer (a failed Responses object has both).
         let failed = br#"{"object":"response","id":"resp_1","status":"failed","output":[],"error":{"code":"server_error"}}"#;
         assert_eq!(
-            check_answer(Route::OpenaiResponses, failed),
+            answer_id(Route::OpenaiResponses, failed),
             Ok(Some("resp_1".into())),
             "and its id is kept"
         );
         let refused = br#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#;
-        assert!(check_answer(Route::AnthropicMessages, refused).is_err());
+        assert!(answer_id(Route::AnthropicMessages, refused).is_err());
         assert_eq!(
-            check_answer(
+            answer_id(
                 Route::AnthropicMessages,
                 br#"{"type":"message","content":[]}"#
             ),
             Ok(None)
         );
         assert!(
-            check_answer(
+            answer_id(
                 Route::OpenaiEmbeddings,
                 br#"{"error":{"m":1},"choices":[]}"#
             )
             .is_err()
         );
         // A duplicated key takes the slower path and the same rule.
-        assert!(check_answer(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
-        assert_eq!(
-            check_answer(chat, br#"{"choices":1,"choices":[]}"#),
-            Ok(None)
-        );
+        assert!(answer_id(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
+        assert_eq!(answer_id(chat, br#"{"choices":1,"choices":[]}"#), Ok(None));
     }
 
     #[test]

@@ -137,6 +137,7 @@ impl WorkerPool {
                     pool.spawn_attempt(lease, (**record).clone(), permit);
                 }
                 (Submitted::Created(_), None, _) => pool.wake(),
+                (Submitted::Attached(record), ..) => pool.count_delivery(record),
                 _ => {}
             }
             Ok(submitted)
@@ -144,6 +145,27 @@ impl WorkerPool {
         admission
             .await
             .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
+    }
+
+    /// Counts a delivery that attached or replayed (docs/usage.md): a saved call when the
+    /// request's deliveries now exceed its attempts; a replay's saved tokens are known at once,
+    /// an attachment's when the request finishes.
+    fn count_delivery(&self, record: &RequestRecord) {
+        if record.deliveries() <= record.attempts {
+            return;
+        }
+        let model = record.model.clone().unwrap_or_default();
+        metrics::counter!(m::SAVED_CALLS, "backend" => record.backend.clone(), "model" => model)
+            .increment(1);
+        if record.status.is_terminal() {
+            crate::ledger::count_saved(
+                &self.config,
+                &record.backend,
+                record.model.as_deref(),
+                1,
+                &record.usage,
+            );
+        }
     }
 
     /// Cancels request `id` of `namespace` (LC-9): the store fails it with `cancelled` and

@@ -140,7 +140,7 @@ fn documented_config_keys(doc: &str) -> BTreeSet<String> {
 
 /// The keys the code accepts, from the config struct itself.
 fn config_keys() -> BTreeSet<String> {
-    use holdfast::config::{Backend, Config, ModelRewrite, Namespace, Passthrough};
+    use holdfast::config::{Backend, Config, ModelRewrite, Namespace, Passthrough, Price};
     let config = Config {
         backends: vec![Backend {
             name: "b".into(),
@@ -160,6 +160,14 @@ fn config_keys() -> BTreeSet<String> {
         passthrough: vec![Passthrough {
             path: "/v1/moderations".into(),
             backend: "b".into(),
+        }],
+        prices: vec![Price {
+            backend: "b".into(),
+            model: "m".into(),
+            input_per_mtok: 1.0,
+            output_per_mtok: 1.0,
+            cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
         }],
         ..Config::default()
     };

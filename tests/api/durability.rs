@@ -346,3 +346,63 @@ async fn a_response_id_of_an_abandoned_attempt_points_to_the_request_and_never_s
     drop(second);
     mock.shutdown().await;
 }
+
+/// Usage ledger across a crash (docs/usage.md): a Messages stream SIGKILLed after
+/// `message_start` reported its input tokens re-runs; the record counts both attempts' usage
+/// and shows each attempt's (the first was billed for its input).
+#[tokio::test]
+async fn a_request_recovered_after_sigkill_counts_the_usage_of_both_attempts_du1() {
+    let mock = start_mock(MockConfig {
+        chunks: 30,
+        chunk_delay_ms: 60,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = config_toml(dir.path(), &mock.base_url())
+        + "[[backends]]\nname = \"mock-anthropic\"\nkind = \"anthropic\"\nbase_url = \""
+        + &mock.base_url()
+        + "\"\n";
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"bill me twice"}]}"#;
+    let mut response = http
+        .post(format!("{}/v1/messages", first.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let id = header(&response, "holdfast-request-id");
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut events = Vec::new();
+    while events.len() < 6 {
+        events.extend(
+            parser
+                .push(&response.chunk().await.unwrap().unwrap())
+                .unwrap(),
+        );
+    }
+    first.kill9();
+    drop(response);
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["attempts"], 2, "{record}");
+    let by_attempt = record["usage_by_attempt"].as_array().unwrap();
+    assert_eq!(
+        by_attempt.len(),
+        2,
+        "both attempts reported usage: {record}"
+    );
+    let first_input = by_attempt[0]["input_tokens"].as_u64().unwrap();
+    assert!(first_input > 0, "{record}");
+    assert_eq!(by_attempt[1]["input_tokens"].as_u64().unwrap(), first_input);
+    assert_eq!(record["usage"]["input_tokens"], 2 * first_input, "{record}");
+    assert_eq!(
+        record["usage"]["output_tokens"],
+        by_attempt[0]["output_tokens"].as_u64().unwrap_or(0) + 30
+    );
+    drop(second);
+    mock.shutdown().await;
+}

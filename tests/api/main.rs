@@ -24,3 +24,4 @@ mod store_conformance;
 mod store_errors;
 mod streams;
 mod tenancy;
+mod usage;

@@ -548,6 +548,7 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
             }],
             upstream_request_id: None,
             response_id: None,
+            usage: None,
         })
         .collect();
     // Drop what the submissions reported so far, then append.
@@ -580,6 +581,7 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
                 body: Vec::new(),
                 upstream_request_id: None,
                 response_id: None,
+                usage: None,
             },
             now_ms(),
         )

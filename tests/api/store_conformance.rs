@@ -298,6 +298,25 @@ async fn lease_at(store: &DynStore, owner: &str, now: Millis) -> (Lease, Request
         .unwrap_or_else(|| panic!("nothing to lease at {now}"))
 }
 
+/// `Store::list` of `namespace` with only a status filter and the cursor (RD-7).
+async fn list_of(
+    store: &DynStore,
+    namespace: &str,
+    status: Option<Status>,
+    before: Option<Uuid>,
+    limit: i64,
+) -> Result<Vec<RequestRecord>, holdfast::store::StoreError> {
+    store
+        .list(&holdfast::store::ListFilter {
+            namespace: Some(namespace.to_string()),
+            status,
+            before,
+            limit,
+            ..Default::default()
+        })
+        .await
+}
+
 async fn get(store: &DynStore, id: Uuid) -> RequestRecord {
     store
         .get(NS, id)
@@ -325,6 +344,7 @@ async fn append(store: &DynStore, lease: &Lease, chunks: Vec<NewChunk>) -> Optio
         chunks,
         upstream_request_id: None,
         response_id: None,
+        usage: None,
     };
     let mut out = store.append_chunks(&[batch]).await.expect("append_chunks");
     assert_eq!(out.len(), 1);
@@ -337,6 +357,7 @@ fn succeeded() -> Outcome {
         body: br#"{"id":"chatcmpl-1","choices":[]}"#.to_vec(),
         upstream_request_id: Some("req_up_1".into()),
         response_id: None,
+        usage: None,
     }
 }
 
@@ -353,6 +374,7 @@ fn failed(kind: ErrorType) -> Outcome {
         error: error(kind, None),
         response: None,
         upstream_request_id: None,
+        usage: None,
     }
 }
 
@@ -361,6 +383,7 @@ fn refused() -> Outcome {
         error: error(ErrorType::UpstreamRefused, Some(400)),
         response: Some((400, br#"{"error":{"message":"bad"}}"#.to_vec())),
         upstream_request_id: Some("req_up_400".into()),
+        usage: None,
     }
 }
 
@@ -521,7 +544,7 @@ async fn racing_identical_submits_create_exactly_one_request_id7(store: DynStore
     assert_eq!(created.len(), 1, "exactly one Created");
     assert_eq!(attached.len(), 49);
     assert!(attached.iter().all(|id| *id == created[0]));
-    let listed = store.list(NS, None, None, 100).await.expect("list");
+    let listed = list_of(&store, NS, None, None, 100).await.expect("list");
     assert_eq!(listed.len(), 1, "exactly one request recorded");
 }
 
@@ -534,7 +557,10 @@ async fn racing_takeovers_of_an_expired_claim_create_exactly_one_request_id7(sto
     assert_ne!(created[0], old.id);
     assert!(attached.iter().all(|id| *id == created[0]));
     assert_eq!(
-        store.list(NS, None, None, 100).await.expect("list").len(),
+        list_of(&store, NS, None, None, 100)
+            .await
+            .expect("list")
+            .len(),
         2
     );
 }
@@ -1089,12 +1115,14 @@ async fn append_chunks_assigns_consecutive_seqs_across_batches(store: DynStore) 
         chunks: new_chunks("one", 3),
         upstream_request_id: Some("req_up_stream".into()),
         response_id: None,
+        usage: None,
     };
     let second = ChunkBatch {
         lease: lease.clone(),
         chunks: new_chunks("two", 2),
         upstream_request_id: None,
         response_id: None,
+        usage: None,
     };
     let out = store.append_chunks(&[first, second]).await.expect("append");
     let seqs: Vec<Vec<i64>> = out
@@ -1153,6 +1181,7 @@ async fn append_chunks_group_commit_keeps_each_requests_order(store: DynStore) {
                 chunks: new_chunks(&format!("r{round}"), 2),
                 upstream_request_id: None,
                 response_id: None,
+                usage: None,
             });
         }
     }
@@ -1200,12 +1229,14 @@ async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
                 chunks: new_chunks("lost", 2),
                 upstream_request_id: Some("nope".into()),
                 response_id: None,
+                usage: None,
             },
             ChunkBatch {
                 lease: la.clone(),
                 chunks: new_chunks("kept", 2),
                 upstream_request_id: None,
                 response_id: None,
+                usage: None,
             },
         ])
         .await
@@ -1668,8 +1699,7 @@ async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore)
     let mut newest_first = ids.clone();
     newest_first.sort();
     newest_first.reverse();
-    let listed: Vec<Uuid> = store
-        .list(NS, None, None, 100)
+    let listed: Vec<Uuid> = list_of(&store, NS, None, None, 100)
         .await
         .expect("list")
         .iter()
@@ -1677,23 +1707,20 @@ async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore)
         .collect();
     assert_eq!(listed, newest_first);
 
-    let running = store
-        .list(NS, Some(Status::Running), None, 100)
+    let running = list_of(&store, NS, Some(Status::Running), None, 100)
         .await
         .expect("list");
     assert_eq!(
         running.iter().map(|r| r.id).collect::<Vec<_>>(),
         vec![ids[0]]
     );
-    let pending = store
-        .list(NS, Some(Status::Pending), None, 100)
+    let pending = list_of(&store, NS, Some(Status::Pending), None, 100)
         .await
         .expect("list");
     assert_eq!(pending.len(), 4);
     assert!(pending.iter().all(|r| r.status == Status::Pending));
     assert!(
-        store
-            .list(NS, Some(Status::Failed), None, 100)
+        list_of(&store, NS, Some(Status::Failed), None, 100)
             .await
             .expect("list")
             .is_empty()
@@ -1703,7 +1730,7 @@ async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore)
     let mut pages = Vec::new();
     let mut before = None;
     loop {
-        let page = store.list(NS, None, before, 2).await.expect("list");
+        let page = list_of(&store, NS, None, before, 2).await.expect("list");
         if page.is_empty() {
             break;
         }
@@ -1719,20 +1746,26 @@ async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore)
         ]
     );
     // Status filter and cursor together.
-    let page = store
-        .list(NS, Some(Status::Pending), Some(newest_first[1]), 100)
-        .await
-        .expect("list");
+    let page = list_of(
+        &store,
+        NS,
+        Some(Status::Pending),
+        Some(newest_first[1]),
+        100,
+    )
+    .await
+    .expect("list");
     assert_eq!(
         page.iter().map(|r| r.id).collect::<Vec<_>>(),
         newest_first[2..4].to_vec()
     );
     // Namespaces do not mix.
-    let theirs = store.list("team-b", None, None, 100).await.expect("list");
+    let theirs = list_of(&store, "team-b", None, None, 100)
+        .await
+        .expect("list");
     assert_eq!(theirs.len(), 1);
     assert!(
-        store
-            .list("team-c", None, None, 100)
+        list_of(&store, "team-c", None, None, 100)
             .await
             .expect("list")
             .is_empty()
@@ -1903,6 +1936,7 @@ async fn nul_characters_in_text_never_fail_a_write_in2(store: DynStore) {
         },
         response: Some((500, b"\0\x01binary".to_vec())),
         upstream_request_id: None,
+        usage: None,
     };
     assert!(store.finish(&lease, outcome, T0 + 1).await.expect("finish"));
     let rec = get(&store, rec.id).await;

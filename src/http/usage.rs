@@ -1,0 +1,153 @@
+//! `GET /usage`: the usage and savings ledger, aggregated from the database (so it survives
+//! restarts and covers every node), priced with the configured `[[prices]]` (docs/usage.md).
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use super::errors::ApiError;
+use super::requests::{bad_parameter, time_parameter};
+use super::{AppState, caller};
+use crate::ledger;
+use crate::provider::{Provider, Usage};
+use crate::store::{UsageGroup, UsageQuery, UsageRow, now_ms};
+
+/// One group's (or the totals') ledger.
+#[derive(Debug, Default, Serialize)]
+struct Ledger {
+    requests: u64,
+    upstream_calls: u64,
+    deliveries: u64,
+    attached: u64,
+    replayed: u64,
+    saved_calls: u64,
+    usage: Usage,
+    saved_tokens: Usage,
+    /// `null` when no request of the group had a matching price.
+    cost_usd: Option<f64>,
+    saved_cost_usd: Option<f64>,
+}
+
+impl Ledger {
+    fn add(&mut self, row: &UsageRow, cost: Option<f64>, saved_cost: Option<f64>) {
+        self.requests += row.requests;
+        self.upstream_calls += row.attempts;
+        self.deliveries += row.deliveries;
+        self.attached += row.attached;
+        self.replayed += row.replayed;
+        self.saved_calls += row.saved_calls;
+        self.usage = self.usage.plus(row.usage);
+        self.saved_tokens = self.saved_tokens.plus(row.saved);
+        let sum = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+        };
+        self.cost_usd = sum(self.cost_usd, cost);
+        self.saved_cost_usd = sum(self.saved_cost_usd, saved_cost);
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Group {
+    key: String,
+    #[serde(flatten)]
+    ledger: Ledger,
+}
+
+/// The grouping a `group_by` value names.
+fn group(value: &str) -> Result<UsageGroup, ApiError> {
+    match value {
+        "model" => Ok(UsageGroup::Model),
+        "backend" => Ok(UsageGroup::Backend),
+        "namespace" => Ok(UsageGroup::Namespace),
+        "day" => Ok(UsageGroup::Day),
+        _ => Err(bad_parameter(
+            "group_by",
+            format!("{value:?} is not one of model, backend, namespace, day"),
+        )),
+    }
+}
+
+/// `GET /usage?since=&until=&group_by=model|backend|namespace|day[&namespace=]`: requests
+/// submitted in `[since, until)` (RFC 3339; default the last 30 days up to now), grouped, with
+/// totals. A namespace key sees its namespace; an admin key every namespace, or `namespace=`'s.
+pub(super) async fn usage(
+    State(state): State<AppState>,
+    Query(query): Query<Vec<(String, String)>>,
+    headers: HeaderMap,
+) -> Response {
+    let shape = Provider::Openai;
+    let caller = match caller(&state.config, &headers, shape) {
+        Ok(caller) => caller,
+        Err(e) => return e.into_response(),
+    };
+    let now = now_ms();
+    let mut since = now - 30 * 86_400_000;
+    let mut until = now + 1;
+    let mut group_by = UsageGroup::Model;
+    let mut namespace = None;
+    for (name, value) in &query {
+        let parsed: Result<(), ApiError> = match name.as_str() {
+            "since" => time_parameter("since", value).map(|t| since = t),
+            "until" => time_parameter("until", value).map(|t| until = t),
+            "group_by" => group(value).map(|g| group_by = g),
+            "namespace" => {
+                namespace = Some(value.clone());
+                Ok(())
+            }
+            other => Err(bad_parameter(
+                other,
+                "unknown parameter; known: since, until, group_by, namespace",
+            )),
+        };
+        if let Err(e) = parsed {
+            return e.into_response();
+        }
+    }
+    if namespace.is_some() && caller != super::Caller::Admin {
+        return bad_parameter("namespace", "only admin keys choose a namespace").into_response();
+    }
+    let store_query = UsageQuery {
+        namespace: caller.scope(namespace.as_deref()),
+        since,
+        until,
+        group_by,
+    };
+    let rows = match state.store.usage(&store_query).await {
+        Ok(rows) => rows,
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
+    let mut groups: BTreeMap<String, Ledger> = BTreeMap::new();
+    let mut totals = Ledger::default();
+    for row in &rows {
+        let price = ledger::price(&state.config, &row.backend, row.model.as_deref());
+        let cost = price.and_then(|p| ledger::cost(p, &row.usage));
+        let saved_cost = price.and_then(|p| ledger::cost(p, &row.saved));
+        groups
+            .entry(row.key.clone())
+            .or_default()
+            .add(row, cost, saved_cost);
+        totals.add(row, cost, saved_cost);
+    }
+    let groups: Vec<Group> = groups
+        .into_iter()
+        .map(|(key, ledger)| Group { key, ledger })
+        .collect();
+    axum::Json(serde_json::json!({
+        "since": super::requests::rfc3339(since),
+        "until": super::requests::rfc3339(until),
+        "group_by": match group_by {
+            UsageGroup::Model => "model",
+            UsageGroup::Backend => "backend",
+            UsageGroup::Namespace => "namespace",
+            UsageGroup::Day => "day",
+        },
+        "namespace": store_query.namespace,
+        "groups": groups,
+        "totals": totals,
+    }))
+    .into_response()
+}

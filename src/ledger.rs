@@ -1,0 +1,118 @@
+//! The cost side of the usage ledger (docs/usage.md): what a provider's reported usage costs at
+//! the configured prices. Costs are computed when read, from the stored usage and the current
+//! price table, so changing a price re-prices the ledger.
+
+use crate::config::{Config, Price};
+use crate::metrics as metrics_names;
+use crate::provider::Usage;
+
+/// The first `[[prices]]` entry for `model` on `backend`.
+pub(crate) fn price<'a>(
+    config: &'a Config,
+    backend: &str,
+    model: Option<&str>,
+) -> Option<&'a Price> {
+    let model = model?;
+    config.prices.iter().find(|p| p.matches(backend, model))
+}
+
+/// USD for `usage` at `price`: uncached input, cache reads and cache writes at their rates
+/// (cache rates default to the input rate), output at the output rate. `None` when the provider
+/// reported no tokens at all.
+pub(crate) fn cost(price: &Price, usage: &Usage) -> Option<f64> {
+    if usage.input_tokens.is_none() && usage.output_tokens.is_none() {
+        return None;
+    }
+    let tokens = |n: Option<u64>| n.unwrap_or(0) as f64;
+    let cached = tokens(usage.cached_input_tokens);
+    let written = tokens(usage.cache_write_tokens);
+    let uncached = (tokens(usage.input_tokens) - cached - written).max(0.0);
+    let usd = uncached * price.input_per_mtok
+        + cached * price.cached_input_per_mtok.unwrap_or(price.input_per_mtok)
+        + written * price.cache_write_per_mtok.unwrap_or(price.input_per_mtok)
+        + tokens(usage.output_tokens) * price.output_per_mtok;
+    Some(usd / 1_000_000.0)
+}
+
+/// Adds `usage` to the token counter `name` of `backend` and `model`, one series per kind.
+fn count_tokens(name: &'static str, backend: &str, model: &str, usage: &Usage) {
+    let kinds = [
+        ("input", usage.input_tokens),
+        ("output", usage.output_tokens),
+        ("cached_input", usage.cached_input_tokens),
+        ("cache_write", usage.cache_write_tokens),
+        ("reasoning", usage.reasoning_tokens),
+    ];
+    for (kind, n) in kinds {
+        if let Some(n) = n {
+            metrics::counter!(name, "backend" => backend.to_string(), "model" => model.to_string(), "kind" => kind)
+                .increment(n);
+        }
+    }
+}
+
+/// Counts what an attempt of a request of `backend` and `model` reported it cost.
+pub(crate) fn count_upstream(config: &Config, backend: &str, model: Option<&str>, usage: &Usage) {
+    let label = model.unwrap_or("");
+    count_tokens(metrics_names::UPSTREAM_TOKENS, backend, label, usage);
+    if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, usage)) {
+        // metrics counters count integers: a gauge that only grows carries the dollars.
+        metrics::gauge!(metrics_names::COST_USD, "backend" => backend.to_string(), "model" => label.to_string())
+            .increment(usd);
+    }
+}
+
+/// Counts `calls` saved provider calls of a request of `backend` and `model`, and what they
+/// would have cost (each the answering attempt's `usage`).
+pub(crate) fn count_saved(
+    config: &Config,
+    backend: &str,
+    model: Option<&str>,
+    calls: u64,
+    usage: &Usage,
+) {
+    let label = model.unwrap_or("");
+    if calls == 0 {
+        return;
+    }
+    let saved = usage.times(calls);
+    count_tokens(metrics_names::SAVED_TOKENS, backend, label, &saved);
+    if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, &saved)) {
+        metrics::gauge!(metrics_names::SAVED_COST_USD, "backend" => backend.to_string(), "model" => label.to_string())
+            .increment(usd);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn price() -> Price {
+        Price {
+            backend: "openai".into(),
+            model: "gpt-4o-mini*".into(),
+            input_per_mtok: 0.15,
+            output_per_mtok: 0.60,
+            cached_input_per_mtok: Some(0.075),
+            cache_write_per_mtok: None,
+        }
+    }
+
+    #[test]
+    fn cost_prices_uncached_cached_written_and_output_tokens_at_their_rates() {
+        let usage = Usage {
+            input_tokens: Some(1_000_000),
+            output_tokens: Some(500_000),
+            cached_input_tokens: Some(400_000),
+            cache_write_tokens: Some(100_000),
+            reasoning_tokens: Some(1),
+        };
+        // 500k uncached at 0.15, 400k cached at 0.075, 100k written at 0.15, 500k out at 0.60.
+        let expected = 0.5 * 0.15 + 0.4 * 0.075 + 0.1 * 0.15 + 0.5 * 0.60;
+        let got = cost(&price(), &usage).unwrap();
+        assert!((got - expected).abs() < 1e-12, "{got} != {expected}");
+        assert_eq!(cost(&price(), &Usage::default()), None);
+        assert!(price().matches("openai", "gpt-4o-mini-2024-07-18"));
+        assert!(!price().matches("other", "gpt-4o-mini"));
+    }
+}

@@ -1,0 +1,371 @@
+//! The usage and savings ledger (issue 15, docs/usage.md): what every request cost, what
+//! deduplication saved, in the record, `/usage` and `/metrics`. Tests that drive Python have
+//! `python` in their name.
+
+use std::time::Duration;
+
+use holdfast::config::Price;
+use holdfast::mock::MockConfig;
+use serde_json::Value;
+
+use crate::helpers::*;
+
+fn price(backend: &str, model: &str) -> Price {
+    Price {
+        backend: backend.into(),
+        model: model.into(),
+        input_per_mtok: 0.15,
+        output_per_mtok: 0.60,
+        cached_input_per_mtok: Some(0.075),
+        cache_write_per_mtok: None,
+    }
+}
+
+async fn json_get(app_http: &reqwest::Client, url: String, key: Option<&str>) -> Value {
+    let mut req = app_http.get(url);
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let r = req.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+/// The value of the metric line `name{labels}` in a Prometheus text page (0 when absent).
+fn metric(page: &str, name: &str, labels: &str) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
+            let rest = rest.trim_end_matches('}');
+            let want: Vec<&str> = labels.split(',').filter(|s| !s.is_empty()).collect();
+            (n == name && want.iter().all(|w| rest.split(',').any(|p| p == *w)))
+                .then(|| value.parse().ok())
+                .flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn python_sdk_retries_become_deliveries_and_saved_calls_in_the_record_metrics_and_usage() {
+    require_python(&["openai"]);
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 3_000,
+            ..MockConfig::default()
+        },
+        |c| c.prices = vec![price("mock-openai", "gpt-4o-*")],
+    )
+    .await;
+    let base = format!("{}/v1", app.base);
+    tokio::task::spawn_blocking(move || {
+        run_python("openai_timeout_retry.py", &[("HOLDFAST_BASE_URL", &base)])
+    })
+    .await
+    .unwrap();
+    assert_eq!(app.mock.calls(), 1);
+    let list = json_get(&app.http, format!("{}/requests", app.base), None).await;
+    let id = list["data"][0]["id"].as_str().unwrap().to_string();
+    let record = app.record(&id).await;
+    assert_eq!(record["attempts"], 1, "{record}");
+    let deliveries = record["deliveries"]["total"].as_u64().unwrap();
+    assert!(deliveries >= 2, "{record}");
+    let saved = record["saved_calls"].as_u64().unwrap();
+    assert_eq!(saved, deliveries - 1, "{record}");
+    // The provider's own usage, as it reported it in its answer.
+    let reported = &record["response"]["body"]["usage"];
+    let (input, output) = (
+        reported["prompt_tokens"].as_u64().unwrap(),
+        reported["completion_tokens"].as_u64().unwrap(),
+    );
+    assert_eq!(record["usage"]["input_tokens"], input, "{record}");
+    assert_eq!(record["usage"]["output_tokens"], output, "{record}");
+    assert_eq!(
+        record["saved_tokens"]["input_tokens"],
+        input * saved,
+        "{record}"
+    );
+    let one_call = (input as f64 * 0.15 + output as f64 * 0.60) / 1e6;
+    let saved_cost = record["saved_cost_usd"].as_f64().unwrap();
+    assert!(
+        (saved_cost - saved as f64 * one_call).abs() < 1e-12,
+        "{record}"
+    );
+    assert!(
+        (record["cost_usd"].as_f64().unwrap() - one_call).abs() < 1e-12,
+        "{record}"
+    );
+
+    let usage = json_get(&app.http, format!("{}/usage", app.base), None).await;
+    let totals = &usage["totals"];
+    assert_eq!(totals["saved_calls"], saved, "{usage}");
+    assert_eq!(totals["deliveries"], deliveries, "{usage}");
+    assert_eq!(totals["upstream_calls"], 1, "{usage}");
+    assert!((totals["saved_cost_usd"].as_f64().unwrap() - saved_cost).abs() < 1e-12);
+
+    let page = app
+        .http
+        .get(format!("{}/metrics", app.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let labels = r#"backend="mock-openai",model="gpt-4o-mini""#;
+    assert_eq!(
+        metric(&page, "holdfast_saved_calls_total", labels),
+        saved as f64,
+        "{page}"
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "holdfast_saved_tokens_total",
+            &format!(r#"{labels},kind="input""#)
+        ),
+        (input * saved) as f64
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "holdfast_upstream_tokens_total",
+            &format!(r#"{labels},kind="output""#)
+        ),
+        output as f64
+    );
+    let metric_cost = metric(&page, "holdfast_saved_cost_usd_total", labels);
+    assert!(
+        (metric_cost - saved_cost).abs() < 1e-9,
+        "{metric_cost} vs {saved_cost}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn python_sdks_calls_on_every_route_record_the_providers_usage() {
+    require_python(&["openai", "anthropic"]);
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let url = app.base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        run_python("usage_routes.py", &[("HOLDFAST_URL", &url)])
+    })
+    .await
+    .unwrap();
+    let ids: Value = serde_json::from_str(out.trim()).unwrap();
+    for (name, id) in ids.as_object().unwrap() {
+        let record = wait_terminal(
+            &app.http,
+            &app.base,
+            id.as_str().unwrap(),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(record["status"], "succeeded", "{name}: {record}");
+        let usage = &record["usage"];
+        assert!(
+            usage["input_tokens"].as_u64().unwrap_or(0) > 0,
+            "{name}: {record}"
+        );
+        if name != "embeddings" {
+            assert_eq!(
+                usage["output_tokens"], 8,
+                "{name}: the mock's 8 pieces: {record}"
+            );
+        }
+        assert_eq!(
+            record["usage_by_attempt"].as_array().map(Vec::len),
+            Some(1),
+            "{name}"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_messages_stream_interrupted_after_message_start_keeps_its_input_tokens() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 10,
+            drop_after_chunks: Some(3),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"cut me"}]}"#;
+    let r = app.post("/v1/messages", body, &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["error"]["type"], "stream_interrupted", "{record}");
+    assert!(
+        record["usage"]["input_tokens"].as_u64().unwrap() > 0,
+        "it was billed: {record}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn inject_stream_usage_asks_the_provider_after_hashing_the_clients_body() {
+    let app = spawn_app(MockConfig::default(), |c| c.inject_stream_usage = true).await;
+    let body = stream_body("count my tokens");
+    let r = app.chat(&body).await;
+    let id = header(&r, "holdfast-request-id");
+    let (_, events) = read_events(r).await;
+    assert!(
+        events.iter().any(|e| e.data.contains("\"usage\"")),
+        "the client sees the usage chunk"
+    );
+    let sent = &app.mock.recorded()[0].body;
+    assert_eq!(sent["stream_options"]["include_usage"], true, "{sent}");
+    // Only that member was added: the rest is the client's.
+    let mut expected: Value = serde_json::from_str(&body).unwrap();
+    expected["stream_options"] = serde_json::json!({"include_usage": true});
+    assert_eq!(sent, &expected);
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["usage"]["output_tokens"], 8, "{record}");
+    // The identity is the client's body: the same body replays, and the edited body, sent by a
+    // client itself, is another request.
+    let again = app.chat(&body).await;
+    assert_eq!(header(&again, "holdfast-request-id"), id);
+    let _ = again.bytes().await;
+    let edited = app.chat(&expected.to_string()).await;
+    assert_ne!(header(&edited, "holdfast-request-id"), id);
+    let _ = edited.bytes().await;
+    app.stop().await;
+}
+
+fn tenants_toml(mock_base: &str, db: &std::path::Path) -> String {
+    format!(
+        r#"database_url = "sqlite://{}"
+admin_api_keys = ["admin-key"]
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock_base}"
+[[namespaces]]
+name = "a"
+api_keys = ["key-a"]
+[[namespaces]]
+name = "b"
+api_keys = ["key-b"]
+[[prices]]
+backend = "mock"
+model = "gpt-4o-mini"
+input_per_mtok = 0.15
+output_per_mtok = 0.60
+"#,
+        db.display()
+    )
+}
+
+#[tokio::test]
+async fn usage_survives_a_restart_groups_every_way_and_stays_in_its_namespace() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = tenants_toml(&mock.base_url(), &dir.path().join("holdfast.db"));
+    let node = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    for (key, text, times) in [
+        ("key-a", "a one", 3),
+        ("key-a", "a two", 1),
+        ("key-b", "b one", 2),
+    ] {
+        for _ in 0..times {
+            let r = http
+                .post(format!("{}/v1/chat/completions", node.base))
+                .header("authorization", format!("Bearer {key}"))
+                .header("content-type", "application/json")
+                .body(chat_body(text))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    }
+    let get = |base: &str, query: &str, key: &'static str| {
+        json_get(&http, format!("{base}/usage{query}"), Some(key))
+    };
+    let mut before = Vec::new();
+    for query in [
+        "",
+        "?group_by=model",
+        "?group_by=backend",
+        "?group_by=namespace",
+        "?group_by=day",
+    ] {
+        before.push(get(&node.base, query, "admin-key").await);
+    }
+    let a = get(&node.base, "", "key-a").await;
+    assert_eq!(a["totals"]["requests"], 2, "{a}");
+    assert_eq!(a["totals"]["saved_calls"], 2, "{a}");
+    assert_eq!(a["namespace"], "a");
+    let all = &before[0];
+    assert_eq!(all["totals"]["requests"], 3, "{all}");
+    assert_eq!(all["totals"]["deliveries"], 6, "{all}");
+    assert_eq!(all["totals"]["saved_calls"], 3, "{all}");
+    let by_ns = &before[3]["groups"];
+    let keys: Vec<&str> = by_ns
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["a", "b"]);
+    assert_eq!(before[1]["groups"][0]["key"], "gpt-4o-mini");
+    assert_eq!(before[2]["groups"][0]["key"], "mock");
+    let today = chrono::Utc::now().format("%Y-%m-%d").to_string();
+    assert_eq!(before[4]["groups"][0]["key"], today.as_str());
+    // A namespace key may not look elsewhere; an admin narrows with namespace=.
+    let r = http
+        .get(format!("{}/usage?namespace=b", node.base))
+        .header("authorization", "Bearer key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let b = get(&node.base, "?namespace=b", "admin-key").await;
+    assert_eq!(b["totals"]["requests"], 1, "{b}");
+    // The list too: a's key sees a's requests, the admin every namespace.
+    let list_a = json_get(&http, format!("{}/requests", node.base), Some("key-a")).await;
+    assert_eq!(list_a["data"].as_array().unwrap().len(), 2);
+    let list_all = json_get(&http, format!("{}/requests", node.base), Some("admin-key")).await;
+    assert_eq!(list_all["data"].as_array().unwrap().len(), 3);
+    // The admin key is not a namespace key.
+    let r = http
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("authorization", "Bearer admin-key")
+        .header("content-type", "application/json")
+        .body(chat_body("admin"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    drop(node);
+
+    // After a restart the ledger is the same: it is the database's.
+    let node = Process::serve(dir.path(), &toml, free_addr()).await;
+    for (i, query) in [
+        "",
+        "?group_by=model",
+        "?group_by=backend",
+        "?group_by=namespace",
+        "?group_by=day",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut after = get(&node.base, query, "admin-key").await;
+        let mut was = before[i].clone();
+        // `since` and `until` default to a window ending now.
+        for field in ["since", "until"] {
+            after[field] = Value::Null;
+            was[field] = Value::Null;
+        }
+        assert_eq!(after, was, "{query}");
+    }
+    drop(node);
+    mock.shutdown().await;
+}
