@@ -8,6 +8,7 @@
 mod browser;
 mod chaos;
 mod clients;
+mod disk_full;
 mod docs;
 mod durability;
 mod faults;

@@ -28,6 +28,8 @@ use uuid::Uuid;
 use crate::helpers::*;
 use crate::store_conformance::TestDatabase;
 
+mod outage;
+
 /// `application_name` of each node's LISTEN connection.
 const LISTEN_APP: &str = "holdfast-listen";
 
