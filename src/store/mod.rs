@@ -793,6 +793,14 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the database fails.
     async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError>;
 
+    /// Counts one more delivery of request `id`: a submission that attached to it while it ran,
+    /// or (`replayed`) was answered from storage after it ended. Apart from the submission's
+    /// own transaction, so a duplicate is answered even when nothing can be written.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError>;
+
     /// Counts a reader of request `id`'s log as an event stream (it is not a delivery).
     ///
     /// # Errors

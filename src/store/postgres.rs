@@ -628,22 +628,9 @@ impl Store for PostgresStore {
             tx.commit().await?;
             return Ok((Submitted::KeyMismatch { existing }, None));
         }
-        // One more delivery: attached while it runs, replayed once it ended (docs/usage.md).
-        let row = sqlx::query(concat!(
-            "UPDATE requests SET
-                 attached = attached + (status IN ('pending', 'running'))::int,
-                 replayed = replayed + (status IN ('succeeded', 'failed'))::int
-             WHERE id = $1
-             RETURNING ",
-            request_columns!()
-        ))
-        .bind(existing)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| {
+        let record = Self::fetch_in(&mut tx, existing).await?.ok_or_else(|| {
             StoreError::corrupt(Some(existing), "a live claim points at a missing request")
         })?;
-        let record = record_from_row(&row)?;
         tx.commit().await?;
         Ok((Submitted::Attached(Box::new(record)), None))
     }
@@ -1246,6 +1233,18 @@ impl Store for PostgresStore {
                 Ok((attempt, usage_from_row(row, 1)?))
             })
             .collect()
+    }
+
+    async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE requests SET attached = attached + (NOT $2)::int, replayed = replayed + $2::int
+             WHERE id = $1",
+        )
+        .bind(id)
+        .bind(replayed)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {

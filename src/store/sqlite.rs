@@ -707,25 +707,9 @@ fn submit_in(
             None,
         ));
     }
-    // One more delivery: attached while it runs, replayed once it ended (docs/usage.md).
-    let mut stmt = conn.prepare_cached(concat!(
-        "UPDATE requests SET
-             attached = attached + (status IN ('pending', 'running')),
-             replayed = replayed + (status IN ('succeeded', 'failed'))
-         WHERE id = ?1
-         RETURNING ",
-        request_columns!()
-    ))?;
-    let mut rows = stmt.query(params![existing])?;
-    let record = match rows.next()? {
-        Some(row) => record_from_row(row, 0)?,
-        None => {
-            return Err(StoreError::corrupt(
-                Some(existing_id),
-                "a live claim points at a missing request",
-            ));
-        }
-    };
+    let record = fetch(conn, &existing)?.ok_or_else(|| {
+        StoreError::corrupt(Some(existing_id), "a live claim points at a missing request")
+    })?;
     Ok((Submitted::Attached(Box::new(record)), None))
 }
 
@@ -1428,6 +1412,18 @@ impl Store for SqliteStore {
                 out.push((attempt, usage_from_row(row, 1)?));
             }
             Ok(out)
+        })
+        .await
+    }
+
+    async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
+        self.write(move |conn| {
+            conn.prepare_cached(
+                "UPDATE requests SET attached = attached + (?2 = 0), replayed = replayed + ?2
+                 WHERE id = ?1",
+            )?
+            .execute(params![id.to_string(), replayed])?;
+            Ok(())
         })
         .await
     }

@@ -131,8 +131,8 @@ impl WorkerPool {
                 owner,
                 lease_ms: pool.lease_ms(),
             });
-            let (submitted, lease) = pool.store.submit_and_lease(new, lease).await?;
-            match (&submitted, lease, permit) {
+            let (mut submitted, lease) = pool.store.submit_and_lease(new, lease).await?;
+            match (&mut submitted, lease, permit) {
                 (Submitted::Created(record), Some(lease), Some(permit)) => {
                     pool.spawn_attempt(lease, (**record).clone(), permit);
                 }
@@ -150,7 +150,22 @@ impl WorkerPool {
     /// Counts a delivery that attached or replayed (docs/usage.md): a saved call when the
     /// request's deliveries now exceed its attempts; a replay's saved tokens are known at once,
     /// an attachment's when the request finishes.
-    fn count_delivery(&self, record: &RequestRecord) {
+    ///
+    /// The ledger's write runs on its own, after the answer: a duplicate is answered even when
+    /// nothing can be written (a full disk), uncounted then.
+    fn count_delivery(&self, record: &mut RequestRecord) {
+        let replayed = record.status.is_terminal();
+        if replayed {
+            record.replayed += 1;
+        } else {
+            record.attached += 1;
+        }
+        let (store, id) = (self.store.clone(), record.id);
+        tokio::spawn(async move {
+            if let Err(e) = store.count_delivery(id, replayed).await {
+                warn!(%id, error = %e, "could not count a delivery");
+            }
+        });
         if record.deliveries() <= record.attempts {
             return;
         }
