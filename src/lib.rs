@@ -54,6 +54,7 @@
 
 pub mod app;
 pub mod canonical;
+pub mod cli;
 pub mod config;
 mod http;
 mod hub;

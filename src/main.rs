@@ -39,6 +39,120 @@ enum Command {
     Serve(ServeArgs),
     /// Run a fake OpenAI + Anthropic provider for tests, demos and benchmarks.
     MockUpstream(MockArgs),
+    /// Read the request log of a running holdfast (any node of a cluster).
+    #[command(subcommand)]
+    Requests(RequestsCommand),
+    /// The usage and savings ledger of a running holdfast.
+    Usage(UsageArgs),
+}
+
+/// Where a running holdfast is, and the key to read it with.
+#[derive(Args, Clone)]
+struct ServerArgs {
+    /// holdfast's address.
+    #[arg(
+        long,
+        env = "HOLDFAST_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
+    url: String,
+    /// A namespace key, or an admin key (every namespace).
+    #[arg(long, env = "HOLDFAST_API_KEY", global = true, hide_env_values = true)]
+    api_key: Option<String>,
+    /// Print the server's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum RequestsCommand {
+    /// List requests, newest first.
+    List {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// Only this status: pending, running, succeeded, failed.
+        #[arg(long)]
+        status: Option<String>,
+        /// Only this route, e.g. openai.chat.
+        #[arg(long)]
+        route: Option<String>,
+        /// Only this model.
+        #[arg(long)]
+        model: Option<String>,
+        /// Only this backend.
+        #[arg(long)]
+        backend: Option<String>,
+        /// Submitted at or after (RFC 3339).
+        #[arg(long)]
+        since: Option<String>,
+        /// Submitted before (RFC 3339).
+        #[arg(long)]
+        until: Option<String>,
+        /// A substring of the request body.
+        #[arg(long)]
+        q: Option<String>,
+        /// Only requests that answered more than one submission.
+        #[arg(long)]
+        replayed: bool,
+        /// Admin keys: one namespace.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Page size (at most 500).
+        #[arg(long)]
+        limit: Option<u32>,
+        /// Start after this request id (the previous page's last).
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// One request: status, attempts, usage, cost, deliveries.
+    Show {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The request id.
+        id: String,
+        /// Also the request body sent upstream and the answer.
+        #[arg(long)]
+        body: bool,
+    },
+    /// Follow a request's log as it is written, resuming after disconnects, until its end.
+    Tail {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The request id.
+        id: String,
+        /// Start after this seq (default: the current attempt).
+        #[arg(long)]
+        from: Option<i64>,
+        /// Give up after the server has been unreachable this many seconds.
+        #[arg(long, default_value_t = 60)]
+        patience_secs: u64,
+    },
+    /// Cancel a request (LC-9).
+    Cancel {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The request id.
+        id: String,
+    },
+}
+
+#[derive(Args)]
+struct UsageArgs {
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Submitted at or after (RFC 3339; default 30 days ago).
+    #[arg(long)]
+    since: Option<String>,
+    /// Submitted before (RFC 3339; default now).
+    #[arg(long)]
+    until: Option<String>,
+    /// model, backend, namespace or day.
+    #[arg(long)]
+    group_by: Option<String>,
+    /// Admin keys: one namespace.
+    #[arg(long)]
+    namespace: Option<String>,
 }
 
 #[derive(Args)]
@@ -199,7 +313,106 @@ async fn run(cli: Cli) -> Result<(), Stop> {
                 .await
                 .map_err(|e| Stop(1, format!("mock-upstream on {}: {e}", args.listen)))
         }
+        Some(Command::Requests(command)) => requests(command).await,
+        Some(Command::Usage(args)) => {
+            let query = pairs(&[
+                ("since", args.since),
+                ("until", args.until),
+                ("group_by", args.group_by),
+                ("namespace", args.namespace),
+            ]);
+            let client = client(&args.server);
+            client
+                .usage(&query, args.server.json, &mut std::io::stdout())
+                .await
+                .or_else(command_outcome)
+        }
         None => Err(Stop(EXIT_CONFIG, "no command; see holdfast --help".into())),
+    }
+}
+
+fn client(server: &ServerArgs) -> holdfast::cli::Client {
+    holdfast::cli::Client {
+        url: server.url.clone(),
+        api_key: server.api_key.clone(),
+    }
+}
+
+/// The named values that are set, as query pairs.
+fn pairs(values: &[(&str, Option<String>)]) -> Vec<(String, String)> {
+    values
+        .iter()
+        .filter_map(|(name, value)| value.clone().map(|v| (name.to_string(), v)))
+        .collect()
+}
+
+async fn requests(command: RequestsCommand) -> Result<(), Stop> {
+    let out = &mut std::io::stdout();
+    let done = match command {
+        RequestsCommand::List {
+            server,
+            status,
+            route,
+            model,
+            backend,
+            since,
+            until,
+            q,
+            replayed,
+            namespace,
+            limit,
+            cursor,
+        } => {
+            let query = pairs(&[
+                ("status", status),
+                ("route", route),
+                ("model", model),
+                ("backend", backend),
+                ("since", since),
+                ("until", until),
+                ("q", q),
+                ("replayed", replayed.then(|| "true".to_string())),
+                ("namespace", namespace),
+                ("limit", limit.map(|l| l.to_string())),
+                ("cursor", cursor),
+            ]);
+            let args = holdfast::cli::ListArgs {
+                query,
+                json: server.json,
+            };
+            client(&server).list(&args, out).await
+        }
+        RequestsCommand::Show { server, id, body } => {
+            client(&server).show(&id, body, server.json, out).await
+        }
+        RequestsCommand::Tail {
+            server,
+            id,
+            from,
+            patience_secs,
+        } => {
+            client(&server)
+                .tail(
+                    &id,
+                    from,
+                    std::time::Duration::from_secs(patience_secs),
+                    out,
+                )
+                .await
+        }
+        RequestsCommand::Cancel { server, id } => {
+            client(&server).cancel(&id, server.json, out).await
+        }
+    };
+    done.or_else(command_outcome)
+}
+
+/// A CLI command's failure as the process's exit: 1 with its message, or a quiet success when
+/// the reader of the output went away.
+fn command_outcome(e: holdfast::cli::CliError) -> Result<(), Stop> {
+    match e {
+        holdfast::cli::CliError::OutputClosed => Ok(()),
+        holdfast::cli::CliError::Failed(message) => Err(Stop(1, message)),
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod browser;
 mod chaos;
+mod cli;
 mod clients;
 mod disk_full;
 mod docs;
@@ -18,6 +19,7 @@ mod node;
 mod openapi;
 mod ops;
 mod proxy;
+mod requests_list;
 mod sdk_surface;
 mod sqlite_writer;
 mod startup;

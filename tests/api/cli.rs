@@ -1,0 +1,216 @@
+//! `holdfast requests list/show/tail/cancel` and `holdfast usage` against a running server
+//! (issue 16): the binary, over HTTP, with the exit codes scripts rely on.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use holdfast::mock::MockConfig;
+use serde_json::Value;
+
+use crate::helpers::*;
+
+fn toml(dir: &std::path::Path, mock_base: &str) -> String {
+    format!(
+        r#"database_url = "sqlite://{}"
+admin_api_keys = ["admin"]
+[workers]
+lease_secs = 2
+sweep_interval_ms = 100
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock_base}"
+[[namespaces]]
+name = "team"
+api_keys = ["team-key"]
+[[prices]]
+backend = "mock"
+model = "gpt-4o-mini"
+input_per_mtok = 0.15
+output_per_mtok = 0.60
+"#,
+        dir.join("holdfast.db").display()
+    )
+}
+
+/// Runs `holdfast ARGS` against `base` with the team's key; (exit code, stdout, stderr).
+fn cli(base: &str, args: &[&str]) -> (i32, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    run_holdfast(
+        dir.path(),
+        args,
+        &[("HOLDFAST_URL", base), ("HOLDFAST_API_KEY", "team-key")],
+    )
+}
+
+async fn send(base: &str, body: String) -> String {
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("team-key")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    id
+}
+
+#[tokio::test]
+async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = Process::serve(dir.path(), &toml(dir.path(), &mock.base_url()), free_addr()).await;
+    let first = send(&node.base, chat_body("listed one")).await;
+    let again = send(&node.base, chat_body("listed one")).await;
+    assert_eq!(first, again);
+    let second = send(&node.base, chat_body("listed two")).await;
+
+    let (code, out, err) = cli(&node.base, &["requests", "list"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("ID"), "a table: {out}");
+    assert!(out.contains(&first) && out.contains(&second), "{out}");
+    let (code, out, _) = cli(
+        &node.base,
+        &["requests", "list", "--json", "--q", "listed two"],
+    );
+    assert_eq!(code, 0);
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(listed["data"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["data"][0]["id"], second.as_str());
+    let (code, out, _) = cli(&node.base, &["requests", "list", "--replayed"]);
+    assert_eq!(code, 0);
+    assert!(out.contains(&first) && !out.contains(&second), "{out}");
+
+    let (code, out, _) = cli(&node.base, &["requests", "show", &first, "--body"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("succeeded"), "{out}");
+    assert!(out.contains("deliveries     2"), "{out}");
+    assert!(out.contains("listed one"), "the prompt with --body: {out}");
+    let (code, _, err) = cli(
+        &node.base,
+        &["requests", "show", "0194c5d2-0000-7000-8000-000000000000"],
+    );
+    assert_eq!(code, 1, "not found is 1");
+    assert!(err.contains("404"), "{err}");
+
+    let (code, out, _) = cli(&node.base, &["usage", "--group-by", "model"]);
+    assert_eq!(code, 0);
+    assert!(out.lines().any(|l| l.starts_with("gpt-4o-mini")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("TOTAL")), "{out}");
+    let (code, out, _) = cli(&node.base, &["usage", "--json"]);
+    assert_eq!(code, 0);
+    let usage: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(usage["totals"]["saved_calls"], 1, "{usage}");
+
+    // Cancel a request that is still waiting for its provider.
+    mock.set_config(MockConfig {
+        header_delay_ms: 5_000,
+        ..MockConfig::default()
+    });
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .bearer_auth("team-key")
+        .header("prefer", "respond-async")
+        .header("content-type", "application/json")
+        .body(chat_body("cancel me from the CLI"))
+        .send()
+        .await
+        .unwrap();
+    let slow = header(&r, "holdfast-request-id");
+    let (code, out, _) = cli(&node.base, &["requests", "cancel", &slow]);
+    assert_eq!(code, 0);
+    assert_eq!(out.trim(), format!("{slow} failed"));
+    // Usage errors are 2; an unreachable server 1.
+    let (code, _, _) = cli(&node.base, &["requests", "list", "--no-such-flag"]);
+    assert_eq!(code, 2);
+    let (code, _, err) = cli("http://127.0.0.1:9", &["requests", "list"]);
+    assert_eq!(code, 1, "{err}");
+    drop(node);
+    mock.shutdown().await;
+}
+
+// Multi-threaded: the test reads the tail's output with blocking waits while the in-process mock
+// provider keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_tail_follows_a_stream_resumes_after_a_server_restart_and_prints_the_reset_rd6() {
+    let mock = start_mock(MockConfig {
+        chunks: 40,
+        chunk_delay_ms: 60,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = toml(dir.path(), &mock.base_url());
+    let addr = free_addr();
+    let mut node = Process::serve(dir.path(), &config, addr).await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .bearer_auth("team-key")
+        .header("prefer", "respond-async")
+        .header("content-type", "application/json")
+        .body(stream_body("tail me across a restart"))
+        .send()
+        .await
+        .unwrap();
+    let id = header(&r, "holdfast-request-id");
+    let mut tail = Command::new(holdfast_bin())
+        .args(["requests", "tail", &id])
+        .env("HOLDFAST_URL", &node.base)
+        .env("HOLDFAST_API_KEY", "team-key")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = tail.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    while lines.len() < 5 {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(line) => lines.push(line),
+            Err(e) => {
+                let _ = tail.kill();
+                let mut err = String::new();
+                std::io::Read::read_to_string(&mut tail.stderr.take().unwrap(), &mut err).unwrap();
+                panic!("tail prints events ({e}): {lines:?} {err}");
+            }
+        }
+    }
+    node.kill9();
+    let node = Process::serve(dir.path(), &config, addr).await;
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("tail goes on after the restart");
+        let end = line.contains(" end ");
+        lines.push(line);
+        if end {
+            break;
+        }
+    }
+    let status = tail.wait().unwrap();
+    assert!(status.success(), "tail exits 0 at the end: {lines:?}");
+    let text = lines.join("\n");
+    assert!(
+        text.contains(" reset "),
+        "the reset between the attempts is printed: {text}"
+    );
+    assert!(
+        text.contains("resuming") || text.contains("retrying"),
+        "{text}"
+    );
+    let last: Value =
+        serde_json::from_str(lines.last().unwrap().splitn(3, ' ').nth(2).unwrap()).unwrap();
+    assert_eq!(last["status"], "succeeded", "{text}");
+    drop(node);
+    mock.shutdown().await;
+}
