@@ -708,7 +708,10 @@ fn submit_in(
         ));
     }
     let record = fetch(conn, &existing)?.ok_or_else(|| {
-        StoreError::corrupt(Some(existing_id), "a live claim points at a missing request")
+        StoreError::corrupt(
+            Some(existing_id),
+            "a live claim points at a missing request",
+        )
     })?;
     Ok((Submitted::Attached(Box::new(record)), None))
 }

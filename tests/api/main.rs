@@ -25,4 +25,5 @@ mod store_conformance;
 mod store_errors;
 mod streams;
 mod tenancy;
+mod ui;
 mod usage;
