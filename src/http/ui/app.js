@@ -82,7 +82,7 @@ const dash = '\u2014';
 function fmtTime(iso) {
   if (!iso) return dash;
   const d = new Date(iso);
-  return Number.isNaN(d.getTime()) ? iso : d.toLocaleString();
+  return Number.isNaN(d.getTime()) ? iso : d.toLocaleString(undefined, { dateStyle: 'short', timeStyle: 'medium' });
 }
 
 function fmtDuration(fromIso, toIso) {
@@ -255,7 +255,7 @@ function row(r) {
     'tr',
     { 'data-id': r.id, 'data-status': r.status, onclick: open },
     h('td', null, fmtTime(r.created_at)),
-    h('td', null, statusBadge(r.status), r.error ? ` ${r.error.type}` : ''),
+    h('td', { class: 'status-cell' }, statusBadge(r.status), r.error ? h('span', { class: 'error-type' }, r.error.type) : null),
     h('td', null, r.route),
     h('td', null, r.model ?? dash),
     h('td', null, r.backend),
@@ -263,7 +263,7 @@ function row(r) {
     h('td', { class: 'num' }, fmtInOut(r.usage)),
     h('td', { class: 'num' }, fmtUsd(r.cost_usd)),
     h('td', { class: 'num' }, String(r.deliveries.total)),
-    h('td', { class: 'id' }, h('a', { href: detailHref(r.id) }, r.id)),
+    h('td', { class: 'id' }, h('a', { href: detailHref(r.id), title: r.id }, `${r.id.slice(0, 8)}\u2026${r.id.slice(-8)}`)),
   );
 }
 

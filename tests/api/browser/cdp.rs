@@ -182,11 +182,7 @@ impl Browser {
         for domain in ["Page.enable", "Runtime.enable", "Log.enable"] {
             page.call(domain, json!({})).await;
         }
-        page.call(
-            "Emulation.setDeviceMetricsOverride",
-            json!({"width": width, "height": height, "deviceScaleFactor": 1, "mobile": false}),
-        )
-        .await;
+        page.resize(width, height).await;
         page
     }
 
@@ -225,6 +221,15 @@ impl Drop for Browser {
 impl Page<'_> {
     async fn call(&self, method: &str, params: Value) -> Value {
         self.browser.call(Some(&self.session), method, params).await
+    }
+
+    /// Sets the viewport to `width` x `height` CSS pixels (one device pixel each).
+    pub async fn resize(&self, width: u32, height: u32) {
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            json!({"width": width, "height": height, "deviceScaleFactor": 1, "mobile": false}),
+        )
+        .await;
     }
 
     /// Navigates to `url` and waits until its document has loaded.

@@ -345,6 +345,7 @@ async fn ui_lists_filters_follows_a_running_stream_live_and_its_totals_equal_usa
         WAIT,
     )
     .await;
+    page.resize(WIDTH, 900).await;
     shoot(&page, "detail.png").await;
 
     let errors = page_errors(&browser);
@@ -689,4 +690,117 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
         "the page ran without errors: {errors:#?}"
     );
     app.stop().await;
+}
+
+#[tokio::test]
+async fn ui_live_view_survives_a_server_restart_mid_stream_and_shows_the_reset() {
+    // holdfast as a child process, stopped (SIGTERM: the running attempt is handed back with a
+    // `reset` chunk, every connection is cut) and started again on the same address and
+    // database while the page watches.
+    let mock = start_mock(MockConfig {
+        chunks: 50,
+        chunk_delay_ms: 120,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        r#"
+ui = true
+shutdown_grace_ms = 200
+database_url = "sqlite://{db}"
+[workers]
+poll_interval_ms = 100
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock}"
+"#,
+        db = dir.path().join("holdfast.db").display(),
+        mock = mock.base_url(),
+    );
+    let addr = free_addr();
+    let mut server = Process::serve(dir.path(), &toml, addr).await;
+    let base = server.base.clone();
+    let http = reqwest::Client::new();
+    let started = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("prefer", "respond-async")
+        .body(stream_body("survive a restart"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(started.status(), 202);
+    let id = header(&started, "holdfast-request-id");
+
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, HEIGHT).await;
+    page.goto(&format!("{base}/ui#/r/{id}")).await;
+    page.wait_for(
+        "!document.getElementById('watch').hidden",
+        "the stream's detail",
+        WAIT,
+    )
+    .await;
+    page.eval("document.getElementById('watch').click()").await;
+    page.wait_for(
+        "Number(document.getElementById('live').dataset.events || 0) >= 10",
+        "ten chunks of the first attempt",
+        WAIT,
+    )
+    .await;
+
+    assert!(
+        server.sigterm_and_wait(Duration::from_secs(20)),
+        "clean exit"
+    );
+    page.wait_for(
+        "['disconnected', 'reconnecting'].includes(document.getElementById('live').dataset.state)",
+        "the page to notice",
+        WAIT,
+    )
+    .await;
+    let _server = Process::serve(dir.path(), &toml, addr).await;
+
+    page.wait_for(
+        "document.getElementById('live').dataset.state === 'ended'",
+        "the end of the re-run",
+        Duration::from_secs(40),
+    )
+    .await;
+    assert_eq!(text_of(&page, "live-state").await, "ended: succeeded");
+    let record = get_record(&http, &base, &id).await;
+    assert_eq!(record["status"], "succeeded");
+    assert_eq!(record["attempts"], 2, "{record}");
+    let notes = text_of(&page, "live-notes").await;
+    assert!(notes.contains("attempt 2 started over"), "{notes}");
+    let opens = page
+        .eval("Number(document.getElementById('live').dataset.opens)")
+        .await;
+    assert!(opens.as_u64().unwrap() >= 2, "reconnected: {opens}");
+    // What the page shows is the stored answer: the second attempt's text, nothing twice.
+    let full: Value = http
+        .get(format!("{base}/requests/{id}?include=body"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(text_of(&page, "live-text").await, full["answer"]["text"]);
+    // Every event seq arrived once, in order, across the reconnect.
+    let seqs: Vec<i64> = serde_json::from_value(
+        page.eval(
+            "[...document.querySelectorAll('#live-events li')].map(li => Number(li.textContent.split(' ')[0]))",
+        )
+        .await,
+    )
+    .unwrap();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "no gap, no duplicate"
+    );
+    assert_eq!(*seqs.last().unwrap(), record["last_seq"].as_i64().unwrap());
 }
