@@ -804,3 +804,71 @@ base_url = "{mock}"
     );
     assert_eq!(*seqs.last().unwrap(), record["last_seq"].as_i64().unwrap());
 }
+
+#[tokio::test]
+async fn ui_cancel_button_cancels_a_running_request_lc9() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 100,
+            chunk_delay_ms: 200,
+            ..MockConfig::default()
+        },
+        |c| c.ui = true,
+    )
+    .await;
+    let started = app
+        .post(
+            "/v1/chat/completions",
+            stream_body("cancel me"),
+            &[("prefer", "respond-async")],
+        )
+        .await;
+    let id = header(&started, "holdfast-request-id");
+
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, HEIGHT).await;
+    page.goto(&format!("{}/ui#/r/{id}", app.base)).await;
+    page.wait_for(
+        "!document.getElementById('cancel').hidden",
+        "the cancel button of a running request",
+        WAIT,
+    )
+    .await;
+    page.eval("document.getElementById('watch').click()").await;
+    page.wait_for(
+        "Number(document.getElementById('live').dataset.events || 0) >= 1",
+        "the stream",
+        WAIT,
+    )
+    .await;
+    page.eval("document.getElementById('cancel').click()").await;
+    page.wait_for(
+        "document.querySelector('#detail-title [data-status]').dataset.status === 'failed' && \
+         document.querySelector('#cards [data-card=\"Error\"]') !== null && \
+         document.getElementById('cancel').hidden",
+        "the cancelled record",
+        WAIT,
+    )
+    .await;
+    let error = page
+        .eval("document.querySelector('#cards [data-card=\"Error\"]').textContent")
+        .await;
+    assert!(error.as_str().unwrap().contains("cancelled"), "{error}");
+    // The live view ends with the request's `end` event.
+    page.wait_for(
+        "document.getElementById('live').dataset.state === 'ended'",
+        "the stream's end",
+        WAIT,
+    )
+    .await;
+    assert_eq!(text_of(&page, "live-state").await, "ended: failed");
+    let record = app.record(&id).await;
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "cancelled");
+    let errors = page_errors(&browser);
+    assert!(
+        errors.is_empty(),
+        "the page ran without errors: {errors:#?}"
+    );
+    app.stop().await;
+}
