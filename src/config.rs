@@ -81,6 +81,9 @@ pub struct Config {
     /// Keys whose holders may read `GET /usage` and `GET /requests` across namespaces
     /// (`?namespace=` narrows). They are not namespace keys: proxied calls refuse them.
     pub admin_api_keys: Vec<String>,
+    /// Serve the web page at `GET /ui` (docs/ui.md). Default false: `/ui` and its assets
+    /// answer 404 like any unknown path. `serve --demo` turns it on.
+    pub ui: bool,
 }
 
 /// One `[[prices]]` entry: USD per million tokens for a backend's models.
@@ -266,6 +269,7 @@ impl Default for Config {
             prices: Vec::new(),
             inject_stream_usage: false,
             admin_api_keys: Vec::new(),
+            ui: false,
         }
     }
 }

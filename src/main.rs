@@ -507,6 +507,7 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
     if let Some(mock) = &mock {
         println!(
             "holdfast demo on http://{addr}\n\
+             \x20 web page: http://{addr}/ui\n\
              \x20 mock provider (the only backend): {mock}\n\
              \x20 database: holdfast-demo.db\n\
              try it (send it twice: the second answer is replayed, Idempotent-Replayed: true):\n\
@@ -528,7 +529,8 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
 /// Stands for the demo's mock provider in `--demo`'s configuration until it is started.
 const DEMO_MOCK_URL: &str = "http://demo-mock.invalid/v1";
 
-/// `--demo`'s base configuration: its own SQLite file and the mock provider as both backends.
+/// `--demo`'s base configuration: its own SQLite file, the mock provider as both backends, and
+/// the web page at `/ui`.
 fn demo_config() -> Config {
     Config {
         database_url: "sqlite://holdfast-demo.db".into(),
@@ -546,6 +548,7 @@ fn demo_config() -> Config {
                 api_key_env: None,
             },
         ],
+        ui: true,
         ..Config::default()
     }
 }

@@ -10,6 +10,7 @@ mod proxy;
 mod requests;
 mod responses;
 mod stream;
+mod ui;
 mod usage;
 
 use std::sync::Arc;
@@ -107,6 +108,9 @@ fn fixed_routes() -> Vec<(&'static str, &'static str, MethodRouter<AppState>)> {
         ("GET", "/metrics", get(ops::metrics)),
         ("GET", "/openapi.json", get(openapi::serve)),
     ]);
+    // The web page is always routed and answers 404 itself when `ui` is off, so the table (and
+    // `/openapi.json`) does not depend on the configuration.
+    routes.extend(ui::routes().map(|(path, handler)| ("GET", path, handler)));
     routes
 }
 
@@ -233,10 +237,20 @@ pub(crate) fn namespace(
     headers: &HeaderMap,
     shape: Provider,
 ) -> Result<String, ApiError> {
+    namespace_of_key(config, presented_key(headers), shape)
+}
+
+/// [`namespace`] for a key presented some other way than in a header (`?key=` on an event
+/// stream, which a browser's `EventSource` cannot send headers on).
+fn namespace_of_key(
+    config: &Config,
+    presented: Option<&[u8]>,
+    shape: Provider,
+) -> Result<String, ApiError> {
     if config.namespaces.is_empty() {
         return Ok("default".into());
     }
-    let presented = presented_key(headers).ok_or_else(|| unauthorized(shape))?;
+    let presented = presented.ok_or_else(|| unauthorized(shape))?;
     let mut found = None;
     for ns in &config.namespaces {
         if key_among(presented, ns.api_keys.iter()) && found.is_none() {
@@ -276,11 +290,24 @@ pub(crate) fn caller(
     headers: &HeaderMap,
     shape: Provider,
 ) -> Result<Caller, ApiError> {
+    caller_of_key(config, presented_key(headers), shape)
+}
+
+/// [`caller`] for a key already taken from the request (`presented`: `None` when it carried
+/// none), compared in constant time like a header's.
+///
+/// # Errors
+/// 401 `invalid_api_key` as [`namespace`].
+fn caller_of_key(
+    config: &Config,
+    presented: Option<&[u8]>,
+    shape: Provider,
+) -> Result<Caller, ApiError> {
     if !config.admin_api_keys.is_empty()
-        && let Some(presented) = presented_key(headers)
+        && let Some(presented) = presented
         && key_among(presented, config.admin_api_keys.iter())
     {
         return Ok(Caller::Admin);
     }
-    namespace(config, headers, shape).map(Caller::Namespace)
+    namespace_of_key(config, presented, shape).map(Caller::Namespace)
 }

@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 use uuid::Uuid;
 
 use super::errors::ApiError;
-use super::{AppState, Caller, caller, stream};
+use super::{AppState, Caller, caller_of_key, presented_key, stream};
 use crate::config::Config;
 use crate::ledger;
 use crate::provider::Provider;
@@ -175,6 +175,11 @@ impl RecordView {
 /// `?include=body` adds the request as sent upstream and the stored answer (bodies can hold
 /// secrets: only the request's own namespace keys and admin keys read them, as every read
 /// here). Unknown, malformed or another namespace's id: 404.
+///
+/// The event stream also takes the key as `?key=KEY` (a browser's `EventSource` cannot send
+/// headers; the web page follows streams this way, docs/decisions.md 29). A key header, when
+/// present, wins; the JSON record refuses `key` (400), so a key is put in a URL only where no
+/// header can carry it.
 pub(super) async fn get_one(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -186,6 +191,18 @@ pub(super) async fn get_one(
         .get_all(header::ACCEPT)
         .iter()
         .any(|v| v.to_str().is_ok_and(|v| v.contains("text/event-stream")));
+    let query_key = query.get("key");
+    if query_key.is_some() && !wants_events {
+        return ApiError::bad_request(
+            shape,
+            "invalid_parameter",
+            "key: only the event stream (Accept: text/event-stream) takes the key as a query \
+             parameter; send it as `Authorization: Bearer KEY` or `x-api-key: KEY`",
+        )
+        .into_response();
+    }
+    let presented =
+        presented_key(&headers).or_else(|| query_key.map(|k| k.as_bytes().trim_ascii()));
     let position = if wants_events {
         match position(&headers, &query) {
             Ok(p) => p,
@@ -206,7 +223,7 @@ pub(super) async fn get_one(
             .into_response();
         }
     };
-    let record = match addressed(&state, &headers, &id).await {
+    let record = match addressed(&state, presented, &id).await {
         Ok(record) => record,
         Err(e) => return e.into_response(),
     };
@@ -280,19 +297,19 @@ async fn bodies(
     Ok((request, json!({"text": text, "events": events})))
 }
 
-/// The request a `/requests/{id}` path names, as the caller may see it: in its namespace, or
-/// in any for an admin key.
+/// The request a `/requests/{id}` path names, as the caller presenting the key `presented` may
+/// see it: in its namespace, or in any for an admin key.
 ///
 /// # Errors
 /// 401 for an unknown key (when namespaces are configured); 404 for a malformed id, which can
 /// name no request, and for one the caller may not see.
 async fn addressed(
     state: &AppState,
-    headers: &HeaderMap,
+    presented: Option<&[u8]>,
     id: &str,
 ) -> Result<RequestRecord, ApiError> {
     let shape = Provider::Openai;
-    let caller = caller(&state.config, headers, shape)?;
+    let caller = caller_of_key(&state.config, presented, shape)?;
     let not_found = || ApiError::not_found(shape, format!("no request {id}"));
     let uuid = Uuid::parse_str(id).map_err(|_| not_found())?;
     let found = match &caller {
@@ -316,7 +333,7 @@ pub(super) async fn cancel(
     headers: HeaderMap,
 ) -> Response {
     let shape = Provider::Openai;
-    let record = match addressed(&state, &headers, &id).await {
+    let record = match addressed(&state, presented_key(&headers), &id).await {
         Ok(record) => record,
         Err(e) => return e.into_response(),
     };
@@ -360,7 +377,7 @@ pub(super) async fn list(
     headers: HeaderMap,
 ) -> Response {
     let shape = Provider::Openai;
-    let caller = match caller(&state.config, &headers, shape) {
+    let caller = match super::caller(&state.config, &headers, shape) {
         Ok(caller) => caller,
         Err(e) => return e.into_response(),
     };

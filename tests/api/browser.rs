@@ -1,6 +1,6 @@
 //! A real browser's EventSource against `GET /requests/{id}` (RD-2..RD-6): headless Chromium
 //! (Debian package `chromium`), resuming after the server drops the connection and stopping at
-//! the 204.
+//! the 204. The web page at `/ui` is driven in [`ui`], over the DevTools protocol ([`cdp`]).
 //!
 //! The page is served by a small front server on loopback that also forwards `/requests/...` to
 //! holdfast (so the page and the stream share an origin) and drops the first stream connection
@@ -22,6 +22,9 @@ use holdfast::mock::MockConfig;
 use tokio::sync::mpsc;
 
 use crate::helpers::*;
+
+mod cdp;
+mod ui;
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 

@@ -27,4 +27,5 @@ mod store_conformance;
 mod store_errors;
 mod streams;
 mod tenancy;
+mod ui;
 mod usage;

@@ -94,7 +94,8 @@ fn assert_refs_resolve(doc: &Value, value: &Value) {
 
 #[tokio::test]
 async fn openapi_document_is_3_1_and_every_operation_in_it_is_served() {
-    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    // `ui = true`: the web page's routes answer 404 themselves when it is off (tests/api/ui.rs).
+    let app = spawn_app(MockConfig::default(), |c| c.ui = true).await;
     let fresh = app.chat(&chat_body("openapi check")).await;
     assert_eq!(fresh.status(), 200);
     let id = header(&fresh, "holdfast-request-id");
@@ -145,7 +146,8 @@ fn path_ops(item: &Value) -> Vec<(&str, &Value)> {
 
 #[tokio::test]
 async fn every_router_route_is_documented_and_served_and_the_check_can_fail() {
-    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    // `ui = true`: the web page's routes answer 404 themselves when it is off (tests/api/ui.rs).
+    let app = spawn_app(MockConfig::default(), |c| c.ui = true).await;
     let fresh = app.chat(&chat_body("openapi routes")).await;
     let id = header(&fresh, "holdfast-request-id");
     let doc = fetch_document(&app).await;
