@@ -529,8 +529,9 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
 /// Stands for the demo's mock provider in `--demo`'s configuration until it is started.
 const DEMO_MOCK_URL: &str = "http://demo-mock.invalid/v1";
 
-/// `--demo`'s base configuration: its own SQLite file, the mock provider as both backends, and
-/// the web page at `/ui`.
+/// `--demo`'s base configuration: its own SQLite file, the mock provider as both backends, the
+/// web page at `/ui`, and example prices with stream usage asked for, so the ledger's token and
+/// cost columns fill (docs/usage.md).
 fn demo_config() -> Config {
     Config {
         database_url: "sqlite://holdfast-demo.db".into(),
@@ -549,7 +550,24 @@ fn demo_config() -> Config {
             },
         ],
         ui: true,
+        prices: vec![
+            demo_price("mock-openai", "gpt-4o-mini*", 0.15, 0.60),
+            demo_price("mock-anthropic", "claude-*", 0.80, 4.00),
+        ],
+        inject_stream_usage: true,
         ..Config::default()
+    }
+}
+
+/// An example price (USD per million tokens) for the demo's mock models.
+fn demo_price(backend: &str, model: &str, input: f64, output: f64) -> holdfast::config::Price {
+    holdfast::config::Price {
+        backend: backend.into(),
+        model: model.into(),
+        input_per_mtok: input,
+        output_per_mtok: output,
+        cached_input_per_mtok: None,
+        cache_write_per_mtok: None,
     }
 }
 

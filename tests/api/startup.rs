@@ -140,6 +140,23 @@ async fn an_unknown_holdfast_variable_is_one_warning_and_the_demo_starts_and_say
         banner.contains("curl -i "),
         "the curl shows headers: {banner}"
     );
+    // The demo's ledger fills: its example prices give a stream's tokens a cost.
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(stream_body("what does it cost"))
+        .send()
+        .await
+        .unwrap();
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    let record = get_record(&http, &format!("http://{addr}"), &id).await;
+    assert!(
+        record["usage"]["input_tokens"].as_u64().unwrap() > 0,
+        "{record}"
+    );
+    assert!(record["cost_usd"].as_f64().unwrap() > 0.0, "{record}");
     drop(process);
 }
 

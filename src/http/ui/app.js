@@ -47,6 +47,9 @@ const session = { key: sessionStorage.getItem(KEY_STORAGE) || '' };
 
 class Unauthorized extends Error {}
 
+/** An answer to a read sent with a key that has since been forgotten or replaced: dropped. */
+class Stale extends Error {}
+
 class ApiError extends Error {
   constructor(status, message) {
     super(message);
@@ -55,11 +58,14 @@ class ApiError extends Error {
 }
 
 async function api(path, method = 'GET') {
+  const key = session.key;
   const headers = { accept: 'application/json' };
-  if (session.key) headers.authorization = `Bearer ${session.key}`;
+  if (key) headers.authorization = `Bearer ${key}`;
   const response = await fetch(path, { method, headers, cache: 'no-store', credentials: 'omit' });
+  if (session.key !== key) throw new Stale('the key changed');
   if (response.status === 401) throw new Unauthorized('the key was refused');
   const text = await response.text();
+  if (session.key !== key) throw new Stale('the key changed');
   let body = null;
   try {
     body = JSON.parse(text);
@@ -167,6 +173,7 @@ async function refresh() {
     banner('');
     show(view.name);
   } catch (e) {
+    if (e instanceof Stale) return;
     if (e instanceof Unauthorized) {
       const refused = session.key !== '';
       if (refused) forgetKey();
@@ -358,6 +365,7 @@ async function cancelRequest() {
   try {
     renderDetail(await api(`/requests/${encodeURIComponent(view.record.id)}/cancel`, 'POST'));
   } catch (e) {
+    if (e instanceof Stale) return;
     if (e instanceof Unauthorized) needKey('That key was refused.');
     else banner(`cancel failed: ${e.message}`);
   } finally {
@@ -384,6 +392,7 @@ async function toggleBodies() {
   try {
     full = await api(`/requests/${encodeURIComponent(view.record.id)}?include=body`);
   } catch (e) {
+    if (e instanceof Stale) return;
     if (e instanceof Unauthorized) needKey('That key was refused.');
     else banner(`could not read the bodies: ${e.message}`);
     return;
@@ -561,7 +570,7 @@ async function afterClose(source) {
       return;
     }
   } catch (e) {
-    if (live.source !== source) return;
+    if (live.source !== source || e instanceof Stale) return;
     if (e instanceof Unauthorized) {
       needKey('That key was refused.');
       return;

@@ -679,6 +679,24 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
     );
     type_key("key-b").await;
     wait_rows(&page, &[&b, &b_stream], "B's requests with B's key").await;
+    // Switching keys at once: the reads sent with B's key (and the keyless read the click
+    // makes) answer after A's key is in, and none of them may forget A's key or paint B's rows.
+    page.eval(
+        "document.getElementById('forget').click(); \
+         document.getElementById('key').value = 'key-a'; \
+         document.getElementById('login-form').requestSubmit(); true",
+    )
+    .await;
+    wait_rows(
+        &page,
+        &[&a],
+        "A's requests right after a switch from B's key",
+    )
+    .await;
+    assert_eq!(
+        page.eval("sessionStorage.getItem('holdfast.key')").await,
+        "key-a"
+    );
 
     let errors: Vec<String> = page_errors(&browser)
         .into_iter()
