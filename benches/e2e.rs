@@ -77,6 +77,8 @@ struct Options {
     targets: Vec<String>,
     /// Only these row groups (all when empty): nonstream, replay, stream, storm, streams.
     rows: Vec<String>,
+    /// Record a CPU profile of each holdfast process with `perf record -g` (`--profile`).
+    profile: bool,
 }
 
 impl Options {
@@ -96,6 +98,7 @@ fn options() -> Result<Options> {
         .filter(|s| !s.is_empty());
     let mut targets = Vec::new();
     let mut rows = Vec::new();
+    let mut profile = false;
     let list = |v: String| -> Vec<String> {
         v.split(',')
             .map(str::trim)
@@ -117,11 +120,12 @@ fn options() -> Result<Options> {
             }
             "--targets" => targets = list(args.next().context("--targets needs a value")?),
             "--rows" => rows = list(args.next().context("--rows needs a value")?),
+            "--profile" => profile = true,
             other if other.starts_with('-') => bail!(
                 "unknown option {other}; options: --quick, --database-url URL \
                  (or HOLDFAST_BENCH_DATABASE_URL), --targets A,B (substrings of target names: \
                  direct, nginx, full, normal, ...), --rows A,B (nonstream, replay, stream, storm, \
-                 streams)"
+                 streams), --profile (perf record each holdfast process)"
             ),
             // A positional filter from `cargo bench -- NAME`: nothing to filter here.
             _ => {}
@@ -133,6 +137,7 @@ fn options() -> Result<Options> {
         database_url,
         targets,
         rows,
+        profile,
     })
 }
 
@@ -319,6 +324,25 @@ fn sorted_ms(samples: &[Duration]) -> Vec<f64> {
 
 // ---------------------------------------------------------------------------------------------
 // Child processes
+
+/// With `--profile`: `perf record -g` attached to `pid` until the returned child is stopped,
+/// written to `target/bench/<name>.perf.data` (read it with `perf report -i FILE`).
+fn start_profile(options: &Options, pid: u32, out_dir: &Path, name: &str) -> Result<Option<Child>> {
+    if !options.profile {
+        return Ok(None);
+    }
+    let file: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let data = out_dir.join(format!("{file}.perf.data"));
+    let mut cmd = Command::new("perf");
+    cmd.args(["record", "-F", "999", "-g", "-p", &pid.to_string(), "-o"])
+        .arg(&data);
+    let child = spawn("perf", cmd, &out_dir.join(format!("{file}.perf.log")))?;
+    println!("  profiling pid {pid} into {}", data.display());
+    Ok(Some(child))
+}
 
 /// A child process killed on drop.
 struct Child {
@@ -1506,6 +1530,7 @@ async fn run(options: Options) -> Result<()> {
         let target = setup.label.as_str();
         let (hf, base) = start_holdfast(&control, dir.path(), setup, &mock, "main").await?;
         println!("\n== {target} ({base}, pid {})", hf.pid());
+        let profile = start_profile(&options, hf.pid(), &out_dir, target)?;
         let c = client(THROUGHPUT_CONCURRENCY + 16)?;
         if options.row("nonstream") {
             nonstream_rows(
@@ -1528,12 +1553,20 @@ async fn run(options: Options) -> Result<()> {
         if options.row("storm") {
             storm_row(&mut results, target, &base, &mock, &nonce, counts).await?;
         }
+        if let Some(perf) = profile {
+            perf.stop(Duration::from_secs(60));
+        }
         hf.stop(Duration::from_secs(40));
         if options.row("streams") {
             // A fresh process for the concurrent streams, so its memory is theirs alone.
             let (hf, base) = start_holdfast(&control, dir.path(), setup, &mock, "streams").await?;
             println!("== {target}, concurrent streams ({base}, pid {})", hf.pid());
+            let profile =
+                start_profile(&options, hf.pid(), &out_dir, &format!("{target} streams"))?;
             many_streams_row(&mut results, target, &base, &nonce, counts, Some(hf.pid())).await?;
+            if let Some(perf) = profile {
+                perf.stop(Duration::from_secs(60));
+            }
             hf.stop(Duration::from_secs(40));
         }
         proxies.push(target.to_string());
