@@ -286,6 +286,10 @@ impl From<holdfast::config::ConfigError> for Stop {
     }
 }
 
+/// mimalloc instead of the system allocator: measured in docs/benchmarks.md.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let done = tokio::runtime::Runtime::new()
