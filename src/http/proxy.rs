@@ -31,6 +31,7 @@ use crate::store::{
     ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted,
     failure_releases_claim, now_ms,
 };
+use crate::worker::ClaimRef;
 
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
 /// another node, or a lost wake-up, still settles the wait).
@@ -148,6 +149,26 @@ async fn admit_and_answer(
             .saturating_add(i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX)),
         now,
     };
+    // The claim's duplicates may be answered from memory once it succeeded: until the claim
+    // expires (counted from the request that holds it, which may be an earlier one), and never
+    // past the moment pruning may delete the request with its claim (DU-4).
+    let (new_namespace, new_claim_key) = (new.namespace.clone(), new.claim_key.clone());
+    let retention_ms =
+        i64::try_from(state.config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+    let claim_of = |record: &RequestRecord| ClaimRef {
+        namespace: new_namespace.clone(),
+        claim_key: new_claim_key.clone(),
+        fingerprint: hash,
+        expires_at: record
+            .created_at
+            .saturating_add(i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX))
+            .min(
+                record
+                    .finished_at
+                    .unwrap_or(record.created_at)
+                    .saturating_add(retention_ms),
+            ),
+    };
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
@@ -204,12 +225,16 @@ async fn admit_and_answer(
     }
 
     if record.stream {
+        if record.status.is_terminal() {
+            state.workers.remember(&claim_of(&record), &record);
+        }
         return stream_answer(state, &namespace, record, replayed, route, held, fresh).await;
     }
     let record = wait_for(state, &namespace, record, shape, fresh, |r| {
         r.status.is_terminal()
     })
     .await?;
+    state.workers.remember(&claim_of(&record), &record);
     drop(held);
     Ok(answer(&record, replayed, route, &state.config))
 }

@@ -8,6 +8,7 @@
 //! attempt writes nothing more (LC-3). A separate sweeper sends expired leases back to
 //! `pending` (LC-4).
 
+mod answers;
 mod attempt;
 mod chunks;
 mod retry;
@@ -28,6 +29,8 @@ use crate::store::{
     DynStore, Lease, LeaseTo, NewRequest, RequestRecord, StoreError, Submitted, now_ms,
 };
 use crate::upstream::Upstreams;
+pub(crate) use answers::ClaimRef;
+use answers::RecentAnswers;
 pub use chunks::{AppendError, ChunkWriter};
 
 /// How often expired terminal requests are pruned (DU-4).
@@ -63,6 +66,8 @@ pub(crate) struct WorkerPool {
     stopping: CancellationToken,
     /// The abort switch of every attempt this process is running, by request id (LC-9).
     running: Arc<Mutex<HashMap<Uuid, CancellationToken>>>,
+    /// Succeeded requests by claim: duplicates answered without a database write.
+    answers: Arc<RecentAnswers>,
 }
 
 /// A running attempt's entry in [`WorkerPool::running`]; removed on drop.
@@ -102,6 +107,7 @@ impl WorkerPool {
             wake: Arc::new(Notify::new()),
             node: node.into(),
             running: Arc::default(),
+            answers: Arc::default(),
         }
     }
 
@@ -123,6 +129,14 @@ impl WorkerPool {
     /// # Errors
     /// [`StoreError`] when the request could not be recorded; nothing was then.
     pub(crate) async fn admit(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+        // A duplicate of a request this process saw succeed: what the store would answer.
+        if let Some(mut record) =
+            self.answers
+                .replay(&new.namespace, &new.claim_key, &new.hash, new.now)
+        {
+            self.count_delivery(&mut record);
+            return Ok(Submitted::Attached(Box::new(record)));
+        }
         let pool = self.clone();
         let admission = tokio::spawn(async move {
             let permit = pool.try_permit();
@@ -145,6 +159,12 @@ impl WorkerPool {
         admission
             .await
             .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
+    }
+
+    /// Keeps `record`, the answer to a submission holding `claim`, for the claim's duplicates
+    /// when it succeeded ([`RecentAnswers`]).
+    pub(crate) fn remember(&self, claim: &ClaimRef, record: &RequestRecord) {
+        self.answers.remember(claim, record);
     }
 
     /// Counts a delivery that attached or replayed (docs/usage.md): a saved call when the

@@ -66,6 +66,7 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     let first = send(&node.base, chat_body("listed one")).await;
     let again = send(&node.base, chat_body("listed one")).await;
     assert_eq!(first, again);
+    wait_deliveries(&node.base, &first, Some("team-key"), 2).await;
     let second = send(&node.base, chat_body("listed two")).await;
 
     let (code, out, err) = cli(&node.base, &["requests", "list"]);

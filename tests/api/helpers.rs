@@ -585,3 +585,31 @@ pub fn run_holdfast(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, St
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Waits until request `id` has counted `total` deliveries: a duplicate is answered first and
+/// counted by a write right after (docs/usage.md), so a read at once may not include it yet.
+pub async fn wait_deliveries(base: &str, id: &str, key: Option<&str>, total: u64) {
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    loop {
+        let mut req = http.get(format!("{base}/requests/{id}"));
+        if let Some(key) = key {
+            req = req.header("authorization", format!("Bearer {key}"));
+        }
+        let record: Value = req
+            .send()
+            .await
+            .expect("GET record")
+            .json()
+            .await
+            .expect("JSON");
+        if record["deliveries"]["total"].as_u64() == Some(total) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{id} never counted {total} deliveries: {record}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

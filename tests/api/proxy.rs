@@ -372,3 +372,52 @@ async fn default_anthropic_version_and_the_same_value_sent_are_one_request_id3a(
     );
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_of_a_succeeded_request_is_answered_without_waiting_for_a_database_write_id4() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = chat_body("answered from memory");
+    let first = app.chat(&body).await;
+    assert_eq!(first.status(), 200);
+    let id = header(&first, "holdfast-request-id");
+    let first_bytes = first.bytes().await.unwrap();
+
+    // Another process takes the database's write lock: every write holdfast makes now waits.
+    let path = app.dir.path().join("holdfast.db");
+    let blocker = rusqlite::Connection::open(&path).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    // The duplicate is still answered: the claim's answer is known (a write would wait for the
+    // lock, which is only released after this answer arrives).
+    let second = tokio::time::timeout(Duration::from_secs(8), app.chat(&body))
+        .await
+        .expect("the duplicate waited for the database's write lock");
+    assert_eq!(second.status(), 200);
+    assert_eq!(header(&second, "idempotent-replayed"), "true");
+    assert_eq!(header(&second, "holdfast-request-id"), id);
+    assert_eq!(second.bytes().await.unwrap(), first_bytes);
+    // A different body needs its write: it is not answered while the lock is held.
+    let other = tokio::time::timeout(
+        Duration::from_millis(300),
+        app.chat(&chat_body("needs a write")),
+    )
+    .await;
+    assert!(
+        other.is_err(),
+        "a new request was answered without being recorded"
+    );
+
+    blocker.execute_batch("ROLLBACK").unwrap();
+    drop(blocker);
+    // The delivery is counted once the lock is gone.
+    wait_until(Duration::from_secs(10), "the replay counted", || {
+        let db = rusqlite::Connection::open(&path).unwrap();
+        db.query_row("SELECT replayed FROM requests WHERE id = ?1", [&id], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap()
+            == 1
+    })
+    .await;
+    app.stop().await;
+}

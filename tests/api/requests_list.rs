@@ -104,6 +104,7 @@ async fn every_list_filter_narrows_to_what_it_names_rd7() {
     )
     .await;
     assert_eq!(twice, again);
+    wait_deliveries(&app.base, &twice, Some("key-a"), 2).await;
     let (status, messages) = send(&app, "key-a", "/v1/messages", messages_body("a message")).await;
     assert_eq!(status, 200);
     let (_, other) = send(

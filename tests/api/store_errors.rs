@@ -62,25 +62,43 @@ async fn a_corrupt_stored_row_answers_500_not_retryable_and_logs_its_id() {
     assert_eq!(r.status(), 500, "not a 503: retrying cannot help");
     assert_eq!(header(&r, "x-should-retry"), "false");
     assert_eq!(header(&r, "holdfast-error"), "store_corrupt");
-    // The same body again attaches to the damaged request: the SDK is told not to retry.
-    let r = http
-        .post(format!("{}/v1/chat/completions", node.base))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 500);
-    assert_eq!(header(&r, "x-should-retry"), "false");
-    let error: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(error["error"]["code"], "store_corrupt", "{error}");
-
     let log = node.log_text();
     let line = log
         .lines()
         .find(|l| l.contains("corrupt") && l.contains(&id))
         .unwrap_or_else(|| panic!("a log line names the corrupt request {id}:\n{log}"));
     assert!(line.contains("openai.teleport"), "{line}");
+
+    // The node that answered it still knows the answer (decision 31) ...
+    let send = |base: String, body: String| {
+        let http = http.clone();
+        async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let r = send(node.base.clone(), body.clone()).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "idempotent-replayed"), "true");
+    // ... a node that must read it from the log attaches to the damaged request: the SDK is
+    // told not to retry.
+    drop(node);
+    let node = Process::serve_logged(
+        dir.path(),
+        &config_toml(&db, &mock.base_url()),
+        free_addr(),
+        &[],
+    )
+    .await;
+    let r = send(node.base.clone(), body).await;
+    assert_eq!(r.status(), 500);
+    assert_eq!(header(&r, "x-should-retry"), "false");
+    let error: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "store_corrupt", "{error}");
     assert_eq!(mock.calls(), 1);
 }
 
