@@ -35,7 +35,15 @@ const MOCK_CHUNKS: u32 = 20;
 const MOCK_CHUNK_DELAY_MS: u64 = 5;
 /// Concurrency of the throughput rows.
 const THROUGHPUT_CONCURRENCY: usize = 64;
+/// The 50-events/s row: the delay before each event, and what a stream may add.
+const PACED_DELAY_MS: u64 = 20;
+/// Largest p99 inter-event gap the 50-events/s row accepts beyond the provider's pace.
+const PACED_ADDED_GAP_P99_MS: f64 = 5.0;
+/// A stream whose mean gap exceeds the pace by more than this fraction fell behind.
+const PACED_BEHIND: f64 = 0.10;
 const NGINX: &str = "/usr/sbin/nginx";
+/// Nodes of the cluster row (with a PostgreSQL `--database-url`).
+const CLUSTER_NODES: usize = 3;
 
 /// Request counts of one run.
 #[derive(Clone, Copy)]
@@ -47,6 +55,11 @@ struct Counts {
     streams: usize,
     storm: usize,
     concurrent_streams: usize,
+    /// Streams over `THROUGHPUT_CONCURRENCY` connections in the stream throughput row.
+    streams_c64: usize,
+    /// Events per answer in the 50-events/s row, and its ladder of concurrent streams.
+    paced_events: u32,
+    paced_ladder: &'static [usize],
 }
 
 const FULL: Counts = Counts {
@@ -57,6 +70,9 @@ const FULL: Counts = Counts {
     streams: 200,
     storm: 1000,
     concurrent_streams: 1000,
+    streams_c64: 2000,
+    paced_events: 200,
+    paced_ladder: &[100, 200, 400, 800, 1200, 1600, 2400],
 };
 
 const QUICK: Counts = Counts {
@@ -67,6 +83,9 @@ const QUICK: Counts = Counts {
     streams: 20,
     storm: 200,
     concurrent_streams: 100,
+    streams_c64: 256,
+    paced_events: 50,
+    paced_ladder: &[50, 100, 200, 400],
 };
 
 struct Options {
@@ -77,8 +96,9 @@ struct Options {
     targets: Vec<String>,
     /// Only these row groups (all when empty): nonstream, replay, stream, storm, streams.
     rows: Vec<String>,
-    /// Record a CPU profile of each holdfast process with `perf record -g` (`--profile`).
-    profile: bool,
+    /// Record a CPU profile of each holdfast process with `perf record` (`--profile`, or
+    /// `--profile-dwarf` for call graphs through code built without frame pointers).
+    profile: Option<&'static str>,
 }
 
 impl Options {
@@ -98,7 +118,7 @@ fn options() -> Result<Options> {
         .filter(|s| !s.is_empty());
     let mut targets = Vec::new();
     let mut rows = Vec::new();
-    let mut profile = false;
+    let mut profile = None;
     let list = |v: String| -> Vec<String> {
         v.split(',')
             .map(str::trim)
@@ -120,12 +140,13 @@ fn options() -> Result<Options> {
             }
             "--targets" => targets = list(args.next().context("--targets needs a value")?),
             "--rows" => rows = list(args.next().context("--rows needs a value")?),
-            "--profile" => profile = true,
+            "--profile" => profile = Some("fp"),
+            "--profile-dwarf" => profile = Some("dwarf,32768"),
             other if other.starts_with('-') => bail!(
                 "unknown option {other}; options: --quick, --database-url URL \
                  (or HOLDFAST_BENCH_DATABASE_URL), --targets A,B (substrings of target names: \
                  direct, nginx, full, normal, ...), --rows A,B (nonstream, replay, stream, storm, \
-                 streams), --profile (perf record each holdfast process)"
+                 streams, paced), --profile or --profile-dwarf (perf record each holdfast process)"
             ),
             // A positional filter from `cargo bench -- NAME`: nothing to filter here.
             _ => {}
@@ -328,17 +349,31 @@ fn sorted_ms(samples: &[Duration]) -> Vec<f64> {
 /// With `--profile`: `perf record -g` attached to `pid` until the returned child is stopped,
 /// written to `target/bench/<name>.perf.data` (read it with `perf report -i FILE`).
 fn start_profile(options: &Options, pid: u32, out_dir: &Path, name: &str) -> Result<Option<Child>> {
-    if !options.profile {
+    let Some(call_graph) = options.profile else {
         return Ok(None);
-    }
+    };
     let file: String = name
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
     let data = out_dir.join(format!("{file}.perf.data"));
     let mut cmd = Command::new("perf");
-    cmd.args(["record", "-F", "999", "-g", "-p", &pid.to_string(), "-o"])
-        .arg(&data);
+    let (frequency, call_graph) = if call_graph == "fp" {
+        ("999", call_graph)
+    } else {
+        ("299", call_graph)
+    };
+    cmd.args([
+        "record",
+        "-F",
+        frequency,
+        "--call-graph",
+        call_graph,
+        "-p",
+        &pid.to_string(),
+        "-o",
+    ])
+    .arg(&data);
     let child = spawn("perf", cmd, &out_dir.join(format!("{file}.perf.log")))?;
     println!("  profiling pid {pid} into {}", data.display());
     Ok(Some(child))
@@ -661,10 +696,11 @@ struct Throughput {
     latencies: Vec<Duration>,
 }
 
-/// `n` calls spread over `concurrency` workers, each body from `bodies(i)`.
+/// `n` calls spread over `concurrency` workers, each body from `bodies(i)`, call `i` to
+/// `urls[i % urls.len()]` (several nodes of one cluster take turns).
 async fn concurrent(
     client: &reqwest::Client,
-    url: &str,
+    urls: &[String],
     bodies: Arc<dyn Fn(usize) -> String + Send + Sync>,
     concurrency: usize,
     n: usize,
@@ -676,7 +712,7 @@ async fn concurrent(
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (client, url, bodies) = (client.clone(), url.to_string(), Arc::clone(&bodies));
+        let (client, urls, bodies) = (client.clone(), urls.to_vec(), Arc::clone(&bodies));
         let (next, errors, first_error) = (
             Arc::clone(&next),
             Arc::clone(&errors),
@@ -689,7 +725,7 @@ async fn concurrent(
                 if i >= n || Instant::now() > deadline {
                     return latencies;
                 }
-                match call(&client, &url, bodies(i)).await {
+                match call(&client, &urls[i % urls.len()], bodies(i)).await {
                     Ok(a) => latencies.push(a.elapsed),
                     Err(e) => {
                         errors.fetch_add(1, Ordering::Relaxed);
@@ -872,6 +908,81 @@ fn cpu_secs(pid: u32) -> Option<f64> {
     Some(ticks / hz)
 }
 
+/// CPU seconds of `pid` and its child processes (nginx's workers), threads included.
+fn tree_cpu_secs(pid: u32) -> Option<f64> {
+    let mut total = cpu_secs(pid)?;
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    for child in children
+        .split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+    {
+        total += tree_cpu_secs(child).unwrap_or(0.0);
+    }
+    Some(total)
+}
+
+/// CPU seconds of all of `pids` ([`tree_cpu_secs`]); `None` without any.
+fn cpu_of(pids: &[u32]) -> Option<f64> {
+    pids.iter()
+        .map(|&pid| tree_cpu_secs(pid))
+        .sum::<Option<f64>>()
+        .filter(|_| !pids.is_empty())
+}
+
+/// Values of unlabelled series on holdfast's `/metrics` (0 for one not exported yet); `None`
+/// when the target has no `/metrics` (no proxy, nginx).
+async fn metric_values(client: &reqwest::Client, base: &str, names: &[&str]) -> Option<Vec<f64>> {
+    let response = client.get(format!("{base}/metrics")).send().await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let text = response.text().await.ok()?;
+    if !text.contains("holdfast_") {
+        return None;
+    }
+    Some(
+        names
+            .iter()
+            .map(|name| {
+                text.lines()
+                    .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+                    .and_then(|l| l.split_whitespace().last())
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            })
+            .collect(),
+    )
+}
+
+/// The SQLite writer's transactions and the store writes they held (see `/metrics`).
+const WRITER_SERIES: [&str; 3] = [
+    "holdfast_sqlite_commit_jobs_count",
+    "holdfast_sqlite_commit_jobs_sum",
+    "holdfast_sqlite_commit_seconds_sum",
+];
+
+/// Rows of the SQLite writer's work between two [`WRITER_SERIES`] readings: transactions,
+/// store writes per transaction, mean transaction time.
+fn writer_rows(
+    results: &mut Results,
+    names: &'static [&'static str; 3],
+    target: &str,
+    before: Option<Vec<f64>>,
+    after: Option<Vec<f64>>,
+) {
+    let (Some(a), Some(b)) = (before, after) else {
+        return;
+    };
+    let d: Vec<f64> = b.iter().zip(&a).map(|(b, a)| b - a).collect();
+    if d[0] <= 0.0 {
+        return;
+    }
+    results.add(names[0], target, "commits", d[0]);
+    results.add(names[1], target, "writes", d[1] / d[0]);
+    results.add(names[2], target, "ms", d[2] * 1e3 / d[0]);
+}
+
 /// Sum and count of the chunk-commit histogram in holdfast's `/metrics`.
 async fn commit_histogram(client: &reqwest::Client, base: &str) -> Option<(f64, f64)> {
     let text = client
@@ -901,17 +1012,20 @@ fn chat_url(base: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // Rows
 
-/// Non-stream latency at concurrency 1, then throughput at concurrency 64, for one target.
+/// Non-stream latency at concurrency 1 (on the first of `bases`), then throughput at
+/// concurrency 64 spread over all of them, for one target whose processes are `pids`.
 async fn nonstream_rows(
     results: &mut Results,
     client: &reqwest::Client,
     target: &str,
-    base: &str,
+    bases: &[String],
     nonce: &str,
     counts: Counts,
-    pid: Option<u32>,
+    pids: &[u32],
 ) -> Result<()> {
+    let base = bases[0].as_str();
     let url = chat_url(base);
+    let urls: Vec<String> = bases.iter().map(|b| chat_url(b)).collect();
     let label = format!("lat-{target}");
     let samples = sequential(
         client,
@@ -937,22 +1051,35 @@ async fn nonstream_rows(
     let warm_nonce = nonce.clone();
     concurrent(
         client,
-        &url,
+        &urls,
         Arc::new(move |i| body(&warm_nonce, &warm_label, i, false)),
         THROUGHPUT_CONCURRENCY,
         THROUGHPUT_CONCURRENCY * 4,
     )
     .await;
-    let cpu_before = pid.and_then(cpu_secs);
+    let writer_before = metric_values(client, base, &WRITER_SERIES).await;
+    let cpu_before = cpu_of(pids);
     let t = concurrent(
         client,
-        &url,
+        &urls,
         Arc::new(move |i| body(&nonce, &label, i, false)),
         THROUGHPUT_CONCURRENCY,
         counts.throughput,
     )
     .await;
-    if let (Some(a), Some(b)) = (cpu_before, pid.and_then(cpu_secs)) {
+    let writer_after = metric_values(client, base, &WRITER_SERIES).await;
+    writer_rows(
+        results,
+        &[
+            "non-stream c=64 SQLite commits",
+            "non-stream c=64 writes per commit",
+            "non-stream c=64 mean commit",
+        ],
+        target,
+        writer_before,
+        writer_after,
+    );
+    if let (Some(a), Some(b)) = (cpu_before, cpu_of(pids)) {
         results.add(
             "non-stream c=64 proxy CPU per request",
             target,
@@ -1032,6 +1159,219 @@ async fn stream_rows(
 }
 
 /// Replays: the latency row's bodies sent again (each a finished request) at c=1 and c=64.
+/// Streams over [`THROUGHPUT_CONCURRENCY`] connections: streams per second, the first event,
+/// and with `pid` the proxy's CPU per stream and per event.
+async fn stream_throughput_row(
+    results: &mut Results,
+    target: &str,
+    bases: &[String],
+    nonce: &str,
+    counts: Counts,
+    pids: &[u32],
+) -> Result<()> {
+    let client = client(THROUGHPUT_CONCURRENCY + 16)?;
+    let base = bases[0].as_str();
+    let urls: Vec<String> = bases.iter().map(|b| chat_url(b)).collect();
+    let n = counts.streams_c64;
+    let next = Arc::new(AtomicUsize::new(0));
+    let deadline = Instant::now() + PHASE_DEADLINE;
+    let writer_before = metric_values(&client, base, &WRITER_SERIES).await;
+    let cpu_before = cpu_of(pids);
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..THROUGHPUT_CONCURRENCY {
+        let (client, urls, next) = (client.clone(), urls.clone(), Arc::clone(&next));
+        let label = format!("stream-c64-{target}");
+        let nonce = nonce.to_string();
+        tasks.spawn(async move {
+            let mut done = Vec::new();
+            let mut errors = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n || Instant::now() > deadline {
+                    return (done, errors);
+                }
+                let url = &urls[i % urls.len()];
+                match stream_call(&client, url, body(&nonce, &label, i, true)).await {
+                    Ok(t) => done.push(t),
+                    Err(e) => errors.push(e.to_string()),
+                }
+            }
+        });
+    }
+    let mut timings = Vec::new();
+    let mut errors = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        let (done, failed) = r.unwrap_or_default();
+        timings.extend(done);
+        errors.extend(failed);
+    }
+    let elapsed = start.elapsed();
+    let cpu = cpu_before.zip(cpu_of(pids)).map(|(a, b)| b - a);
+    let writer_after = metric_values(&client, base, &WRITER_SERIES).await;
+    if let Some(e) = errors.first() {
+        eprintln!("  {} stream errors; first: {e}", errors.len());
+    }
+    let events: usize = timings.iter().map(|t| t.events).sum();
+    let streams = timings.len();
+    writer_rows(
+        results,
+        &[
+            "stream c=64 SQLite commits",
+            "stream c=64 writes per commit",
+            "stream c=64 mean commit",
+        ],
+        target,
+        writer_before,
+        writer_after,
+    );
+    results.add_n(
+        "stream c=64 throughput",
+        target,
+        "streams/s",
+        streams as f64 / elapsed.as_secs_f64(),
+        Some(streams),
+    );
+    let firsts = sorted_ms(&timings.iter().map(|t| t.first).collect::<Vec<_>>());
+    results.add_median_and_p99(
+        "stream c=64 first event p50",
+        "stream c=64 first event p99",
+        target,
+        &firsts,
+        Some(streams),
+    );
+    if let Some(cpu) = cpu {
+        results.add_n(
+            "stream c=64 proxy CPU per stream",
+            target,
+            "ms",
+            cpu * 1e3 / streams.max(1) as f64,
+            Some(streams),
+        );
+        results.add_n(
+            "stream c=64 proxy CPU per event",
+            target,
+            "us",
+            cpu * 1e6 / events.max(1) as f64,
+            Some(events),
+        );
+    }
+    if !errors.is_empty() {
+        results.add_n(
+            "stream c=64 errors",
+            target,
+            "streams",
+            errors.len() as f64,
+            None,
+        );
+    }
+    Ok(())
+}
+
+/// What one rung of the 50-events/s ladder saw.
+struct PacedRung {
+    /// p99 inter-event gap, milliseconds.
+    gap_p99: f64,
+    /// Streams whose mean gap fell more than [`PACED_BEHIND`] behind the pace.
+    behind: usize,
+    failed: usize,
+}
+
+/// LLM-like streams: the mock paced at one event per [`PACED_DELAY_MS`] (50 events/s) for
+/// `paced_events` events; `n` streams at once, their starts spread over one second.
+async fn paced_rung(base: &str, nonce: &str, target: &str, n: usize) -> Result<PacedRung> {
+    let client = client(n + 16)?;
+    let url = chat_url(base);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (client, url) = (client.clone(), url.clone());
+        let b = body(nonce, &format!("paced-{target}-{n}"), i, true);
+        let offset = Duration::from_millis((i as u64 * 1000) / n as u64);
+        tasks.spawn(async move {
+            tokio::time::sleep(offset).await;
+            tokio::time::timeout(PHASE_DEADLINE, stream_call(&client, &url, b))
+                .await
+                .map_err(|_| anyhow!("stream not done within {PHASE_DEADLINE:?}"))
+                .and_then(|r| r)
+        });
+    }
+    let mut gaps = Vec::new();
+    let (mut behind, mut failed) = (0, 0);
+    let pace = Duration::from_millis(PACED_DELAY_MS).as_secs_f64();
+    while let Some(r) = tasks.join_next().await {
+        match r.map_err(anyhow::Error::from).and_then(|r| r) {
+            Ok(t) if !t.gaps.is_empty() => {
+                let mean =
+                    t.gaps.iter().map(Duration::as_secs_f64).sum::<f64>() / t.gaps.len() as f64;
+                if mean > pace * (1.0 + PACED_BEHIND) {
+                    behind += 1;
+                }
+                gaps.extend(t.gaps);
+            }
+            _ => failed += 1,
+        }
+    }
+    let gaps = sorted_ms(&gaps);
+    Ok(PacedRung {
+        gap_p99: percentile(&gaps, 99.0),
+        behind,
+        failed,
+    })
+}
+
+/// The 50-events/s row (the headline for LLM traffic): the largest number of concurrent
+/// streams, up the ladder, at which the p99 inter-event gap stays within
+/// [`PACED_ADDED_GAP_P99_MS`] of the pace and no stream falls behind.
+async fn paced_row(
+    results: &mut Results,
+    target: &str,
+    base: &str,
+    mock: &str,
+    nonce: &str,
+    counts: Counts,
+) -> Result<()> {
+    let control = client(4)?;
+    let pace = |chunks: u32, delay: u64| {
+        let control = control.clone();
+        async move {
+            control
+                .patch(format!("{mock}/_mock/config"))
+                .json(&json!({"chunks": chunks, "chunk_delay_ms": delay}))
+                .send()
+                .await?
+                .error_for_status()?;
+            anyhow::Ok(())
+        }
+    };
+    pace(counts.paced_events, PACED_DELAY_MS).await?;
+    let mut best: Option<(usize, f64)> = None;
+    let mut outcome = Ok(());
+    for &n in counts.paced_ladder {
+        let rung = match paced_rung(base, nonce, target, n).await {
+            Ok(rung) => rung,
+            Err(e) => {
+                outcome = Err(e);
+                break;
+            }
+        };
+        let added = rung.gap_p99 - PACED_DELAY_MS as f64;
+        println!(
+            "  50 ev/s, {n} streams: gap p99 {:.2} ms (+{added:.2}), {} behind, {} failed",
+            rung.gap_p99, rung.behind, rung.failed
+        );
+        if added > PACED_ADDED_GAP_P99_MS || rung.behind > 0 || rung.failed > 0 {
+            break;
+        }
+        best = Some((n, rung.gap_p99));
+    }
+    pace(MOCK_CHUNKS, MOCK_CHUNK_DELAY_MS).await?;
+    outcome?;
+    let (n, gap) = best.unwrap_or((0, f64::NAN));
+    results.add_n("50 ev/s streams held", target, "streams", n as f64, None);
+    results.add_n("50 ev/s gap p99 at that N", target, "ms", gap, None);
+    Ok(())
+}
+
 async fn replay_rows(
     results: &mut Results,
     client: &reqwest::Client,
@@ -1070,7 +1410,7 @@ async fn replay_rows(
     let replays = counts.latency;
     let t = concurrent(
         client,
-        &url,
+        std::slice::from_ref(&url),
         Arc::new(move |i| body(&nonce, &label2, warmup + i % replays, false)),
         THROUGHPUT_CONCURRENCY,
         counts.throughput,
@@ -1085,7 +1425,8 @@ async fn replay_rows(
     );
     let calls = mock_calls(client, mock).await? - before;
     results.add("replay upstream calls", target, "calls", calls as f64);
-    if fresh > 0 || t.errors > 0 {
+    // nginx passes every call through: its row is the plain-proxy baseline, not replays.
+    if (fresh > 0 && target != "nginx") || t.errors > 0 {
         results.note(format!(
             "{target}: {fresh} replays were not answered as replays; {} errors at c=64",
             t.errors
@@ -1344,6 +1685,42 @@ async fn many_streams_row(
 }
 
 /// Differences and ratios between targets, computed from the measured rows.
+/// The non-stream and stream c=64 rows of `CLUSTER_NODES` holdfast processes sharing one
+/// database: each call goes to the next node in turn, CPU is the sum over the nodes. On one
+/// small machine this shows what a cluster costs, not how it scales (docs/postgres.md models
+/// that).
+#[allow(clippy::too_many_arguments)]
+async fn cluster_rows(
+    results: &mut Results,
+    control: &reqwest::Client,
+    dir: &Path,
+    setup: &HoldfastSetup,
+    mock: &str,
+    nonce: &str,
+    counts: Counts,
+    options: &Options,
+) -> Result<()> {
+    let target = setup.label.as_str();
+    let mut nodes = Vec::new();
+    for n in 0..CLUSTER_NODES {
+        nodes.push(start_holdfast(control, dir, setup, mock, &format!("node{n}")).await?);
+    }
+    let bases: Vec<String> = nodes.iter().map(|(_, b)| b.clone()).collect();
+    let pids: Vec<u32> = nodes.iter().map(|(c, _)| c.pid()).collect();
+    println!("\n== {target} ({}, pids {pids:?})", bases.join(", "));
+    let c = client(THROUGHPUT_CONCURRENCY + 16)?;
+    if options.row("nonstream") {
+        nonstream_rows(results, &c, target, &bases, nonce, counts, &pids).await?;
+    }
+    if options.row("stream") {
+        stream_throughput_row(results, target, &bases, nonce, counts, &pids).await?;
+    }
+    for (child, _) in nodes {
+        child.stop(Duration::from_secs(40));
+    }
+    Ok(())
+}
+
 fn derived(results: &mut Results, proxies: &[String]) {
     let direct = "direct";
     for p in proxies {
@@ -1359,14 +1736,39 @@ fn derived(results: &mut Results, proxies: &[String]) {
                 results.add(dst, p, "ms", a - b);
             }
         }
+        if let (Some(a), Some(b)) = (
+            results.get("stream c=64 first event p50", p),
+            results.get("stream c=64 first event p50", direct),
+        ) {
+            results.add("added first-event latency c=64 p50", p, "ms", a - b);
+        }
         let t = "non-stream c=64 throughput";
         if let (Some(a), Some(b)) = (results.get(t, p), results.get(t, direct)) {
             results.add("throughput / direct", p, "ratio", a / b);
         }
-        if p != "nginx"
-            && let (Some(a), Some(b)) = (results.get(t, p), results.get(t, "nginx"))
-        {
-            results.add("throughput / nginx", p, "ratio", a / b);
+        if p != "nginx" {
+            for (src, dst) in [
+                ("non-stream c=64 throughput", "throughput / nginx"),
+                ("replay c=64 throughput", "replay throughput / nginx"),
+                ("stream c=64 throughput", "stream throughput / nginx"),
+                ("50 ev/s streams held", "50 ev/s streams held / nginx"),
+            ] {
+                if let (Some(a), Some(b)) = (results.get(src, p), results.get(src, "nginx")) {
+                    results.add(dst, p, "ratio", a / b);
+                }
+            }
+        }
+        // PostgreSQL against the embedded default (issue 17's goal: at least half).
+        if p.contains("postgres") {
+            for (src, dst) in [
+                ("non-stream c=64 throughput", "throughput / sqlite full"),
+                ("stream c=64 throughput", "stream throughput / sqlite full"),
+            ] {
+                let full = results.get(src, "holdfast sqlite full");
+                if let (Some(a), Some(b)) = (results.get(src, p), full) {
+                    results.add(dst, p, "ratio", a / b);
+                }
+            }
         }
     }
 }
@@ -1471,10 +1873,16 @@ async fn run(options: Options) -> Result<()> {
         println!("\n== direct to the mock ({mock})");
         let c = client(THROUGHPUT_CONCURRENCY + 16)?;
         if options.row("nonstream") {
-            nonstream_rows(&mut results, &c, "direct", &mock, &nonce, counts, None).await?;
+            let bases = [mock.clone()];
+            nonstream_rows(&mut results, &c, "direct", &bases, &nonce, counts, &[]).await?;
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, "direct", &mock, &nonce, counts).await?;
+            let bases = [mock.clone()];
+            stream_throughput_row(&mut results, "direct", &bases, &nonce, counts, &[]).await?;
+        }
+        if options.row("paced") {
+            paced_row(&mut results, "direct", &mock, &mock, &nonce, counts).await?;
         }
         if options.row("storm") {
             storm_row(&mut results, "direct", &mock, &mock, &nonce, counts).await?;
@@ -1491,11 +1899,20 @@ async fn run(options: Options) -> Result<()> {
         let (nginx, base) = start_nginx(&control, dir.path(), mock_port).await?;
         println!("\n== nginx ({base})");
         let c = client(THROUGHPUT_CONCURRENCY + 16)?;
+        let pids = [nginx.pid()];
+        let bases = [base.clone()];
         if options.row("nonstream") {
-            nonstream_rows(&mut results, &c, "nginx", &base, &nonce, counts, None).await?;
+            nonstream_rows(&mut results, &c, "nginx", &bases, &nonce, counts, &pids).await?;
+            if options.row("replay") {
+                replay_rows(&mut results, &c, "nginx", &base, &mock, &nonce, counts).await?;
+            }
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, "nginx", &base, &nonce, counts).await?;
+            stream_throughput_row(&mut results, "nginx", &bases, &nonce, counts, &pids).await?;
+        }
+        if options.row("paced") {
+            paced_row(&mut results, "nginx", &base, &mock, &nonce, counts).await?;
         }
         proxies.push("nginx".to_string());
         nginx.stop(Duration::from_secs(5));
@@ -1537,10 +1954,10 @@ async fn run(options: Options) -> Result<()> {
                 &mut results,
                 &c,
                 target,
-                &base,
+                std::slice::from_ref(&base),
                 &nonce,
                 counts,
-                Some(hf.pid()),
+                &[hf.pid()],
             )
             .await?;
             if options.row("replay") {
@@ -1549,6 +1966,18 @@ async fn run(options: Options) -> Result<()> {
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, target, &base, &nonce, counts).await?;
+            stream_throughput_row(
+                &mut results,
+                target,
+                std::slice::from_ref(&base),
+                &nonce,
+                counts,
+                &[hf.pid()],
+            )
+            .await?;
+        }
+        if options.row("paced") {
+            paced_row(&mut results, target, &base, &mock, &nonce, counts).await?;
         }
         if options.row("storm") {
             storm_row(&mut results, target, &base, &mock, &nonce, counts).await?;
@@ -1570,6 +1999,32 @@ async fn run(options: Options) -> Result<()> {
             hf.stop(Duration::from_secs(40));
         }
         proxies.push(target.to_string());
+    }
+    // Three nodes on one PostgreSQL database, the load spread over them in turn.
+    if let Some(url) = options
+        .database_url
+        .as_ref()
+        .filter(|u| u.starts_with("postgres"))
+    {
+        let setup = HoldfastSetup {
+            label: format!("holdfast postgres x{CLUSTER_NODES}"),
+            database_url: Some(url.clone()),
+            synchronous: "full",
+        };
+        if options.target(&setup.label) {
+            cluster_rows(
+                &mut results,
+                &control,
+                dir.path(),
+                &setup,
+                &mock,
+                &nonce,
+                counts,
+                &options,
+            )
+            .await?;
+            proxies.push(setup.label.clone());
+        }
     }
     mock_child.stop(Duration::from_secs(5));
 
