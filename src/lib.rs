@@ -24,10 +24,31 @@
 //!
 //! ```text
 //! main ─► app ─► http ─► worker ─► upstream ─► provider
-//!                  │        │         │
-//!                  └────────┴──► hub ─┴──► store ─► provider
-//!                                  leaves: canonical, sse, config, metrics
+//!  │               │        │         │
+//!  cli             └────────┴──► hub ─┴──► store ─► provider
+//!                  (http, worker) ─► ledger ─► config ─► provider
+//!                                  leaves: canonical, sse, metrics, mock, provider
 //! ```
+//!
+//! Each module uses only these (`tests/api/docs.rs` reads this table and checks every
+//! `crate::` path in `src/` against it, and that it has no cycle):
+//!
+//! | module | uses |
+//! |---|---|
+//! | `app` | `config` `http` `hub` `metrics` `store` `upstream` `worker` |
+//! | `http` | `canonical` `config` `hub` `ledger` `metrics` `provider` `sse` `store` `upstream` `worker` |
+//! | `worker` | `config` `hub` `ledger` `metrics` `provider` `sse` `store` `upstream` |
+//! | `upstream` | `config` `provider` |
+//! | `hub` | `store` |
+//! | `store` | `config` `metrics` `provider` |
+//! | `ledger` | `config` `metrics` `provider` |
+//! | `config` | `provider` |
+//! | `cli` | `sse` |
+//! | `canonical` | |
+//! | `sse` | |
+//! | `metrics` | |
+//! | `mock` | |
+//! | `provider` | |
 //!
 //! - [`store`] knows nothing of readers or workers: it reports other nodes' changes as
 //!   [`store::Notification`]s, and `app` bridges them into the hub and the worker pool.
@@ -37,6 +58,7 @@
 //!
 //! Modules, in the order of the flow:
 //! - [`config`]: TOML + `HOLDFAST_*` environment, validated once at start.
+//! - [`cli`]: the `holdfast requests` and `holdfast usage` commands, clients of the HTTP API.
 //! - `http`: router, admission, provider-shaped errors, `/requests`, operations.
 //! - [`canonical`]: canonical JSON and the request hash (ID-1..ID-3).
 //! - [`provider`]: provider kinds and routes, and every rule that differs between providers.
@@ -44,6 +66,7 @@
 //!   retry classification and backoff, the group-commit chunk writer.
 //! - `upstream`: provider HTTP calls with their three timeouts.
 //! - [`sse`]: the event-stream parser and encoder.
+//! - `ledger`: prices, costs and what deduplication saved (docs/usage.md).
 //! - `hub`: in-process fan-out of chunks and settled records to waiting readers.
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).

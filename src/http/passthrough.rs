@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::errors::ApiError;
 use super::{AppState, namespace};
@@ -54,11 +54,7 @@ pub(super) async fn models(
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
-    let provider = if headers.contains_key("anthropic-version") {
-        Provider::Anthropic
-    } else {
-        Provider::Openai
-    };
+    let provider = Provider::of_shared_call(&headers);
     if let Err(e) = namespace(&state.config, &headers, provider) {
         return e.into_response();
     }
@@ -87,51 +83,10 @@ pub(super) async fn models(
     }
     for alias in aliases(&state.config, provider) {
         if seen.insert(alias.clone()) {
-            models.push(match provider {
-                Provider::Openai => json!({
-                    "id": alias, "object": "model", "created": 0, "owned_by": "holdfast",
-                }),
-                Provider::Anthropic => json!({
-                    "type": "model", "id": alias, "display_name": alias,
-                    "created_at": "1970-01-01T00:00:00Z",
-                }),
-            });
+            models.push(provider.model_entry(&alias));
         }
     }
-    match provider {
-        Provider::Openai => axum::Json(json!({"object": "list", "data": models})).into_response(),
-        Provider::Anthropic => anthropic_page(models, &query).into_response(),
-    }
-}
-
-/// One page of Anthropic's list shape: `limit` (default 20, at most 1000), after `after_id` or
-/// before `before_id`.
-fn anthropic_page(models: Vec<Value>, query: &HashMap<String, String>) -> axum::Json<Value> {
-    let limit = query
-        .get("limit")
-        .and_then(|l| l.parse::<usize>().ok())
-        .unwrap_or(20)
-        .clamp(1, 1000);
-    let position = |id: &String| models.iter().position(|m| m["id"] == id.as_str());
-    let (start, end) = match (query.get("after_id"), query.get("before_id")) {
-        (Some(after), _) => {
-            let start = position(after).map_or(models.len(), |i| i + 1);
-            (start, (start + limit).min(models.len()))
-        }
-        (None, Some(before)) => {
-            let end = position(before).unwrap_or(0);
-            (end.saturating_sub(limit), end)
-        }
-        (None, None) => (0, limit.min(models.len())),
-    };
-    let has_more = match query.get("before_id") {
-        Some(_) if query.get("after_id").is_none() => start > 0,
-        _ => end < models.len(),
-    };
-    let page: Vec<Value> = models[start..end].to_vec();
-    let first = page.first().map(|m| m["id"].clone()).unwrap_or(Value::Null);
-    let last = page.last().map(|m| m["id"].clone()).unwrap_or(Value::Null);
-    axum::Json(json!({"data": page, "has_more": has_more, "first_id": first, "last_id": last}))
+    axum::Json(provider.models_answer(models, &query)).into_response()
 }
 
 /// Exact model names that `model_rewrites` send to a backend of `provider`.
@@ -159,11 +114,7 @@ async fn fetch_models(
     let mut after: Option<String> = None;
     // Bounded: a provider that pages forever is cut at 50 pages.
     for _ in 0..50 {
-        let path = match (&after, provider) {
-            (Some(after), Provider::Anthropic) => format!("/models?limit=1000&after_id={after}"),
-            (None, Provider::Anthropic) => "/models?limit=1000".to_string(),
-            (_, Provider::Openai) => "/models".to_string(),
-        };
+        let path = provider.models_page_path(after.as_deref());
         let mut response = state
             .upstreams
             .forward(
@@ -186,10 +137,9 @@ async fn fetch_models(
             .as_array()
             .ok_or("GET /models: no `data` list")?;
         models.extend(data.iter().cloned());
-        let more = provider == Provider::Anthropic && page["has_more"] == true;
-        match page["last_id"].as_str() {
-            Some(last) if more => after = Some(last.to_string()),
-            _ => return Ok(models),
+        match provider.next_models_page(&page) {
+            Some(next) => after = Some(next),
+            None => return Ok(models),
         }
     }
     Ok(models)

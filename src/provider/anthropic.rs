@@ -1,6 +1,8 @@
 //! Anthropic's Messages API.
 
-use axum::http::StatusCode;
+use std::collections::HashMap;
+
+use axum::http::{HeaderMap, StatusCode};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
@@ -24,6 +26,63 @@ pub(super) const RESULT_MEMBERS: &[&str] = &["content"];
 /// Paths whose clients are Anthropic's SDKs.
 pub(super) fn owns_path(path: &str) -> bool {
     path.starts_with("/v1/messages")
+}
+
+/// A call from Anthropic's SDKs to a path both providers serve: they send `anthropic-version`.
+pub(super) fn owns_call(headers: &HeaderMap) -> bool {
+    headers.contains_key("anthropic-version")
+}
+
+/// One page of the model list, at most 1,000 models, after the model id `after`.
+pub(super) fn models_page_path(after: Option<&str>) -> String {
+    match after {
+        Some(after) => format!("/models?limit=1000&after_id={after}"),
+        None => "/models?limit=1000".to_string(),
+    }
+}
+
+/// The page's `last_id` when it says `has_more`.
+pub(super) fn next_models_page(page: &Value) -> Option<String> {
+    (page["has_more"] == true)
+        .then(|| page["last_id"].as_str().map(str::to_owned))
+        .flatten()
+}
+
+/// A model-list entry.
+pub(super) fn model_entry(id: &str) -> Value {
+    json!({
+        "type": "model", "id": id, "display_name": id, "created_at": "1970-01-01T00:00:00Z",
+    })
+}
+
+/// One page of the list shape: `limit` (default 20, at most 1000), after `after_id` or before
+/// `before_id`, with `has_more`, `first_id` and `last_id`.
+pub(super) fn models_page(models: Vec<Value>, query: &HashMap<String, String>) -> Value {
+    let limit = query
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(20)
+        .clamp(1, 1000);
+    let position = |id: &String| models.iter().position(|m| m["id"] == id.as_str());
+    let (start, end) = match (query.get("after_id"), query.get("before_id")) {
+        (Some(after), _) => {
+            let start = position(after).map_or(models.len(), |i| i + 1);
+            (start, (start + limit).min(models.len()))
+        }
+        (None, Some(before)) => {
+            let end = position(before).unwrap_or(0);
+            (end.saturating_sub(limit), end)
+        }
+        (None, None) => (0, limit.min(models.len())),
+    };
+    let has_more = match query.get("before_id") {
+        Some(_) if query.get("after_id").is_none() => start > 0,
+        _ => end < models.len(),
+    };
+    let page: Vec<Value> = models[start..end].to_vec();
+    let first = page.first().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    let last = page.last().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    json!({"data": page, "has_more": has_more, "first_id": first, "last_id": last})
 }
 
 /// `x-api-key: KEY`.

@@ -4,14 +4,17 @@
 //! A provider module owns every rule that differs between providers: the upstream paths of its
 //! routes, how the backend's key is sent, which client headers are forwarded and which are
 //! sent by default, the name of its request-id header, its error body and stream error event,
-//! which event completes each of its streams, and what a successful answer must contain. The
+//! which event completes each of its streams, what a successful answer must contain, and the
+//! shape and paging of its model list. The
 //! rest of holdfast asks this module and never spells a provider rule itself (docs/architecture.md,
 //! "How to add a provider").
 
 mod anthropic;
 mod openai;
 
-use axum::http::StatusCode;
+use std::collections::HashMap;
+
+use axum::http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
@@ -75,7 +78,7 @@ impl Provider {
 
     /// Client headers that change what the provider does: stored with the request, covered by
     /// its hash and forwarded upstream (ID-3a). Lower-case.
-    pub(crate) fn forwarded_headers(self) -> &'static [&'static str] {
+    pub fn forwarded_headers(self) -> &'static [&'static str] {
         match self {
             Provider::Openai => openai::FORWARDED_HEADERS,
             Provider::Anthropic => anthropic::FORWARDED_HEADERS,
@@ -88,6 +91,60 @@ impl Provider {
         match self {
             Provider::Openai => openai::DEFAULT_HEADERS,
             Provider::Anthropic => anthropic::DEFAULT_HEADERS,
+        }
+    }
+
+    /// The provider whose SDK made a call to a path both serve (`GET /v1/models`): Anthropic's
+    /// SDKs send `anthropic-version` on every call.
+    pub(crate) fn of_shared_call(headers: &HeaderMap) -> Provider {
+        if anthropic::owns_call(headers) {
+            Provider::Anthropic
+        } else {
+            Provider::Openai
+        }
+    }
+
+    /// The client header that carries credentials for this provider's API; never forwarded
+    /// upstream (the backend's own key is sent instead).
+    pub(crate) fn credential_header(self) -> &'static str {
+        self.auth_header("").0
+    }
+
+    /// The upstream path and query of one page of a backend's model list, the page after the
+    /// model id `after` (from [`Provider::next_models_page`]).
+    pub(crate) fn models_page_path(self, after: Option<&str>) -> String {
+        match self {
+            Provider::Openai => openai::MODELS_PATH.to_string(),
+            Provider::Anthropic => anthropic::models_page_path(after),
+        }
+    }
+
+    /// Where a fetched page of the model list says the next one starts, when there is one.
+    pub(crate) fn next_models_page(self, page: &Value) -> Option<String> {
+        match self {
+            Provider::Openai => None,
+            Provider::Anthropic => anthropic::next_models_page(page),
+        }
+    }
+
+    /// The model-list entry for a model name holdfast serves by rewriting it (an alias).
+    pub(crate) fn model_entry(self, id: &str) -> Value {
+        match self {
+            Provider::Openai => openai::model_entry(id),
+            Provider::Anthropic => anthropic::model_entry(id),
+        }
+    }
+
+    /// The answer to a model-list call: `models` in this provider's list shape, paged as the
+    /// call's `query` asks when the provider pages.
+    pub(crate) fn models_answer(
+        self,
+        models: Vec<Value>,
+        query: &HashMap<String, String>,
+    ) -> Value {
+        match self {
+            Provider::Openai => openai::models_answer(models),
+            Provider::Anthropic => anthropic::models_page(models, query),
         }
     }
 

@@ -17,6 +17,19 @@ pub(super) const DEFAULT_HEADERS: &[(&str, &str)] = &[];
 /// The request-id response header (RS-5).
 pub(super) const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// The model list, one page.
+pub(super) const MODELS_PATH: &str = "/models";
+
+/// A model-list entry.
+pub(super) fn model_entry(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "holdfast"})
+}
+
+/// The list shape: every model, unpaged.
+pub(super) fn models_answer(models: Vec<Value>) -> Value {
+    json!({"object": "list", "data": models})
+}
+
 /// `Authorization: Bearer KEY`.
 pub(super) fn auth_header(key: &str) -> (&'static str, String) {
     ("authorization", format!("Bearer {key}"))

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::config::{Backend, Config};
-use crate::provider::Route;
+use crate::provider::{Provider, Route};
 
 /// One provider call: what is sent, and to which backend and route.
 #[derive(Debug, Clone, Copy)]
@@ -215,7 +215,11 @@ impl Upstreams {
         let url = format!("{}{path_and_query}", config.base_url.trim_end_matches('/'));
         let url =
             reqwest::Url::parse(&url).map_err(|e| CallError::Connect(format!("{url}: {e}")))?;
-        for name in ["authorization", "x-api-key", "cookie", "host"] {
+        // The client's credentials, for any provider, never reach the backend.
+        for provider in Provider::ALL {
+            headers.remove(provider.credential_header());
+        }
+        for name in ["cookie", "host"] {
             headers.remove(name);
         }
         if let Some((name, value)) = key {

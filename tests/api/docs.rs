@@ -203,3 +203,122 @@ fn docs_configuration_lists_exactly_the_keys_the_code_accepts() {
          keys it lists that the code does not know: {unknown:?}"
     );
 }
+
+/// The `| module | uses |` table of `src/lib.rs`: each module and the modules it may use.
+fn dependency_table(lib: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let names = |cell: &str| -> BTreeSet<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+    lib.lines()
+        .filter_map(|l| l.strip_prefix("//! | `"))
+        .filter_map(|row| {
+            let (module, rest) = row.split_once('`')?;
+            let uses = rest.trim_start_matches(' ').strip_prefix('|')?;
+            Some((module.to_string(), names(uses)))
+        })
+        .collect()
+}
+
+/// The crate modules a module's source names as `crate::NAME`.
+fn used_modules(root: &Path, module: &str) -> BTreeSet<String> {
+    let mut files = Vec::new();
+    let dir = root.join("src").join(module);
+    if dir.is_dir() {
+        files_under(&dir, &mut files);
+    }
+    let file = root.join("src").join(format!("{module}.rs"));
+    if file.is_file() {
+        files.push(file);
+    }
+    let mut used = BTreeSet::new();
+    for file in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "rs"))
+    {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (i, _) in text.match_indices("crate::") {
+            if i > 0 && text.as_bytes()[i - 1].is_ascii_alphanumeric() {
+                continue; // `holdfast_crate::` and the like
+            }
+            let name: String = text[i + "crate::".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            if !name.is_empty() && name != module {
+                used.insert(name);
+            }
+        }
+    }
+    used
+}
+
+#[test]
+fn modules_use_only_what_the_dependency_rule_in_lib_rs_allows_and_it_has_no_cycle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let table = dependency_table(&lib);
+    // Every module declared in lib.rs has a row.
+    let declared: BTreeSet<String> = lib
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim_start_matches("pub ");
+            l.strip_prefix("mod ")?.strip_suffix(';').map(str::to_owned)
+        })
+        .collect();
+    let rows: BTreeSet<String> = table.keys().cloned().collect();
+    assert_eq!(
+        declared, rows,
+        "src/lib.rs: the dependency table's rows are not the modules"
+    );
+    let mut violations = Vec::new();
+    for (module, allowed) in &table {
+        for used in used_modules(root, module) {
+            if !allowed.contains(&used) {
+                violations.push(format!("{module} uses {used}"));
+            }
+        }
+    }
+    assert!(
+        violations.is_empty(),
+        "not allowed by src/lib.rs's dependency table: {violations:?}"
+    );
+    // No cycle: repeatedly remove modules that use nothing left.
+    let mut left = table.clone();
+    while let Some(leaf) = left
+        .iter()
+        .find(|(_, uses)| uses.iter().all(|u| !left.contains_key(u)))
+        .map(|(m, _)| m.clone())
+    {
+        left.remove(&leaf);
+    }
+    assert!(
+        left.is_empty(),
+        "the dependency table has a cycle among {left:?}"
+    );
+    // The rules issue 12 names.
+    for (module, never) in [
+        ("store", "hub"),
+        ("store", "worker"),
+        ("hub", "http"),
+        ("hub", "worker"),
+    ] {
+        assert!(
+            !table[module].contains(never),
+            "{module} must not use {never}"
+        );
+    }
+}
+
+#[test]
+fn the_dependency_check_sees_a_use_the_table_does_not_allow() {
+    let table = dependency_table("//! | `store` | `config` |\n//! | `config` | |\n");
+    assert_eq!(table["store"], BTreeSet::from(["config".to_string()]));
+    assert!(table["config"].is_empty());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The real store uses `provider`, which this table does not allow.
+    assert!(used_modules(root, "store").contains("provider"));
+}

@@ -421,3 +421,50 @@ async fn a_duplicate_of_a_succeeded_request_is_answered_without_waiting_for_a_da
     .await;
     app.stop().await;
 }
+
+/// A provider's forwarded headers are one list in its module (docs/architecture.md, "How to add
+/// a provider"): every name on it reaches the provider and is part of the request (ID-3a), with
+/// nothing else to change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_forwarded_header_of_each_provider_reaches_it_and_splits_the_request_id3a() {
+    use holdfast::provider::{Provider, Route};
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    for provider in Provider::ALL {
+        let (route, body) = match provider {
+            Provider::Openai => (Route::OpenaiChat, chat_body("forwarded headers")),
+            Provider::Anthropic => (
+                Route::AnthropicMessages,
+                serde_json::json!({
+                    "model": "claude-sonnet-4-5", "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "forwarded headers"}],
+                })
+                .to_string(),
+            ),
+        };
+        assert!(!provider.forwarded_headers().is_empty());
+        for name in provider.forwarded_headers() {
+            let mut ids = Vec::new();
+            for value in ["first-value", "second-value"] {
+                let calls = app.mock.calls();
+                let answer = app
+                    .post(route.client_path(), body.clone(), &[(name, value)])
+                    .await;
+                assert_eq!(answer.status(), 200, "{name}: {value}");
+                ids.push(header(&answer, "holdfast-request-id"));
+                assert_eq!(
+                    app.mock.calls(),
+                    calls + 1,
+                    "{name}: {value} is a new request"
+                );
+                let sent = app.mock.recorded().last().cloned().expect("a call");
+                assert!(
+                    sent.headers.iter().any(|(n, v)| n == name && v == value),
+                    "{name}: {value} did not reach the provider: {:?}",
+                    sent.headers
+                );
+            }
+            assert_ne!(ids[0], ids[1], "{name}: another value is another request");
+        }
+    }
+    app.stop().await;
+}
