@@ -71,6 +71,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         include_str!("../../migrations/sqlite/0003_response_ids.sql"),
     ),
     (4, include_str!("../../migrations/sqlite/0004_usage.sql")),
+    (
+        5,
+        include_str!("../../migrations/sqlite/0005_chunks_rowid.sql"),
+    ),
 ];
 
 /// The embedded store. Cloning is cheap; the writer and checkpoint threads stop when the last
@@ -1944,5 +1948,52 @@ mod tests {
             };
             assert_eq!(created.reset_seq, 0);
         }
+    }
+
+    #[tokio::test]
+    async fn chunks_stored_before_the_rowid_migration_are_read_back_the_same_after_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("t.db");
+        let id = uuid::Uuid::now_v7();
+        {
+            let conn = Connection::open(&db).expect("open");
+            conn.execute_batch("PRAGMA journal_mode = WAL")
+                .expect("wal");
+            for (n, sql) in MIGRATIONS.iter().filter(|(n, _)| *n <= 4) {
+                conn.execute_batch(sql).expect("migration");
+                conn.pragma_update(None, "user_version", n)
+                    .expect("version");
+            }
+            for seq in 1..=3_i64 {
+                conn.execute(
+                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+                     VALUES (?1, ?2, 1, 'data', NULL, ?3)",
+                    params![id.to_string(), seq, format!("{{\"n\":{seq}}}")],
+                )
+                .expect("chunk");
+            }
+        }
+        let store = SqliteStore::open(
+            &format!("sqlite://{}", db.display()),
+            SqliteSynchronous::Normal,
+        )
+        .await
+        .expect("open and migrate");
+        let chunks = store.chunks_after(id, 1, 10).await.expect("read");
+        let seqs: Vec<i64> = chunks.iter().map(|c| c.seq).collect();
+        assert_eq!(seqs, [2, 3]);
+        assert_eq!(chunks[1].data, r#"{"n":3}"#);
+        // (request_id, seq) is still unique.
+        let conn = Connection::open(&db).expect("open");
+        let again = conn.execute(
+            "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+             VALUES (?1, 2, 1, 'data', NULL, '{}')",
+            params![id.to_string()],
+        );
+        assert!(again.is_err(), "a second chunk with seq 2 was stored");
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, LATEST_SCHEMA);
     }
 }
