@@ -106,11 +106,26 @@ async fn an_unknown_holdfast_variable_is_one_warning_and_the_demo_starts_and_say
     let addr = free_addr();
     let log = dir.path().join("stderr.log");
     let out = dir.path().join("stdout.log");
-    let mut child = std::process::Command::new(holdfast_bin())
+    let mut command = std::process::Command::new(holdfast_bin());
+    command
         .args(["serve", "--demo", "--listen", &addr.to_string()])
         .current_dir(dir.path())
-        .env_remove("RUST_LOG")
+        .env_remove("RUST_LOG");
+    // Only the variables set here: none inherited from the suite's environment (like
+    // `run_holdfast`).
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HOLDFAST_") {
+            command.env_remove(k);
+        }
+    }
+    let mut child = command
         .env("HOLDFAST_BIN", "x")
+        // The test harness's own variables (scripts/test) are ignored silently: no warning.
+        .env(
+            "HOLDFAST_TEST_DATABASE_URL",
+            "postgres://nobody@127.0.0.1:1/x",
+        )
+        .env("HOLDFAST_TEST_SKIP", "browser")
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
