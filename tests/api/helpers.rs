@@ -586,6 +586,31 @@ pub fn run_holdfast(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, St
     )
 }
 
+/// Waits until request `id` has counted at least `min` deliveries (see [`wait_deliveries`]) and
+/// returns its record; fails after 10 s with the record.
+pub async fn wait_deliveries_at_least(base: &str, id: &str, min: u64) -> Value {
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    loop {
+        let record: Value = http
+            .get(format!("{base}/requests/{id}"))
+            .send()
+            .await
+            .expect("GET record")
+            .json()
+            .await
+            .expect("JSON");
+        if record["deliveries"]["total"].as_u64() >= Some(min) {
+            return record;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{id} never counted {min} deliveries: {record}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Waits until request `id` has counted `total` deliveries: a duplicate is answered first and
 /// counted by a write right after (docs/usage.md), so a read at once may not include it yet.
 pub async fn wait_deliveries(base: &str, id: &str, key: Option<&str>, total: u64) {

@@ -847,7 +847,15 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
         &[("HOLDFAST_URL", &app.base)],
     )
     .await;
+    // The first call was cut by its own timeout (1 s), before the provider's answer (2 s).
     assert_eq!(out["first"]["text"], "", "the first call timed out: {out}");
+    assert_eq!(out["first"]["aborted"], true, "its signal fired: {out}");
+    assert_eq!(out["first"]["abort_reason"], "TimeoutError", "{out}");
+    assert!(
+        out["first"]["elapsed_ms"].as_u64().unwrap() < 2_000,
+        "it ended at its timeout, not at the provider's answer: {out}"
+    );
+    assert_eq!(out["second"]["aborted"], false, "{out}");
     assert!(
         out["second"]["text"]
             .as_str()
@@ -856,5 +864,18 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
         "{out}"
     );
     assert_eq!(app.mock.calls(), 1, "one upstream call: {out}");
+    // Both calls were answered by the one request: the timed-out first, and the retry.
+    let list: Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let all = list["data"].as_array().unwrap();
+    assert_eq!(all.len(), 1, "one request: {list}");
+    wait_deliveries_at_least(&app.base, all[0]["id"].as_str().unwrap(), 2).await;
     app.stop().await;
 }

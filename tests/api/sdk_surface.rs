@@ -308,6 +308,16 @@ async fn langchain_python_chat_openai_retries_attach_to_one_upstream_call() {
         let all = records(&app).await;
         assert_eq!(all.len(), 1, "{mode}: one request");
         assert_eq!(all[0]["stream"], mode == "stream");
+        // The SDK retried after its 1 s timeout, and the retry was answered by this request:
+        // the first submission plus at least one attached or replayed.
+        let id = all[0]["id"].as_str().unwrap();
+        let record = wait_deliveries_at_least(&app.base, id, 2).await;
+        let d = &record["deliveries"];
+        assert_eq!(
+            d["total"].as_u64(),
+            Some(1 + d["attached"].as_u64().unwrap() + d["replayed"].as_u64().unwrap()),
+            "{mode}: {record}"
+        );
         app.stop().await;
     }
 }
