@@ -586,6 +586,20 @@ pub fn run_holdfast(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, St
     )
 }
 
+/// The requests `GET /requests` lists (its `data`).
+pub async fn records(app: &TestApp) -> Vec<Value> {
+    let list: Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    list["data"].as_array().unwrap().clone()
+}
+
 /// Waits until request `id` has counted at least `min` deliveries (see [`wait_deliveries`]) and
 /// returns its record; fails after 10 s with the record.
 pub async fn wait_deliveries_at_least(base: &str, id: &str, min: u64) -> Value {

@@ -22,19 +22,6 @@ async fn python_json(script: &'static str, mode: &str, base: &str) -> Value {
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{script} printed {out}: {e}"))
 }
 
-async fn records(app: &TestApp) -> Vec<Value> {
-    let list: Value = app
-        .http
-        .get(format!("{}/requests", app.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    list["data"].as_array().unwrap().clone()
-}
-
 #[tokio::test]
 async fn python_sdks_list_models_with_aliases_and_count_tokens_and_nothing_is_recorded() {
     require_python(&["openai", "anthropic"]);
