@@ -536,8 +536,11 @@ fn log_attempt(outcome: &Outcome) {
     }
 }
 
-/// One `info` line for a request that became terminal: what it was, how it ended, how long it
-/// took (the request and attempt spans around it name the id, namespace, route and backend).
+/// One `info` line for a request that became terminal: what it was, how it ended, how many
+/// client submissions it answered so far (`deliveries`: the first, `attached` while it ran,
+/// `replayed` from storage — replays of a finished request come later and are not in it), how
+/// long it took (the request and attempt spans around it name the id, namespace, route and
+/// backend).
 pub(super) fn log_finished(record: &RequestRecord) {
     let error = record.error.as_ref();
     info!(
@@ -550,6 +553,9 @@ pub(super) fn log_finished(record: &RequestRecord) {
         error_type = error.map(|e| e.kind.as_str()),
         attempts = record.attempts,
         recoveries = record.recoveries,
+        deliveries = record.deliveries(),
+        attached = record.attached,
+        replayed = record.replayed,
         duration_ms = record.finished_at.unwrap_or(record.updated_at) - record.created_at,
         upstream_status = record.response_status.or(error.and_then(|e| e.status)),
         "request finished"
