@@ -342,8 +342,14 @@ const RESERVED_PATHS: &[&str] = &[
 const RESERVED_PREFIXES: &[&str] = &["/v1/responses", "/requests", "/ui"];
 
 /// Environment variables starting with `HOLDFAST_` that are holdfast's own but not config
-/// keys (the `holdfast requests` CLI's and the test harness's): `serve` ignores them silently.
+/// keys (the `holdfast requests` CLI's): `serve` ignores them silently.
 const OWN_VARIABLES: &[&str] = &["HOLDFAST_URL", "HOLDFAST_API_KEY", "HOLDFAST_CONFIG"];
+
+/// The prefix of the test harness's variables (`HOLDFAST_TEST_DATABASE_URL`,
+/// `HOLDFAST_TEST_SKIP`, read by `scripts/test` and the tests): `serve` ignores them silently
+/// too, so a suite run with one exported sees no warning about it. No config key starts with
+/// `test`.
+const TEST_HARNESS_PREFIX: &str = "HOLDFAST_TEST_";
 
 /// One line for a figment error: the key as written (without figment's profile prefix), where
 /// it came from, what is wrong, and for an unknown key the nearest known one.
@@ -499,8 +505,9 @@ impl Config {
             .map_err(Box::new)?)
     }
 
-    /// The `HOLDFAST_*` environment variables that name no config key (and are not holdfast's
-    /// own CLI variables), which [`Config::load`] leaves unread.
+    /// The `HOLDFAST_*` environment variables that name no config key (and are neither
+    /// holdfast's own CLI variables nor the test harness's `HOLDFAST_TEST_*`), which
+    /// [`Config::load`] leaves unread.
     pub fn unknown_env() -> Vec<String> {
         let known = env_keys();
         std::env::vars_os()
@@ -509,6 +516,9 @@ impl Config {
                 name.get(..9)
                     .is_some_and(|p| p.eq_ignore_ascii_case("HOLDFAST_"))
                     && !OWN_VARIABLES.contains(&name.as_str())
+                    && !name
+                        .get(..TEST_HARNESS_PREFIX.len())
+                        .is_some_and(|p| p.eq_ignore_ascii_case(TEST_HARNESS_PREFIX))
                     && !known.contains(&env_key(&name[9..]))
             })
             .collect()

@@ -192,6 +192,7 @@ impl WorkerPool {
         request_id: Option<String>,
     ) -> Outcome {
         let hint = retry::retry_after(response.headers());
+        let content_type = content_type_of(response);
         let body = match self.upstreams.read_body(response).await {
             Ok(b) => b,
             Err(e @ CallError::TooLarge(_)) if (200..300).contains(&status) => {
@@ -221,7 +222,9 @@ impl WorkerPool {
                 Err(why) => Outcome::Failed {
                     error: ErrorInfo {
                         kind: ErrorType::UpstreamInvalid,
-                        message: format!("the provider answered {status} with {why}"),
+                        message: format!(
+                            "the provider answered {status} with {why} (content-type {content_type:?})"
+                        ),
                         status: Some(status),
                     },
                     response: Some((status, body)),
@@ -300,18 +303,14 @@ impl WorkerPool {
                 usage: (!usage.is_empty()).then_some(*usage),
             })
         };
-        let content_type = response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-        if !content_type.as_deref().is_some_and(is_event_stream) {
+        let content_type = content_type_of(&response);
+        if !is_event_stream(&content_type) {
             let (body, _) = self.upstreams.read_capped(&mut response).await;
-            let shown = content_type.as_deref().unwrap_or("none");
             return fail(
                 ErrorType::UpstreamInvalid,
                 format!(
                     "the provider answered {status} to a stream request with content-type \
-                     {shown:?} instead of an event stream"
+                     {content_type:?} instead of an event stream"
                 ),
                 Some(body),
                 &usage,
@@ -355,7 +354,10 @@ impl WorkerPool {
                     let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
                     return fail(
                         ErrorType::UpstreamInvalid,
-                        format!("the provider stream is not valid SSE: {e}"),
+                        format!(
+                            "the provider stream (content-type {content_type:?}) is not valid \
+                             SSE: {e}"
+                        ),
                         kept,
                         &usage,
                     );
@@ -387,6 +389,7 @@ impl WorkerPool {
                     }
                     Err(why) => {
                         let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
+                        let why = format!("{why} (content-type {content_type:?})");
                         return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
                     }
                 }
@@ -449,7 +452,9 @@ impl WorkerPool {
                 let kept = (stored == 0).then_some(unseen);
                 fail(
                     ErrorType::UpstreamInvalid,
-                    format!("the provider stream is not valid SSE: {e}"),
+                    format!(
+                        "the provider stream (content-type {content_type:?}) is not valid SSE: {e}"
+                    ),
                     kept,
                     &usage,
                 )
@@ -457,7 +462,8 @@ impl WorkerPool {
             Ok(_) if stored == 0 => fail(
                 ErrorType::UpstreamInvalid,
                 format!(
-                    "the provider answered {status} with an event stream that ended without any event"
+                    "the provider answered {status} with content-type {content_type:?} and a body \
+                     that ended without any event"
                 ),
                 Some(unseen),
                 &usage,
@@ -530,8 +536,11 @@ fn log_attempt(outcome: &Outcome) {
     }
 }
 
-/// One `info` line for a request that became terminal: what it was, how it ended, how long it
-/// took (the request and attempt spans around it name the id, namespace, route and backend).
+/// One `info` line for a request that became terminal: what it was, how it ended, how many
+/// client submissions it answered so far (`deliveries`: the first, `attached` while it ran,
+/// `replayed` from storage — replays of a finished request come later and are not in it), how
+/// long it took (the request and attempt spans around it name the id, namespace, route and
+/// backend).
 pub(super) fn log_finished(record: &RequestRecord) {
     let error = record.error.as_ref();
     info!(
@@ -544,6 +553,9 @@ pub(super) fn log_finished(record: &RequestRecord) {
         error_type = error.map(|e| e.kind.as_str()),
         attempts = record.attempts,
         recoveries = record.recoveries,
+        deliveries = record.deliveries(),
+        attached = record.attached,
+        replayed = record.replayed,
         duration_ms = record.finished_at.unwrap_or(record.updated_at) - record.created_at,
         upstream_status = record.response_status.or(error.and_then(|e| e.status)),
         "request finished"
@@ -723,6 +735,18 @@ fn check_answer(
         return Err("an error object instead of an answer");
     }
     Ok((answer_id, usage))
+}
+
+/// The provider's `Content-Type` as sent, `none` when absent: named in every
+/// `upstream_invalid` message so the operator sees what came back (decision 21).
+fn content_type_of(response: &reqwest::Response) -> String {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .map_or_else(
+            || "none".into(),
+            |v| String::from_utf8_lossy(v.as_bytes()).into_owned(),
+        )
 }
 
 /// The first 200 characters of a provider body, for messages.

@@ -234,8 +234,16 @@ enum Expect {
     Interrupted,
     /// The 2xx answer is not what it claims to be (LC-11): `failed` / `upstream_invalid`, not
     /// retried, a 502 in the provider's error shape with `x-should-retry: false`, and the
-    /// provider's answer kept on the record (`kept` is part of its body).
-    Invalid { kept: &'static str },
+    /// provider's answer kept on the record (`kept` is part of its body; `""`: the kept body is
+    /// exactly empty), its content type `answered` named in the record's error message
+    /// (decision 21).
+    Invalid {
+        kept: &'static str,
+        answered: &'static str,
+    },
+    /// The provider's own final event ended the stream (`terminal`, e.g. `response.incomplete`):
+    /// its answer, stored as `succeeded` and passed on as sent; a re-send is replayed.
+    Succeeded { terminal: &'static str },
 }
 
 struct AnswerRow {
@@ -268,6 +276,42 @@ const TWO_CHAT_EVENTS: &str = "data: {\"id\":\"c1\",\"object\":\"chat.completion
 data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":null}]}\n\n";
 
 const CHAT_COMPLETION_JSON: &str = "{\"id\":\"chatcmpl-paid\",\"object\":\"chat.completion\",\"created\":1,\"model\":\"gpt-4o-mini\",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"a paid answer\"},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}";
+
+/// A Responses-API event stream: `response.created`, two text deltas, then the provider's own
+/// final event `terminal` (`response.incomplete` or `response.failed`), as OpenAI sends them.
+fn responses_events_ending(terminal: &str) -> String {
+    let status = terminal.trim_start_matches("response.");
+    let detail = match terminal {
+        "response.failed" => {
+            r#","error":{"code":"server_error","message":"The model failed to finish"}"#
+        }
+        _ => r#","incomplete_details":{"reason":"max_output_tokens"}"#,
+    };
+    let event = |name: &str, data: String| format!("event: {name}\ndata: {data}\n\n");
+    let delta = |seq: u32, text: &str| {
+        event(
+            "response.output_text.delta",
+            format!(
+                r#"{{"type":"response.output_text.delta","sequence_number":{seq},"item_id":"msg_raw","output_index":0,"content_index":0,"delta":"{text}"}}"#
+            ),
+        )
+    };
+    [
+        event(
+            "response.created",
+            r#"{"type":"response.created","sequence_number":0,"response":{"id":"resp_raw_1","object":"response","status":"in_progress","output":[]}}"#.into(),
+        ),
+        delta(1, "Hel"),
+        delta(2, "lo"),
+        event(
+            terminal,
+            format!(
+                r#"{{"type":"{terminal}","sequence_number":3,"response":{{"id":"resp_raw_1","object":"response","status":"{status}","output":[]{detail}}}}}"#
+            ),
+        ),
+    ]
+    .concat()
+}
 
 const HTML_PAGE: &str =
     "<html><head><title>502 Bad Gateway</title></head><body>upstream gone</body></html>\n";
@@ -341,6 +385,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             stream: true,
             expect: Invalid {
                 kept: "502 Bad Gateway",
+                answered: "text/html; charset=utf-8",
             },
         },
         AnswerRow {
@@ -350,6 +395,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             stream: true,
             expect: Invalid {
                 kept: "upstream gone",
+                answered: "text/event-stream",
             },
         },
         AnswerRow {
@@ -357,7 +403,10 @@ fn answer_rows() -> Vec<AnswerRow> {
             provider: Provider::Raw(raw_200("text/event-stream", "", false)),
             path: chat,
             stream: true,
-            expect: Invalid { kept: "" },
+            expect: Invalid {
+                kept: "",
+                answered: "text/event-stream",
+            },
         },
         AnswerRow {
             name: "stream request answered lines that hold no event",
@@ -368,7 +417,10 @@ fn answer_rows() -> Vec<AnswerRow> {
             )),
             path: chat,
             stream: true,
-            expect: Invalid { kept: "keep-alive" },
+            expect: Invalid {
+                kept: "keep-alive",
+                answered: "text/event-stream",
+            },
         },
         AnswerRow {
             name: "stream request answered a complete JSON completion",
@@ -380,6 +432,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             stream: true,
             expect: Invalid {
                 kept: "chat.completion",
+                answered: "application/json",
             },
         },
         AnswerRow {
@@ -393,6 +446,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             stream: true,
             expect: Invalid {
                 kept: "a paid answer",
+                answered: "application/json",
             },
         },
         AnswerRow {
@@ -406,6 +460,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             stream: true,
             expect: Invalid {
                 kept: "a paid answer",
+                answered: "text/event-stream",
             },
         },
         AnswerRow {
@@ -416,7 +471,36 @@ fn answer_rows() -> Vec<AnswerRow> {
             }),
             path: "/v1/messages",
             stream: true,
-            expect: Invalid { kept: "message" },
+            expect: Invalid {
+                kept: "message",
+                answered: "application/json",
+            },
+        },
+        AnswerRow {
+            name: "responses stream: content events, then the provider's response.incomplete",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                &responses_events_ending("response.incomplete"),
+                false,
+            )),
+            path: "/v1/responses",
+            stream: true,
+            expect: Succeeded {
+                terminal: "response.incomplete",
+            },
+        },
+        AnswerRow {
+            name: "responses stream: content events, then the provider's response.failed",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                &responses_events_ending("response.failed"),
+                false,
+            )),
+            path: "/v1/responses",
+            stream: true,
+            expect: Succeeded {
+                terminal: "response.failed",
+            },
         },
         AnswerRow {
             name: "non-stream 200 whose body is an error object",
@@ -429,6 +513,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             stream: false,
             expect: Invalid {
                 kept: "The server is overloaded",
+                answered: "application/json",
             },
         },
         AnswerRow {
@@ -436,7 +521,10 @@ fn answer_rows() -> Vec<AnswerRow> {
             provider: Provider::Raw(raw_200("application/json", "[1,2,3]", false)),
             path: chat,
             stream: false,
-            expect: Invalid { kept: "[1,2,3]" },
+            expect: Invalid {
+                kept: "[1,2,3]",
+                answered: "application/json",
+            },
         },
     ]
 }
@@ -505,6 +593,25 @@ async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success
                     row.name
                 );
             }
+            Expect::Succeeded { terminal } => {
+                assert_eq!(r.status(), 200, "{}", row.name);
+                let (text, events) = read_events(r).await;
+                assert_eq!(
+                    events.len(),
+                    4,
+                    "{}: every event passed on: {text}",
+                    row.name
+                );
+                let last = events.last().unwrap();
+                assert_eq!(
+                    last.event.as_deref(),
+                    Some(terminal),
+                    "{}: {text}",
+                    row.name
+                );
+                let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
+                assert_eq!(data["type"], terminal, "{}: {text}", row.name);
+            }
             Expect::Invalid { .. } => {
                 assert_eq!(r.status(), 502, "{}", row.name);
                 assert_eq!(header(&r, "x-should-retry"), "false", "{}", row.name);
@@ -532,9 +639,26 @@ async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success
             }
         }
         let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(30)).await;
-        assert_eq!(record["status"], "failed", "{}: {record}", row.name);
+        let status = match row.expect {
+            Expect::Succeeded { .. } => "succeeded",
+            _ => "failed",
+        };
+        assert_eq!(record["status"], status, "{}: {record}", row.name);
         assert_eq!(record["attempts"], 1, "{}: {record}", row.name);
         match row.expect {
+            Expect::Succeeded { .. } => {
+                assert_eq!(
+                    record["error"],
+                    serde_json::Value::Null,
+                    "{}: {record}",
+                    row.name
+                );
+                assert!(
+                    record["last_seq"].as_i64() >= Some(4),
+                    "{}: every event kept: {record}",
+                    row.name
+                );
+            }
             Expect::Interrupted => {
                 assert_eq!(
                     record["error"]["type"], "stream_interrupted",
@@ -546,19 +670,33 @@ async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success
                     "chunks kept: {record}"
                 );
             }
-            Expect::Invalid { kept } => {
+            Expect::Invalid { kept, answered } => {
                 assert_eq!(
                     record["error"]["type"], "upstream_invalid",
                     "{}: {record}",
                     row.name
                 );
-                assert_eq!(record["response"]["status"], 200, "{}: {record}", row.name);
-                let shown = record["response"]["body"].to_string();
+                let message = record["error"]["message"].as_str().unwrap();
                 assert!(
-                    shown.contains(kept),
-                    "{}: the record keeps {kept:?}: {record}",
+                    message.contains(&format!("content-type {answered:?}")),
+                    "{}: the error names what came back, {answered:?}: {record}",
                     row.name
                 );
+                assert_eq!(record["response"]["status"], 200, "{}: {record}", row.name);
+                if kept.is_empty() {
+                    assert_eq!(
+                        record["response"]["body"], "",
+                        "{}: the kept body is empty: {record}",
+                        row.name
+                    );
+                } else {
+                    let shown = record["response"]["body"].to_string();
+                    assert!(
+                        shown.contains(kept),
+                        "{}: the record keeps {kept:?}: {record}",
+                        row.name
+                    );
+                }
             }
         }
         assert_eq!(
@@ -567,9 +705,34 @@ async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success
             "{}",
             row.name
         );
-        // ID-6: the failure released the claim; the same body again is a new request.
         let again = app.post(row.path, body, &[]).await;
         let second = header(&again, "holdfast-request-id");
+        if let Expect::Succeeded { terminal } = row.expect {
+            // ID-4: a stored answer; the same body again is replayed, no new call.
+            assert_eq!(second, id, "{}: a re-send is the same request", row.name);
+            assert_eq!(
+                header(&again, "idempotent-replayed"),
+                "true",
+                "{}",
+                row.name
+            );
+            let (text, events) = read_events(again).await;
+            assert_eq!(
+                events.last().and_then(|e| e.event.as_deref()),
+                Some(terminal),
+                "{}: the replay ends as the provider did: {text}",
+                row.name
+            );
+            assert_eq!(
+                calls_of(&row.provider, &app.mock, raw.as_ref()),
+                1,
+                "{}",
+                row.name
+            );
+            app.stop().await;
+            continue;
+        }
+        // ID-6: the failure released the claim; the same body again is a new request.
         let _ = again.bytes().await;
         assert_ne!(second, id, "{}: a re-send starts a new request", row.name);
         assert_eq!(header_is_replay(&app, &second).await, 1, "{}", row.name);

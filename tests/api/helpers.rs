@@ -187,10 +187,13 @@ pub struct Process {
     pub log: Option<PathBuf>,
 }
 
+/// The log filter [`Process::serve`] and [`Process::serve_logged`] start holdfast with.
+const DEBUG_LOG: Option<&str> = Some("holdfast=debug");
+
 impl Process {
     /// Runs `holdfast serve --config FILE --listen ADDR` in `dir` and waits for `/healthz`.
     pub async fn serve(dir: &Path, config_toml: &str, addr: SocketAddr) -> Process {
-        Process::start(dir, config_toml, addr, None, &[]).await
+        Process::start(dir, config_toml, addr, None, &[], DEBUG_LOG).await
     }
 
     /// [`Process::serve`] with its log (stderr) written to `dir/holdfast.log` and `env` set.
@@ -201,7 +204,19 @@ impl Process {
         env: &[(&str, &str)],
     ) -> Process {
         let log = dir.join("holdfast.log");
-        Process::start(dir, config_toml, addr, Some(log), env).await
+        Process::start(dir, config_toml, addr, Some(log), env, DEBUG_LOG).await
+    }
+
+    /// [`Process::serve_logged`] at the default log level: no `RUST_LOG` at all, as an operator
+    /// starts it.
+    pub async fn serve_logged_at_default_level(
+        dir: &Path,
+        config_toml: &str,
+        addr: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Process {
+        let log = dir.join("holdfast.log");
+        Process::start(dir, config_toml, addr, Some(log), env, None).await
     }
 
     async fn start(
@@ -210,6 +225,7 @@ impl Process {
         addr: SocketAddr,
         log: Option<PathBuf>,
         env: &[(&str, &str)],
+        rust_log: Option<&str>,
     ) -> Process {
         let config = dir.join("holdfast.toml");
         std::fs::write(&config, config_toml).expect("write config");
@@ -223,9 +239,12 @@ impl Process {
             .arg(&config)
             .args(["--listen", &addr.to_string()])
             .current_dir(dir)
-            .env("RUST_LOG", "holdfast=debug")
             .stdout(Stdio::null())
             .stderr(stderr);
+        match rust_log {
+            Some(filter) => command.env("RUST_LOG", filter),
+            None => command.env_remove("RUST_LOG"),
+        };
         for (k, v) in env {
             command.env(k, v);
         }
@@ -584,6 +603,45 @@ pub fn run_holdfast(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, St
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// The requests `GET /requests` lists (its `data`).
+pub async fn records(app: &TestApp) -> Vec<Value> {
+    let list: Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    list["data"].as_array().unwrap().clone()
+}
+
+/// Waits until request `id` has counted at least `min` deliveries (see [`wait_deliveries`]) and
+/// returns its record; fails after 10 s with the record.
+pub async fn wait_deliveries_at_least(base: &str, id: &str, min: u64) -> Value {
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    loop {
+        let record: Value = http
+            .get(format!("{base}/requests/{id}"))
+            .send()
+            .await
+            .expect("GET record")
+            .json()
+            .await
+            .expect("JSON");
+        if record["deliveries"]["total"].as_u64() >= Some(min) {
+            return record;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{id} never counted {min} deliveries: {record}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Waits until request `id` has counted `total` deliveries: a duplicate is answered first and

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use holdfast::config::ModelRewrite;
 use holdfast::mock::MockConfig;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
@@ -764,7 +765,22 @@ async fn eventsource_dropped_mid_event_resumes_from_last_event_id_without_gap_or
 #[tokio::test]
 async fn openai_node_lists_models_and_resumes_a_responses_stream_from_the_log_rd3() {
     require_node("openai");
-    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.model_rewrites = vec![
+            ModelRewrite {
+                pattern: "fast".into(),
+                backend: "mock-openai".into(),
+                model: Some("mock-small".into()),
+            },
+            // A pattern is no model id: not listed.
+            ModelRewrite {
+                pattern: "gpt-*".into(),
+                backend: "mock-openai".into(),
+                model: None,
+            },
+        ];
+    })
+    .await;
     let out = run_node(
         "responses_resume.mjs",
         &["models"],
@@ -773,9 +789,14 @@ async fn openai_node_lists_models_and_resumes_a_responses_stream_from_the_log_rd
     .await;
     assert_eq!(
         out["ids"],
-        serde_json::json!(["mock-small", "mock-large", "gpt-4o-mini"])
+        serde_json::json!(["mock-small", "mock-large", "gpt-4o-mini", "fast"]),
+        "the backend's models, then the exact alias"
     );
     assert_eq!(app.mock.calls(), 0);
+    assert!(
+        records(&app).await.is_empty(),
+        "the models call is not recorded"
+    );
     app.stop().await;
     for mode in ["retrieve", "helper"] {
         let app = spawn_app(
@@ -847,7 +868,15 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
         &[("HOLDFAST_URL", &app.base)],
     )
     .await;
+    // The first call was cut by its own timeout (1 s), before the provider's answer (2 s).
     assert_eq!(out["first"]["text"], "", "the first call timed out: {out}");
+    assert_eq!(out["first"]["aborted"], true, "its signal fired: {out}");
+    assert_eq!(out["first"]["abort_reason"], "TimeoutError", "{out}");
+    assert!(
+        out["first"]["elapsed_ms"].as_u64().unwrap() < 2_000,
+        "it ended at its timeout, not at the provider's answer: {out}"
+    );
+    assert_eq!(out["second"]["aborted"], false, "{out}");
     assert!(
         out["second"]["text"]
             .as_str()
@@ -856,5 +885,9 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
         "{out}"
     );
     assert_eq!(app.mock.calls(), 1, "one upstream call: {out}");
+    // Both calls were answered by the one request: the timed-out first, and the retry.
+    let all = records(&app).await;
+    assert_eq!(all.len(), 1, "one request: {all:?}");
+    wait_deliveries_at_least(&app.base, all[0]["id"].as_str().unwrap(), 2).await;
     app.stop().await;
 }

@@ -2,7 +2,7 @@
 //! configured pass-through paths, and OpenAI's Responses retrieval protocol served from the log
 //! (RS-4, RD-3, RD-6, LC-9). Tests that drive Python have `python` in their name.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use holdfast::config::{ModelRewrite, Namespace, Passthrough};
 use holdfast::mock::MockConfig;
@@ -20,19 +20,6 @@ async fn python_json(script: &'static str, mode: &str, base: &str) -> Value {
     .await
     .unwrap();
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{script} printed {out}: {e}"))
-}
-
-async fn records(app: &TestApp) -> Vec<Value> {
-    let list: Value = app
-        .http
-        .get(format!("{}/requests", app.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    list["data"].as_array().unwrap().clone()
 }
 
 #[tokio::test]
@@ -209,19 +196,64 @@ async fn python_responses_retrieve_shows_the_status_during_and_after_and_cancel_
     assert_eq!(app.mock.calls(), 1);
     app.stop().await;
 
-    let app = spawn_app(slow_responses(), |_| {}).await;
-    let out = python_json("responses_resume.py", "cancel", &app.base).await;
-    assert_eq!(out["cancelled"], "cancelled", "{out}");
-    assert_eq!(out["after"], "cancelled", "{out}");
-    // The upstream call is aborted: the provider sees its connection close within a second.
-    wait_until(
-        Duration::from_secs(1),
-        "the upstream stream to close",
-        || app.mock.open_streams() == 0,
+    // A stream that pauses 5 s after its first delta, cancelled after its fourth event: it
+    // cannot end by itself within a second of the cancel, and no event arrives to be refused
+    // by the store, so only the cancel's abort can close it.
+    let app = spawn_app(
+        MockConfig {
+            chunks: 30,
+            stall_after_chunks: Some((1, 5_000)),
+            ..MockConfig::default()
+        },
+        |_| {},
     )
     .await;
+    // While the script runs: the moment the record is cancelled (`failed` / `cancelled`), then
+    // how long until the provider sees its stream closed.
+    let watch = async {
+        let start = Instant::now();
+        let cancelled_at = loop {
+            let all = records(&app).await;
+            if all
+                .first()
+                .is_some_and(|r| r["error"]["type"] == "cancelled")
+            {
+                break Instant::now();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "never cancelled: {all:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        while app.mock.open_streams() > 0 {
+            assert!(
+                cancelled_at.elapsed() < Duration::from_secs(1),
+                "the upstream stream still open 1 s after the cancel"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        cancelled_at.elapsed()
+    };
+    let (out, closed_after) = tokio::join!(
+        python_json("responses_resume.py", "cancel", &app.base),
+        watch
+    );
+    assert_eq!(out["cancelled"], "cancelled", "{out}");
+    assert_eq!(out["after"], "cancelled", "{out}");
+    assert!(
+        out["cancel_seconds"].as_f64().unwrap() < 1.0,
+        "the cancel call answered within 1 s: {out}"
+    );
+    assert!(closed_after < Duration::from_secs(1), "{closed_after:?}");
     let record = &records(&app).await[0];
     assert_eq!(record["error"]["type"], "cancelled", "{record}");
+    // The provider's stream was cut: far fewer events stored than its 38.
+    assert!(
+        record["last_seq"].as_i64().unwrap() < 20,
+        "the stream stopped at the cancel: {record}"
+    );
+    assert_eq!(app.mock.calls(), 1);
     app.stop().await;
 }
 
@@ -308,6 +340,16 @@ async fn langchain_python_chat_openai_retries_attach_to_one_upstream_call() {
         let all = records(&app).await;
         assert_eq!(all.len(), 1, "{mode}: one request");
         assert_eq!(all[0]["stream"], mode == "stream");
+        // The SDK retried after its 1 s timeout, and the retry was answered by this request:
+        // the first submission plus at least one attached or replayed.
+        let id = all[0]["id"].as_str().unwrap();
+        let record = wait_deliveries_at_least(&app.base, id, 2).await;
+        let d = &record["deliveries"];
+        assert_eq!(
+            d["total"].as_u64(),
+            Some(1 + d["attached"].as_u64().unwrap() + d["replayed"].as_u64().unwrap()),
+            "{mode}: {record}"
+        );
         app.stop().await;
     }
 }

@@ -106,11 +106,26 @@ async fn an_unknown_holdfast_variable_is_one_warning_and_the_demo_starts_and_say
     let addr = free_addr();
     let log = dir.path().join("stderr.log");
     let out = dir.path().join("stdout.log");
-    let mut child = std::process::Command::new(holdfast_bin())
+    let mut command = std::process::Command::new(holdfast_bin());
+    command
         .args(["serve", "--demo", "--listen", &addr.to_string()])
         .current_dir(dir.path())
-        .env_remove("RUST_LOG")
+        .env_remove("RUST_LOG");
+    // Only the variables set here: none inherited from the suite's environment (like
+    // `run_holdfast`).
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HOLDFAST_") {
+            command.env_remove(k);
+        }
+    }
+    let mut child = command
         .env("HOLDFAST_BIN", "x")
+        // The test harness's own variables (scripts/test) are ignored silently: no warning.
+        .env(
+            "HOLDFAST_TEST_DATABASE_URL",
+            "postgres://nobody@127.0.0.1:1/x",
+        )
+        .env("HOLDFAST_TEST_SKIP", "browser")
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
@@ -253,18 +268,28 @@ async fn version_prints_the_schema_version_of_the_database_it_would_open() {
 }
 
 /// A backend that refuses every call: one `warn` line per attempt and one line for the request,
-/// each naming the request id; plain text in a file; `log_format = "json"` one JSON object per
-/// line; the provider key never appears (IN-3).
+/// each naming the request id, the request's line with its deliveries (a second submission
+/// attached while it ran); plain text in a file; `log_format = "json"` one JSON object per
+/// line; the provider key never appears (IN-3). Each format at `RUST_LOG=holdfast=debug` and at
+/// the default level (no `RUST_LOG`), where spans below `info` are off.
 #[tokio::test]
 async fn a_refused_request_leaves_a_line_per_attempt_and_one_for_the_request_in1_in3() {
     let mock = start_mock(MockConfig {
         fail_first: 1_000,
         fail_status: 503,
+        // Three attempts take about a second: time for a second submission to attach.
+        header_delay_ms: 300,
         ..MockConfig::default()
     })
     .await;
     let secret = "sk-holdfast-test-9f3c2e";
-    for format in ["text", "json"] {
+    for (format, debug) in [
+        ("text", true),
+        ("json", true),
+        ("text", false),
+        ("json", false),
+    ] {
+        let level = if debug { "debug" } else { "the default level" };
         let dir = tempfile::tempdir().unwrap();
         let toml = format!(
             r#"log_format = "{format}"
@@ -280,26 +305,68 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
 "#,
             mock.base_url()
         );
-        let node = Process::serve_logged(
-            dir.path(),
-            &toml,
-            free_addr(),
-            &[
-                ("HF_TEST_PROVIDER_KEY", secret),
-                ("RUST_LOG", "holdfast=debug"),
-            ],
-        )
-        .await;
-        let http = reqwest::Client::new();
-        let r = http
-            .post(format!("{}/v1/chat/completions", node.base))
-            .header("content-type", "application/json")
-            .body(chat_body(&format!("refused, logged as {format}")))
-            .send()
+        let node = if debug {
+            Process::serve_logged(
+                dir.path(),
+                &toml,
+                free_addr(),
+                &[
+                    ("HF_TEST_PROVIDER_KEY", secret),
+                    ("RUST_LOG", "holdfast=debug"),
+                ],
+            )
             .await
-            .unwrap();
+        } else {
+            Process::serve_logged_at_default_level(
+                dir.path(),
+                &toml,
+                free_addr(),
+                &[("HF_TEST_PROVIDER_KEY", secret)],
+            )
+            .await
+        };
+        let http = reqwest::Client::new();
+        let url = format!("{}/v1/chat/completions", node.base);
+        let body = chat_body(&format!("refused, logged as {format} at {level}"));
+        let send = |http: reqwest::Client, url: String, body: String| async move {
+            http.post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+        };
+        let first = tokio::spawn(send(http.clone(), url.clone(), body.clone()));
+        // Once it is recorded (and still running), the same body again attaches to it.
+        let started = std::time::Instant::now();
+        let id = loop {
+            let list: Value = http
+                .get(format!("{}/requests", node.base))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if let Some(id) = list["data"][0]["id"].as_str() {
+                break id.to_string();
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "never recorded"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let second = send(http.clone(), url, body).await;
+        let r = first.await.unwrap();
         assert_eq!(r.status(), 502);
-        let id = header(&r, "holdfast-request-id");
+        assert_eq!(second.status(), 502);
+        assert_eq!(header(&r, "holdfast-request-id"), id);
+        assert_eq!(
+            header(&second, "holdfast-request-id"),
+            id,
+            "the second submission attached"
+        );
         // The finished line is written before the answer is sent; read the log once it holds it.
         let path = dir.path().join("holdfast.log");
         let log = wait_for_file(&path, "request finished").await;
@@ -308,6 +375,12 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
             !log.contains(secret),
             "the provider key never appears in the log"
         );
+        if !debug {
+            assert!(
+                !log.contains("DEBUG"),
+                "{format}: the default level logs no debug line:\n{log}"
+            );
+        }
         let lines: Vec<&str> = log.lines().filter(|l| l.contains(&id)).collect();
         let failed: Vec<&&str> = lines
             .iter()
@@ -320,17 +393,30 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
         assert_eq!(
             failed.len(),
             3,
-            "{format}: a warn line per attempt with the id:\n{log}"
+            "{format} at {level}: a warn line per attempt with the id:\n{log}"
         );
         assert_eq!(
             finished.len(),
             1,
-            "{format}: one line for the request:\n{log}"
+            "{format} at {level}: one line for the request with the id:\n{log}"
         );
         assert!(failed.iter().all(|l| l.contains("WARN")), "{log}");
         assert!(failed[..2].iter().all(|l| l.contains("retried")), "{log}");
         assert!(failed[2].contains("for good"), "{log}");
         assert!(finished[0].contains("attempts_exhausted"), "{log}");
+        for (name, value) in [
+            ("attempts", "3"),
+            ("deliveries", "2"),
+            ("attached", "1"),
+            ("replayed", "0"),
+        ] {
+            assert_eq!(
+                log_field(finished[0], name).as_deref(),
+                Some(value),
+                "{format} at {level}: `{name}` on the request's line: {}",
+                finished[0]
+            );
+        }
         if format == "json" {
             for line in log.lines().filter(|l| !l.is_empty()) {
                 let v: Value = serde_json::from_str(line)
@@ -339,5 +425,22 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
             }
         }
         drop(node);
+    }
+}
+
+/// The value of field `name` of one log line: `fields.NAME` of a JSON line, `NAME=VALUE` of a
+/// text line.
+fn log_field(line: &str, name: &str) -> Option<String> {
+    match serde_json::from_str::<Value>(line) {
+        Ok(v) => v["fields"].get(name).map(|f| match f.as_str() {
+            Some(text) => text.to_string(),
+            None => f.to_string(),
+        }),
+        Err(_) => {
+            let prefix = format!("{name}=");
+            line.split_whitespace()
+                .find_map(|t| t.strip_prefix(prefix.as_str()))
+                .map(str::to_owned)
+        }
     }
 }

@@ -59,14 +59,28 @@ async fn python_sdk_retries_become_deliveries_and_saved_calls_in_the_record_metr
     )
     .await;
     let base = format!("{}/v1", app.base);
-    tokio::task::spawn_blocking(move || {
-        run_python("openai_timeout_retry.py", &[("HOLDFAST_BASE_URL", &base)])
+    // Issue 15 acceptance 1: the SDK with timeout=1 and max_retries=2.
+    let out = tokio::task::spawn_blocking(move || {
+        run_python(
+            "openai_timeout_retry.py",
+            &[("HOLDFAST_BASE_URL", &base), ("SDK_MAX_RETRIES", "2")],
+        )
     })
     .await
     .unwrap();
+    let out: Value = serde_json::from_str(out.trim()).expect("driver prints JSON");
+    assert_eq!(out["max_retries"], 2, "{out}");
+    let timeouts = out["timeouts_seen"].as_u64().unwrap();
+    assert!(
+        (1..=2).contains(&timeouts),
+        "the SDK timed out and retried: {out}"
+    );
     assert_eq!(app.mock.calls(), 1);
     let list = json_get(&app.http, format!("{}/requests", app.base), None).await;
     let id = list["data"][0]["id"].as_str().unwrap().to_string();
+    // Every submission the SDK made is a delivery: the timed-out ones and the answered one. A
+    // delivery is counted just after its answer, so wait for the last one.
+    wait_deliveries(&app.base, &id, None, timeouts + 1).await;
     let record = app.record(&id).await;
     assert_eq!(record["attempts"], 1, "{record}");
     let deliveries = record["deliveries"]["total"].as_u64().unwrap();
@@ -139,6 +153,12 @@ async fn python_sdk_retries_become_deliveries_and_saved_calls_in_the_record_metr
     assert!(
         (metric_cost - saved_cost).abs() < 1e-9,
         "{metric_cost} vs {saved_cost}"
+    );
+    let cost = record["cost_usd"].as_f64().unwrap();
+    let metric_cost = metric(&page, "holdfast_cost_usd_total", labels);
+    assert!(
+        (metric_cost - cost).abs() < 1e-9,
+        "holdfast_cost_usd_total {metric_cost} vs the record's {cost}: {page}"
     );
     app.stop().await;
 }

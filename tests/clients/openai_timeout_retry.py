@@ -1,7 +1,8 @@
 """openai-python with timeout=1 against a provider that answers after 3 s.
 
 The SDK times out and retries the same body; holdfast must attach the retries to the first
-execution (SPEC RS-2). Prints {"content", "timeouts_seen"} as JSON.
+execution (SPEC RS-2). HOLDFAST_BASE_URL: holdfast's address with /v1; SDK_MAX_RETRIES: the
+client's max_retries (default 6). Prints {"content", "timeouts_seen", "max_retries"} as JSON.
 """
 import json
 import os
@@ -14,8 +15,7 @@ except ImportError:  # pragma: no cover
     import httpx
 
 timeouts = 0
-
-
+max_retries = int(os.environ.get("SDK_MAX_RETRIES", "6"))
 
 
 class CountingTransport(httpx.HTTPTransport):
@@ -32,11 +32,19 @@ client = openai.OpenAI(
     base_url=os.environ["HOLDFAST_BASE_URL"],
     api_key="unused",
     timeout=1.0,
-    max_retries=6,
+    max_retries=max_retries,
     http_client=httpx.Client(transport=CountingTransport()),
 )
 completion = client.chat.completions.create(
     model="gpt-4o-mini",
     messages=[{"role": "user", "content": "a slow answer, please"}],
 )
-print(json.dumps({"content": completion.choices[0].message.content, "timeouts_seen": timeouts}))
+print(
+    json.dumps(
+        {
+            "content": completion.choices[0].message.content,
+            "timeouts_seen": timeouts,
+            "max_retries": max_retries,
+        }
+    )
+)

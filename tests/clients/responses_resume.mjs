@@ -7,7 +7,8 @@
 //   helper   -- the same, resumed with responses.stream({response_id, starting_after: 10})
 //   aisdk    -- the Vercel AI SDK's streamText with the default provider call (the Responses
 //               API), aborted by a 1 s timeout against a slower provider, then called again as
-//               an application retries: the second call's text
+//               an application retries: each call's text, error, whether its abort signal fired
+//               (and why) and its duration
 // Prints one JSON object.
 import OpenAI from 'openai';
 
@@ -65,20 +66,33 @@ if (mode === 'models') {
   const { streamText } = await import('ai');
   const { createOpenAI } = await import('@ai-sdk/openai');
   const provider = createOpenAI({ baseURL: `${url}/v1`, apiKey: 'unused' });
+  // Each call's text, the error the stream reported (onError or a throw), whether its abort
+  // signal fired and why (`TimeoutError` for the timeout), and how long it took.
   const run = async (timeoutMs) => {
+    const signal = timeoutMs ? AbortSignal.timeout(timeoutMs) : undefined;
+    const started = performance.now();
+    let error = null;
     const result = streamText({
       model: provider('gpt-4o-mini'),
       prompt: 'the AI SDK through holdfast',
-      abortSignal: timeoutMs ? AbortSignal.timeout(timeoutMs) : undefined,
-      onError: () => {},
+      abortSignal: signal,
+      onError: ({ error: e }) => {
+        error = String(e?.name ?? e);
+      },
     });
     let text = '';
     try {
       for await (const part of result.textStream) text += part;
     } catch (e) {
-      return { text, error: String(e?.name ?? e) };
+      error = String(e?.name ?? e);
     }
-    return { text };
+    return {
+      text,
+      error,
+      aborted: signal?.aborted ?? false,
+      abort_reason: signal?.reason?.name ?? null,
+      elapsed_ms: Math.round(performance.now() - started),
+    };
   };
   out.first = await run(1000);
   out.second = await run(null);
