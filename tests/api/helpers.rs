@@ -128,15 +128,20 @@ impl TestApp {
     }
 }
 
-/// `GET {base}/requests/{id}` as JSON.
-pub async fn get_record(http: &reqwest::Client, base: &str, id: &str) -> Value {
-    http.get(format!("{base}/requests/{id}"))
+/// `GET {url}` as JSON.
+pub async fn get_json(http: &reqwest::Client, url: &str) -> Value {
+    http.get(url)
         .send()
         .await
-        .expect("GET record")
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
         .json()
         .await
-        .expect("record JSON")
+        .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
+}
+
+/// `GET {base}/requests/{id}` as JSON.
+pub async fn get_record(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    get_json(http, &format!("{base}/requests/{id}")).await
 }
 
 /// Polls `GET /requests/{id}` until its status is terminal, at most `limit`.
@@ -607,15 +612,7 @@ pub fn run_holdfast(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, St
 
 /// The requests `GET /requests` lists (its `data`).
 pub async fn records(app: &TestApp) -> Vec<Value> {
-    let list: Value = app
-        .http
-        .get(format!("{}/requests", app.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let list = get_json(&app.http, &format!("{}/requests", app.base)).await;
     list["data"].as_array().unwrap().clone()
 }
 

@@ -128,14 +128,7 @@ async fn a_thousand_readers_and_a_hundred_stalled_ones_never_hold_up_the_stream_
 
     // The request finished while a hundred readers had read nothing: its writer did not wait
     // for them.
-    let record: serde_json::Value = http
-        .get(format!("{}/requests/{id}", node.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let record = get_record(&http, &node.base, &id).await;
     assert_eq!(record["status"], "succeeded", "{record}");
     let last_seq = record["last_seq"].as_i64().unwrap();
     assert_eq!(

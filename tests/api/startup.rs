@@ -340,14 +340,7 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
         // Once it is recorded (and still running), the same body again attaches to it.
         let started = std::time::Instant::now();
         let id = loop {
-            let list: Value = http
-                .get(format!("{}/requests", node.base))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let list = get_json(&http, &format!("{}/requests", node.base)).await;
             if let Some(id) = list["data"][0]["id"].as_str() {
                 break id.to_string();
             }
