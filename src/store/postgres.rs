@@ -67,11 +67,11 @@ use uuid::Uuid;
 
 use super::row::RawRecord;
 use super::row::tokens_of;
-use super::rules::{self, Expired, Settle};
+use super::rules::{self, Expired, Settle, failure_releases_claim};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, ListFilter, Millis, NewRequest,
-    Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
-    Usage, UsageGroup, UsageQuery, UsageRow,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, ListFilter, Millis,
+    NewRequest, Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError,
+    Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
 };
 use crate::provider::Route;
 
@@ -350,6 +350,262 @@ fn attempt_number(attempt: u32) -> Result<i32, StoreError> {
     i32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))
 }
 
+/// Rounds of [`Store::submit_and_lease`] before it gives up on a claim that keeps changing.
+const SUBMIT_ROUNDS: usize = 5;
+
+/// `submit_and_lease` as one statement: the claim upsert (ID-7) and, when it won, the request
+/// insert. Parameters: `$1` id, `$2` namespace, `$3` route, `$4` backend, `$5` model, `$6`
+/// stream, `$7` body, `$8` headers, `$9` hash (also the claim's fingerprint), `$10` claim kind,
+/// `$11` now, `$12` lease owner or NULL, `$13` lease expiry or NULL, `$14` claim key, `$15`
+/// claim expiry, `$16` origin. No row: a live claim stood.
+macro_rules! submit_sql {
+    ($notify:literal) => {
+        concat!(
+            "WITH claimed AS (
+                 INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+                 VALUES ($2, $14, $10, $1, $9, $15)
+                 ON CONFLICT (namespace, claim_key) DO UPDATE SET
+                     kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
+                     fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
+                 WHERE claims.expires_at <= $11
+                 RETURNING request_id),
+             created AS (
+                 INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+                     hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+                     next_retry_at, created_at, updated_at)
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                     CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
+                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11
+                 FROM claimed WHERE request_id = $1
+                 RETURNING ",
+            request_columns!(),
+            ")
+             SELECT ",
+            request_columns!(),
+            $notify,
+            " FROM created"
+        )
+    };
+}
+
+/// [`submit_sql!`] for a request leased at once: no other node needs waking (`$16` unused but
+/// typed, so both variants bind the same parameters).
+const SUBMIT_LEASED: &str = submit_sql!(", $16::text AS origin");
+/// [`submit_sql!`] for a queued request: wakes other nodes' workers ([`WORK_CHANNEL`]) when it
+/// commits.
+const SUBMIT_QUEUED: &str = submit_sql!(", pg_notify('holdfast_work', $16)");
+
+/// The attempt's usage row (when `$flag` says it reported usage; the five token placeholders
+/// follow `$u0`), upserted from the `done` row of a finish (usage is reported cumulatively).
+macro_rules! finish_usage_cte {
+    ($flag:literal, $attempt:literal, $u0:literal, $u1:literal, $u2:literal, $u3:literal, $u4:literal) => {
+        concat!(
+            "used AS (
+                 INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+                     cached_input_tokens, cache_write_tokens, reasoning_tokens)
+                 SELECT id, ", $attempt, ", ", $u0, ", ", $u1, ", ", $u2, ", ", $u3, ", ", $u4,
+            " FROM done WHERE ", $flag,
+            " ON CONFLICT (request_id, attempt) DO UPDATE SET
+                     input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+                     cached_input_tokens = EXCLUDED.cached_input_tokens,
+                     cache_write_tokens = EXCLUDED.cache_write_tokens,
+                     reasoning_tokens = EXCLUDED.reasoning_tokens)"
+        )
+    };
+}
+
+/// `finish_read` of [`Outcome::Succeeded`]: `$1` status, `$2` body, `$3` upstream request id,
+/// `$4` now, `$5` id, `$6` owner, `$7`..`$11` usage, `$12` usage reported, `$13` attempt, `$14`
+/// response id or NULL, `$15` end chunk data, `$16` changed payload. A success releases no
+/// claim (ID-6).
+const FINISH_SUCCEEDED: &str = concat!(
+    "WITH done AS (
+         UPDATE requests SET status = 'succeeded', response_status = $1,
+             response_body = $2, upstream_request_id = $3, error_type = NULL,
+             error_message = NULL, error_status = NULL, lease_owner = NULL,
+             lease_expires_at = NULL, finished_at = $4, updated_at = $4,
+             last_seq = last_seq + 1, ",
+    usage_assignments!("$7", "$8", "$9", "$10", "$11"),
+    " WHERE id = $5 AND lease_owner = $6 AND status = 'running'
+         RETURNING ",
+    request_columns!(),
+    "), ",
+    finish_usage_cte!("$12", "$13", "$7", "$8", "$9", "$10", "$11"),
+    ",
+     responded AS (
+         INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT $14, namespace, id, $13 FROM done WHERE $14::text IS NOT NULL
+         ON CONFLICT (response_id) DO NOTHING),
+     ended AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT id, last_seq, attempts, 'end', NULL, $15 FROM done)
+     SELECT ",
+    request_columns!(),
+    ", pg_notify('holdfast_changed', $16) FROM done"
+);
+
+/// `finish_read` of [`Outcome::Failed`]: `$1` error type, `$2` message, `$3` error status,
+/// `$4` response status, `$5` response body, `$6` upstream request id, `$7` now, `$8` id, `$9`
+/// owner, `$10`..`$14` usage, `$15` usage reported, `$16` attempt, `$17` end chunk data,
+/// `$18`/`$19` whether a `hash`/`key` claim is released ([`failure_releases_claim`]), `$20`
+/// changed payload.
+const FINISH_FAILED: &str = concat!(
+    "WITH done AS (
+         UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
+             error_status = $3, response_status = $4, response_body = $5,
+             upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
+             finished_at = $7, updated_at = $7, last_seq = last_seq + 1, ",
+    usage_assignments!("$10", "$11", "$12", "$13", "$14"),
+    " WHERE id = $8 AND lease_owner = $9 AND status = 'running'
+         RETURNING ",
+    request_columns!(),
+    "), ",
+    finish_usage_cte!("$15", "$16", "$10", "$11", "$12", "$13", "$14"),
+    ",
+     released AS (
+         DELETE FROM claims WHERE request_id = $8
+             AND EXISTS (SELECT 1 FROM done
+                         WHERE CASE done.claim_kind WHEN 'key' THEN $19 ELSE $18 END)),
+     ended AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT id, last_seq, attempts, 'end', NULL, $17 FROM done)
+     SELECT ",
+    request_columns!(),
+    ", pg_notify('holdfast_changed', $20) FROM done"
+);
+
+/// The arrays [`APPEND_CHUNKS`] takes: one group per attempt `(id, owner)` whose batches are
+/// in the commit, and every chunk, usage report and response id naming its group.
+#[derive(Default)]
+struct AppendPlan {
+    /// Per group: request id, lease owner, chunks in it, upstream request id to record.
+    ids: Vec<Uuid>,
+    owners: Vec<String>,
+    counts: Vec<i64>,
+    upstream_request_ids: Vec<Option<String>>,
+    /// Per chunk: its group, its 1-based position in the group, attempt, event, data.
+    chunk_groups: Vec<i32>,
+    chunk_pos: Vec<i64>,
+    chunk_attempts: Vec<i32>,
+    events: Vec<Option<String>>,
+    data: Vec<String>,
+    /// Per group that reported usage (the last report of the commit wins).
+    usage_groups: Vec<i32>,
+    usage_attempts: Vec<i32>,
+    usage_tokens: [Vec<Option<i64>>; 5],
+    /// Per response id (the first of the commit wins).
+    response_groups: Vec<i32>,
+    response_attempts: Vec<i32>,
+    response_ids: Vec<String>,
+}
+
+impl AppendPlan {
+    /// Adds `batch` to its attempt's group (made on first sight) and returns the group. Batches
+    /// must come sorted by (request id, owner).
+    fn add(&mut self, batch: &ChunkBatch) -> Result<usize, StoreError> {
+        let lease = &batch.lease;
+        // Batches come sorted by (id, owner): an attempt's group, if any, is the last one.
+        let last = self.ids.len().checked_sub(1);
+        let group = match last.filter(|&g| self.ids[g] == lease.id && self.owners[g] == lease.owner)
+        {
+            Some(g) => g,
+            None => {
+                self.ids.push(lease.id);
+                self.owners.push(lease.owner.clone());
+                self.counts.push(0);
+                self.upstream_request_ids.push(None);
+                self.ids.len() - 1
+            }
+        };
+        let tag = i32::try_from(group).map_err(corrupt)?;
+        let attempt = attempt_number(lease.attempt)?;
+        if let Some(id) = &batch.upstream_request_id {
+            self.upstream_request_ids[group] = Some(text(id).into_owned());
+        }
+        for chunk in &batch.chunks {
+            self.counts[group] += 1;
+            self.chunk_groups.push(tag);
+            self.chunk_pos.push(self.counts[group]);
+            self.chunk_attempts.push(attempt);
+            self.events
+                .push(opt_text(chunk.event.as_deref()).map(Cow::into_owned));
+            self.data.push(text(&chunk.data).into_owned());
+        }
+        if let Some(usage) = &batch.usage {
+            let u = tokens_of(Some(usage));
+            let at = match self.usage_groups.iter().position(|&g| g == tag) {
+                Some(at) => at,
+                None => {
+                    self.usage_groups.push(tag);
+                    self.usage_attempts.push(attempt);
+                    for column in &mut self.usage_tokens {
+                        column.push(None);
+                    }
+                    self.usage_groups.len() - 1
+                }
+            };
+            for (column, value) in self.usage_tokens.iter_mut().zip(u) {
+                column[at] = value;
+            }
+        }
+        if let Some(response_id) = &batch.response_id {
+            let response_id = text(response_id).into_owned();
+            if !self.response_ids.contains(&response_id) {
+                self.response_groups.push(tag);
+                self.response_attempts.push(attempt);
+                self.response_ids.push(response_id);
+            }
+        }
+        Ok(group)
+    }
+}
+
+/// `append_chunks` as one statement over [`AppendPlan`]'s arrays. Each group's `UPDATE` is
+/// fenced on its lease (LC-3) and reserves its seqs; chunks, usage and response ids are
+/// written only for the groups it matched; one notification per [`IDS_PER_NOTIFY`] requests
+/// names them (`$20` origin, `$21` ids per notification). Returns `grp` and `last_seq` of each
+/// group that kept its lease. The groups are given in request-id order, which the plan's join
+/// follows, so concurrent appends lock rows in one order.
+const APPEND_CHUNKS: &str = "WITH b AS (
+         SELECT (g.ord - 1)::int AS grp, g.id, g.owner, g.n, g.upstream_request_id
+         FROM UNNEST($1::uuid[], $2::text[], $3::bigint[], $4::text[])
+             WITH ORDINALITY AS g(id, owner, n, upstream_request_id, ord)),
+     upd AS (
+         UPDATE requests r SET last_seq = r.last_seq + b.n,
+             upstream_request_id = COALESCE(b.upstream_request_id, r.upstream_request_id)
+         FROM b
+         WHERE r.id = b.id AND r.lease_owner = b.owner AND r.status = 'running'
+         RETURNING b.grp, r.id, r.namespace, r.last_seq, b.n),
+     ins AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT upd.id, upd.last_seq - upd.n + c.pos, c.attempt, 'data', c.event, c.data
+         FROM UNNEST($5::int[], $6::bigint[], $7::int[], $8::text[], $9::text[])
+             AS c(grp, pos, attempt, event, data)
+         JOIN upd ON upd.grp = c.grp),
+     used AS (
+         INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+             cached_input_tokens, cache_write_tokens, reasoning_tokens)
+         SELECT upd.id, u.attempt, u.i, u.o, u.ci, u.cw, u.r
+         FROM UNNEST($10::int[], $11::int[], $12::bigint[], $13::bigint[], $14::bigint[],
+                     $15::bigint[], $16::bigint[]) AS u(grp, attempt, i, o, ci, cw, r)
+         JOIN upd ON upd.grp = u.grp
+         ON CONFLICT (request_id, attempt) DO UPDATE SET
+             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+             cached_input_tokens = EXCLUDED.cached_input_tokens,
+             cache_write_tokens = EXCLUDED.cache_write_tokens,
+             reasoning_tokens = EXCLUDED.reasoning_tokens),
+     responded AS (
+         INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT x.response_id, upd.namespace, upd.id, x.attempt
+         FROM UNNEST($17::int[], $18::int[], $19::text[]) AS x(grp, attempt, response_id)
+         JOIN upd ON upd.grp = x.grp
+         ON CONFLICT (response_id) DO NOTHING),
+     notified AS (
+         SELECT pg_notify('holdfast_changed', $20 || ' ' || string_agg(id::text, ','))
+         FROM (SELECT id, (row_number() OVER (ORDER BY id) - 1) / $21 AS part FROM upd) AS p
+         GROUP BY part)
+     SELECT grp, last_seq, (SELECT count(*) FROM notified) AS notifications FROM upd";
+
 /// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
 /// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
 /// else after the last seq.
@@ -383,58 +639,6 @@ async fn settle_in(
             append_control(tx, id, attempt, ChunkKind::End, &settle.end).await?;
         }
     }
-    Ok(())
-}
-
-/// Records that `response_id` is the provider's id of attempt `attempt` of request `id`. An id
-/// already recorded keeps its first owner (providers do not reuse ids).
-async fn insert_response_id(
-    tx: &mut Transaction<'_, Postgres>,
-    response_id: &str,
-    id: Uuid,
-    attempt: u32,
-) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO response_ids (response_id, namespace, request_id, attempt)
-         SELECT $1, namespace, id, $3 FROM requests WHERE id = $2
-         ON CONFLICT (response_id) DO NOTHING",
-    )
-    .bind(text(response_id))
-    .bind(id)
-    .bind(attempt_number(attempt)?)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
-/// (usage is reported cumulatively).
-async fn upsert_usage(
-    tx: &mut Transaction<'_, Postgres>,
-    id: Uuid,
-    attempt: u32,
-    usage: &Usage,
-) -> Result<(), StoreError> {
-    let u = tokens_of(Some(usage));
-    sqlx::query(
-        "INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
-             cached_input_tokens, cache_write_tokens, reasoning_tokens)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)
-         ON CONFLICT (request_id, attempt) DO UPDATE SET
-             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
-             cached_input_tokens = EXCLUDED.cached_input_tokens,
-             cache_write_tokens = EXCLUDED.cache_write_tokens,
-             reasoning_tokens = EXCLUDED.reasoning_tokens",
-    )
-    .bind(id)
-    .bind(attempt_number(attempt)?)
-    .bind(u[0])
-    .bind(u[1])
-    .bind(u[2])
-    .bind(u[3])
-    .bind(u[4])
-    .execute(&mut **tx)
-    .await?;
     Ok(())
 }
 
@@ -546,93 +750,80 @@ impl Store for PostgresStore {
         new: NewRequest,
         lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        // A request leased here is run by this node: no other node is woken for it.
-        let mut tx = self.pool.begin().await?;
-        // Inserts our claim, takes over an expired one, or leaves a live one untouched (locked)
-        // and returns no row. A concurrent uncommitted insert of the same claim makes this wait
-        // and then see the committed row: the loser gets no row, never a unique violation.
-        let won: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (namespace, claim_key) DO UPDATE SET
-                 kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
-                 fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
-             WHERE claims.expires_at <= $7
-             RETURNING request_id",
-        )
-        .bind(&new.namespace)
-        .bind(&new.claim_key)
-        .bind(new.claim.as_str())
-        .bind(new.id)
-        .bind(&new.hash[..])
-        .bind(new.claim_expires_at)
-        .bind(new.now)
-        .fetch_optional(&mut *tx)
-        .await?;
-
-        if won == Some(new.id) {
-            let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
-            let (owner, expires_at) = match lease {
-                Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
-                None => (None, None),
+        let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+        let (owner, expires_at) = match lease {
+            Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
+            None => (None, None),
+        };
+        // A claim that is live when we look but gone when we read it (released by a failure,
+        // pruned) sends us round again; each round is one statement.
+        for _ in 0..SUBMIT_ROUNDS {
+            // One statement, its own transaction: the claim and the request it points at
+            // commit together. A request leased here is run by this node, so only a queued
+            // one wakes other nodes' workers.
+            let sql = if owner.is_some() {
+                SUBMIT_LEASED
+            } else {
+                SUBMIT_QUEUED
             };
-            let row = sqlx::query(concat!(
-                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
-                     hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-                     next_retry_at, created_at, updated_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                     CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
-                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11)
-                 RETURNING ",
-                request_columns!()
-            ))
-            .bind(new.id)
-            .bind(&new.namespace)
-            .bind(new.route.name())
-            .bind(&new.backend)
-            .bind(opt_text(new.model.as_deref()))
-            .bind(new.stream)
-            .bind(&new.body)
-            .bind(headers)
-            .bind(&new.hash[..])
-            .bind(new.claim.as_str())
-            .bind(new.now)
-            .bind(owner)
-            .bind(expires_at)
-            .fetch_one(&mut *tx)
-            .await?;
-            let record = record_from_row(&row)?;
-            if owner.is_none() {
-                self.notify_work(&mut tx).await?;
+            let row = sqlx::query(sql)
+                .bind(new.id)
+                .bind(&new.namespace)
+                .bind(new.route.name())
+                .bind(&new.backend)
+                .bind(opt_text(new.model.as_deref()))
+                .bind(new.stream)
+                .bind(&new.body)
+                .bind(&headers)
+                .bind(&new.hash[..])
+                .bind(new.claim.as_str())
+                .bind(new.now)
+                .bind(owner)
+                .bind(expires_at)
+                .bind(&new.claim_key)
+                .bind(new.claim_expires_at)
+                .bind(&self.origin)
+                .fetch_optional(&self.pool)
+                .await?;
+            if let Some(row) = row {
+                let record = record_from_row(&row)?;
+                let lease = owner.map(|owner| Lease {
+                    id: record.id,
+                    owner: owner.to_string(),
+                    attempt: record.attempts,
+                });
+                return Ok((Submitted::Created(Box::new(record)), lease));
             }
-            tx.commit().await?;
-            let lease = owner.map(|owner| Lease {
-                id: record.id,
-                owner: owner.to_string(),
-                attempt: record.attempts,
-            });
-            return Ok((Submitted::Created(Box::new(record)), lease));
+            // A live claim stood (a racer's uncommitted insert made the upsert wait for it to
+            // commit). This fresh statement (READ COMMITTED: a fresh snapshot) sees it.
+            let row = sqlx::query(
+                "SELECT c.request_id AS claim_request_id, c.fingerprint AS claim_fingerprint, r.*
+                 FROM claims c LEFT JOIN requests r ON r.id = c.request_id
+                 WHERE c.namespace = $1 AND c.claim_key = $2",
+            )
+            .bind(&new.namespace)
+            .bind(&new.claim_key)
+            .fetch_optional(&self.pool)
+            .await?;
+            let Some(row) = row else { continue };
+            let existing: Uuid = row.try_get("claim_request_id")?;
+            let fingerprint: Vec<u8> = row.try_get("claim_fingerprint")?;
+            if fingerprint != new.hash {
+                return Ok((Submitted::KeyMismatch { existing }, None));
+            }
+            if row.try_get::<Option<Uuid>, _>("id")?.is_none() {
+                return Err(StoreError::corrupt(
+                    Some(existing),
+                    "a live claim points at a missing request",
+                ));
+            }
+            let record = record_from_row(&row)?;
+            return Ok((Submitted::Attached(Box::new(record)), None));
         }
-
-        // A fresh statement (READ COMMITTED: a fresh snapshot) sees the committed live claim,
-        // which our upsert locked, so it is still there.
-        let (existing, fingerprint): (Uuid, Vec<u8>) = sqlx::query_as(
-            "SELECT request_id, fingerprint FROM claims WHERE namespace = $1 AND claim_key = $2",
-        )
-        .bind(&new.namespace)
-        .bind(&new.claim_key)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| corrupt("a live claim vanished while locked"))?;
-        if fingerprint != new.hash {
-            tx.commit().await?;
-            return Ok((Submitted::KeyMismatch { existing }, None));
-        }
-        let record = Self::fetch_in(&mut tx, existing).await?.ok_or_else(|| {
-            StoreError::corrupt(Some(existing), "a live claim points at a missing request")
-        })?;
-        tx.commit().await?;
-        Ok((Submitted::Attached(Box::new(record)), None))
+        Err(StoreError::Unavailable(format!(
+            "the claim of request {} kept changing under {SUBMIT_ROUNDS} submissions",
+            new.id
+        )))
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
@@ -741,9 +932,10 @@ impl Store for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
-    // One transaction. One `UPDATE ... RETURNING` per outcome,
-    // fenced on the lease (LC-3), reserves the `end` chunk's seq in the same statement (RD-5),
-    // so what it returns is the final record and nothing is read back.
+    // One statement, so one transaction and one round trip: the `UPDATE ... RETURNING`,
+    // fenced on the lease (LC-3), reserves the `end` chunk's seq (RD-5); the rest of the
+    // settlement ([`rules::settle`]) and the wake-up hang off its row, so nothing happens when
+    // the lease was lost, and what it returns is the final record.
     async fn finish_read(
         &self,
         lease: &Lease,
@@ -751,52 +943,53 @@ impl Store for PostgresStore {
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
         let id = lease.id;
-        let mut tx = self.pool.begin().await?;
+        let changed = format!("{} {id}", self.origin);
+        let attempt = attempt_number(lease.attempt)?;
         let row = match outcome {
             Outcome::Succeeded {
                 status,
                 body,
                 upstream_request_id,
                 usage,
-                ..
+                response_id,
             } => {
                 let u = tokens_of(usage.as_ref());
-                sqlx::query(concat!(
-                    "UPDATE requests SET status = 'succeeded', response_status = $1,
-                         response_body = $2, upstream_request_id = $3, error_type = NULL,
-                         error_message = NULL, error_status = NULL, lease_owner = NULL,
-                         lease_expires_at = NULL, finished_at = $4, updated_at = $4,
-                         last_seq = last_seq + 1, ",
-                    usage_assignments!("$7", "$8", "$9", "$10", "$11"),
-                    " WHERE id = $5 AND lease_owner = $6 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ))
-                .bind(i32::from(*status))
-                .bind(body)
-                .bind(opt_text(upstream_request_id.as_deref()))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .bind(u[0])
-                .bind(u[1])
-                .bind(u[2])
-                .bind(u[3])
-                .bind(u[4])
-                .fetch_optional(&mut *tx)
-                .await?
+                let end = rules::end_data(Status::Succeeded, None);
+                sqlx::query(FINISH_SUCCEEDED)
+                    .bind(i32::from(*status))
+                    .bind(body)
+                    .bind(opt_text(upstream_request_id.as_deref()))
+                    .bind(now)
+                    .bind(id)
+                    .bind(&lease.owner)
+                    .bind(u[0])
+                    .bind(u[1])
+                    .bind(u[2])
+                    .bind(u[3])
+                    .bind(u[4])
+                    .bind(usage.is_some())
+                    .bind(attempt)
+                    .bind(response_id.as_deref().map(text))
+                    .bind(end)
+                    .bind(&changed)
+                    .fetch_optional(&self.pool)
+                    .await?
             }
             Outcome::Retry {
                 next_retry_at,
                 error,
             } => {
                 sqlx::query(concat!(
-                    "UPDATE requests SET status = 'pending', next_retry_at = $1,
-                         error_type = $2, error_message = $3, error_status = $4,
-                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
-                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
+                    "WITH done AS (
+                         UPDATE requests SET status = 'pending', next_retry_at = $1,
+                             error_type = $2, error_message = $3, error_status = $4,
+                             lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
+                         WHERE id = $6 AND lease_owner = $7 AND status = 'running'
+                         RETURNING ",
+                    request_columns!(),
+                    ") SELECT ",
+                    request_columns!(),
+                    ", pg_notify('holdfast_changed', $8) FROM done"
                 ))
                 .bind(next_retry_at)
                 .bind(error.kind.as_str())
@@ -805,7 +998,8 @@ impl Store for PostgresStore {
                 .bind(now)
                 .bind(id)
                 .bind(&lease.owner)
-                .fetch_optional(&mut *tx)
+                .bind(&changed)
+                .fetch_optional(&self.pool)
                 .await?
             }
             Outcome::Failed {
@@ -815,64 +1009,38 @@ impl Store for PostgresStore {
                 usage,
             } => {
                 let u = tokens_of(usage.as_ref());
-                sqlx::query(concat!(
-                    "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
-                         error_status = $3, response_status = $4, response_body = $5,
-                         upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = $7, updated_at = $7, last_seq = last_seq + 1, ",
-                    usage_assignments!("$10", "$11", "$12", "$13", "$14"),
-                    " WHERE id = $8 AND lease_owner = $9 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ))
-                .bind(error.kind.as_str())
-                .bind(text(&error.message))
-                .bind(error.status.map(i32::from))
-                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
-                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
-                .bind(opt_text(upstream_request_id.as_deref()))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .bind(u[0])
-                .bind(u[1])
-                .bind(u[2])
-                .bind(u[3])
-                .bind(u[4])
-                .fetch_optional(&mut *tx)
-                .await?
+                // As stored: the end chunk carries the message the record will read back.
+                let stored = ErrorInfo {
+                    message: text(&error.message).into_owned(),
+                    ..error.clone()
+                };
+                let end = rules::end_data(Status::Failed, Some(&stored));
+                sqlx::query(FINISH_FAILED)
+                    .bind(error.kind.as_str())
+                    .bind(&stored.message)
+                    .bind(error.status.map(i32::from))
+                    .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
+                    .bind(response.as_ref().map(|(_, b)| b.as_slice()))
+                    .bind(opt_text(upstream_request_id.as_deref()))
+                    .bind(now)
+                    .bind(id)
+                    .bind(&lease.owner)
+                    .bind(u[0])
+                    .bind(u[1])
+                    .bind(u[2])
+                    .bind(u[3])
+                    .bind(u[4])
+                    .bind(usage.is_some())
+                    .bind(attempt)
+                    .bind(end)
+                    .bind(failure_releases_claim(ClaimKind::BodyHash, error.kind))
+                    .bind(failure_releases_claim(ClaimKind::Key, error.kind))
+                    .bind(&changed)
+                    .fetch_optional(&self.pool)
+                    .await?
             }
         };
-        let Some(row) = row else {
-            tx.commit().await?;
-            return Ok(None);
-        };
-        let record = record_from_row(&row)?;
-        if let Outcome::Succeeded {
-            response_id: Some(response_id),
-            ..
-        } = outcome
-        {
-            insert_response_id(&mut tx, response_id, id, lease.attempt).await?;
-        }
-        if let Outcome::Succeeded {
-            usage: Some(usage), ..
-        }
-        | Outcome::Failed {
-            usage: Some(usage), ..
-        } = outcome
-        {
-            upsert_usage(&mut tx, id, lease.attempt, usage).await?;
-        }
-        if record.status.is_terminal() {
-            let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
-            // The end chunk's seq was reserved by the UPDATE above.
-            let attempt = attempt_number(record.attempts)?;
-            settle_in(&mut tx, id, attempt, &settle, Some(record.last_seq)).await?;
-        }
-        self.notify_changed(&mut tx, &[id]).await?;
-        tx.commit().await?;
-        Ok(Some(record))
+        row.as_ref().map(record_from_row).transpose()
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
@@ -948,65 +1116,77 @@ impl Store for PostgresStore {
         &self,
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
-        // Lock the requests in id order (stable, so one request's batches keep their order):
-        // two group commits touching the same requests can then never deadlock.
+        // One statement for every batch, however many (group commit): the batches of one
+        // attempt are merged into one seq reservation, so the `UPDATE` touches each request
+        // once; everything travels as arrays.
+        // Groups in (request id, owner) order (stable, so one attempt's batches keep theirs):
+        // the `UPDATE` then locks rows in id order, and two group commits touching the same
+        // requests cannot deadlock.
         let mut order: Vec<usize> = (0..batches.len()).collect();
-        order.sort_by_key(|&i| batches[i].lease.id);
-        let mut results: Vec<Option<Vec<Chunk>>> = vec![None; batches.len()];
-        let mut tx = self.pool.begin().await?;
-        for i in order {
-            let batch = &batches[i];
-            let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
-            // Fenced (LC-3): the seqs are reserved only while this attempt holds its lease.
-            let last: Option<i64> = sqlx::query_scalar(
-                "UPDATE requests SET last_seq = last_seq + $1,
-                     upstream_request_id = COALESCE($2, upstream_request_id)
-                 WHERE id = $3 AND lease_owner = $4 AND status = 'running'
-                 RETURNING last_seq",
-            )
-            .bind(n)
-            .bind(opt_text(batch.upstream_request_id.as_deref()))
-            .bind(batch.lease.id)
-            .bind(&batch.lease.owner)
-            .fetch_optional(&mut *tx)
+        order.sort_by(|&a, &b| {
+            let (a, b) = (&batches[a].lease, &batches[b].lease);
+            (a.id, &a.owner).cmp(&(b.id, &b.owner))
+        });
+        let mut plan = AppendPlan::default();
+        let mut group_of: Vec<usize> = Vec::with_capacity(batches.len());
+        for &i in &order {
+            group_of.push(plan.add(&batches[i])?);
+        }
+        let rows = sqlx::query(APPEND_CHUNKS)
+            .bind(&plan.ids)
+            .bind(&plan.owners)
+            .bind(&plan.counts)
+            .bind(&plan.upstream_request_ids)
+            .bind(&plan.chunk_groups)
+            .bind(&plan.chunk_pos)
+            .bind(&plan.chunk_attempts)
+            .bind(&plan.events)
+            .bind(&plan.data)
+            .bind(&plan.usage_groups)
+            .bind(&plan.usage_attempts)
+            .bind(&plan.usage_tokens[0])
+            .bind(&plan.usage_tokens[1])
+            .bind(&plan.usage_tokens[2])
+            .bind(&plan.usage_tokens[3])
+            .bind(&plan.usage_tokens[4])
+            .bind(&plan.response_groups)
+            .bind(&plan.response_attempts)
+            .bind(&plan.response_ids)
+            .bind(&self.origin)
+            .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
             .await?;
-            let Some(last) = last else { continue };
-            if let Some(response_id) = &batch.response_id {
-                insert_response_id(&mut tx, response_id, batch.lease.id, batch.lease.attempt)
-                    .await?;
-            }
-            if let Some(usage) = &batch.usage {
-                upsert_usage(&mut tx, batch.lease.id, batch.lease.attempt, usage).await?;
-            }
-            let first = last - n + 1;
-            let events: Vec<Option<String>> = batch
-                .chunks
-                .iter()
-                .map(|c| opt_text(c.event.as_deref()).map(Cow::into_owned))
+        // The last seq of each group that kept its lease.
+        let mut last: Vec<Option<i64>> = vec![None; plan.ids.len()];
+        for row in &rows {
+            let group: i32 = row.try_get("grp")?;
+            let group = usize::try_from(group).map_err(corrupt)?;
+            *last
+                .get_mut(group)
+                .ok_or_else(|| corrupt(format!("append group {group}")))? =
+                Some(row.try_get("last_seq")?);
+        }
+        // Each batch's first seq: its group's first, plus the batches of it before this one.
+        let mut next: Vec<Option<i64>> = last
+            .iter()
+            .zip(&plan.counts)
+            .map(|(last, n)| last.map(|last| last - n + 1))
+            .collect();
+        let mut results: Vec<Option<Vec<Chunk>>> = vec![None; batches.len()];
+        let mut data = plan.data.into_iter();
+        let mut events = plan.events.into_iter();
+        for (&i, group) in order.iter().zip(group_of) {
+            let batch = &batches[i];
+            let taken: Vec<(Option<String>, String)> = events
+                .by_ref()
+                .zip(data.by_ref())
+                .take(batch.chunks.len())
                 .collect();
-            let data: Vec<String> = batch
-                .chunks
-                .iter()
-                .map(|c| text(&c.data).into_owned())
-                .collect();
-            if n > 0 {
-                // One statement per batch, whatever its size: the rows travel as two arrays.
-                sqlx::query(
-                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-                     SELECT $1, $2 + t.ord - 1, $3, 'data', t.event, t.data
-                     FROM UNNEST($4::text[], $5::text[]) WITH ORDINALITY AS t(event, data, ord)",
-                )
-                .bind(batch.lease.id)
-                .bind(first)
-                .bind(attempt_number(batch.lease.attempt)?)
-                .bind(&events)
-                .bind(&data)
-                .execute(&mut *tx)
-                .await?;
-            }
-            let stored = events
+            let Some(first) = next[group] else { continue };
+            let n = i64::try_from(taken.len()).map_err(corrupt)?;
+            next[group] = Some(first + n);
+            let stored = taken
                 .into_iter()
-                .zip(data)
                 .zip(first..)
                 .map(|((event, data), seq)| Chunk {
                     seq,
@@ -1018,16 +1198,6 @@ impl Store for PostgresStore {
                 .collect();
             results[i] = Some(stored);
         }
-        // One wake-up per group commit for every request that got chunks, never one per chunk.
-        let mut changed: Vec<Uuid> = batches
-            .iter()
-            .zip(&results)
-            .filter(|(_, stored)| stored.is_some())
-            .map(|(batch, _)| batch.lease.id)
-            .collect();
-        changed.dedup();
-        self.notify_changed(&mut tx, &changed).await?;
-        tx.commit().await?;
         Ok(results)
     }
 
