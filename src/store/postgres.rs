@@ -55,12 +55,15 @@
 
 use std::borrow::Cow;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Postgres, Row, Transaction};
-use tokio::sync::mpsc;
+use futures::future::BoxFuture;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Executor, Postgres, Row, Transaction};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
@@ -98,6 +101,9 @@ pub struct PostgresStore {
     /// Random per store, sent with every notification, so the listener can skip this store's
     /// own (the writer already woke its local hub).
     origin: String,
+    /// The group-commit writer's queue: submissions, finishes, chunk appends and the small
+    /// counters of this process share one connection, many to a transaction.
+    writes: mpsc::UnboundedSender<Box<dyn WriteJob>>,
 }
 
 /// The migrations of `migrations/postgres`, compiled in.
@@ -154,6 +160,10 @@ impl PostgresStore {
             .max_connections(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_lazy_with(options.clone().application_name("holdfast-listen"));
+        let writer_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone().application_name("holdfast-writer"));
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))
@@ -161,11 +171,38 @@ impl PostgresStore {
             .await?;
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
         MIGRATOR.run(&pool).await?;
+        let (writes, queue) = mpsc::unbounded_channel();
+        tokio::spawn(write_loop(writer_pool, queue));
         Ok(PostgresStore {
             pool,
             listen_pool,
             origin: Uuid::new_v4().simple().to_string(),
+            writes,
         })
+    }
+
+    /// Runs `work` as one job of the writer's next group commit and returns its result once
+    /// that commit is durable (RS-1). `work` may run twice: a group whose transaction fails is
+    /// run again job by job, so one failing write fails alone.
+    async fn write<T, F>(&self, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, StoreError>>
+            + Send
+            + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            work: Some(work),
+            result: None,
+            reply,
+        };
+        self.writes
+            .send(Box::new(job))
+            .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+        answer.await.map_err(|_| {
+            StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+        })?
     }
 
     /// Notifies [`CHANGED_CHANNEL`] that `ids` changed, delivered when `tx` commits. One
@@ -262,6 +299,160 @@ impl PostgresStore {
     }
 }
 
+/// Most jobs in one group commit: bounds a transaction's length (and the wait of the first job
+/// in it), not its correctness.
+const MAX_JOBS_PER_COMMIT: usize = 512;
+
+/// One write of a group commit, type-erased for the writer's queue.
+trait WriteJob: Send {
+    /// Runs the write on `conn` (inside the group's transaction, or alone) and keeps its
+    /// result. `false`: it failed, and the group's transaction with it.
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool>;
+    /// Answers the caller once its write is settled; `commit` is the failure of the commit
+    /// that was to store it.
+    fn reply(self: Box<Self>, commit: Result<(), &str>);
+}
+
+struct Job<T, F> {
+    /// Dropped before the answer is sent, so whatever it shares with the caller is the
+    /// caller's alone again.
+    work: Option<F>,
+    result: Option<Result<T, StoreError>>,
+    reply: oneshot::Sender<Result<T, StoreError>>,
+}
+
+impl<T, F> WriteJob for Job<T, F>
+where
+    T: Send + 'static,
+    F: for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, StoreError>> + Send + 'static,
+{
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
+        Box::pin(async move {
+            let Some(work) = &self.work else {
+                return false;
+            };
+            let result = work(conn).await;
+            let ok = result.is_ok();
+            self.result = Some(result);
+            ok
+        })
+    }
+
+    fn reply(self: Box<Self>, commit: Result<(), &str>) {
+        let Job {
+            work,
+            result,
+            reply,
+        } = *self;
+        drop(work);
+        let result = match (result, commit) {
+            // The job's own failure wins: nothing of it was stored.
+            (Some(Err(e)), _) => Err(e),
+            (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(StoreError::Unavailable(format!(
+                "commit failed, nothing was stored: {e}"
+            ))),
+            (Some(Ok(value)), Ok(())) => Ok(value),
+            (None, Ok(())) => Err(StoreError::Unavailable("the write never ran".into())),
+        };
+        // A dropped receiver is a caller that gave up.
+        let _ = reply.send(result);
+    }
+}
+
+/// The writer task: drains the queue into group commits on one held connection until every
+/// sender is gone. A connection that fails is given back (the pool tests it and drops it) and
+/// a fresh one is taken for the next group.
+async fn write_loop(pool: PgPool, mut queue: mpsc::UnboundedReceiver<Box<dyn WriteJob>>) {
+    let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
+    let mut held: Option<PoolConnection<Postgres>> = None;
+    while let Some(job) = queue.recv().await {
+        group.push(job);
+        while group.len() < MAX_JOBS_PER_COMMIT {
+            match queue.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        let mut conn = match held.take() {
+            Some(conn) => conn,
+            None => match pool.acquire().await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    let e = e.to_string();
+                    warn!(error = %e, jobs = group.len(), "the PostgreSQL writer cannot connect");
+                    for job in group.drain(..) {
+                        job.reply(Err(&e));
+                    }
+                    continue;
+                }
+            },
+        };
+        let committed = commit_group(&mut conn, &mut group).await;
+        let commit = match &committed {
+            Ok(()) => {
+                held = Some(conn);
+                Ok(())
+            }
+            Err(e) => {
+                warn!(error = %e, jobs = group.len(), "PostgreSQL group commit failed; its writes were rolled back");
+                Err(e.as_str())
+            }
+        };
+        for job in group.drain(..) {
+            job.reply(commit);
+        }
+    }
+}
+
+/// Runs every job of `group` in one transaction and commits it; a lone job runs as its own
+/// statement without `BEGIN`/`COMMIT`. When a job fails, the transaction is rolled back and
+/// each job runs again in a transaction of its own, so only the failing one fails. `Err`: the
+/// connection failed, and no job's write is known to be stored.
+async fn commit_group(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+) -> Result<(), String> {
+    if let [job] = group {
+        // Alone, its statement is its transaction (each job's write is one statement). A
+        // failure may be the connection's: find out before keeping it.
+        if job.run(conn).await {
+            return Ok(());
+        }
+        return conn.ping().await.map_err(|e| e.to_string());
+    }
+    match in_one_transaction(conn, group).await {
+        Ok(true) => return Ok(()),
+        Ok(false) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    for job in group.iter_mut() {
+        conn.execute("BEGIN").await.map_err(|e| e.to_string())?;
+        let end = if job.run(conn).await {
+            "COMMIT"
+        } else {
+            "ROLLBACK"
+        };
+        conn.execute(end).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// `BEGIN`, every job of `group`, `COMMIT`: `Ok(false)` when a job failed (then rolled back).
+async fn in_one_transaction(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+) -> Result<bool, sqlx::Error> {
+    conn.execute("BEGIN").await?;
+    for job in group.iter_mut() {
+        if !job.run(conn).await {
+            conn.execute("ROLLBACK").await?;
+            return Ok(false);
+        }
+    }
+    conn.execute("COMMIT").await?;
+    Ok(true)
+}
+
 fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::corrupt(None, what)
 }
@@ -348,6 +539,189 @@ fn chunk_from_row(row: &PgRow) -> Result<Chunk, StoreError> {
 
 fn attempt_number(attempt: u32) -> Result<i32, StoreError> {
     i32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))
+}
+
+/// [`Store::submit_and_lease`] on `conn`: `owner` and `expires_at` are the lease to take on a
+/// request it creates, `headers` the request's headers as stored.
+async fn submit_in(
+    conn: &mut PgConnection,
+    new: &NewRequest,
+    headers: &str,
+    owner: Option<&str>,
+    expires_at: Option<Millis>,
+    origin: &str,
+) -> Result<Submitted, StoreError> {
+    // A claim that is live when we look but gone when we read it (released by a failure,
+    // pruned) sends us round again; each round is one statement.
+    for _ in 0..SUBMIT_ROUNDS {
+        // One statement, its own transaction: the claim and the request it points at
+        // commit together. A request leased here is run by this node, so only a queued
+        // one wakes other nodes' workers.
+        let sql = if owner.is_some() {
+            SUBMIT_LEASED
+        } else {
+            SUBMIT_QUEUED
+        };
+        let row = sqlx::query(sql)
+            .bind(new.id)
+            .bind(&new.namespace)
+            .bind(new.route.name())
+            .bind(&new.backend)
+            .bind(opt_text(new.model.as_deref()))
+            .bind(new.stream)
+            .bind(&new.body)
+            .bind(headers)
+            .bind(&new.hash[..])
+            .bind(new.claim.as_str())
+            .bind(new.now)
+            .bind(owner)
+            .bind(expires_at)
+            .bind(&new.claim_key)
+            .bind(new.claim_expires_at)
+            .bind(origin)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if let Some(row) = row {
+            return Ok(Submitted::Created(Box::new(record_from_row(&row)?)));
+        }
+        // A live claim stood (a racer's uncommitted insert made the upsert wait for it to
+        // commit). This fresh statement (READ COMMITTED: a fresh snapshot) sees it.
+        let row = sqlx::query(
+            "SELECT c.request_id AS claim_request_id, c.fingerprint AS claim_fingerprint, r.*
+             FROM claims c LEFT JOIN requests r ON r.id = c.request_id
+             WHERE c.namespace = $1 AND c.claim_key = $2",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some(row) = row else { continue };
+        let existing: Uuid = row.try_get("claim_request_id")?;
+        let fingerprint: Vec<u8> = row.try_get("claim_fingerprint")?;
+        if fingerprint != new.hash {
+            return Ok(Submitted::KeyMismatch { existing });
+        }
+        if row.try_get::<Option<Uuid>, _>("id")?.is_none() {
+            return Err(StoreError::corrupt(
+                Some(existing),
+                "a live claim points at a missing request",
+            ));
+        }
+        let record = record_from_row(&row)?;
+        return Ok(Submitted::Attached(Box::new(record)));
+    }
+    Err(StoreError::Unavailable(format!(
+        "the claim of request {} kept changing under {SUBMIT_ROUNDS} submissions",
+        new.id
+    )))
+}
+
+/// [`Store::finish_read`] on `conn`, `changed` the notification payload naming the request.
+async fn finish_in(
+    conn: &mut PgConnection,
+    lease: &Lease,
+    outcome: &Outcome,
+    now: Millis,
+    changed: &str,
+) -> Result<Option<RequestRecord>, StoreError> {
+    let id = lease.id;
+    let attempt = attempt_number(lease.attempt)?;
+    let row = match outcome {
+        Outcome::Succeeded {
+            status,
+            body,
+            upstream_request_id,
+            usage,
+            response_id,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            let end = rules::end_data(Status::Succeeded, None);
+            sqlx::query(FINISH_SUCCEEDED)
+                .bind(i32::from(*status))
+                .bind(body)
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .bind(u[0])
+                .bind(u[1])
+                .bind(u[2])
+                .bind(u[3])
+                .bind(u[4])
+                .bind(usage.is_some())
+                .bind(attempt)
+                .bind(response_id.as_deref().map(text))
+                .bind(end)
+                .bind(changed)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        Outcome::Retry {
+            next_retry_at,
+            error,
+        } => {
+            sqlx::query(concat!(
+                "WITH done AS (
+                     UPDATE requests SET status = 'pending', next_retry_at = $1,
+                         error_type = $2, error_message = $3, error_status = $4,
+                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
+                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
+                     RETURNING ",
+                request_columns!(),
+                ") SELECT ",
+                request_columns!(),
+                ", pg_notify('holdfast_changed', $8) FROM done"
+            ))
+            .bind(next_retry_at)
+            .bind(error.kind.as_str())
+            .bind(text(&error.message))
+            .bind(error.status.map(i32::from))
+            .bind(now)
+            .bind(id)
+            .bind(&lease.owner)
+            .bind(changed)
+            .fetch_optional(&mut *conn)
+            .await?
+        }
+        Outcome::Failed {
+            error,
+            response,
+            upstream_request_id,
+            usage,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            // As stored: the end chunk carries the message the record will read back.
+            let stored = ErrorInfo {
+                message: text(&error.message).into_owned(),
+                ..error.clone()
+            };
+            let end = rules::end_data(Status::Failed, Some(&stored));
+            sqlx::query(FINISH_FAILED)
+                .bind(error.kind.as_str())
+                .bind(&stored.message)
+                .bind(error.status.map(i32::from))
+                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
+                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .bind(u[0])
+                .bind(u[1])
+                .bind(u[2])
+                .bind(u[3])
+                .bind(u[4])
+                .bind(usage.is_some())
+                .bind(attempt)
+                .bind(end)
+                .bind(failure_releases_claim(ClaimKind::BodyHash, error.kind))
+                .bind(failure_releases_claim(ClaimKind::Key, error.kind))
+                .bind(changed)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+    };
+    row.as_ref().map(record_from_row).transpose()
 }
 
 /// Rounds of [`Store::submit_and_lease`] before it gives up on a claim that keeps changing.
@@ -476,7 +850,7 @@ const FINISH_FAILED: &str = concat!(
 
 /// The arrays [`APPEND_CHUNKS`] takes: one group per attempt `(id, owner)` whose batches are
 /// in the commit, and every chunk, usage report and response id naming its group.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct AppendPlan {
     /// Per group: request id, lease owner, chunks in it, upstream request id to record.
     ids: Vec<Uuid>,
@@ -558,6 +932,42 @@ impl AppendPlan {
         }
         Ok(group)
     }
+}
+
+/// Runs [`APPEND_CHUNKS`] for `plan` on `conn`: `(group, last seq)` of each group that kept its
+/// lease.
+async fn append_in(
+    conn: &mut PgConnection,
+    plan: &AppendPlan,
+    origin: &str,
+) -> Result<Vec<(i32, i64)>, StoreError> {
+    let rows = sqlx::query(APPEND_CHUNKS)
+        .bind(&plan.ids)
+        .bind(&plan.owners)
+        .bind(&plan.counts)
+        .bind(&plan.upstream_request_ids)
+        .bind(&plan.chunk_groups)
+        .bind(&plan.chunk_pos)
+        .bind(&plan.chunk_attempts)
+        .bind(&plan.events)
+        .bind(&plan.data)
+        .bind(&plan.usage_groups)
+        .bind(&plan.usage_attempts)
+        .bind(&plan.usage_tokens[0])
+        .bind(&plan.usage_tokens[1])
+        .bind(&plan.usage_tokens[2])
+        .bind(&plan.usage_tokens[3])
+        .bind(&plan.usage_tokens[4])
+        .bind(&plan.response_groups)
+        .bind(&plan.response_attempts)
+        .bind(&plan.response_ids)
+        .bind(origin)
+        .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|row| Ok((row.try_get("grp")?, row.try_get("last_seq")?)))
+        .collect()
 }
 
 /// `append_chunks` as one statement over [`AppendPlan`]'s arrays. Each group's `UPDATE` is
@@ -752,78 +1162,30 @@ impl Store for PostgresStore {
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
         let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
         let (owner, expires_at) = match lease {
-            Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
+            Some(LeaseTo { owner, lease_ms }) => {
+                (Some(owner.to_string()), Some(new.now + lease_ms))
+            }
             None => (None, None),
         };
-        // A claim that is live when we look but gone when we read it (released by a failure,
-        // pruned) sends us round again; each round is one statement.
-        for _ in 0..SUBMIT_ROUNDS {
-            // One statement, its own transaction: the claim and the request it points at
-            // commit together. A request leased here is run by this node, so only a queued
-            // one wakes other nodes' workers.
-            let sql = if owner.is_some() {
-                SUBMIT_LEASED
-            } else {
-                SUBMIT_QUEUED
-            };
-            let row = sqlx::query(sql)
-                .bind(new.id)
-                .bind(&new.namespace)
-                .bind(new.route.name())
-                .bind(&new.backend)
-                .bind(opt_text(new.model.as_deref()))
-                .bind(new.stream)
-                .bind(&new.body)
-                .bind(&headers)
-                .bind(&new.hash[..])
-                .bind(new.claim.as_str())
-                .bind(new.now)
-                .bind(owner)
-                .bind(expires_at)
-                .bind(&new.claim_key)
-                .bind(new.claim_expires_at)
-                .bind(&self.origin)
-                .fetch_optional(&self.pool)
-                .await?;
-            if let Some(row) = row {
-                let record = record_from_row(&row)?;
-                let lease = owner.map(|owner| Lease {
-                    id: record.id,
-                    owner: owner.to_string(),
-                    attempt: record.attempts,
-                });
-                return Ok((Submitted::Created(Box::new(record)), lease));
-            }
-            // A live claim stood (a racer's uncommitted insert made the upsert wait for it to
-            // commit). This fresh statement (READ COMMITTED: a fresh snapshot) sees it.
-            let row = sqlx::query(
-                "SELECT c.request_id AS claim_request_id, c.fingerprint AS claim_fingerprint, r.*
-                 FROM claims c LEFT JOIN requests r ON r.id = c.request_id
-                 WHERE c.namespace = $1 AND c.claim_key = $2",
-            )
-            .bind(&new.namespace)
-            .bind(&new.claim_key)
-            .fetch_optional(&self.pool)
+        let args = Arc::new((new, headers, owner, expires_at, self.origin.clone()));
+        let submitted = self
+            .write(move |conn| {
+                let args = Arc::clone(&args);
+                Box::pin(async move {
+                    let (new, headers, owner, expires_at, origin) = &*args;
+                    submit_in(conn, new, headers, owner.as_deref(), *expires_at, origin).await
+                })
+            })
             .await?;
-            let Some(row) = row else { continue };
-            let existing: Uuid = row.try_get("claim_request_id")?;
-            let fingerprint: Vec<u8> = row.try_get("claim_fingerprint")?;
-            if fingerprint != new.hash {
-                return Ok((Submitted::KeyMismatch { existing }, None));
-            }
-            if row.try_get::<Option<Uuid>, _>("id")?.is_none() {
-                return Err(StoreError::corrupt(
-                    Some(existing),
-                    "a live claim points at a missing request",
-                ));
-            }
-            let record = record_from_row(&row)?;
-            return Ok((Submitted::Attached(Box::new(record)), None));
-        }
-        Err(StoreError::Unavailable(format!(
-            "the claim of request {} kept changing under {SUBMIT_ROUNDS} submissions",
-            new.id
-        )))
+        let lease = match (&submitted, lease) {
+            (Submitted::Created(record), Some(lease)) => Some(Lease {
+                id: record.id,
+                owner: lease.owner.to_string(),
+                attempt: record.attempts,
+            }),
+            _ => None,
+        };
+        Ok((submitted, lease))
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
@@ -920,16 +1282,23 @@ impl Store for PostgresStore {
         now: Millis,
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE requests SET lease_expires_at = $1
-             WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
-        )
-        .bind(now + lease_ms)
-        .bind(lease.id)
-        .bind(&lease.owner)
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        let (id, owner) = (lease.id, lease.owner.clone());
+        self.write(move |conn| {
+            let owner = owner.clone();
+            Box::pin(async move {
+                let done = sqlx::query(
+                    "UPDATE requests SET lease_expires_at = $1
+                     WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
+                )
+                .bind(now + lease_ms)
+                .bind(id)
+                .bind(owner)
+                .execute(&mut *conn)
+                .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        })
+        .await
     }
 
     // One statement, so one transaction and one round trip: the `UPDATE ... RETURNING`,
@@ -942,105 +1311,16 @@ impl Store for PostgresStore {
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let id = lease.id;
-        let changed = format!("{} {id}", self.origin);
-        let attempt = attempt_number(lease.attempt)?;
-        let row = match outcome {
-            Outcome::Succeeded {
-                status,
-                body,
-                upstream_request_id,
-                usage,
-                response_id,
-            } => {
-                let u = tokens_of(usage.as_ref());
-                let end = rules::end_data(Status::Succeeded, None);
-                sqlx::query(FINISH_SUCCEEDED)
-                    .bind(i32::from(*status))
-                    .bind(body)
-                    .bind(opt_text(upstream_request_id.as_deref()))
-                    .bind(now)
-                    .bind(id)
-                    .bind(&lease.owner)
-                    .bind(u[0])
-                    .bind(u[1])
-                    .bind(u[2])
-                    .bind(u[3])
-                    .bind(u[4])
-                    .bind(usage.is_some())
-                    .bind(attempt)
-                    .bind(response_id.as_deref().map(text))
-                    .bind(end)
-                    .bind(&changed)
-                    .fetch_optional(&self.pool)
-                    .await?
-            }
-            Outcome::Retry {
-                next_retry_at,
-                error,
-            } => {
-                sqlx::query(concat!(
-                    "WITH done AS (
-                         UPDATE requests SET status = 'pending', next_retry_at = $1,
-                             error_type = $2, error_message = $3, error_status = $4,
-                             lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
-                         WHERE id = $6 AND lease_owner = $7 AND status = 'running'
-                         RETURNING ",
-                    request_columns!(),
-                    ") SELECT ",
-                    request_columns!(),
-                    ", pg_notify('holdfast_changed', $8) FROM done"
-                ))
-                .bind(next_retry_at)
-                .bind(error.kind.as_str())
-                .bind(text(&error.message))
-                .bind(error.status.map(i32::from))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .bind(&changed)
-                .fetch_optional(&self.pool)
-                .await?
-            }
-            Outcome::Failed {
-                error,
-                response,
-                upstream_request_id,
-                usage,
-            } => {
-                let u = tokens_of(usage.as_ref());
-                // As stored: the end chunk carries the message the record will read back.
-                let stored = ErrorInfo {
-                    message: text(&error.message).into_owned(),
-                    ..error.clone()
-                };
-                let end = rules::end_data(Status::Failed, Some(&stored));
-                sqlx::query(FINISH_FAILED)
-                    .bind(error.kind.as_str())
-                    .bind(&stored.message)
-                    .bind(error.status.map(i32::from))
-                    .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
-                    .bind(response.as_ref().map(|(_, b)| b.as_slice()))
-                    .bind(opt_text(upstream_request_id.as_deref()))
-                    .bind(now)
-                    .bind(id)
-                    .bind(&lease.owner)
-                    .bind(u[0])
-                    .bind(u[1])
-                    .bind(u[2])
-                    .bind(u[3])
-                    .bind(u[4])
-                    .bind(usage.is_some())
-                    .bind(attempt)
-                    .bind(end)
-                    .bind(failure_releases_claim(ClaimKind::BodyHash, error.kind))
-                    .bind(failure_releases_claim(ClaimKind::Key, error.kind))
-                    .bind(&changed)
-                    .fetch_optional(&self.pool)
-                    .await?
-            }
-        };
-        row.as_ref().map(record_from_row).transpose()
+        let changed = format!("{} {}", self.origin, lease.id);
+        let args = Arc::new((lease.clone(), outcome.clone(), changed));
+        self.write(move |conn| {
+            let args = Arc::clone(&args);
+            Box::pin(async move {
+                let (lease, outcome, changed) = &*args;
+                finish_in(conn, lease, outcome, now, changed).await
+            })
+        })
+        .await
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
@@ -1132,39 +1412,24 @@ impl Store for PostgresStore {
         for &i in &order {
             group_of.push(plan.add(&batches[i])?);
         }
-        let rows = sqlx::query(APPEND_CHUNKS)
-            .bind(&plan.ids)
-            .bind(&plan.owners)
-            .bind(&plan.counts)
-            .bind(&plan.upstream_request_ids)
-            .bind(&plan.chunk_groups)
-            .bind(&plan.chunk_pos)
-            .bind(&plan.chunk_attempts)
-            .bind(&plan.events)
-            .bind(&plan.data)
-            .bind(&plan.usage_groups)
-            .bind(&plan.usage_attempts)
-            .bind(&plan.usage_tokens[0])
-            .bind(&plan.usage_tokens[1])
-            .bind(&plan.usage_tokens[2])
-            .bind(&plan.usage_tokens[3])
-            .bind(&plan.usage_tokens[4])
-            .bind(&plan.response_groups)
-            .bind(&plan.response_attempts)
-            .bind(&plan.response_ids)
-            .bind(&self.origin)
-            .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
+        let plan = Arc::new(plan);
+        let shared = Arc::clone(&plan);
+        let origin = self.origin.clone();
+        let rows: Vec<(i32, i64)> = self
+            .write(move |conn| {
+                let (plan, origin) = (Arc::clone(&shared), origin.clone());
+                Box::pin(async move { append_in(conn, &plan, &origin).await })
+            })
             .await?;
+        // The job (and its share of the plan) is gone once it answered.
+        let plan = Arc::try_unwrap(plan).unwrap_or_else(|plan| (*plan).clone());
         // The last seq of each group that kept its lease.
         let mut last: Vec<Option<i64>> = vec![None; plan.ids.len()];
-        for row in &rows {
-            let group: i32 = row.try_get("grp")?;
+        for (group, last_seq) in rows {
             let group = usize::try_from(group).map_err(corrupt)?;
             *last
                 .get_mut(group)
-                .ok_or_else(|| corrupt(format!("append group {group}")))? =
-                Some(row.try_get("last_seq")?);
+                .ok_or_else(|| corrupt(format!("append group {group}")))? = Some(last_seq);
         }
         // Each batch's first seq: its group's first, plus the batches of it before this one.
         let mut next: Vec<Option<i64>> = last
@@ -1406,23 +1671,34 @@ impl Store for PostgresStore {
     }
 
     async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE requests SET attached = attached + (NOT $2)::int, replayed = replayed + $2::int
-             WHERE id = $1",
-        )
-        .bind(id)
-        .bind(replayed)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        self.write(move |conn| {
+            Box::pin(async move {
+                sqlx::query(
+                    "UPDATE requests SET attached = attached + (NOT $2)::int,
+                         replayed = replayed + $2::int
+                     WHERE id = $1",
+                )
+                .bind(id)
+                .bind(replayed)
+                .execute(&mut *conn)
+                .await?;
+                Ok(())
+            })
+        })
+        .await
     }
 
     async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
-        sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        self.write(move |conn| {
+            Box::pin(async move {
+                sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .await
     }
 
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
