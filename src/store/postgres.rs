@@ -101,9 +101,19 @@ pub struct PostgresStore {
     /// Random per store, sent with every notification, so the listener can skip this store's
     /// own (the writer already woke its local hub).
     origin: String,
-    /// The group-commit writer's queue: submissions, finishes, chunk appends and the small
-    /// counters of this process share one connection, many to a transaction.
+    /// The group-commit writers' queue: submissions, finishes, heartbeats and the delivery
+    /// counters of this process, many to a transaction, on [`WRITERS`] held connections.
     writes: mpsc::UnboundedSender<Box<dyn WriteJob>>,
+    /// The connection chunk groups are appended on, held between appends (the chunk writer
+    /// sends one group at a time).
+    appends: Arc<tokio::sync::Mutex<Held>>,
+}
+
+/// A connection of a pool of its own, taken on first use and kept until it fails.
+#[derive(Debug)]
+struct Held {
+    pool: PgPool,
+    conn: Option<PoolConnection<Postgres>>,
 }
 
 /// The migrations of `migrations/postgres`, compiled in.
@@ -161,9 +171,13 @@ impl PostgresStore {
             .acquire_timeout(Duration::from_secs(30))
             .connect_lazy_with(options.clone().application_name("holdfast-listen"));
         let writer_pool = PgPoolOptions::new()
-            .max_connections(1)
+            .max_connections(WRITERS)
             .acquire_timeout(Duration::from_secs(30))
             .connect_lazy_with(options.clone().application_name("holdfast-writer"));
+        let append_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone().application_name("holdfast-chunks"));
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))
@@ -172,19 +186,26 @@ impl PostgresStore {
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
         MIGRATOR.run(&pool).await?;
         let (writes, queue) = mpsc::unbounded_channel();
-        tokio::spawn(write_loop(writer_pool, queue));
+        let queue = Arc::new(tokio::sync::Mutex::new(queue));
+        for _ in 0..WRITERS {
+            tokio::spawn(write_loop(writer_pool.clone(), Arc::clone(&queue)));
+        }
         Ok(PostgresStore {
             pool,
             listen_pool,
             origin: Uuid::new_v4().simple().to_string(),
             writes,
+            appends: Arc::new(tokio::sync::Mutex::new(Held {
+                pool: append_pool,
+                conn: None,
+            })),
         })
     }
 
     /// Runs `work` as one job of the writer's next group commit and returns its result once
     /// that commit is durable (RS-1). `work` may run twice: a group whose transaction fails is
     /// run again job by job, so one failing write fails alone.
-    async fn write<T, F>(&self, work: F) -> Result<T, StoreError>
+    async fn write<T, F>(&self, key: LockKey, work: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, StoreError>>
@@ -193,6 +214,7 @@ impl PostgresStore {
     {
         let (reply, answer) = oneshot::channel();
         let job = Job {
+            key,
             work: Some(work),
             result: None,
             reply,
@@ -203,6 +225,21 @@ impl PostgresStore {
         answer.await.map_err(|_| {
             StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
         })?
+    }
+
+    /// Runs [`APPEND_CHUNKS`] for `plan` on the held append connection.
+    async fn append_held(&self, plan: &AppendPlan) -> Result<Vec<(i32, i64)>, StoreError> {
+        let mut held = self.appends.lock().await;
+        let mut conn = match held.conn.take() {
+            Some(conn) => conn,
+            None => held.pool.acquire().await?,
+        };
+        let result = append_in(&mut conn, plan, &self.origin).await;
+        // A failure may be the connection's: keep it only if it still answers.
+        if result.is_ok() || conn.ping().await.is_ok() {
+            held.conn = Some(conn);
+        }
+        result
     }
 
     /// Notifies [`CHANGED_CHANNEL`] that `ids` changed, delivered when `tx` commits. One
@@ -302,9 +339,25 @@ impl PostgresStore {
 /// Most jobs in one group commit: bounds a transaction's length (and the wait of the first job
 /// in it), not its correctness.
 const MAX_JOBS_PER_COMMIT: usize = 512;
+/// Group-commit writers per process, each on a connection of its own: while one waits for its
+/// commit the next group is already being written, and the server works on both at once.
+const WRITERS: u32 = 2;
+
+/// What a job locks first, to order the jobs of a group: claims (by namespace and key) before
+/// requests (by id), each in order. Two writers' transactions then take their locks in one
+/// global order and cannot deadlock each other.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum LockKey {
+    /// A submission: the claim `(namespace, claim_key)`.
+    Claim(String, String),
+    /// A write to one request's row.
+    Request(Uuid),
+}
 
 /// One write of a group commit, type-erased for the writer's queue.
 trait WriteJob: Send {
+    /// What it locks first.
+    fn key(&self) -> &LockKey;
     /// Runs the write on `conn` (inside the group's transaction, or alone) and keeps its
     /// result. `false`: it failed, and the group's transaction with it.
     fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool>;
@@ -314,6 +367,7 @@ trait WriteJob: Send {
 }
 
 struct Job<T, F> {
+    key: LockKey,
     /// Dropped before the answer is sent, so whatever it shares with the caller is the
     /// caller's alone again.
     work: Option<F>,
@@ -326,6 +380,10 @@ where
     T: Send + 'static,
     F: for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, StoreError>> + Send + 'static,
 {
+    fn key(&self) -> &LockKey {
+        &self.key
+    }
+
     fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
         Box::pin(async move {
             let Some(work) = &self.work else {
@@ -343,6 +401,7 @@ where
             work,
             result,
             reply,
+            ..
         } = *self;
         drop(work);
         let result = match (result, commit) {
@@ -359,20 +418,33 @@ where
     }
 }
 
-/// The writer task: drains the queue into group commits on one held connection until every
-/// sender is gone. A connection that fails is given back (the pool tests it and drops it) and
-/// a fresh one is taken for the next group.
-async fn write_loop(pool: PgPool, mut queue: mpsc::UnboundedReceiver<Box<dyn WriteJob>>) {
+/// One writer task: takes everything queued (while holding the queue, so the writers take
+/// turns) as one group and commits it on its held connection, until every sender is gone. A
+/// connection that fails is given back (the pool tests it and drops it) and a fresh one is
+/// taken for the next group.
+async fn write_loop(
+    pool: PgPool,
+    queue: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Box<dyn WriteJob>>>>,
+) {
     let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
     let mut held: Option<PoolConnection<Postgres>> = None;
-    while let Some(job) = queue.recv().await {
-        group.push(job);
-        while group.len() < MAX_JOBS_PER_COMMIT {
-            match queue.try_recv() {
-                Ok(job) => group.push(job),
-                Err(_) => break,
+    loop {
+        {
+            let mut queue = queue.lock().await;
+            let Some(job) = queue.recv().await else {
+                return;
+            };
+            group.push(job);
+            while group.len() < MAX_JOBS_PER_COMMIT {
+                match queue.try_recv() {
+                    Ok(job) => group.push(job),
+                    Err(_) => break,
+                }
             }
         }
+        // Jobs in a group are concurrent (each caller waits for its answer before its next
+        // write), so any order is theirs; this one keeps writers from deadlocking.
+        group.sort_by(|a, b| a.key().cmp(b.key()));
         let mut conn = match held.take() {
             Some(conn) => conn,
             None => match pool.acquire().await {
@@ -850,7 +922,7 @@ const FINISH_FAILED: &str = concat!(
 
 /// The arrays [`APPEND_CHUNKS`] takes: one group per attempt `(id, owner)` whose batches are
 /// in the commit, and every chunk, usage report and response id naming its group.
-#[derive(Default, Clone)]
+#[derive(Default)]
 struct AppendPlan {
     /// Per group: request id, lease owner, chunks in it, upstream request id to record.
     ids: Vec<Uuid>,
@@ -1167,9 +1239,10 @@ impl Store for PostgresStore {
             }
             None => (None, None),
         };
+        let key = LockKey::Claim(new.namespace.clone(), new.claim_key.clone());
         let args = Arc::new((new, headers, owner, expires_at, self.origin.clone()));
         let submitted = self
-            .write(move |conn| {
+            .write(key, move |conn| {
                 let args = Arc::clone(&args);
                 Box::pin(async move {
                     let (new, headers, owner, expires_at, origin) = &*args;
@@ -1283,7 +1356,7 @@ impl Store for PostgresStore {
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
         let (id, owner) = (lease.id, lease.owner.clone());
-        self.write(move |conn| {
+        self.write(LockKey::Request(id), move |conn| {
             let owner = owner.clone();
             Box::pin(async move {
                 let done = sqlx::query(
@@ -1313,7 +1386,7 @@ impl Store for PostgresStore {
     ) -> Result<Option<RequestRecord>, StoreError> {
         let changed = format!("{} {}", self.origin, lease.id);
         let args = Arc::new((lease.clone(), outcome.clone(), changed));
-        self.write(move |conn| {
+        self.write(LockKey::Request(lease.id), move |conn| {
             let args = Arc::clone(&args);
             Box::pin(async move {
                 let (lease, outcome, changed) = &*args;
@@ -1412,17 +1485,8 @@ impl Store for PostgresStore {
         for &i in &order {
             group_of.push(plan.add(&batches[i])?);
         }
-        let plan = Arc::new(plan);
-        let shared = Arc::clone(&plan);
-        let origin = self.origin.clone();
-        let rows: Vec<(i32, i64)> = self
-            .write(move |conn| {
-                let (plan, origin) = (Arc::clone(&shared), origin.clone());
-                Box::pin(async move { append_in(conn, &plan, &origin).await })
-            })
-            .await?;
-        // The job (and its share of the plan) is gone once it answered.
-        let plan = Arc::try_unwrap(plan).unwrap_or_else(|plan| (*plan).clone());
+        // Its own transaction, apart from the writers': it locks many requests (in id order).
+        let rows = self.append_held(&plan).await?;
         // The last seq of each group that kept its lease.
         let mut last: Vec<Option<i64>> = vec![None; plan.ids.len()];
         for (group, last_seq) in rows {
@@ -1671,7 +1735,7 @@ impl Store for PostgresStore {
     }
 
     async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
-        self.write(move |conn| {
+        self.write(LockKey::Request(id), move |conn| {
             Box::pin(async move {
                 sqlx::query(
                     "UPDATE requests SET attached = attached + (NOT $2)::int,
@@ -1689,7 +1753,7 @@ impl Store for PostgresStore {
     }
 
     async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
-        self.write(move |conn| {
+        self.write(LockKey::Request(id), move |conn| {
             Box::pin(async move {
                 sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
                     .bind(id)
