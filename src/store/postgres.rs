@@ -6,6 +6,18 @@
 //! atomicity is reached: SQLite serialises all writes through one connection, PostgreSQL runs
 //! many writers at once under READ COMMITTED and relies on row locks.
 //!
+//! # Group commit
+//!
+//! The writes on every request's path are one statement each (CTEs whose first part is the
+//! fenced write and whose other parts hang off its `RETURNING` row): `submit_and_lease`,
+//! `finish_read`, `heartbeat`, the delivery counters, and a whole chunk group commit (every
+//! stream's batches as arrays). All but the chunk groups queue for `WRITERS` (two) writer
+//! tasks, each on a connection it holds: a writer takes everything queued, orders it by what
+//! it locks (claims, then requests by id), runs it between one `BEGIN` and one `COMMIT`, and
+//! answers the callers only after the commit (RS-1). A failing write makes the group run again
+//! write by write, so it fails alone. Chunk groups run on a held connection of their own.
+//! docs/postgres.md has the statement and round-trip counts.
+//!
 //! # Locking notes
 //!
 //! - **Claim** (ID-7): `INSERT ... ON CONFLICT (namespace, claim_key) DO UPDATE ... WHERE
@@ -466,7 +478,11 @@ async fn write_loop(
                 Ok(())
             }
             Err(e) => {
-                warn!(error = %e, jobs = group.len(), "PostgreSQL group commit failed; its writes were rolled back");
+                warn!(
+                    error = %e,
+                    jobs = group.len(),
+                    "PostgreSQL group commit failed; its writes were rolled back"
+                );
                 Err(e.as_str())
             }
         };
@@ -808,7 +824,8 @@ macro_rules! submit_sql {
     ($notify:literal) => {
         concat!(
             "WITH claimed AS (
-                 INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+                 INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint,
+                     expires_at)
                  VALUES ($2, $14, $10, $1, $9, $15)
                  ON CONFLICT (namespace, claim_key) DO UPDATE SET
                      kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
@@ -844,7 +861,8 @@ const SUBMIT_QUEUED: &str = submit_sql!(", pg_notify('holdfast_work', $16)");
 /// The attempt's usage row (when `$flag` says it reported usage; the five token placeholders
 /// follow `$u0`), upserted from the `done` row of a finish (usage is reported cumulatively).
 macro_rules! finish_usage_cte {
-    ($flag:literal, $attempt:literal, $u0:literal, $u1:literal, $u2:literal, $u3:literal, $u4:literal) => {
+    ($flag:literal, $attempt:literal,
+     $u0:literal, $u1:literal, $u2:literal, $u3:literal, $u4:literal) => {
         concat!(
             "used AS (
                  INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,

@@ -21,7 +21,7 @@ use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, LeaseTo,
-    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, end_data,
+    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage, end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -202,6 +202,7 @@ conformance!(
     append_chunks_assigns_consecutive_seqs_across_batches,
     append_chunks_group_commit_keeps_each_requests_order,
     append_chunks_returns_none_for_a_lost_lease_lc3,
+    append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3,
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
     finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
@@ -1253,6 +1254,57 @@ async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
         attempt: 1,
     };
     assert_eq!(append(&store, &ghost, new_chunks("g", 1)).await, None);
+}
+
+async fn append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3(store: DynStore) {
+    // A stale attempt's batch among the current attempt's, in one commit: only the current
+    // attempt's are stored, numbered after the reset, and its usage is the last it reported.
+    let rec = create(&store, by_hash("two-attempts", T0)).await;
+    let (old, _) = lease_at(&store, "node/old", T0).await;
+    append(&store, &old, new_chunks("old", 2))
+        .await
+        .expect("own");
+    let swept = store
+        .sweep(T0 + LEASE_MS + 1, MAX_ATTEMPTS)
+        .await
+        .expect("sweep");
+    assert_eq!(swept.recovered, vec![rec.id]);
+    let (new, _) = lease_at(&store, "node/new", T0 + LEASE_MS + 2).await;
+    assert_eq!(new.attempt, 2);
+    let usage = |n| Usage {
+        output_tokens: Some(n),
+        ..Usage::default()
+    };
+    let batch = |lease: &Lease, prefix: &str, reported: u64| ChunkBatch {
+        lease: lease.clone(),
+        chunks: new_chunks(prefix, 2),
+        upstream_request_id: None,
+        response_id: None,
+        usage: Some(usage(reported)),
+    };
+    let out = store
+        .append_chunks(&[
+            batch(&new, "a", 1),
+            batch(&old, "stale", 99),
+            batch(&new, "b", 2),
+        ])
+        .await
+        .expect("append");
+    assert!(out[1].is_none(), "the stale attempt writes nothing");
+    let seqs: Vec<Vec<i64>> = [&out[0], &out[2]]
+        .iter()
+        .map(|b| b.as_ref().expect("own").iter().map(|c| c.seq).collect())
+        .collect();
+    // Two chunks of the first attempt, its reset at 3, then the second attempt's.
+    assert_eq!(seqs, vec![vec![4, 5], vec![6, 7]]);
+    let stored = all_chunks(&store, rec.id).await;
+    assert_eq!(stored.len(), 7);
+    assert!(stored.iter().all(|c| !c.data.contains("stale")));
+    assert_eq!(stored[2].kind, ChunkKind::Reset);
+    assert_eq!(
+        store.attempt_usage(rec.id).await.expect("usage"),
+        vec![(2, usage(2))]
+    );
 }
 
 async fn chunks_after_pages_in_seq_order(store: DynStore) {
