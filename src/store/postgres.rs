@@ -376,6 +376,62 @@ trait WriteJob: Send {
     /// Answers the caller once its write is settled; `commit` is the failure of the commit
     /// that was to store it.
     fn reply(self: Box<Self>, commit: Result<(), &str>);
+    /// The successful outcome this job records, which can share one statement with the
+    /// group's others ([`FINISH_SUCCEEDED_MANY`]).
+    fn succeeded(&mut self) -> Option<&mut FinishJob> {
+        None
+    }
+}
+
+/// What a job answers: its own failure wins (nothing of it was stored), then the commit's.
+fn answer<T>(
+    result: Option<Result<T, StoreError>>,
+    commit: Result<(), &str>,
+) -> Result<T, StoreError> {
+    match (result, commit) {
+        (Some(Err(e)), _) => Err(e),
+        (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(StoreError::Unavailable(format!(
+            "commit failed, nothing was stored: {e}"
+        ))),
+        (Some(Ok(value)), Ok(())) => Ok(value),
+        (None, Ok(())) => Err(StoreError::Unavailable("the write never ran".into())),
+    }
+}
+
+/// [`Store::finish_read`] of an [`Outcome::Succeeded`], the commonest write after submissions:
+/// run alone it is [`finish_in`]; with others of its group, one [`FINISH_SUCCEEDED_MANY`].
+struct FinishJob {
+    key: LockKey,
+    lease: Lease,
+    outcome: Outcome,
+    now: Millis,
+    /// The notification payload naming the request, for [`finish_in`].
+    changed: String,
+    result: Option<Result<Option<RequestRecord>, StoreError>>,
+    reply: oneshot::Sender<Result<Option<RequestRecord>, StoreError>>,
+}
+
+impl WriteJob for FinishJob {
+    fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
+        Box::pin(async move {
+            let result = finish_in(conn, &self.lease, &self.outcome, self.now, &self.changed).await;
+            let ok = result.is_ok();
+            self.result = Some(result);
+            ok
+        })
+    }
+
+    fn reply(self: Box<Self>, commit: Result<(), &str>) {
+        let _ = self.reply.send(answer(self.result, commit));
+    }
+
+    fn succeeded(&mut self) -> Option<&mut FinishJob> {
+        Some(self)
+    }
 }
 
 struct Job<T, F> {
@@ -416,17 +472,8 @@ where
             ..
         } = *self;
         drop(work);
-        let result = match (result, commit) {
-            // The job's own failure wins: nothing of it was stored.
-            (Some(Err(e)), _) => Err(e),
-            (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(StoreError::Unavailable(format!(
-                "commit failed, nothing was stored: {e}"
-            ))),
-            (Some(Ok(value)), Ok(())) => Ok(value),
-            (None, Ok(())) => Err(StoreError::Unavailable("the write never ran".into())),
-        };
         // A dropped receiver is a caller that gave up.
-        let _ = reply.send(result);
+        let _ = reply.send(answer(result, commit));
     }
 }
 
@@ -525,14 +572,143 @@ async fn commit_group(
     Ok(())
 }
 
+/// Runs the successful outcomes `shared` of `group` as one [`FINISH_SUCCEEDED_MANY`] and
+/// gives each its record (`None`: its lease was lost). `false` when the statement failed.
+async fn finish_many(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+    shared: &[usize],
+) -> bool {
+    let mut a = FinishArrays::default();
+    let mut origin = String::new();
+    for &i in shared {
+        let Some(job) = group[i].succeeded() else {
+            return false;
+        };
+        if !a.add(job) {
+            return false;
+        }
+        if origin.is_empty() {
+            origin = job
+                .changed
+                .split(' ')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+        }
+    }
+    let rows = sqlx::query(FINISH_SUCCEEDED_MANY)
+        .bind(&a.ids)
+        .bind(&a.owners)
+        .bind(&a.statuses)
+        .bind(&a.bodies)
+        .bind(&a.upstream_request_ids)
+        .bind(&a.nows)
+        .bind(&a.tokens[0])
+        .bind(&a.tokens[1])
+        .bind(&a.tokens[2])
+        .bind(&a.tokens[3])
+        .bind(&a.tokens[4])
+        .bind(&a.reported)
+        .bind(&a.attempts)
+        .bind(&a.response_ids)
+        .bind(rules::end_data(Status::Succeeded, None))
+        .bind(&origin)
+        .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+        .fetch_all(&mut *conn)
+        .await;
+    let Ok(rows) = rows else { return false };
+    let mut records = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let (Ok(owner), Ok(record)) = (row.try_get::<String, _>("f_owner"), record_from_row(row))
+        else {
+            return false;
+        };
+        records.insert((record.id, owner), record);
+    }
+    for &i in shared {
+        if let Some(job) = group[i].succeeded() {
+            let record = records.remove(&(job.lease.id, job.lease.owner.clone()));
+            job.result = Some(Ok(record));
+        }
+    }
+    true
+}
+
+/// The arrays of [`FINISH_SUCCEEDED_MANY`], one element per outcome.
+#[derive(Default)]
+struct FinishArrays {
+    ids: Vec<Uuid>,
+    owners: Vec<String>,
+    statuses: Vec<i32>,
+    bodies: Vec<Vec<u8>>,
+    upstream_request_ids: Vec<Option<String>>,
+    nows: Vec<i64>,
+    tokens: [Vec<Option<i64>>; 5],
+    reported: Vec<bool>,
+    attempts: Vec<i32>,
+    response_ids: Vec<Option<String>>,
+}
+
+impl FinishArrays {
+    /// Adds `job`'s outcome; `false` when it is not a success or its attempt is out of range.
+    fn add(&mut self, job: &FinishJob) -> bool {
+        let Outcome::Succeeded {
+            status,
+            body,
+            upstream_request_id,
+            response_id,
+            usage,
+        } = &job.outcome
+        else {
+            return false;
+        };
+        let Ok(attempt) = attempt_number(job.lease.attempt) else {
+            return false;
+        };
+        self.ids.push(job.lease.id);
+        self.owners.push(job.lease.owner.clone());
+        self.statuses.push(i32::from(*status));
+        self.bodies.push(body.clone());
+        self.upstream_request_ids
+            .push(opt_text(upstream_request_id.as_deref()).map(Cow::into_owned));
+        self.nows.push(job.now);
+        for (column, value) in self.tokens.iter_mut().zip(tokens_of(usage.as_ref())) {
+            column.push(value);
+        }
+        self.reported.push(usage.is_some());
+        self.attempts.push(attempt);
+        self.response_ids
+            .push(response_id.as_deref().map(|r| text(r).into_owned()));
+        true
+    }
+}
+
 /// `BEGIN`, every job of `group`, `COMMIT`: `Ok(false)` when a job failed (then rolled back).
 async fn in_one_transaction(
     conn: &mut PgConnection,
     group: &mut [Box<dyn WriteJob>],
 ) -> Result<bool, sqlx::Error> {
     conn.execute("BEGIN").await?;
-    for job in group.iter_mut() {
-        if !job.run(conn).await {
+    // Two or more successful outcomes share one statement, run where the first of them is in
+    // the group's order.
+    let shared: Vec<usize> = (0..group.len())
+        .filter(|&i| group[i].succeeded().is_some())
+        .collect();
+    let shared = if shared.len() >= 2 {
+        shared
+    } else {
+        Vec::new()
+    };
+    for i in 0..group.len() {
+        let ok = if shared.first() == Some(&i) {
+            finish_many(conn, group, &shared).await
+        } else if shared.contains(&i) {
+            true
+        } else {
+            group[i].run(conn).await
+        };
+        if !ok {
             conn.execute("ROLLBACK").await?;
             return Ok(false);
         }
@@ -906,6 +1082,55 @@ const FINISH_SUCCEEDED: &str = concat!(
      SELECT ",
     request_columns!(),
     ", pg_notify('holdfast_changed', $16) FROM done"
+);
+
+/// [`FINISH_SUCCEEDED`] for many outcomes at once, each element of the arrays one outcome:
+/// `$1` id, `$2` owner, `$3` status, `$4` body, `$5` upstream request id, `$6` now, `$7`..`$11`
+/// usage, `$12` usage reported, `$13` attempt, `$14` response id; `$15` end chunk data, `$16`
+/// origin, `$17` ids per notification. Returns the record of each request whose lease held,
+/// with its `f_owner`.
+const FINISH_SUCCEEDED_MANY: &str = concat!(
+    "WITH f AS (
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::bytea[], $5::text[],
+             $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[],
+             $11::bigint[], $12::bool[], $13::int[], $14::text[])
+         AS f(f_id, f_owner, f_status, f_body, f_upstream, f_now, f_u0, f_u1, f_u2, f_u3,
+             f_u4, f_reported, f_attempt, f_response_id)),
+     done AS (
+         UPDATE requests SET status = 'succeeded', response_status = f_status,
+             response_body = f_body, upstream_request_id = f_upstream, error_type = NULL,
+             error_message = NULL, error_status = NULL, lease_owner = NULL,
+             lease_expires_at = NULL, finished_at = f_now, updated_at = f_now,
+             last_seq = last_seq + 1, ",
+    usage_assignments!("f_u0", "f_u1", "f_u2", "f_u3", "f_u4"),
+    " FROM f WHERE id = f_id AND lease_owner = f_owner AND status = 'running'
+         RETURNING ",
+    request_columns!(),
+    ", f_owner, f_reported, f_attempt, f_response_id, f_u0, f_u1, f_u2, f_u3, f_u4),
+     used AS (
+         INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+             cached_input_tokens, cache_write_tokens, reasoning_tokens)
+         SELECT id, f_attempt, f_u0, f_u1, f_u2, f_u3, f_u4 FROM done WHERE f_reported
+         ON CONFLICT (request_id, attempt) DO UPDATE SET
+             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+             cached_input_tokens = EXCLUDED.cached_input_tokens,
+             cache_write_tokens = EXCLUDED.cache_write_tokens,
+             reasoning_tokens = EXCLUDED.reasoning_tokens),
+     responded AS (
+         INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT f_response_id, namespace, id, f_attempt FROM done
+         WHERE f_response_id IS NOT NULL
+         ON CONFLICT (response_id) DO NOTHING),
+     ended AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT id, last_seq, attempts, 'end', NULL, $15 FROM done),
+     notified AS (
+         SELECT pg_notify('holdfast_changed', $16 || ' ' || string_agg(id::text, ','))
+         FROM (SELECT id, (row_number() OVER (ORDER BY id) - 1) / $17 AS part FROM done) AS p
+         GROUP BY part)
+     SELECT ",
+    request_columns!(),
+    ", f_owner, (SELECT count(*) FROM notified) AS notifications FROM done"
 );
 
 /// `finish_read` of [`Outcome::Failed`]: `$1` error type, `$2` message, `$3` error status,
@@ -1403,6 +1628,24 @@ impl Store for PostgresStore {
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
         let changed = format!("{} {}", self.origin, lease.id);
+        if matches!(outcome, Outcome::Succeeded { .. }) {
+            let (reply, answer) = oneshot::channel();
+            let job = FinishJob {
+                key: LockKey::Request(lease.id),
+                lease: lease.clone(),
+                outcome: outcome.clone(),
+                now,
+                changed,
+                result: None,
+                reply,
+            };
+            self.writes
+                .send(Box::new(job))
+                .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+            return answer.await.map_err(|_| {
+                StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+            })?;
+        }
         let args = Arc::new((lease.clone(), outcome.clone(), changed));
         self.write(LockKey::Request(lease.id), move |conn| {
             let args = Arc::clone(&args);

@@ -206,6 +206,7 @@ conformance!(
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
     finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
+    concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5,
     finish_refuses_a_request_that_is_not_running_lc3,
     cancel_fails_pending_and_running_requests_lc9,
     cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
@@ -1348,6 +1349,74 @@ async fn chunks_after_pages_in_seq_order(store: DynStore) {
             .expect("none")
             .is_empty()
     );
+}
+
+async fn concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5(store: DynStore) {
+    // Outcomes written at the same moment (a group commit may write them in one statement):
+    // each request gets its own record, end chunk and usage; a lost lease writes nothing.
+    let mut leases = Vec::new();
+    for i in 0..8 {
+        create(&store, by_hash(&format!("together {i}"), T0 + i)).await;
+        leases.push(lease_at(&store, "node/a", T0 + 10).await.0);
+    }
+    let lost = Lease {
+        owner: "node/stale".into(),
+        ..leases[7].clone()
+    };
+    let outcome = |i: usize| Outcome::Succeeded {
+        status: 200,
+        body: format!("{{\"answer\":{i}}}").into_bytes(),
+        upstream_request_id: Some(format!("req_up_{i}")),
+        response_id: i.is_multiple_of(2).then(|| format!("resp_together_{i}")),
+        usage: (!i.is_multiple_of(3)).then(|| Usage {
+            input_tokens: Some(i as u64),
+            output_tokens: Some(10 * i as u64),
+            ..Usage::default()
+        }),
+    };
+    let mut writes = Vec::new();
+    for (i, lease) in leases.iter().take(7).chain([&lost]).enumerate() {
+        let (store, lease, outcome) = (store.clone(), lease.clone(), outcome(i));
+        writes.push(tokio::spawn(async move {
+            store.finish_read(&lease, &outcome, T0 + 20).await
+        }));
+    }
+    let mut settled = Vec::new();
+    for write in writes {
+        settled.push(write.await.expect("task").expect("finish_read"));
+    }
+    assert!(settled[7].is_none(), "the stale owner is fenced out");
+    assert_eq!(get(&store, leases[7].id).await.status, Status::Running);
+    for (i, lease) in leases.iter().take(7).enumerate() {
+        let record = settled[i].clone().expect("lease held");
+        assert_eq!(record, get(&store, lease.id).await, "returned as stored");
+        assert_eq!(record.status, Status::Succeeded);
+        assert_eq!(
+            record.response_body,
+            Some(format!("{{\"answer\":{i}}}").into_bytes())
+        );
+        assert_eq!(record.upstream_request_id, Some(format!("req_up_{i}")));
+        let chunks = all_chunks(&store, lease.id).await;
+        assert_eq!(chunks.len(), 1);
+        assert_eq!(chunks[0].kind, ChunkKind::End);
+        assert_eq!(chunks[0].seq, record.last_seq);
+        let usage = store.attempt_usage(lease.id).await.expect("usage");
+        if i.is_multiple_of(3) {
+            assert!(usage.is_empty());
+        } else {
+            assert_eq!(usage.len(), 1);
+            assert_eq!(usage[0].1.output_tokens, Some(10 * i as u64));
+            assert_eq!(record.usage.output_tokens, Some(10 * i as u64));
+        }
+        let found = store
+            .find_response(&format!("resp_together_{i}"))
+            .await
+            .expect("find_response");
+        assert_eq!(
+            found.map(|r| r.request_id),
+            (i % 2 == 0).then_some(lease.id)
+        );
+    }
 }
 
 async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(store: DynStore) {
