@@ -72,6 +72,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
@@ -384,6 +385,21 @@ trait WriteJob: Send {
     }
 }
 
+/// `write`'s result, or a failure when it panicked: a panicking write fails alone (its group
+/// is rolled back and run again write by write) and the writer carries on.
+async fn unpanicked<T>(
+    write: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    std::panic::AssertUnwindSafe(write)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(
+                "the write panicked and was rolled back".into(),
+            ))
+        })
+}
+
 /// What a job answers: its own failure wins (nothing of it was stored), then the commit's.
 fn answer<T>(
     result: Option<Result<T, StoreError>>,
@@ -419,7 +435,14 @@ impl WriteJob for FinishJob {
 
     fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
         Box::pin(async move {
-            let result = finish_in(conn, &self.lease, &self.outcome, self.now, &self.changed).await;
+            let result = unpanicked(finish_in(
+                conn,
+                &self.lease,
+                &self.outcome,
+                self.now,
+                &self.changed,
+            ))
+            .await;
             let ok = result.is_ok();
             self.result = Some(result);
             ok
@@ -458,7 +481,7 @@ where
             let Some(work) = &self.work else {
                 return false;
             };
-            let result = work(conn).await;
+            let result = unpanicked(work(conn)).await;
             let ok = result.is_ok();
             self.result = Some(result);
             ok
