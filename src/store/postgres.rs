@@ -383,6 +383,57 @@ trait WriteJob: Send {
     fn succeeded(&mut self) -> Option<&mut FinishJob> {
         None
     }
+    /// The submission this job records, which can share one statement with the group's
+    /// others ([`SUBMIT_MANY`]).
+    fn submission(&mut self) -> Option<&mut SubmitJob> {
+        None
+    }
+}
+
+/// [`Store::submit_and_lease`]: run alone it is [`submit_in`]; with others of its group, one
+/// [`SUBMIT_MANY`] (and [`submit_in`] again for those that found a live claim).
+struct SubmitJob {
+    key: LockKey,
+    new: NewRequest,
+    /// The headers as stored.
+    headers: String,
+    /// The lease to take on a request it creates.
+    owner: Option<String>,
+    expires_at: Option<Millis>,
+    origin: String,
+    result: Option<Result<Submitted, StoreError>>,
+    reply: oneshot::Sender<Result<Submitted, StoreError>>,
+}
+
+impl WriteJob for SubmitJob {
+    fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
+        Box::pin(async move {
+            let result = unpanicked(submit_in(
+                conn,
+                &self.new,
+                &self.headers,
+                self.owner.as_deref(),
+                self.expires_at,
+                &self.origin,
+            ))
+            .await;
+            let ok = result.is_ok();
+            self.result = Some(result);
+            ok
+        })
+    }
+
+    fn reply(self: Box<Self>, commit: Result<(), &str>) {
+        let _ = self.reply.send(answer(self.result, commit));
+    }
+
+    fn submission(&mut self) -> Option<&mut SubmitJob> {
+        Some(self)
+    }
 }
 
 /// `write`'s result, or a failure when it panicked: a panicking write fails alone (its group
@@ -596,6 +647,109 @@ async fn commit_group(
     Ok(())
 }
 
+/// Runs the submissions `shared` of `group` (one per claim) as one [`SUBMIT_MANY`]; those that
+/// found a live claim then run alone, to attach. `false` when a statement failed.
+async fn submit_many(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+    shared: &[usize],
+) -> bool {
+    let mut a = SubmitArrays::default();
+    let mut origin = String::new();
+    for &i in shared {
+        let Some(job) = group[i].submission() else {
+            return false;
+        };
+        a.add(job);
+        if origin.is_empty() {
+            origin.clone_from(&job.origin);
+        }
+    }
+    let rows = sqlx::query(SUBMIT_MANY)
+        .bind(&a.ids)
+        .bind(&a.namespaces)
+        .bind(&a.routes)
+        .bind(&a.backends)
+        .bind(&a.models)
+        .bind(&a.streams)
+        .bind(&a.bodies)
+        .bind(&a.headers)
+        .bind(&a.hashes)
+        .bind(&a.kinds)
+        .bind(&a.nows)
+        .bind(&a.owners)
+        .bind(&a.expires)
+        .bind(&a.claim_keys)
+        .bind(&a.claim_expires)
+        .bind(&origin)
+        .fetch_all(&mut *conn)
+        .await;
+    let Ok(rows) = rows else { return false };
+    let mut created = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let Ok(record) = record_from_row(row) else {
+            return false;
+        };
+        created.insert(record.id, record);
+    }
+    for &i in shared {
+        let Some(job) = group[i].submission() else {
+            return false;
+        };
+        match created.remove(&job.new.id) {
+            Some(record) => job.result = Some(Ok(Submitted::Created(Box::new(record)))),
+            None => {
+                if !group[i].run(conn).await {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+/// The arrays of [`SUBMIT_MANY`], one element per submission.
+#[derive(Default)]
+struct SubmitArrays {
+    ids: Vec<Uuid>,
+    namespaces: Vec<String>,
+    routes: Vec<&'static str>,
+    backends: Vec<String>,
+    models: Vec<Option<String>>,
+    streams: Vec<bool>,
+    bodies: Vec<Vec<u8>>,
+    headers: Vec<String>,
+    hashes: Vec<Vec<u8>>,
+    kinds: Vec<&'static str>,
+    nows: Vec<Millis>,
+    owners: Vec<Option<String>>,
+    expires: Vec<Option<Millis>>,
+    claim_keys: Vec<String>,
+    claim_expires: Vec<Millis>,
+}
+
+impl SubmitArrays {
+    fn add(&mut self, job: &SubmitJob) {
+        let new = &job.new;
+        self.ids.push(new.id);
+        self.namespaces.push(new.namespace.clone());
+        self.routes.push(new.route.name());
+        self.backends.push(new.backend.clone());
+        self.models
+            .push(opt_text(new.model.as_deref()).map(Cow::into_owned));
+        self.streams.push(new.stream);
+        self.bodies.push(new.body.clone());
+        self.headers.push(job.headers.clone());
+        self.hashes.push(new.hash.to_vec());
+        self.kinds.push(new.claim.as_str());
+        self.nows.push(new.now);
+        self.owners.push(job.owner.clone());
+        self.expires.push(job.expires_at);
+        self.claim_keys.push(new.claim_key.clone());
+        self.claim_expires.push(new.claim_expires_at);
+    }
+}
+
 /// Runs the successful outcomes `shared` of `group` as one [`FINISH_SUCCEEDED_MANY`] and
 /// gives each its record (`None`: its lease was lost). `false` when the statement failed.
 async fn finish_many(
@@ -724,10 +878,27 @@ async fn in_one_transaction(
     } else {
         Vec::new()
     };
+    // So do two or more submissions, one per claim (a second one for a claim runs after them
+    // and attaches).
+    let mut claims = std::collections::HashSet::new();
+    let submitted: Vec<usize> = (0..group.len())
+        .filter(|&i| {
+            group[i].submission().is_some_and(|job| {
+                claims.insert((job.new.namespace.clone(), job.new.claim_key.clone()))
+            })
+        })
+        .collect();
+    let submitted = if submitted.len() >= 2 {
+        submitted
+    } else {
+        Vec::new()
+    };
     for i in 0..group.len() {
         let ok = if shared.first() == Some(&i) {
             finish_many(conn, group, &shared).await
-        } else if shared.contains(&i) {
+        } else if submitted.first() == Some(&i) {
+            submit_many(conn, group, &submitted).await
+        } else if shared.contains(&i) || submitted.contains(&i) {
             true
         } else {
             group[i].run(conn).await
@@ -1050,6 +1221,48 @@ macro_rules! submit_sql {
         )
     };
 }
+
+/// [`submit_sql!`] for many submissions, one per claim, each element of the arrays one
+/// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin). Each
+/// claim's takeover is checked against its own submission's time. Returns the records it
+/// created; a submission missing from them found a live claim.
+const SUBMIT_MANY: &str = concat!(
+    "WITH s AS (
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+             $6::bool[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::bigint[],
+             $12::text[], $13::bigint[], $14::text[], $15::bigint[]) WITH ORDINALITY
+         AS s(s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
+             s_hash, s_kind, s_now, s_owner, s_expires, s_claim_key, s_claim_expires, s_ord)),
+     claimed AS (
+         INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+         SELECT s_namespace, s_claim_key, s_kind, s_id, s_hash, s_claim_expires
+         FROM s ORDER BY s_ord
+         ON CONFLICT (namespace, claim_key) DO UPDATE SET
+             kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
+             fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
+         WHERE claims.expires_at <= (SELECT s_now FROM s
+                                     WHERE s_namespace = EXCLUDED.namespace
+                                         AND s_claim_key = EXCLUDED.claim_key)
+         RETURNING request_id),
+     created AS (
+         INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+             hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+             next_retry_at, created_at, updated_at)
+         SELECT s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
+             s_hash, s_kind, CASE WHEN s_owner IS NULL THEN 'pending' ELSE 'running' END,
+             CASE WHEN s_owner IS NULL THEN 0 ELSE 1 END, s_owner, s_expires, s_now, s_now,
+             s_now
+         FROM s JOIN claimed ON claimed.request_id = s_id
+         RETURNING ",
+    request_columns!(),
+    "),
+     woken AS (
+         SELECT pg_notify('holdfast_work', $16)
+         FROM (SELECT 1 FROM created WHERE status = 'pending' LIMIT 1) AS due)
+     SELECT ",
+    request_columns!(),
+    ", (SELECT count(*) FROM woken) AS notifications FROM created"
+);
 
 /// [`submit_sql!`] for a request leased at once: no other node needs waking (`$16` unused but
 /// typed, so both variants bind the same parameters).
@@ -1506,17 +1719,23 @@ impl Store for PostgresStore {
             }
             None => (None, None),
         };
-        let key = LockKey::Claim(new.namespace.clone(), new.claim_key.clone());
-        let args = Arc::new((new, headers, owner, expires_at, self.origin.clone()));
-        let submitted = self
-            .write(key, move |conn| {
-                let args = Arc::clone(&args);
-                Box::pin(async move {
-                    let (new, headers, owner, expires_at, origin) = &*args;
-                    submit_in(conn, new, headers, owner.as_deref(), *expires_at, origin).await
-                })
-            })
-            .await?;
+        let (reply, answer) = oneshot::channel();
+        let job = SubmitJob {
+            key: LockKey::Claim(new.namespace.clone(), new.claim_key.clone()),
+            new,
+            headers,
+            owner,
+            expires_at,
+            origin: self.origin.clone(),
+            result: None,
+            reply,
+        };
+        self.writes
+            .send(Box::new(job))
+            .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+        let submitted = answer.await.map_err(|_| {
+            StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+        })??;
         let lease = match (&submitted, lease) {
             (Submitted::Created(record), Some(lease)) => Some(Lease {
                 id: record.id,
