@@ -14,9 +14,9 @@
 //! stream's batches as arrays). All but the chunk groups queue for `WRITERS` (two) writer
 //! tasks, each on a connection it holds: a writer takes everything queued, orders it by what
 //! it locks (claims, then requests by id), runs it between one `BEGIN` and one `COMMIT`, and
-//! answers the callers only after the commit (RS-1); the successful outcomes of a group share
-//! one statement. A failing write makes the group run again write by write, so it fails
-//! alone. Chunk groups run on a held connection of their own.
+//! answers the callers only after the commit (RS-1); the submissions of a group share one
+//! statement, and so do its successful outcomes. A failing write makes the group run again
+//! write by write, so it fails alone. Chunk groups run on a held connection of their own.
 //! docs/postgres.md has the statement and round-trip counts.
 //!
 //! # Locking notes
