@@ -28,9 +28,10 @@ pub struct Config {
     /// crash). SPEC DU-2.
     pub sqlite_synchronous: SqliteSynchronous,
     /// PostgreSQL only: the most connections this process keeps in its query pool (default
-    /// 16). Each node opens one more, outside the pool, for the LISTEN connection that carries
-    /// cross-node wake-ups, so the database sees at most `nodes × (database_pool_size + 1)`
-    /// holdfast connections (see `docs/postgres.md`). Ignored for SQLite.
+    /// 16). Each node opens four more, outside the pool: two group-commit writers, one for
+    /// stream chunks and the LISTEN connection that carries cross-node wake-ups, so the
+    /// database sees at most `nodes × (database_pool_size + 4)` holdfast connections (see
+    /// `docs/postgres.md`). Ignored for SQLite.
     pub database_pool_size: u32,
     /// Body-hash claim window in seconds, counted from the claimed request's submission (ID-4).
     pub dedupe_window_secs: u64,

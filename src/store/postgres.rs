@@ -6,6 +6,19 @@
 //! atomicity is reached: SQLite serialises all writes through one connection, PostgreSQL runs
 //! many writers at once under READ COMMITTED and relies on row locks.
 //!
+//! # Group commit
+//!
+//! The writes on every request's path are one statement each (CTEs whose first part is the
+//! fenced write and whose other parts hang off its `RETURNING` row): `submit_and_lease`,
+//! `finish_read`, `heartbeat`, the delivery counters, and a whole chunk group commit (every
+//! stream's batches as arrays). All but the chunk groups queue for `WRITERS` (two) writer
+//! tasks, each on a connection it holds: a writer takes everything queued, orders it by what
+//! it locks (claims, then requests by id), runs it between one `BEGIN` and one `COMMIT`, and
+//! answers the callers only after the commit (RS-1); the submissions of a group share one
+//! statement, and so do its successful outcomes. A failing write makes the group run again
+//! write by write, so it fails alone. Chunk groups run on a held connection of their own.
+//! docs/postgres.md has the statement and round-trip counts.
+//!
 //! # Locking notes
 //!
 //! - **Claim** (ID-7): `INSERT ... ON CONFLICT (namespace, claim_key) DO UPDATE ... WHERE
@@ -55,23 +68,27 @@
 
 use std::borrow::Cow;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Postgres, Row, Transaction};
-use tokio::sync::mpsc;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Executor, Postgres, Row, Transaction};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use super::row::RawRecord;
 use super::row::tokens_of;
-use super::rules::{self, Expired, Settle};
+use super::rules::{self, Expired, Settle, failure_releases_claim};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, ListFilter, Millis, NewRequest,
-    Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
-    Usage, UsageGroup, UsageQuery, UsageRow,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, ListFilter, Millis,
+    NewRequest, Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError,
+    Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
 };
 use crate::provider::Route;
 
@@ -98,6 +115,19 @@ pub struct PostgresStore {
     /// Random per store, sent with every notification, so the listener can skip this store's
     /// own (the writer already woke its local hub).
     origin: String,
+    /// The group-commit writers' queue: submissions, finishes, heartbeats and the delivery
+    /// counters of this process, many to a transaction, on [`WRITERS`] held connections.
+    writes: mpsc::UnboundedSender<Box<dyn WriteJob>>,
+    /// The connection chunk groups are appended on, held between appends (the chunk writer
+    /// sends one group at a time).
+    appends: Arc<tokio::sync::Mutex<Held>>,
+}
+
+/// A connection of a pool of its own, taken on first use and kept until it fails.
+#[derive(Debug)]
+struct Held {
+    pool: PgPool,
+    conn: Option<PoolConnection<Postgres>>,
 }
 
 /// The migrations of `migrations/postgres`, compiled in.
@@ -154,6 +184,14 @@ impl PostgresStore {
             .max_connections(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_lazy_with(options.clone().application_name("holdfast-listen"));
+        let writer_pool = PgPoolOptions::new()
+            .max_connections(WRITERS)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone().application_name("holdfast-writer"));
+        let append_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone().application_name("holdfast-chunks"));
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))
@@ -161,11 +199,61 @@ impl PostgresStore {
             .await?;
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
         MIGRATOR.run(&pool).await?;
+        let (writes, queue) = mpsc::unbounded_channel();
+        let queue = Arc::new(tokio::sync::Mutex::new(queue));
+        for _ in 0..WRITERS {
+            tokio::spawn(write_loop(writer_pool.clone(), Arc::clone(&queue)));
+        }
         Ok(PostgresStore {
             pool,
             listen_pool,
             origin: Uuid::new_v4().simple().to_string(),
+            writes,
+            appends: Arc::new(tokio::sync::Mutex::new(Held {
+                pool: append_pool,
+                conn: None,
+            })),
         })
+    }
+
+    /// Runs `work` as one job of the writer's next group commit and returns its result once
+    /// that commit is durable (RS-1). `work` may run twice: a group whose transaction fails is
+    /// run again job by job, so one failing write fails alone.
+    async fn write<T, F>(&self, key: LockKey, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, StoreError>>
+            + Send
+            + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            key,
+            work: Some(work),
+            result: None,
+            reply,
+        };
+        self.writes
+            .send(Box::new(job))
+            .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+        answer.await.map_err(|_| {
+            StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+        })?
+    }
+
+    /// Runs [`APPEND_CHUNKS`] for `plan` on the held append connection.
+    async fn append_held(&self, plan: &AppendPlan) -> Result<Vec<(i32, i64)>, StoreError> {
+        let mut held = self.appends.lock().await;
+        let mut conn = match held.conn.take() {
+            Some(conn) => conn,
+            None => held.pool.acquire().await?,
+        };
+        let result = append_in(&mut conn, plan, &self.origin).await;
+        // A failure may be the connection's: keep it only if it still answers.
+        if result.is_ok() || conn.ping().await.is_ok() {
+            held.conn = Some(conn);
+        }
+        result
     }
 
     /// Notifies [`CHANGED_CHANNEL`] that `ids` changed, delivered when `tx` commits. One
@@ -262,6 +350,568 @@ impl PostgresStore {
     }
 }
 
+/// Most jobs in one group commit: bounds a transaction's length (and the wait of the first job
+/// in it), not its correctness.
+const MAX_JOBS_PER_COMMIT: usize = 512;
+/// Group-commit writers per process, each on a connection of its own: while one waits for its
+/// commit the next group is already being written, and the server works on both at once.
+const WRITERS: u32 = 2;
+
+/// What a job locks first, to order the jobs of a group: claims (by namespace and key) before
+/// requests (by id), each in order. Two writers' transactions then take their locks in one
+/// global order and cannot deadlock each other.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum LockKey {
+    /// A submission: the claim `(namespace, claim_key)`.
+    Claim(String, String),
+    /// A write to one request's row.
+    Request(Uuid),
+}
+
+/// One write of a group commit, type-erased for the writer's queue.
+trait WriteJob: Send {
+    /// What it locks first.
+    fn key(&self) -> &LockKey;
+    /// Runs the write on `conn` (inside the group's transaction, or alone) and keeps its
+    /// result. `false`: it failed, and the group's transaction with it.
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool>;
+    /// Answers the caller once its write is settled; `commit` is the failure of the commit
+    /// that was to store it.
+    fn reply(self: Box<Self>, commit: Result<(), &str>);
+    /// The successful outcome this job records, which can share one statement with the
+    /// group's others ([`FINISH_SUCCEEDED_MANY`]).
+    fn succeeded(&mut self) -> Option<&mut FinishJob> {
+        None
+    }
+    /// The submission this job records, which can share one statement with the group's
+    /// others ([`SUBMIT_MANY`]).
+    fn submission(&mut self) -> Option<&mut SubmitJob> {
+        None
+    }
+}
+
+/// [`Store::submit_and_lease`]: run alone it is [`submit_in`]; with others of its group, one
+/// [`SUBMIT_MANY`] (and [`submit_in`] again for those that found a live claim).
+struct SubmitJob {
+    key: LockKey,
+    new: NewRequest,
+    /// The headers as stored.
+    headers: String,
+    /// The lease to take on a request it creates.
+    owner: Option<String>,
+    expires_at: Option<Millis>,
+    origin: String,
+    result: Option<Result<Submitted, StoreError>>,
+    reply: oneshot::Sender<Result<Submitted, StoreError>>,
+}
+
+impl WriteJob for SubmitJob {
+    fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
+        Box::pin(async move {
+            let result = unpanicked(submit_in(
+                conn,
+                &self.new,
+                &self.headers,
+                self.owner.as_deref(),
+                self.expires_at,
+                &self.origin,
+            ))
+            .await;
+            let ok = result.is_ok();
+            self.result = Some(result);
+            ok
+        })
+    }
+
+    fn reply(self: Box<Self>, commit: Result<(), &str>) {
+        let _ = self.reply.send(answer(self.result, commit));
+    }
+
+    fn submission(&mut self) -> Option<&mut SubmitJob> {
+        Some(self)
+    }
+}
+
+/// `write`'s result, or a failure when it panicked: a panicking write fails alone (its group
+/// is rolled back and run again write by write) and the writer carries on.
+async fn unpanicked<T>(
+    write: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    std::panic::AssertUnwindSafe(write)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(
+                "the write panicked and was rolled back".into(),
+            ))
+        })
+}
+
+/// What a job answers: its own failure wins (nothing of it was stored), then the commit's.
+fn answer<T>(
+    result: Option<Result<T, StoreError>>,
+    commit: Result<(), &str>,
+) -> Result<T, StoreError> {
+    match (result, commit) {
+        (Some(Err(e)), _) => Err(e),
+        (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(StoreError::Unavailable(format!(
+            "commit failed, nothing was stored: {e}"
+        ))),
+        (Some(Ok(value)), Ok(())) => Ok(value),
+        (None, Ok(())) => Err(StoreError::Unavailable("the write never ran".into())),
+    }
+}
+
+/// [`Store::finish_read`] of an [`Outcome::Succeeded`], the commonest write after submissions:
+/// run alone it is [`finish_in`]; with others of its group, one [`FINISH_SUCCEEDED_MANY`].
+struct FinishJob {
+    key: LockKey,
+    lease: Lease,
+    outcome: Outcome,
+    now: Millis,
+    /// The notification payload naming the request, for [`finish_in`].
+    changed: String,
+    result: Option<Result<Option<RequestRecord>, StoreError>>,
+    reply: oneshot::Sender<Result<Option<RequestRecord>, StoreError>>,
+}
+
+impl WriteJob for FinishJob {
+    fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
+        Box::pin(async move {
+            let result = unpanicked(finish_in(
+                conn,
+                &self.lease,
+                &self.outcome,
+                self.now,
+                &self.changed,
+            ))
+            .await;
+            let ok = result.is_ok();
+            self.result = Some(result);
+            ok
+        })
+    }
+
+    fn reply(self: Box<Self>, commit: Result<(), &str>) {
+        let _ = self.reply.send(answer(self.result, commit));
+    }
+
+    fn succeeded(&mut self) -> Option<&mut FinishJob> {
+        Some(self)
+    }
+}
+
+struct Job<T, F> {
+    key: LockKey,
+    /// Dropped before the answer is sent, so whatever it shares with the caller is the
+    /// caller's alone again.
+    work: Option<F>,
+    result: Option<Result<T, StoreError>>,
+    reply: oneshot::Sender<Result<T, StoreError>>,
+}
+
+impl<T, F> WriteJob for Job<T, F>
+where
+    T: Send + 'static,
+    F: for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, StoreError>> + Send + 'static,
+{
+    fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    fn run<'c>(&'c mut self, conn: &'c mut PgConnection) -> BoxFuture<'c, bool> {
+        Box::pin(async move {
+            let Some(work) = &self.work else {
+                return false;
+            };
+            let result = unpanicked(work(conn)).await;
+            let ok = result.is_ok();
+            self.result = Some(result);
+            ok
+        })
+    }
+
+    fn reply(self: Box<Self>, commit: Result<(), &str>) {
+        let Job {
+            work,
+            result,
+            reply,
+            ..
+        } = *self;
+        drop(work);
+        // A dropped receiver is a caller that gave up.
+        let _ = reply.send(answer(result, commit));
+    }
+}
+
+/// One writer task: takes everything queued (while holding the queue, so the writers take
+/// turns) as one group and commits it on its held connection, until every sender is gone. A
+/// connection that fails is given back (the pool tests it and drops it) and a fresh one is
+/// taken for the next group.
+async fn write_loop(
+    pool: PgPool,
+    queue: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Box<dyn WriteJob>>>>,
+) {
+    let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
+    let mut held: Option<PoolConnection<Postgres>> = None;
+    loop {
+        {
+            let mut queue = queue.lock().await;
+            let Some(job) = queue.recv().await else {
+                return;
+            };
+            group.push(job);
+            while group.len() < MAX_JOBS_PER_COMMIT {
+                match queue.try_recv() {
+                    Ok(job) => group.push(job),
+                    Err(_) => break,
+                }
+            }
+        }
+        // Jobs in a group are concurrent (each caller waits for its answer before its next
+        // write), so any order is theirs; this one keeps writers from deadlocking.
+        group.sort_by(|a, b| a.key().cmp(b.key()));
+        let mut conn = match held.take() {
+            Some(conn) => conn,
+            None => match pool.acquire().await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    let e = e.to_string();
+                    warn!(error = %e, jobs = group.len(), "the PostgreSQL writer cannot connect");
+                    for job in group.drain(..) {
+                        job.reply(Err(&e));
+                    }
+                    continue;
+                }
+            },
+        };
+        let committed = commit_group(&mut conn, &mut group).await;
+        let commit = match &committed {
+            Ok(()) => {
+                held = Some(conn);
+                Ok(())
+            }
+            Err(e) => {
+                warn!(
+                    error = %e,
+                    jobs = group.len(),
+                    "PostgreSQL group commit failed; its writes were rolled back"
+                );
+                Err(e.as_str())
+            }
+        };
+        for job in group.drain(..) {
+            job.reply(commit);
+        }
+    }
+}
+
+/// Runs every job of `group` in one transaction and commits it; a lone job runs as its own
+/// statement without `BEGIN`/`COMMIT`. When a job fails, the transaction is rolled back and
+/// each job runs again in a transaction of its own, so only the failing one fails. `Err`: the
+/// connection failed, and no job's write is known to be stored.
+async fn commit_group(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+) -> Result<(), String> {
+    if let [job] = group {
+        // Alone, its statement is its transaction (each job's write is one statement). A
+        // failure may be the connection's: find out before keeping it.
+        if job.run(conn).await {
+            return Ok(());
+        }
+        return conn.ping().await.map_err(|e| e.to_string());
+    }
+    match in_one_transaction(conn, group).await {
+        Ok(true) => return Ok(()),
+        Ok(false) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    for job in group.iter_mut() {
+        conn.execute("BEGIN").await.map_err(|e| e.to_string())?;
+        let end = if job.run(conn).await {
+            "COMMIT"
+        } else {
+            "ROLLBACK"
+        };
+        conn.execute(end).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Runs the submissions `shared` of `group` (one per claim) as one [`SUBMIT_MANY`]; those that
+/// found a live claim then run alone, to attach. `false` when a statement failed.
+async fn submit_many(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+    shared: &[usize],
+) -> bool {
+    let mut a = SubmitArrays::default();
+    let mut origin = String::new();
+    for &i in shared {
+        let Some(job) = group[i].submission() else {
+            return false;
+        };
+        a.add(job);
+        if origin.is_empty() {
+            origin.clone_from(&job.origin);
+        }
+    }
+    let rows = sqlx::query(SUBMIT_MANY)
+        .bind(&a.ids)
+        .bind(&a.namespaces)
+        .bind(&a.routes)
+        .bind(&a.backends)
+        .bind(&a.models)
+        .bind(&a.streams)
+        .bind(&a.bodies)
+        .bind(&a.headers)
+        .bind(&a.hashes)
+        .bind(&a.kinds)
+        .bind(&a.nows)
+        .bind(&a.owners)
+        .bind(&a.expires)
+        .bind(&a.claim_keys)
+        .bind(&a.claim_expires)
+        .bind(&origin)
+        .fetch_all(&mut *conn)
+        .await;
+    let Ok(rows) = rows else { return false };
+    let mut created = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let Ok(record) = record_from_row(row) else {
+            return false;
+        };
+        created.insert(record.id, record);
+    }
+    for &i in shared {
+        let Some(job) = group[i].submission() else {
+            return false;
+        };
+        match created.remove(&job.new.id) {
+            Some(record) => job.result = Some(Ok(Submitted::Created(Box::new(record)))),
+            None => {
+                if !group[i].run(conn).await {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+/// The arrays of [`SUBMIT_MANY`], one element per submission.
+#[derive(Default)]
+struct SubmitArrays {
+    ids: Vec<Uuid>,
+    namespaces: Vec<String>,
+    routes: Vec<&'static str>,
+    backends: Vec<String>,
+    models: Vec<Option<String>>,
+    streams: Vec<bool>,
+    bodies: Vec<Vec<u8>>,
+    headers: Vec<String>,
+    hashes: Vec<Vec<u8>>,
+    kinds: Vec<&'static str>,
+    nows: Vec<Millis>,
+    owners: Vec<Option<String>>,
+    expires: Vec<Option<Millis>>,
+    claim_keys: Vec<String>,
+    claim_expires: Vec<Millis>,
+}
+
+impl SubmitArrays {
+    fn add(&mut self, job: &SubmitJob) {
+        let new = &job.new;
+        self.ids.push(new.id);
+        self.namespaces.push(new.namespace.clone());
+        self.routes.push(new.route.name());
+        self.backends.push(new.backend.clone());
+        self.models
+            .push(opt_text(new.model.as_deref()).map(Cow::into_owned));
+        self.streams.push(new.stream);
+        self.bodies.push(new.body.clone());
+        self.headers.push(job.headers.clone());
+        self.hashes.push(new.hash.to_vec());
+        self.kinds.push(new.claim.as_str());
+        self.nows.push(new.now);
+        self.owners.push(job.owner.clone());
+        self.expires.push(job.expires_at);
+        self.claim_keys.push(new.claim_key.clone());
+        self.claim_expires.push(new.claim_expires_at);
+    }
+}
+
+/// Runs the successful outcomes `shared` of `group` as one [`FINISH_SUCCEEDED_MANY`] and
+/// gives each its record (`None`: its lease was lost). `false` when the statement failed.
+async fn finish_many(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+    shared: &[usize],
+) -> bool {
+    let mut a = FinishArrays::default();
+    let mut origin = String::new();
+    for &i in shared {
+        let Some(job) = group[i].succeeded() else {
+            return false;
+        };
+        if !a.add(job) {
+            return false;
+        }
+        if origin.is_empty() {
+            origin = job
+                .changed
+                .split(' ')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+        }
+    }
+    let rows = sqlx::query(FINISH_SUCCEEDED_MANY)
+        .bind(&a.ids)
+        .bind(&a.owners)
+        .bind(&a.statuses)
+        .bind(&a.bodies)
+        .bind(&a.upstream_request_ids)
+        .bind(&a.nows)
+        .bind(&a.tokens[0])
+        .bind(&a.tokens[1])
+        .bind(&a.tokens[2])
+        .bind(&a.tokens[3])
+        .bind(&a.tokens[4])
+        .bind(&a.reported)
+        .bind(&a.attempts)
+        .bind(&a.response_ids)
+        .bind(rules::end_data(Status::Succeeded, None))
+        .bind(&origin)
+        .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+        .fetch_all(&mut *conn)
+        .await;
+    let Ok(rows) = rows else { return false };
+    let mut records = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let (Ok(owner), Ok(record)) = (row.try_get::<String, _>("f_owner"), record_from_row(row))
+        else {
+            return false;
+        };
+        records.insert((record.id, owner), record);
+    }
+    for &i in shared {
+        if let Some(job) = group[i].succeeded() {
+            let record = records.remove(&(job.lease.id, job.lease.owner.clone()));
+            job.result = Some(Ok(record));
+        }
+    }
+    true
+}
+
+/// The arrays of [`FINISH_SUCCEEDED_MANY`], one element per outcome.
+#[derive(Default)]
+struct FinishArrays {
+    ids: Vec<Uuid>,
+    owners: Vec<String>,
+    statuses: Vec<i32>,
+    bodies: Vec<Vec<u8>>,
+    upstream_request_ids: Vec<Option<String>>,
+    nows: Vec<i64>,
+    tokens: [Vec<Option<i64>>; 5],
+    reported: Vec<bool>,
+    attempts: Vec<i32>,
+    response_ids: Vec<Option<String>>,
+}
+
+impl FinishArrays {
+    /// Adds `job`'s outcome; `false` when it is not a success or its attempt is out of range.
+    fn add(&mut self, job: &FinishJob) -> bool {
+        let Outcome::Succeeded {
+            status,
+            body,
+            upstream_request_id,
+            response_id,
+            usage,
+        } = &job.outcome
+        else {
+            return false;
+        };
+        let Ok(attempt) = attempt_number(job.lease.attempt) else {
+            return false;
+        };
+        self.ids.push(job.lease.id);
+        self.owners.push(job.lease.owner.clone());
+        self.statuses.push(i32::from(*status));
+        self.bodies.push(body.clone());
+        self.upstream_request_ids
+            .push(opt_text(upstream_request_id.as_deref()).map(Cow::into_owned));
+        self.nows.push(job.now);
+        for (column, value) in self.tokens.iter_mut().zip(tokens_of(usage.as_ref())) {
+            column.push(value);
+        }
+        self.reported.push(usage.is_some());
+        self.attempts.push(attempt);
+        self.response_ids
+            .push(response_id.as_deref().map(|r| text(r).into_owned()));
+        true
+    }
+}
+
+/// `BEGIN`, every job of `group`, `COMMIT`: `Ok(false)` when a job failed (then rolled back).
+async fn in_one_transaction(
+    conn: &mut PgConnection,
+    group: &mut [Box<dyn WriteJob>],
+) -> Result<bool, sqlx::Error> {
+    conn.execute("BEGIN").await?;
+    // Two or more successful outcomes share one statement, run where the first of them is in
+    // the group's order.
+    let shared: Vec<usize> = (0..group.len())
+        .filter(|&i| group[i].succeeded().is_some())
+        .collect();
+    let shared = if shared.len() >= 2 {
+        shared
+    } else {
+        Vec::new()
+    };
+    // So do two or more submissions, one per claim (a second one for a claim runs after them
+    // and attaches).
+    let mut claims = std::collections::HashSet::new();
+    let submitted: Vec<usize> = (0..group.len())
+        .filter(|&i| {
+            group[i].submission().is_some_and(|job| {
+                claims.insert((job.new.namespace.clone(), job.new.claim_key.clone()))
+            })
+        })
+        .collect();
+    let submitted = if submitted.len() >= 2 {
+        submitted
+    } else {
+        Vec::new()
+    };
+    for i in 0..group.len() {
+        let ok = if shared.first() == Some(&i) {
+            finish_many(conn, group, &shared).await
+        } else if submitted.first() == Some(&i) {
+            submit_many(conn, group, &submitted).await
+        } else if shared.contains(&i) || submitted.contains(&i) {
+            true
+        } else {
+            group[i].run(conn).await
+        };
+        if !ok {
+            conn.execute("ROLLBACK").await?;
+            return Ok(false);
+        }
+    }
+    conn.execute("COMMIT").await?;
+    Ok(true)
+}
+
 fn corrupt(what: impl std::fmt::Display) -> StoreError {
     StoreError::corrupt(None, what)
 }
@@ -350,6 +1000,574 @@ fn attempt_number(attempt: u32) -> Result<i32, StoreError> {
     i32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))
 }
 
+/// [`Store::submit_and_lease`] on `conn`: `owner` and `expires_at` are the lease to take on a
+/// request it creates, `headers` the request's headers as stored.
+async fn submit_in(
+    conn: &mut PgConnection,
+    new: &NewRequest,
+    headers: &str,
+    owner: Option<&str>,
+    expires_at: Option<Millis>,
+    origin: &str,
+) -> Result<Submitted, StoreError> {
+    // A claim that is live when we look but gone when we read it (released by a failure,
+    // pruned) sends us round again; each round is one statement.
+    for _ in 0..SUBMIT_ROUNDS {
+        // One statement, its own transaction: the claim and the request it points at
+        // commit together. A request leased here is run by this node, so only a queued
+        // one wakes other nodes' workers.
+        let sql = if owner.is_some() {
+            SUBMIT_LEASED
+        } else {
+            SUBMIT_QUEUED
+        };
+        let row = sqlx::query(sql)
+            .bind(new.id)
+            .bind(&new.namespace)
+            .bind(new.route.name())
+            .bind(&new.backend)
+            .bind(opt_text(new.model.as_deref()))
+            .bind(new.stream)
+            .bind(&new.body)
+            .bind(headers)
+            .bind(&new.hash[..])
+            .bind(new.claim.as_str())
+            .bind(new.now)
+            .bind(owner)
+            .bind(expires_at)
+            .bind(&new.claim_key)
+            .bind(new.claim_expires_at)
+            .bind(origin)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if let Some(row) = row {
+            return Ok(Submitted::Created(Box::new(record_from_row(&row)?)));
+        }
+        // A live claim stood (a racer's uncommitted insert made the upsert wait for it to
+        // commit). This fresh statement (READ COMMITTED: a fresh snapshot) sees it.
+        let row = sqlx::query(
+            "SELECT c.request_id AS claim_request_id, c.fingerprint AS claim_fingerprint, r.*
+             FROM claims c LEFT JOIN requests r ON r.id = c.request_id
+             WHERE c.namespace = $1 AND c.claim_key = $2",
+        )
+        .bind(&new.namespace)
+        .bind(&new.claim_key)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some(row) = row else { continue };
+        let existing: Uuid = row.try_get("claim_request_id")?;
+        let fingerprint: Vec<u8> = row.try_get("claim_fingerprint")?;
+        if fingerprint != new.hash {
+            return Ok(Submitted::KeyMismatch { existing });
+        }
+        if row.try_get::<Option<Uuid>, _>("id")?.is_none() {
+            return Err(StoreError::corrupt(
+                Some(existing),
+                "a live claim points at a missing request",
+            ));
+        }
+        let record = record_from_row(&row)?;
+        return Ok(Submitted::Attached(Box::new(record)));
+    }
+    Err(StoreError::Unavailable(format!(
+        "the claim of request {} kept changing under {SUBMIT_ROUNDS} submissions",
+        new.id
+    )))
+}
+
+/// [`Store::finish_read`] on `conn`, `changed` the notification payload naming the request.
+async fn finish_in(
+    conn: &mut PgConnection,
+    lease: &Lease,
+    outcome: &Outcome,
+    now: Millis,
+    changed: &str,
+) -> Result<Option<RequestRecord>, StoreError> {
+    let id = lease.id;
+    let attempt = attempt_number(lease.attempt)?;
+    let row = match outcome {
+        Outcome::Succeeded {
+            status,
+            body,
+            upstream_request_id,
+            usage,
+            response_id,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            let end = rules::end_data(Status::Succeeded, None);
+            sqlx::query(FINISH_SUCCEEDED)
+                .bind(i32::from(*status))
+                .bind(body)
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .bind(u[0])
+                .bind(u[1])
+                .bind(u[2])
+                .bind(u[3])
+                .bind(u[4])
+                .bind(usage.is_some())
+                .bind(attempt)
+                .bind(response_id.as_deref().map(text))
+                .bind(end)
+                .bind(changed)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        Outcome::Retry {
+            next_retry_at,
+            error,
+        } => {
+            sqlx::query(concat!(
+                "WITH done AS (
+                     UPDATE requests SET status = 'pending', next_retry_at = $1,
+                         error_type = $2, error_message = $3, error_status = $4,
+                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
+                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
+                     RETURNING ",
+                request_columns!(),
+                ") SELECT ",
+                request_columns!(),
+                ", pg_notify('holdfast_changed', $8) FROM done"
+            ))
+            .bind(next_retry_at)
+            .bind(error.kind.as_str())
+            .bind(text(&error.message))
+            .bind(error.status.map(i32::from))
+            .bind(now)
+            .bind(id)
+            .bind(&lease.owner)
+            .bind(changed)
+            .fetch_optional(&mut *conn)
+            .await?
+        }
+        Outcome::Failed {
+            error,
+            response,
+            upstream_request_id,
+            usage,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            // As stored: the end chunk carries the message the record will read back.
+            let stored = ErrorInfo {
+                message: text(&error.message).into_owned(),
+                ..error.clone()
+            };
+            let end = rules::end_data(Status::Failed, Some(&stored));
+            sqlx::query(FINISH_FAILED)
+                .bind(error.kind.as_str())
+                .bind(&stored.message)
+                .bind(error.status.map(i32::from))
+                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
+                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
+                .bind(opt_text(upstream_request_id.as_deref()))
+                .bind(now)
+                .bind(id)
+                .bind(&lease.owner)
+                .bind(u[0])
+                .bind(u[1])
+                .bind(u[2])
+                .bind(u[3])
+                .bind(u[4])
+                .bind(usage.is_some())
+                .bind(attempt)
+                .bind(end)
+                .bind(failure_releases_claim(ClaimKind::BodyHash, error.kind))
+                .bind(failure_releases_claim(ClaimKind::Key, error.kind))
+                .bind(changed)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+    };
+    row.as_ref().map(record_from_row).transpose()
+}
+
+/// Rounds of [`Store::submit_and_lease`] before it gives up on a claim that keeps changing.
+const SUBMIT_ROUNDS: usize = 5;
+
+/// `submit_and_lease` as one statement: the claim upsert (ID-7) and, when it won, the request
+/// insert. Parameters: `$1` id, `$2` namespace, `$3` route, `$4` backend, `$5` model, `$6`
+/// stream, `$7` body, `$8` headers, `$9` hash (also the claim's fingerprint), `$10` claim kind,
+/// `$11` now, `$12` lease owner or NULL, `$13` lease expiry or NULL, `$14` claim key, `$15`
+/// claim expiry, `$16` origin. No row: a live claim stood.
+macro_rules! submit_sql {
+    ($notify:literal) => {
+        concat!(
+            "WITH claimed AS (
+                 INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint,
+                     expires_at)
+                 VALUES ($2, $14, $10, $1, $9, $15)
+                 ON CONFLICT (namespace, claim_key) DO UPDATE SET
+                     kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
+                     fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
+                 WHERE claims.expires_at <= $11
+                 RETURNING request_id),
+             created AS (
+                 INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+                     hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+                     next_retry_at, created_at, updated_at)
+                 SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                     CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
+                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11
+                 FROM claimed WHERE request_id = $1
+                 RETURNING ",
+            request_columns!(),
+            ")
+             SELECT ",
+            request_columns!(),
+            $notify,
+            " FROM created"
+        )
+    };
+}
+
+/// [`submit_sql!`] for many submissions, one per claim, each element of the arrays one
+/// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin). Each
+/// claim's takeover is checked against its own submission's time. Returns the records it
+/// created; a submission missing from them found a live claim.
+const SUBMIT_MANY: &str = concat!(
+    "WITH s AS (
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+             $6::bool[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::bigint[],
+             $12::text[], $13::bigint[], $14::text[], $15::bigint[]) WITH ORDINALITY
+         AS s(s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
+             s_hash, s_kind, s_now, s_owner, s_expires, s_claim_key, s_claim_expires, s_ord)),
+     claimed AS (
+         INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+         SELECT s_namespace, s_claim_key, s_kind, s_id, s_hash, s_claim_expires
+         FROM s ORDER BY s_ord
+         ON CONFLICT (namespace, claim_key) DO UPDATE SET
+             kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
+             fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
+         WHERE claims.expires_at <= (SELECT s_now FROM s
+                                     WHERE s_namespace = EXCLUDED.namespace
+                                         AND s_claim_key = EXCLUDED.claim_key)
+         RETURNING request_id),
+     created AS (
+         INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+             hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+             next_retry_at, created_at, updated_at)
+         SELECT s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
+             s_hash, s_kind, CASE WHEN s_owner IS NULL THEN 'pending' ELSE 'running' END,
+             CASE WHEN s_owner IS NULL THEN 0 ELSE 1 END, s_owner, s_expires, s_now, s_now,
+             s_now
+         FROM s JOIN claimed ON claimed.request_id = s_id
+         RETURNING ",
+    request_columns!(),
+    "),
+     woken AS (
+         SELECT pg_notify('holdfast_work', $16)
+         FROM (SELECT 1 FROM created WHERE status = 'pending' LIMIT 1) AS due)
+     SELECT ",
+    request_columns!(),
+    ", (SELECT count(*) FROM woken) AS notifications FROM created"
+);
+
+/// [`submit_sql!`] for a request leased at once: no other node needs waking (`$16` unused but
+/// typed, so both variants bind the same parameters).
+const SUBMIT_LEASED: &str = submit_sql!(", $16::text AS origin");
+/// [`submit_sql!`] for a queued request: wakes other nodes' workers ([`WORK_CHANNEL`]) when it
+/// commits.
+const SUBMIT_QUEUED: &str = submit_sql!(", pg_notify('holdfast_work', $16)");
+
+/// The attempt's usage row (when `$flag` says it reported usage; the five token placeholders
+/// follow `$u0`), upserted from the `done` row of a finish (usage is reported cumulatively).
+macro_rules! finish_usage_cte {
+    ($flag:literal, $attempt:literal,
+     $u0:literal, $u1:literal, $u2:literal, $u3:literal, $u4:literal) => {
+        concat!(
+            "used AS (
+                 INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+                     cached_input_tokens, cache_write_tokens, reasoning_tokens)
+                 SELECT id, ", $attempt, ", ", $u0, ", ", $u1, ", ", $u2, ", ", $u3, ", ", $u4,
+            " FROM done WHERE ", $flag,
+            " ON CONFLICT (request_id, attempt) DO UPDATE SET
+                     input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+                     cached_input_tokens = EXCLUDED.cached_input_tokens,
+                     cache_write_tokens = EXCLUDED.cache_write_tokens,
+                     reasoning_tokens = EXCLUDED.reasoning_tokens)"
+        )
+    };
+}
+
+/// `finish_read` of [`Outcome::Succeeded`]: `$1` status, `$2` body, `$3` upstream request id,
+/// `$4` now, `$5` id, `$6` owner, `$7`..`$11` usage, `$12` usage reported, `$13` attempt, `$14`
+/// response id or NULL, `$15` end chunk data, `$16` changed payload. A success releases no
+/// claim (ID-6).
+const FINISH_SUCCEEDED: &str = concat!(
+    "WITH done AS (
+         UPDATE requests SET status = 'succeeded', response_status = $1,
+             response_body = $2, upstream_request_id = $3, error_type = NULL,
+             error_message = NULL, error_status = NULL, lease_owner = NULL,
+             lease_expires_at = NULL, finished_at = $4, updated_at = $4,
+             last_seq = last_seq + 1, ",
+    usage_assignments!("$7", "$8", "$9", "$10", "$11"),
+    " WHERE id = $5 AND lease_owner = $6 AND status = 'running'
+         RETURNING ",
+    request_columns!(),
+    "), ",
+    finish_usage_cte!("$12", "$13", "$7", "$8", "$9", "$10", "$11"),
+    ",
+     responded AS (
+         INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT $14, namespace, id, $13 FROM done WHERE $14::text IS NOT NULL
+         ON CONFLICT (response_id) DO NOTHING),
+     ended AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT id, last_seq, attempts, 'end', NULL, $15 FROM done)
+     SELECT ",
+    request_columns!(),
+    ", pg_notify('holdfast_changed', $16) FROM done"
+);
+
+/// [`FINISH_SUCCEEDED`] for many outcomes at once, each element of the arrays one outcome:
+/// `$1` id, `$2` owner, `$3` status, `$4` body, `$5` upstream request id, `$6` now, `$7`..`$11`
+/// usage, `$12` usage reported, `$13` attempt, `$14` response id; `$15` end chunk data, `$16`
+/// origin, `$17` ids per notification. Returns the record of each request whose lease held,
+/// with its `f_owner`.
+const FINISH_SUCCEEDED_MANY: &str = concat!(
+    "WITH f AS (
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::bytea[], $5::text[],
+             $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[],
+             $11::bigint[], $12::bool[], $13::int[], $14::text[])
+         AS f(f_id, f_owner, f_status, f_body, f_upstream, f_now, f_u0, f_u1, f_u2, f_u3,
+             f_u4, f_reported, f_attempt, f_response_id)),
+     done AS (
+         UPDATE requests SET status = 'succeeded', response_status = f_status,
+             response_body = f_body, upstream_request_id = f_upstream, error_type = NULL,
+             error_message = NULL, error_status = NULL, lease_owner = NULL,
+             lease_expires_at = NULL, finished_at = f_now, updated_at = f_now,
+             last_seq = last_seq + 1, ",
+    usage_assignments!("f_u0", "f_u1", "f_u2", "f_u3", "f_u4"),
+    " FROM f WHERE id = f_id AND lease_owner = f_owner AND status = 'running'
+         RETURNING ",
+    request_columns!(),
+    ", f_owner, f_reported, f_attempt, f_response_id, f_u0, f_u1, f_u2, f_u3, f_u4),
+     used AS (
+         INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+             cached_input_tokens, cache_write_tokens, reasoning_tokens)
+         SELECT id, f_attempt, f_u0, f_u1, f_u2, f_u3, f_u4 FROM done WHERE f_reported
+         ON CONFLICT (request_id, attempt) DO UPDATE SET
+             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+             cached_input_tokens = EXCLUDED.cached_input_tokens,
+             cache_write_tokens = EXCLUDED.cache_write_tokens,
+             reasoning_tokens = EXCLUDED.reasoning_tokens),
+     responded AS (
+         INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT f_response_id, namespace, id, f_attempt FROM done
+         WHERE f_response_id IS NOT NULL
+         ON CONFLICT (response_id) DO NOTHING),
+     ended AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT id, last_seq, attempts, 'end', NULL, $15 FROM done),
+     notified AS (
+         SELECT pg_notify('holdfast_changed', $16 || ' ' || string_agg(id::text, ','))
+         FROM (SELECT id, (row_number() OVER (ORDER BY id) - 1) / $17 AS part FROM done) AS p
+         GROUP BY part)
+     SELECT ",
+    request_columns!(),
+    ", f_owner, (SELECT count(*) FROM notified) AS notifications FROM done"
+);
+
+/// `finish_read` of [`Outcome::Failed`]: `$1` error type, `$2` message, `$3` error status,
+/// `$4` response status, `$5` response body, `$6` upstream request id, `$7` now, `$8` id, `$9`
+/// owner, `$10`..`$14` usage, `$15` usage reported, `$16` attempt, `$17` end chunk data,
+/// `$18`/`$19` whether a `hash`/`key` claim is released ([`failure_releases_claim`]), `$20`
+/// changed payload.
+const FINISH_FAILED: &str = concat!(
+    "WITH done AS (
+         UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
+             error_status = $3, response_status = $4, response_body = $5,
+             upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
+             finished_at = $7, updated_at = $7, last_seq = last_seq + 1, ",
+    usage_assignments!("$10", "$11", "$12", "$13", "$14"),
+    " WHERE id = $8 AND lease_owner = $9 AND status = 'running'
+         RETURNING ",
+    request_columns!(),
+    "), ",
+    finish_usage_cte!("$15", "$16", "$10", "$11", "$12", "$13", "$14"),
+    ",
+     released AS (
+         DELETE FROM claims WHERE request_id = $8
+             AND EXISTS (SELECT 1 FROM done
+                         WHERE CASE done.claim_kind WHEN 'key' THEN $19 ELSE $18 END)),
+     ended AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT id, last_seq, attempts, 'end', NULL, $17 FROM done)
+     SELECT ",
+    request_columns!(),
+    ", pg_notify('holdfast_changed', $20) FROM done"
+);
+
+/// The arrays [`APPEND_CHUNKS`] takes: one group per attempt `(id, owner)` whose batches are
+/// in the commit, and every chunk, usage report and response id naming its group.
+#[derive(Default)]
+struct AppendPlan {
+    /// Per group: request id, lease owner, chunks in it, upstream request id to record.
+    ids: Vec<Uuid>,
+    owners: Vec<String>,
+    counts: Vec<i64>,
+    upstream_request_ids: Vec<Option<String>>,
+    /// Per chunk: its group, its 1-based position in the group, attempt, event, data.
+    chunk_groups: Vec<i32>,
+    chunk_pos: Vec<i64>,
+    chunk_attempts: Vec<i32>,
+    events: Vec<Option<String>>,
+    data: Vec<String>,
+    /// Per group that reported usage (the last report of the commit wins).
+    usage_groups: Vec<i32>,
+    usage_attempts: Vec<i32>,
+    usage_tokens: [Vec<Option<i64>>; 5],
+    /// Per response id (the first of the commit wins).
+    response_groups: Vec<i32>,
+    response_attempts: Vec<i32>,
+    response_ids: Vec<String>,
+}
+
+impl AppendPlan {
+    /// Adds `batch` to its attempt's group (made on first sight) and returns the group. Batches
+    /// must come sorted by (request id, owner).
+    fn add(&mut self, batch: &ChunkBatch) -> Result<usize, StoreError> {
+        let lease = &batch.lease;
+        // Batches come sorted by (id, owner): an attempt's group, if any, is the last one.
+        let last = self.ids.len().checked_sub(1);
+        let group = match last.filter(|&g| self.ids[g] == lease.id && self.owners[g] == lease.owner)
+        {
+            Some(g) => g,
+            None => {
+                self.ids.push(lease.id);
+                self.owners.push(lease.owner.clone());
+                self.counts.push(0);
+                self.upstream_request_ids.push(None);
+                self.ids.len() - 1
+            }
+        };
+        let tag = i32::try_from(group).map_err(corrupt)?;
+        let attempt = attempt_number(lease.attempt)?;
+        if let Some(id) = &batch.upstream_request_id {
+            self.upstream_request_ids[group] = Some(text(id).into_owned());
+        }
+        for chunk in &batch.chunks {
+            self.counts[group] += 1;
+            self.chunk_groups.push(tag);
+            self.chunk_pos.push(self.counts[group]);
+            self.chunk_attempts.push(attempt);
+            self.events
+                .push(opt_text(chunk.event.as_deref()).map(Cow::into_owned));
+            self.data.push(text(&chunk.data).into_owned());
+        }
+        if let Some(usage) = &batch.usage {
+            let u = tokens_of(Some(usage));
+            let at = match self.usage_groups.iter().position(|&g| g == tag) {
+                Some(at) => at,
+                None => {
+                    self.usage_groups.push(tag);
+                    self.usage_attempts.push(attempt);
+                    for column in &mut self.usage_tokens {
+                        column.push(None);
+                    }
+                    self.usage_groups.len() - 1
+                }
+            };
+            for (column, value) in self.usage_tokens.iter_mut().zip(u) {
+                column[at] = value;
+            }
+        }
+        if let Some(response_id) = &batch.response_id {
+            let response_id = text(response_id).into_owned();
+            if !self.response_ids.contains(&response_id) {
+                self.response_groups.push(tag);
+                self.response_attempts.push(attempt);
+                self.response_ids.push(response_id);
+            }
+        }
+        Ok(group)
+    }
+}
+
+/// Runs [`APPEND_CHUNKS`] for `plan` on `conn`: `(group, last seq)` of each group that kept its
+/// lease.
+async fn append_in(
+    conn: &mut PgConnection,
+    plan: &AppendPlan,
+    origin: &str,
+) -> Result<Vec<(i32, i64)>, StoreError> {
+    let rows = sqlx::query(APPEND_CHUNKS)
+        .bind(&plan.ids)
+        .bind(&plan.owners)
+        .bind(&plan.counts)
+        .bind(&plan.upstream_request_ids)
+        .bind(&plan.chunk_groups)
+        .bind(&plan.chunk_pos)
+        .bind(&plan.chunk_attempts)
+        .bind(&plan.events)
+        .bind(&plan.data)
+        .bind(&plan.usage_groups)
+        .bind(&plan.usage_attempts)
+        .bind(&plan.usage_tokens[0])
+        .bind(&plan.usage_tokens[1])
+        .bind(&plan.usage_tokens[2])
+        .bind(&plan.usage_tokens[3])
+        .bind(&plan.usage_tokens[4])
+        .bind(&plan.response_groups)
+        .bind(&plan.response_attempts)
+        .bind(&plan.response_ids)
+        .bind(origin)
+        .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|row| Ok((row.try_get("grp")?, row.try_get("last_seq")?)))
+        .collect()
+}
+
+/// `append_chunks` as one statement over [`AppendPlan`]'s arrays. Each group's `UPDATE` is
+/// fenced on its lease (LC-3) and reserves its seqs; chunks, usage and response ids are
+/// written only for the groups it matched; one notification per [`IDS_PER_NOTIFY`] requests
+/// names them (`$20` origin, `$21` ids per notification). Returns `grp` and `last_seq` of each
+/// group that kept its lease. The groups are given in request-id order, which the plan's join
+/// follows, so concurrent appends lock rows in one order.
+const APPEND_CHUNKS: &str = "WITH b AS (
+         SELECT (g.ord - 1)::int AS grp, g.id, g.owner, g.n, g.upstream_request_id
+         FROM UNNEST($1::uuid[], $2::text[], $3::bigint[], $4::text[])
+             WITH ORDINALITY AS g(id, owner, n, upstream_request_id, ord)),
+     upd AS (
+         UPDATE requests r SET last_seq = r.last_seq + b.n,
+             upstream_request_id = COALESCE(b.upstream_request_id, r.upstream_request_id)
+         FROM b
+         WHERE r.id = b.id AND r.lease_owner = b.owner AND r.status = 'running'
+         RETURNING b.grp, r.id, r.namespace, r.last_seq, b.n),
+     ins AS (
+         INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+         SELECT upd.id, upd.last_seq - upd.n + c.pos, c.attempt, 'data', c.event, c.data
+         FROM UNNEST($5::int[], $6::bigint[], $7::int[], $8::text[], $9::text[])
+             AS c(grp, pos, attempt, event, data)
+         JOIN upd ON upd.grp = c.grp),
+     used AS (
+         INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
+             cached_input_tokens, cache_write_tokens, reasoning_tokens)
+         SELECT upd.id, u.attempt, u.i, u.o, u.ci, u.cw, u.r
+         FROM UNNEST($10::int[], $11::int[], $12::bigint[], $13::bigint[], $14::bigint[],
+                     $15::bigint[], $16::bigint[]) AS u(grp, attempt, i, o, ci, cw, r)
+         JOIN upd ON upd.grp = u.grp
+         ON CONFLICT (request_id, attempt) DO UPDATE SET
+             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
+             cached_input_tokens = EXCLUDED.cached_input_tokens,
+             cache_write_tokens = EXCLUDED.cache_write_tokens,
+             reasoning_tokens = EXCLUDED.reasoning_tokens),
+     responded AS (
+         INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT x.response_id, upd.namespace, upd.id, x.attempt
+         FROM UNNEST($17::int[], $18::int[], $19::text[]) AS x(grp, attempt, response_id)
+         JOIN upd ON upd.grp = x.grp
+         ON CONFLICT (response_id) DO NOTHING),
+     notified AS (
+         SELECT pg_notify('holdfast_changed', $20 || ' ' || string_agg(id::text, ','))
+         FROM (SELECT id, (row_number() OVER (ORDER BY id) - 1) / $21 AS part FROM upd) AS p
+         GROUP BY part)
+     SELECT grp, last_seq, (SELECT count(*) FROM notified) AS notifications FROM upd";
+
 /// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
 /// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
 /// else after the last seq.
@@ -383,58 +1601,6 @@ async fn settle_in(
             append_control(tx, id, attempt, ChunkKind::End, &settle.end).await?;
         }
     }
-    Ok(())
-}
-
-/// Records that `response_id` is the provider's id of attempt `attempt` of request `id`. An id
-/// already recorded keeps its first owner (providers do not reuse ids).
-async fn insert_response_id(
-    tx: &mut Transaction<'_, Postgres>,
-    response_id: &str,
-    id: Uuid,
-    attempt: u32,
-) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO response_ids (response_id, namespace, request_id, attempt)
-         SELECT $1, namespace, id, $3 FROM requests WHERE id = $2
-         ON CONFLICT (response_id) DO NOTHING",
-    )
-    .bind(text(response_id))
-    .bind(id)
-    .bind(attempt_number(attempt)?)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
-/// (usage is reported cumulatively).
-async fn upsert_usage(
-    tx: &mut Transaction<'_, Postgres>,
-    id: Uuid,
-    attempt: u32,
-    usage: &Usage,
-) -> Result<(), StoreError> {
-    let u = tokens_of(Some(usage));
-    sqlx::query(
-        "INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
-             cached_input_tokens, cache_write_tokens, reasoning_tokens)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)
-         ON CONFLICT (request_id, attempt) DO UPDATE SET
-             input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
-             cached_input_tokens = EXCLUDED.cached_input_tokens,
-             cache_write_tokens = EXCLUDED.cache_write_tokens,
-             reasoning_tokens = EXCLUDED.reasoning_tokens",
-    )
-    .bind(id)
-    .bind(attempt_number(attempt)?)
-    .bind(u[0])
-    .bind(u[1])
-    .bind(u[2])
-    .bind(u[3])
-    .bind(u[4])
-    .execute(&mut **tx)
-    .await?;
     Ok(())
 }
 
@@ -546,93 +1712,39 @@ impl Store for PostgresStore {
         new: NewRequest,
         lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        // A request leased here is run by this node: no other node is woken for it.
-        let mut tx = self.pool.begin().await?;
-        // Inserts our claim, takes over an expired one, or leaves a live one untouched (locked)
-        // and returns no row. A concurrent uncommitted insert of the same claim makes this wait
-        // and then see the committed row: the loser gets no row, never a unique violation.
-        let won: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (namespace, claim_key) DO UPDATE SET
-                 kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
-                 fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
-             WHERE claims.expires_at <= $7
-             RETURNING request_id",
-        )
-        .bind(&new.namespace)
-        .bind(&new.claim_key)
-        .bind(new.claim.as_str())
-        .bind(new.id)
-        .bind(&new.hash[..])
-        .bind(new.claim_expires_at)
-        .bind(new.now)
-        .fetch_optional(&mut *tx)
-        .await?;
-
-        if won == Some(new.id) {
-            let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
-            let (owner, expires_at) = match lease {
-                Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
-                None => (None, None),
-            };
-            let row = sqlx::query(concat!(
-                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
-                     hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-                     next_retry_at, created_at, updated_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                     CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
-                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11)
-                 RETURNING ",
-                request_columns!()
-            ))
-            .bind(new.id)
-            .bind(&new.namespace)
-            .bind(new.route.name())
-            .bind(&new.backend)
-            .bind(opt_text(new.model.as_deref()))
-            .bind(new.stream)
-            .bind(&new.body)
-            .bind(headers)
-            .bind(&new.hash[..])
-            .bind(new.claim.as_str())
-            .bind(new.now)
-            .bind(owner)
-            .bind(expires_at)
-            .fetch_one(&mut *tx)
-            .await?;
-            let record = record_from_row(&row)?;
-            if owner.is_none() {
-                self.notify_work(&mut tx).await?;
+        let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+        let (owner, expires_at) = match lease {
+            Some(LeaseTo { owner, lease_ms }) => {
+                (Some(owner.to_string()), Some(new.now + lease_ms))
             }
-            tx.commit().await?;
-            let lease = owner.map(|owner| Lease {
+            None => (None, None),
+        };
+        let (reply, answer) = oneshot::channel();
+        let job = SubmitJob {
+            key: LockKey::Claim(new.namespace.clone(), new.claim_key.clone()),
+            new,
+            headers,
+            owner,
+            expires_at,
+            origin: self.origin.clone(),
+            result: None,
+            reply,
+        };
+        self.writes
+            .send(Box::new(job))
+            .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+        let submitted = answer.await.map_err(|_| {
+            StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+        })??;
+        let lease = match (&submitted, lease) {
+            (Submitted::Created(record), Some(lease)) => Some(Lease {
                 id: record.id,
-                owner: owner.to_string(),
+                owner: lease.owner.to_string(),
                 attempt: record.attempts,
-            });
-            return Ok((Submitted::Created(Box::new(record)), lease));
-        }
-
-        // A fresh statement (READ COMMITTED: a fresh snapshot) sees the committed live claim,
-        // which our upsert locked, so it is still there.
-        let (existing, fingerprint): (Uuid, Vec<u8>) = sqlx::query_as(
-            "SELECT request_id, fingerprint FROM claims WHERE namespace = $1 AND claim_key = $2",
-        )
-        .bind(&new.namespace)
-        .bind(&new.claim_key)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| corrupt("a live claim vanished while locked"))?;
-        if fingerprint != new.hash {
-            tx.commit().await?;
-            return Ok((Submitted::KeyMismatch { existing }, None));
-        }
-        let record = Self::fetch_in(&mut tx, existing).await?.ok_or_else(|| {
-            StoreError::corrupt(Some(existing), "a live claim points at a missing request")
-        })?;
-        tx.commit().await?;
-        Ok((Submitted::Attached(Box::new(record)), None))
+            }),
+            _ => None,
+        };
+        Ok((submitted, lease))
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
@@ -729,150 +1841,63 @@ impl Store for PostgresStore {
         now: Millis,
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE requests SET lease_expires_at = $1
-             WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
-        )
-        .bind(now + lease_ms)
-        .bind(lease.id)
-        .bind(&lease.owner)
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        let (id, owner) = (lease.id, lease.owner.clone());
+        self.write(LockKey::Request(id), move |conn| {
+            let owner = owner.clone();
+            Box::pin(async move {
+                let done = sqlx::query(
+                    "UPDATE requests SET lease_expires_at = $1
+                     WHERE id = $2 AND lease_owner = $3 AND status = 'running'",
+                )
+                .bind(now + lease_ms)
+                .bind(id)
+                .bind(owner)
+                .execute(&mut *conn)
+                .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        })
+        .await
     }
 
-    // One transaction. One `UPDATE ... RETURNING` per outcome,
-    // fenced on the lease (LC-3), reserves the `end` chunk's seq in the same statement (RD-5),
-    // so what it returns is the final record and nothing is read back.
+    // One statement, so one transaction and one round trip: the `UPDATE ... RETURNING`,
+    // fenced on the lease (LC-3), reserves the `end` chunk's seq (RD-5); the rest of the
+    // settlement ([`rules::settle`]) and the wake-up hang off its row, so nothing happens when
+    // the lease was lost, and what it returns is the final record.
     async fn finish_read(
         &self,
         lease: &Lease,
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let id = lease.id;
-        let mut tx = self.pool.begin().await?;
-        let row = match outcome {
-            Outcome::Succeeded {
-                status,
-                body,
-                upstream_request_id,
-                usage,
-                ..
-            } => {
-                let u = tokens_of(usage.as_ref());
-                sqlx::query(concat!(
-                    "UPDATE requests SET status = 'succeeded', response_status = $1,
-                         response_body = $2, upstream_request_id = $3, error_type = NULL,
-                         error_message = NULL, error_status = NULL, lease_owner = NULL,
-                         lease_expires_at = NULL, finished_at = $4, updated_at = $4,
-                         last_seq = last_seq + 1, ",
-                    usage_assignments!("$7", "$8", "$9", "$10", "$11"),
-                    " WHERE id = $5 AND lease_owner = $6 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ))
-                .bind(i32::from(*status))
-                .bind(body)
-                .bind(opt_text(upstream_request_id.as_deref()))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .bind(u[0])
-                .bind(u[1])
-                .bind(u[2])
-                .bind(u[3])
-                .bind(u[4])
-                .fetch_optional(&mut *tx)
-                .await?
-            }
-            Outcome::Retry {
-                next_retry_at,
-                error,
-            } => {
-                sqlx::query(concat!(
-                    "UPDATE requests SET status = 'pending', next_retry_at = $1,
-                         error_type = $2, error_message = $3, error_status = $4,
-                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $5
-                     WHERE id = $6 AND lease_owner = $7 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ))
-                .bind(next_retry_at)
-                .bind(error.kind.as_str())
-                .bind(text(&error.message))
-                .bind(error.status.map(i32::from))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .fetch_optional(&mut *tx)
-                .await?
-            }
-            Outcome::Failed {
-                error,
-                response,
-                upstream_request_id,
-                usage,
-            } => {
-                let u = tokens_of(usage.as_ref());
-                sqlx::query(concat!(
-                    "UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
-                         error_status = $3, response_status = $4, response_body = $5,
-                         upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = $7, updated_at = $7, last_seq = last_seq + 1, ",
-                    usage_assignments!("$10", "$11", "$12", "$13", "$14"),
-                    " WHERE id = $8 AND lease_owner = $9 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ))
-                .bind(error.kind.as_str())
-                .bind(text(&error.message))
-                .bind(error.status.map(i32::from))
-                .bind(response.as_ref().map(|(s, _)| i32::from(*s)))
-                .bind(response.as_ref().map(|(_, b)| b.as_slice()))
-                .bind(opt_text(upstream_request_id.as_deref()))
-                .bind(now)
-                .bind(id)
-                .bind(&lease.owner)
-                .bind(u[0])
-                .bind(u[1])
-                .bind(u[2])
-                .bind(u[3])
-                .bind(u[4])
-                .fetch_optional(&mut *tx)
-                .await?
-            }
-        };
-        let Some(row) = row else {
-            tx.commit().await?;
-            return Ok(None);
-        };
-        let record = record_from_row(&row)?;
-        if let Outcome::Succeeded {
-            response_id: Some(response_id),
-            ..
-        } = outcome
-        {
-            insert_response_id(&mut tx, response_id, id, lease.attempt).await?;
+        let changed = format!("{} {}", self.origin, lease.id);
+        if matches!(outcome, Outcome::Succeeded { .. }) {
+            let (reply, answer) = oneshot::channel();
+            let job = FinishJob {
+                key: LockKey::Request(lease.id),
+                lease: lease.clone(),
+                outcome: outcome.clone(),
+                now,
+                changed,
+                result: None,
+                reply,
+            };
+            self.writes
+                .send(Box::new(job))
+                .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+            return answer.await.map_err(|_| {
+                StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+            })?;
         }
-        if let Outcome::Succeeded {
-            usage: Some(usage), ..
-        }
-        | Outcome::Failed {
-            usage: Some(usage), ..
-        } = outcome
-        {
-            upsert_usage(&mut tx, id, lease.attempt, usage).await?;
-        }
-        if record.status.is_terminal() {
-            let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
-            // The end chunk's seq was reserved by the UPDATE above.
-            let attempt = attempt_number(record.attempts)?;
-            settle_in(&mut tx, id, attempt, &settle, Some(record.last_seq)).await?;
-        }
-        self.notify_changed(&mut tx, &[id]).await?;
-        tx.commit().await?;
-        Ok(Some(record))
+        let args = Arc::new((lease.clone(), outcome.clone(), changed));
+        self.write(LockKey::Request(lease.id), move |conn| {
+            let args = Arc::clone(&args);
+            Box::pin(async move {
+                let (lease, outcome, changed) = &*args;
+                finish_in(conn, lease, outcome, now, changed).await
+            })
+        })
+        .await
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
@@ -948,65 +1973,53 @@ impl Store for PostgresStore {
         &self,
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
-        // Lock the requests in id order (stable, so one request's batches keep their order):
-        // two group commits touching the same requests can then never deadlock.
+        // One statement for every batch, however many (group commit): the batches of one
+        // attempt are merged into one seq reservation, so the `UPDATE` touches each request
+        // once; everything travels as arrays.
+        // Groups in (request id, owner) order (stable, so one attempt's batches keep theirs):
+        // the `UPDATE` then locks rows in id order, and two group commits touching the same
+        // requests cannot deadlock.
         let mut order: Vec<usize> = (0..batches.len()).collect();
-        order.sort_by_key(|&i| batches[i].lease.id);
+        order.sort_by(|&a, &b| {
+            let (a, b) = (&batches[a].lease, &batches[b].lease);
+            (a.id, &a.owner).cmp(&(b.id, &b.owner))
+        });
+        let mut plan = AppendPlan::default();
+        let mut group_of: Vec<usize> = Vec::with_capacity(batches.len());
+        for &i in &order {
+            group_of.push(plan.add(&batches[i])?);
+        }
+        // Its own transaction, apart from the writers': it locks many requests (in id order).
+        let rows = self.append_held(&plan).await?;
+        // The last seq of each group that kept its lease.
+        let mut last: Vec<Option<i64>> = vec![None; plan.ids.len()];
+        for (group, last_seq) in rows {
+            let group = usize::try_from(group).map_err(corrupt)?;
+            *last
+                .get_mut(group)
+                .ok_or_else(|| corrupt(format!("append group {group}")))? = Some(last_seq);
+        }
+        // Each batch's first seq: its group's first, plus the batches of it before this one.
+        let mut next: Vec<Option<i64>> = last
+            .iter()
+            .zip(&plan.counts)
+            .map(|(last, n)| last.map(|last| last - n + 1))
+            .collect();
         let mut results: Vec<Option<Vec<Chunk>>> = vec![None; batches.len()];
-        let mut tx = self.pool.begin().await?;
-        for i in order {
+        let mut data = plan.data.into_iter();
+        let mut events = plan.events.into_iter();
+        for (&i, group) in order.iter().zip(group_of) {
             let batch = &batches[i];
-            let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
-            // Fenced (LC-3): the seqs are reserved only while this attempt holds its lease.
-            let last: Option<i64> = sqlx::query_scalar(
-                "UPDATE requests SET last_seq = last_seq + $1,
-                     upstream_request_id = COALESCE($2, upstream_request_id)
-                 WHERE id = $3 AND lease_owner = $4 AND status = 'running'
-                 RETURNING last_seq",
-            )
-            .bind(n)
-            .bind(opt_text(batch.upstream_request_id.as_deref()))
-            .bind(batch.lease.id)
-            .bind(&batch.lease.owner)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(last) = last else { continue };
-            if let Some(response_id) = &batch.response_id {
-                insert_response_id(&mut tx, response_id, batch.lease.id, batch.lease.attempt)
-                    .await?;
-            }
-            if let Some(usage) = &batch.usage {
-                upsert_usage(&mut tx, batch.lease.id, batch.lease.attempt, usage).await?;
-            }
-            let first = last - n + 1;
-            let events: Vec<Option<String>> = batch
-                .chunks
-                .iter()
-                .map(|c| opt_text(c.event.as_deref()).map(Cow::into_owned))
+            let taken: Vec<(Option<String>, String)> = events
+                .by_ref()
+                .zip(data.by_ref())
+                .take(batch.chunks.len())
                 .collect();
-            let data: Vec<String> = batch
-                .chunks
-                .iter()
-                .map(|c| text(&c.data).into_owned())
-                .collect();
-            if n > 0 {
-                // One statement per batch, whatever its size: the rows travel as two arrays.
-                sqlx::query(
-                    "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-                     SELECT $1, $2 + t.ord - 1, $3, 'data', t.event, t.data
-                     FROM UNNEST($4::text[], $5::text[]) WITH ORDINALITY AS t(event, data, ord)",
-                )
-                .bind(batch.lease.id)
-                .bind(first)
-                .bind(attempt_number(batch.lease.attempt)?)
-                .bind(&events)
-                .bind(&data)
-                .execute(&mut *tx)
-                .await?;
-            }
-            let stored = events
+            let Some(first) = next[group] else { continue };
+            let n = i64::try_from(taken.len()).map_err(corrupt)?;
+            next[group] = Some(first + n);
+            let stored = taken
                 .into_iter()
-                .zip(data)
                 .zip(first..)
                 .map(|((event, data), seq)| Chunk {
                     seq,
@@ -1018,16 +2031,6 @@ impl Store for PostgresStore {
                 .collect();
             results[i] = Some(stored);
         }
-        // One wake-up per group commit for every request that got chunks, never one per chunk.
-        let mut changed: Vec<Uuid> = batches
-            .iter()
-            .zip(&results)
-            .filter(|(_, stored)| stored.is_some())
-            .map(|(batch, _)| batch.lease.id)
-            .collect();
-        changed.dedup();
-        self.notify_changed(&mut tx, &changed).await?;
-        tx.commit().await?;
         Ok(results)
     }
 
@@ -1236,23 +2239,34 @@ impl Store for PostgresStore {
     }
 
     async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE requests SET attached = attached + (NOT $2)::int, replayed = replayed + $2::int
-             WHERE id = $1",
-        )
-        .bind(id)
-        .bind(replayed)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        self.write(LockKey::Request(id), move |conn| {
+            Box::pin(async move {
+                sqlx::query(
+                    "UPDATE requests SET attached = attached + (NOT $2)::int,
+                         replayed = replayed + $2::int
+                     WHERE id = $1",
+                )
+                .bind(id)
+                .bind(replayed)
+                .execute(&mut *conn)
+                .await?;
+                Ok(())
+            })
+        })
+        .await
     }
 
     async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
-        sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        self.write(LockKey::Request(id), move |conn| {
+            Box::pin(async move {
+                sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .await
     }
 
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {

@@ -21,7 +21,7 @@ use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, LeaseTo,
-    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, end_data,
+    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage, end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -202,9 +202,11 @@ conformance!(
     append_chunks_assigns_consecutive_seqs_across_batches,
     append_chunks_group_commit_keeps_each_requests_order,
     append_chunks_returns_none_for_a_lost_lease_lc3,
+    append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3,
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
     finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
+    concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5,
     finish_refuses_a_request_that_is_not_running_lc3,
     cancel_fails_pending_and_running_requests_lc9,
     cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
@@ -1255,6 +1257,57 @@ async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
     assert_eq!(append(&store, &ghost, new_chunks("g", 1)).await, None);
 }
 
+async fn append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3(store: DynStore) {
+    // A stale attempt's batch among the current attempt's, in one commit: only the current
+    // attempt's are stored, numbered after the reset, and its usage is the last it reported.
+    let rec = create(&store, by_hash("two-attempts", T0)).await;
+    let (old, _) = lease_at(&store, "node/old", T0).await;
+    append(&store, &old, new_chunks("old", 2))
+        .await
+        .expect("own");
+    let swept = store
+        .sweep(T0 + LEASE_MS + 1, MAX_ATTEMPTS)
+        .await
+        .expect("sweep");
+    assert_eq!(swept.recovered, vec![rec.id]);
+    let (new, _) = lease_at(&store, "node/new", T0 + LEASE_MS + 2).await;
+    assert_eq!(new.attempt, 2);
+    let usage = |n| Usage {
+        output_tokens: Some(n),
+        ..Usage::default()
+    };
+    let batch = |lease: &Lease, prefix: &str, reported: u64| ChunkBatch {
+        lease: lease.clone(),
+        chunks: new_chunks(prefix, 2),
+        upstream_request_id: None,
+        response_id: None,
+        usage: Some(usage(reported)),
+    };
+    let out = store
+        .append_chunks(&[
+            batch(&new, "a", 1),
+            batch(&old, "stale", 99),
+            batch(&new, "b", 2),
+        ])
+        .await
+        .expect("append");
+    assert!(out[1].is_none(), "the stale attempt writes nothing");
+    let seqs: Vec<Vec<i64>> = [&out[0], &out[2]]
+        .iter()
+        .map(|b| b.as_ref().expect("own").iter().map(|c| c.seq).collect())
+        .collect();
+    // Two chunks of the first attempt, its reset at 3, then the second attempt's.
+    assert_eq!(seqs, vec![vec![4, 5], vec![6, 7]]);
+    let stored = all_chunks(&store, rec.id).await;
+    assert_eq!(stored.len(), 7);
+    assert!(stored.iter().all(|c| !c.data.contains("stale")));
+    assert_eq!(stored[2].kind, ChunkKind::Reset);
+    assert_eq!(
+        store.attempt_usage(rec.id).await.expect("usage"),
+        vec![(2, usage(2))]
+    );
+}
+
 async fn chunks_after_pages_in_seq_order(store: DynStore) {
     let rec = create(&store, by_hash("pages", T0)).await;
     let (lease, _) = lease_at(&store, "node/a", T0).await;
@@ -1296,6 +1349,74 @@ async fn chunks_after_pages_in_seq_order(store: DynStore) {
             .expect("none")
             .is_empty()
     );
+}
+
+async fn concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5(store: DynStore) {
+    // Outcomes written at the same moment (a group commit may write them in one statement):
+    // each request gets its own record, end chunk and usage; a lost lease writes nothing.
+    let mut leases = Vec::new();
+    for i in 0..8 {
+        create(&store, by_hash(&format!("together {i}"), T0 + i)).await;
+        leases.push(lease_at(&store, "node/a", T0 + 10).await.0);
+    }
+    let lost = Lease {
+        owner: "node/stale".into(),
+        ..leases[7].clone()
+    };
+    let outcome = |i: usize| Outcome::Succeeded {
+        status: 200,
+        body: format!("{{\"answer\":{i}}}").into_bytes(),
+        upstream_request_id: Some(format!("req_up_{i}")),
+        response_id: i.is_multiple_of(2).then(|| format!("resp_together_{i}")),
+        usage: (!i.is_multiple_of(3)).then(|| Usage {
+            input_tokens: Some(i as u64),
+            output_tokens: Some(10 * i as u64),
+            ..Usage::default()
+        }),
+    };
+    let mut writes = Vec::new();
+    for (i, lease) in leases.iter().take(7).chain([&lost]).enumerate() {
+        let (store, lease, outcome) = (store.clone(), lease.clone(), outcome(i));
+        writes.push(tokio::spawn(async move {
+            store.finish_read(&lease, &outcome, T0 + 20).await
+        }));
+    }
+    let mut settled = Vec::new();
+    for write in writes {
+        settled.push(write.await.expect("task").expect("finish_read"));
+    }
+    assert!(settled[7].is_none(), "the stale owner is fenced out");
+    assert_eq!(get(&store, leases[7].id).await.status, Status::Running);
+    for (i, lease) in leases.iter().take(7).enumerate() {
+        let record = settled[i].clone().expect("lease held");
+        assert_eq!(record, get(&store, lease.id).await, "returned as stored");
+        assert_eq!(record.status, Status::Succeeded);
+        assert_eq!(
+            record.response_body,
+            Some(format!("{{\"answer\":{i}}}").into_bytes())
+        );
+        assert_eq!(record.upstream_request_id, Some(format!("req_up_{i}")));
+        let chunks = all_chunks(&store, lease.id).await;
+        assert_eq!(chunks.len(), 1);
+        assert_eq!(chunks[0].kind, ChunkKind::End);
+        assert_eq!(chunks[0].seq, record.last_seq);
+        let usage = store.attempt_usage(lease.id).await.expect("usage");
+        if i.is_multiple_of(3) {
+            assert!(usage.is_empty());
+        } else {
+            assert_eq!(usage.len(), 1);
+            assert_eq!(usage[0].1.output_tokens, Some(10 * i as u64));
+            assert_eq!(record.usage.output_tokens, Some(10 * i as u64));
+        }
+        let found = store
+            .find_response(&format!("resp_together_{i}"))
+            .await
+            .expect("find_response");
+        assert_eq!(
+            found.map(|r| r.request_id),
+            (i % 2 == 0).then_some(lease.id)
+        );
+    }
 }
 
 async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(store: DynStore) {
