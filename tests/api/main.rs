@@ -21,6 +21,7 @@ mod ops;
 mod proxy;
 mod requests_list;
 mod sdk_surface;
+mod soak;
 mod sqlite_writer;
 mod startup;
 mod store_conformance;
