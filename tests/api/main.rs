@@ -19,6 +19,7 @@ mod node;
 mod openapi;
 mod ops;
 mod proxy;
+mod readers;
 mod requests_list;
 mod sdk_surface;
 mod soak;
