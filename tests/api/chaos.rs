@@ -356,6 +356,9 @@ pub async fn every_record(http: &reqwest::Client, base: &str) -> Vec<Value> {
 /// - provider calls ≤ attempts, per body and in total: an attempt calls the provider at most
 ///   once, and a node fenced out of a request (LC-3) does not call again;
 /// - `reset` chunks ≤ recoveries (LC-8);
+/// - a stream's stored log after its last `reset` is exactly the provider's answer (the mock,
+///   asked again at the end, answers a body with the same text): nothing of a fenced-off
+///   attempt in it, nothing lost (LC-3, DU-1);
 /// - every log reader's sequence across reconnects has consecutive seqs and equals the stored
 ///   log from where it started (RD-4..RD-6).
 ///
@@ -413,6 +416,7 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
     for content in calls.by_number.into_values() {
         *calls_by_content.entry(content).or_default() += 1;
     }
+    let mut final_texts: Vec<(usize, String, String)> = Vec::new();
     for i in 0..workload.logical {
         let seen = &outcome.ids[&i];
         assert_eq!(
@@ -445,6 +449,12 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
                 .iter()
                 .filter(|e| e.event.as_deref() == Some("reset"))
                 .count() as u64;
+            // The attempt that succeeded: everything after the last `reset`.
+            let last_reset = log
+                .iter()
+                .rposition(|e| e.event.as_deref() == Some("reset"))
+                .map_or(0, |p| p + 1);
+            final_texts.push((i, id.clone(), openai_text(&log[last_reset..])));
             counts.resets += resets;
             assert!(
                 resets <= record["recoveries"].as_u64().unwrap(),
@@ -498,6 +508,35 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
             .map(|(e, _)| (e.event, e.data))
             .collect();
         assert_eq!(got, stored, "{id}: the reader saw exactly the stored log");
+    }
+    // The stored stream of the attempt that succeeded is exactly the provider's answer: no
+    // chunk of a fenced-off attempt in it, none lost (LC-3, DU-1). The mock answers a body
+    // with the same text every time; asked again here, after the calls were counted.
+    let references = join_all(final_texts.iter().map(|(i, _, _)| {
+        let http = http.clone();
+        let body = workload.body(*i);
+        let url = format!("{}/chat/completions", mock.base_url());
+        async move {
+            let response = http
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .expect("the mock answers");
+            openai_text(&read_events(response).await.1)
+        }
+    }))
+    .await;
+    for ((i, id, stored), reference) in final_texts.iter().zip(references) {
+        assert!(
+            !reference.is_empty(),
+            "the mock's answer to body {i} has text"
+        );
+        assert_eq!(
+            stored, &reference,
+            "body {i} ({id}): the stored stream after its last reset is the provider's answer"
+        );
     }
     if !per_body_calls {
         println!(
