@@ -14,7 +14,7 @@
 //! reader's sequence consecutive and equal to the stored log; this test adds that no node died
 //! of a fault it was not given. Counts are printed (`--no-capture`).
 //!
-//! The CI form (~1 minute) runs 2 kills, 2 database restarts (one of each mode) and 1 pause;
+//! The CI form (about 25 s) runs 2 kills, 2 database restarts (one of each mode) and 1 pause;
 //! `CHAOS_LONG=1` runs the long form (12 kills, 8 restarts, 6 pauses over ~3 minutes of
 //! traffic), reported in docs/reliability.md. `CHAOS_SEED=N` replays a run's fault schedule
 //! (the seed is printed). In the `postgres` group of `scripts/test` (module `multinode::`).
