@@ -1,17 +1,22 @@
 //! Chaos: a bounded workload while holdfast is SIGKILLed and restarted at random moments, then
 //! a checker over the invariants of DU-1, ID-4, ID-7, LC-3, LC-8 and RD-4..RD-6. The counts are
 //! printed (run with `--nocapture`) and recorded in docs/reliability.md.
+//!
+//! The workload ([`Workload`], [`run`]) and the checker ([`check`]) are shared with the cluster
+//! chaos test (`multinode::chaos`), which runs them against three nodes on PostgreSQL while it
+//! kills and pauses nodes and restarts the database.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use holdfast::mock::MockConfig;
+use holdfast::mock::{MockConfig, MockServer};
 use holdfast::sse::{SseEvent, SseParser};
 use rand::Rng;
+use serde_json::Value;
 use tokio::sync::Mutex;
 
 use crate::helpers::*;
@@ -19,45 +24,212 @@ use crate::helpers::*;
 const LOGICAL: usize = 100; // distinct bodies
 const COPIES: usize = 3; // each sent this many times, concurrently
 const KILLS: usize = 5;
-const DEADLINE: Duration = Duration::from_secs(120);
 
-fn body(i: usize) -> String {
-    serde_json::json!({
-        "model": "gpt-4o-mini",
-        "stream": i.is_multiple_of(3),
-        "messages": [{"role": "user", "content": format!("chaos {i}")}],
-    })
-    .to_string()
+/// No client or reader may take longer than this to finish.
+const DEADLINE: Duration = Duration::from_secs(120);
+/// Any one HTTP exchange longer than this is abandoned and retried, as an SDK's timeout does
+/// (a paused node holds its connections until it is continued).
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often the provider calls the mock recorded are collected while the workload runs (it
+/// keeps the last 1,000 only, far more than arrive in this time).
+const COLLECT_EVERY: Duration = Duration::from_millis(250);
+
+/// A bounded workload: `logical` distinct bodies (every third streaming), each sent `copies`
+/// times at once by clients that retry like SDKs do, plus a log reader following every stream.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Each body's content is `"{prefix} {i}"` (how the mock's record is matched to it).
+    pub prefix: &'static str,
+    pub logical: usize,
+    pub copies: usize,
+    /// Body `i` starts at `spread * i / logical` (its copies at the same moment).
+    pub spread: Duration,
+    /// The nodes. Copy `c` of body `i` is sent first to node `(i + c) % n`, and each retry to
+    /// the next node (a load balancer in front of the cluster); a log reader reconnects to the
+    /// next node too, with its `Last-Event-ID`.
+    pub bases: Vec<String>,
+    /// The error codes a stream broken by a fault may end with (RS-4), on which an SDK raises
+    /// and retries: `attempt_abandoned` always; `store_unavailable` where the database goes away.
+    pub stream_errors: &'static [&'static str],
+    /// How many of a stream's clients (at most `copies`) also follow its log, each starting on
+    /// the node after its client's.
+    pub readers_per_stream: usize,
 }
 
-/// A client that behaves like an SDK: on a broken connection, a 5xx that says retry, or an
-/// abandoned stream, it sends the same body again. Returns the request id it ended with.
+impl Workload {
+    fn body(&self, i: usize) -> String {
+        serde_json::json!({
+            "model": "gpt-4o-mini",
+            "stream": Workload::streams(i),
+            "messages": [{"role": "user", "content": self.content(i)}],
+        })
+        .to_string()
+    }
+
+    fn content(&self, i: usize) -> String {
+        format!("{} {i}", self.prefix)
+    }
+
+    fn streams(i: usize) -> bool {
+        i.is_multiple_of(3)
+    }
+
+    fn base(&self, node: usize) -> &str {
+        &self.bases[node % self.bases.len()]
+    }
+}
+
+/// One client's body, the id it ended with, and what its log reader read (id and events).
+type ClientResult = (usize, String, Option<(String, Vec<SseEvent>)>);
+
+/// What the workload saw.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Every request id each body's clients were given (the checker wants exactly one).
+    ids: HashMap<usize, HashSet<String>>,
+    /// Per client: its body, the id it ended with, and (one client per stream) what its log
+    /// reader read.
+    results: Vec<ClientResult>,
+    /// Answers that made a client send again: broken connections, timeouts, 5xx, streams that
+    /// ended with an error event.
+    pub retries: u64,
+    /// Log reader reconnections.
+    pub reconnects: u64,
+    /// Every provider call's body content, by the mock's call number.
+    calls: ProviderCalls,
+}
+
+/// The provider calls the mock recorded, collected while the workload runs: by call number,
+/// the content of the call's first message.
+#[derive(Debug, Default)]
+struct ProviderCalls {
+    by_number: std::collections::BTreeMap<u64, String>,
+    /// Whether a collection found calls gone that were never collected (then per-body call
+    /// counts are not known, only the total).
+    missed: bool,
+}
+
+impl ProviderCalls {
+    fn collect(&mut self, mock: &MockServer) {
+        let recorded = mock.recorded();
+        let next = self.by_number.keys().next_back().map_or(1, |n| n + 1);
+        if recorded.first().is_some_and(|c| c.n > next) {
+            self.missed = true;
+        }
+        for call in recorded {
+            let content = call.body["messages"][0]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            self.by_number.insert(call.n, content);
+        }
+    }
+}
+
+/// The HTTP client of the workload and the checker: no pooled connections (a restarted node
+/// must not inherit a dead one), and [`EXCHANGE_TIMEOUT`].
+pub fn chaos_http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(EXCHANGE_TIMEOUT)
+        .build()
+        .unwrap()
+}
+
+/// Runs the workload to its end: every client has a complete answer, every reader its `end`.
+/// Collects `mock`'s provider calls meanwhile.
+pub async fn run(workload: &Workload, mock: &MockServer) -> Outcome {
+    let http = chaos_http();
+    let ids: Arc<Mutex<HashMap<usize, HashSet<String>>>> = Arc::default();
+    let retries = Arc::new(AtomicU64::new(0));
+    let reconnects = Arc::new(AtomicU64::new(0));
+    let clients = (0..workload.logical * workload.copies).map(|n| {
+        let (http, ids) = (http.clone(), Arc::clone(&ids));
+        let (retries, reconnects) = (Arc::clone(&retries), Arc::clone(&reconnects));
+        async move {
+            let i = n % workload.logical;
+            let copy = n / workload.logical;
+            tokio::time::sleep(workload.spread.mul_f64(i as f64 / workload.logical as f64)).await;
+            if !(Workload::streams(i) && copy < workload.readers_per_stream) {
+                let id = client(&http, workload, i, copy, ids, &retries, None).await;
+                return (i, id, None);
+            }
+            // A reader follows the stream live from the moment its id is known, on another
+            // node than the client's.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (id, events) = tokio::join!(
+                client(&http, workload, i, copy, ids, &retries, Some(tx)),
+                async {
+                    let id = rx.await.expect("the client learns an id");
+                    let first = i + copy + 1;
+                    let events = log_reader(&http, workload, first, &id, &reconnects).await;
+                    (id, events)
+                }
+            );
+            (i, id, Some(events))
+        }
+    });
+    let mut calls = ProviderCalls::default();
+    let results = {
+        let mut clients = std::pin::pin!(join_all(clients));
+        let mut tick = tokio::time::interval(COLLECT_EVERY);
+        loop {
+            tokio::select! {
+                results = &mut clients => break results,
+                _ = tick.tick() => calls.collect(mock),
+            }
+        }
+    };
+    let ids = std::mem::take(&mut *ids.lock().await);
+    Outcome {
+        ids,
+        calls,
+        results,
+        retries: retries.load(Ordering::SeqCst),
+        reconnects: reconnects.load(Ordering::SeqCst),
+    }
+}
+
+/// A client that behaves like an SDK: on a broken connection, a timeout, a 5xx that says
+/// retry, or an abandoned stream, it sends the same body again (to the next node). Returns the
+/// request id it ended with; the first id it is given goes to `first_id`.
+#[allow(clippy::too_many_arguments)]
 async fn client(
-    http: reqwest::Client,
-    base: String,
+    http: &reqwest::Client,
+    workload: &Workload,
     i: usize,
+    copy: usize,
     ids: Arc<Mutex<HashMap<usize, HashSet<String>>>>,
+    retries: &AtomicU64,
+    mut first_id: Option<tokio::sync::oneshot::Sender<String>>,
 ) -> String {
     let start = Instant::now();
-    loop {
+    for attempt in 0.. {
         assert!(start.elapsed() < DEADLINE, "client {i} never finished");
+        if attempt > 0 {
+            retries.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let base = workload.base(i + copy + attempt);
         let sent = http
             .post(format!("{base}/v1/chat/completions"))
             .header("content-type", "application/json")
-            .body(body(i))
+            .body(workload.body(i))
             .send()
             .await;
         let Ok(response) = sent else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let id = header(&response, "holdfast-request-id");
         if !id.is_empty() {
             ids.lock().await.entry(i).or_default().insert(id.clone());
+            if let Some(tx) = first_id.take() {
+                let _ = tx.send(id.clone());
+            }
         }
         let status = response.status().as_u16();
         let Ok(bytes) = response.bytes().await else {
-            continue; // killed mid-answer
+            continue; // killed mid-answer, or timed out
         };
         if status != 200 {
             assert!(
@@ -65,32 +237,44 @@ async fn client(
                 "client {i}: unexpected {status}: {}",
                 String::from_utf8_lossy(&bytes)
             );
-            tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
-        if i.is_multiple_of(3) {
+        if Workload::streams(i) {
             let text = String::from_utf8_lossy(&bytes);
             if !text.contains("data: [DONE]") {
                 assert!(
-                    text.contains("attempt_abandoned"),
-                    "client {i}: a broken stream must say why: {text}"
+                    workload.stream_errors.iter().any(|e| text.contains(e)),
+                    "client {i}: a broken stream must say why ({:?}): {text}",
+                    workload.stream_errors
                 );
                 continue;
             }
         }
         return id;
     }
+    unreachable!()
 }
 
-/// A log reader that follows `GET /requests/{id}` across restarts with `Last-Event-ID`.
-async fn log_reader(http: reqwest::Client, base: String, id: String) -> Vec<SseEvent> {
+/// A log reader that follows `GET /requests/{id}` across restarts with `Last-Event-ID`, each
+/// reconnection on the next node.
+async fn log_reader(
+    http: &reqwest::Client,
+    workload: &Workload,
+    first_node: usize,
+    id: &str,
+    reconnects: &AtomicU64,
+) -> Vec<SseEvent> {
     let mut events: Vec<SseEvent> = Vec::new();
     let start = Instant::now();
-    loop {
+    for connection in 0.. {
         assert!(
             start.elapsed() < DEADLINE,
             "log reader of {id} never finished"
         );
+        if connection > 0 {
+            reconnects.fetch_add(1, Ordering::SeqCst);
+        }
+        let base = workload.base(first_node + connection);
         let position = events.last().and_then(|e| e.id.clone());
         let mut req = http
             .get(format!("{base}/requests/{id}"))
@@ -120,6 +304,248 @@ async fn log_reader(http: reqwest::Client, base: String, id: String) -> Vec<SseE
             }
         }
     }
+    unreachable!()
+}
+
+/// The checker's counts of one run.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Requests the clients sent (first sends, not retries).
+    pub sent: usize,
+    /// Requests in the log (one per body when the claim window held).
+    pub logged: usize,
+    /// Attempts, recoveries and `reset` chunks over every logged request.
+    pub attempts: u64,
+    pub recoveries: u64,
+    pub resets: u64,
+    /// Provider calls the mock answered.
+    pub provider_calls: u64,
+    /// Log readers and the events they read.
+    pub readers: usize,
+    pub reader_events: usize,
+    /// Logged requests no client was told about.
+    pub unknown_to_clients: usize,
+    /// How long after the faults stopped every logged request was terminal.
+    pub settled: Duration,
+}
+
+/// Every request in the log, through `GET /requests` on `base` (one page per 500).
+pub async fn every_record(http: &reqwest::Client, base: &str) -> Vec<Value> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _page in 0..100 {
+        let mut url = format!("{base}/requests?limit=500");
+        if let Some(c) = &cursor {
+            url.push_str(&format!("&cursor={c}"));
+        }
+        let page: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
+        all.extend(page["data"].as_array().unwrap().iter().cloned());
+        cursor = page["next_cursor"].as_str().map(str::to_owned);
+        if cursor.is_none() {
+            return all;
+        }
+    }
+    panic!("more than 100 pages of requests");
+}
+
+/// Checks the invariants after a run (the faults have stopped; every node answers) and
+/// returns the counts; panics on the first violation:
+/// - every logged request reaches a terminal status (within 90 s), every body's ends
+///   `succeeded`;
+/// - all copies and retries of one body landed on one request (ID-4, ID-7);
+/// - provider calls ≤ attempts, per body and in total: an attempt calls the provider at most
+///   once, and a node fenced out of a request (LC-3) does not call again;
+/// - `reset` chunks ≤ recoveries (LC-8);
+/// - a stream's stored log after its last `reset` is exactly the provider's answer (the mock,
+///   asked again at the end, answers a body with the same text): nothing of a fenced-off
+///   attempt in it, nothing lost (LC-3, DU-1);
+/// - every log reader's sequence across reconnects has consecutive seqs and equals the stored
+///   log from where it started (RD-4..RD-6).
+///
+/// Records are read from every node in turn.
+pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> Counts {
+    let http = chaos_http();
+    let mut counts = Counts {
+        sent: workload.logical * workload.copies,
+        provider_calls: mock.calls(),
+        ..Counts::default()
+    };
+
+    // Every logged request terminal (including any no client learned of).
+    let settle = Instant::now();
+    let records = loop {
+        let records = every_record(&http, workload.base(0)).await;
+        let open: Vec<&Value> = records
+            .iter()
+            .filter(|r| !matches!(r["status"].as_str(), Some("succeeded" | "failed")))
+            .collect();
+        if open.is_empty() {
+            break records;
+        }
+        assert!(
+            settle.elapsed() < Duration::from_secs(90),
+            "{} requests still not terminal 90 s after the faults stopped, e.g. {}",
+            open.len(),
+            open[0]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    counts.settled = settle.elapsed();
+    counts.logged = records.len();
+    for record in &records {
+        counts.attempts += record["attempts"].as_u64().unwrap();
+        counts.recoveries += record["recoveries"].as_u64().unwrap();
+        let id = record["id"].as_str().unwrap();
+        if !outcome.ids.values().any(|seen| seen.contains(id)) {
+            counts.unknown_to_clients += 1;
+            println!("chaos: request no client learned of: {record}");
+        }
+    }
+    assert!(
+        counts.provider_calls <= counts.attempts,
+        "each attempt called the provider at most once: {} calls, {} attempts",
+        counts.provider_calls,
+        counts.attempts
+    );
+
+    // Per body.
+    let mut calls = outcome.calls;
+    calls.collect(mock);
+    let per_body_calls = !calls.missed;
+    let mut calls_by_content: HashMap<String, u64> = HashMap::new();
+    for content in calls.by_number.into_values() {
+        *calls_by_content.entry(content).or_default() += 1;
+    }
+    let mut final_texts: Vec<(usize, String, String)> = Vec::new();
+    for i in 0..workload.logical {
+        let seen = &outcome.ids[&i];
+        assert_eq!(
+            seen.len(),
+            1,
+            "duplicates and retries of body {i} all landed on one request: {seen:?}"
+        );
+        let id = seen.iter().next().unwrap();
+        let base = workload.base(i);
+        let record = get_record(&http, base, id).await;
+        assert_eq!(
+            record["status"], "succeeded",
+            "every accepted request ends terminal: {record}"
+        );
+        let attempts = record["attempts"].as_u64().unwrap();
+        let calls = calls_by_content
+            .get(&workload.content(i))
+            .copied()
+            .unwrap_or(0);
+        if per_body_calls {
+            assert!(
+                calls >= 1 && calls <= attempts,
+                "body {i}: {calls} upstream calls for {attempts} attempts"
+            );
+        }
+        if Workload::streams(i) {
+            let full = get_events(&http, base, id, Some("0")).await;
+            let (_, log) = read_events(full).await;
+            let resets = log
+                .iter()
+                .filter(|e| e.event.as_deref() == Some("reset"))
+                .count() as u64;
+            // The attempt that succeeded: everything after the last `reset`.
+            let last_reset = log
+                .iter()
+                .rposition(|e| e.event.as_deref() == Some("reset"))
+                .map_or(0, |p| p + 1);
+            final_texts.push((i, id.clone(), openai_text(&log[last_reset..])));
+            counts.resets += resets;
+            assert!(
+                resets <= record["recoveries"].as_u64().unwrap(),
+                "{id}: a reset only where an attempt was abandoned: {resets} resets, {record}"
+            );
+        }
+    }
+
+    // Per log reader.
+    for (i, id, log) in outcome.results {
+        assert_eq!(outcome.ids[&i].iter().next(), Some(&id));
+        let Some((id, events)) = log else { continue };
+        counts.readers += 1;
+        counts.reader_events += events.len();
+        // The reader's sequence, across reconnects, is the stored log from where it started:
+        // consecutive seqs, no gap, no duplicate, ending with `end`.
+        let seqs: Vec<i64> = events
+            .iter()
+            .map(|e| e.id.as_deref().unwrap().parse().unwrap())
+            .collect();
+        assert!(
+            seqs.windows(2).all(|w| w[1] == w[0] + 1),
+            "{id}: seqs {seqs:?}"
+        );
+        assert_eq!(
+            events.last().and_then(|e| e.event.as_deref()),
+            Some("end"),
+            "{id}: the reader ends with `end`"
+        );
+        // Read back from where the reader started. A position inside an abandoned attempt
+        // resumes at the latest `reset` (RD-6), so the stored log read back may start later
+        // than the reader did: compare from the first seq the read-back holds.
+        let base = workload.base(i + 2);
+        let full = get_events(&http, base, &id, Some(&(seqs[0] - 1).to_string())).await;
+        let (_, stored) = read_events(full).await;
+        let from: i64 = stored
+            .first()
+            .and_then(|e| e.id.as_deref())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{id}: nothing stored after {}", seqs[0] - 1));
+        assert!(
+            seqs.contains(&from),
+            "{id}: the read-back starts at {from}, which the reader never saw ({seqs:?})"
+        );
+        let stored: Vec<(Option<String>, String)> =
+            stored.into_iter().map(|e| (e.event, e.data)).collect();
+        let got: Vec<(Option<String>, String)> = events
+            .into_iter()
+            .zip(&seqs)
+            .filter(|(_, seq)| **seq >= from)
+            .map(|(e, _)| (e.event, e.data))
+            .collect();
+        assert_eq!(got, stored, "{id}: the reader saw exactly the stored log");
+    }
+    // The stored stream of the attempt that succeeded is exactly the provider's answer: no
+    // chunk of a fenced-off attempt in it, none lost (LC-3, DU-1). The mock answers a body
+    // with the same text every time; asked again here, after the calls were counted.
+    let references = join_all(final_texts.iter().map(|(i, _, _)| {
+        let http = http.clone();
+        let body = workload.body(*i);
+        let url = format!("{}/chat/completions", mock.base_url());
+        async move {
+            let response = http
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .expect("the mock answers");
+            openai_text(&read_events(response).await.1)
+        }
+    }))
+    .await;
+    for ((i, id, stored), reference) in final_texts.iter().zip(references) {
+        assert!(
+            !reference.is_empty(),
+            "the mock's answer to body {i} has text"
+        );
+        assert_eq!(
+            stored, &reference,
+            "body {i} ({id}): the stored stream after its last reset is the provider's answer"
+        );
+    }
+    if !per_body_calls {
+        println!(
+            "chaos: the mock dropped calls before they were collected: {} provider calls checked \
+             in total only",
+            counts.provider_calls
+        );
+    }
+    counts
 }
 
 #[tokio::test]
@@ -150,13 +576,16 @@ base_url = "{mock}"
         mock = mock.base_url()
     );
     let addr: SocketAddr = free_addr();
-    let base = format!("http://{addr}");
     let node = Arc::new(Mutex::new(Process::serve(dir.path(), &toml, addr).await));
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
-    let ids: Arc<Mutex<HashMap<usize, HashSet<String>>>> = Arc::default();
+    let workload = Workload {
+        prefix: "chaos",
+        logical: LOGICAL,
+        copies: COPIES,
+        spread: Duration::from_secs(3),
+        bases: vec![format!("http://{addr}")],
+        stream_errors: &["attempt_abandoned"],
+        readers_per_stream: 1,
+    };
 
     // The killer: SIGKILL at random moments, restart on the same address at once.
     let done = Arc::new(AtomicBool::new(false));
@@ -179,142 +608,22 @@ base_url = "{mock}"
         })
     };
 
-    // The workload: every body COPIES times at once, plus a log reader per stream.
-    let clients = (0..LOGICAL * COPIES).map(|n| {
-        let (http, base, ids) = (http.clone(), base.clone(), Arc::clone(&ids));
-        async move {
-            tokio::time::sleep(Duration::from_millis((n as u64 % 100) * 30)).await;
-            let i = n % LOGICAL;
-            let id = client(http.clone(), base.clone(), i, ids).await;
-            let log = if i.is_multiple_of(3) && n < LOGICAL {
-                Some((id.clone(), log_reader(http, base, id.clone()).await))
-            } else {
-                None
-            };
-            (i, id, log)
-        }
-    });
-    let results = join_all(clients).await;
+    let outcome = run(&workload, &mock).await;
     done.store(true, Ordering::SeqCst);
     let kills = killer.await.unwrap();
-
-    // Checker.
-    let ids = ids.lock().await;
-    let (mut attempts, mut recoveries, mut resets) = (0u64, 0u64, 0usize);
-    let mut calls_by_content: HashMap<String, u64> = HashMap::new();
-    for call in mock.recorded() {
-        let content = call.body["messages"][0]["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        *calls_by_content.entry(content).or_default() += 1;
-    }
-    for i in 0..LOGICAL {
-        let seen = &ids[&i];
-        assert_eq!(
-            seen.len(),
-            1,
-            "duplicates and retries of body {i} all landed on one request: {seen:?}"
-        );
-        let id = seen.iter().next().unwrap();
-        let record = get_record(&http, &base, id).await;
-        assert_eq!(
-            record["status"], "succeeded",
-            "every accepted request ends terminal: {record}"
-        );
-        let a = record["attempts"].as_u64().unwrap();
-        attempts += a;
-        recoveries += record["recoveries"].as_u64().unwrap();
-        let calls = calls_by_content
-            .get(&format!("chaos {i}"))
-            .copied()
-            .unwrap_or(0);
-        assert!(
-            calls >= 1 && calls <= a,
-            "body {i}: {calls} upstream calls for {a} attempts"
-        );
-        if i.is_multiple_of(3) {
-            let full = get_events(&http, &base, id, Some("0")).await;
-            let (_, log) = read_events(full).await;
-            resets += log
-                .iter()
-                .filter(|e| e.event.as_deref() == Some("reset"))
-                .count();
-            assert!(
-                log.iter()
-                    .filter(|e| e.event.as_deref() == Some("reset"))
-                    .count() as u64
-                    <= record["recoveries"].as_u64().unwrap(),
-                "a reset only where an attempt was abandoned"
-            );
-        }
-    }
-    for (i, id, log) in results {
-        assert_eq!(ids[&i].iter().next(), Some(&id));
-        let Some((id, events)) = log else { continue };
-        // The reader's sequence, across reconnects, is the stored log from where it started:
-        // consecutive seqs, no gap, no duplicate, ending with `end`.
-        let seqs: Vec<i64> = events
-            .iter()
-            .map(|e| e.id.as_deref().unwrap().parse().unwrap())
-            .collect();
-        assert!(
-            seqs.windows(2).all(|w| w[1] == w[0] + 1),
-            "{id}: seqs {seqs:?}"
-        );
-        // Read back from where the reader started. A position inside an abandoned attempt
-        // resumes at the latest `reset` (RD-6), so the stored log read back may start later
-        // than the reader did: compare from the first seq the read-back holds.
-        let full = get_events(&http, &base, &id, Some(&(seqs[0] - 1).to_string())).await;
-        let (_, stored) = read_events(full).await;
-        let from: i64 = stored
-            .first()
-            .and_then(|e| e.id.as_deref())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("{id}: nothing stored after {}", seqs[0] - 1));
-        assert!(
-            seqs.contains(&from),
-            "{id}: the read-back starts at {from}, which the reader never saw ({seqs:?})"
-        );
-        let stored: Vec<(Option<String>, String)> =
-            stored.into_iter().map(|e| (e.event, e.data)).collect();
-        let got: Vec<(Option<String>, String)> = events
-            .into_iter()
-            .zip(&seqs)
-            .filter(|(_, seq)| **seq >= from)
-            .map(|(e, _)| (e.event, e.data))
-            .collect();
-        assert_eq!(got, stored, "{id}: the reader saw exactly the stored log");
-    }
-    // Every request in the log, including any a client never learned the id of.
-    let (mut logged_attempts, mut cursor) = (0u64, None::<String>);
-    for _page in 0..100 {
-        let mut url = format!("{base}/requests?limit=500");
-        if let Some(c) = &cursor {
-            url.push_str(&format!("&cursor={c}"));
-        }
-        let page: serde_json::Value = http.get(&url).send().await.unwrap().json().await.unwrap();
-        for record in page["data"].as_array().unwrap() {
-            logged_attempts += record["attempts"].as_u64().unwrap();
-            let id = record["id"].as_str().unwrap();
-            if !ids.values().any(|seen| seen.contains(id)) {
-                println!("chaos: request no client learned of: {record}");
-            }
-        }
-        cursor = page["next_cursor"].as_str().map(str::to_owned);
-        if cursor.is_none() {
-            break;
-        }
-    }
-    let upstream = mock.calls();
-    println!("chaos: attempts of every logged request: {logged_attempts}");
+    let retries = outcome.retries;
+    let counts = check(&workload, outcome, &mock).await;
     println!(
-        "chaos: requests={} (logical {LOGICAL} x {COPIES}) kills={kills} attempts={attempts} recoveries={recoveries} resets={resets} upstream_calls={upstream}",
-        LOGICAL * COPIES
-    );
-    assert!(
-        upstream <= logged_attempts,
-        "each attempt called the provider at most once: {upstream} calls, {logged_attempts} attempts"
+        "chaos: requests={} (logical {LOGICAL} x {COPIES}) kills={kills} logged={} attempts={} \
+         recoveries={} resets={} upstream_calls={} client_retries={retries} readers={} \
+         violations=0",
+        counts.sent,
+        counts.logged,
+        counts.attempts,
+        counts.recoveries,
+        counts.resets,
+        counts.provider_calls,
+        counts.readers,
     );
     assert_eq!(kills, KILLS);
     drop(node);

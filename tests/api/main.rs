@@ -22,6 +22,7 @@ mod proxy;
 mod readers;
 mod requests_list;
 mod sdk_surface;
+mod soak;
 mod sqlite_writer;
 mod startup;
 mod store_conformance;

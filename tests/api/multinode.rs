@@ -28,7 +28,9 @@ use uuid::Uuid;
 use crate::helpers::*;
 use crate::store_conformance::TestDatabase;
 
+mod chaos;
 mod outage;
+mod pg_server;
 
 /// `application_name` of each node's LISTEN connection.
 const LISTEN_APP: &str = "holdfast-listen";
