@@ -668,3 +668,20 @@ pub async fn wait_deliveries(base: &str, id: &str, key: Option<&str>, total: u64
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// `VmRSS` of process `pid`, KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+/// Open file descriptors of process `pid`.
+pub fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("proc fd")
+        .count()
+}

@@ -78,21 +78,6 @@ struct Sample {
     requests: u64,
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS")
-}
-
-fn fds(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .expect("proc fd")
-        .count() as u64
-}
-
 fn file_len(path: &Path) -> u64 {
     std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
 }
@@ -274,7 +259,7 @@ base_url = "{mock}"
             samples.push(Sample {
                 at: scheduled,
                 rss_kib: rss_kib(pid),
-                fds: fds(pid),
+                fds: fds(pid) as u64,
                 db_bytes: file_len(&db),
                 wal_bytes: file_len(&wal),
                 requests: logged_requests(&db),
@@ -316,7 +301,7 @@ base_url = "{mock}"
     samples.push(Sample {
         at: started.elapsed(),
         rss_kib: rss_kib(pid),
-        fds: fds(pid),
+        fds: fds(pid) as u64,
         db_bytes: file_len(&db),
         wal_bytes: file_len(&wal),
         requests: logged_requests(&db),
