@@ -1279,8 +1279,35 @@ struct PacedRung {
 
 /// LLM-like streams: the mock paced at one event per [`PACED_DELAY_MS`] (50 events/s) for
 /// `paced_events` events; `n` streams at once, their starts spread over one second.
+/// Cumulative counts of SQLite commits that took at most 2, 5 and 20 ms, and all of them, from
+/// holdfast's `/metrics` (`None` for a target without them).
+async fn commit_tail(client: &reqwest::Client, base: &str) -> Option<[f64; 4]> {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let bucket = |le: &str| {
+        let name = format!("holdfast_sqlite_commit_seconds_bucket{{le=\"{le}\"}}");
+        text.lines()
+            .find(|l| l.starts_with(&name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    Some([
+        bucket("0.002")?,
+        bucket("0.005")?,
+        bucket("0.02")?,
+        bucket("+Inf")?,
+    ])
+}
+
 async fn paced_rung(base: &str, nonce: &str, target: &str, n: usize) -> Result<PacedRung> {
     let client = client(n + 16)?;
+    let tail_before = commit_tail(&client, base).await;
     let url = chat_url(base);
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..n {
@@ -1310,6 +1337,16 @@ async fn paced_rung(base: &str, nonce: &str, target: &str, n: usize) -> Result<P
             }
             _ => failed += 1,
         }
+    }
+    if let (Some(a), Some(b)) = (tail_before, commit_tail(&client, base).await) {
+        let d: Vec<f64> = a.iter().zip(b).map(|(a, b)| b - a).collect();
+        println!(
+            "    SQLite commits during the rung: {}, over 2 ms: {}, over 5 ms: {}, over 20 ms: {}",
+            d[3],
+            d[3] - d[0],
+            d[3] - d[1],
+            d[3] - d[2]
+        );
     }
     let gaps = sorted_ms(&gaps);
     Ok(PacedRung {

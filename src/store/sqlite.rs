@@ -19,7 +19,7 @@
 //!
 //! **Checkpoints.** SQLite's automatic WAL checkpoint runs inside whichever commit crosses the
 //! threshold, so a request now and then pays for copying the WAL back into the database. A
-//! background thread runs `PRAGMA wal_checkpoint(PASSIVE)` every 500 ms, beside
+//! background thread runs `PRAGMA wal_checkpoint(PASSIVE)` every 100 ms, beside
 //! the writer rather than in its way, so under ordinary load the WAL never reaches that
 //! threshold; under writes that never pause the automatic checkpoint still bounds it.
 //!
@@ -58,7 +58,7 @@ const MAX_READERS: usize = 8;
 /// automatic checkpoint's 8,192 pages.
 const WAL_HARD_LIMIT: u64 = 48 << 20;
 /// How often the background thread checkpoints the WAL into the database file.
-const CHECKPOINT_EVERY: Duration = Duration::from_millis(500);
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 /// How long a connection waits for a lock held by another process before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
