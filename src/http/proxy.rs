@@ -133,6 +133,7 @@ async fn admit_and_answer(
             state.config.dedupe_window_secs,
         ),
     };
+    let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
     let new = NewRequest {
         id: Uuid::now_v7(),
         namespace: namespace.clone(),
@@ -144,30 +145,25 @@ async fn admit_and_answer(
         headers: forwarded,
         hash,
         claim,
-        claim_key,
-        claim_expires_at: now
-            .saturating_add(i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX)),
+        claim_key: claim_key.clone(),
+        claim_expires_at: now.saturating_add(ttl_ms),
         now,
     };
     // The claim's duplicates may be answered from memory once it succeeded: until the claim
     // expires (counted from the request that holds it, which may be an earlier one), and never
     // past the moment pruning may delete the request with its claim (DU-4).
-    let (new_namespace, new_claim_key) = (new.namespace.clone(), new.claim_key.clone());
     let retention_ms =
         i64::try_from(state.config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
     let claim_of = |record: &RequestRecord| ClaimRef {
-        namespace: new_namespace.clone(),
-        claim_key: new_claim_key.clone(),
+        namespace: &namespace,
+        claim_key: &claim_key,
         fingerprint: hash,
-        expires_at: record
-            .created_at
-            .saturating_add(i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX))
-            .min(
-                record
-                    .finished_at
-                    .unwrap_or(record.created_at)
-                    .saturating_add(retention_ms),
-            ),
+        expires_at: record.created_at.saturating_add(ttl_ms).min(
+            record
+                .finished_at
+                .unwrap_or(record.created_at)
+                .saturating_add(retention_ms),
+        ),
     };
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).

@@ -421,9 +421,7 @@ impl WriteJob for SubmitJob {
                 &self.origin,
             ))
             .await;
-            let ok = result.is_ok();
-            self.result = Some(result);
-            ok
+            keep(&mut self.result, result)
         })
     }
 
@@ -449,6 +447,13 @@ async fn unpanicked<T>(
                 "the write panicked and was rolled back".into(),
             ))
         })
+}
+
+/// Keeps a job's `result` for its answer; whether it succeeded (`false` fails the group).
+fn keep<T>(slot: &mut Option<Result<T, StoreError>>, result: Result<T, StoreError>) -> bool {
+    let ok = result.is_ok();
+    *slot = Some(result);
+    ok
 }
 
 /// What a job answers: its own failure wins (nothing of it was stored), then the commit's.
@@ -494,9 +499,7 @@ impl WriteJob for FinishJob {
                 &self.changed,
             ))
             .await;
-            let ok = result.is_ok();
-            self.result = Some(result);
-            ok
+            keep(&mut self.result, result)
         })
     }
 
@@ -532,10 +535,7 @@ where
             let Some(work) = &self.work else {
                 return false;
             };
-            let result = unpanicked(work(conn)).await;
-            let ok = result.is_ok();
-            self.result = Some(result);
-            ok
+            keep(&mut self.result, unpanicked(work(conn)).await)
         })
     }
 

@@ -22,9 +22,9 @@ const MAX_RECORD_BYTES: usize = 1024 * 1024;
 /// A claim as admission computes it: which namespace and key, the fingerprint of the body
 /// that holds it, and until when it lives.
 #[derive(Debug, Clone)]
-pub(crate) struct ClaimRef {
-    pub(crate) namespace: String,
-    pub(crate) claim_key: String,
+pub(crate) struct ClaimRef<'a> {
+    pub(crate) namespace: &'a str,
+    pub(crate) claim_key: &'a str,
     pub(crate) fingerprint: [u8; 32],
     pub(crate) expires_at: Millis,
 }
@@ -74,15 +74,15 @@ impl RecentAnswers {
         if &entry.fingerprint != fingerprint {
             return None;
         }
+        // The caller counts this delivery on its copy; the kept record counts it too, so
+        // the next replay sees every earlier one.
+        let record = entry.record.clone();
         entry.record.replayed += 1;
-        let mut record = entry.record.clone();
-        // The caller counts this delivery itself.
-        record.replayed -= 1;
         Some(record)
     }
 
     /// Keeps `record` for duplicates of `claim` when it succeeded.
-    pub(crate) fn remember(&self, claim: &ClaimRef, record: &RequestRecord) {
+    pub(crate) fn remember(&self, claim: &ClaimRef<'_>, record: &RequestRecord) {
         if record.status != Status::Succeeded {
             return;
         }
@@ -101,7 +101,7 @@ impl RecentAnswers {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.serial += 1;
         let serial = inner.serial;
-        let key = (claim.namespace.clone(), claim.claim_key.clone());
+        let key = (claim.namespace.to_owned(), claim.claim_key.to_owned());
         let entry = Entry {
             record: record.clone(),
             fingerprint: claim.fingerprint,
@@ -163,10 +163,10 @@ mod tests {
         }
     }
 
-    fn claim(key: &str, fingerprint: u8, expires_at: Millis) -> ClaimRef {
+    fn claim(key: &str, fingerprint: u8, expires_at: Millis) -> ClaimRef<'_> {
         ClaimRef {
-            namespace: "default".into(),
-            claim_key: key.into(),
+            namespace: "default",
+            claim_key: key,
             fingerprint: [fingerprint; 32],
             expires_at,
         }

@@ -163,7 +163,7 @@ impl WorkerPool {
 
     /// Keeps `record`, the answer to a submission holding `claim`, for the claim's duplicates
     /// when it succeeded ([`RecentAnswers`]).
-    pub(crate) fn remember(&self, claim: &ClaimRef, record: &RequestRecord) {
+    pub(crate) fn remember(&self, claim: &ClaimRef<'_>, record: &RequestRecord) {
         self.answers.remember(claim, record);
     }
 
