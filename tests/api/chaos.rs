@@ -16,7 +16,6 @@ use futures::future::join_all;
 use holdfast::mock::{MockConfig, MockServer};
 use holdfast::sse::{SseEvent, SseParser};
 use rand::Rng;
-use serde_json::Value;
 use tokio::sync::Mutex;
 
 use crate::helpers::*;
@@ -329,25 +328,6 @@ pub struct Counts {
     pub settled: Duration,
 }
 
-/// Every request in the log, through `GET /requests` on `base` (one page per 500).
-pub async fn every_record(http: &reqwest::Client, base: &str) -> Vec<Value> {
-    let mut all = Vec::new();
-    let mut cursor: Option<String> = None;
-    for _page in 0..100 {
-        let mut url = format!("{base}/requests?limit=500");
-        if let Some(c) = &cursor {
-            url.push_str(&format!("&cursor={c}"));
-        }
-        let page: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
-        all.extend(page["data"].as_array().unwrap().iter().cloned());
-        cursor = page["next_cursor"].as_str().map(str::to_owned);
-        if cursor.is_none() {
-            return all;
-        }
-    }
-    panic!("more than 100 pages of requests");
-}
-
 /// Checks the invariants after a run (the faults have stopped; every node answers) and
 /// returns the counts; panics on the first violation:
 /// - every logged request reaches a terminal status (within 90 s), every body's ends
@@ -372,25 +352,8 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
     };
 
     // Every logged request terminal (including any no client learned of).
-    let settle = Instant::now();
-    let records = loop {
-        let records = every_record(&http, workload.base(0)).await;
-        let open: Vec<&Value> = records
-            .iter()
-            .filter(|r| !matches!(r["status"].as_str(), Some("succeeded" | "failed")))
-            .collect();
-        if open.is_empty() {
-            break records;
-        }
-        assert!(
-            settle.elapsed() < Duration::from_secs(90),
-            "{} requests still not terminal 90 s after the faults stopped, e.g. {}",
-            open.len(),
-            open[0]
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    counts.settled = settle.elapsed();
+    let (records, settled) = every_record_terminal(&http, workload.base(0)).await;
+    counts.settled = settled;
     counts.logged = records.len();
     for record in &records {
         counts.attempts += record["attempts"].as_u64().unwrap();

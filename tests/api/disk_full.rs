@@ -249,25 +249,6 @@ async fn stored_log(http: &reqwest::Client, base: &str, id: &str) -> Log {
         .collect()
 }
 
-/// Every request in the log, through `GET /requests` (RD-7).
-async fn every_record(http: &reqwest::Client, base: &str) -> Vec<Value> {
-    let mut all = Vec::new();
-    let mut cursor: Option<String> = None;
-    for _page in 0..100 {
-        let mut url = format!("{base}/requests?limit=500");
-        if let Some(c) = &cursor {
-            url.push_str(&format!("&cursor={c}"));
-        }
-        let page: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
-        all.extend(page["data"].as_array().unwrap().iter().cloned());
-        cursor = page["next_cursor"].as_str().map(str::to_owned);
-        if cursor.is_none() {
-            return all;
-        }
-    }
-    panic!("more than 100 pages of requests");
-}
-
 #[tokio::test]
 async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_stored_is_damaged_and_service_resumes_rs8_in2_du1()
  {

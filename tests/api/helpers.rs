@@ -685,3 +685,45 @@ pub fn fds(pid: u32) -> usize {
         .expect("proc fd")
         .count()
 }
+
+/// Every request in the log, through `GET /requests` on `base` (one page per 500; RD-7).
+pub async fn every_record(http: &reqwest::Client, base: &str) -> Vec<Value> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _page in 0..100 {
+        let mut url = format!("{base}/requests?limit=500");
+        if let Some(c) = &cursor {
+            url.push_str(&format!("&cursor={c}"));
+        }
+        let page = get_json(http, &url).await;
+        all.extend(page["data"].as_array().unwrap().iter().cloned());
+        cursor = page["next_cursor"].as_str().map(str::to_owned);
+        if cursor.is_none() {
+            return all;
+        }
+    }
+    panic!("more than 100 pages of requests");
+}
+
+/// [`every_record`] once every request in it is terminal, and how long that took; fails
+/// after 90 s naming one that is not.
+pub async fn every_record_terminal(http: &reqwest::Client, base: &str) -> (Vec<Value>, Duration) {
+    let settle = Instant::now();
+    loop {
+        let records = every_record(http, base).await;
+        let open: Vec<&Value> = records
+            .iter()
+            .filter(|r| !matches!(r["status"].as_str(), Some("succeeded" | "failed")))
+            .collect();
+        if open.is_empty() {
+            return (records, settle.elapsed());
+        }
+        assert!(
+            settle.elapsed() < Duration::from_secs(90),
+            "{} requests still not terminal after 90 s, e.g. {}",
+            open.len(),
+            open[0]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

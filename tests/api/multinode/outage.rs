@@ -21,7 +21,6 @@ use holdfast::mock::MockConfig;
 use serde_json::Value;
 
 use super::pg_server::PrivatePostgres;
-use crate::chaos::every_record;
 use crate::helpers::*;
 
 /// How long the server stays down each time.
@@ -298,25 +297,7 @@ async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retry
 
     // After: every recorded request ends terminal, on the nodes that lived through it.
     let http = reqwest::Client::new();
-    let settle = Instant::now();
-    let records = loop {
-        let records = every_record(&http, &bases[0]).await;
-        let open: Vec<&Value> = records
-            .iter()
-            .filter(|r| !matches!(r["status"].as_str(), Some("succeeded" | "failed")))
-            .collect();
-        if open.is_empty() {
-            break records;
-        }
-        assert!(
-            settle.elapsed() < Duration::from_secs(90),
-            "{} requests still not terminal 90 s after the last fault, e.g. {}",
-            open.len(),
-            open[0]
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    let settled_in = settle.elapsed();
+    let (records, settled_in) = every_record_terminal(&http, &bases[0]).await;
     let recorded: HashSet<&str> = records.iter().filter_map(|r| r["id"].as_str()).collect();
     for id in &tally.ids {
         assert!(
