@@ -985,24 +985,12 @@ fn writer_rows(
 
 /// Sum and count of the chunk-commit histogram in holdfast's `/metrics`.
 async fn commit_histogram(client: &reqwest::Client, base: &str) -> Option<(f64, f64)> {
-    let text = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    let value = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse::<f64>().ok())
-    };
-    Some((
-        value("holdfast_chunk_commit_seconds_sum")?,
-        value("holdfast_chunk_commit_seconds_count")?,
-    ))
+    let names = [
+        "holdfast_chunk_commit_seconds_sum",
+        "holdfast_chunk_commit_seconds_count",
+    ];
+    let v = metric_values(client, base, &names).await?;
+    Some((v[0], v[1]))
 }
 
 fn chat_url(base: &str) -> String {
@@ -1277,34 +1265,22 @@ struct PacedRung {
     failed: usize,
 }
 
-/// LLM-like streams: the mock paced at one event per [`PACED_DELAY_MS`] (50 events/s) for
-/// `paced_events` events; `n` streams at once, their starts spread over one second.
 /// Cumulative counts of SQLite commits that took at most 2, 5 and 20 ms, and all of them, from
 /// holdfast's `/metrics` (`None` for a target without them).
-async fn commit_tail(client: &reqwest::Client, base: &str) -> Option<[f64; 4]> {
-    let text = client
-        .get(format!("{base}/metrics"))
-        .send()
+async fn commit_tail(client: &reqwest::Client, base: &str) -> Option<Vec<f64>> {
+    let names = [
+        r#"holdfast_sqlite_commit_seconds_bucket{le="0.002"}"#,
+        r#"holdfast_sqlite_commit_seconds_bucket{le="0.005"}"#,
+        r#"holdfast_sqlite_commit_seconds_bucket{le="0.02"}"#,
+        r#"holdfast_sqlite_commit_seconds_bucket{le="+Inf"}"#,
+    ];
+    metric_values(client, base, &names)
         .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    let bucket = |le: &str| {
-        let name = format!("holdfast_sqlite_commit_seconds_bucket{{le=\"{le}\"}}");
-        text.lines()
-            .find(|l| l.starts_with(&name))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse::<f64>().ok())
-    };
-    Some([
-        bucket("0.002")?,
-        bucket("0.005")?,
-        bucket("0.02")?,
-        bucket("+Inf")?,
-    ])
+        .filter(|v| v[3] > 0.0)
 }
 
+/// LLM-like streams: the mock paced at one event per [`PACED_DELAY_MS`] (50 events/s) for
+/// `paced_events` events; `n` streams at once, their starts spread over one second.
 async fn paced_rung(base: &str, nonce: &str, target: &str, n: usize) -> Result<PacedRung> {
     let client = client(n + 16)?;
     let tail_before = commit_tail(&client, base).await;
@@ -1339,7 +1315,7 @@ async fn paced_rung(base: &str, nonce: &str, target: &str, n: usize) -> Result<P
         }
     }
     if let (Some(a), Some(b)) = (tail_before, commit_tail(&client, base).await) {
-        let d: Vec<f64> = a.iter().zip(b).map(|(a, b)| b - a).collect();
+        let d: Vec<f64> = a.iter().zip(&b).map(|(a, b)| b - a).collect();
         println!(
             "    SQLite commits during the rung: {}, over 2 ms: {}, over 5 ms: {}, over 20 ms: {}",
             d[3],
