@@ -33,7 +33,8 @@ pub(crate) const RECOVERIES: &str = "holdfast_recoveries_total";
 pub(crate) const LEASE_EXPIRATIONS: &str = "holdfast_lease_expirations_total";
 /// Requests per status.
 pub(crate) const QUEUE_DEPTH: &str = "holdfast_queue_depth";
-/// Duration of one chunk group commit, in seconds.
+/// Duration of one commit that stored stream chunks, in seconds: a group commit of the chunk
+/// writer, or a stream's last batch stored with its outcome.
 pub(crate) const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
 /// Duration of one SQLite writer transaction (a group of store writes), in seconds.
 pub(crate) const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";

@@ -726,6 +726,21 @@ pub trait Store: Send + Sync + 'static {
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError>;
 
+    /// A stream's last batch and its attempt's outcome in one transaction: `last` appended as
+    /// [`Store::append_chunks`] would, then `outcome` recorded as [`Store::finish_read`] would,
+    /// so the final events, the outcome and the `end` chunk become durable with one commit
+    /// instead of two. Returns the stored chunks of `last` and the record as the write left it;
+    /// `None` when `last.lease` was lost and nothing was written.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails; then nothing was written.
+    async fn finish_with_chunks(
+        &self,
+        last: &ChunkBatch,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError>;
+
     /// Chunks of request `id` with `seq > after`, in order, at most `limit`.
     ///
     /// # Errors

@@ -2034,6 +2034,51 @@ impl Store for PostgresStore {
         Ok(results)
     }
 
+    async fn finish_with_chunks(
+        &self,
+        last: &ChunkBatch,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
+        let mut plan = AppendPlan::default();
+        plan.add(last)?;
+        let lease = last.lease.clone();
+        let changed = format!("{} {}", self.origin, lease.id);
+        let args = Arc::new((plan, lease, outcome.clone(), changed, self.origin.clone()));
+        self.write(LockKey::Request(last.lease.id), move |conn| {
+            let args = Arc::clone(&args);
+            Box::pin(async move {
+                let (plan, lease, outcome, changed, origin) = &*args;
+                let Some(&(_, last_seq)) = append_in(conn, plan, origin).await?.first() else {
+                    return Ok(None);
+                };
+                // The same transaction holds the lease the append was fenced on; an error
+                // rolls the chunks back with it.
+                let record = finish_in(conn, lease, outcome, now, changed)
+                    .await?
+                    .ok_or_else(|| {
+                        StoreError::corrupt(Some(lease.id), "the lease was lost inside one write")
+                    })?;
+                let first = last_seq - plan.counts[0] + 1;
+                let chunks = plan
+                    .events
+                    .iter()
+                    .zip(&plan.data)
+                    .zip(first..)
+                    .map(|((event, data), seq)| Chunk {
+                        seq,
+                        attempt: lease.attempt,
+                        kind: ChunkKind::Data,
+                        event: event.clone(),
+                        data: data.clone(),
+                    })
+                    .collect();
+                Ok(Some((chunks, record)))
+            })
+        })
+        .await
+    }
+
     async fn chunks_after(
         &self,
         id: Uuid,

@@ -1325,6 +1325,30 @@ impl Store for SqliteStore {
         self.write(move |conn| append_in(conn, &batches)).await
     }
 
+    async fn finish_with_chunks(
+        &self,
+        last: &ChunkBatch,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
+        let (last, outcome) = (last.clone(), outcome.clone());
+        self.write(move |conn| {
+            let Some(chunks) = append_in(conn, std::slice::from_ref(&last))?
+                .pop()
+                .flatten()
+            else {
+                return Ok(None);
+            };
+            // The same transaction holds the lease the append was fenced on; an error rolls
+            // the chunks back with it.
+            let record = finish_in(conn, &last.lease, &outcome, now)?.ok_or_else(|| {
+                StoreError::corrupt(Some(last.lease.id), "the lease was lost inside one write")
+            })?;
+            Ok(Some((chunks, record)))
+        })
+        .await
+    }
+
     async fn chunks_after(
         &self,
         id: Uuid,

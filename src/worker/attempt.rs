@@ -21,12 +21,24 @@ use crate::store::{
 use crate::upstream::{Call, CallError};
 use serde_json::value::RawValue;
 
-/// How a streamed attempt ended, before it becomes an [`Outcome`].
+/// How a streamed attempt ended, before it becomes an [`Ending`].
 enum StreamEnd {
     /// The attempt lost its lease while streaming: write nothing more (LC-3).
     LeaseLost,
     /// A classified outcome.
     Outcome(Outcome),
+    /// The provider's final event arrived: success, with the batch that carried it, not yet
+    /// stored.
+    Final(Outcome, ChunkBatch),
+}
+
+/// What an attempt records: its outcome and, for a stream the provider finished, the last
+/// batch of events, stored with the outcome in one commit ([`Store::finish_with_chunks`]).
+///
+/// [`Store::finish_with_chunks`]: crate::store::Store::finish_with_chunks
+struct Ending {
+    outcome: Outcome,
+    last: Option<ChunkBatch>,
 }
 
 impl WorkerPool {
@@ -53,7 +65,7 @@ impl WorkerPool {
         };
         heartbeat.abort();
         drop(registration);
-        let Some(outcome) = outcome else {
+        let Some(Ending { outcome, last }) = outcome else {
             info!("attempt ended without an outcome");
             return;
         };
@@ -68,11 +80,29 @@ impl WorkerPool {
         };
         // The provider has answered: losing the outcome now would cost a second provider call
         // when the sweep re-runs the request, so a failed write is tried again (fenced, so a
-        // lease lost meanwhile makes it a no-op), as the chunk writer does.
+        // lease lost meanwhile makes it a no-op; a failed write stored nothing, the last batch
+        // included), as the chunk writer does.
         let mut tries = 0;
         let finished = loop {
             tries += 1;
-            match self.store.finish_read(&lease, &outcome, now_ms()).await {
+            let written = match &last {
+                Some(last) => {
+                    let started = std::time::Instant::now();
+                    let written = self
+                        .store
+                        .finish_with_chunks(last, &outcome, now_ms())
+                        .await;
+                    metrics::histogram!(m::CHUNK_COMMIT_SECONDS)
+                        .record(started.elapsed().as_secs_f64());
+                    written
+                }
+                None => self
+                    .store
+                    .finish_read(&lease, &outcome, now_ms())
+                    .await
+                    .map(|settled| settled.map(|settled| (Vec::new(), settled))),
+            };
+            match written {
                 Err(e) if tries < FINISH_TRIES => {
                     warn!(error = %e, tries, "could not record the outcome; retrying");
                     tokio::time::sleep(Duration::from_millis(50 * u64::from(tries))).await;
@@ -81,7 +111,10 @@ impl WorkerPool {
             }
         };
         match finished {
-            Ok(Some(settled)) => {
+            Ok(Some((chunks, settled))) => {
+                for chunk in chunks {
+                    self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
+                }
                 if let Some(usage) = &reported {
                     ledger::count_upstream(
                         &self.config,
@@ -141,9 +174,9 @@ impl WorkerPool {
         }
     }
 
-    /// One provider call, classified into an [`Outcome`] (LC-5, LC-6, LC-11). `None` when the
+    /// One provider call, classified into an [`Ending`] (LC-5, LC-6, LC-11). `None` when the
     /// lease was lost on the way.
-    async fn call(&self, lease: &Lease, record: &RequestRecord) -> Option<Outcome> {
+    async fn call(&self, lease: &Lease, record: &RequestRecord) -> Option<Ending> {
         let route = record.route;
         let call = Call {
             backend: &record.backend,
@@ -156,7 +189,10 @@ impl WorkerPool {
             Err(e) => {
                 metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => "error")
                     .increment(1);
-                return Some(self.transient(lease, None, e.to_string(), None));
+                return Some(Ending {
+                    outcome: self.transient(lease, None, e.to_string(), None),
+                    last: None,
+                });
             }
         };
         let status = response.status().as_u16();
@@ -173,13 +209,23 @@ impl WorkerPool {
                 .await
             {
                 StreamEnd::LeaseLost => None,
-                StreamEnd::Outcome(o) => Some(o),
+                StreamEnd::Outcome(outcome) => Some(Ending {
+                    outcome,
+                    last: None,
+                }),
+                StreamEnd::Final(outcome, last) => Some(Ending {
+                    outcome,
+                    last: Some(last),
+                }),
             };
         }
-        Some(
-            self.classify(lease, route, &mut response, status, request_id)
-                .await,
-        )
+        let outcome = self
+            .classify(lease, route, &mut response, status, request_id)
+            .await;
+        Some(Ending {
+            outcome,
+            last: None,
+        })
     }
 
     /// Classifies a whole-body answer: success, transient, refusal or invalid.
@@ -412,6 +458,18 @@ impl WorkerPool {
                 response_id,
                 usage: usage_changed.then_some(usage),
             };
+            if ended && provider_error.is_none() {
+                // The provider's final event: the answer is complete, whatever follows. Its
+                // batch is stored with the outcome, one commit for both.
+                let outcome = Outcome::Succeeded {
+                    status,
+                    body: Vec::new(),
+                    upstream_request_id: request_id,
+                    response_id: None,
+                    usage: (!usage.is_empty()).then_some(usage),
+                };
+                return StreamEnd::Final(outcome, batch);
+            }
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
                     stored += stored_chunks.len();
@@ -435,16 +493,6 @@ impl WorkerPool {
                     None,
                     &usage,
                 );
-            }
-            if ended {
-                // The provider's final event: the answer is complete, whatever follows.
-                return StreamEnd::Outcome(Outcome::Succeeded {
-                    status,
-                    body: Vec::new(),
-                    upstream_request_id: request_id,
-                    response_id: None,
-                    usage: (!usage.is_empty()).then_some(usage),
-                });
             }
         }
         match parser.finish() {

@@ -206,6 +206,7 @@ conformance!(
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
     finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
+    finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_nothing_lc3_rd5,
     concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5,
     finish_refuses_a_request_that_is_not_running_lc3,
     cancel_fails_pending_and_running_requests_lc9,
@@ -1457,6 +1458,88 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
         (Status::Pending, T0 + 5_000)
     );
     assert_eq!(settled, get(&store, r.id).await);
+}
+
+/// A stream's last batch and its success are one write: the batch gets the seqs after those
+/// already stored, the `end` chunk the one after it, and the record returned is the stored one.
+/// A lost lease writes neither the batch nor the outcome (LC-3, RD-5).
+async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_nothing_lc3_rd5(
+    store: DynStore,
+) {
+    let r = create(&store, by_hash("finish_with_chunks", T0)).await;
+    let (l, _) = lease_at(&store, "node/a", T0).await;
+    append(&store, &l, new_chunks("first", 2))
+        .await
+        .expect("lease held");
+    let usage = Usage {
+        input_tokens: Some(7),
+        output_tokens: Some(3),
+        ..Usage::default()
+    };
+    let last = ChunkBatch {
+        lease: l.clone(),
+        chunks: new_chunks("last", 3),
+        upstream_request_id: None,
+        response_id: None,
+        usage: Some(usage),
+    };
+    let outcome = Outcome::Succeeded {
+        status: 200,
+        body: Vec::new(),
+        upstream_request_id: Some("req_up_1".into()),
+        response_id: None,
+        usage: Some(usage),
+    };
+    let (chunks, settled) = store
+        .finish_with_chunks(&last, &outcome, T0 + 1)
+        .await
+        .expect("finish_with_chunks")
+        .expect("lease held");
+    assert_eq!(
+        chunks.iter().map(|c| c.seq).collect::<Vec<_>>(),
+        vec![3, 4, 5],
+        "after the two stored before"
+    );
+    assert_eq!(
+        chunks.iter().map(|c| c.data.as_str()).collect::<Vec<_>>(),
+        last.chunks
+            .iter()
+            .map(|c| c.data.as_str())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(settled.status, Status::Succeeded);
+    assert_eq!(settled.last_seq, 6, "the end chunk follows the last batch");
+    assert_eq!(settled.usage, usage);
+    assert_eq!(settled, get(&store, r.id).await);
+    let stored = all_chunks(&store, r.id).await;
+    assert_eq!(stored.len(), 6);
+    assert_eq!(&stored[2..5], &chunks[..]);
+    assert_eq!(stored[5].kind, ChunkKind::End);
+    assert_single_end(&store, &settled).await;
+
+    // A lost lease (cancelled meanwhile): neither the batch nor the outcome is written.
+    let c = create(&store, by_hash("finish_with_chunks lost", T0 + 10)).await;
+    let (lc, _) = lease_at(&store, "node/a", T0 + 10).await;
+    append(&store, &lc, new_chunks("kept", 1))
+        .await
+        .expect("lease held");
+    store.cancel(NS, c.id, T0 + 11).await.expect("cancel");
+    let before = (get(&store, c.id).await, all_chunks(&store, c.id).await);
+    let lost = ChunkBatch {
+        lease: lc.clone(),
+        ..last.clone()
+    };
+    assert!(
+        store
+            .finish_with_chunks(&lost, &outcome, T0 + 12)
+            .await
+            .expect("finish_with_chunks")
+            .is_none()
+    );
+    assert_eq!(
+        (get(&store, c.id).await, all_chunks(&store, c.id).await),
+        before
+    );
 }
 
 async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
