@@ -22,6 +22,8 @@ const INDEX_HTML: &str = include_str!("ui/index.html");
 const APP_JS: &str = include_str!("ui/app.js");
 /// Its stylesheet.
 const APP_CSS: &str = include_str!("ui/app.css");
+/// Its icon (so the browser does not ask for a `/favicon.ico` that is not there).
+const FAVICON_SVG: &str = include_str!("ui/favicon.svg");
 
 /// The Content-Security-Policy of every `/ui` answer: this origin only, nothing inline.
 pub(crate) const CONTENT_SECURITY_POLICY: &str = "default-src 'self'; script-src 'self'; \
@@ -30,7 +32,7 @@ pub(crate) const CONTENT_SECURITY_POLICY: &str = "default-src 'self'; script-src
 
 /// The `/ui` routes of the route table: (path, handler). A method other than GET and HEAD is
 /// 405 when the page is on, and 404 like any unknown path when it is off.
-pub(super) fn routes() -> [(&'static str, MethodRouter<AppState>); 3] {
+pub(super) fn routes() -> [(&'static str, MethodRouter<AppState>); 4] {
     [
         ("/ui", asset("text/html; charset=utf-8", INDEX_HTML)),
         (
@@ -38,6 +40,7 @@ pub(super) fn routes() -> [(&'static str, MethodRouter<AppState>); 3] {
             asset("text/javascript; charset=utf-8", APP_JS),
         ),
         ("/ui/app.css", asset("text/css; charset=utf-8", APP_CSS)),
+        ("/ui/favicon.svg", asset("image/svg+xml", FAVICON_SVG)),
     ]
 }
 

@@ -8,10 +8,11 @@ use holdfast::mock::MockConfig;
 
 use crate::helpers::*;
 
-const ASSETS: [(&str, &str); 3] = [
+const ASSETS: [(&str, &str); 4] = [
     ("/ui", "text/html; charset=utf-8"),
     ("/ui/app.js", "text/javascript; charset=utf-8"),
     ("/ui/app.css", "text/css; charset=utf-8"),
+    ("/ui/favicon.svg", "image/svg+xml"),
 ];
 
 /// (status, `Holdfast-Error`, body) of `method url`.

@@ -119,15 +119,6 @@ async fn wait_totals_match(app: &TestApp, page: &Page<'_>, key: Option<&str>) ->
     }
 }
 
-/// Errors the browser reported, apart from the favicon the page does not have.
-fn page_errors(browser: &Browser) -> Vec<String> {
-    browser
-        .errors()
-        .into_iter()
-        .filter(|e| !e.contains("favicon"))
-        .collect()
-}
-
 /// Opens the detail of `id` by clicking its row.
 async fn open_detail(page: &Page<'_>, id: &str) {
     page.eval(&format!(
@@ -348,7 +339,7 @@ async fn ui_lists_filters_follows_a_running_stream_live_and_its_totals_equal_usa
     page.resize(WIDTH, 900).await;
     shoot(&page, "detail.png").await;
 
-    let errors = page_errors(&browser);
+    let errors = browser.errors();
     assert!(
         errors.is_empty(),
         "the page ran without errors: {errors:#?}"
@@ -506,7 +497,7 @@ async fn ui_renders_markup_in_prompts_answers_and_streams_as_text() {
     assert_eq!(text_of(&page, "answer").await, SCRIPT);
     check("the stream's live view and bodies").await;
 
-    let errors = page_errors(&browser);
+    let errors = browser.errors();
     assert!(
         errors.is_empty(),
         "the page ran without errors: {errors:#?}"
@@ -698,7 +689,8 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
         "key-a"
     );
 
-    let errors: Vec<String> = page_errors(&browser)
+    let errors: Vec<String> = browser
+        .errors()
         .into_iter()
         // The refused key and B's stream read with A's key answer 401 and 404 on purpose.
         .filter(|e| !e.contains("401") && !e.contains("404"))
@@ -883,7 +875,7 @@ async fn ui_cancel_button_cancels_a_running_request_lc9() {
     let record = app.record(&id).await;
     assert_eq!(record["status"], "failed");
     assert_eq!(record["error"]["type"], "cancelled");
-    let errors = page_errors(&browser);
+    let errors = browser.errors();
     assert!(
         errors.is_empty(),
         "the page ran without errors: {errors:#?}"
