@@ -741,6 +741,15 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError>;
 
+    /// Whether a worker should end a stream with [`Store::finish_with_chunks`] rather than an
+    /// append and a [`Store::finish_read`]. SQLite: yes, one commit instead of two. PostgreSQL:
+    /// no — it stores the appends of many streams in one statement and their successes in
+    /// another, and a combined write per stream would run alone beside them (measured in
+    /// docs/benchmarks.md: fewer streams per second, later first events).
+    fn ends_streams_in_one_write(&self) -> bool {
+        false
+    }
+
     /// Chunks of request `id` with `seq > after`, in order, at most `limit`.
     ///
     /// # Errors

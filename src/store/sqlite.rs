@@ -1325,6 +1325,10 @@ impl Store for SqliteStore {
         self.write(move |conn| append_in(conn, &batches)).await
     }
 
+    fn ends_streams_in_one_write(&self) -> bool {
+        true
+    }
+
     async fn finish_with_chunks(
         &self,
         last: &ChunkBatch,

@@ -458,17 +458,11 @@ impl WorkerPool {
                 response_id,
                 usage: usage_changed.then_some(usage),
             };
-            if ended && provider_error.is_none() {
-                // The provider's final event: the answer is complete, whatever follows. Its
-                // batch is stored with the outcome, one commit for both.
-                let outcome = Outcome::Succeeded {
-                    status,
-                    body: Vec::new(),
-                    upstream_request_id: request_id,
-                    response_id: None,
-                    usage: (!usage.is_empty()).then_some(usage),
-                };
-                return StreamEnd::Final(outcome, batch);
+            // The provider's final event: the answer is complete, whatever follows.
+            let succeeded = ended && provider_error.is_none();
+            if succeeded && self.store.ends_streams_in_one_write() {
+                // Its batch is stored with the outcome: one commit for both.
+                return StreamEnd::Final(stream_success(status, request_id, usage), batch);
             }
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
@@ -485,6 +479,9 @@ impl WorkerPool {
                     warn!(error = %e, "abandoning attempt: chunks cannot be stored");
                     return StreamEnd::LeaseLost;
                 }
+            }
+            if succeeded {
+                return StreamEnd::Outcome(stream_success(status, request_id, usage));
             }
             if let Some(error) = provider_error {
                 return fail(
@@ -563,6 +560,18 @@ impl WorkerPool {
 }
 
 /// One `warn` line for an attempt that failed: the cause, and what happens next.
+/// The outcome of a stream that ended with the provider's final event: its body is the chunk
+/// log, not a stored body.
+fn stream_success(status: u16, upstream_request_id: Option<String>, usage: Usage) -> Outcome {
+    Outcome::Succeeded {
+        status,
+        body: Vec::new(),
+        upstream_request_id,
+        response_id: None,
+        usage: (!usage.is_empty()).then_some(usage),
+    }
+}
+
 fn log_attempt(outcome: &Outcome) {
     match outcome {
         Outcome::Succeeded { .. } => {}
