@@ -79,6 +79,68 @@ async fn metrics_parse_with_python_prometheus_client_and_move_as_requests_happen
     app.stop().await;
 }
 
+/// The value of the unlabelled sample `name` in holdfast's `/metrics`, 0 before it exists.
+async fn sample(app: &TestApp, name: &str) -> f64 {
+    let text = app
+        .http
+        .get(format!("{}/metrics", app.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// With SQLite a stream ends in one commit (decision 34): the batch with the provider's final
+/// event, the success and the `end` chunk together. However the provider's bytes were split
+/// into batches, the stream's SQLite commits are then its submission plus one per chunk
+/// commit — the last of which is the end. Storing the last batch and the outcome apart made
+/// one commit more.
+#[tokio::test]
+async fn a_sqlite_stream_ends_with_one_commit_for_its_last_events_and_its_outcome_rd5() {
+    // The sweeper's (and pruner's) first round runs at start; none follows within the test.
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.workers.sweep_interval_ms = 3_600_000;
+    })
+    .await;
+    let commits = "holdfast_sqlite_commit_seconds_count";
+    let chunk_commits = "holdfast_chunk_commit_seconds_count";
+    // A non-stream request is two commits (submission, outcome) once nothing else writes: the
+    // start's round is then behind us.
+    let mut quiet = false;
+    for i in 0..50 {
+        let before = sample(&app, commits).await;
+        let r = app.chat(&chat_body(&format!("quiet {i}"))).await;
+        assert_eq!(r.status(), 200);
+        if sample(&app, commits).await - before == 2.0 {
+            quiet = true;
+            break;
+        }
+    }
+    assert!(quiet, "the writer never went quiet");
+    let (commits_before, chunks_before) = (
+        sample(&app, commits).await,
+        sample(&app, chunk_commits).await,
+    );
+    let r = app.chat(&stream_body("ends in one commit")).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("[DONE]"), "{text}");
+    let commits = sample(&app, commits).await - commits_before;
+    let chunk_commits = sample(&app, chunk_commits).await - chunks_before;
+    assert!(chunk_commits >= 1.0, "the events were stored");
+    assert_eq!(
+        commits,
+        1.0 + chunk_commits,
+        "submission, then the chunk commits"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn healthz_and_readyz_answer_200_cli4a() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
