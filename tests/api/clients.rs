@@ -374,15 +374,7 @@ async fn python_sdk_waits_retry_after_ms_on_an_overload_refusal_and_then_succeed
 
     // Once the SDK has been refused, free the slot by cancelling the holder's request.
     let refused = || async {
-        let metrics = app
-            .http
-            .get(format!("{}/metrics", app.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = app.metrics_text().await;
         metrics
             .lines()
             .find(|l| {

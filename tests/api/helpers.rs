@@ -120,6 +120,18 @@ impl TestApp {
         get_record(&self.http, &self.base, id).await
     }
 
+    /// `GET /metrics`: the Prometheus text.
+    pub async fn metrics_text(&self) -> String {
+        self.http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
     /// Stops holdfast (graceful) and the mock.
     pub async fn stop(mut self) {
         if let Some(r) = self.running.take() {

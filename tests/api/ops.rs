@@ -8,15 +8,7 @@ use holdfast::mock::MockConfig;
 use crate::helpers::*;
 
 async fn scrape(app: &TestApp) -> serde_json::Value {
-    let text = app
-        .http
-        .get(format!("{}/metrics", app.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     let mut child = python_command("parse_metrics.py")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -81,15 +73,7 @@ async fn metrics_parse_with_python_prometheus_client_and_move_as_requests_happen
 
 /// The value of the unlabelled sample `name` in holdfast's `/metrics`, 0 before it exists.
 async fn sample(app: &TestApp, name: &str) -> f64 {
-    let text = app
-        .http
-        .get(format!("{}/metrics", app.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     text.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
         .map_or(0.0, |v| v.trim().parse().unwrap())

@@ -118,15 +118,7 @@ async fn python_sdk_retries_become_deliveries_and_saved_calls_in_the_record_metr
     assert_eq!(totals["upstream_calls"], 1, "{usage}");
     assert!((totals["saved_cost_usd"].as_f64().unwrap() - saved_cost).abs() < 1e-12);
 
-    let page = app
-        .http
-        .get(format!("{}/metrics", app.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = app.metrics_text().await;
     let labels = r#"backend="mock-openai",model="gpt-4o-mini""#;
     assert_eq!(
         metric(&page, "holdfast_saved_calls_total", labels),
