@@ -521,23 +521,8 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = format!(
-        r#"
-database_url = "sqlite://{db}"
-[workers]
-lease_secs = 1
-sweep_interval_ms = 100
-max_attempts = 50
-backoff_initial_ms = 20
-backoff_max_ms = 200
-[[backends]]
-name = "mock"
-kind = "openai"
-base_url = "{mock}"
-"#,
-        db = dir.path().join("holdfast.db").display(),
-        mock = mock.base_url()
-    );
+    let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
+    let toml = fault_test_toml(&db, "", 1, &mock.base_url());
     let addr: SocketAddr = free_addr();
     let node = Arc::new(Mutex::new(Process::serve(dir.path(), &toml, addr).await));
     let workload = Workload {

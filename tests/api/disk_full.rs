@@ -261,22 +261,11 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     let disk = dir.path().join("disk");
     std::fs::create_dir(&disk).unwrap();
     let db = disk.join("holdfast.db");
-    let toml = format!(
-        r#"
-database_url = "sqlite://{db}"
-[workers]
-lease_secs = 1
-sweep_interval_ms = 100
-max_attempts = 50
-backoff_initial_ms = 20
-backoff_max_ms = 200
-[[backends]]
-name = "mock"
-kind = "openai"
-base_url = "{mock}"
-"#,
-        db = db.display(),
-        mock = mock.base_url()
+    let toml = fault_test_toml(
+        &format!("sqlite://{}", db.display()),
+        "",
+        1,
+        &mock.base_url(),
     );
     let node = DiskNode::start(dir.path(), &disk, &toml).await;
     let pid = node.pid;

@@ -140,6 +140,28 @@ impl TestApp {
     }
 }
 
+/// The configuration of the fault tests (crashes, outages, a full disk): leases of
+/// `lease_secs`, a sweep every 100 ms, up to 50 attempts with short backoff, and one
+/// OpenAI-shaped backend `mock` at `mock_base`; `top` holds more top-level keys.
+pub fn fault_test_toml(database_url: &str, top: &str, lease_secs: u64, mock_base: &str) -> String {
+    format!(
+        r#"
+database_url = "{database_url}"
+{top}
+[workers]
+lease_secs = {lease_secs}
+sweep_interval_ms = 100
+max_attempts = 50
+backoff_initial_ms = 20
+backoff_max_ms = 200
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock_base}"
+"#
+    )
+}
+
 /// `GET {url}` as JSON.
 pub async fn get_json(http: &reqwest::Client, url: &str) -> Value {
     http.get(url)

@@ -100,25 +100,6 @@ struct Driven {
     log: Vec<String>,
 }
 
-fn node_toml(url: &str, mock_base: &str) -> String {
-    format!(
-        r#"
-database_url = "{url}"
-database_pool_size = 6
-[workers]
-lease_secs = {LEASE_SECS}
-sweep_interval_ms = 100
-max_attempts = 50
-backoff_initial_ms = 20
-backoff_max_ms = 200
-[[backends]]
-name = "mock"
-kind = "openai"
-base_url = "{mock_base}"
-"#
-    )
-}
-
 /// Sends `signal` to `node`'s process.
 fn signal(node: &Process, signal: i32) {
     let pid = node.child.id();
@@ -146,7 +127,12 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = node_toml(&pg.url(), &mock.base_url());
+    let toml = fault_test_toml(
+        &pg.url(),
+        "database_pool_size = 6",
+        LEASE_SECS,
+        &mock.base_url(),
+    );
     let addrs: Vec<_> = (0..NODES).map(|_| free_addr()).collect();
     let mut starts = [0usize; NODES];
     let node_dir = |n: usize, start: usize| {

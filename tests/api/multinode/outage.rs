@@ -196,25 +196,6 @@ async fn successes_after(tally: &Mutex<Tally>, from: u64, n: u64, what: &str) ->
     }
 }
 
-fn node_toml(url: &str, mock_base: &str) -> String {
-    format!(
-        r#"
-database_url = "{url}"
-database_pool_size = 6
-[workers]
-lease_secs = 2
-sweep_interval_ms = 100
-max_attempts = 50
-backoff_initial_ms = 20
-backoff_max_ms = 200
-[[backends]]
-name = "mock"
-kind = "openai"
-base_url = "{mock_base}"
-"#
-    )
-}
-
 #[tokio::test]
 async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retryable_and_every_request_ends_terminal_rs8_lc4_du3()
  {
@@ -227,7 +208,7 @@ async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retry
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let toml = node_toml(&pg.url(), &mock.base_url());
+    let toml = fault_test_toml(&pg.url(), "database_pool_size = 6", 2, &mock.base_url());
     let mut nodes = Vec::new();
     for n in 0..2 {
         let node_dir = dir.path().join(format!("node{n}"));
