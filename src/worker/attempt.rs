@@ -21,17 +21,6 @@ use crate::store::{
 use crate::upstream::{Call, CallError};
 use serde_json::value::RawValue;
 
-/// How a streamed attempt ended, before it becomes an [`Ending`].
-enum StreamEnd {
-    /// The attempt lost its lease while streaming: write nothing more (LC-3).
-    LeaseLost,
-    /// A classified outcome.
-    Outcome(Outcome),
-    /// The provider's final event arrived: success, with the batch that carried it, not yet
-    /// stored.
-    Final(Outcome, ChunkBatch),
-}
-
 /// What an attempt records: its outcome and, for a stream the provider finished, the last
 /// batch of events, stored with the outcome in one commit ([`Store::finish_with_chunks`]).
 ///
@@ -39,6 +28,15 @@ enum StreamEnd {
 struct Ending {
     outcome: Outcome,
     last: Option<ChunkBatch>,
+}
+
+impl From<Outcome> for Ending {
+    fn from(outcome: Outcome) -> Ending {
+        Ending {
+            outcome,
+            last: None,
+        }
+    }
 }
 
 impl WorkerPool {
@@ -189,10 +187,7 @@ impl WorkerPool {
             Err(e) => {
                 metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => "error")
                     .increment(1);
-                return Some(Ending {
-                    outcome: self.transient(lease, None, e.to_string(), None),
-                    last: None,
-                });
+                return Some(self.transient(lease, None, e.to_string(), None).into());
             }
         };
         let status = response.status().as_u16();
@@ -204,28 +199,14 @@ impl WorkerPool {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         if record.stream && (200..300).contains(&status) {
-            return match self
+            return self
                 .stream(lease, route, response, status, request_id)
-                .await
-            {
-                StreamEnd::LeaseLost => None,
-                StreamEnd::Outcome(outcome) => Some(Ending {
-                    outcome,
-                    last: None,
-                }),
-                StreamEnd::Final(outcome, last) => Some(Ending {
-                    outcome,
-                    last: Some(last),
-                }),
-            };
+                .await;
         }
         let outcome = self
             .classify(lease, route, &mut response, status, request_id)
             .await;
-        Some(Ending {
-            outcome,
-            last: None,
-        })
+        Some(outcome.into())
     }
 
     /// Classifies a whole-body answer: success, transient, refusal or invalid.
@@ -333,12 +314,12 @@ impl WorkerPool {
         mut response: reqwest::Response,
         status: u16,
         request_id: Option<String>,
-    ) -> StreamEnd {
+    ) -> Option<Ending> {
         // What the provider reported the attempt has cost so far: kept on every ending, since
         // an interrupted stream was billed for what it produced.
         let mut usage = Usage::default();
         let fail = |kind: ErrorType, message: String, response: Option<Vec<u8>>, usage: &Usage| {
-            StreamEnd::Outcome(Outcome::Failed {
+            Some(Ending::from(Outcome::Failed {
                 error: ErrorInfo {
                     kind,
                     message,
@@ -347,7 +328,7 @@ impl WorkerPool {
                 response: response.map(|body| (status, body)),
                 upstream_request_id: request_id.clone(),
                 usage: (!usage.is_empty()).then_some(*usage),
-            })
+            }))
         };
         let content_type = content_type_of(&response);
         if !is_event_stream(&content_type) {
@@ -374,12 +355,12 @@ impl WorkerPool {
             let piece = match self.upstreams.next_piece(&mut response).await {
                 Ok(piece) => piece,
                 Err(e) if stored == 0 => {
-                    return StreamEnd::Outcome(self.transient(
+                    return Some(Ending::from(self.transient(
                         lease,
                         Some(status),
                         e.to_string(),
                         None,
-                    ));
+                    )));
                 }
                 Err(e) => {
                     return fail(
@@ -449,7 +430,7 @@ impl WorkerPool {
             {
                 // The provider failed before anything was stored: as transient as a 5xx.
                 let message = format!("the provider sent an error event: {error}");
-                return StreamEnd::Outcome(self.transient(lease, Some(status), message, None));
+                return Some(self.transient(lease, Some(status), message, None).into());
             }
             let batch = ChunkBatch {
                 lease: lease.clone(),
@@ -462,7 +443,10 @@ impl WorkerPool {
             let succeeded = ended && provider_error.is_none();
             if succeeded && self.store.ends_streams_in_one_write() {
                 // Its batch is stored with the outcome: one commit for both.
-                return StreamEnd::Final(stream_success(status, request_id, usage), batch);
+                return Some(Ending {
+                    outcome: stream_success(status, request_id, usage),
+                    last: Some(batch),
+                });
             }
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
@@ -472,16 +456,16 @@ impl WorkerPool {
                         self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
                     }
                 }
-                Err(AppendError::LeaseLost) => return StreamEnd::LeaseLost,
+                Err(AppendError::LeaseLost) => return None,
                 Err(e) => {
                     // Nothing more can be stored; the lease will expire and the sweep re-runs
                     // the request as a new attempt after a reset (LC-8).
                     warn!(error = %e, "abandoning attempt: chunks cannot be stored");
-                    return StreamEnd::LeaseLost;
+                    return None;
                 }
             }
             if succeeded {
-                return StreamEnd::Outcome(stream_success(status, request_id, usage));
+                return Some(stream_success(status, request_id, usage).into());
             }
             if let Some(error) = provider_error {
                 return fail(
