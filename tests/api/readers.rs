@@ -36,21 +36,9 @@ const CHUNK_DELAY_MS: u64 = 60;
 const READERS_MEMORY_MIB: u64 = 128;
 /// A long model name, which the mock repeats in every event: about 1.6 KiB per event, 330 KiB
 /// per log, far more than a stalled reader's socket buffers and the server's hold.
-const MODEL: &str = concat!(
-    "gpt-4o-mini-",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-);
+fn long_model() -> String {
+    format!("gpt-4o-mini-{}", "0123456789abcdef".repeat(48))
+}
 
 /// The process's open sockets.
 fn sockets(pid: u32) -> usize {
@@ -78,7 +66,7 @@ async fn stream_client(
         .header("content-type", "application/json")
         .body(
             serde_json::json!({
-                "model": MODEL,
+                "model": long_model(),
                 "stream": true,
                 "messages": [{"role": "user", "content": text}],
             })
