@@ -75,6 +75,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         5,
         include_str!("../../migrations/sqlite/0005_chunks_rowid.sql"),
     ),
+    (
+        6,
+        include_str!("../../migrations/sqlite/0006_checks_without_in_lists.sql"),
+    ),
 ];
 
 /// The embedded store. Cloning is cheap; the writer and checkpoint threads stop when the last
@@ -277,15 +281,17 @@ impl SqliteStore {
     }
 
     /// Runs `f` as one job of the writer's next group commit and returns its result once that
-    /// commit is durable.
+    /// commit is durable. `f` may run more than once: when another job of its group fails, the
+    /// group is rolled back and run again without that job ([`commit_group`]); only the last
+    /// run's result counts, and `f` is dropped before its caller is answered.
     async fn write<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let job = Job {
-            run: Some(f),
+            run: f,
             result: None,
             reply,
         };
@@ -350,14 +356,16 @@ impl ReadPool {
 
 /// One write of the group commit, type-erased for the writer's queue.
 trait WriteJob: Send {
-    /// Runs the write inside the group's transaction. `false`: roll this job back.
+    /// Runs the write inside the group's transaction, replacing what an earlier run of it
+    /// returned. `false`: it failed, roll it back.
     fn run(&mut self, conn: &Connection) -> bool;
     /// Answers the caller once the group is settled; `commit` is the group commit's failure.
     fn reply(self: Box<Self>, commit: Result<(), &str>);
 }
 
 struct Job<T, F> {
-    run: Option<F>,
+    run: F,
+    /// The last run's result; `None` before the first and after a panic.
     result: Option<Result<T, StoreError>>,
     reply: oneshot::Sender<Result<T, StoreError>>,
 }
@@ -365,20 +373,22 @@ struct Job<T, F> {
 impl<T, F> WriteJob for Job<T, F>
 where
     T: Send + 'static,
-    F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+    F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
 {
     fn run(&mut self, conn: &Connection) -> bool {
-        let Some(run) = self.run.take() else {
-            return false;
-        };
-        let result = run(conn);
+        self.result = None;
+        let result = (self.run)(conn);
         let keep = result.is_ok();
         self.result = Some(result);
         keep
     }
 
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
-        let result = match (self.result, commit) {
+        let Job { run, result, reply } = *self;
+        // What the write captured goes first, so its caller gets back sole ownership of what it
+        // shared with it.
+        drop(run);
+        let result = match (result, commit) {
             // The job's own failure wins: it was rolled back whatever the group did.
             (Some(Err(e)), _) => Err(e),
             (Some(Ok(_)), Err(e)) | (None, Err(e)) => Err(StoreError::Unavailable(format!(
@@ -390,7 +400,7 @@ where
             )),
         };
         // A dropped receiver is a caller that gave up (its request was cancelled).
-        let _ = self.reply.send(result);
+        let _ = reply.send(result);
     }
 }
 
@@ -416,8 +426,14 @@ fn write_loop(
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_SECONDS)
             .record(started.elapsed().as_secs_f64());
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_JOBS).record(jobs as f64);
-        if let Err(e) = &committed {
-            tracing::warn!(error = %e, jobs, "SQLite group commit failed; its writes were rolled back");
+        match &committed {
+            Err(e) => {
+                tracing::warn!(error = %e, jobs, "SQLite group commit failed; its writes were rolled back");
+            }
+            Ok(Committed::WithoutTheFailedJob) => {
+                tracing::debug!(jobs, "a write failed; its group was committed without it");
+            }
+            Ok(Committed::InOnePass) => {}
         }
         let commit = committed.as_ref().map(|_| ()).map_err(String::as_str);
         for job in group.drain(..) {
@@ -439,29 +455,73 @@ fn bound_wal(conn: &Connection, wal: &Path) {
     }
 }
 
-/// Runs every job of `group` in its own savepoint of one transaction and commits it.
-fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<(), String> {
-    let mut run = || -> rusqlite::Result<()> {
-        // Prepared once and cached: these run once or twice per write.
-        let exec = |sql: &str| conn.prepare_cached(sql)?.execute([]).map(|_| ());
+/// How [`commit_group`] committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Committed {
+    /// Every job succeeded in one pass, with no savepoints.
+    InOnePass,
+    /// A job failed: the group was rolled back and run again without it, each other job in its
+    /// own savepoint.
+    WithoutTheFailedJob,
+}
+
+/// Runs every job of `group` in one transaction and commits it.
+///
+/// Almost every group succeeds whole, so the first pass runs the jobs with no savepoints: a
+/// savepoint makes SQLite copy every page a job touches into its statement journal first,
+/// which cost about a tenth of the writer's instructions per request (docs/benchmarks.md).
+/// When a job fails or panics, the pass is rolled back and the group is run again without that
+/// job, each other job in its own savepoint as before, so a write fails alone and the rest of
+/// its group commits (DU-1). Jobs may therefore run twice; only what commits is answered.
+fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Committed, String> {
+    // Prepared once and cached: these run once or twice per write.
+    let exec = |sql: &str| conn.prepare_cached(sql)?.execute([]).map(|_| ());
+    let run_caught = |job: &mut Box<dyn WriteJob>| {
+        std::panic::catch_unwind(AssertUnwindSafe(|| job.run(conn))).unwrap_or(false)
+    };
+    let rollback = || {
+        if !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+    };
+    let mut one_pass = || -> rusqlite::Result<Option<usize>> {
         exec("BEGIN IMMEDIATE")?;
-        for job in group.iter_mut() {
+        for (i, job) in group.iter_mut().enumerate() {
+            if !run_caught(job) {
+                return Ok(Some(i));
+            }
+        }
+        exec("COMMIT").map(|()| None)
+    };
+    let failed = match one_pass() {
+        Ok(None) => return Ok(Committed::InOnePass),
+        Ok(Some(failed)) => failed,
+        Err(e) => {
+            rollback();
+            return Err(e.to_string());
+        }
+    };
+    rollback();
+    let mut without_it = || -> rusqlite::Result<()> {
+        exec("BEGIN IMMEDIATE")?;
+        for (i, job) in group.iter_mut().enumerate() {
+            if i == failed {
+                continue;
+            }
             exec("SAVEPOINT job")?;
-            let keep =
-                std::panic::catch_unwind(AssertUnwindSafe(|| job.run(conn))).unwrap_or(false);
-            if !keep {
+            if !run_caught(job) {
                 exec("ROLLBACK TO job")?;
             }
             exec("RELEASE job")?;
         }
         exec("COMMIT")
     };
-    run().map_err(|e| {
-        if !conn.is_autocommit() {
-            let _ = conn.execute_batch("ROLLBACK");
-        }
-        e.to_string()
-    })
+    without_it()
+        .map(|()| Committed::WithoutTheFailedJob)
+        .map_err(|e| {
+            rollback();
+            e.to_string()
+        })
 }
 
 /// The checkpoint thread: copies committed WAL frames into the database file every
@@ -516,13 +576,15 @@ fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError
     .into_record()
 }
 
+const FETCH_SQL: &str = concat!(
+    "SELECT ",
+    request_columns!(),
+    " FROM requests WHERE id = ?1"
+);
+
 /// Reads request `id`, any namespace.
 fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-    let mut stmt = conn.prepare_cached(concat!(
-        "SELECT ",
-        request_columns!(),
-        " FROM requests WHERE id = ?1"
-    ))?;
+    let mut stmt = conn.prepare_cached(FETCH_SQL)?;
     let mut rows = stmt.query(params![id])?;
     match rows.next()? {
         Some(row) => Ok(Some(record_from_row(row, 0)?)),
@@ -577,6 +639,9 @@ fn append_control(
     Ok(seq)
 }
 
+const INSERT_CONTROL_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+     VALUES (?1, ?2, ?3, ?4, NULL, ?5)";
+
 /// Inserts a control chunk at `seq`, already reserved in `last_seq` by the caller.
 fn insert_control(
     conn: &Connection,
@@ -586,11 +651,13 @@ fn insert_control(
     kind: ChunkKind,
     data: &str,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(
-        "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-         VALUES (?1, ?2, ?3, ?4, NULL, ?5)",
-    )?
-    .execute(params![id, seq, attempt, kind.as_str(), data])?;
+    conn.prepare_cached(INSERT_CONTROL_SQL)?.execute(params![
+        id,
+        seq,
+        attempt,
+        kind.as_str(),
+        data
+    ])?;
     Ok(())
 }
 
@@ -646,56 +713,62 @@ fn parse_id(s: &str) -> Result<Uuid, StoreError> {
     Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")))
 }
 
+/// Inserts a claim, takes over an expired one, or leaves a live one untouched (ID-7).
+const CLAIM_SQL: &str =
+    "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+     ON CONFLICT (namespace, claim_key) DO UPDATE SET
+         kind = excluded.kind, request_id = excluded.request_id,
+         fingerprint = excluded.fingerprint, expires_at = excluded.expires_at
+     WHERE claims.expires_at <= ?7";
+
+/// Inserts a request, pending, or running its first attempt when `?12` (the lease owner) is set.
+const INSERT_REQUEST_SQL: &str =
+    "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+         hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
+         next_retry_at, created_at, updated_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
+         CASE WHEN ?12 IS NULL THEN 'pending' ELSE 'running' END,
+         CASE WHEN ?12 IS NULL THEN 0 ELSE 1 END, ?12, ?13, ?11, ?11, ?11)";
+
+/// What [`submit_in`] did: [`Submitted`] without the created record, which is `new` as
+/// inserted ([`created_record`]).
+enum SubmittedIn {
+    Created,
+    Attached(Box<RequestRecord>),
+    KeyMismatch { existing: Uuid },
+}
+
 /// [`Store::submit_and_lease`] inside the writer's transaction: with `lease`, a created
 /// request is inserted already leased.
 fn submit_in(
     conn: &Connection,
-    new: NewRequest,
+    new: &NewRequest,
     lease: Option<LeaseTo<'_>>,
-) -> Result<(Submitted, Option<Lease>), StoreError> {
+) -> Result<(SubmittedIn, Option<Lease>), StoreError> {
     let id = new.id.to_string();
     // The upsert either inserts our claim, takes over an expired one, or leaves a live one
     // untouched and returns no row. One statement on the only writer, so two racing
     // submissions cannot both win (ID-7).
-    let won: Option<String> = conn
-        .prepare_cached(
-            "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-             ON CONFLICT (namespace, claim_key) DO UPDATE SET
-                 kind = excluded.kind, request_id = excluded.request_id,
-                 fingerprint = excluded.fingerprint, expires_at = excluded.expires_at
-             WHERE claims.expires_at <= ?7
-             RETURNING request_id",
-        )?
-        .query_row(
-            params![
-                new.namespace,
-                new.claim_key,
-                new.claim.as_str(),
-                id,
-                &new.hash[..],
-                new.claim_expires_at,
-                new.now
-            ],
-            |r| r.get(0),
-        )
-        .optional()?;
+    // It changes a row (inserted or taken over, now ours) or none: no `RETURNING`, which SQLite
+    // serves through a temporary b-tree per statement.
+    let won = conn.prepare_cached(CLAIM_SQL)?.execute(params![
+        new.namespace,
+        new.claim_key,
+        new.claim.as_str(),
+        id,
+        &new.hash[..],
+        new.claim_expires_at,
+        new.now
+    ])? == 1;
 
-    if won.as_deref() == Some(id.as_str()) {
+    if won {
         let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
         let (owner, expires_at) = match lease {
             Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
             None => (None, None),
         };
-        conn.prepare_cached(
-            "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
-                 hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-                 next_retry_at, created_at, updated_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
-                 CASE WHEN ?12 IS NULL THEN 'pending' ELSE 'running' END,
-                 CASE WHEN ?12 IS NULL THEN 0 ELSE 1 END, ?12, ?13, ?11, ?11, ?11)",
-        )?
-        .execute(params![
+        conn.prepare_cached(INSERT_REQUEST_SQL)?.execute(params![
             id,
             new.namespace,
             new.route.name(),
@@ -715,9 +788,8 @@ fn submit_in(
             owner: owner.to_string(),
             attempt: 1,
         });
-        // The row is exactly what was just inserted: no need to read it back.
-        let record = created_record(new, lease.is_some());
-        return Ok((Submitted::Created(Box::new(record)), lease));
+        // The row is exactly what was just inserted: the caller builds the record from `new`.
+        return Ok((SubmittedIn::Created, lease));
     }
 
     let (existing, fingerprint): (String, Vec<u8>) = conn
@@ -730,7 +802,7 @@ fn submit_in(
     let existing_id = parse_id(&existing)?;
     if fingerprint != new.hash {
         return Ok((
-            Submitted::KeyMismatch {
+            SubmittedIn::KeyMismatch {
                 existing: existing_id,
             },
             None,
@@ -742,15 +814,40 @@ fn submit_in(
             "a live claim points at a missing request",
         )
     })?;
-    Ok((Submitted::Attached(Box::new(record)), None))
+    Ok((SubmittedIn::Attached(Box::new(record)), None))
 }
+
+/// The outcome writes of [`finish_in`], each fenced on the lease (LC-3). A terminal one reserves
+/// the `end` chunk's seq in the same statement (RD-5), so the row — body and all — is
+/// rewritten once.
+const FINISH_SUCCEEDED_SQL: &str = concat!(
+    "UPDATE requests SET status = 'succeeded', response_status = ?1,
+         response_body = ?2, upstream_request_id = ?3, error_type = NULL,
+         error_message = NULL, error_status = NULL, lease_owner = NULL,
+         lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
+         last_seq = last_seq + 1, ",
+    usage_assignments!("?7", "?8", "?9", "?10", "?11"),
+    " WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'"
+);
+const FINISH_RETRY_SQL: &str = "UPDATE requests SET status = 'pending', next_retry_at = ?1,
+         error_type = ?2, error_message = ?3, error_status = ?4,
+         lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
+     WHERE id = ?6 AND lease_owner = ?7 AND status = 'running'";
+const FINISH_FAILED_SQL: &str = concat!(
+    "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
+         error_status = ?3, response_status = ?4, response_body = ?5,
+         upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
+         finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1, ",
+    usage_assignments!("?10", "?11", "?12", "?13", "?14"),
+    " WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'"
+);
 
 /// [`Store::finish_read`] inside the writer's transaction: the record as the write left it, or
 /// `None` when the lease was lost and nothing was written.
 ///
-/// One `UPDATE ... RETURNING` per outcome, fenced on the lease (LC-3): a terminal outcome
-/// reserves the `end` chunk's seq in the same statement (RD-5), so the row — body and all — is
-/// rewritten once, and what it returns is already the final record.
+/// The fenced `UPDATE` is followed by a read of the row it changed, by primary key, rather than
+/// an `UPDATE ... RETURNING`: SQLite buffers `RETURNING` rows in a temporary b-tree it creates
+/// and drops for every statement, which costs more than the read.
 fn finish_in(
     conn: &Connection,
     lease: &Lease,
@@ -758,15 +855,7 @@ fn finish_in(
     now: Millis,
 ) -> Result<Option<RequestRecord>, StoreError> {
     let id = lease.id.to_string();
-    let returning = |sql: &str, params: &[&dyn rusqlite::ToSql]| {
-        let mut stmt = conn.prepare_cached(sql)?;
-        let mut rows = stmt.query(params)?;
-        match rows.next()? {
-            Some(row) => record_from_row(row, 0).map(Some),
-            None => Ok(None),
-        }
-    };
-    let record = match outcome {
+    let changed = match outcome {
         Outcome::Succeeded {
             status,
             body,
@@ -775,55 +864,32 @@ fn finish_in(
             ..
         } => {
             let u = tokens_of(usage.as_ref());
-            returning(
-                concat!(
-                    "UPDATE requests SET status = 'succeeded', response_status = ?1,
-                         response_body = ?2, upstream_request_id = ?3, error_type = NULL,
-                         error_message = NULL, error_status = NULL, lease_owner = NULL,
-                         lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
-                         last_seq = last_seq + 1, ",
-                    usage_assignments!("?7", "?8", "?9", "?10", "?11"),
-                    " WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ),
-                params![
-                    i64::from(*status),
-                    body,
-                    upstream_request_id,
-                    now,
-                    id,
-                    lease.owner,
-                    u[0],
-                    u[1],
-                    u[2],
-                    u[3],
-                    u[4]
-                ],
-            )?
+            conn.prepare_cached(FINISH_SUCCEEDED_SQL)?.execute(params![
+                i64::from(*status),
+                body,
+                upstream_request_id,
+                now,
+                id,
+                lease.owner,
+                u[0],
+                u[1],
+                u[2],
+                u[3],
+                u[4]
+            ])?
         }
         Outcome::Retry {
             next_retry_at,
             error,
-        } => returning(
-            concat!(
-                "UPDATE requests SET status = 'pending', next_retry_at = ?1,
-                     error_type = ?2, error_message = ?3, error_status = ?4,
-                     lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
-                 WHERE id = ?6 AND lease_owner = ?7 AND status = 'running'
-                 RETURNING ",
-                request_columns!()
-            ),
-            params![
-                next_retry_at,
-                error.kind.as_str(),
-                error.message,
-                error.status.map(i64::from),
-                now,
-                id,
-                lease.owner
-            ],
-        )?,
+        } => conn.prepare_cached(FINISH_RETRY_SQL)?.execute(params![
+            next_retry_at,
+            error.kind.as_str(),
+            error.message,
+            error.status.map(i64::from),
+            now,
+            id,
+            lease.owner
+        ])?,
         Outcome::Failed {
             error,
             response,
@@ -831,39 +897,29 @@ fn finish_in(
             usage,
         } => {
             let u = tokens_of(usage.as_ref());
-            returning(
-                concat!(
-                    "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
-                         error_status = ?3, response_status = ?4, response_body = ?5,
-                         upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1, ",
-                    usage_assignments!("?10", "?11", "?12", "?13", "?14"),
-                    " WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'
-                     RETURNING ",
-                    request_columns!()
-                ),
-                params![
-                    error.kind.as_str(),
-                    error.message,
-                    error.status.map(i64::from),
-                    response.as_ref().map(|(s, _)| i64::from(*s)),
-                    response.as_ref().map(|(_, b)| b.as_slice()),
-                    upstream_request_id,
-                    now,
-                    id,
-                    lease.owner,
-                    u[0],
-                    u[1],
-                    u[2],
-                    u[3],
-                    u[4]
-                ],
-            )?
+            conn.prepare_cached(FINISH_FAILED_SQL)?.execute(params![
+                error.kind.as_str(),
+                error.message,
+                error.status.map(i64::from),
+                response.as_ref().map(|(s, _)| i64::from(*s)),
+                response.as_ref().map(|(_, b)| b.as_slice()),
+                upstream_request_id,
+                now,
+                id,
+                lease.owner,
+                u[0],
+                u[1],
+                u[2],
+                u[3],
+                u[4]
+            ])?
         }
     };
-    let Some(record) = record else {
+    if changed == 0 {
         return Ok(None);
-    };
+    }
+    let record = fetch(conn, &id)?
+        .ok_or_else(|| StoreError::corrupt(Some(lease.id), "the finished row is gone"))?;
     if let Outcome::Succeeded {
         response_id: Some(response_id),
         ..
@@ -943,6 +999,18 @@ fn sweep_in(
     Ok((recovered, failed))
 }
 
+/// Reserves `?1` seqs for a batch of chunks, fenced on the lease (LC-3). No `RETURNING` (see
+/// [`finish_in`]): the new `last_seq` is read back by primary key.
+const APPEND_FENCE_SQL: &str = "UPDATE requests SET last_seq = last_seq + ?1,
+         upstream_request_id = COALESCE(?2, upstream_request_id)
+     WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'";
+
+const LAST_SEQ_SQL: &str = "SELECT last_seq FROM requests WHERE id = ?1";
+
+/// Stores one provider event at a reserved seq.
+const APPEND_CHUNK_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+     VALUES (?1, ?2, ?3, 'data', ?4, ?5)";
+
 /// [`Store::append_chunks`] inside the writer's transaction. With the statements prepared once
 /// and no thread hop per statement, a fenced `UPDATE` per batch and an `INSERT` per chunk cost
 /// microseconds each; the commit, shared by every batch, is the expensive part.
@@ -950,31 +1018,19 @@ fn append_in(
     conn: &Connection,
     batches: &[ChunkBatch],
 ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
-    let mut fence = conn.prepare_cached(
-        "UPDATE requests SET last_seq = last_seq + ?1,
-             upstream_request_id = COALESCE(?2, upstream_request_id)
-         WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'
-         RETURNING last_seq",
-    )?;
-    let mut insert = conn.prepare_cached(
-        "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-         VALUES (?1, ?2, ?3, 'data', ?4, ?5)",
-    )?;
+    let mut fence = conn.prepare_cached(APPEND_FENCE_SQL)?;
+    let mut last_seq = conn.prepare_cached(LAST_SEQ_SQL)?;
+    let mut insert = conn.prepare_cached(APPEND_CHUNK_SQL)?;
     let mut results = Vec::with_capacity(batches.len());
     for batch in batches {
         let id = batch.lease.id.to_string();
         let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
         // Fenced (LC-3): seqs are reserved only while the attempt holds its lease.
-        let last: Option<i64> = fence
-            .query_row(
-                params![n, batch.upstream_request_id, id, batch.lease.owner],
-                |r| r.get(0),
-            )
-            .optional()?;
-        let Some(last) = last else {
+        if fence.execute(params![n, batch.upstream_request_id, id, batch.lease.owner])? == 0 {
             results.push(None);
             continue;
-        };
+        }
+        let last: i64 = last_seq.query_row(params![id], |r| r.get(0))?;
         let first = last - n + 1;
         let mut stored = Vec::with_capacity(batch.chunks.len());
         for (seq, c) in (first..).zip(&batch.chunks) {
@@ -1021,6 +1077,15 @@ fn insert_response_id(
     Ok(())
 }
 
+const UPSERT_USAGE_SQL: &str = "INSERT INTO attempt_usage (request_id, attempt, input_tokens,
+         output_tokens, cached_input_tokens, cache_write_tokens, reasoning_tokens)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+     ON CONFLICT (request_id, attempt) DO UPDATE SET
+         input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
+         cached_input_tokens = excluded.cached_input_tokens,
+         cache_write_tokens = excluded.cache_write_tokens,
+         reasoning_tokens = excluded.reasoning_tokens";
+
 /// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
 /// (usage is reported cumulatively).
 fn upsert_usage(
@@ -1030,17 +1095,7 @@ fn upsert_usage(
     usage: &Usage,
 ) -> Result<(), StoreError> {
     let u = tokens_of(Some(usage));
-    conn.prepare_cached(
-        "INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
-             cached_input_tokens, cache_write_tokens, reasoning_tokens)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
-         ON CONFLICT (request_id, attempt) DO UPDATE SET
-             input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
-             cached_input_tokens = excluded.cached_input_tokens,
-             cache_write_tokens = excluded.cache_write_tokens,
-             reasoning_tokens = excluded.reasoning_tokens",
-    )?
-    .execute(params![
+    conn.prepare_cached(UPSERT_USAGE_SQL)?.execute(params![
         id,
         i64::from(attempt),
         u[0],
@@ -1180,14 +1235,28 @@ impl Store for SqliteStore {
         lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
         let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
-        self.write(move |conn| {
-            let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
-                owner,
-                lease_ms: *lease_ms,
-            });
-            submit_in(conn, new, lease)
-        })
-        .await
+        // Shared with the write, which may run more than once, and whole again once it has
+        // run: the created record is built from it without a copy.
+        let new = Arc::new(new);
+        let shared = Arc::clone(&new);
+        let (submitted, lease) = self
+            .write(move |conn| {
+                let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
+                    owner,
+                    lease_ms: *lease_ms,
+                });
+                submit_in(conn, &shared, lease)
+            })
+            .await?;
+        let submitted = match submitted {
+            SubmittedIn::Created => {
+                let new = Arc::try_unwrap(new).unwrap_or_else(|new| (*new).clone());
+                Submitted::Created(Box::new(created_record(new, lease.is_some())))
+            }
+            SubmittedIn::Attached(record) => Submitted::Attached(record),
+            SubmittedIn::KeyMismatch { existing } => Submitted::KeyMismatch { existing },
+        };
+        Ok((submitted, lease))
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
@@ -1222,7 +1291,7 @@ impl Store for SqliteStore {
             let record = record_from_row(row, 0)?;
             let lease = Lease {
                 id: record.id,
-                owner,
+                owner: owner.clone(),
                 attempt: record.attempts,
             };
             Ok(Some((lease, record)))
@@ -1738,18 +1807,18 @@ mod tests {
 
     /// A job for [`commit_group`] and the receiver of its answer.
     fn job(
-        f: impl FnOnce(&Connection) -> Result<i64, StoreError> + Send + 'static,
+        f: impl FnMut(&Connection) -> Result<i64, StoreError> + Send + 'static,
     ) -> (Box<dyn WriteJob>, Answer) {
         let (reply, answer) = oneshot::channel();
         let job = Job {
-            run: Some(f),
+            run: f,
             result: None,
             reply,
         };
         (Box::new(job), answer)
     }
 
-    fn insert(n: i64) -> impl FnOnce(&Connection) -> Result<i64, StoreError> + Send + 'static {
+    fn insert(n: i64) -> impl FnMut(&Connection) -> Result<i64, StoreError> + Send + 'static {
         move |conn| {
             conn.execute("INSERT INTO t (n) VALUES (?1)", params![n])?;
             Ok(n)
@@ -1760,7 +1829,7 @@ mod tests {
     fn run_group(
         conn: &Connection,
         jobs: Vec<(Box<dyn WriteJob>, Answer)>,
-    ) -> (Result<(), String>, Vec<Result<i64, StoreError>>) {
+    ) -> (Result<Committed, String>, Vec<Result<i64, StoreError>>) {
         let (mut group, mut answers): (Vec<_>, Vec<_>) = jobs.into_iter().unzip();
         let committed = commit_group(conn, &mut group);
         let commit = committed.as_ref().map(|_| ()).map_err(String::as_str);
@@ -1805,7 +1874,7 @@ mod tests {
                 job(insert(3)),
             ],
         );
-        assert_eq!(committed, Ok(()));
+        assert_eq!(committed, Ok(Committed::WithoutTheFailedJob));
         assert!(matches!(answers[0], Ok(1)), "{:?}", answers[0]);
         assert!(
             matches!(&answers[1], Err(StoreError::Unavailable(m)) if m.contains("panicked")),
@@ -1818,6 +1887,40 @@ mod tests {
             vec![1, 3],
             "the panicked job's write rolled back"
         );
+        assert!(conn.is_autocommit());
+    }
+
+    #[test]
+    fn a_group_of_good_writes_commits_in_one_pass_and_one_bad_write_is_left_out_of_a_second_du1() {
+        let (_dir, conn) = scratch();
+        let (committed, answers) = run_group(&conn, vec![job(insert(1)), job(insert(2))]);
+        assert_eq!(committed, Ok(Committed::InOnePass));
+        assert!(matches!(answers[..], [Ok(1), Ok(2)]), "{answers:?}");
+        // The bad write fails in the first pass after job 3 has run; that pass is rolled back
+        // and the second stores 3 and 5 once each, and the bad write's first insert not at all.
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&runs);
+        let (committed, answers) = run_group(
+            &conn,
+            vec![
+                job(move |conn| {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    insert(3)(conn)
+                }),
+                job(|conn| {
+                    conn.execute("INSERT INTO t (n) VALUES (4)", [])?;
+                    conn.execute("INSERT INTO t (n) VALUES (NULL)", [])?;
+                    Ok(4)
+                }),
+                job(insert(5)),
+            ],
+        );
+        assert_eq!(committed, Ok(Committed::WithoutTheFailedJob));
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert!(matches!(answers[0], Ok(3)), "{:?}", answers[0]);
+        assert!(answers[1].is_err(), "{:?}", answers[1]);
+        assert!(matches!(answers[2], Ok(5)), "{:?}", answers[2]);
+        assert_eq!(stored(&conn), vec![1, 2, 3, 5]);
         assert!(conn.is_autocommit());
     }
 
@@ -1857,7 +1960,7 @@ mod tests {
         conn.execute_batch("PRAGMA max_page_count = 1000000")
             .expect("uncap");
         let (committed, answers) = run_group(&conn, vec![job(insert(4))]);
-        assert_eq!(committed, Ok(()));
+        assert_eq!(committed, Ok(Committed::InOnePass));
         assert!(matches!(answers[0], Ok(4)));
     }
 
@@ -1976,6 +2079,146 @@ mod tests {
             };
             assert_eq!(created.reset_seq, 0);
         }
+    }
+
+    /// Every row of `table`, every column, in rowid order.
+    fn all_rows(conn: &Connection, table: &str) -> Vec<Vec<rusqlite::types::Value>> {
+        let mut stmt = conn
+            .prepare(&format!("SELECT * FROM {table} ORDER BY rowid"))
+            .expect("select");
+        let n = stmt.column_count();
+        stmt.query_map([], |r| (0..n).map(|i| r.get(i)).collect())
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows")
+    }
+
+    #[tokio::test]
+    async fn the_check_list_migration_keeps_every_row_and_every_rule_and_writes_open_no_temporary_btree()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("t.db");
+        let (before_requests, before_chunks) = {
+            let conn = Connection::open(&db).expect("open");
+            conn.execute_batch("PRAGMA journal_mode = WAL")
+                .expect("wal");
+            for (n, sql) in MIGRATIONS.iter().filter(|(n, _)| *n <= 5) {
+                conn.execute_batch(sql).expect("migration");
+                conn.pragma_update(None, "user_version", n)
+                    .expect("version");
+            }
+            // One row per status, every column set where the rules allow it.
+            conn.execute_batch(
+                "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
+                     hash, claim_kind, status, attempts, recoveries, next_retry_at, lease_owner,
+                     lease_expires_at, error_type, error_message, error_status, response_status,
+                     response_body, upstream_request_id, last_seq, created_at, updated_at,
+                     finished_at, reset_seq, attached, replayed, log_reads, usage_input_tokens,
+                     usage_output_tokens, usage_cached_input_tokens, usage_cache_write_tokens,
+                     usage_reasoning_tokens)
+                 VALUES
+                 ('a', 'ns', 'openai.chat', 'b', 'm', 0, x'7b7d', '[]', x'01', 'hash', 'succeeded',
+                  1, 0, 5, NULL, NULL, NULL, NULL, NULL, 200, x'7b7d', 'req_1', 1, 5, 6, 6, 0, 2,
+                  3, 4, 10, 11, 12, 13, 14),
+                 ('b', 'ns', 'anthropic.messages', 'b', NULL, 1, x'00', '[[\"a\",\"b\"]]', x'02',
+                  'key', 'failed', 3, 1, 5, NULL, NULL, 'stream_interrupted', 'cut', 502, NULL,
+                  NULL, NULL, 4, 5, 7, 7, 2, 0, 0, 0, NULL, 5, NULL, NULL, NULL),
+                 ('c', 'ns', 'openai.chat', 'b', 'm', 0, x'00', '[]', x'03', 'hash', 'running', 1,
+                  0, 5, 'w/1', 9, NULL, NULL, NULL, NULL, NULL, NULL, 0, 5, 5, NULL, 0, 0, 0, 0,
+                  NULL, NULL, NULL, NULL, NULL),
+                 ('d', 'ns', 'openai.chat', 'b', 'm', 0, x'00', '[]', x'04', 'hash', 'pending', 1,
+                  0, 8, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 5, 5, NULL, 0, 0, 0, 0,
+                  NULL, NULL, NULL, NULL, NULL);
+                 INSERT INTO chunks (request_id, seq, attempt, kind, event, data) VALUES
+                 ('b', 1, 1, 'data', 'message_start', '{}'), ('b', 2, 1, 'reset', NULL, '2'),
+                 ('b', 3, 2, 'data', NULL, '{}'), ('b', 4, 2, 'end', NULL, '{}'),
+                 ('a', 1, 1, 'end', NULL, '{}');",
+            )
+            .expect("rows at version 5");
+            (all_rows(&conn, "requests"), all_rows(&conn, "chunks"))
+        };
+        SqliteStore::open(
+            &format!("sqlite://{}", db.display()),
+            SqliteSynchronous::Normal,
+        )
+        .await
+        .expect("open and migrate");
+        let conn = Connection::open(&db).expect("open");
+        assert_eq!(all_rows(&conn, "requests"), before_requests);
+        assert_eq!(all_rows(&conn, "chunks"), before_chunks);
+        // The rules still hold: values outside the lists are refused.
+        for bad in [
+            "UPDATE requests SET status = 'done' WHERE id = 'a'",
+            "UPDATE requests SET error_type = 'oops' WHERE id = 'b'",
+            "UPDATE chunks SET kind = 'other' WHERE request_id = 'a'",
+            "INSERT INTO chunks (request_id, seq, attempt, kind, data) VALUES ('a', 1, 1, 'data', '')",
+        ] {
+            assert!(conn.execute(bad, []).is_err(), "accepted: {bad}");
+        }
+        // Every index is back.
+        let indexes: i64 = conn
+            .query_row(
+                "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index'
+                 AND tbl_name IN ('requests', 'chunks')",
+                [],
+                |r| r.get(0),
+            )
+            .expect("indexes");
+        assert_eq!(indexes, 7, "requests: 5 and its primary key; chunks: 1");
+        // What the migration is for: a written row's CHECKs build no temporary b-tree.
+        for table in ["requests", "chunks"] {
+            let columns: Vec<String> = conn
+                .prepare(&format!("SELECT name FROM pragma_table_info('{table}')"))
+                .expect("columns")
+                .query_map([], |r| r.get(0))
+                .expect("query")
+                .collect::<Result<_, _>>()
+                .expect("names");
+            let insert = format!(
+                "INSERT INTO {table} ({}) VALUES ({})",
+                columns.join(", "),
+                vec!["?"; columns.len()].join(", ")
+            );
+            assert_eq!(ephemeral_tables(&conn, &insert), 0, "{insert}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_requests_writes_and_a_streams_appends_build_no_temporary_btree() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        SqliteStore::open(&url, SqliteSynchronous::Normal)
+            .await
+            .expect("open");
+        let conn = Connection::open(dir.path().join("t.db")).expect("open");
+        for sql in [
+            CLAIM_SQL,
+            INSERT_REQUEST_SQL,
+            FINISH_SUCCEEDED_SQL,
+            FINISH_RETRY_SQL,
+            FINISH_FAILED_SQL,
+            FETCH_SQL,
+            UPSERT_USAGE_SQL,
+            INSERT_CONTROL_SQL,
+            APPEND_FENCE_SQL,
+            LAST_SEQ_SQL,
+            APPEND_CHUNK_SQL,
+        ] {
+            assert_eq!(ephemeral_tables(&conn, sql), 0, "{sql}");
+        }
+    }
+
+    /// How many temporary b-trees `sql` opens (`OpenEphemeral` in its program).
+    fn ephemeral_tables(conn: &Connection, sql: &str) -> usize {
+        let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).expect("explain");
+        let n = stmt.parameter_count();
+        let params: Vec<rusqlite::types::Value> = vec![rusqlite::types::Value::Null; n];
+        stmt.query_map(rusqlite::params_from_iter(params), |r| {
+            r.get::<_, String>(1)
+        })
+        .expect("program")
+        .filter(|op| op.as_deref() == Ok("OpenEphemeral"))
+        .count()
     }
 
     #[tokio::test]
