@@ -77,7 +77,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
     (
         6,
-        include_str!("../../migrations/sqlite/0006_checks_without_in_lists.sql"),
+        include_str!("../../migrations/sqlite/0006_request_rows_rebuilt.sql"),
     ),
 ];
 
@@ -576,10 +576,18 @@ fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError
     .into_record()
 }
 
+/// The tables a whole record is read from: the request row and its body, written once.
+macro_rules! record_tables {
+    () => {
+        " FROM requests JOIN request_bodies USING (id)"
+    };
+}
+
 const FETCH_SQL: &str = concat!(
     "SELECT ",
     request_columns!(),
-    " FROM requests WHERE id = ?1"
+    record_tables!(),
+    " WHERE id = ?1"
 );
 
 /// Reads request `id`, any namespace.
@@ -722,14 +730,17 @@ const CLAIM_SQL: &str =
          fingerprint = excluded.fingerprint, expires_at = excluded.expires_at
      WHERE claims.expires_at <= ?7";
 
-/// Inserts a request, pending, or running its first attempt when `?12` (the lease owner) is set.
+/// Inserts a request, pending, or running its first attempt when `?10` (the lease owner) is set.
 const INSERT_REQUEST_SQL: &str =
-    "INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
-         hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-         next_retry_at, created_at, updated_at)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
-         CASE WHEN ?12 IS NULL THEN 'pending' ELSE 'running' END,
-         CASE WHEN ?12 IS NULL THEN 0 ELSE 1 END, ?12, ?13, ?11, ?11, ?11)";
+    "INSERT INTO requests (id, namespace, route, backend, model, stream, hash, claim_kind,
+         status, attempts, lease_owner, lease_expires_at, next_retry_at, created_at, updated_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8,
+         CASE WHEN ?10 IS NULL THEN 'pending' ELSE 'running' END,
+         CASE WHEN ?10 IS NULL THEN 0 ELSE 1 END, ?10, ?11, ?9, ?9, ?9)";
+
+/// Stores a request's body and headers, apart from its row: the row is rewritten at every
+/// update, they never change (decision 35).
+const INSERT_BODY_SQL: &str = "INSERT INTO request_bodies (id, body, headers) VALUES (?1, ?2, ?3)";
 
 /// What [`submit_in`] did: [`Submitted`] without the created record, which is `new` as
 /// inserted ([`created_record`]).
@@ -775,14 +786,14 @@ fn submit_in(
             new.backend,
             new.model,
             i64::from(new.stream),
-            new.body,
-            headers,
             &new.hash[..],
             new.claim.as_str(),
             new.now,
             owner,
             expires_at
         ])?;
+        conn.prepare_cached(INSERT_BODY_SQL)?
+            .execute(params![id, new.body, headers])?;
         let lease = owner.map(|owner| Lease {
             id: new.id,
             owner: owner.to_string(),
@@ -1219,12 +1230,29 @@ fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreE
             "DELETE FROM claims WHERE request_id = ?1",
             "DELETE FROM response_ids WHERE request_id = ?1",
             "DELETE FROM attempt_usage WHERE request_id = ?1",
+            "DELETE FROM request_bodies WHERE id = ?1",
             "DELETE FROM requests WHERE id = ?1",
         ] {
             conn.prepare_cached(sql)?.execute(params![id])?;
         }
     }
     Ok(ids.len() as u64)
+}
+
+/// Leases request `?4`, chosen by [`due_ids`] in the same job (LC-2).
+const LEASE_SQL: &str = "UPDATE requests SET status = 'running', attempts = attempts + 1,
+         lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
+     WHERE id = ?4";
+
+/// Up to `limit` pending requests due at `now`, oldest first.
+fn due_ids(conn: &Connection, now: Millis, limit: i64) -> Result<Vec<String>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT id FROM requests WHERE status = 'pending' AND next_retry_at <= ?1
+             ORDER BY next_retry_at, id LIMIT ?2",
+        )?
+        .query_map(params![now, limit], |r| r.get(0))?
+        .collect::<Result<_, _>>()?)
 }
 
 #[async_trait]
@@ -1275,20 +1303,14 @@ impl Store for SqliteStore {
     ) -> Result<Option<(Lease, RequestRecord)>, StoreError> {
         let owner = owner.to_string();
         self.write(move |conn| {
-            let mut stmt = conn.prepare_cached(concat!(
-                "UPDATE requests SET status = 'running', attempts = attempts + 1,
-                     lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
-                 WHERE id = (SELECT id FROM requests
-                             WHERE status = 'pending' AND next_retry_at <= ?3
-                             ORDER BY next_retry_at, id LIMIT 1)
-                 RETURNING ",
-                request_columns!()
-            ))?;
-            let mut rows = stmt.query(params![owner, now + lease_ms, now])?;
-            let Some(row) = rows.next()? else {
+            // Chosen, then leased: one writer, so nothing comes in between.
+            let Some(id) = due_ids(conn, now, 1)?.pop() else {
                 return Ok(None);
             };
-            let record = record_from_row(row, 0)?;
+            conn.prepare_cached(LEASE_SQL)?
+                .execute(params![owner, now + lease_ms, now, id])?;
+            let record =
+                fetch(conn, &id)?.ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
             let lease = Lease {
                 id: record.id,
                 owner: owner.clone(),
@@ -1309,29 +1331,22 @@ impl Store for SqliteStore {
         let owner_prefix = owner_prefix.to_string();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         self.write(move |conn| {
-            // One statement on the only writer: atomic like `lease`, for up to `limit` rows.
-            let mut stmt = conn.prepare_cached(concat!(
-                "UPDATE requests SET status = 'running', attempts = attempts + 1,
-                     lease_owner = ?1 || '/' || id, lease_expires_at = ?2, updated_at = ?3
-                 WHERE id IN (SELECT id FROM requests
-                              WHERE status = 'pending' AND next_retry_at <= ?3
-                              ORDER BY next_retry_at, id LIMIT ?4)
-                 RETURNING lease_owner, ",
-                request_columns!()
-            ))?;
-            let mut rows = stmt.query(params![owner_prefix, now + lease_ms, now, limit])?;
+            // Chosen, then leased, oldest first, in one job of the only writer: atomic like
+            // `lease`, for up to `limit` rows.
             let mut leased = Vec::new();
-            while let Some(row) = rows.next()? {
-                let record = record_from_row(row, 1)?;
+            for id in due_ids(conn, now, limit)? {
+                let owner = format!("{owner_prefix}/{id}");
+                conn.prepare_cached(LEASE_SQL)?
+                    .execute(params![owner, now + lease_ms, now, id])?;
+                let record = fetch(conn, &id)?
+                    .ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
                 let lease = Lease {
                     id: record.id,
-                    owner: row.get(0)?,
+                    owner,
                     attempt: record.attempts,
                 };
                 leased.push((lease, record));
             }
-            // RETURNING has no order; run the oldest first.
-            leased.sort_by_key(|(_, r)| (r.next_retry_at, r.id));
             Ok(leased)
         })
         .await
@@ -1460,8 +1475,8 @@ impl Store for SqliteStore {
             let mut stmt = conn.prepare_cached(concat!(
                 "SELECT ",
                 request_columns!(),
-                " FROM requests
-                 WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
+                record_tables!(),
+                " WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
                      AND (?3 IS NULL OR route = ?3) AND (?4 IS NULL OR model = ?4)
                      AND (?5 IS NULL OR backend = ?5) AND (?6 IS NULL OR created_at >= ?6)
                      AND (?7 IS NULL OR created_at < ?7)
@@ -2081,10 +2096,18 @@ mod tests {
         }
     }
 
-    /// Every row of `table`, every column, in rowid order.
-    fn all_rows(conn: &Connection, table: &str) -> Vec<Vec<rusqlite::types::Value>> {
+    /// Every column a request had at schema version 5.
+    const EVERY_COLUMN: &str = "id, namespace, route, backend, model, stream, body, headers, hash,
+        claim_kind, status, attempts, recoveries, next_retry_at, lease_owner, lease_expires_at,
+        error_type, error_message, error_status, response_status, response_body,
+        upstream_request_id, last_seq, created_at, updated_at, finished_at, reset_seq, attached,
+        replayed, log_reads, usage_input_tokens, usage_output_tokens, usage_cached_input_tokens,
+        usage_cache_write_tokens, usage_reasoning_tokens";
+
+    /// Every row `select` gives, sorted.
+    fn all_rows(conn: &Connection, select: &str) -> Vec<Vec<rusqlite::types::Value>> {
         let mut stmt = conn
-            .prepare(&format!("SELECT * FROM {table} ORDER BY rowid"))
+            .prepare(&format!("{select} ORDER BY 1, 2"))
             .expect("select");
         let n = stmt.column_count();
         stmt.query_map([], |r| (0..n).map(|i| r.get(i)).collect())
@@ -2094,8 +2117,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_check_list_migration_keeps_every_row_and_every_rule_and_writes_open_no_temporary_btree()
-     {
+    async fn migration_6_keeps_every_row_and_every_rule_and_its_writes_open_no_temporary_btree() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("t.db");
         let (before_requests, before_chunks) = {
@@ -2135,7 +2157,10 @@ mod tests {
                  ('a', 1, 1, 'end', NULL, '{}');",
             )
             .expect("rows at version 5");
-            (all_rows(&conn, "requests"), all_rows(&conn, "chunks"))
+            (
+                all_rows(&conn, &format!("SELECT {EVERY_COLUMN} FROM requests")),
+                all_rows(&conn, "SELECT * FROM chunks"),
+            )
         };
         SqliteStore::open(
             &format!("sqlite://{}", db.display()),
@@ -2144,8 +2169,15 @@ mod tests {
         .await
         .expect("open and migrate");
         let conn = Connection::open(&db).expect("open");
-        assert_eq!(all_rows(&conn, "requests"), before_requests);
-        assert_eq!(all_rows(&conn, "chunks"), before_chunks);
+        assert_eq!(
+            all_rows(
+                &conn,
+                &format!("SELECT {EVERY_COLUMN} FROM requests JOIN request_bodies USING (id)")
+            ),
+            before_requests,
+            "every request, body and headers included"
+        );
+        assert_eq!(all_rows(&conn, "SELECT * FROM chunks"), before_chunks);
         // The rules still hold: values outside the lists are refused.
         for bad in [
             "UPDATE requests SET status = 'done' WHERE id = 'a'",
@@ -2165,8 +2197,22 @@ mod tests {
             )
             .expect("indexes");
         assert_eq!(indexes, 7, "requests: 5 and its primary key; chunks: 1");
-        // What the migration is for: a written row's CHECKs build no temporary b-tree.
-        for table in ["requests", "chunks"] {
+        // What the migration is for: the row every write rewrites holds no prompt...
+        let request_columns: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info('requests')")
+            .expect("columns")
+            .query_map([], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("names");
+        assert!(
+            !request_columns
+                .iter()
+                .any(|c| c == "body" || c == "headers"),
+            "{request_columns:?}"
+        );
+        // ...and a written row's CHECKs build no temporary b-tree.
+        for table in ["requests", "request_bodies", "chunks"] {
             let columns: Vec<String> = conn
                 .prepare(&format!("SELECT name FROM pragma_table_info('{table}')"))
                 .expect("columns")
@@ -2194,6 +2240,8 @@ mod tests {
         for sql in [
             CLAIM_SQL,
             INSERT_REQUEST_SQL,
+            INSERT_BODY_SQL,
+            LEASE_SQL,
             FINISH_SUCCEEDED_SQL,
             FINISH_RETRY_SQL,
             FINISH_FAILED_SQL,
