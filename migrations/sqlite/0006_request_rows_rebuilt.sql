@@ -74,7 +74,8 @@ INSERT INTO requests_new (id, namespace, route, backend, model, stream, hash,
     FROM requests ORDER BY rowid;
 DROP TABLE requests;
 ALTER TABLE requests_new RENAME TO requests;
-CREATE INDEX requests_due ON requests (next_retry_at) WHERE status = 'pending';
+-- (next_retry_at, id): the order leases take due requests in, read from the index.
+CREATE INDEX requests_due ON requests (next_retry_at, id) WHERE status = 'pending';
 CREATE INDEX requests_leases ON requests (lease_expires_at) WHERE status = 'running';
 CREATE INDEX requests_namespace_id ON requests (namespace, id);
 CREATE INDEX requests_finished ON requests (finished_at) WHERE finished_at IS NOT NULL;

@@ -1244,13 +1244,14 @@ const LEASE_SQL: &str = "UPDATE requests SET status = 'running', attempts = atte
          lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
      WHERE id = ?4";
 
+/// Up to `?2` pending requests due at `?1`, oldest first, in the order of index `requests_due`.
+const DUE_IDS_SQL: &str = "SELECT id FROM requests WHERE status = 'pending' AND next_retry_at <= ?1
+     ORDER BY next_retry_at, id LIMIT ?2";
+
 /// Up to `limit` pending requests due at `now`, oldest first.
 fn due_ids(conn: &Connection, now: Millis, limit: i64) -> Result<Vec<String>, StoreError> {
     Ok(conn
-        .prepare_cached(
-            "SELECT id FROM requests WHERE status = 'pending' AND next_retry_at <= ?1
-             ORDER BY next_retry_at, id LIMIT ?2",
-        )?
+        .prepare_cached(DUE_IDS_SQL)?
         .query_map(params![now, limit], |r| r.get(0))?
         .collect::<Result<_, _>>()?)
 }
@@ -2241,6 +2242,7 @@ mod tests {
             CLAIM_SQL,
             INSERT_REQUEST_SQL,
             INSERT_BODY_SQL,
+            DUE_IDS_SQL,
             LEASE_SQL,
             FINISH_SUCCEEDED_SQL,
             FINISH_RETRY_SQL,
