@@ -146,7 +146,7 @@ fn options() -> Result<Options> {
                 "unknown option {other}; options: --quick, --database-url URL \
                  (or HOLDFAST_BENCH_DATABASE_URL), --targets A,B (substrings of target names: \
                  direct, nginx, full, normal, ...), --rows A,B (nonstream, replay, stream, storm, \
-                 streams, paced), --profile or --profile-dwarf (perf record each holdfast process)"
+                 streams, paced, prompts), --profile or --profile-dwarf (perf record each holdfast process)"
             ),
             // A positional filter from `cargo bench -- NAME`: nothing to filter here.
             _ => {}
@@ -633,11 +633,65 @@ fn client(pool: usize) -> Result<reqwest::Client> {
 
 /// A chat body unique to (`nonce`, `label`, `i`): every one takes holdfast's full durable path.
 fn body(nonce: &str, label: &str, i: usize, stream: bool) -> String {
+    prompted_body(nonce, label, i, stream, 0)
+}
+
+/// [`body`] with its message padded to about `prompt_bytes` bytes, as long conversations and
+/// retrieved documents make LLM prompts.
+fn prompted_body(nonce: &str, label: &str, i: usize, stream: bool, prompt_bytes: usize) -> String {
     let stream = if stream { r#","stream":true"# } else { "" };
+    let padding = " lorem ipsum".repeat(prompt_bytes / 12);
     format!(
-        r#"{{"model":"gpt-4o-mini","messages":[{{"role":"user","content":"bench {nonce} {label} {i}"}}]{stream}}}"#
+        r#"{{"model":"gpt-4o-mini","messages":[{{"role":"user","content":"bench {nonce} {label} {i}{padding}"}}]{stream}}}"#
     )
 }
+
+/// One stream-throughput row: its prompts and the names of its measurements.
+struct StreamRow {
+    prompt_bytes: usize,
+    label: &'static str,
+    writer: &'static [&'static str; 3],
+    throughput: &'static str,
+    first_p50: &'static str,
+    first_p99: &'static str,
+    cpu_per_stream: &'static str,
+    cpu_per_event: &'static str,
+    errors: &'static str,
+}
+
+/// `stream c=64`: short prompts (about 100 bytes).
+const SHORT_PROMPTS: StreamRow = StreamRow {
+    prompt_bytes: 0,
+    label: "stream-c64",
+    writer: &[
+        "stream c=64 SQLite commits",
+        "stream c=64 writes per commit",
+        "stream c=64 mean commit",
+    ],
+    throughput: "stream c=64 throughput",
+    first_p50: "stream c=64 first event p50",
+    first_p99: "stream c=64 first event p99",
+    cpu_per_stream: "stream c=64 proxy CPU per stream",
+    cpu_per_event: "stream c=64 proxy CPU per event",
+    errors: "stream c=64 errors",
+};
+
+/// `20 KB prompts c=64`: the same streams with 20 KB prompts (`--rows prompts`).
+const LONG_PROMPTS: StreamRow = StreamRow {
+    prompt_bytes: 20_000,
+    label: "prompt-c64",
+    writer: &[
+        "20 KB prompts c=64 SQLite commits",
+        "20 KB prompts c=64 writes per commit",
+        "20 KB prompts c=64 mean commit",
+    ],
+    throughput: "20 KB prompts c=64 throughput",
+    first_p50: "20 KB prompts c=64 first event p50",
+    first_p99: "20 KB prompts c=64 first event p99",
+    cpu_per_stream: "20 KB prompts c=64 proxy CPU per stream",
+    cpu_per_event: "20 KB prompts c=64 proxy CPU per event",
+    errors: "20 KB prompts c=64 errors",
+};
 
 struct Answer {
     elapsed: Duration,
@@ -1156,6 +1210,7 @@ async fn stream_throughput_row(
     nonce: &str,
     counts: Counts,
     pids: &[u32],
+    row: &StreamRow,
 ) -> Result<()> {
     let client = client(THROUGHPUT_CONCURRENCY + 16)?;
     let base = bases[0].as_str();
@@ -1169,8 +1224,9 @@ async fn stream_throughput_row(
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..THROUGHPUT_CONCURRENCY {
         let (client, urls, next) = (client.clone(), urls.clone(), Arc::clone(&next));
-        let label = format!("stream-c64-{target}");
+        let label = format!("{}-{target}", row.label);
         let nonce = nonce.to_string();
+        let prompt_bytes = row.prompt_bytes;
         tasks.spawn(async move {
             let mut done = Vec::new();
             let mut errors = Vec::new();
@@ -1180,7 +1236,8 @@ async fn stream_throughput_row(
                     return (done, errors);
                 }
                 let url = &urls[i % urls.len()];
-                match stream_call(&client, url, body(&nonce, &label, i, true)).await {
+                let body = prompted_body(&nonce, &label, i, true, prompt_bytes);
+                match stream_call(&client, url, body).await {
                     Ok(t) => done.push(t),
                     Err(e) => errors.push(e.to_string()),
                 }
@@ -1202,42 +1259,26 @@ async fn stream_throughput_row(
     }
     let events: usize = timings.iter().map(|t| t.events).sum();
     let streams = timings.len();
-    writer_rows(
-        results,
-        &[
-            "stream c=64 SQLite commits",
-            "stream c=64 writes per commit",
-            "stream c=64 mean commit",
-        ],
-        target,
-        writer_before,
-        writer_after,
-    );
+    writer_rows(results, row.writer, target, writer_before, writer_after);
     results.add_n(
-        "stream c=64 throughput",
+        row.throughput,
         target,
         "streams/s",
         streams as f64 / elapsed.as_secs_f64(),
         Some(streams),
     );
     let firsts = sorted_ms(&timings.iter().map(|t| t.first).collect::<Vec<_>>());
-    results.add_median_and_p99(
-        "stream c=64 first event p50",
-        "stream c=64 first event p99",
-        target,
-        &firsts,
-        Some(streams),
-    );
+    results.add_median_and_p99(row.first_p50, row.first_p99, target, &firsts, Some(streams));
     if let Some(cpu) = cpu {
         results.add_n(
-            "stream c=64 proxy CPU per stream",
+            row.cpu_per_stream,
             target,
             "ms",
             cpu * 1e3 / streams.max(1) as f64,
             Some(streams),
         );
         results.add_n(
-            "stream c=64 proxy CPU per event",
+            row.cpu_per_event,
             target,
             "us",
             cpu * 1e6 / events.max(1) as f64,
@@ -1245,13 +1286,7 @@ async fn stream_throughput_row(
         );
     }
     if !errors.is_empty() {
-        results.add_n(
-            "stream c=64 errors",
-            target,
-            "streams",
-            errors.len() as f64,
-            None,
-        );
+        results.add_n(row.errors, target, "streams", errors.len() as f64, None);
     }
     Ok(())
 }
@@ -1726,7 +1761,16 @@ async fn cluster_rows(
         nonstream_rows(results, &c, target, &bases, nonce, counts, &pids).await?;
     }
     if options.row("stream") {
-        stream_throughput_row(results, target, &bases, nonce, counts, &pids).await?;
+        stream_throughput_row(
+            results,
+            target,
+            &bases,
+            nonce,
+            counts,
+            &pids,
+            &SHORT_PROMPTS,
+        )
+        .await?;
     }
     for (child, _) in nodes {
         child.stop(Duration::from_secs(40));
@@ -1892,7 +1936,29 @@ async fn run(options: Options) -> Result<()> {
         if options.row("stream") {
             stream_rows(&mut results, &c, "direct", &mock, &nonce, counts).await?;
             let bases = [mock.clone()];
-            stream_throughput_row(&mut results, "direct", &bases, &nonce, counts, &[]).await?;
+            stream_throughput_row(
+                &mut results,
+                "direct",
+                &bases,
+                &nonce,
+                counts,
+                &[],
+                &SHORT_PROMPTS,
+            )
+            .await?;
+        }
+        if options.row("prompts") {
+            let bases = [mock.clone()];
+            stream_throughput_row(
+                &mut results,
+                "direct",
+                &bases,
+                &nonce,
+                counts,
+                &[],
+                &LONG_PROMPTS,
+            )
+            .await?;
         }
         if options.row("paced") {
             paced_row(&mut results, "direct", &mock, &mock, &nonce, counts).await?;
@@ -1922,7 +1988,28 @@ async fn run(options: Options) -> Result<()> {
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, "nginx", &base, &nonce, counts).await?;
-            stream_throughput_row(&mut results, "nginx", &bases, &nonce, counts, &pids).await?;
+            stream_throughput_row(
+                &mut results,
+                "nginx",
+                &bases,
+                &nonce,
+                counts,
+                &pids,
+                &SHORT_PROMPTS,
+            )
+            .await?;
+        }
+        if options.row("prompts") {
+            stream_throughput_row(
+                &mut results,
+                "nginx",
+                &bases,
+                &nonce,
+                counts,
+                &pids,
+                &LONG_PROMPTS,
+            )
+            .await?;
         }
         if options.row("paced") {
             paced_row(&mut results, "nginx", &base, &mock, &nonce, counts).await?;
@@ -1986,6 +2073,19 @@ async fn run(options: Options) -> Result<()> {
                 &nonce,
                 counts,
                 &[hf.pid()],
+                &SHORT_PROMPTS,
+            )
+            .await?;
+        }
+        if options.row("prompts") {
+            stream_throughput_row(
+                &mut results,
+                target,
+                std::slice::from_ref(&base),
+                &nonce,
+                counts,
+                &[hf.pid()],
+                &LONG_PROMPTS,
             )
             .await?;
         }
