@@ -3,13 +3,14 @@
 //!
 //! **Writes.** Every write method becomes a job for one dedicated thread that owns the only
 //! writing connection. The thread takes every job queued at that moment (up to
-//! 1,024), runs each inside its own `SAVEPOINT` of one `BEGIN IMMEDIATE`
-//! transaction, commits once, and only then answers the callers. So:
+//! 1,024), runs them in one `BEGIN IMMEDIATE` transaction, commits once, and only then answers
+//! the callers. So:
 //! - SQLite's single-writer rule never shows up as `SQLITE_BUSY`, and every job is atomic with
 //!   respect to every other: the claim (an upsert on the `claims` primary key, ID-7) and the
-//!   lease (one `UPDATE ... RETURNING`, LC-2) need no further locking;
-//! - a job that fails rolls back to its savepoint and fails alone; a commit that fails fails
-//!   every job of the group, and nothing of any of them is stored;
+//!   lease (due ids chosen, then updated, in one job, LC-2) need no further locking;
+//! - a job that fails fails alone: the group is rolled back and run again without it, each
+//!   other job in its own `SAVEPOINT` ([`commit_group`]); a commit that fails fails every job
+//!   of the group, and nothing of any of them is stored;
 //! - no caller hears "stored" before the commit that stored it (with `synchronous = full`,
 //!   before its `fsync`), and under load one commit (one `fsync`) serves many requests — the
 //!   group commit of `docs/architecture.md`, for requests as well as stream chunks.
@@ -154,7 +155,8 @@ fn open_writer(path: &Path, synchronous: SqliteSynchronous) -> Result<Connection
     // 8,192 pages (32 MiB) so that it is rare and the background rounds have already copied
     // most of what it covers (the measurements behind the number: docs/benchmarks.md). After
     // a burst the file is cut back to `journal_size_limit`.
-    // The per-write savepoints of a group commit journal in memory, not in a temporary file.
+    // The savepoints of a group run again after a failed write (`commit_group`) journal in
+    // memory, not in a temporary file.
     conn.execute_batch(
         "PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 8192;
          PRAGMA journal_size_limit = 67108864; PRAGMA temp_store = MEMORY",
