@@ -109,6 +109,15 @@ impl Options {
     fn row(&self, group: &str) -> bool {
         self.rows.is_empty() || self.rows.iter().any(|r| r == group)
     }
+
+    /// The stream c=64 rows asked for: short prompts (`stream`), 20 KB ones (`prompts`).
+    fn stream_throughput_rows(&self) -> Vec<&'static StreamRow> {
+        [("stream", &SHORT_PROMPTS), ("prompts", &LONG_PROMPTS)]
+            .into_iter()
+            .filter(|(group, _)| self.row(group))
+            .map(|(_, row)| row)
+            .collect()
+    }
 }
 
 fn options() -> Result<Options> {
@@ -1935,30 +1944,10 @@ async fn run(options: Options) -> Result<()> {
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, "direct", &mock, &nonce, counts).await?;
-            let bases = [mock.clone()];
-            stream_throughput_row(
-                &mut results,
-                "direct",
-                &bases,
-                &nonce,
-                counts,
-                &[],
-                &SHORT_PROMPTS,
-            )
-            .await?;
         }
-        if options.row("prompts") {
+        for row in options.stream_throughput_rows() {
             let bases = [mock.clone()];
-            stream_throughput_row(
-                &mut results,
-                "direct",
-                &bases,
-                &nonce,
-                counts,
-                &[],
-                &LONG_PROMPTS,
-            )
-            .await?;
+            stream_throughput_row(&mut results, "direct", &bases, &nonce, counts, &[], row).await?;
         }
         if options.row("paced") {
             paced_row(&mut results, "direct", &mock, &mock, &nonce, counts).await?;
@@ -1988,28 +1977,10 @@ async fn run(options: Options) -> Result<()> {
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, "nginx", &base, &nonce, counts).await?;
-            stream_throughput_row(
-                &mut results,
-                "nginx",
-                &bases,
-                &nonce,
-                counts,
-                &pids,
-                &SHORT_PROMPTS,
-            )
-            .await?;
         }
-        if options.row("prompts") {
-            stream_throughput_row(
-                &mut results,
-                "nginx",
-                &bases,
-                &nonce,
-                counts,
-                &pids,
-                &LONG_PROMPTS,
-            )
-            .await?;
+        for row in options.stream_throughput_rows() {
+            stream_throughput_row(&mut results, "nginx", &bases, &nonce, counts, &pids, row)
+                .await?;
         }
         if options.row("paced") {
             paced_row(&mut results, "nginx", &base, &mock, &nonce, counts).await?;
@@ -2066,26 +2037,17 @@ async fn run(options: Options) -> Result<()> {
         }
         if options.row("stream") {
             stream_rows(&mut results, &c, target, &base, &nonce, counts).await?;
-            stream_throughput_row(
-                &mut results,
-                target,
-                std::slice::from_ref(&base),
-                &nonce,
-                counts,
-                &[hf.pid()],
-                &SHORT_PROMPTS,
-            )
-            .await?;
         }
-        if options.row("prompts") {
+        for row in options.stream_throughput_rows() {
+            let bases = std::slice::from_ref(&base);
             stream_throughput_row(
                 &mut results,
                 target,
-                std::slice::from_ref(&base),
+                bases,
                 &nonce,
                 counts,
                 &[hf.pid()],
-                &LONG_PROMPTS,
+                row,
             )
             .await?;
         }
