@@ -760,11 +760,10 @@ fn submit_in(
     lease: Option<LeaseTo<'_>>,
 ) -> Result<(SubmittedIn, Option<Lease>), StoreError> {
     let id = new.id.to_string();
-    // The upsert either inserts our claim, takes over an expired one, or leaves a live one
-    // untouched and returns no row. One statement on the only writer, so two racing
-    // submissions cannot both win (ID-7).
-    // It changes a row (inserted or taken over, now ours) or none: no `RETURNING`, which SQLite
-    // serves through a temporary b-tree per statement.
+    // The upsert inserts our claim or takes over an expired one — one row changed, the claim
+    // is ours — or leaves a live one untouched. One statement on the only writer, so two racing
+    // submissions cannot both win (ID-7). The count of changed rows says which, not a
+    // `RETURNING`, which SQLite serves through a temporary b-tree per statement.
     let won = conn.prepare_cached(CLAIM_SQL)?.execute(params![
         new.namespace,
         new.claim_key,
@@ -831,8 +830,7 @@ fn submit_in(
 }
 
 /// The outcome writes of [`finish_in`], each fenced on the lease (LC-3). A terminal one reserves
-/// the `end` chunk's seq in the same statement (RD-5), so the row — body and all — is
-/// rewritten once.
+/// the `end` chunk's seq in the same statement (RD-5), so the row is rewritten once.
 const FINISH_SUCCEEDED_SQL: &str = concat!(
     "UPDATE requests SET status = 'succeeded', response_status = ?1,
          response_body = ?2, upstream_request_id = ?3, error_type = NULL,
@@ -1241,10 +1239,29 @@ fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreE
     Ok(ids.len() as u64)
 }
 
-/// Leases request `?4`, chosen by [`due_ids`] in the same job (LC-2).
+/// Leases request `?4` ([`lease_in`]).
 const LEASE_SQL: &str = "UPDATE requests SET status = 'running', attempts = attempts + 1,
          lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
      WHERE id = ?4";
+
+/// Leases request `id`, chosen by [`due_ids`] in the same job, to `owner` (LC-2), and reads it.
+fn lease_in(
+    conn: &Connection,
+    id: &str,
+    owner: String,
+    now: Millis,
+    lease_ms: i64,
+) -> Result<(Lease, RequestRecord), StoreError> {
+    conn.prepare_cached(LEASE_SQL)?
+        .execute(params![owner, now + lease_ms, now, id])?;
+    let record = fetch(conn, id)?.ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
+    let lease = Lease {
+        id: record.id,
+        owner,
+        attempt: record.attempts,
+    };
+    Ok((lease, record))
+}
 
 /// Up to `?2` pending requests due at `?1`, oldest first, in the order of index `requests_due`.
 const DUE_IDS_SQL: &str = "SELECT id FROM requests WHERE status = 'pending' AND next_retry_at <= ?1
@@ -1310,16 +1327,7 @@ impl Store for SqliteStore {
             let Some(id) = due_ids(conn, now, 1)?.pop() else {
                 return Ok(None);
             };
-            conn.prepare_cached(LEASE_SQL)?
-                .execute(params![owner, now + lease_ms, now, id])?;
-            let record =
-                fetch(conn, &id)?.ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
-            let lease = Lease {
-                id: record.id,
-                owner: owner.clone(),
-                attempt: record.attempts,
-            };
-            Ok(Some((lease, record)))
+            lease_in(conn, &id, owner.clone(), now, lease_ms).map(Some)
         })
         .await
     }
@@ -1336,21 +1344,13 @@ impl Store for SqliteStore {
         self.write(move |conn| {
             // Chosen, then leased, oldest first, in one job of the only writer: atomic like
             // `lease`, for up to `limit` rows.
-            let mut leased = Vec::new();
-            for id in due_ids(conn, now, limit)? {
-                let owner = format!("{owner_prefix}/{id}");
-                conn.prepare_cached(LEASE_SQL)?
-                    .execute(params![owner, now + lease_ms, now, id])?;
-                let record = fetch(conn, &id)?
-                    .ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
-                let lease = Lease {
-                    id: record.id,
-                    owner,
-                    attempt: record.attempts,
-                };
-                leased.push((lease, record));
-            }
-            Ok(leased)
+            due_ids(conn, now, limit)?
+                .into_iter()
+                .map(|id| {
+                    let owner = format!("{owner_prefix}/{id}");
+                    lease_in(conn, &id, owner, now, lease_ms)
+                })
+                .collect()
         })
         .await
     }

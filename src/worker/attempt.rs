@@ -543,7 +543,6 @@ impl WorkerPool {
     }
 }
 
-/// One `warn` line for an attempt that failed: the cause, and what happens next.
 /// The outcome of a stream that ended with the provider's final event: its body is the chunk
 /// log, not a stored body.
 fn stream_success(status: u16, upstream_request_id: Option<String>, usage: Usage) -> Outcome {
@@ -556,6 +555,7 @@ fn stream_success(status: u16, upstream_request_id: Option<String>, usage: Usage
     }
 }
 
+/// One `warn` line for an attempt that failed: the cause, and what happens next.
 fn log_attempt(outcome: &Outcome) {
     match outcome {
         Outcome::Succeeded { .. } => {}
