@@ -8,21 +8,8 @@ use serde_json::Value;
 use crate::helpers::*;
 
 fn config_toml(dir: &std::path::Path, mock_base: &str) -> String {
-    format!(
-        r#"
-database_url = "sqlite://{db}"
-[workers]
-lease_secs = 2
-sweep_interval_ms = 100
-backoff_initial_ms = 20
-backoff_max_ms = 200
-[[backends]]
-name = "mock"
-kind = "openai"
-base_url = "{mock_base}"
-"#,
-        db = dir.join("holdfast.db").display()
-    )
+    let db = format!("sqlite://{}", dir.join("holdfast.db").display());
+    fault_test_toml(&db, "", 2, mock_base)
 }
 
 #[tokio::test]

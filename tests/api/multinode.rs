@@ -53,23 +53,7 @@ impl Cluster {
         let db = TestDatabase::create().await;
         let mock = start_mock(mock).await;
         let dir = tempfile::tempdir().expect("tempdir");
-        let toml = format!(
-            r#"
-database_url = "{url}"
-database_pool_size = 6
-[workers]
-lease_secs = 2
-sweep_interval_ms = 100
-backoff_initial_ms = 20
-backoff_max_ms = 200
-[[backends]]
-name = "mock"
-kind = "openai"
-base_url = "{mock_base}"
-"#,
-            url = db.url,
-            mock_base = mock.base_url()
-        );
+        let toml = fault_test_toml(&db.url, "database_pool_size = 6", 2, &mock.base_url());
         let mut cluster = Cluster {
             nodes: Vec::new(),
             http: reqwest::Client::new(),
