@@ -119,6 +119,7 @@ fn bench(c: &mut Criterion) {
                                         for i in 0..EVENTS_PER_STREAM {
                                             let batch = ChunkBatch {
                                                 lease: lease.clone(),
+                                                after: i64::try_from(i).expect("seq"),
                                                 chunks: vec![event(i)],
                                                 upstream_request_id: None,
                                                 response_id: None,

@@ -423,11 +423,18 @@ pub struct NewChunk {
     pub data: String,
 }
 
-/// Data chunks of one attempt to append, fenced on its lease (LC-3).
+/// Data chunks of one attempt to append, fenced on its lease (LC-3) and on the seq they
+/// follow, so that a batch is stored at most once however often its write is tried.
 #[derive(Debug, Clone)]
 pub struct ChunkBatch {
     /// The attempt's lease.
     pub lease: Lease,
+    /// The seq the batch's first chunk follows: the request's `last_seq` as the attempt last
+    /// saw it stored (its lease record's, then the last seq of each append). A write whose
+    /// answer was lost (the database restarted after its commit) is tried again; finding
+    /// `last_seq` already at `after` plus the batch's length under the same lease, the store
+    /// answers with what the first try stored instead of storing the events twice.
+    pub after: i64,
     /// Events in order.
     pub chunks: Vec<NewChunk>,
     /// The provider's request id, recorded with the first batch of an attempt (RS-5).
@@ -438,6 +445,23 @@ pub struct ChunkBatch {
     /// The attempt's usage as reported so far, when this batch changed it: recorded with the
     /// batch, so an attempt that is abandoned keeps what the provider reported (it was billed).
     pub usage: Option<Usage>,
+}
+
+impl ChunkBatch {
+    /// The batch's events as chunks at the seqs it takes: `after + 1` onwards.
+    #[must_use]
+    pub fn stored(&self) -> Vec<Chunk> {
+        (self.after + 1..)
+            .zip(&self.chunks)
+            .map(|(seq, c)| Chunk {
+                seq,
+                attempt: self.lease.attempt,
+                kind: ChunkKind::Data,
+                event: c.event.clone(),
+                data: c.data.clone(),
+            })
+            .collect()
+    }
 }
 
 /// The right to run one attempt (LC-2). Every write for the attempt names it (LC-3).
@@ -716,8 +740,11 @@ pub trait Store: Send + Sync + 'static {
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError>;
 
     /// Appends each batch's chunks after the request's `last_seq`, each batch fenced on its
-    /// lease, all in one transaction (group commit). Returns, per batch, the stored chunks with
-    /// their seqs, or `None` when that batch's lease was lost and nothing of it was written.
+    /// lease and on its `after` seq, all in one transaction (group commit). Returns, per batch,
+    /// the stored chunks with their seqs, or `None` when that batch's lease was lost (or its
+    /// `after` is not the request's last seq) and nothing of it was written. A batch an earlier
+    /// call already stored (`last_seq` is `after` plus its length, same lease) is not stored
+    /// again: its chunks are returned as that call stored them.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails; then nothing was written.

@@ -1404,11 +1404,13 @@ const FINISH_FAILED: &str = concat!(
 /// in the commit, and every chunk, usage report and response id naming its group.
 #[derive(Default)]
 struct AppendPlan {
-    /// Per group: request id, lease owner, chunks in it, upstream request id to record.
+    /// Per group: request id, lease owner, chunks in it, upstream request id to record, the
+    /// seq its first chunk follows.
     ids: Vec<Uuid>,
     owners: Vec<String>,
     counts: Vec<i64>,
     upstream_request_ids: Vec<Option<String>>,
+    afters: Vec<i64>,
     /// Per chunk: its group, its 1-based position in the group, attempt, event, data.
     chunk_groups: Vec<i32>,
     chunk_pos: Vec<i64>,
@@ -1426,20 +1428,23 @@ struct AppendPlan {
 }
 
 impl AppendPlan {
-    /// Adds `batch` to its attempt's group (made on first sight) and returns the group. Batches
-    /// must come sorted by (request id, owner).
-    fn add(&mut self, batch: &ChunkBatch) -> Result<usize, StoreError> {
+    /// Adds `batch` to its attempt's group (made on first sight) and returns the group, or
+    /// `None` when the batch does not follow the group's last chunk (it is then left out: not
+    /// written, answered as fenced). Batches must come sorted by (request id, owner).
+    fn add(&mut self, batch: &ChunkBatch) -> Result<Option<usize>, StoreError> {
         let lease = &batch.lease;
         // Batches come sorted by (id, owner): an attempt's group, if any, is the last one.
         let last = self.ids.len().checked_sub(1);
         let group = match last.filter(|&g| self.ids[g] == lease.id && self.owners[g] == lease.owner)
         {
-            Some(g) => g,
+            Some(g) if self.afters[g] + self.counts[g] == batch.after => g,
+            Some(_) => return Ok(None),
             None => {
                 self.ids.push(lease.id);
                 self.owners.push(lease.owner.clone());
                 self.counts.push(0);
                 self.upstream_request_ids.push(None);
+                self.afters.push(batch.after);
                 self.ids.len() - 1
             }
         };
@@ -1482,7 +1487,7 @@ impl AppendPlan {
                 self.response_ids.push(response_id);
             }
         }
-        Ok(group)
+        Ok(Some(group))
     }
 }
 
@@ -1515,6 +1520,7 @@ async fn append_in(
         .bind(&plan.response_ids)
         .bind(origin)
         .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+        .bind(&plan.afters)
         .fetch_all(&mut *conn)
         .await?;
     rows.iter()
@@ -1523,21 +1529,29 @@ async fn append_in(
 }
 
 /// `append_chunks` as one statement over [`AppendPlan`]'s arrays. Each group's `UPDATE` is
-/// fenced on its lease (LC-3) and reserves its seqs; chunks, usage and response ids are
-/// written only for the groups it matched; one notification per [`IDS_PER_NOTIFY`] requests
-/// names them (`$20` origin, `$21` ids per notification). Returns `grp` and `last_seq` of each
-/// group that kept its lease. The groups are given in request-id order, which the plan's join
-/// follows, so concurrent appends lock rows in one order.
+/// fenced on its lease (LC-3) and on the seq it follows (`$22`), and reserves its seqs;
+/// chunks, usage and response ids are written only for the groups it matched; one
+/// notification per [`IDS_PER_NOTIFY`] requests names them (`$20` origin, `$21` ids per
+/// notification). A group the fence left out whose request is already `n` seqs past `after`
+/// under the same lease was stored by an earlier try whose answer was lost (`stored`). Returns
+/// `grp` and `last_seq` of each group written now or before. The groups are given in
+/// request-id order, which the plan's join follows, so concurrent appends lock rows in one
+/// order.
 const APPEND_CHUNKS: &str = "WITH b AS (
-         SELECT (g.ord - 1)::int AS grp, g.id, g.owner, g.n, g.upstream_request_id
-         FROM UNNEST($1::uuid[], $2::text[], $3::bigint[], $4::text[])
-             WITH ORDINALITY AS g(id, owner, n, upstream_request_id, ord)),
+         SELECT (g.ord - 1)::int AS grp, g.id, g.owner, g.n, g.upstream_request_id, g.after
+         FROM UNNEST($1::uuid[], $2::text[], $3::bigint[], $4::text[], $22::bigint[])
+             WITH ORDINALITY AS g(id, owner, n, upstream_request_id, after, ord)),
      upd AS (
          UPDATE requests r SET last_seq = r.last_seq + b.n,
              upstream_request_id = COALESCE(b.upstream_request_id, r.upstream_request_id)
          FROM b
          WHERE r.id = b.id AND r.lease_owner = b.owner AND r.status = 'running'
+             AND r.last_seq = b.after
          RETURNING b.grp, r.id, r.namespace, r.last_seq, b.n),
+     stored AS (
+         SELECT b.grp, r.last_seq FROM b JOIN requests r ON r.id = b.id
+         WHERE r.lease_owner = b.owner AND r.status = 'running' AND b.n > 0
+             AND r.last_seq = b.after + b.n),
      ins AS (
          INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
          SELECT upd.id, upd.last_seq - upd.n + c.pos, c.attempt, 'data', c.event, c.data
@@ -1566,7 +1580,8 @@ const APPEND_CHUNKS: &str = "WITH b AS (
          SELECT pg_notify('holdfast_changed', $20 || ' ' || string_agg(id::text, ','))
          FROM (SELECT id, (row_number() OVER (ORDER BY id) - 1) / $21 AS part FROM upd) AS p
          GROUP BY part)
-     SELECT grp, last_seq, (SELECT count(*) FROM notified) AS notifications FROM upd";
+     SELECT grp, last_seq, (SELECT count(*) FROM notified) AS notifications FROM upd
+     UNION ALL SELECT grp, last_seq, 0 FROM stored";
 
 /// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
 /// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
@@ -1985,7 +2000,7 @@ impl Store for PostgresStore {
             (a.id, &a.owner).cmp(&(b.id, &b.owner))
         });
         let mut plan = AppendPlan::default();
-        let mut group_of: Vec<usize> = Vec::with_capacity(batches.len());
+        let mut group_of: Vec<Option<usize>> = Vec::with_capacity(batches.len());
         for &i in &order {
             group_of.push(plan.add(&batches[i])?);
         }
@@ -2010,6 +2025,8 @@ impl Store for PostgresStore {
         let mut events = plan.events.into_iter();
         for (&i, group) in order.iter().zip(group_of) {
             let batch = &batches[i];
+            // Left out of the plan: nothing of it is in the arrays.
+            let Some(group) = group else { continue };
             let taken: Vec<(Option<String>, String)> = events
                 .by_ref()
                 .zip(data.by_ref())

@@ -1010,13 +1010,16 @@ fn sweep_in(
     Ok((recovered, failed))
 }
 
-/// Reserves `?1` seqs for a batch of chunks, fenced on the lease (LC-3). No `RETURNING` (see
-/// [`finish_in`]): the new `last_seq` is read back by primary key.
+/// Reserves `?1` seqs for a batch of chunks after seq `?5`, fenced on the lease (LC-3) and on
+/// that seq: the batch's first chunk is `?5 + 1`, or nothing is written.
 const APPEND_FENCE_SQL: &str = "UPDATE requests SET last_seq = last_seq + ?1,
          upstream_request_id = COALESCE(?2, upstream_request_id)
-     WHERE id = ?3 AND lease_owner = ?4 AND status = 'running'";
+     WHERE id = ?3 AND lease_owner = ?4 AND status = 'running' AND last_seq = ?5";
 
-const LAST_SEQ_SQL: &str = "SELECT last_seq FROM requests WHERE id = ?1";
+/// The last seq of a request while lease `?2` runs it: what a batch that did not pass
+/// [`APPEND_FENCE_SQL`] is compared with, to tell a batch already stored from a lost lease.
+const LEASED_LAST_SEQ_SQL: &str = "SELECT last_seq FROM requests
+     WHERE id = ?1 AND lease_owner = ?2 AND status = 'running'";
 
 /// Stores one provider event at a reserved seq.
 const APPEND_CHUNK_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
@@ -1030,35 +1033,39 @@ fn append_in(
     batches: &[ChunkBatch],
 ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
     let mut fence = conn.prepare_cached(APPEND_FENCE_SQL)?;
-    let mut last_seq = conn.prepare_cached(LAST_SEQ_SQL)?;
+    let mut leased_last_seq = conn.prepare_cached(LEASED_LAST_SEQ_SQL)?;
     let mut insert = conn.prepare_cached(APPEND_CHUNK_SQL)?;
     let mut results = Vec::with_capacity(batches.len());
     for batch in batches {
         let id = batch.lease.id.to_string();
         let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
-        // Fenced (LC-3): seqs are reserved only while the attempt holds its lease.
-        if fence.execute(params![n, batch.upstream_request_id, id, batch.lease.owner])? == 0 {
-            results.push(None);
+        // Fenced (LC-3): seqs are reserved only while the attempt holds its lease, and only
+        // right after the seq the batch follows.
+        let reserve = params![
+            n,
+            batch.upstream_request_id,
+            id,
+            batch.lease.owner,
+            batch.after
+        ];
+        if fence.execute(reserve)? == 0 {
+            // Stored by an earlier try of this write, or not at all (the lease is lost).
+            let last: Option<i64> = leased_last_seq
+                .query_row(params![id, batch.lease.owner], |r| r.get(0))
+                .optional()?;
+            let already = n > 0 && last == Some(batch.after + n);
+            results.push(already.then(|| batch.stored()));
             continue;
         }
-        let last: i64 = last_seq.query_row(params![id], |r| r.get(0))?;
-        let first = last - n + 1;
-        let mut stored = Vec::with_capacity(batch.chunks.len());
-        for (seq, c) in (first..).zip(&batch.chunks) {
+        let stored = batch.stored();
+        for chunk in &stored {
             insert.execute(params![
                 id,
-                seq,
-                i64::from(batch.lease.attempt),
-                c.event,
-                c.data
+                chunk.seq,
+                i64::from(chunk.attempt),
+                chunk.event,
+                chunk.data
             ])?;
-            stored.push(Chunk {
-                seq,
-                attempt: batch.lease.attempt,
-                kind: ChunkKind::Data,
-                event: c.event.clone(),
-                data: c.data.clone(),
-            });
         }
         if let Some(response_id) = &batch.response_id {
             insert_response_id(conn, response_id, &id, batch.lease.attempt)?;
@@ -1769,6 +1776,7 @@ mod tests {
         let batches = vec![
             ChunkBatch {
                 lease: first[0].0.clone(),
+                after: 0,
                 chunks: vec![chunk("a1"), chunk("a2")],
                 upstream_request_id: Some("req-a".into()),
                 response_id: None,
@@ -1776,6 +1784,7 @@ mod tests {
             },
             ChunkBatch {
                 lease: stale,
+                after: 0,
                 chunks: vec![chunk("x")],
                 upstream_request_id: None,
                 response_id: None,
@@ -1783,6 +1792,7 @@ mod tests {
             },
             ChunkBatch {
                 lease: rest[0].0.clone(),
+                after: 0,
                 chunks: vec![chunk("c1")],
                 upstream_request_id: None,
                 response_id: None,
@@ -1803,7 +1813,13 @@ mod tests {
         );
         assert_eq!(seqs(&stored[1]), None);
         assert_eq!(seqs(&stored[2]), Some(vec![(1, "c1".into())]));
+        // The same batch again (its first write's answer lost) is not stored twice; the next
+        // one follows it.
         let again = store.append_chunks(&batches[..1]).await.expect("append");
+        assert_eq!(seqs(&again[0]), seqs(&stored[0]));
+        let mut next = batches[0].clone();
+        next.after = 2;
+        let again = store.append_chunks(&[next]).await.expect("append");
         assert_eq!(
             seqs(&again[0]),
             Some(vec![(3, "a1".into()), (4, "a2".into())])
@@ -2253,7 +2269,7 @@ mod tests {
             UPSERT_USAGE_SQL,
             INSERT_CONTROL_SQL,
             APPEND_FENCE_SQL,
-            LAST_SEQ_SQL,
+            LEASED_LAST_SEQ_SQL,
             APPEND_CHUNK_SQL,
         ] {
             assert_eq!(ephemeral_tables(&conn, sql), 0, "{sql}");

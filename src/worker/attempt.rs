@@ -200,7 +200,7 @@ impl WorkerPool {
             .map(str::to_owned);
         if record.stream && (200..300).contains(&status) {
             return self
-                .stream(lease, route, response, status, request_id)
+                .stream(lease, route, response, status, request_id, record.last_seq)
                 .await;
         }
         let outcome = self
@@ -307,6 +307,9 @@ impl WorkerPool {
     /// that ends without a single event — is `upstream_invalid` and kept on the record
     /// (capped): the provider answered and was paid, so it is not retried (LC-11). Garbage
     /// inside a stream fails it as `upstream_invalid` without storing the garbage.
+    ///
+    /// `last_seq` is the request's last seq when the lease was taken; each batch names the seq
+    /// it follows, so a batch is stored once even when its write is tried again.
     async fn stream(
         &self,
         lease: &Lease,
@@ -314,6 +317,7 @@ impl WorkerPool {
         mut response: reqwest::Response,
         status: u16,
         request_id: Option<String>,
+        mut last_seq: i64,
     ) -> Option<Ending> {
         // What the provider reported the attempt has cost so far: kept on every ending, since
         // an interrupted stream was billed for what it produced.
@@ -434,6 +438,7 @@ impl WorkerPool {
             }
             let batch = ChunkBatch {
                 lease: lease.clone(),
+                after: last_seq,
                 chunks,
                 upstream_request_id: request_id_to_store.take(),
                 response_id,
@@ -451,6 +456,7 @@ impl WorkerPool {
             match self.chunks.append(batch).await {
                 Ok(stored_chunks) => {
                     stored += stored_chunks.len();
+                    last_seq = stored_chunks.last().map_or(last_seq, |chunk| chunk.seq);
                     unseen = Vec::new();
                     for chunk in stored_chunks {
                         self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));

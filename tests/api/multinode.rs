@@ -530,6 +530,7 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
         .iter()
         .map(|lease| ChunkBatch {
             lease: lease.clone(),
+            after: 0,
             chunks: vec![NewChunk {
                 event: None,
                 data: "{}".into(),

@@ -203,6 +203,7 @@ conformance!(
     append_chunks_group_commit_keeps_each_requests_order,
     append_chunks_returns_none_for_a_lost_lease_lc3,
     append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3,
+    append_chunks_tried_again_after_a_lost_answer_stores_each_event_once_lc3_rd4,
     chunks_after_pages_in_seq_order,
     every_terminal_outcome_appends_exactly_one_end_chunk_rd5,
     finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3,
@@ -332,6 +333,11 @@ async fn all_chunks(store: &DynStore, id: Uuid) -> Vec<Chunk> {
     store.chunks_after(id, 0, 100_000).await.expect("chunks")
 }
 
+/// The seq of request `id`'s last chunk (0 without any): every seq taken has its chunk.
+async fn last_seq_of(store: &DynStore, id: Uuid) -> i64 {
+    all_chunks(store, id).await.last().map_or(0, |c| c.seq)
+}
+
 fn new_chunks(prefix: &str, n: usize) -> Vec<NewChunk> {
     (0..n)
         .map(|i| NewChunk {
@@ -341,9 +347,12 @@ fn new_chunks(prefix: &str, n: usize) -> Vec<NewChunk> {
         .collect()
 }
 
+/// Appends `chunks` after the request's last chunk, as its attempt would.
 async fn append(store: &DynStore, lease: &Lease, chunks: Vec<NewChunk>) -> Option<Vec<Chunk>> {
+    let after = last_seq_of(store, lease.id).await;
     let batch = ChunkBatch {
         lease: lease.clone(),
+        after,
         chunks,
         upstream_request_id: None,
         response_id: None,
@@ -1115,6 +1124,7 @@ async fn append_chunks_assigns_consecutive_seqs_across_batches(store: DynStore) 
     let (lease, _) = lease_at(&store, "node/a", T0).await;
     let first = ChunkBatch {
         lease: lease.clone(),
+        after: 0,
         chunks: new_chunks("one", 3),
         upstream_request_id: Some("req_up_stream".into()),
         response_id: None,
@@ -1122,6 +1132,7 @@ async fn append_chunks_assigns_consecutive_seqs_across_batches(store: DynStore) 
     };
     let second = ChunkBatch {
         lease: lease.clone(),
+        after: 3,
         chunks: new_chunks("two", 2),
         upstream_request_id: None,
         response_id: None,
@@ -1181,6 +1192,7 @@ async fn append_chunks_group_commit_keeps_each_requests_order(store: DynStore) {
         for lease in leases.iter().rev() {
             batches.push(ChunkBatch {
                 lease: lease.clone(),
+                after: 2 * round,
                 chunks: new_chunks(&format!("r{round}"), 2),
                 upstream_request_id: None,
                 response_id: None,
@@ -1229,6 +1241,7 @@ async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
         .append_chunks(&[
             ChunkBatch {
                 lease: lb.clone(),
+                after: 0,
                 chunks: new_chunks("lost", 2),
                 upstream_request_id: Some("nope".into()),
                 response_id: None,
@@ -1236,6 +1249,7 @@ async fn append_chunks_returns_none_for_a_lost_lease_lc3(store: DynStore) {
             },
             ChunkBatch {
                 lease: la.clone(),
+                after: 0,
                 chunks: new_chunks("kept", 2),
                 upstream_request_id: None,
                 response_id: None,
@@ -1277,8 +1291,9 @@ async fn append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3(stor
         output_tokens: Some(n),
         ..Usage::default()
     };
-    let batch = |lease: &Lease, prefix: &str, reported: u64| ChunkBatch {
+    let batch = |lease: &Lease, after: i64, prefix: &str, reported: u64| ChunkBatch {
         lease: lease.clone(),
+        after,
         chunks: new_chunks(prefix, 2),
         upstream_request_id: None,
         response_id: None,
@@ -1286,9 +1301,9 @@ async fn append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3(stor
     };
     let out = store
         .append_chunks(&[
-            batch(&new, "a", 1),
-            batch(&old, "stale", 99),
-            batch(&new, "b", 2),
+            batch(&new, 3, "a", 1),
+            batch(&old, 2, "stale", 99),
+            batch(&new, 5, "b", 2),
         ])
         .await
         .expect("append");
@@ -1307,6 +1322,112 @@ async fn append_chunks_fences_each_attempt_of_one_request_in_one_commit_lc3(stor
         store.attempt_usage(rec.id).await.expect("usage"),
         vec![(2, usage(2))]
     );
+}
+
+/// The chunk writer tries a commit again when it got no answer; when the database had
+/// committed it (PostgreSQL restarted between its commit and the reply), the second try must
+/// not store the events again. Each batch names the seq it follows, so the second try finds
+/// them stored under its lease and answers with them; a batch that follows nothing stored is
+/// refused as a lost lease would be, and writes nothing.
+async fn append_chunks_tried_again_after_a_lost_answer_stores_each_event_once_lc3_rd4(
+    store: DynStore,
+) {
+    let rec = create(&store, by_hash("tried again", T0)).await;
+    let other = create(&store, by_hash("tried again, other", T0 + 1)).await;
+    let (lease, _) = lease_at(&store, "node/a", T0 + 1).await;
+    let (lease_b, _) = lease_at(&store, "node/b", T0 + 1).await;
+    assert_eq!((lease.id, lease_b.id), (rec.id, other.id));
+    let reported = Usage {
+        output_tokens: Some(2),
+        ..Usage::default()
+    };
+    let first = [
+        ChunkBatch {
+            lease: lease.clone(),
+            after: 0,
+            chunks: new_chunks("first", 2),
+            upstream_request_id: Some("req_up_once".into()),
+            response_id: None,
+            usage: Some(reported),
+        },
+        ChunkBatch {
+            lease: lease_b.clone(),
+            after: 0,
+            chunks: new_chunks("b", 1),
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        },
+    ];
+    let stored = store.append_chunks(&first).await.expect("append");
+    let seqs = |out: &[Option<Vec<Chunk>>]| -> Vec<Option<Vec<i64>>> {
+        out.iter()
+            .map(|b| b.as_ref().map(|c| c.iter().map(|c| c.seq).collect()))
+            .collect()
+    };
+    assert_eq!(seqs(&stored), vec![Some(vec![1, 2]), Some(vec![1])]);
+    let before = (
+        all_chunks(&store, rec.id).await,
+        all_chunks(&store, other.id).await,
+    );
+
+    // The same commit again: answered as the first was, nothing stored twice.
+    let again = store.append_chunks(&first).await.expect("append again");
+    assert_eq!(
+        again, stored,
+        "the second try answers with what the first stored"
+    );
+    assert_eq!(
+        (
+            all_chunks(&store, rec.id).await,
+            all_chunks(&store, other.id).await
+        ),
+        before
+    );
+    assert_eq!(get(&store, rec.id).await.last_seq, 2);
+    assert_eq!(
+        store.attempt_usage(rec.id).await.expect("usage"),
+        vec![(1, reported)]
+    );
+
+    // Tried again beside a new batch of the other stream: the new one is stored after it.
+    let next_b = ChunkBatch {
+        lease: lease_b.clone(),
+        after: 1,
+        chunks: new_chunks("b2", 2),
+        upstream_request_id: None,
+        response_id: None,
+        usage: None,
+    };
+    let mixed = store
+        .append_chunks(&[first[0].clone(), next_b])
+        .await
+        .expect("append mixed");
+    assert_eq!(seqs(&mixed), vec![Some(vec![1, 2]), Some(vec![2, 3])]);
+    assert_eq!(all_chunks(&store, rec.id).await, before.0);
+
+    // A batch that neither follows the last stored seq nor ends at it writes nothing. (One
+    // that ends at it is taken as stored: only its own attempt moves a leased request's seqs,
+    // each batch after the last seq it was answered.)
+    for after in [0, 3] {
+        let astray = ChunkBatch {
+            lease: lease.clone(),
+            after,
+            chunks: new_chunks("astray", 1),
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        };
+        let out = store.append_chunks(&[astray]).await.expect("append astray");
+        assert_eq!(out, vec![None], "after {after}: not the last seq");
+    }
+    assert_eq!(all_chunks(&store, rec.id).await, before.0);
+
+    // The batch that does follow is stored next.
+    let next = append(&store, &lease, new_chunks("next", 1))
+        .await
+        .expect("own");
+    assert_eq!(next.iter().map(|c| c.seq).collect::<Vec<_>>(), vec![3]);
 }
 
 async fn chunks_after_pages_in_seq_order(store: DynStore) {
@@ -1478,6 +1599,7 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
     };
     let last = ChunkBatch {
         lease: l.clone(),
+        after: 2,
         chunks: new_chunks("last", 3),
         upstream_request_id: None,
         response_id: None,
@@ -1527,6 +1649,7 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
     let before = (get(&store, c.id).await, all_chunks(&store, c.id).await);
     let lost = ChunkBatch {
         lease: lc.clone(),
+        after: 1,
         ..last.clone()
     };
     assert!(
