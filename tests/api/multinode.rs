@@ -29,6 +29,7 @@ use crate::helpers::*;
 use crate::store_conformance::TestDatabase;
 
 mod chaos;
+mod lost_answer;
 mod outage;
 mod pg_server;
 

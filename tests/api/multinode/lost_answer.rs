@@ -1,0 +1,235 @@
+//! A commit whose answer never arrives (decision 36, LC-3, RD-4). PostgreSQL can commit a
+//! statement and then lose the connection before its reply reaches holdfast (a restart, a
+//! network cut); the chunk writer tries the commit again, and that second try must not store
+//! the stream's events a second time. The cluster chaos test once caught exactly that (a reader
+//! saw "fjord fjord") by chance; this test makes it happen every time, at the wire: a relay in
+//! front of the server lets the append statement run and commit, swallows the server's answer
+//! and cuts the connection.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use holdfast::ChunkWriter;
+use holdfast::store::postgres::PostgresStore;
+use holdfast::store::{ChunkBatch, ChunkKind, DynStore, NewChunk, Store, now_ms};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::submit;
+use crate::store_conformance::TestDatabase;
+
+/// Text found only in the chunk append statement (`APPEND_CHUNKS`): its `Parse` message, the
+/// first time a connection runs it, carries it.
+const APPEND_STATEMENT: &[u8] = b"RETURNING b.grp";
+
+/// A TCP relay in front of PostgreSQL that loses one answer. Once armed, the first client
+/// message containing the armed text is passed on; the server's messages up to the statement's
+/// `CommandComplete` are too, the rest is dropped up to the `ReadyForQuery` that follows it —
+/// sent once the statement's implicit transaction has committed — and then that connection is
+/// closed on both sides.
+struct LosingRelay {
+    port: u16,
+    armed: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
+    answers_lost: Arc<AtomicUsize>,
+}
+
+impl LosingRelay {
+    async fn start(server: String) -> LosingRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+        let port = listener.local_addr().expect("relay address").port();
+        let armed = Arc::new(std::sync::Mutex::new(None));
+        let answers_lost = Arc::new(AtomicUsize::new(0));
+        let (armed_in, lost_in) = (Arc::clone(&armed), Arc::clone(&answers_lost));
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = server.clone();
+                let (armed, lost) = (Arc::clone(&armed_in), Arc::clone(&lost_in));
+                tokio::spawn(async move {
+                    if let Ok(upstream) = TcpStream::connect(&server).await {
+                        relay(client, upstream, armed, lost).await;
+                    }
+                });
+            }
+        });
+        LosingRelay {
+            port,
+            armed,
+            answers_lost,
+        }
+    }
+
+    /// Loses the answer to the next statement whose text contains `text`.
+    fn lose_the_answer_to(&self, text: &'static [u8]) {
+        *self.armed.lock().expect("armed") = Some(text);
+    }
+}
+
+/// Relays one connection until either side closes, or until the answer it was armed to lose
+/// has been swallowed.
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    armed: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
+    lost: Arc<AtomicUsize>,
+) {
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    let cutting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cut = Arc::clone(&cutting);
+    let upward = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match from_client.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            {
+                let mut armed = armed.lock().expect("armed");
+                if let Some(text) = *armed
+                    && buf[..n].windows(text.len()).any(|w| w == text)
+                {
+                    *armed = None;
+                    cut.store(true, Ordering::SeqCst);
+                }
+            }
+            if to_server.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    let downward = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut pending: Vec<u8> = Vec::new();
+        let mut completed = false;
+        loop {
+            let n = match from_server.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if !cutting.load(Ordering::SeqCst) {
+                if to_client.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            // Every backend message: a type byte, then its length (itself included). Messages
+            // before the statement's `CommandComplete` (the answer to preparing it) go on; from
+            // it on nothing does.
+            pending.extend_from_slice(&buf[..n]);
+            while pending.len() >= 5 {
+                let len = u32::from_be_bytes([pending[1], pending[2], pending[3], pending[4]]);
+                let end = 1 + len as usize;
+                if pending.len() < end {
+                    break;
+                }
+                match pending[0] {
+                    b'C' => completed = true,
+                    b'Z' if completed => {
+                        lost.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    _ => {}
+                }
+                if !completed && to_client.write_all(&pending[..end]).await.is_err() {
+                    return;
+                }
+                pending.drain(..end);
+            }
+        }
+    };
+    // Whichever ends first ends the connection: both halves are dropped, both sockets close.
+    tokio::select! {
+        () = upward => {}
+        () = downward => {}
+    }
+}
+
+fn event(data: &str) -> NewChunk {
+    NewChunk {
+        event: None,
+        data: data.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_event_once_lc3_rd4() {
+    let db = TestDatabase::create().await;
+    let mut url = reqwest::Url::parse(&db.url).expect("database url");
+    let server = format!(
+        "{}:{}",
+        url.host_str().expect("database host"),
+        url.port().unwrap_or(5432)
+    );
+    let relay = LosingRelay::start(server).await;
+    url.set_port(Some(relay.port)).expect("relay port");
+    let store = Arc::new(
+        PostgresStore::open(url.as_str())
+            .await
+            .expect("open through the relay"),
+    );
+    let id = submit(&store, "an answer lost on the wire").await;
+    let (lease, record) = store
+        .lease("node/a", now_ms(), 60_000)
+        .await
+        .expect("lease")
+        .expect("the request is due");
+    assert_eq!((lease.id, record.last_seq), (id, 0));
+    let dyn_store: DynStore = store.clone();
+    let writer = ChunkWriter::spawn(dyn_store);
+
+    // The first batch's statement commits and its answer is lost: the writer tries again.
+    relay.lose_the_answer_to(APPEND_STATEMENT);
+    let appended = writer.append(ChunkBatch {
+        lease: lease.clone(),
+        after: 0,
+        chunks: vec![event("fjord"), event("bay")],
+        upstream_request_id: None,
+        response_id: None,
+        usage: None,
+    });
+    // Bounded: a relay that swallowed the wrong answer would leave the writer waiting.
+    let first = tokio::time::timeout(std::time::Duration::from_secs(60), appended)
+        .await
+        .expect("the writer answers within 60 s")
+        .expect("the second try answers");
+    assert_eq!(
+        relay.answers_lost.load(Ordering::SeqCst),
+        1,
+        "the relay lost the first try's answer after its commit"
+    );
+    let answered: Vec<(i64, &str)> = first.iter().map(|c| (c.seq, c.data.as_str())).collect();
+    assert_eq!(answered, vec![(1, "fjord"), (2, "bay")]);
+
+    // The next batch follows it; each event is stored once.
+    let next = writer
+        .append(ChunkBatch {
+            lease: lease.clone(),
+            after: 2,
+            chunks: vec![event("inlet")],
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        })
+        .await
+        .expect("append");
+    assert_eq!(next.iter().map(|c| c.seq).collect::<Vec<_>>(), vec![3]);
+    let stored = store.chunks_after(id, 0, 100).await.expect("chunks");
+    let log: Vec<(i64, ChunkKind, &str)> = stored
+        .iter()
+        .map(|c| (c.seq, c.kind, c.data.as_str()))
+        .collect();
+    assert_eq!(
+        log,
+        vec![
+            (1, ChunkKind::Data, "fjord"),
+            (2, ChunkKind::Data, "bay"),
+            (3, ChunkKind::Data, "inlet"),
+        ]
+    );
+    let record = store
+        .get("default", id)
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.last_seq, 3);
+}
