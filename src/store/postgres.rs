@@ -242,7 +242,7 @@ impl PostgresStore {
     }
 
     /// Runs [`APPEND_CHUNKS`] for `plan` on the held append connection.
-    async fn append_held(&self, plan: &AppendPlan) -> Result<Vec<(i32, i64)>, StoreError> {
+    async fn append_held(&self, plan: &AppendPlan) -> Result<Vec<i32>, StoreError> {
         let mut held = self.appends.lock().await;
         let mut conn = match held.conn.take() {
             Some(conn) => conn,
@@ -1491,13 +1491,13 @@ impl AppendPlan {
     }
 }
 
-/// Runs [`APPEND_CHUNKS`] for `plan` on `conn`: `(group, last seq)` of each group that kept its
-/// lease.
+/// Runs [`APPEND_CHUNKS`] for `plan` on `conn`: the groups stored, now or by an earlier try
+/// (each at the seqs after its `after`).
 async fn append_in(
     conn: &mut PgConnection,
     plan: &AppendPlan,
     origin: &str,
-) -> Result<Vec<(i32, i64)>, StoreError> {
+) -> Result<Vec<i32>, StoreError> {
     let rows = sqlx::query(APPEND_CHUNKS)
         .bind(&plan.ids)
         .bind(&plan.owners)
@@ -1523,9 +1523,7 @@ async fn append_in(
         .bind(&plan.afters)
         .fetch_all(&mut *conn)
         .await?;
-    rows.iter()
-        .map(|row| Ok((row.try_get("grp")?, row.try_get("last_seq")?)))
-        .collect()
+    rows.iter().map(|row| Ok(row.try_get("grp")?)).collect()
 }
 
 /// `append_chunks` as one statement over [`AppendPlan`]'s arrays. Each group's `UPDATE` is
@@ -1534,7 +1532,7 @@ async fn append_in(
 /// notification per [`IDS_PER_NOTIFY`] requests names them (`$20` origin, `$21` ids per
 /// notification). A group the fence left out whose request is already `n` seqs past `after`
 /// under the same lease was stored by an earlier try whose answer was lost (`stored`). Returns
-/// `grp` and `last_seq` of each group written now or before. The groups are given in
+/// `grp` of each group written now or before. The groups are given in
 /// request-id order, which the plan's join follows, so concurrent appends lock rows in one
 /// order.
 const APPEND_CHUNKS: &str = "WITH b AS (
@@ -1549,7 +1547,7 @@ const APPEND_CHUNKS: &str = "WITH b AS (
              AND r.last_seq = b.after
          RETURNING b.grp, r.id, r.namespace, r.last_seq, b.n),
      stored AS (
-         SELECT b.grp, r.last_seq FROM b JOIN requests r ON r.id = b.id
+         SELECT b.grp FROM b JOIN requests r ON r.id = b.id
          WHERE r.lease_owner = b.owner AND r.status = 'running' AND b.n > 0
              AND r.last_seq = b.after + b.n),
      ins AS (
@@ -1580,8 +1578,8 @@ const APPEND_CHUNKS: &str = "WITH b AS (
          SELECT pg_notify('holdfast_changed', $20 || ' ' || string_agg(id::text, ','))
          FROM (SELECT id, (row_number() OVER (ORDER BY id) - 1) / $21 AS part FROM upd) AS p
          GROUP BY part)
-     SELECT grp, last_seq, (SELECT count(*) FROM notified) AS notifications FROM upd
-     UNION ALL SELECT grp, last_seq, 0 FROM stored";
+     SELECT grp, (SELECT count(*) FROM notified) AS notifications FROM upd
+     UNION ALL SELECT grp, 0 FROM stored";
 
 /// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
 /// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
@@ -2005,21 +2003,17 @@ impl Store for PostgresStore {
             group_of.push(plan.add(&batches[i])?);
         }
         // Its own transaction, apart from the writers': it locks many requests (in id order).
-        let rows = self.append_held(&plan).await?;
-        // The last seq of each group that kept its lease.
-        let mut last: Vec<Option<i64>> = vec![None; plan.ids.len()];
-        for (group, last_seq) in rows {
+        let stored = self.append_held(&plan).await?;
+        // Each batch's first seq, for the groups stored: its group's first (right after the
+        // seq the group follows), plus the batches of it before this one.
+        let mut next: Vec<Option<i64>> = vec![None; plan.ids.len()];
+        for group in stored {
             let group = usize::try_from(group).map_err(corrupt)?;
-            *last
+            *next
                 .get_mut(group)
-                .ok_or_else(|| corrupt(format!("append group {group}")))? = Some(last_seq);
+                .ok_or_else(|| corrupt(format!("append group {group}")))? =
+                Some(plan.afters[group] + 1);
         }
-        // Each batch's first seq: its group's first, plus the batches of it before this one.
-        let mut next: Vec<Option<i64>> = last
-            .iter()
-            .zip(&plan.counts)
-            .map(|(last, n)| last.map(|last| last - n + 1))
-            .collect();
         let mut results: Vec<Option<Vec<Chunk>>> = vec![None; batches.len()];
         let mut data = plan.data.into_iter();
         let mut events = plan.events.into_iter();
@@ -2066,9 +2060,9 @@ impl Store for PostgresStore {
             let args = Arc::clone(&args);
             Box::pin(async move {
                 let (plan, lease, outcome, changed, origin) = &*args;
-                let Some(&(_, last_seq)) = append_in(conn, plan, origin).await?.first() else {
+                if append_in(conn, plan, origin).await?.is_empty() {
                     return Ok(None);
-                };
+                }
                 // The same transaction holds the lease the append was fenced on; an error
                 // rolls the chunks back with it.
                 let record = finish_in(conn, lease, outcome, now, changed)
@@ -2076,7 +2070,7 @@ impl Store for PostgresStore {
                     .ok_or_else(|| {
                         StoreError::corrupt(Some(lease.id), "the lease was lost inside one write")
                     })?;
-                let first = last_seq - plan.counts[0] + 1;
+                let first = plan.afters[0] + 1;
                 let chunks = plan
                     .events
                     .iter()

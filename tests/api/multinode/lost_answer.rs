@@ -7,7 +7,7 @@
 //! and cuts the connection.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use holdfast::ChunkWriter;
 use holdfast::store::postgres::PostgresStore;
@@ -74,7 +74,7 @@ async fn relay(
 ) {
     let (mut from_client, mut to_client) = client.into_split();
     let (mut from_server, mut to_server) = server.into_split();
-    let cutting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cutting = Arc::new(AtomicBool::new(false));
     let cut = Arc::clone(&cutting);
     let upward = async move {
         let mut buf = vec![0u8; 64 * 1024];
