@@ -109,7 +109,7 @@ fn bench(c: &mut Criterion) {
                                 SqliteStore::open(&url, sync).await.expect("open"),
                             );
                             let leases = leased_streams(&store, streams, prompt_bytes).await;
-                            let writer = ChunkWriter::spawn(store.clone());
+                            let writer = ChunkWriter::spawn(store.clone(), Duration::from_secs(30));
                             let start = Instant::now();
                             let tasks: Vec<_> = leases
                                 .into_iter()

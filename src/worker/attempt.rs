@@ -8,8 +8,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use super::WorkerPool;
 use super::chunks::AppendError;
-use super::{FINISH_TRIES, WorkerPool, retry};
+use super::retry::{self, WriteRetry};
 use crate::hub::HubEvent;
 use crate::ledger;
 use crate::metrics as m;
@@ -61,9 +62,9 @@ impl WorkerPool {
                 None
             }
         };
-        heartbeat.abort();
         drop(registration);
         let Some(Ending { outcome, last }) = outcome else {
+            heartbeat.abort();
             info!("attempt ended without an outcome");
             return;
         };
@@ -77,9 +78,12 @@ impl WorkerPool {
             Outcome::Retry { .. } => None,
         };
         // The provider has answered: losing the outcome now would cost a second provider call
-        // when the sweep re-runs the request, so a failed write is tried again (fenced, so a
-        // lease lost meanwhile makes it a no-op; a failed write stored nothing, the last batch
-        // included), as the chunk writer does.
+        // when the sweep re-runs the request, so a failed write is tried again for one lease
+        // length (decision 37), the heartbeat still renewing the lease, until the lease is
+        // found lost or shutdown's grace is over. The write is fenced (LC-3): a try after the
+        // lease was lost stores nothing, and a failed try stored nothing, the last batch
+        // included.
+        let mut retry: Option<WriteRetry> = None;
         let mut tries = 0;
         let finished = loop {
             tries += 1;
@@ -100,14 +104,24 @@ impl WorkerPool {
                     .await
                     .map(|settled| settled.map(|settled| (Vec::new(), settled))),
             };
-            match written {
-                Err(e) if tries < FINISH_TRIES => {
-                    warn!(error = %e, tries, "could not record the outcome; retrying");
-                    tokio::time::sleep(Duration::from_millis(50 * u64::from(tries))).await;
-                }
-                finished => break finished,
+            let Err(e) = written else { break written };
+            let retry = retry.get_or_insert_with(|| {
+                warn!(error = %e, "could not record the outcome; retrying");
+                WriteRetry::new(self.write_retry_window())
+            });
+            let again = tokio::select! {
+                again = retry.wait() => again,
+                () = lost.cancelled() => false,
+                () = self.abandon.cancelled() => false,
+            };
+            if !again {
+                break Err(e);
             }
         };
+        heartbeat.abort();
+        if retry.is_some() && finished.is_ok() {
+            info!(tries, "the outcome was recorded after retries");
+        }
         match finished {
             Ok(Some((chunks, settled))) => {
                 for chunk in chunks {
@@ -144,9 +158,12 @@ impl WorkerPool {
                 }
             }
             Ok(None) => info!("lease lost before the outcome was written"),
+            Err(e) if lost.is_cancelled() => {
+                info!(error = %e, tries, "lease lost before the outcome could be written");
+            }
             // The lease will expire and the sweep re-runs the request.
             Err(e) => {
-                error!(error = %e, "could not record the outcome; the lease will expire and the request re-run")
+                error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run")
             }
         }
     }

@@ -3,20 +3,22 @@
 //! Every attempt that streams hands its parsed events to one writer task per process. The
 //! writer takes everything queued at that moment — from any number of streams — and stores it
 //! with one [`Store::append_chunks`](crate::store::Store::append_chunks) call, one
-//! transaction, each batch fenced on its own lease (LC-3). So the per-chunk cost falls as load rises instead of being one commit per chunk, and
-//! an attempt learns that its chunks are durable before they are shown to any reader.
+//! transaction, each batch fenced on its own lease (LC-3). So the per-chunk cost falls as load
+//! rises instead of being one commit per chunk, and an attempt learns that its chunks are
+//! durable before they are shown to any reader. A commit that fails is tried again for one
+//! lease length ([`WriteRetry`], decision 37) before its batches are failed.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tracing::warn;
+use tracing::{debug, info, warn};
 
+use super::retry::WriteRetry;
 use crate::store::{Chunk, ChunkBatch, DynStore, StoreError};
 
 /// Largest number of batches stored in one transaction.
 const MAX_BATCHES_PER_COMMIT: usize = 1024;
-/// Tries of one commit before its batches are failed.
-const COMMIT_TRIES: u32 = 3;
 
 type Ack = oneshot::Sender<Result<Option<Vec<Chunk>>, Arc<StoreError>>>;
 
@@ -32,7 +34,7 @@ pub enum AppendError {
     /// The attempt no longer holds its lease (LC-3).
     #[error("the attempt's lease was lost")]
     LeaseLost,
-    /// The database failed, after retries.
+    /// The database failed, tried again for the whole retry window.
     #[error("storing chunks failed: {0}")]
     Store(Arc<StoreError>),
     /// The writer task is gone (shutting down).
@@ -41,10 +43,11 @@ pub enum AppendError {
 }
 
 impl ChunkWriter {
-    /// Starts the writer task over `store`.
-    pub fn spawn(store: DynStore) -> ChunkWriter {
+    /// Starts the writer task over `store`. A failed commit is tried again for `retry_for` (one
+    /// lease length) before its batches are failed.
+    pub fn spawn(store: DynStore, retry_for: Duration) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, rx));
+        tokio::spawn(run(store, rx, retry_for));
         ChunkWriter { queue }
     }
 
@@ -67,7 +70,11 @@ impl ChunkWriter {
     }
 }
 
-async fn run(store: DynStore, mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>) {
+async fn run(
+    store: DynStore,
+    mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>,
+    retry_for: Duration,
+) {
     let mut batches = Vec::new();
     let mut acks = Vec::new();
     while let Some((batch, ack)) = rx.recv().await {
@@ -86,15 +93,23 @@ async fn run(store: DynStore, mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>
         let mut result = store.append_chunks(&batches).await;
         metrics::histogram!(crate::metrics::CHUNK_COMMIT_SECONDS)
             .record(started.elapsed().as_secs_f64());
-        let mut tries = 1;
-        while let Err(e) = &result {
-            if tries >= COMMIT_TRIES {
-                break;
-            }
+        if let Err(e) = &result {
+            let mut retry = WriteRetry::new(retry_for);
+            let mut tries = 1;
             warn!(error = %e, batches = batches.len(), "chunk commit failed; retrying");
-            tokio::time::sleep(std::time::Duration::from_millis(50 * u64::from(tries))).await;
-            tries += 1;
-            result = store.append_chunks(&batches).await;
+            while result.is_err() && retry.wait().await {
+                tries += 1;
+                result = store.append_chunks(&batches).await;
+                if let Err(e) = &result {
+                    debug!(error = %e, tries, "chunk commit failed again");
+                }
+            }
+            match &result {
+                Ok(_) => info!(tries, "chunk commit stored after retries"),
+                Err(e) => {
+                    warn!(error = %e, tries, "chunk commit failed for the whole retry window")
+                }
+            }
         }
         match result {
             Ok(stored) => {

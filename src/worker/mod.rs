@@ -39,8 +39,11 @@ const PRUNE_EVERY: Duration = Duration::from_secs(60);
 const PRUNE_BATCH: i64 = 500;
 /// Most requests leased by one store call.
 const LEASE_BATCH: usize = 256;
-/// Tries of an attempt's outcome write before it is left to the lease's expiry.
-const FINISH_TRIES: u32 = 3;
+
+/// One lease length (`workers.lease_secs`).
+fn lease_length(config: &Config) -> Duration {
+    Duration::from_secs(config.workers.lease_secs)
+}
 
 /// What a worker pool needs.
 #[derive(Clone)]
@@ -94,7 +97,7 @@ impl WorkerPool {
         config: Arc<Config>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
-        let chunks = ChunkWriter::spawn(store.clone());
+        let chunks = ChunkWriter::spawn(store.clone(), lease_length(&config));
         WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),
@@ -268,6 +271,11 @@ impl WorkerPool {
     /// Lease length in milliseconds (`workers.lease_secs`).
     pub(crate) fn lease_ms(&self) -> i64 {
         i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
+    }
+
+    /// How long a failed write of an attempt is tried again (decision 37): one lease length.
+    fn write_retry_window(&self) -> Duration {
+        lease_length(&self.config)
     }
 
     /// Runs the attempt `lease` holds, keeping `permit` until it ends.

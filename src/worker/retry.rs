@@ -1,6 +1,9 @@
-//! Which provider outcomes are retried, and when (SPEC LC-5, LC-6).
+//! Which provider outcomes are retried, and when (SPEC LC-5, LC-6); and how long a write that
+//! holds a paid answer is tried again ([`WriteRetry`], decision 37).
 
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use reqwest::header::HeaderMap;
 
@@ -53,6 +56,62 @@ pub(super) fn backoff(
     Duration::from_millis(jittered.max(hinted).min(max))
 }
 
+/// First wait between two tries of a failed write of an attempt.
+const WRITE_RETRY_FIRST: Duration = Duration::from_millis(50);
+/// Longest wait between two tries of a failed write of an attempt.
+const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// How a failed write of an attempt — its chunks or its outcome — is tried again (decision
+/// 37). Once the provider has answered, giving up costs a second provider call when the sweep
+/// re-runs the request, so the write is tried for as long as the attempt's lease could still
+/// be held: one lease length from the first failure, waiting 50 ms, doubling to 1 s, between
+/// tries. The writes are fenced (LC-3), so a try that comes after the lease was lost stores
+/// nothing, and one whose earlier try had committed stores nothing twice.
+#[derive(Debug)]
+pub(super) struct WriteRetry {
+    /// No try starts after this.
+    deadline: Instant,
+    /// The next wait.
+    delay: Duration,
+}
+
+impl WriteRetry {
+    /// A retry window of `window`, from now (the first failure).
+    pub(super) fn new(window: Duration) -> WriteRetry {
+        WriteRetry::starting(Instant::now(), window)
+    }
+
+    /// A retry window of `window` from `now`.
+    fn starting(now: Instant, window: Duration) -> WriteRetry {
+        WriteRetry {
+            deadline: now + window,
+            delay: WRITE_RETRY_FIRST,
+        }
+    }
+
+    /// Waits before the next try; `false` (at once) when the window is spent.
+    pub(super) async fn wait(&mut self) -> bool {
+        match self.next_wait(Instant::now()) {
+            Some(wait) => {
+                tokio::time::sleep(wait).await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The wait before the next try when it is `now`; `None` when the window is spent.
+    fn next_wait(&mut self, now: Instant) -> Option<Duration> {
+        let left = self.deadline.checked_duration_since(now)?;
+        if left.is_zero() {
+            return None;
+        }
+        let wait = self.delay.min(left);
+        self.delay = (self.delay * 2).min(WRITE_RETRY_MAX);
+        Some(wait)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +155,19 @@ mod tests {
         assert_eq!(d, Duration::from_secs(2));
         let d = backoff(&w, 1, Some(Duration::from_secs(600)));
         assert_eq!(d, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_failed_write_is_tried_with_doubling_waits_until_one_window_is_spent() {
+        let mut now = Instant::now();
+        let mut retry = WriteRetry::starting(now, Duration::from_secs(3));
+        let mut waits = Vec::new();
+        while let Some(wait) = retry.next_wait(now) {
+            waits.push(wait.as_millis());
+            now += wait;
+        }
+        assert_eq!(waits, [50, 100, 200, 400, 800, 1000, 450]);
+        assert_eq!(retry.next_wait(now), None, "a spent window stays spent");
     }
 
     #[test]

@@ -166,6 +166,19 @@ read -r hold"#,
     fn log_text(&self) -> String {
         std::fs::read_to_string(self.dir.join("holdfast.log")).unwrap_or_default()
     }
+
+    /// Waits (30 s at most, else fails saying `otherwise`) until holdfast has logged `line`.
+    async fn wait_for_log(&self, line: &str, otherwise: &str) {
+        let start = Instant::now();
+        while !self.log_text().contains(line) {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{otherwise}:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 impl Drop for DiskNode {
@@ -378,18 +391,11 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     let _ = replay.bytes().await.unwrap();
     // The stream goes on writing until its chunks no longer fit either: its attempt gives up
     // (the lease will expire and the sweep re-run it, LC-8). Its log line is the signal.
-    let start = Instant::now();
-    while !node
-        .log_text()
-        .contains("abandoning attempt: chunks cannot be stored")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the stream's chunk writes never failed on the full disk:\n{}",
-            node.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    node.wait_for_log(
+        "abandoning attempt: chunks cannot be stored",
+        "the stream's chunk writes never failed on the full disk",
+    )
+    .await;
     assert!(node.running(), "the process stays up");
     let log_while_full = node.log_text();
 
@@ -534,4 +540,136 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     );
     drop(node);
     mock.shutdown().await;
+}
+
+/// A write that fails on a full disk is tried again for one lease length (decision 37). Here
+/// the lease is a minute and space returns within it: the stream caught mid-way goes on in the
+/// same attempt where it stopped (no reset, no recovery), the whole answer that arrived while
+/// the disk was full is recorded by the attempt that received it, and the provider is called
+/// once for each (DU-1, LC-3). With a fixed few tries, both attempts gave up within 150 ms and
+/// the requests were re-run — a second provider call — when their leases expired.
+#[tokio::test]
+async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once_space_returns_du1_lc3()
+ {
+    let mock = start_mock(MockConfig {
+        chunks: 1_000,
+        chunk_delay_ms: 20,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let db = disk.join("holdfast.db");
+    let toml = fault_test_toml(
+        &format!("sqlite://{}", db.display()),
+        "",
+        60,
+        &mock.base_url(),
+    );
+    let node = DiskNode::start(dir.path(), &disk, &toml).await;
+    let base = node.base.clone();
+    let http = reqwest::Client::new();
+    let post = |body: String| {
+        http.post(format!("{base}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("prefer", "respond-async")
+            .body(body)
+            .send()
+    };
+
+    // A long, slow stream, seen storing its first events.
+    let r = post(stream_body("a stream the disk catches"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let stream = header(&r, "holdfast-request-id");
+    let mut events = get_events(&http, &base, &stream, None).await;
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut seen = 0;
+    while seen < 3 {
+        let piece = tokio::time::timeout(Duration::from_secs(20), events.chunk())
+            .await
+            .expect("the stream stores its first events")
+            .unwrap()
+            .expect("the stream goes on");
+        seen += parser.push(&piece).unwrap().len();
+    }
+    drop(events);
+    // A whole answer of 1 MiB, held back by the provider until after the disk is full.
+    mock.set_config(MockConfig {
+        header_delay_ms: 1_500,
+        oversized_bytes: Some(1024 * 1024),
+        ..mock.config()
+    });
+    let answer_body = chat_body("an answer that arrives on a full disk");
+    let r = post(answer_body.clone()).await.unwrap();
+    assert_eq!(r.status(), 202, "recorded before the disk fills");
+    let answer = header(&r, "holdfast-request-id");
+
+    let filler = node.inside(&disk.join("filler"));
+    fill(&filler);
+    node.wait_for_log(
+        "chunk commit failed; retrying",
+        "the stream's chunk writes never failed on the full disk",
+    )
+    .await;
+    node.wait_for_log(
+        "could not record the outcome; retrying",
+        "the answer's outcome write never failed on the full disk",
+    )
+    .await;
+
+    // Space returns well within the lease: both attempts store what they hold.
+    std::fs::remove_file(&filler).expect("remove filler");
+    for id in [&stream, &answer] {
+        let record = wait_terminal(&http, &base, id, Duration::from_secs(60)).await;
+        assert_eq!(record["status"], "succeeded", "{record}");
+        assert_eq!(
+            (record["attempts"].as_u64(), record["recoveries"].as_u64()),
+            (Some(1), Some(0)),
+            "the attempt that held the answer stored it: {record}"
+        );
+    }
+    let log = stored_log(&http, &base, &stream).await;
+    assert!(
+        log.iter()
+            .enumerate()
+            .all(|(n, (seq, event, _))| *seq == n as i64 + 1 && event != "reset"),
+        "the stream's log is one attempt's, 1.. without a gap or a reset: {:?}",
+        log.iter()
+            .map(|(seq, event, _)| (seq, event))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(log.last().unwrap().1, "end");
+    assert!(
+        log.len() > 1_000,
+        "every event is stored: {} events",
+        log.len()
+    );
+    let replay = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(answer_body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 200);
+    assert_eq!(header(&replay, "idempotent-replayed"), "true");
+    let replayed = replay.bytes().await.unwrap();
+    assert!(
+        replayed.len() > 1024 * 1024,
+        "the whole answer was recorded: {} bytes",
+        replayed.len()
+    );
+    assert_eq!(
+        mock.calls(),
+        2,
+        "the provider was called once for each request: {:?}",
+        mock.recorded()
+            .iter()
+            .map(|c| &c.body["messages"])
+            .collect::<Vec<_>>()
+    );
+    assert!(node.running(), "the process stayed up");
 }

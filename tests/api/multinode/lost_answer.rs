@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use holdfast::ChunkWriter;
 use holdfast::store::postgres::PostgresStore;
@@ -175,7 +176,7 @@ async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_even
         .expect("the request is due");
     assert_eq!((lease.id, record.last_seq), (id, 0));
     let dyn_store: DynStore = store.clone();
-    let writer = ChunkWriter::spawn(dyn_store);
+    let writer = ChunkWriter::spawn(dyn_store, Duration::from_secs(60));
 
     // The first batch's statement commits and its answer is lost: the writer tries again.
     relay.lose_the_answer_to(APPEND_STATEMENT);
@@ -188,7 +189,7 @@ async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_even
         usage: None,
     });
     // Bounded: a relay that swallowed the wrong answer would leave the writer waiting.
-    let first = tokio::time::timeout(std::time::Duration::from_secs(60), appended)
+    let first = tokio::time::timeout(Duration::from_secs(60), appended)
         .await
         .expect("the writer answers within 60 s")
         .expect("the second try answers");
