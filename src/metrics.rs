@@ -11,6 +11,10 @@
 //! | `holdfast_chunk_commit_seconds` | histogram | — (one group commit of stream chunks) |
 //! | `holdfast_sqlite_commit_seconds` | histogram | — (one SQLite writer transaction, every write in it) |
 //! | `holdfast_sqlite_commit_jobs` | histogram | — (store writes sharing that transaction) |
+//! | `holdfast_postgres_commit_seconds` | histogram | — (one PostgreSQL writer transaction) |
+//! | `holdfast_postgres_commit_jobs` | histogram | — (store writes sharing that transaction) |
+//! | `holdfast_attempt_write_retries_total` | counter | `write` = `chunks` \| `outcome` (tries of a failed write of an attempt after its first, decision 37) |
+//! | `holdfast_attempt_writes_abandoned_total` | counter | `write` (writes of an attempt given up after a lease length of tries) |
 //! | `holdfast_upstream_tokens_total` | counter | `backend`, `model`, `kind` = `input` \| `output` \| `cached_input` \| `cache_write` \| `reasoning` |
 //! | `holdfast_cost_usd_total` | gauge that only grows (USD is not an integer) | `backend`, `model` (priced usage, `[[prices]]`) |
 //! | `holdfast_saved_calls_total` | counter | `backend`, `model` |
@@ -40,6 +44,16 @@ pub(crate) const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
 pub(crate) const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";
 /// Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction.
 pub(crate) const SQLITE_COMMIT_JOBS: &str = "holdfast_sqlite_commit_jobs";
+/// Duration of one PostgreSQL writer transaction (a group of store writes), in seconds.
+pub(crate) const POSTGRES_COMMIT_SECONDS: &str = "holdfast_postgres_commit_seconds";
+/// Store writes sharing one PostgreSQL writer transaction.
+pub(crate) const POSTGRES_COMMIT_JOBS: &str = "holdfast_postgres_commit_jobs";
+/// Tries of a failed write of an attempt after its first, by `write` (`chunks`: a group commit
+/// of stream chunks; `outcome`: an attempt's outcome), decision 37.
+pub(crate) const ATTEMPT_WRITE_RETRIES: &str = "holdfast_attempt_write_retries_total";
+/// Writes of an attempt given up after a lease length of tries, by `write`; for `chunks` one
+/// per stream whose batch was in the failed commit. Each leaves its request to the sweep.
+pub(crate) const ATTEMPT_WRITES_ABANDONED: &str = "holdfast_attempt_writes_abandoned_total";
 
 /// Tokens providers reported, by backend, model and kind.
 pub(crate) const UPSTREAM_TOKENS: &str = "holdfast_upstream_tokens_total";
@@ -76,6 +90,10 @@ pub(crate) fn handle() -> Option<&'static PrometheusHandle> {
                 .set_buckets_for_metric(Matcher::Full(SQLITE_COMMIT_SECONDS.into()), &buckets)
                 .ok()?
                 .set_buckets_for_metric(Matcher::Full(SQLITE_COMMIT_JOBS.into()), &jobs)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(POSTGRES_COMMIT_SECONDS.into()), &buckets)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(POSTGRES_COMMIT_JOBS.into()), &jobs)
                 .ok()?
                 .install_recorder()
                 .ok()?;

@@ -593,7 +593,12 @@ async fn write_loop(
                 }
             },
         };
+        let started = std::time::Instant::now();
+        let jobs = group.len();
         let committed = commit_group(&mut conn, &mut group).await;
+        metrics::histogram!(crate::metrics::POSTGRES_COMMIT_SECONDS)
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!(crate::metrics::POSTGRES_COMMIT_JOBS).record(jobs as f64);
         let commit = match &committed {
             Ok(()) => {
                 held = Some(conn);

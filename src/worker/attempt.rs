@@ -117,6 +117,7 @@ impl WorkerPool {
             if !again {
                 break Err(e);
             }
+            metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "outcome").increment(1);
         };
         heartbeat.abort();
         if retry.is_some() && finished.is_ok() {
@@ -157,12 +158,19 @@ impl WorkerPool {
                     });
                 }
             }
+            // After a failed try this may also be that try's own commit, whose answer was lost.
+            Ok(None) if retry.is_some() => info!(
+                tries,
+                "the outcome write found the request no longer under this lease: an earlier try \
+                 committed it, or the lease was lost"
+            ),
             Ok(None) => info!("lease lost before the outcome was written"),
             Err(e) if lost.is_cancelled() => {
                 info!(error = %e, tries, "lease lost before the outcome could be written");
             }
             // The lease will expire and the sweep re-runs the request.
             Err(e) => {
+                metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "outcome").increment(1);
                 error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run")
             }
         }

@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::retry::WriteRetry;
+use crate::metrics as m;
 use crate::store::{Chunk, ChunkBatch, DynStore, StoreError};
 
 /// Largest number of batches stored in one transaction.
@@ -91,14 +92,14 @@ async fn run(
         }
         let started = std::time::Instant::now();
         let mut result = store.append_chunks(&batches).await;
-        metrics::histogram!(crate::metrics::CHUNK_COMMIT_SECONDS)
-            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!(m::CHUNK_COMMIT_SECONDS).record(started.elapsed().as_secs_f64());
         if let Err(e) = &result {
             let mut retry = WriteRetry::new(retry_for);
             let mut tries = 1;
             warn!(error = %e, batches = batches.len(), "chunk commit failed; retrying");
             while result.is_err() && retry.wait().await {
                 tries += 1;
+                metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "chunks").increment(1);
                 result = store.append_chunks(&batches).await;
                 if let Err(e) = &result {
                     debug!(error = %e, tries, "chunk commit failed again");
@@ -119,6 +120,8 @@ async fn run(
                 }
             }
             Err(e) => {
+                metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "chunks")
+                    .increment(acks.len() as u64);
                 let e = Arc::new(e);
                 for ack in acks.drain(..) {
                     let _ = ack.send(Err(Arc::clone(&e)));

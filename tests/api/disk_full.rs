@@ -398,6 +398,22 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     .await;
     assert!(node.running(), "the process stays up");
     let log_while_full = node.log_text();
+    let page = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(
+            &page,
+            "holdfast_attempt_writes_abandoned_total",
+            "write=\"chunks\""
+        ) >= 1.0,
+        "the given-up chunk write is counted"
+    );
 
     // 3. Space returns: the filler goes. Everything resumes without a restart.
     mock.set_config(fast.clone());
@@ -671,5 +687,21 @@ async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once
             .map(|c| &c.body["messages"])
             .collect::<Vec<_>>()
     );
+    // What the operator sees: writes tried again, none given up (api.md, `/metrics`).
+    let page = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for write in ["chunks", "outcome"] {
+        let label = format!("write={write:?}");
+        let retries = metric(&page, "holdfast_attempt_write_retries_total", &label);
+        assert!(retries >= 1.0, "{write} writes were tried again: {retries}");
+        let abandoned = metric(&page, "holdfast_attempt_writes_abandoned_total", &label);
+        assert_eq!(abandoned, 0.0, "no {write} write was given up");
+    }
     assert!(node.running(), "the process stayed up");
 }

@@ -761,3 +761,19 @@ pub async fn every_record_terminal(http: &reqwest::Client, base: &str) -> (Vec<V
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The value of the metric line `name{labels}` in a Prometheus text page (0 when absent).
+pub fn metric(page: &str, name: &str, labels: &str) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
+            let rest = rest.trim_end_matches('}');
+            let want: Vec<&str> = labels.split(',').filter(|s| !s.is_empty()).collect();
+            (n == name && want.iter().all(|w| rest.split(',').any(|p| p == *w)))
+                .then(|| value.parse().ok())
+                .flatten()
+        })
+        .unwrap_or(0.0)
+}

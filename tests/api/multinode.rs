@@ -277,6 +277,29 @@ async fn hundred_identical_requests_across_three_nodes_make_one_upstream_call_id
         started, 1,
         "exactly one answer started the execution (RS-5)"
     );
+    // Each node's PostgreSQL writer shows its group commits (api.md, `/metrics`).
+    for node in 0..3 {
+        let page = cluster
+            .http
+            .get(format!("{}/metrics", cluster.base(node)))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        let commits = metric(&page, "holdfast_postgres_commit_seconds_count", "");
+        let jobs = metric(&page, "holdfast_postgres_commit_jobs_sum", "");
+        assert!(
+            commits >= 1.0 && jobs >= commits,
+            "node {node}: {commits} PostgreSQL commits of {jobs} writes"
+        );
+        assert_eq!(
+            metric(&page, "holdfast_sqlite_commit_seconds_count", ""),
+            0.0,
+            "node {node} has no SQLite writer"
+        );
+    }
 }
 
 #[tokio::test]

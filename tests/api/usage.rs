@@ -31,22 +31,6 @@ async fn json_get(app_http: &reqwest::Client, url: String, key: Option<&str>) ->
     r.json().await.unwrap()
 }
 
-/// The value of the metric line `name{labels}` in a Prometheus text page (0 when absent).
-fn metric(page: &str, name: &str, labels: &str) -> f64 {
-    page.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
-            let rest = rest.trim_end_matches('}');
-            let want: Vec<&str> = labels.split(',').filter(|s| !s.is_empty()).collect();
-            (n == name && want.iter().all(|w| rest.split(',').any(|p| p == *w)))
-                .then(|| value.parse().ok())
-                .flatten()
-        })
-        .unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn python_sdk_retries_become_deliveries_and_saved_calls_in_the_record_metrics_and_usage() {
     require_python(&["openai"]);
