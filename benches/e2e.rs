@@ -673,7 +673,7 @@ const SHORT_PROMPTS: StreamRow = StreamRow {
     prompt_bytes: 0,
     label: "stream-c64",
     writer: &[
-        "stream c=64 SQLite commits",
+        "stream c=64 store commits",
         "stream c=64 writes per commit",
         "stream c=64 mean commit",
     ],
@@ -690,7 +690,7 @@ const LONG_PROMPTS: StreamRow = StreamRow {
     prompt_bytes: 20_000,
     label: "prompt-c64",
     writer: &[
-        "20 KB prompts c=64 SQLite commits",
+        "20 KB prompts c=64 store commits",
         "20 KB prompts c=64 writes per commit",
         "20 KB prompts c=64 mean commit",
     ],
@@ -1018,14 +1018,19 @@ async fn metric_values(client: &reqwest::Client, base: &str, names: &[&str]) -> 
     )
 }
 
-/// The SQLite writer's transactions and the store writes they held (see `/metrics`).
-const WRITER_SERIES: [&str; 3] = [
+/// The store writer's transactions and the store writes they held (see `/metrics`): SQLite's
+/// writer thread, or PostgreSQL's writer tasks (whose chunk appends run apart, on a connection
+/// of their own, and are not in these). A process has one store, so the other's are 0.
+const WRITER_SERIES: [&str; 6] = [
     "holdfast_sqlite_commit_jobs_count",
     "holdfast_sqlite_commit_jobs_sum",
     "holdfast_sqlite_commit_seconds_sum",
+    "holdfast_postgres_commit_jobs_count",
+    "holdfast_postgres_commit_jobs_sum",
+    "holdfast_postgres_commit_seconds_sum",
 ];
 
-/// Rows of the SQLite writer's work between two [`WRITER_SERIES`] readings: transactions,
+/// Rows of the store writer's work between two [`WRITER_SERIES`] readings: transactions,
 /// store writes per transaction, mean transaction time.
 fn writer_rows(
     results: &mut Results,
@@ -1038,12 +1043,13 @@ fn writer_rows(
         return;
     };
     let d: Vec<f64> = b.iter().zip(&a).map(|(b, a)| b - a).collect();
-    if d[0] <= 0.0 {
+    let (commits, writes, seconds) = (d[0] + d[3], d[1] + d[4], d[2] + d[5]);
+    if commits <= 0.0 {
         return;
     }
-    results.add(names[0], target, "commits", d[0]);
-    results.add(names[1], target, "writes", d[1] / d[0]);
-    results.add(names[2], target, "ms", d[2] * 1e3 / d[0]);
+    results.add(names[0], target, "commits", commits);
+    results.add(names[1], target, "writes", writes / commits);
+    results.add(names[2], target, "ms", seconds * 1e3 / commits);
 }
 
 /// Sum and count of the chunk-commit histogram in holdfast's `/metrics`.
@@ -1122,7 +1128,7 @@ async fn nonstream_rows(
     writer_rows(
         results,
         &[
-            "non-stream c=64 SQLite commits",
+            "non-stream c=64 store commits",
             "non-stream c=64 writes per commit",
             "non-stream c=64 mean commit",
         ],

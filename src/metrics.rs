@@ -14,7 +14,7 @@
 //! | `holdfast_postgres_commit_seconds` | histogram | — (one PostgreSQL writer transaction) |
 //! | `holdfast_postgres_commit_jobs` | histogram | — (store writes sharing that transaction) |
 //! | `holdfast_attempt_write_retries_total` | counter | `write` = `chunks` \| `outcome` (tries of a failed write of an attempt after its first, decision 37) |
-//! | `holdfast_attempt_writes_abandoned_total` | counter | `write` (writes of an attempt given up after a lease length of tries) |
+//! | `holdfast_attempt_writes_abandoned_total` | counter | `write` (writes of an attempt given up: failing for a lease length, not worth a retry, or at shutdown) |
 //! | `holdfast_upstream_tokens_total` | counter | `backend`, `model`, `kind` = `input` \| `output` \| `cached_input` \| `cache_write` \| `reasoning` |
 //! | `holdfast_cost_usd_total` | gauge that only grows (USD is not an integer) | `backend`, `model` (priced usage, `[[prices]]`) |
 //! | `holdfast_saved_calls_total` | counter | `backend`, `model` |
@@ -51,8 +51,9 @@ pub(crate) const POSTGRES_COMMIT_JOBS: &str = "holdfast_postgres_commit_jobs";
 /// Tries of a failed write of an attempt after its first, by `write` (`chunks`: a group commit
 /// of stream chunks; `outcome`: an attempt's outcome), decision 37.
 pub(crate) const ATTEMPT_WRITE_RETRIES: &str = "holdfast_attempt_write_retries_total";
-/// Writes of an attempt given up after a lease length of tries, by `write`; for `chunks` one
-/// per stream whose batch was in the failed commit. Each leaves its request to the sweep.
+/// Writes of an attempt given up (failing for a lease length, not worth a retry, or at
+/// shutdown), by `write`; for `chunks` one per stream whose batch was in the failed commit.
+/// Each leaves its request to the sweep.
 pub(crate) const ATTEMPT_WRITES_ABANDONED: &str = "holdfast_attempt_writes_abandoned_total";
 
 /// Tokens providers reported, by backend, model and kind.
@@ -168,6 +169,23 @@ fn describe() {
     metrics::describe_histogram!(
         SQLITE_COMMIT_JOBS,
         "Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction."
+    );
+    metrics::describe_histogram!(
+        POSTGRES_COMMIT_SECONDS,
+        metrics::Unit::Seconds,
+        "Duration of one PostgreSQL writer group commit (run again write by write when it fails)."
+    );
+    metrics::describe_histogram!(
+        POSTGRES_COMMIT_JOBS,
+        "Store writes sharing one PostgreSQL writer group commit."
+    );
+    metrics::describe_counter!(
+        ATTEMPT_WRITE_RETRIES,
+        "Tries of a failed write of an attempt after its first, by write (chunks, outcome)."
+    );
+    metrics::describe_counter!(
+        ATTEMPT_WRITES_ABANDONED,
+        "Writes of an attempt given up (the database failed for a lease length, or shutdown), by write; each leaves its request to the sweep."
     );
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use super::WorkerPool;
@@ -44,7 +45,11 @@ impl WorkerPool {
     /// Runs one attempt: heartbeat beside the provider call, then the fenced outcome write.
     pub(super) async fn run_attempt(&self, lease: Lease, record: RequestRecord) {
         let lost = CancellationToken::new();
-        let heartbeat = tokio::spawn(self.clone().heartbeat(lease.clone(), lost.clone()));
+        // Renews the lease until the outcome is written; stopped with this function, however
+        // it ends.
+        let heartbeat = AbortOnDropHandle::new(tokio::spawn(
+            self.clone().heartbeat(lease.clone(), lost.clone()),
+        ));
         let registration = self.register(lease.id);
         debug!("attempt started");
         let outcome = tokio::select! {
@@ -64,7 +69,6 @@ impl WorkerPool {
         };
         drop(registration);
         let Some(Ending { outcome, last }) = outcome else {
-            heartbeat.abort();
             info!("attempt ended without an outcome");
             return;
         };
@@ -105,6 +109,9 @@ impl WorkerPool {
                     .map(|settled| settled.map(|settled| (Vec::new(), settled))),
             };
             let Err(e) = written else { break written };
+            if !retry::is_transient(&e) {
+                break Err(e);
+            }
             let retry = retry.get_or_insert_with(|| {
                 warn!(error = %e, "could not record the outcome; retrying");
                 WriteRetry::new(self.write_retry_window())
@@ -119,7 +126,7 @@ impl WorkerPool {
             }
             metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "outcome").increment(1);
         };
-        heartbeat.abort();
+        drop(heartbeat);
         if retry.is_some() && finished.is_ok() {
             info!(tries, "the outcome was recorded after retries");
         }
@@ -157,23 +164,24 @@ impl WorkerPool {
                         wake.notify_one();
                     });
                 }
+                return;
             }
-            // After a failed try this may also be that try's own commit, whose answer was lost.
-            Ok(None) if retry.is_some() => info!(
+            Err(e) if !lost.is_cancelled() => {
+                // The lease will expire and the sweep re-runs the request.
+                metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "outcome").increment(1);
+                error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run");
+            }
+            // After a failed try, "not under this lease" may also be that try's own commit,
+            // whose answer was lost: the request then holds this outcome, not another's.
+            _ if retry.is_some() => info!(
                 tries,
                 "the outcome write found the request no longer under this lease: an earlier try \
                  committed it, or the lease was lost"
             ),
-            Ok(None) => info!("lease lost before the outcome was written"),
-            Err(e) if lost.is_cancelled() => {
-                info!(error = %e, tries, "lease lost before the outcome could be written");
-            }
-            // The lease will expire and the sweep re-runs the request.
-            Err(e) => {
-                metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "outcome").increment(1);
-                error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run")
-            }
+            _ => info!("lease lost before the outcome was written"),
         }
+        // Not settled here: readers on this node re-read the store now, not at their next poll.
+        self.hub.publish(lease.id, HubEvent::Changed);
     }
 
     /// Renews the lease every third of its length; cancels `lost` when the store says the lease

@@ -11,10 +11,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
-use super::retry::WriteRetry;
+use super::retry::{WriteRetry, is_transient};
 use crate::metrics as m;
 use crate::store::{Chunk, ChunkBatch, DynStore, StoreError};
 
@@ -47,6 +48,11 @@ impl ChunkWriter {
     /// Starts the writer task over `store`. A failed commit is tried again for `retry_for` (one
     /// lease length) before its batches are failed.
     pub fn spawn(store: DynStore, retry_for: Duration) -> ChunkWriter {
+        ChunkWriter::spawn_over(store, retry_for)
+    }
+
+    /// [`ChunkWriter::spawn`] over anything that appends chunks (a test's scripted store).
+    fn spawn_over(store: impl Appends, retry_for: Duration) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
         tokio::spawn(run(store, rx, retry_for));
         ChunkWriter { queue }
@@ -71,13 +77,33 @@ impl ChunkWriter {
     }
 }
 
+/// What the writer needs of a store: [`Store::append_chunks`](crate::store::Store::append_chunks).
+trait Appends: Send + Sync + 'static {
+    fn append_chunks<'a>(
+        &'a self,
+        batches: &'a [ChunkBatch],
+    ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>>;
+}
+
+impl Appends for DynStore {
+    fn append_chunks<'a>(
+        &'a self,
+        batches: &'a [ChunkBatch],
+    ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>> {
+        self.as_ref().append_chunks(batches)
+    }
+}
+
 async fn run(
-    store: DynStore,
+    store: impl Appends,
     mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>,
     retry_for: Duration,
 ) {
     let mut batches = Vec::new();
     let mut acks = Vec::new();
+    // Set while commits fail: one window from the first failure covers every group that
+    // fails meanwhile, so no stream waits longer than a lease length for the database.
+    let mut failing: Option<WriteRetry> = None;
     while let Some((batch, ack)) = rx.recv().await {
         batches.push(batch);
         acks.push(ack);
@@ -93,27 +119,46 @@ async fn run(
         let started = std::time::Instant::now();
         let mut result = store.append_chunks(&batches).await;
         metrics::histogram!(m::CHUNK_COMMIT_SECONDS).record(started.elapsed().as_secs_f64());
-        if let Err(e) = &result {
-            let mut retry = WriteRetry::new(retry_for);
+        if let Err(e) = &result
+            && is_transient(e)
+        {
+            let retry = failing.get_or_insert_with(|| WriteRetry::new(retry_for));
             let mut tries = 1;
-            warn!(error = %e, batches = batches.len(), "chunk commit failed; retrying");
-            while result.is_err() && retry.wait().await {
+            if retry.is_spent() {
+                warn!(error = %e, batches = batches.len(), "chunk commit failed, and commits have failed for a lease length");
+            } else {
+                warn!(error = %e, batches = batches.len(), "chunk commit failed; retrying");
+            }
+            while retry.wait().await {
+                // Batches whose attempt has ended (its lease lost meanwhile) are not worth a try.
+                let open: Vec<_> = batches
+                    .drain(..)
+                    .zip(acks.drain(..))
+                    .filter(|(_, ack)| !ack.is_closed())
+                    .collect();
+                (batches, acks) = open.into_iter().unzip();
+                if batches.is_empty() {
+                    break;
+                }
                 tries += 1;
                 metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "chunks").increment(1);
                 result = store.append_chunks(&batches).await;
-                if let Err(e) = &result {
-                    debug!(error = %e, tries, "chunk commit failed again");
+                match &result {
+                    Ok(_) => break,
+                    Err(e) if is_transient(e) => {
+                        debug!(error = %e, tries, "chunk commit failed again");
+                    }
+                    Err(_) => break,
                 }
             }
             match &result {
                 Ok(_) => info!(tries, "chunk commit stored after retries"),
-                Err(e) => {
-                    warn!(error = %e, tries, "chunk commit failed for the whole retry window")
-                }
+                Err(e) => warn!(error = %e, tries, "chunk commit failed; giving up its batches"),
             }
         }
         match result {
             Ok(stored) => {
+                failing = None;
                 for (ack, chunks) in acks.drain(..).zip(stored) {
                     // A dropped receiver is an attempt that was abandoned meanwhile.
                     let _ = ack.send(Ok(chunks));
@@ -129,5 +174,162 @@ async fn run(
             }
         }
         batches.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::store::{Lease, NewChunk};
+
+    /// A store whose appends fail as `fail` says for each call (numbered from 1), and otherwise
+    /// store every batch; it keeps how many batches each call held.
+    struct Scripted {
+        fail: Box<dyn Fn(usize) -> Option<StoreError> + Send + Sync>,
+        calls: Mutex<Vec<usize>>,
+        called: Notify,
+    }
+
+    impl Appends for Arc<Scripted> {
+        fn append_chunks<'a>(
+            &'a self,
+            batches: &'a [ChunkBatch],
+        ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>> {
+            Box::pin(async move {
+                let n = {
+                    let mut calls = self.calls.lock().unwrap();
+                    calls.push(batches.len());
+                    calls.len()
+                };
+                self.called.notify_waiters();
+                match (self.fail)(n) {
+                    Some(e) => Err(e),
+                    None => Ok(batches.iter().map(|b| Some(b.stored())).collect()),
+                }
+            })
+        }
+    }
+
+    fn scripted(
+        fail: impl Fn(usize) -> Option<StoreError> + Send + Sync + 'static,
+    ) -> Arc<Scripted> {
+        Arc::new(Scripted {
+            fail: Box::new(fail),
+            calls: Mutex::default(),
+            called: Notify::new(),
+        })
+    }
+
+    fn calls(store: &Scripted) -> Vec<usize> {
+        store.calls.lock().unwrap().clone()
+    }
+
+    fn unavailable() -> Option<StoreError> {
+        Some(StoreError::Unavailable("the disk is full".into()))
+    }
+
+    fn batch(text: &str) -> ChunkBatch {
+        ChunkBatch {
+            lease: Lease {
+                id: uuid::Uuid::now_v7(),
+                owner: "node/attempt".into(),
+                attempt: 1,
+            },
+            after: 0,
+            chunks: vec![NewChunk {
+                event: None,
+                data: text.into(),
+            }],
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_commit_failing_for_a_whole_window_fails_its_batches_and_later_groups_get_one_try_decision37()
+     {
+        let store = scripted(|_| unavailable());
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_millis(300));
+        let first = writer.append(batch("a")).await;
+        assert!(matches!(first, Err(AppendError::Store(_))), "{first:?}");
+        let tried = calls(&store).len();
+        assert!(tried >= 3, "tried again within the window: {tried} tries");
+        // The database has failed for a lease length: the next group is not held again.
+        let second = writer.append(batch("b")).await;
+        assert!(matches!(second, Err(AppendError::Store(_))), "{second:?}");
+        assert_eq!(calls(&store).len(), tried + 1, "one try for the next group");
+    }
+
+    #[tokio::test]
+    async fn a_commit_that_fails_then_succeeds_stores_its_batch_and_a_later_failure_gets_a_new_window_decision37()
+     {
+        let store = scripted(|n| {
+            if n <= 2 || n == 4 {
+                unavailable()
+            } else {
+                None
+            }
+        });
+        let window = Duration::from_millis(100);
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), window);
+        let stored = writer
+            .append(batch("a"))
+            .await
+            .expect("stored on the third try");
+        assert_eq!((stored[0].seq, stored[0].data.as_str()), (1, "a"));
+        assert_eq!(calls(&store).len(), 3);
+        // Past the first failure's window: a success started the next failure's window anew.
+        tokio::time::sleep(window * 2).await;
+        writer
+            .append(batch("b"))
+            .await
+            .expect("stored on the second try");
+        assert_eq!(calls(&store).len(), 5);
+    }
+
+    #[tokio::test]
+    async fn a_commit_failing_for_a_reason_a_retry_cannot_mend_is_not_tried_again_decision37() {
+        let store = scripted(|_| {
+            Some(StoreError::Corrupt {
+                id: None,
+                what: "a route this version does not know".into(),
+            })
+        });
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_secs(30));
+        let result = writer.append(batch("a")).await;
+        assert!(matches!(result, Err(AppendError::Store(_))), "{result:?}");
+        assert_eq!(calls(&store).len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_batch_whose_attempt_ended_is_left_out_of_the_next_try_decision37() {
+        let store = scripted(|n| if n == 1 { unavailable() } else { None });
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_secs(30));
+        let called = store.called.notified();
+        // Both batches are queued before the writer runs: one group.
+        let gone = tokio::spawn({
+            let writer = writer.clone();
+            async move { writer.append(batch("gone")).await }
+        });
+        let kept = tokio::spawn({
+            let writer = writer.clone();
+            async move { writer.append(batch("kept")).await }
+        });
+        called.await;
+        // The first try failed (or is failing); the attempt of "gone" ends meanwhile.
+        gone.abort();
+        let _ = gone.await;
+        let stored = kept.await.unwrap().expect("stored on the second try");
+        assert_eq!(stored[0].data, "kept");
+        assert_eq!(
+            calls(&store),
+            [2, 1],
+            "the second try held only the open batch"
+        );
     }
 }

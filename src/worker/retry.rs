@@ -8,6 +8,7 @@ use tokio::time::Instant;
 use reqwest::header::HeaderMap;
 
 use crate::config::Workers;
+use crate::store::StoreError;
 
 /// Whether an upstream HTTP status is transient (LC-5): 408, 409, 425, 429 and every 5xx.
 /// Every other 4xx is a terminal refusal (LC-6).
@@ -56,6 +57,12 @@ pub(super) fn backoff(
     Duration::from_millis(jittered.max(hinted).min(max))
 }
 
+/// Whether a failed store write may succeed when tried again: the database could not do it
+/// now (a lost connection, a full disk). A corrupt row stays corrupt.
+pub(super) fn is_transient(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(_))
+}
+
 /// First wait between two tries of a failed write of an attempt.
 const WRITE_RETRY_FIRST: Duration = Duration::from_millis(50);
 /// Longest wait between two tries of a failed write of an attempt.
@@ -87,6 +94,11 @@ impl WriteRetry {
             deadline: now + window,
             delay: WRITE_RETRY_FIRST,
         }
+    }
+
+    /// Whether the window is over: no more tries.
+    pub(super) fn is_spent(&self) -> bool {
+        Instant::now() >= self.deadline
     }
 
     /// Waits before the next try; `false` (at once) when the window is spent.
