@@ -325,3 +325,106 @@ async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retry
     drop(nodes);
     mock.shutdown().await;
 }
+
+/// A PostgreSQL restart shorter than the lease costs no second provider call (DU-1, decision
+/// 37): a stream caught mid-way and an answer that arrives while the server is down are
+/// stored by the attempts that received them once it is back — each request one attempt, no
+/// recovery, no `reset`, every content event once, one provider call each. Here a failed try
+/// is on a connection the crash broke, and the next waits in the pool for a new one until the
+/// server is back (the 30 s acquire timeout), so three tries were enough too; what decision 37
+/// adds shows where more connections broke than there were tries, and on a full disk
+/// (`disk_full`). This pins the guarantee.
+#[tokio::test]
+async fn a_postgres_restart_within_the_lease_re_runs_nothing_and_calls_the_provider_once_du1() {
+    let mut pg = PrivatePostgres::create().await;
+    let mock = start_mock(MockConfig {
+        chunks: 200,
+        chunk_delay_ms: 20,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = fault_test_toml(&pg.url(), "", 60, &mock.base_url());
+    let node = Process::serve_logged(dir.path(), &toml, free_addr(), &[]).await;
+    let base = node.base.clone();
+    let http = reqwest::Client::new();
+    let post = |body: String| {
+        http.post(format!("{base}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("prefer", "respond-async")
+            .body(body)
+            .send()
+    };
+
+    // A slow stream, seen storing its first events.
+    let r = post(stream_body("a stream the restart catches"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let stream = header(&r, "holdfast-request-id");
+    let mut events = get_events(&http, &base, &stream, None).await;
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut seen = 0;
+    while seen < 3 {
+        let piece = tokio::time::timeout(Duration::from_secs(20), events.chunk())
+            .await
+            .expect("the stream stores its first events")
+            .unwrap()
+            .expect("the stream goes on");
+        seen += parser.push(&piece).unwrap().len();
+    }
+    drop(events);
+    // An answer the provider holds back until the server is down.
+    mock.set_config(MockConfig {
+        header_delay_ms: 1_000,
+        ..mock.config()
+    });
+    let r = post(chat_body("an answer that arrives while the server is down"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let answer = header(&r, "holdfast-request-id");
+
+    // An immediate shutdown (a crash: recovery at the next start), down for 3 s.
+    pg.stop(libc::SIGQUIT).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    pg.start().await;
+
+    for id in [&stream, &answer] {
+        let record = wait_terminal(&http, &base, id, Duration::from_secs(60)).await;
+        assert_eq!(record["status"], "succeeded", "{record}");
+        assert_eq!(
+            (record["attempts"].as_u64(), record["recoveries"].as_u64()),
+            (Some(1), Some(0)),
+            "the attempt that held the answer stored it: {record}"
+        );
+    }
+    let (_, events) = read_events(get_events(&http, &base, &stream, Some("0")).await).await;
+    let seqs: Vec<u64> = events
+        .iter()
+        .map(|e| e.id.as_deref().unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        seqs.iter().enumerate().all(|(n, seq)| *seq == n as u64 + 1),
+        "one attempt's log, 1.. without a gap: {seqs:?}"
+    );
+    assert!(
+        events.iter().all(|e| e.event.as_deref() != Some("reset")),
+        "no reset"
+    );
+    let pieces = events
+        .iter()
+        .filter(|e| e.data.contains(r#""delta":{"content":"#))
+        .count();
+    assert_eq!(pieces, 200, "every content event is stored, once");
+    assert_eq!(mock.calls(), 2, "one provider call for each request");
+    let log = node.log_text();
+    println!(
+        "pg_restart_within_lease: chunk commit retries logged: {}, outcome retries logged: {}",
+        log.matches("chunk commit failed; retrying").count(),
+        log.matches("could not record the outcome; retrying")
+            .count()
+    );
+    drop(node);
+    mock.shutdown().await;
+}
