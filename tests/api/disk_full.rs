@@ -325,20 +325,8 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     let r = post(stream_body("caught mid-stream"), true).await.unwrap();
     assert_eq!(r.status(), 202);
     let caught = header(&r, "holdfast-request-id");
-    {
-        // Wait (on the log stream itself) until it has stored a few chunks.
-        let mut response = get_events(&http, &base, &caught, None).await;
-        let mut parser = holdfast::sse::SseParser::new();
-        let mut seen = 0;
-        while seen < 3 {
-            let piece = tokio::time::timeout(Duration::from_secs(20), response.chunk())
-                .await
-                .expect("the slow stream stores its first chunks")
-                .unwrap()
-                .expect("the slow stream goes on");
-            seen += parser.push(&piece).unwrap().len();
-        }
-    }
+    // Wait (on the log stream itself) until it has stored a few chunks.
+    wait_for_events(&http, &base, &caught, 3).await;
 
     // 2. Fill the disk.
     let filler = node.inside(&disk.join("filler"));
@@ -586,32 +574,10 @@ async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once
     let node = DiskNode::start(dir.path(), &disk, &toml).await;
     let base = node.base.clone();
     let http = reqwest::Client::new();
-    let post = |body: String| {
-        http.post(format!("{base}/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .header("prefer", "respond-async")
-            .body(body)
-            .send()
-    };
 
     // A long, slow stream, seen storing its first events.
-    let r = post(stream_body("a stream the disk catches"))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let stream = header(&r, "holdfast-request-id");
-    let mut events = get_events(&http, &base, &stream, None).await;
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut seen = 0;
-    while seen < 3 {
-        let piece = tokio::time::timeout(Duration::from_secs(20), events.chunk())
-            .await
-            .expect("the stream stores its first events")
-            .unwrap()
-            .expect("the stream goes on");
-        seen += parser.push(&piece).unwrap().len();
-    }
-    drop(events);
+    let stream = submit_async(&http, &base, stream_body("a stream the disk catches")).await;
+    wait_for_events(&http, &base, &stream, 3).await;
     // A whole answer of 1 MiB, held back by the provider until after the disk is full.
     mock.set_config(MockConfig {
         header_delay_ms: 1_500,
@@ -619,9 +585,7 @@ async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once
         ..mock.config()
     });
     let answer_body = chat_body("an answer that arrives on a full disk");
-    let r = post(answer_body.clone()).await.unwrap();
-    assert_eq!(r.status(), 202, "recorded before the disk fills");
-    let answer = header(&r, "holdfast-request-id");
+    let answer = submit_async(&http, &base, answer_body.clone()).await;
 
     let filler = node.inside(&disk.join("filler"));
     fill(&filler);

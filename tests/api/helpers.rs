@@ -777,3 +777,34 @@ pub fn metric(page: &str, name: &str, labels: &str) -> f64 {
         })
         .unwrap_or(0.0)
 }
+
+/// `POST {base}/v1/chat/completions` with `Prefer: respond-async`: asserts the 202 and returns
+/// the recorded request's id.
+pub async fn submit_async(http: &reqwest::Client, base: &str, body: String) -> String {
+    let r = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("prefer", "respond-async")
+        .body(body)
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(r.status(), 202, "recorded");
+    header(&r, "holdfast-request-id")
+}
+
+/// Follows request `id`'s event log live until it has shown `n` events (20 s at most for each
+/// piece): the stream is running and has stored them.
+pub async fn wait_for_events(http: &reqwest::Client, base: &str, id: &str, n: usize) {
+    let mut response = get_events(http, base, id, None).await;
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut seen = 0;
+    while seen < n {
+        let piece = tokio::time::timeout(Duration::from_secs(20), response.chunk())
+            .await
+            .expect("the stream stores its first events")
+            .unwrap()
+            .expect("the stream goes on");
+        seen += parser.push(&piece).unwrap().len();
+    }
+}

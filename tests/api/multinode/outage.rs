@@ -348,42 +348,21 @@ async fn a_postgres_restart_within_the_lease_re_runs_nothing_and_calls_the_provi
     let node = Process::serve_logged(dir.path(), &toml, free_addr(), &[]).await;
     let base = node.base.clone();
     let http = reqwest::Client::new();
-    let post = |body: String| {
-        http.post(format!("{base}/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .header("prefer", "respond-async")
-            .body(body)
-            .send()
-    };
 
     // A slow stream, seen storing its first events.
-    let r = post(stream_body("a stream the restart catches"))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let stream = header(&r, "holdfast-request-id");
-    let mut events = get_events(&http, &base, &stream, None).await;
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut seen = 0;
-    while seen < 3 {
-        let piece = tokio::time::timeout(Duration::from_secs(20), events.chunk())
-            .await
-            .expect("the stream stores its first events")
-            .unwrap()
-            .expect("the stream goes on");
-        seen += parser.push(&piece).unwrap().len();
-    }
-    drop(events);
+    let stream = submit_async(&http, &base, stream_body("a stream the restart catches")).await;
+    wait_for_events(&http, &base, &stream, 3).await;
     // An answer the provider holds back until the server is down.
     mock.set_config(MockConfig {
         header_delay_ms: 1_000,
         ..mock.config()
     });
-    let r = post(chat_body("an answer that arrives while the server is down"))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let answer = header(&r, "holdfast-request-id");
+    let answer = submit_async(
+        &http,
+        &base,
+        chat_body("an answer that arrives while the server is down"),
+    )
+    .await;
 
     // An immediate shutdown (a crash: recovery at the next start), down for 3 s.
     pg.stop(libc::SIGQUIT).await;
