@@ -98,8 +98,10 @@ impl WorkerPool {
                         .store
                         .finish_with_chunks(last, &outcome, now_ms())
                         .await;
-                    metrics::histogram!(m::CHUNK_COMMIT_SECONDS)
-                        .record(started.elapsed().as_secs_f64());
+                    if written.is_ok() {
+                        metrics::histogram!(m::CHUNK_COMMIT_SECONDS)
+                            .record(started.elapsed().as_secs_f64());
+                    }
                     written
                 }
                 None => self

@@ -94,6 +94,19 @@ impl Appends for DynStore {
     }
 }
 
+/// One commit of `batches`, timed in `holdfast_chunk_commit_seconds` when it stored them.
+async fn append_timed(
+    store: &impl Appends,
+    batches: &[ChunkBatch],
+) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+    let started = std::time::Instant::now();
+    let result = store.append_chunks(batches).await;
+    if result.is_ok() {
+        metrics::histogram!(m::CHUNK_COMMIT_SECONDS).record(started.elapsed().as_secs_f64());
+    }
+    result
+}
+
 async fn run(
     store: impl Appends,
     mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>,
@@ -116,9 +129,7 @@ async fn run(
                 Err(_) => break,
             }
         }
-        let started = std::time::Instant::now();
-        let mut result = store.append_chunks(&batches).await;
-        metrics::histogram!(m::CHUNK_COMMIT_SECONDS).record(started.elapsed().as_secs_f64());
+        let mut result = append_timed(&store, &batches).await;
         if let Err(e) = &result
             && is_transient(e)
         {
@@ -142,7 +153,7 @@ async fn run(
                 }
                 tries += 1;
                 metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "chunks").increment(1);
-                result = store.append_chunks(&batches).await;
+                result = append_timed(&store, &batches).await;
                 match &result {
                     Ok(_) => break,
                     Err(e) if is_transient(e) => {
