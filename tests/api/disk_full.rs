@@ -386,14 +386,7 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     .await;
     assert!(node.running(), "the process stays up");
     let log_while_full = node.log_text();
-    let page = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_page(&http, &base).await;
     assert!(
         metric(
             &page,
@@ -657,14 +650,7 @@ async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once
             .collect::<Vec<_>>()
     );
     // What the operator sees: writes tried again, none given up (api.md, `/metrics`).
-    let page = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_page(&http, &base).await;
     for write in ["chunks", "outcome"] {
         let label = format!("write={write:?}");
         let retries = metric(&page, "holdfast_attempt_write_retries_total", &label);

@@ -122,14 +122,7 @@ impl TestApp {
 
     /// `GET /metrics`: the Prometheus text.
     pub async fn metrics_text(&self) -> String {
-        self.http
-            .get(format!("{}/metrics", self.base))
-            .send()
-            .await
-            .expect("GET /metrics")
-            .text()
-            .await
-            .expect("metrics text")
+        metrics_page(&self.http, &self.base).await
     }
 
     /// Stops holdfast (graceful) and the mock.
@@ -807,4 +800,15 @@ pub async fn wait_for_events(http: &reqwest::Client, base: &str, id: &str, n: us
             .expect("the stream goes on");
         seen += parser.push(&piece).unwrap().len();
     }
+}
+
+/// `GET {base}/metrics` as text.
+pub async fn metrics_page(http: &reqwest::Client, base: &str) -> String {
+    http.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text")
 }

@@ -279,15 +279,7 @@ async fn hundred_identical_requests_across_three_nodes_make_one_upstream_call_id
     );
     // Each node's PostgreSQL writer shows its group commits (api.md, `/metrics`).
     for node in 0..3 {
-        let page = cluster
-            .http
-            .get(format!("{}/metrics", cluster.base(node)))
-            .send()
-            .await
-            .expect("GET /metrics")
-            .text()
-            .await
-            .expect("metrics text");
+        let page = metrics_page(&cluster.http, cluster.base(node)).await;
         let commits = metric(&page, "holdfast_postgres_commit_seconds_count", "");
         let jobs = metric(&page, "holdfast_postgres_commit_jobs_sum", "");
         assert!(
