@@ -98,6 +98,11 @@ impl WorkerPool {
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         let chunks = ChunkWriter::spawn(store.clone(), lease_length(&config));
+        // Exported at 0 from the start, so `increase()` sees the first failure.
+        for write in ["chunks", "outcome"] {
+            metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => write).increment(0);
+            metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => write).increment(0);
+        }
         WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),

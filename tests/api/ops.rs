@@ -71,6 +71,27 @@ async fn metrics_parse_with_python_prometheus_client_and_move_as_requests_happen
     app.stop().await;
 }
 
+/// The failure counters an operator alerts on (docs/operations.md) are exported at 0 from the
+/// start: Prometheus' `increase()` misses the first count of a series that appears with it.
+#[tokio::test]
+async fn the_write_failure_counters_are_exported_at_zero_before_any_failure_decision37() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let page = app.metrics_text().await;
+    for name in [
+        "holdfast_attempt_write_retries_total",
+        "holdfast_attempt_writes_abandoned_total",
+    ] {
+        for write in ["chunks", "outcome"] {
+            let series = format!("{name}{{write=\"{write}\"}} 0");
+            assert!(
+                page.lines().any(|line| line == series),
+                "{series} in /metrics:\n{page}"
+            );
+        }
+    }
+    app.stop().await;
+}
+
 /// The value of the unlabelled sample `name` in holdfast's `/metrics`, 0 before it exists.
 async fn sample(app: &TestApp, name: &str) -> f64 {
     let text = app.metrics_text().await;
