@@ -99,6 +99,11 @@ pub(crate) fn handle() -> Option<&'static PrometheusHandle> {
                 .install_recorder()
                 .ok()?;
             describe();
+            // Exported at 0 from the start, so an `increase()` alert sees the first failure.
+            for write in ["chunks", "outcome"] {
+                metrics::counter!(ATTEMPT_WRITE_RETRIES, "write" => write).increment(0);
+                metrics::counter!(ATTEMPT_WRITES_ABANDONED, "write" => write).increment(0);
+            }
             // A recorder installed with `install_recorder` keeps every histogram sample until
             // something drains it: a scrape of `/metrics`, or `run_upkeep`. Without a scraper
             // the samples of every commit piled up (about 300 bytes per request; the soak

@@ -116,7 +116,7 @@ impl WorkerPool {
             }
             let retry = retry.get_or_insert_with(|| {
                 warn!(error = %e, "could not record the outcome; retrying");
-                WriteRetry::new(self.write_retry_window())
+                WriteRetry::new(super::lease_length(&self.config))
             });
             let again = tokio::select! {
                 again = retry.wait() => again,

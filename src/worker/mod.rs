@@ -40,7 +40,8 @@ const PRUNE_BATCH: i64 = 500;
 /// Most requests leased by one store call.
 const LEASE_BATCH: usize = 256;
 
-/// One lease length (`workers.lease_secs`).
+/// One lease length (`workers.lease_secs`): also how long a failed write of an attempt is tried
+/// again (decision 37).
 fn lease_length(config: &Config) -> Duration {
     Duration::from_secs(config.workers.lease_secs)
 }
@@ -98,11 +99,6 @@ impl WorkerPool {
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         let chunks = ChunkWriter::spawn(store.clone(), lease_length(&config));
-        // Exported at 0 from the start, so `increase()` sees the first failure.
-        for write in ["chunks", "outcome"] {
-            metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => write).increment(0);
-            metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => write).increment(0);
-        }
         WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),
@@ -276,11 +272,6 @@ impl WorkerPool {
     /// Lease length in milliseconds (`workers.lease_secs`).
     pub(crate) fn lease_ms(&self) -> i64 {
         i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
-    }
-
-    /// How long a failed write of an attempt is tried again (decision 37): one lease length.
-    fn write_retry_window(&self) -> Duration {
-        lease_length(&self.config)
     }
 
     /// Runs the attempt `lease` holds, keeping `permit` until it ends.

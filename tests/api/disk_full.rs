@@ -44,12 +44,24 @@ struct DiskNode {
     pid: i32,
     base: String,
     dir: PathBuf,
+    /// Where the tmpfs is mounted (as this test sees the path; see [`DiskNode::on_disk`]).
+    disk: PathBuf,
 }
 
 impl DiskNode {
-    /// Starts holdfast with `toml` in `dir`, its database on a `DISK_BYTES` tmpfs at `disk`,
-    /// and waits for `/healthz`.
-    async fn start(dir: &Path, disk: &Path, toml: &str) -> DiskNode {
+    /// Starts holdfast in `dir` with its SQLite database on a `DISK_BYTES` tmpfs at
+    /// `dir/disk`, `mock_base` as its backend and leases of `lease_secs`, and waits for
+    /// `/healthz`.
+    async fn start(dir: &Path, lease_secs: u64, mock_base: &str) -> DiskNode {
+        let disk = dir.join("disk");
+        std::fs::create_dir(&disk).expect("create the mount point");
+        let db = disk.join("holdfast.db");
+        let toml = fault_test_toml(
+            &format!("sqlite://{}", db.display()),
+            "",
+            lease_secs,
+            mock_base,
+        );
         let config = dir.join("holdfast.toml");
         std::fs::write(&config, toml).expect("write config");
         let addr = free_addr();
@@ -71,7 +83,7 @@ read -r hold"#,
             )
             .arg("sh")
             .arg(DISK_BYTES.to_string())
-            .arg(disk)
+            .arg(&disk)
             .arg(holdfast_bin())
             .arg(&config)
             .arg(addr.to_string())
@@ -92,6 +104,7 @@ read -r hold"#,
             pid: 0,
             base: format!("http://{addr}"),
             dir: dir.to_path_buf(),
+            disk,
         };
         let http = reqwest::Client::new();
         let start = Instant::now();
@@ -126,10 +139,12 @@ read -r hold"#,
         }
     }
 
-    /// `path` as the processes see it (inside the mount namespace).
-    fn inside(&self, path: &Path) -> PathBuf {
-        let relative = path.strip_prefix("/").expect("absolute path");
-        PathBuf::from(format!("/proc/{}/root", self.shell.id())).join(relative)
+    /// File `name` on the small disk, as the processes see it (inside the mount namespace).
+    fn on_disk(&self, name: &str) -> PathBuf {
+        let relative = self.disk.strip_prefix("/").expect("absolute path");
+        PathBuf::from(format!("/proc/{}/root", self.shell.id()))
+            .join(relative)
+            .join(name)
     }
 
     /// holdfast's exit status, once it has exited.
@@ -271,16 +286,7 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     };
     let mock = start_mock(fast.clone()).await;
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk");
-    std::fs::create_dir(&disk).unwrap();
-    let db = disk.join("holdfast.db");
-    let toml = fault_test_toml(
-        &format!("sqlite://{}", db.display()),
-        "",
-        1,
-        &mock.base_url(),
-    );
-    let node = DiskNode::start(dir.path(), &disk, &toml).await;
+    let node = DiskNode::start(dir.path(), 1, &mock.base_url()).await;
     let pid = node.pid;
     let base = node.base.clone();
     let http = reqwest::Client::new();
@@ -329,7 +335,7 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     wait_for_events(&http, &base, &caught, 3).await;
 
     // 2. Fill the disk.
-    let filler = node.inside(&disk.join("filler"));
+    let filler = node.on_disk("filler");
     let filled = fill(&filler);
     println!("disk_full: filesystem {DISK_BYTES} bytes, filler took the remaining {filled}");
 
@@ -476,7 +482,7 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     std::fs::create_dir(&copy).unwrap();
     for suffix in ["", "-wal", "-shm"] {
         let name = format!("holdfast.db{suffix}");
-        let from = node.inside(&disk.join(&name));
+        let from = node.on_disk(&name);
         if from.exists() {
             std::fs::copy(&from, copy.join(&name)).expect("copy the database out");
         }
@@ -543,8 +549,9 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
 /// the lease is a minute and space returns within it: the stream caught mid-way goes on in the
 /// same attempt where it stopped (no reset, no recovery), the whole answer that arrived while
 /// the disk was full is recorded by the attempt that received it, and the provider is called
-/// once for each (DU-1, LC-3). With a fixed few tries, both attempts gave up within 150 ms and
-/// the requests were re-run — a second provider call — when their leases expired.
+/// once for each (DU-1, LC-3). With a 150 ms window in place of the lease length (what the
+/// earlier three tries gave) it fails: the stream's attempt gives up, and the request waits
+/// for its lease to expire and a second provider call.
 #[tokio::test]
 async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once_space_returns_du1_lc3()
  {
@@ -555,16 +562,7 @@ async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk");
-    std::fs::create_dir(&disk).unwrap();
-    let db = disk.join("holdfast.db");
-    let toml = fault_test_toml(
-        &format!("sqlite://{}", db.display()),
-        "",
-        60,
-        &mock.base_url(),
-    );
-    let node = DiskNode::start(dir.path(), &disk, &toml).await;
+    let node = DiskNode::start(dir.path(), 60, &mock.base_url()).await;
     let base = node.base.clone();
     let http = reqwest::Client::new();
 
@@ -580,7 +578,7 @@ async fn writes_of_answers_caught_by_a_full_disk_are_tried_again_and_stored_once
     let answer_body = chat_body("an answer that arrives on a full disk");
     let answer = submit_async(&http, &base, answer_body.clone()).await;
 
-    let filler = node.inside(&disk.join("filler"));
+    let filler = node.on_disk("filler");
     fill(&filler);
     assert_eq!(
         get_record(&http, &base, &answer).await["status"],
