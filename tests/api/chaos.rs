@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -32,6 +33,8 @@ const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the provider calls the mock recorded are collected while the workload runs (it
 /// keeps the last 1,000 only, far more than arrive in this time).
 const COLLECT_EVERY: Duration = Duration::from_millis(250);
+/// Node log lines [`run_reporting`] prints when the workload fails.
+const PROBLEM_LINES: usize = 40;
 
 /// A bounded workload: `logical` distinct bodies (every third streaming), each sent `copies`
 /// times at once by clients that retry like SDKs do, plus a log reader following every stream.
@@ -186,6 +189,62 @@ pub async fn run(workload: &Workload, mock: &MockServer) -> Outcome {
         results,
         retries: retries.load(Ordering::SeqCst),
         reconnects: reconnects.load(Ordering::SeqCst),
+    }
+}
+
+/// [`run`], telling what went wrong if the workload panics: the warnings and errors the nodes
+/// logged (every `*.log` under `logs`), then the panic's message once more, last, where a
+/// shortened test output still shows it (the first report is above the node logs and the
+/// backtrace).
+pub async fn run_reporting(workload: &Workload, mock: &MockServer, logs: &Path) -> Outcome {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(run(workload, mock))
+        .catch_unwind()
+        .await
+    {
+        Ok(outcome) => outcome,
+        Err(payload) => {
+            print_node_problems(logs);
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("(a panic without a message)");
+            eprintln!("chaos: the workload failed: {message}");
+            std::panic::resume_unwind(payload)
+        }
+    }
+}
+
+/// Prints the `WARN` and `ERROR` lines of every `*.log` under `dir` (at most [`PROBLEM_LINES`]).
+fn print_node_problems(dir: &Path) {
+    let mut logs = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "log") {
+                logs.push(path);
+            }
+        }
+    }
+    logs.sort();
+    let mut printed = 0;
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        for line in text
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        {
+            if printed == PROBLEM_LINES {
+                eprintln!("chaos: (more node warnings left out)");
+                return;
+            }
+            eprintln!("chaos: {}: {line}", log.display());
+            printed += 1;
+        }
     }
 }
 
@@ -524,7 +583,11 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
     let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
     let toml = fault_test_toml(&db, "", 1, &mock.base_url());
     let addr: SocketAddr = free_addr();
-    let node = Arc::new(Mutex::new(Process::serve(dir.path(), &toml, addr).await));
+    // Each run of the node logs to a file of its own (a failure prints their warnings).
+    let log = |dir: &Path, run: usize| dir.join(format!("holdfast-{run}.log"));
+    let node = Arc::new(Mutex::new(
+        Process::serve_logged_to(dir.path(), &toml, addr, log(dir.path(), 0)).await,
+    ));
     let workload = Workload {
         prefix: "chaos",
         logical: LOGICAL,
@@ -550,13 +613,13 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
                 let mut guard = node.lock().await;
                 guard.kill9();
                 kills += 1;
-                *guard = Process::serve(&dir, &toml, addr).await;
+                *guard = Process::serve_logged_to(&dir, &toml, addr, log(&dir, kills)).await;
             }
             kills
         })
     };
 
-    let outcome = run(&workload, &mock).await;
+    let outcome = run_reporting(&workload, &mock, dir.path()).await;
     done.store(true, Ordering::SeqCst);
     let kills = killer.await.unwrap();
     let retries = outcome.retries;

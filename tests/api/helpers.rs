@@ -239,6 +239,17 @@ impl Process {
         Process::start(dir, config_toml, addr, Some(log), env, DEBUG_LOG).await
     }
 
+    /// [`Process::serve`] with its log (stderr) written to `log`: a node restarted in the same
+    /// directory keeps each run's log apart.
+    pub async fn serve_logged_to(
+        dir: &Path,
+        config_toml: &str,
+        addr: SocketAddr,
+        log: PathBuf,
+    ) -> Process {
+        Process::start(dir, config_toml, addr, Some(log), &[], DEBUG_LOG).await
+    }
+
     /// [`Process::serve_logged`] at the default log level: no `RUST_LOG` at all, as an operator
     /// starts it.
     pub async fn serve_logged_at_default_level(

@@ -27,7 +27,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use super::pg_server::PrivatePostgres;
-use crate::chaos::{Workload, check, run};
+use crate::chaos::{Workload, check, run_reporting};
 use crate::helpers::*;
 
 const NODES: usize = 3;
@@ -239,7 +239,7 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
         }
         driven
     };
-    let (outcome, driven) = tokio::join!(run(&workload, &mock), driver);
+    let (outcome, driven) = tokio::join!(run_reporting(&workload, &mock, dir.path()), driver);
     let faults_over = began.elapsed();
     for line in &driven.log {
         println!("cluster_chaos: {line}");
