@@ -1,5 +1,7 @@
 //! Operations endpoints (SPEC HTTP-3): liveness and readiness.
 
+use std::time::Duration;
+
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -13,16 +15,26 @@ pub(super) async fn healthz() -> Response {
     axum::Json(json!({"status": "ok"})).into_response()
 }
 
-/// `GET /readyz`: 200 when the database answers, else 503.
+/// How long `/readyz` and `/metrics` wait for the database. A database that is down can keep a
+/// query waiting for a connection for the pool's whole acquire timeout (30 s on PostgreSQL);
+/// a probe or a scrape must hear sooner that it is not answering.
+const DATABASE_WAIT: Duration = Duration::from_secs(2);
+
+/// `GET /readyz`: 200 when the database answers within [`DATABASE_WAIT`], else 503.
 pub(super) async fn readyz(State(state): State<AppState>) -> Response {
-    match state.store.ping().await {
-        Ok(()) => axum::Json(json!({"status": "ready"})).into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "unavailable", "error": e.to_string()})),
-        )
-            .into_response(),
-    }
+    let error = match tokio::time::timeout(DATABASE_WAIT, state.store.ping()).await {
+        Ok(Ok(())) => return axum::Json(json!({"status": "ready"})).into_response(),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!(
+            "the database did not answer within {} s",
+            DATABASE_WAIT.as_secs()
+        ),
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        axum::Json(json!({"status": "unavailable", "error": error})),
+    )
+        .into_response()
 }
 
 /// `GET /metrics`: Prometheus text format (HTTP-3). Queue depth is read from the store now.
@@ -34,7 +46,9 @@ pub(super) async fn metrics(State(state): State<AppState>) -> Response {
         )
             .into_response();
     };
-    if let Ok(counts) = state.store.counts().await {
+    // The queue depths are read now; a database that does not answer in time leaves them at
+    // their last values and the rest of the page is served.
+    if let Ok(Ok(counts)) = tokio::time::timeout(DATABASE_WAIT, state.store.counts()).await {
         for status in [
             Status::Pending,
             Status::Running,
