@@ -216,7 +216,8 @@ pub async fn run_reporting(workload: &Workload, mock: &MockServer, logs: &Path) 
     }
 }
 
-/// Prints the `WARN` and `ERROR` lines of every `*.log` under `dir` (at most [`PROBLEM_LINES`]).
+/// Prints the `WARN` and `ERROR` lines of every `*.log` under `dir`, and the lines of a node
+/// that could not start (`holdfast: ...`), at most [`PROBLEM_LINES`].
 fn print_node_problems(dir: &Path) {
     let mut logs = Vec::new();
     let mut dirs = vec![dir.to_path_buf()];
@@ -236,7 +237,7 @@ fn print_node_problems(dir: &Path) {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         for line in text
             .lines()
-            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR ") || l.starts_with("holdfast:"))
         {
             if printed == PROBLEM_LINES {
                 eprintln!("chaos: (more node warnings left out)");

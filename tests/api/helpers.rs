@@ -215,17 +215,31 @@ pub fn holdfast_bin() -> PathBuf {
 pub struct Process {
     pub child: Child,
     pub base: String,
-    /// Where its stderr (the log) goes, for [`Process::serve_logged`].
+    /// Where its stderr (the log) goes: the file [`Process::serve_logged`] names, or one of
+    /// [`Process::serve`]'s own (see [`Process::show_log_on_failure`]).
     pub log: Option<PathBuf>,
+    /// Whether a test that fails with it running prints the end of its log ([`Process::serve`]:
+    /// the log is in a file only so that [`Process::wait_healthy`] can read it).
+    pub show_log_on_failure: bool,
 }
+
+/// Log lines a failing test prints of a [`Process::serve`] node.
+const LOG_TAIL_LINES: usize = 60;
 
 /// The log filter [`Process::serve`] and [`Process::serve_logged`] start holdfast with.
 const DEBUG_LOG: Option<&str> = Some("holdfast=debug");
 
 impl Process {
-    /// Runs `holdfast serve --config FILE --listen ADDR` in `dir` and waits for `/healthz`.
+    /// Runs `holdfast serve --config FILE --listen ADDR` in `dir` and waits until it serves
+    /// ([`Process::wait_healthy`]). Its log goes to a file of its own in `dir`, whose end a
+    /// failing test prints.
     pub async fn serve(dir: &Path, config_toml: &str, addr: SocketAddr) -> Process {
-        Process::start(dir, config_toml, addr, None, &[], DEBUG_LOG).await
+        static STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = dir.join(format!("holdfast-serve-{n}.log"));
+        let mut process = Process::start(dir, config_toml, addr, Some(log), &[], DEBUG_LOG).await;
+        process.show_log_on_failure = true;
+        process
     }
 
     /// [`Process::serve`] with its log (stderr) written to `dir/holdfast.log` and `env` set.
@@ -292,10 +306,11 @@ impl Process {
             command.env(k, v);
         }
         let child = command.spawn().expect("spawn holdfast");
-        let process = Process {
+        let mut process = Process {
             child,
             base: format!("http://{addr}"),
             log,
+            show_log_on_failure: false,
         };
         process.wait_healthy().await;
         process
@@ -307,19 +322,39 @@ impl Process {
         std::fs::read_to_string(path).expect("read log")
     }
 
-    /// Waits until `/healthz` answers 200 (at most 30 s).
-    pub async fn wait_healthy(&self) {
+    /// Waits until this process serves (at most 30 s): it is alive, has logged that it serves
+    /// (when its log is in a file) and `/healthz` answers 200. The log line matters: another
+    /// test's server can take a port between [`free_addr`] and this process's bind, answer the
+    /// `/healthz` itself, and this process exits with "Address already in use". Panics, with
+    /// the exit status and the log, if the process exits first.
+    pub async fn wait_healthy(&mut self) {
         let http = reqwest::Client::new();
         let start = Instant::now();
         loop {
-            if let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await
+            if let Ok(Some(status)) = self.child.try_wait() {
+                let log = self
+                    .log
+                    .as_ref()
+                    .map(|path| std::fs::read_to_string(path).unwrap_or_default())
+                    .unwrap_or_default();
+                panic!(
+                    "holdfast at {} exited before it served ({status}); its log:\n{log}",
+                    self.base
+                );
+            }
+            let serving = self.log.as_ref().is_none_or(|path| {
+                std::fs::read_to_string(path).is_ok_and(|log| log.contains("holdfast serving"))
+            });
+            if serving
+                && let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await
                 && r.status() == 200
             {
                 return;
             }
             assert!(
                 start.elapsed() < Duration::from_secs(30),
-                "holdfast did not become healthy"
+                "holdfast at {} did not become healthy",
+                self.base
             );
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -353,6 +388,20 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         self.kill9();
+        if self.show_log_on_failure
+            && std::thread::panicking()
+            && let Some(path) = &self.log
+        {
+            let log = std::fs::read_to_string(path).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+            eprintln!(
+                "the end of the log of holdfast at {} ({}):\n{}",
+                self.base,
+                path.display(),
+                tail.join("\n")
+            );
+        }
     }
 }
 

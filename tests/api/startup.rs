@@ -130,10 +130,11 @@ async fn an_unknown_holdfast_variable_is_one_warning_and_the_demo_starts_and_say
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let process = Process {
+    let mut process = Process {
         child: child_take(&mut child),
         base: format!("http://{addr}"),
         log: Some(log.clone()),
+        show_log_on_failure: false,
     };
     process.wait_healthy().await;
     let stderr = std::fs::read_to_string(&log).unwrap();
@@ -213,6 +214,19 @@ fn a_listen_address_in_use_names_the_address_and_how_to_choose_another() {
     for must in [addr.as_str(), "--listen", "HOLDFAST_LISTEN"] {
         assert!(stderr.contains(must), "names {must}: {stderr}");
     }
+}
+
+/// The test harness's own guard: a node whose address another test's server took between
+/// `free_addr` and its bind exits, and is not mistaken for healthy because the other server
+/// answers `/healthz` (a chaos run once talked to a stranger that way, by the look of it).
+#[tokio::test]
+#[should_panic(expected = "exited before it served")]
+async fn a_test_node_that_cannot_bind_is_not_taken_for_the_server_on_its_address() {
+    let stranger = spawn_app(MockConfig::default(), |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
+    let toml = fault_test_toml(&db, "", 1, &stranger.mock.base_url());
+    let _node = Process::serve(dir.path(), &toml, stranger.addr).await;
 }
 
 #[test]
