@@ -16,6 +16,7 @@ pub mod postgres;
 mod rules;
 pub mod sqlite;
 
+pub(crate) use rules::holds_outcome;
 pub use rules::{end_data, failure_releases_claim};
 
 use std::sync::Arc;
@@ -269,6 +270,41 @@ pub struct RequestRecord {
     /// What the attempt that gave its answer reported it cost (the last one that reported
     /// usage): what each saved call would have cost.
     pub usage: Usage,
+}
+
+#[cfg(test)]
+impl RequestRecord {
+    /// A non-stream record of attempt 1 with `status`, for unit tests.
+    pub(crate) fn example(status: Status) -> RequestRecord {
+        RequestRecord {
+            id: uuid::Uuid::now_v7(),
+            namespace: "default".into(),
+            route: Route::OpenaiChat,
+            backend: "b".into(),
+            model: None,
+            stream: false,
+            body: b"{}".to_vec(),
+            headers: Vec::new(),
+            claim: ClaimKind::BodyHash,
+            status,
+            attempts: 1,
+            recoveries: 0,
+            next_retry_at: 0,
+            error: None,
+            response_status: Some(200),
+            response_body: Some(b"{}".to_vec()),
+            upstream_request_id: None,
+            last_seq: 0,
+            reset_seq: 0,
+            created_at: 0,
+            updated_at: 0,
+            finished_at: Some(0),
+            attached: 0,
+            replayed: 0,
+            log_reads: 0,
+            usage: Usage::default(),
+        }
+    }
 }
 
 impl RequestRecord {

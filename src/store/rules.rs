@@ -1,7 +1,7 @@
 //! Lifecycle decisions both adapters make the same way (SPEC LC-4, LC-6, LC-8, LC-9, ID-6,
 //! RD-5, RD-6). Each adapter runs only the SQL; what to write is decided here, once.
 
-use super::{ClaimKind, ErrorInfo, ErrorType, Status};
+use super::{ClaimKind, ErrorInfo, ErrorType, Outcome, RequestRecord, Status};
 
 /// `error.message` of a request whose last lease expired with no attempts left (LC-4).
 pub(crate) const LEASE_EXPIRED_MESSAGE: &str =
@@ -90,9 +90,91 @@ pub(crate) fn cancelled() -> ErrorInfo {
     }
 }
 
+/// Whether `record` holds the outcome attempt `attempt` wrote (LC-3, decision 38). An outcome
+/// write tried again after a failure finds the request no longer under its lease when an
+/// earlier try committed and only the answer was lost — or when the lease was lost. Only the
+/// attempt itself can leave the request at its own attempt number with its own outcome: a
+/// recovery and a later lease raise `attempts`, and the sweep and a cancel fail a request with
+/// `lease_expired` or `cancelled`, which no attempt writes.
+pub(crate) fn holds_outcome(record: &RequestRecord, attempt: u32, outcome: &Outcome) -> bool {
+    // The stored message may differ in bytes a database cannot hold; kind and status decide.
+    let same_error = |error: &ErrorInfo| {
+        record
+            .error
+            .as_ref()
+            .is_some_and(|e| e.kind == error.kind && e.status == error.status)
+    };
+    record.attempts == attempt
+        && match outcome {
+            Outcome::Succeeded { .. } => record.status == Status::Succeeded,
+            Outcome::Failed { error, .. } => record.status == Status::Failed && same_error(error),
+            Outcome::Retry {
+                next_retry_at,
+                error,
+            } => {
+                record.status == Status::Pending
+                    && record.next_retry_at == *next_retry_at
+                    && same_error(error)
+            }
+        }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn error(kind: ErrorType, status: Option<u16>) -> ErrorInfo {
+        ErrorInfo {
+            kind,
+            message: "m".into(),
+            status,
+        }
+    }
+
+    #[test]
+    fn an_attempt_recognises_only_its_own_outcome_decision38() {
+        let succeeded = Outcome::Succeeded {
+            status: 200,
+            body: b"{}".to_vec(),
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        };
+        let mut record = RequestRecord::example(Status::Succeeded);
+        record.attempts = 2;
+        assert!(holds_outcome(&record, 2, &succeeded));
+        // A recovery and a later lease: another attempt's number.
+        assert!(!holds_outcome(&record, 1, &succeeded));
+        // Failed by the sweep or a cancel, or still running under another lease.
+        for status in [Status::Failed, Status::Running, Status::Pending] {
+            record.status = status;
+            assert!(!holds_outcome(&record, 2, &succeeded), "{status:?}");
+        }
+
+        let refused = Outcome::Failed {
+            error: error(ErrorType::UpstreamRefused, Some(400)),
+            response: None,
+            upstream_request_id: None,
+            usage: None,
+        };
+        record.status = Status::Failed;
+        record.error = Some(error(ErrorType::UpstreamRefused, Some(400)));
+        assert!(holds_outcome(&record, 2, &refused));
+        record.error = Some(error(ErrorType::LeaseExpired, None));
+        assert!(!holds_outcome(&record, 2, &refused));
+
+        let retry = Outcome::Retry {
+            next_retry_at: 5_000,
+            error: error(ErrorType::UpstreamRefused, Some(503)),
+        };
+        record.status = Status::Pending;
+        record.next_retry_at = 5_000;
+        record.error = Some(error(ErrorType::UpstreamRefused, Some(503)));
+        assert!(holds_outcome(&record, 2, &retry));
+        // Sent back by the sweep: due at another moment.
+        record.next_retry_at = 4_321;
+        assert!(!holds_outcome(&record, 2, &retry));
+    }
 
     #[test]
     fn only_a_keyed_refusal_keeps_its_claim_id6() {

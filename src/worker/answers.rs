@@ -129,38 +129,9 @@ impl RecentAnswers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::Route;
-    use crate::store::{ClaimKind, Usage};
 
     fn record(status: Status) -> RequestRecord {
-        RequestRecord {
-            id: uuid::Uuid::now_v7(),
-            namespace: "default".into(),
-            route: Route::OpenaiChat,
-            backend: "b".into(),
-            model: None,
-            stream: false,
-            body: b"{}".to_vec(),
-            headers: Vec::new(),
-            claim: ClaimKind::BodyHash,
-            status,
-            attempts: 1,
-            recoveries: 0,
-            next_retry_at: 0,
-            error: None,
-            response_status: Some(200),
-            response_body: Some(b"{}".to_vec()),
-            upstream_request_id: None,
-            last_seq: 0,
-            reset_seq: 0,
-            created_at: 0,
-            updated_at: 0,
-            finished_at: Some(0),
-            attached: 0,
-            replayed: 0,
-            log_reads: 0,
-            usage: Usage::default(),
-        }
+        RequestRecord::example(status)
     }
 
     fn claim(key: &str, fingerprint: u8, expires_at: Millis) -> ClaimRef<'_> {

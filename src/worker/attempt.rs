@@ -18,7 +18,8 @@ use crate::metrics as m;
 use crate::provider::{BodyParts, EventParts, Route};
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{
-    ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, Usage, now_ms,
+    Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, StoreError,
+    Usage, holds_outcome, now_ms,
 };
 use crate::upstream::{Call, CallError};
 use serde_json::value::RawValue;
@@ -129,9 +130,15 @@ impl WorkerPool {
             metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "outcome").increment(1);
         };
         drop(heartbeat);
-        if retry.is_some() && finished.is_ok() {
-            info!(tries, "the outcome was recorded after retries");
-        }
+        let finished = match finished {
+            // After a failed try, "not under this lease" may be that try's own commit.
+            Ok(None) if retry.is_some() => self.own_earlier_commit(&lease, &outcome, tries).await,
+            Ok(Some(_)) if retry.is_some() => {
+                info!(tries, "the outcome was recorded after retries");
+                finished
+            }
+            finished => finished,
+        };
         match finished {
             Ok(Some((chunks, settled))) => {
                 for chunk in chunks {
@@ -173,17 +180,37 @@ impl WorkerPool {
                 metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "outcome").increment(1);
                 error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run");
             }
-            // After a failed try, "not under this lease" may also be that try's own commit,
-            // whose answer was lost: the request then holds this outcome, not another's.
-            _ if retry.is_some() => info!(
-                tries,
-                "the outcome write found the request no longer under this lease: an earlier try \
-                 committed it, or the lease was lost"
-            ),
             _ => info!("lease lost before the outcome was written"),
         }
         // Not settled here: readers on this node re-read the store now, not at their next poll.
         self.hub.publish(lease.id, HubEvent::Changed);
+    }
+
+    /// An outcome write tried again after a failure found the request no longer under this
+    /// lease: an earlier try committed it and only the database's answer was lost, or the
+    /// lease was lost. In the first case the request holds this attempt's outcome, which is
+    /// then settled here as if that try had answered — counted, logged and announced (decision
+    /// 38); its chunks reach readers from the store.
+    async fn own_earlier_commit(
+        &self,
+        lease: &Lease,
+        outcome: &Outcome,
+        tries: u32,
+    ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
+        match self.store.get_any(lease.id).await {
+            Ok(Some(record)) if holds_outcome(&record, lease.attempt, outcome) => {
+                info!(
+                    tries,
+                    "the outcome was recorded by an earlier try whose answer was lost"
+                );
+                Ok(Some((Vec::new(), record)))
+            }
+            Ok(_) => Ok(None),
+            Err(e) => {
+                warn!(error = %e, tries, "the outcome write found the request no longer under this lease, and reading it back failed: an earlier try may have recorded it");
+                Ok(None)
+            }
+        }
     }
 
     /// Renews the lease every third of its length; cancels `lost` when the store says the lease

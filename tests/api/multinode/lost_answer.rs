@@ -11,12 +11,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use holdfast::ChunkWriter;
+use holdfast::mock::MockConfig;
 use holdfast::store::postgres::PostgresStore;
 use holdfast::store::{ChunkBatch, ChunkKind, DynStore, NewChunk, Store, now_ms};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use serde_json::Value;
+
 use super::submit;
+use crate::helpers::*;
 use crate::store_conformance::TestDatabase;
 
 /// Text found only in the chunk append statement (`APPEND_CHUNKS`): its `Parse` message, the
@@ -233,4 +237,106 @@ async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_even
         .expect("get")
         .expect("record");
     assert_eq!(record.last_seq, 3);
+}
+
+/// Text found only in the statement that stores a success alone (`FINISH_SUCCEEDED`).
+const FINISH_STATEMENT: &[u8] = b"SET status = 'succeeded', response_status = $1";
+
+/// An outcome whose commit's answer is lost (decision 38): the attempt's next try finds the
+/// request no longer under its lease, recognises its own earlier commit and settles it as if
+/// that try had answered — its tokens counted, "request finished" logged — with one provider
+/// call, one attempt and no recovery (LC-3, DU-1).
+#[tokio::test]
+async fn an_outcome_commit_whose_answer_is_lost_is_settled_as_the_attempts_own_decision38() {
+    let db = TestDatabase::create().await;
+    let mut url = reqwest::Url::parse(&db.url).expect("database url");
+    let server = format!(
+        "{}:{}",
+        url.host_str().expect("database host"),
+        url.port().unwrap_or(5432)
+    );
+    let relay = LosingRelay::start(server).await;
+    url.set_port(Some(relay.port)).expect("relay port");
+    // A provider slow enough to arm the relay while it answers.
+    let mock = start_mock(MockConfig {
+        header_delay_ms: 500,
+        ..MockConfig::default()
+    })
+    .await;
+    // Long leases and sweeps: nothing but the outcome is written while the provider answers,
+    // so the success is a job of its own, one statement in its own transaction.
+    let toml = format!(
+        r#"
+database_url = "{url}"
+[workers]
+lease_secs = 60
+sweep_interval_ms = 60000
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock}"
+"#,
+        mock = mock.base_url()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let node = Process::serve_logged(dir.path(), &toml, free_addr(), &[]).await;
+    let http = reqwest::Client::new();
+
+    let answer = tokio::spawn({
+        let (http, base) = (http.clone(), node.base.clone());
+        async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(chat_body("a success lost on the wire"))
+                .send()
+                .await
+                .expect("POST")
+        }
+    });
+    // Bounded: the provider call arrives within 30 s.
+    for _ in 0..3_000 {
+        if mock.calls() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(mock.calls(), 1, "the attempt called the provider");
+    relay.lose_the_answer_to(FINISH_STATEMENT);
+    let response = tokio::time::timeout(Duration::from_secs(60), answer)
+        .await
+        .expect("answered within 60 s")
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let id = header(&response, "holdfast-request-id");
+    let body: Value = response.json().await.expect("JSON answer");
+    assert_eq!(
+        relay.answers_lost.load(Ordering::SeqCst),
+        1,
+        "the relay lost the success's answer after its commit"
+    );
+
+    let record = get_json(&http, &format!("{}/requests/{id}", node.base)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(
+        (record["attempts"].as_u64(), record["recoveries"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert_eq!(mock.calls(), 1, "one provider call");
+    let log = node.log_text();
+    assert!(
+        log.contains("the outcome was recorded by an earlier try whose answer was lost"),
+        "{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("request finished") && l.contains(&id)),
+        "the request's finish is logged: {log}"
+    );
+    let input = body["usage"]["prompt_tokens"].as_f64().expect("usage");
+    let page = metrics_page(&http, &node.base).await;
+    assert_eq!(
+        metric(&page, "holdfast_upstream_tokens_total", "kind=\"input\""),
+        input,
+        "the attempt's tokens are counted: {page}"
+    );
 }
