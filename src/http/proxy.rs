@@ -115,10 +115,11 @@ async fn admit_and_answer(
         .collect();
     let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
     // After the hash: the identity is the client's body (docs/usage.md).
-    let upstream_body = if state.config.inject_stream_usage && canonical.stream {
+    // The client did not ask for the usage chunk holdfast asks for: it must not see it.
+    let (upstream_body, hide_usage) = if state.config.inject_stream_usage && canonical.stream {
         inject_usage_request(route, upstream_body)
     } else {
-        upstream_body
+        (upstream_body, false)
     };
     let now = now_ms();
     let (claim, claim_key, ttl_secs) = match key {
@@ -224,7 +225,12 @@ async fn admit_and_answer(
         if record.status.is_terminal() {
             state.workers.remember(&claim_of(&record), &record);
         }
-        return stream_answer(state, &namespace, record, replayed, route, held, fresh).await;
+        let delivery = Delivery {
+            route,
+            replayed,
+            hide_usage,
+        };
+        return stream_answer(state, &namespace, record, delivery, held, fresh).await;
     }
     let record = wait_for(state, &namespace, record, shape, fresh, |r| {
         r.status.is_terminal()
@@ -243,11 +249,15 @@ async fn stream_answer(
     state: &AppState,
     namespace: &str,
     record: RequestRecord,
-    replayed: bool,
-    route: Route,
+    delivery: Delivery,
     held: HeldSlot,
     fresh: Option<Subscription>,
 ) -> Result<Response, ApiError> {
+    let Delivery {
+        route,
+        replayed,
+        hide_usage,
+    } = delivery;
     let shape = route.provider();
     let record = wait_for(state, namespace, record, shape, fresh, |r| {
         r.status.is_terminal() || r.last_seq > r.reset_seq
@@ -271,6 +281,11 @@ async fn stream_answer(
         let mut items = std::pin::pin!(items);
         while let Some(item) = items.next().await {
             let (bytes, done) = match item {
+                Ok(stream::Followed::Chunk(chunk))
+                    if hide_usage && route.is_requested_usage_event(&chunk.data) =>
+                {
+                    continue;
+                }
                 Ok(item) => stream::provider_bytes(&item, shape),
                 Err(e) => {
                     tracing::warn!(id = %id, error = %e, "reading stored chunks failed");
@@ -289,6 +304,17 @@ async fn stream_answer(
     let mut response = stream::event_stream_response(body);
     set_identity_headers(&mut response, &record, replayed, route, &state.config);
     Ok(response)
+}
+
+/// How a stream is delivered to this client.
+struct Delivery {
+    route: Route,
+    /// Answered from an execution that already existed (RS-5's `Idempotent-Replayed`).
+    replayed: bool,
+    /// holdfast asked the provider for the stream's usage chunk, the client did not
+    /// (`inject_stream_usage`): it is stored and counted, and left out of this client's stream
+    /// (decision 40).
+    hide_usage: bool,
 }
 
 /// One of the `max_held_requests` slots, released on drop (RS-8).
@@ -407,18 +433,19 @@ pub(super) fn choose_backend(
 
 /// `inject_stream_usage`: the member that asks the route's provider to report a stream's usage,
 /// added at the end of the top-level object when the body has no member of that name. Only
-/// that edit: the rest of the bytes stay the client's (ID-3b).
-fn inject_usage_request(route: Route, mut body: Vec<u8>) -> Vec<u8> {
+/// that edit: the rest of the bytes stay the client's (ID-3b). Returns the body and whether it
+/// was added.
+fn inject_usage_request(route: Route, mut body: Vec<u8>) -> (Vec<u8>, bool) {
     let Some((name, member)) = route.stream_usage_request() else {
-        return body;
+        return (body, false);
     };
     let has_it = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
         .map_or(true, |object| object.contains_key(name));
     if has_it {
-        return body;
+        return (body, false);
     }
     let Some(end) = body.iter().rposition(|b| *b == b'}') else {
-        return body;
+        return (body, false);
     };
     let empty = body[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
     let insert = if empty {
@@ -427,7 +454,7 @@ fn inject_usage_request(route: Route, mut body: Vec<u8>) -> Vec<u8> {
         format!(",{member}")
     };
     body.splice(end..end, insert.into_bytes());
-    body
+    (body, true)
 }
 
 /// The route's provider's allow-listed client headers (ID-3a), lower-cased names, sorted,

@@ -398,6 +398,13 @@ impl Route {
         }
     }
 
+    /// Whether a stream event of this route is the usage report a
+    /// [`Route::stream_usage_request`] asks for (a chat or completions chunk with no choices),
+    /// which a client that did not ask for it must not see (decision 40).
+    pub(crate) fn is_requested_usage_event(self, data: &str) -> bool {
+        self.stream_usage_request().is_some() && openai::is_usage_chunk(data)
+    }
+
     /// The answer text a stream event carries (a chat delta's content, a Responses
     /// `output_text` delta, a Messages `text_delta`), for showing a streamed answer as text.
     pub(crate) fn text_of_event(self, kind: Option<&str>, data: &Value) -> Option<String> {

@@ -186,6 +186,28 @@ pub(super) fn text_of_event(route: Route, kind: Option<&str>, data: &Value) -> O
     text.as_str().map(str::to_owned)
 }
 
+/// Whether a chat or completions stream event is the usage chunk `include_usage` asks for:
+/// `choices` an empty array and `usage` set. Scans for the empty `choices` before parsing, so
+/// the other events of a stream cost a substring search.
+pub(super) fn is_usage_chunk(data: &str) -> bool {
+    let Some(at) = data.find("\"choices\"") else {
+        return false;
+    };
+    let rest = data[at + "\"choices\"".len()..].trim_start();
+    let Some(rest) = rest.strip_prefix(':') else {
+        return false;
+    };
+    let Some(rest) = rest.trim_start().strip_prefix('[') else {
+        return false;
+    };
+    if !rest.trim_start().starts_with(']') {
+        return false;
+    }
+    serde_json::from_str::<Value>(data).is_ok_and(|event| {
+        event["choices"].as_array().is_some_and(Vec::is_empty) && event["usage"].is_object()
+    })
+}
+
 /// Chat and completions streams carry a usage chunk only with
 /// `stream_options.include_usage: true`.
 pub(super) fn stream_usage_request(route: Route) -> Option<(&'static str, &'static str)> {

@@ -417,6 +417,9 @@ impl WorkerPool {
         let mut unseen = Vec::new();
         // The answer's provider id is recorded once, with the batch that announced it.
         let mut answer_id_seen = !route.keeps_answer_ids();
+        // Events before the route's final one: a stream of its final event alone answered
+        // nothing (decision 39).
+        let mut before_final = 0usize;
         loop {
             let piece = match self.upstreams.next_piece(&mut response).await {
                 Ok(piece) => piece,
@@ -470,6 +473,9 @@ impl WorkerPool {
                         if seen.error {
                             provider_error = Some(event.data.clone());
                         }
+                        if !ended && !seen.ends_stream {
+                            before_final += 1;
+                        }
                         ended |= seen.ends_stream;
                         if !answer_id_seen && seen.answer_id.is_some() {
                             answer_id_seen = true;
@@ -508,6 +514,18 @@ impl WorkerPool {
             };
             // The provider's final event: the answer is complete, whatever follows.
             let succeeded = ended && provider_error.is_none();
+            if succeeded && before_final == 0 {
+                // Nothing was stored yet: what came is all in `unseen`.
+                return fail(
+                    ErrorType::UpstreamInvalid,
+                    format!(
+                        "the provider stream (content-type {content_type:?}) held its final \
+                         event and nothing before it: no answer"
+                    ),
+                    Some(std::mem::take(&mut unseen)),
+                    &usage,
+                );
+            }
             if succeeded && self.store.ends_streams_in_one_write() {
                 // Its batch is stored with the outcome: one commit for both.
                 return Some(Ending {
@@ -632,14 +650,14 @@ fn log_attempt(outcome: &Outcome) {
             error,
         } => warn!(
             cause = %error.message,
-            upstream_status = ?error.status,
+            upstream_status = error.status,
             retry_in_ms = (next_retry_at - now_ms()).max(0),
             "attempt failed; the request is retried"
         ),
         Outcome::Failed { error, .. } => warn!(
             error_type = error.kind.as_str(),
             cause = %error.message,
-            upstream_status = ?error.status,
+            upstream_status = error.status,
             "attempt failed; the request failed for good"
         ),
     }
@@ -840,8 +858,22 @@ fn check_answer(
             Err(_) => return Err("a body that is not JSON"),
         },
     };
-    if error && !answered {
-        return Err("an error object instead of an answer");
+    if !answered {
+        // No SDK can read an answer without its route's result member (decision 39).
+        return Err(if error {
+            "an error object instead of an answer"
+        } else {
+            match route.result_members() {
+                ["choices"] => {
+                    "a JSON object without `choices`, which every answer of this route has"
+                }
+                ["data"] => "a JSON object without `data`, which every answer of this route has",
+                ["output"] => {
+                    "a JSON object without `output`, which every answer of this route has"
+                }
+                _ => "a JSON object without `content`, which every answer of this route has",
+            }
+        });
     }
     Ok((answer_id, usage))
 }
@@ -956,10 +988,25 @@ mod tests {
     }
 
     #[test]
-    fn a_2xx_answer_must_be_an_object_and_not_an_error_object_lc11() {
+    fn a_2xx_answer_must_be_an_object_with_the_routes_result_member_lc11_decision39() {
         let chat = Route::OpenaiChat;
         assert_eq!(answer_id(chat, br#"{"choices":[],"error":null}"#), Ok(None));
-        assert_eq!(answer_id(chat, br#"{"id":"x"}"#), Ok(None));
+        // An object without the route's result member is no answer (decision 39).
+        assert_eq!(
+            answer_id(chat, br#"{"id":"x"}"#),
+            Err("a JSON object without `choices`, which every answer of this route has")
+        );
+        assert!(answer_id(chat, b"{}").is_err());
+        assert!(answer_id(Route::OpenaiEmbeddings, br#"{"object":"list"}"#).is_err());
+        assert!(answer_id(Route::OpenaiResponses, br#"{"id":"resp_1"}"#).is_err());
+        assert!(answer_id(Route::AnthropicMessages, br#"{"type":"message"}"#).is_err());
+        assert_eq!(
+            answer_id(
+                Route::AnthropicMessages,
+                br#"{"type":"message","content":[]}"#
+            ),
+            Ok(None)
+        );
         assert!(answer_id(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
         assert!(answer_id(chat, br#" [1,2]"#).is_err());
         assert!(answer_id(chat, br#""text""#).is_err());

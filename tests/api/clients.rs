@@ -1,5 +1,6 @@
 //! Official SDKs and the README, driven as a user would (tests/clients/*.py).
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -93,21 +94,7 @@ async fn readme_demo_and_curl_example_work_on_a_fresh_directory_cli2() {
 
     let dir = tempfile::tempdir().unwrap();
     let addr = free_addr();
-    let mut child = tokio::process::Command::new(holdfast_bin())
-        .args(["serve", "--demo", "--listen", &addr.to_string()])
-        .current_dir(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let banner = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .expect("demo starts")
-        .unwrap()
-        .unwrap_or_default();
-    assert!(banner.contains(&addr.to_string()), "{banner}");
+    let mut child = start_demo(dir.path(), addr).await;
 
     // Pasted twice, as the README says: the second answer is replayed, and -i shows it.
     let curl = curl.replace("127.0.0.1:8080", &addr.to_string());
@@ -137,6 +124,44 @@ async fn readme_demo_and_curl_example_work_on_a_fresh_directory_cli2() {
         dir.path().join("holdfast-demo.db").exists(),
         "CLI-4a: the SQLite file is created"
     );
+    child.kill().await.unwrap();
+}
+
+/// `holdfast serve --demo --listen ADDR` in `dir`, once its banner (naming the address) is out.
+async fn start_demo(dir: &Path, addr: std::net::SocketAddr) -> tokio::process::Child {
+    let mut child = tokio::process::Command::new(holdfast_bin())
+        .args(["serve", "--demo", "--listen", &addr.to_string()])
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let banner = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("demo starts")
+        .unwrap()
+        .unwrap_or_default();
+    assert!(banner.contains(&addr.to_string()), "{banner}");
+    child
+}
+
+/// The first thing a new user streams: OpenAI's own loop (`chunk.choices[0]`) over the demo,
+/// which asks the provider for every stream's usage; the usage chunk, which has no choices,
+/// stays out of the client's stream (decision 40).
+#[tokio::test]
+async fn python_sdk_streams_from_the_demo_with_the_loop_every_openai_example_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = free_addr();
+    let mut child = start_demo(dir.path(), addr).await;
+    let url = format!("http://{addr}");
+    let text = tokio::task::spawn_blocking(move || {
+        run_python("demo_stream.py", &[("HOLDFAST_URL", url.as_str())])
+    })
+    .await
+    .unwrap();
+    assert!(!text.trim().is_empty(), "the story streamed");
     child.kill().await.unwrap();
 }
 

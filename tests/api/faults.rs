@@ -517,6 +517,30 @@ fn answer_rows() -> Vec<AnswerRow> {
             },
         },
         AnswerRow {
+            name: "non-stream 200 whose body is an object without choices (decision 39)",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                "{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion\"}",
+                false,
+            )),
+            path: chat,
+            stream: false,
+            expect: Invalid {
+                kept: "chatcmpl-1",
+                answered: "application/json",
+            },
+        },
+        AnswerRow {
+            name: "stream request answered [DONE] and nothing before it (decision 39)",
+            provider: Provider::Raw(raw_200("text/event-stream", "data: [DONE]\n\n", false)),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "[DONE]",
+                answered: "text/event-stream",
+            },
+        },
+        AnswerRow {
             name: "non-stream 200 whose body is a JSON array",
             provider: Provider::Raw(raw_200("application/json", "[1,2,3]", false)),
             path: chat,

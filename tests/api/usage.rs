@@ -203,16 +203,32 @@ async fn a_messages_stream_interrupted_after_message_start_keeps_its_input_token
     app.stop().await;
 }
 
+/// The usage chunk of a chat stream: no choices, the usage.
+fn is_usage_chunk(event: &holdfast::sse::SseEvent) -> bool {
+    serde_json::from_str::<Value>(&event.data)
+        .is_ok_and(|d| d["choices"].as_array().is_some_and(Vec::is_empty) && d["usage"].is_object())
+}
+
+/// RD-9, decision 40: holdfast asks for the usage of a stream whose client did not, stores and
+/// counts it, and leaves the usage chunk out of that client's stream — a chunk without choices
+/// breaks the loop every OpenAI example writes (`chunk.choices[0]`). A client that asked for it
+/// gets it, and the request log shows every stored event.
 #[tokio::test]
-async fn inject_stream_usage_asks_the_provider_after_hashing_the_clients_body() {
+async fn inject_stream_usage_asks_the_provider_after_hashing_the_clients_body_and_shows_the_usage_chunk_only_to_who_asked()
+ {
     let app = spawn_app(MockConfig::default(), |c| c.inject_stream_usage = true).await;
     let body = stream_body("count my tokens");
     let r = app.chat(&body).await;
     let id = header(&r, "holdfast-request-id");
-    let (_, events) = read_events(r).await;
+    let (text, events) = read_events(r).await;
     assert!(
-        events.iter().any(|e| e.data.contains("\"usage\"")),
-        "the client sees the usage chunk"
+        !events.iter().any(is_usage_chunk),
+        "the client did not ask for the usage chunk: {text}"
+    );
+    assert_eq!(
+        events.last().map(|e| e.data.as_str()),
+        Some("[DONE]"),
+        "{text}"
     );
     let sent = &app.mock.recorded()[0].body;
     assert_eq!(sent["stream_options"]["include_usage"], true, "{sent}");
@@ -222,14 +238,31 @@ async fn inject_stream_usage_asks_the_provider_after_hashing_the_clients_body() 
     assert_eq!(sent, &expected);
     let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
     assert_eq!(record["usage"]["output_tokens"], 8, "{record}");
-    // The identity is the client's body: the same body replays, and the edited body, sent by a
-    // client itself, is another request.
+    let log = app
+        .http
+        .get(format!("{}/requests/{id}", app.base))
+        .header("accept", "text/event-stream")
+        .send()
+        .await
+        .unwrap();
+    let (_, logged) = read_events(log).await;
+    assert!(
+        logged.iter().any(is_usage_chunk),
+        "the log keeps every stored event"
+    );
+    // The identity is the client's body: the same body replays, without the usage chunk too,
+    // and the edited body, sent by a client itself, is another request, which gets it.
     let again = app.chat(&body).await;
     assert_eq!(header(&again, "holdfast-request-id"), id);
-    let _ = again.bytes().await;
+    let (text, replayed) = read_events(again).await;
+    assert!(!replayed.iter().any(is_usage_chunk), "{text}");
     let edited = app.chat(&expected.to_string()).await;
     assert_ne!(header(&edited, "holdfast-request-id"), id);
-    let _ = edited.bytes().await;
+    let (text, asked) = read_events(edited).await;
+    assert!(
+        asked.iter().any(is_usage_chunk),
+        "who asked sees it: {text}"
+    );
     app.stop().await;
 }
 
