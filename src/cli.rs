@@ -92,7 +92,12 @@ impl Client {
             .map_err(|e| fail(format!("holdfast answered {status} without JSON: {e}")))?;
         if !status.is_success() {
             let message = body["error"]["message"].as_str().unwrap_or("no message");
-            return Err(fail(format!("holdfast answered {status}: {message}")));
+            let hint = if status == reqwest::StatusCode::UNAUTHORIZED {
+                " (the CLI sends the key given with --api-key or HOLDFAST_API_KEY)"
+            } else {
+                ""
+            };
+            return Err(fail(format!("holdfast answered {status}: {message}{hint}")));
         }
         Ok(body)
     }

@@ -393,6 +393,29 @@ fn describe(e: &figment::Error) -> String {
             };
             format!("key `{at}`{source} is required")
         }
+        // A file that is not TOML at all: where, and why, on one line (the parser's own
+        // message draws the line with a caret below it).
+        kind if key.is_empty() => {
+            let text = kind.to_string();
+            // The snippet's lines: `|` rules, and `N | text` with the line's number.
+            let snippet = |l: &str| {
+                l.starts_with('|')
+                    || l.split_once(" |")
+                        .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+            };
+            let mut lines = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !snippet(l));
+            let first = lines.next().unwrap_or_default();
+            let rest: Vec<&str> = lines.collect();
+            let file = source.trim_start_matches(" in ");
+            if rest.is_empty() {
+                format!("{file}: {first}")
+            } else {
+                format!("{file}: {first}: {}", rest.join("; "))
+            }
+        }
         kind => format!("key `{key}`{source}: {kind}"),
     }
 }
@@ -704,8 +727,10 @@ impl Config {
                 "must not exceed workers.backoff_max_ms",
             ));
         }
-        if !(self.database_url.starts_with("sqlite:")
-            || self.database_url.starts_with("postgres://")
+        if self.database_url.starts_with("sqlite:") {
+            // Before the port is bound or the database opened (CLI-1).
+            sqlite_path(&self.database_url).map_err(|m| invalid("database_url", m))?;
+        } else if !(self.database_url.starts_with("postgres://")
             || self.database_url.starts_with("postgresql://"))
         {
             return Err(invalid(
@@ -720,6 +745,26 @@ impl Config {
     pub(crate) fn backend(&self, name: &str) -> Option<&Backend> {
         self.backends.iter().find(|b| b.name == name)
     }
+}
+
+/// The file a `sqlite://PATH` or `sqlite:PATH` URL names. A query string (sqlx-style options)
+/// is ignored; in-memory databases are refused, since the log must outlive the process (DU-1).
+///
+/// # Errors
+/// Why `url` names no file, in words for the operator.
+pub fn sqlite_path(url: &str) -> Result<std::path::PathBuf, String> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .ok_or_else(|| format!("{url:?}: expected sqlite://PATH"))?;
+    let path = rest.split('?').next().unwrap_or_default();
+    if path.is_empty() || path == ":memory:" {
+        return Err(format!(
+            "{url:?} needs a file path, e.g. sqlite://holdfast.db (an in-memory database would \
+             lose every request on restart)"
+        ));
+    }
+    Ok(std::path::PathBuf::from(path))
 }
 
 /// Why `url` cannot be a backend's `base_url`: not a URL, a scheme other than http or https, or

@@ -1,7 +1,7 @@
 //! The `holdfast` binary: parse the command line, start tracing, hand over (SPEC CLI-1..CLI-3).
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 
 use std::process::ExitCode;
 
@@ -49,15 +49,12 @@ enum Command {
 /// Where a running holdfast is, and the key to read it with.
 #[derive(Args, Clone)]
 struct ServerArgs {
-    /// holdfast's address.
-    #[arg(
-        long,
-        env = "HOLDFAST_URL",
-        default_value = "http://127.0.0.1:8080",
-        global = true
-    )]
-    url: String,
-    /// A namespace key, or an admin key (every namespace).
+    /// holdfast's address [default: with --config, the address it listens on; else
+    /// http://127.0.0.1:8080].
+    #[arg(long, env = "HOLDFAST_URL", global = true)]
+    url: Option<String>,
+    /// A namespace key, or an admin key (every namespace) [default: with --config, its first
+    /// admin key].
     #[arg(long, env = "HOLDFAST_API_KEY", global = true, hide_env_values = true)]
     api_key: Option<String>,
     /// Print the server's JSON instead of a table.
@@ -317,7 +314,7 @@ async fn run(cli: Cli) -> Result<(), Stop> {
                 .await
                 .map_err(|e| Stop(1, format!("mock-upstream on {}: {e}", args.listen)))
         }
-        Some(Command::Requests(command)) => requests(command).await,
+        Some(Command::Requests(command)) => requests(command, cli.config.as_deref()).await,
         Some(Command::Usage(args)) => {
             let query = pairs(&[
                 ("since", args.since),
@@ -325,7 +322,7 @@ async fn run(cli: Cli) -> Result<(), Stop> {
                 ("group_by", args.group_by),
                 ("namespace", args.namespace),
             ]);
-            let client = client(&args.server);
+            let client = client(&args.server, cli.config.as_deref())?;
             client
                 .usage(&query, args.server.json, &mut std::io::stdout())
                 .await
@@ -335,11 +332,44 @@ async fn run(cli: Cli) -> Result<(), Stop> {
     }
 }
 
-fn client(server: &ServerArgs) -> holdfast::cli::Client {
-    holdfast::cli::Client {
-        url: server.url.clone(),
-        api_key: server.api_key.clone(),
-    }
+/// The server a `requests` or `usage` command reads, and its key: `--url` and `--api-key` (or
+/// their variables) when given; else, with `--config`, the address that configuration listens
+/// on (a wildcard address is read on this host) and its first admin key; else
+/// `http://127.0.0.1:8080` and no key.
+fn client(server: &ServerArgs, config: Option<&Path>) -> Result<holdfast::cli::Client, Stop> {
+    let from_config = match config {
+        Some(path) if server.url.is_none() || server.api_key.is_none() => {
+            if !path.exists() {
+                return Err(Stop(
+                    EXIT_CONFIG,
+                    format!("--config {}: the file does not exist", path.display()),
+                ));
+            }
+            let config = Config::load_unvalidated(Some(path))
+                .map_err(|e| Stop(EXIT_CONFIG, format!("configuration: {e}")))?;
+            let mut addr = config.listen;
+            if addr.ip().is_unspecified() {
+                addr.set_ip(match addr {
+                    SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                    SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+                });
+            }
+            Some((
+                format!("http://{addr}"),
+                config.admin_api_keys.first().cloned(),
+            ))
+        }
+        _ => None,
+    };
+    let (config_url, config_key) = from_config.unzip();
+    Ok(holdfast::cli::Client {
+        url: server
+            .url
+            .clone()
+            .or(config_url)
+            .unwrap_or_else(|| "http://127.0.0.1:8080".into()),
+        api_key: server.api_key.clone().or(config_key.flatten()),
+    })
 }
 
 /// The named values that are set, as query pairs.
@@ -350,7 +380,7 @@ fn pairs(values: &[(&str, Option<String>)]) -> Vec<(String, String)> {
         .collect()
 }
 
-async fn requests(command: RequestsCommand) -> Result<(), Stop> {
+async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(), Stop> {
     let out = &mut std::io::stdout();
     let done = match command {
         RequestsCommand::List {
@@ -384,10 +414,12 @@ async fn requests(command: RequestsCommand) -> Result<(), Stop> {
                 query,
                 json: server.json,
             };
-            client(&server).list(&args, out).await
+            client(&server, config)?.list(&args, out).await
         }
         RequestsCommand::Show { server, id, body } => {
-            client(&server).show(&id, body, server.json, out).await
+            client(&server, config)?
+                .show(&id, body, server.json, out)
+                .await
         }
         RequestsCommand::Tail {
             server,
@@ -395,7 +427,7 @@ async fn requests(command: RequestsCommand) -> Result<(), Stop> {
             from,
             patience_secs,
         } => {
-            client(&server)
+            client(&server, config)?
                 .tail(
                     &id,
                     from,
@@ -405,7 +437,7 @@ async fn requests(command: RequestsCommand) -> Result<(), Stop> {
                 .await
         }
         RequestsCommand::Cancel { server, id } => {
-            client(&server).cancel(&id, server.json, out).await
+            client(&server, config)?.cancel(&id, server.json, out).await
         }
     };
     done.or_else(command_outcome)

@@ -257,7 +257,19 @@ fn namespace_of_key(
             found = Some(ns.name.clone());
         }
     }
-    found.ok_or_else(|| unauthorized(shape))
+    found.ok_or_else(|| {
+        if key_among(presented, config.admin_api_keys.iter()) {
+            ApiError::new(
+                shape,
+                StatusCode::UNAUTHORIZED,
+                "invalid_api_key",
+                "this is an admin key, which reads the request log of every namespace; a \
+                 proxied request needs a namespace's key (`[[namespaces]] api_keys`)",
+            )
+        } else {
+            unauthorized(shape)
+        }
+    })
 }
 
 /// Who reads the log: one namespace's key, or an admin key (`admin_api_keys`), which reads

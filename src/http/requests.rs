@@ -414,11 +414,23 @@ pub(super) fn bad_parameter(name: &str, why: impl std::fmt::Display) -> ApiError
     )
 }
 
-/// An RFC 3339 time parameter, in [`Millis`].
+/// A time parameter, in [`Millis`]: an RFC 3339 time, or a date (`2026-12-01`), which is
+/// that day's start in UTC.
 pub(super) fn time_parameter(name: &str, value: &str) -> Result<Millis, ApiError> {
+    if let Ok(day) = chrono::NaiveDate::parse_from_str(value, "%Y-%m-%d") {
+        return Ok(day
+            .and_time(chrono::NaiveTime::MIN)
+            .and_utc()
+            .timestamp_millis());
+    }
     chrono::DateTime::parse_from_rfc3339(value)
         .map(|t| t.timestamp_millis())
-        .map_err(|e| bad_parameter(name, format!("{value:?} is not an RFC 3339 time ({e})")))
+        .map_err(|e| {
+            bad_parameter(
+                name,
+                format!("{value:?} is neither an RFC 3339 time nor a date YYYY-MM-DD ({e})"),
+            )
+        })
 }
 
 /// The store filter of a `GET /requests` query.

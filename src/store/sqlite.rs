@@ -106,21 +106,9 @@ impl std::fmt::Debug for SqliteStore {
     }
 }
 
-/// The file a `sqlite://PATH` or `sqlite:PATH` URL names. A query string (sqlx-style options)
-/// is ignored; in-memory databases are refused, since the log must outlive the process (DU-1).
+/// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).
 fn path_of(url: &str) -> Result<PathBuf, StoreError> {
-    let rest = url
-        .strip_prefix("sqlite://")
-        .or_else(|| url.strip_prefix("sqlite:"))
-        .ok_or_else(|| StoreError::Config(format!("{url:?}: expected sqlite://PATH")))?;
-    let path = rest.split('?').next().unwrap_or_default();
-    if path.is_empty() || path == ":memory:" {
-        return Err(StoreError::Config(format!(
-            "{url:?} needs a file path, e.g. sqlite://holdfast.db (an in-memory database would \
-             lose every request on restart)"
-        )));
-    }
-    Ok(PathBuf::from(path))
+    crate::config::sqlite_path(url).map_err(StoreError::Config)
 }
 
 fn configure(conn: &Connection) -> Result<(), StoreError> {

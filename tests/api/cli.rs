@@ -215,3 +215,64 @@ async fn requests_tail_follows_a_stream_resumes_after_a_server_restart_and_print
     drop(node);
     mock.shutdown().await;
 }
+
+/// `--config` names the server and its admin key: on a server's host the configuration file is
+/// all the CLI needs (a wildcard `listen` is read on this host); `--url` still wins, and a file
+/// that is not there is a usage error.
+#[tokio::test]
+async fn requests_and_usage_read_the_server_and_the_admin_key_a_config_file_names() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let addr = free_addr();
+    let config = format!(
+        "listen = \"0.0.0.0:{}\"\n{}",
+        addr.port(),
+        toml(dir.path(), &mock.base_url())
+    );
+    let node = Process::serve(dir.path(), &config, addr).await;
+    let id = send(&node.base, chat_body("found through the config file")).await;
+    // Process::serve wrote the configuration here.
+    let file = dir.path().join("holdfast.toml");
+    let file = file.to_str().unwrap();
+
+    let (code, out, err) = run_holdfast(dir.path(), &["requests", "list", "--config", file], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&id), "{out}");
+    let (code, out, err) = run_holdfast(
+        dir.path(),
+        &["usage", "--json"],
+        &[("HOLDFAST_CONFIG", file)],
+    );
+    assert_eq!(code, 0, "{err}");
+    let usage: Value = serde_json::from_str(&out).expect("usage JSON");
+    assert!(usage.is_object(), "{usage}");
+
+    let (code, _, err) = run_holdfast(
+        dir.path(),
+        &[
+            "requests",
+            "list",
+            "--config",
+            file,
+            "--url",
+            "http://127.0.0.1:9",
+        ],
+        &[],
+    );
+    assert_eq!(code, 1, "--url wins over the file: {err}");
+    let (code, _, err) = run_holdfast(
+        dir.path(),
+        &["requests", "list", "--config", "nowhere.toml"],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("nowhere.toml"), "{err}");
+    // Without the file and without a key, the refusal says how to give one.
+    let (code, _, err) = run_holdfast(
+        dir.path(),
+        &["requests", "list"],
+        &[("HOLDFAST_URL", node.base.as_str())],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("401") && err.contains("--api-key"), "{err}");
+}

@@ -206,6 +206,13 @@ async fn every_list_filter_narrows_to_what_it_names_rd7() {
             .await
             .is_empty()
     );
+    // A date is its start in UTC.
+    assert!(ids(&app, "key-a", "?since=2999-01-01").await.is_empty());
+    assert_eq!(
+        ids(&app, "key-a", "?since=2000-01-01").await.len(),
+        at_or_after.len() + before.len()
+    );
+    assert!(ids(&app, "key-a", "?until=2000-01-01").await.is_empty());
 
     // Cursor paging: limit per page, next_cursor until the last page.
     let mut pages = Vec::new();

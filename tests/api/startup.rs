@@ -77,6 +77,16 @@ fn each_invalid_configuration_fails_start_up_with_exit_2_and_one_line_naming_the
             format!("database_url = \"sqlite::memory:\"\n{BACKEND}"),
             "database_url",
         ),
+        (
+            "a string that never ends",
+            format!("listen = \"127.0.0.1:1\n{BACKEND}"),
+            "holdfast.toml: TOML parse error at line 1",
+        ),
+        (
+            "a table header that never closes",
+            format!("[workers\n{BACKEND}"),
+            "holdfast.toml: TOML parse error at line 1",
+        ),
     ];
     for (name, toml, names) in cases {
         let (code, stderr) = serve_config(&toml, &[("RUST_BACKTRACE", "1")]);
@@ -227,6 +237,27 @@ async fn a_test_node_that_cannot_bind_is_not_taken_for_the_server_on_its_address
     let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
     let toml = fault_test_toml(&db, "", 1, &stranger.mock.base_url());
     let _node = Process::serve(dir.path(), &toml, stranger.addr).await;
+}
+
+/// CLI-1: a `database_url` that names no file is refused with the configuration, before the
+/// port is bound — on a taken port too, where binding first answered "address in use".
+#[test]
+fn a_database_url_without_a_file_is_refused_before_the_port_is_bound_cli1() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    for url in ["sqlite::memory:", "sqlite:", "sqlite://?mode=memory"] {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = format!("database_url = \"{url}\"\n{BACKEND}");
+        std::fs::write(dir.path().join("holdfast.toml"), toml).unwrap();
+        let (code, _, stderr) = run_holdfast(
+            dir.path(),
+            &["serve", "--config", "holdfast.toml", "--listen", &addr],
+            &[],
+        );
+        assert_eq!(code, 2, "{url}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains("database_url"), "{url}: {stderr}");
+    }
 }
 
 #[test]
@@ -422,6 +453,14 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
                 Some(value),
                 "{format} at {level}: `{name}` on the request's line: {}",
                 finished[0]
+            );
+        }
+        // The provider's status reads the same on every line: a number, to grep or query.
+        for line in failed.iter().chain(finished.iter()) {
+            assert_eq!(
+                log_field(line, "upstream_status").as_deref(),
+                Some("503"),
+                "{format} at {level}: {line}"
             );
         }
         if format == "json" {

@@ -130,6 +130,32 @@ async fn unknown_or_missing_key_gets_401_and_is_not_recorded_cli5_id8() {
     app.stop().await;
 }
 
+/// An admin key reads every namespace's log but sends nothing: on a proxied route its 401 says
+/// so, rather than calling a configured key unknown (CLI-5).
+#[tokio::test]
+async fn an_admin_key_on_a_proxied_route_is_told_it_needs_a_namespace_key_cli5() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        two_tenants(c);
+        c.admin_api_keys = vec!["admin-key".into()];
+    })
+    .await;
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("admin sends"),
+            &[("authorization", "Bearer admin-key")],
+        )
+        .await;
+    assert_eq!(r.status(), 401);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "invalid_api_key");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("admin key"), "{message}");
+    assert!(message.contains("namespace's key"), "{message}");
+    assert_eq!(app.mock.calls(), 0);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn two_aliases_rewriting_to_one_model_make_one_upstream_call_with_the_rewritten_model_id3() {
     let app = spawn_app(MockConfig::default(), |c| {
