@@ -62,6 +62,19 @@ pub(super) async fn handle(
         Err(e) => {
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
                 .increment(1);
+            // What the client sent wrong, for the operator: one line per refusal. The 5xx
+            // refusals (`overloaded`, the store's) are counted, and the store's are logged
+            // where they happen.
+            if e.status.is_client_error() {
+                tracing::info!(
+                    route = route.name(),
+                    status = e.status.as_u16(),
+                    code = e.code,
+                    request_id = e.request_id.as_deref(),
+                    cause = %e.message,
+                    "request refused"
+                );
+            }
             e.into_response()
         }
     }

@@ -348,7 +348,7 @@ pub(super) async fn cancel(
 }
 
 /// The parameters `GET /requests` knows.
-const LIST_PARAMETERS: [&str; 12] = [
+const LIST_PARAMETERS: [&str; 11] = [
     "status",
     "route",
     "model",
@@ -360,7 +360,6 @@ const LIST_PARAMETERS: [&str; 12] = [
     "cursor",
     "limit",
     "namespace",
-    "include",
 ];
 
 /// `GET /requests` (RD-7): the caller's namespace's requests (an admin key's: every

@@ -395,7 +395,10 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
-        let second = send(http.clone(), url, body).await;
+        let second = send(http.clone(), url.clone(), body).await;
+        // A send refused before anything is recorded leaves its own line.
+        let bad = send(http.clone(), url, "{\"model\": ".into()).await;
+        assert_eq!(bad.status(), 400);
         let r = first.await.unwrap();
         assert_eq!(r.status(), 502);
         assert_eq!(second.status(), 502);
@@ -461,6 +464,21 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
                 log_field(line, "upstream_status").as_deref(),
                 Some("503"),
                 "{format} at {level}: {line}"
+            );
+        }
+        let log = wait_for_file(&path, "request refused").await;
+        let refused = log.lines().find(|l| l.contains("request refused")).unwrap();
+        for (name, value) in [
+            ("status", "400"),
+            ("code", "invalid_json"),
+            ("route", "openai.chat"),
+        ] {
+            assert_eq!(
+                log_field(refused, name)
+                    .as_deref()
+                    .map(|v| v.trim_matches('"')),
+                Some(value),
+                "{format} at {level}: `{name}` of the refusal: {refused}"
             );
         }
         if format == "json" {
