@@ -118,6 +118,9 @@ pub struct Canonical {
     pub model_span: Option<Range<usize>>,
     /// True iff the top-level "stream" member is the literal `true`.
     pub stream: bool,
+    /// True iff the top-level object has a "stream_options" member (whatever its value): the
+    /// client chose what its OpenAI stream reports (decision 40).
+    pub stream_options: bool,
     /// Byte range of the model value token inside `bytes`, for [`Canonical::with_model`].
     model_out: Option<Range<usize>>,
 }
@@ -154,6 +157,7 @@ pub fn canonicalize(body: &[u8]) -> Result<Canonical, CanonError> {
         model: p.model,
         model_span: p.model_span,
         stream: p.stream,
+        stream_options: p.stream_options,
         model_out: p.model_out,
     })
 }
@@ -426,6 +430,7 @@ struct Parser<'a> {
     model_value_off: usize,
     model_out: Option<Range<usize>>,
     stream: bool,
+    stream_options: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -443,6 +448,7 @@ impl<'a> Parser<'a> {
             model_value_off: 0,
             model_out: None,
             stream: false,
+            stream_options: false,
         }
     }
 
@@ -635,6 +641,7 @@ impl<'a> Parser<'a> {
     fn parse_top_level_value(&mut self, key: &Text, member_start: usize) -> Result<(), CanonError> {
         let name = self.texts().get(key);
         let (is_model, is_stream) = (name == b"model", name == b"stream");
+        self.stream_options |= name == b"stream_options";
         let value_start = self.pos;
         if is_model && self.peek() == Some(b'"') {
             let out_start = self.out.len();
@@ -1212,6 +1219,14 @@ mod tests {
     #[test]
     fn stream_is_true_only_for_top_level_literal_true_id3() {
         assert!(canon(r#"{"stream":true}"#).unwrap().stream);
+        // Whether the client chose its stream's options, at the top level only.
+        assert!(canon(r#"{"stream_options":null}"#).unwrap().stream_options);
+        assert!(
+            !canon(r#"{"x":{"stream_options":{}}}"#)
+                .unwrap()
+                .stream_options
+        );
+        assert!(!canon(r#"{"m":"stream_options"}"#).unwrap().stream_options);
         assert!(canon(r#"{ "stream" : true , "a":1}"#).unwrap().stream);
         assert!(canon(r#"{"\u0073tream":true}"#).unwrap().stream);
         for body in [

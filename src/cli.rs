@@ -93,7 +93,8 @@ impl Client {
         if !status.is_success() {
             let message = body["error"]["message"].as_str().unwrap_or("no message");
             let hint = if status == reqwest::StatusCode::UNAUTHORIZED {
-                " (the CLI sends the key given with --api-key or HOLDFAST_API_KEY)"
+                " (the CLI sends the key given with --api-key or HOLDFAST_API_KEY, else the \
+                 first admin key of the --config file that names the server)"
             } else {
                 ""
             };
@@ -241,7 +242,13 @@ impl Client {
         if json {
             return print_json(out, &record);
         }
-        writeln!(out, "{} {}", text(&record["id"]), text(&record["status"])).map_err(io)
+        let id = text(&record["id"]);
+        if record["error"]["type"] == "cancelled" {
+            writeln!(out, "{id} cancelled").map_err(io)
+        } else {
+            let status = text(&record["status"]);
+            writeln!(out, "{id} {status} (already finished: nothing cancelled)").map_err(io)
+        }
     }
 
     /// `holdfast usage`.

@@ -410,10 +410,15 @@ fn describe(e: &figment::Error) -> String {
             let first = lines.next().unwrap_or_default();
             let rest: Vec<&str> = lines.collect();
             let file = source.trim_start_matches(" in ");
-            if rest.is_empty() {
-                format!("{file}: {first}")
+            let whole = if rest.is_empty() {
+                first.to_string()
             } else {
-                format!("{file}: {first}: {}", rest.join("; "))
+                format!("{first}: {}", rest.join("; "))
+            };
+            if file.is_empty() {
+                whole
+            } else {
+                format!("{file}: {whole}")
             }
         }
         kind => format!("key `{key}`{source}: {kind}"),

@@ -3,6 +3,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
@@ -332,13 +333,14 @@ async fn run(cli: Cli) -> Result<(), Stop> {
     }
 }
 
-/// The server a `requests` or `usage` command reads, and its key: `--url` and `--api-key` (or
-/// their variables) when given; else, with `--config`, the address that configuration listens
-/// on (a wildcard address is read on this host) and its first admin key; else
+/// The server a `requests` or `usage` command reads, and its key: `--url` (or `HOLDFAST_URL`)
+/// and `--api-key` (or `HOLDFAST_API_KEY`) when given; without a URL, with `--config`, the
+/// address that configuration listens on (a wildcard address is read on this host) and, without
+/// a key, its first admin key — never sent to a server the file does not name; else
 /// `http://127.0.0.1:8080` and no key.
 fn client(server: &ServerArgs, config: Option<&Path>) -> Result<holdfast::cli::Client, Stop> {
     let from_config = match config {
-        Some(path) if server.url.is_none() || server.api_key.is_none() => {
+        Some(path) if server.url.is_none() => {
             if !path.exists() {
                 return Err(Stop(
                     EXIT_CONFIG,
@@ -538,19 +540,34 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
         None
     };
     let database = holdfast::store::redact_url(&config.database_url);
+    // What the demo's banner says of a configuration `--config` may have added to.
+    let only_backend = config.backends.len() == 1;
+    let needs_key = !config.namespaces.is_empty();
     let running = holdfast::app::start(config, listener).await?;
     tracing::info!(addr = %running.addr, %database, demo = args.demo, "holdfast serving");
     if let Some(mock) = &mock {
-        println!(
+        // A banner nobody reads (stdout closed, `| head -1`) is no reason to stop serving.
+        let _ = writeln!(
+            std::io::stdout().lock(),
             "holdfast demo on http://{addr}\n\
              \x20 web page: http://{addr}/ui\n\
-             \x20 mock provider (the only backend): {mock}\n\
-             \x20 database: holdfast-demo.db\n\
+             \x20 mock provider{only}: {mock}\n\
+             \x20 database: {database}\n\
              try it (send it twice: the second answer is replayed, Idempotent-Replayed: true):\n\
-             \x20 curl -i http://{addr}/v1/chat/completions -H 'content-type: application/json' \
+             \x20 curl -i http://{addr}/v1/chat/completions -H 'content-type: application/json'{key} \
              -d '{{\"model\":\"gpt-4o-mini\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
             addr = running.addr,
             mock = mock.base_url(),
+            only = if only_backend {
+                " (the only backend)"
+            } else {
+                ""
+            },
+            key = if needs_key {
+                " -H 'authorization: Bearer YOUR_NAMESPACE_KEY'"
+            } else {
+                ""
+            },
         );
     }
     shutdown_signal().await;

@@ -33,6 +33,9 @@ use crate::store::{
 };
 use crate::worker::ClaimRef;
 
+/// Most characters of a refusal's cause in its log line.
+const REFUSAL_CAUSE_CHARS: usize = 300;
+
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
 /// another node, or a lost wake-up, still settles the wait).
 const WAIT_POLL: Duration = Duration::from_millis(500);
@@ -62,16 +65,21 @@ pub(super) async fn handle(
         Err(e) => {
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
                 .increment(1);
-            // What the client sent wrong, for the operator: one line per refusal. The 5xx
-            // refusals (`overloaded`, the store's) are counted, and the store's are logged
-            // where they happen.
-            if e.status.is_client_error() {
+            // What the client sent wrong, for the operator: one line per refusal, its cause
+            // cut short (it may quote the client's model). A missing or unknown key is a
+            // `debug` line: anyone who finds the port can send those. The 5xx refusals
+            // (`overloaded`, the store's) are counted, and the store's are logged where they
+            // happen.
+            let cause: String = e.message.chars().take(REFUSAL_CAUSE_CHARS).collect();
+            if e.status == StatusCode::UNAUTHORIZED {
+                tracing::debug!(route = route.name(), status = 401, code = e.code, %cause, "request refused");
+            } else if e.status.is_client_error() {
                 tracing::info!(
                     route = route.name(),
                     status = e.status.as_u16(),
                     code = e.code,
                     request_id = e.request_id.as_deref(),
-                    cause = %e.message,
+                    %cause,
                     "request refused"
                 );
             }
@@ -128,11 +136,15 @@ async fn admit_and_answer(
         .collect();
     let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
     // After the hash: the identity is the client's body (docs/usage.md).
-    // The client did not ask for the usage chunk holdfast asks for: it must not see it.
-    let (upstream_body, hide_usage) = if state.config.inject_stream_usage && canonical.stream {
+    // A client that did not ask for the usage chunk must not see one, whether this node asks
+    // for it or the node that ran the request did (decision 40). Every delivery of a request
+    // has the same body, so all agree.
+    let hide_usage =
+        canonical.stream && route.stream_usage_request().is_some() && !canonical.stream_options;
+    let upstream_body = if state.config.inject_stream_usage && hide_usage {
         inject_usage_request(route, upstream_body)
     } else {
-        (upstream_body, false)
+        upstream_body
     };
     let now = now_ms();
     let (claim, claim_key, ttl_secs) = match key {
@@ -445,20 +457,14 @@ pub(super) fn choose_backend(
 }
 
 /// `inject_stream_usage`: the member that asks the route's provider to report a stream's usage,
-/// added at the end of the top-level object when the body has no member of that name. Only
-/// that edit: the rest of the bytes stay the client's (ID-3b). Returns the body and whether it
-/// was added.
-fn inject_usage_request(route: Route, mut body: Vec<u8>) -> (Vec<u8>, bool) {
-    let Some((name, member)) = route.stream_usage_request() else {
-        return (body, false);
+/// added at the end of the top-level object of a body without `stream_options`. Only that
+/// edit: the rest of the bytes stay the client's (ID-3b).
+fn inject_usage_request(route: Route, mut body: Vec<u8>) -> Vec<u8> {
+    let Some((_, member)) = route.stream_usage_request() else {
+        return body;
     };
-    let has_it = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
-        .map_or(true, |object| object.contains_key(name));
-    if has_it {
-        return (body, false);
-    }
     let Some(end) = body.iter().rposition(|b| *b == b'}') else {
-        return (body, false);
+        return body;
     };
     let empty = body[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
     let insert = if empty {
@@ -467,7 +473,7 @@ fn inject_usage_request(route: Route, mut body: Vec<u8>) -> (Vec<u8>, bool) {
         format!(",{member}")
     };
     body.splice(end..end, insert.into_bytes());
-    (body, true)
+    body
 }
 
 /// The route's provider's allow-listed client headers (ID-3a), lower-cased names, sorted,

@@ -319,6 +319,14 @@ impl RequestRecord {
     pub fn saved_calls(&self) -> u32 {
         self.deliveries().saturating_sub(self.attempts)
     }
+
+    /// [`RequestRecord::saved_calls`] of the deliveries made while it ran: the first and the
+    /// attached ones. Replays are counted as they are answered, so the attempt that settles the
+    /// request counts only these (after a lost answer it may settle it late, replays already
+    /// counted; decision 38).
+    pub(crate) fn saved_calls_while_running(&self) -> u32 {
+        (1 + self.attached).saturating_sub(self.attempts)
+    }
 }
 
 /// Which requests [`Store::list`] returns. Every `None` matches everything.

@@ -131,8 +131,12 @@ impl WorkerPool {
         };
         drop(heartbeat);
         let finished = match finished {
-            // After a failed try, "not under this lease" may be that try's own commit.
+            // After a failed try, "not under this lease" may be that try's own commit — found
+            // by the next try, or by the heartbeat while the next try waited.
             Ok(None) if retry.is_some() => self.own_earlier_commit(&lease, &outcome, tries).await,
+            Err(_) if retry.is_some() && lost.is_cancelled() => {
+                self.own_earlier_commit(&lease, &outcome, tries).await
+            }
             Ok(Some(_)) if retry.is_some() => {
                 info!(tries, "the outcome was recorded after retries");
                 finished
@@ -159,7 +163,7 @@ impl WorkerPool {
                         &self.config,
                         &settled.backend,
                         settled.model.as_deref(),
-                        u64::from(settled.saved_calls()),
+                        u64::from(settled.saved_calls_while_running()),
                         &settled.usage,
                     );
                 }

@@ -123,7 +123,14 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     let slow = header(&r, "holdfast-request-id");
     let (code, out, _) = cli(&node.base, &["requests", "cancel", &slow]);
     assert_eq!(code, 0);
-    assert_eq!(out.trim(), format!("{slow} failed"));
+    assert_eq!(out.trim(), format!("{slow} cancelled"));
+    // A finished request is reported as it is, not as cancelled.
+    let (code, out, _) = cli(&node.base, &["requests", "cancel", &first]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        out.trim(),
+        format!("{first} succeeded (already finished: nothing cancelled)")
+    );
     // Usage errors are 2; an unreachable server 1.
     let (code, _, _) = cli(&node.base, &["requests", "list", "--no-such-flag"]);
     assert_eq!(code, 2);
@@ -267,6 +274,19 @@ async fn requests_and_usage_read_the_server_and_the_admin_key_a_config_file_name
     );
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("nowhere.toml"), "{err}");
+    // A URL given otherwise leaves the file unread: its admin key goes nowhere else, and a
+    // HOLDFAST_CONFIG naming no file does not stop a command that does not need it.
+    let (code, out, err) = run_holdfast(
+        dir.path(),
+        &["requests", "list"],
+        &[
+            ("HOLDFAST_CONFIG", "nowhere.toml"),
+            ("HOLDFAST_URL", node.base.as_str()),
+            ("HOLDFAST_API_KEY", "team-key"),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&id), "{out}");
     // Without the file and without a key, the refusal says how to give one.
     let (code, _, err) = run_holdfast(
         dir.path(),

@@ -128,6 +128,7 @@ async fn readme_demo_and_curl_example_work_on_a_fresh_directory_cli2() {
 }
 
 /// `holdfast serve --demo --listen ADDR` in `dir`, once its banner (naming the address) is out.
+/// Its stdout is closed after the first line, as `| head -1` would: the demo keeps serving.
 async fn start_demo(dir: &Path, addr: std::net::SocketAddr) -> tokio::process::Child {
     let mut child = tokio::process::Command::new(holdfast_bin())
         .args(["serve", "--demo", "--listen", &addr.to_string()])

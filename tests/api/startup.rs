@@ -239,6 +239,44 @@ async fn a_test_node_that_cannot_bind_is_not_taken_for_the_server_on_its_address
     let _node = Process::serve(dir.path(), &toml, stranger.addr).await;
 }
 
+/// `--demo --config FILE`: the banner describes what runs — the file's database, and a curl
+/// that says a namespace key is needed when the file configures namespaces.
+#[tokio::test]
+async fn the_demo_banner_describes_the_configuration_a_file_adds() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("extra.toml"),
+        "database_url = \"sqlite://other.db\"\n[[namespaces]]\nname = \"team\"\napi_keys = [\"k\"]\n",
+    )
+    .unwrap();
+    let out = dir.path().join("stdout.log");
+    let addr = free_addr();
+    let mut command = std::process::Command::new(holdfast_bin());
+    command
+        .args(["serve", "--demo", "--config", "extra.toml", "--listen"])
+        .arg(addr.to_string())
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG")
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::process::Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HOLDFAST_") {
+            command.env_remove(k);
+        }
+    }
+    // Killed on drop, however the test ends.
+    let _demo = Process {
+        child: command.spawn().unwrap(),
+        base: format!("http://{addr}"),
+        log: None,
+        show_log_on_failure: false,
+    };
+    let banner = wait_for_file(&out, "curl").await;
+    assert!(banner.contains("database: sqlite://other.db"), "{banner}");
+    assert!(!banner.contains("holdfast-demo.db"), "{banner}");
+    assert!(banner.contains("authorization: Bearer"), "{banner}");
+}
+
 /// CLI-1: a `database_url` that names no file is refused with the configuration, before the
 /// port is bound — on a taken port too, where binding first answered "address in use".
 #[test]
