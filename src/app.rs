@@ -46,6 +46,9 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         Arc::clone(&config),
     );
     let wakeups = bridge_notifications(&store, Arc::clone(&hub), pool.clone(), &shutdown);
+    // Before serving: a retry of a request a stopped process left running attaches to its
+    // recovery, not to the dead attempt (decision 41).
+    pool.sweep_once().await;
     let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
 
     let state = AppState {

@@ -111,6 +111,60 @@ fn path_of(url: &str) -> Result<PathBuf, StoreError> {
     crate::config::sqlite_path(url).map_err(StoreError::Config)
 }
 
+/// DU-2: one process per SQLite file, enforced by an exclusive lock on `PATH.lock` for as long
+/// as the store's writer runs (the kernel releases it when the process dies, however it dies).
+/// A second process is refused rather than left to run the first one's requests.
+fn lock_database(path: &Path) -> Result<std::fs::File, StoreError> {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock_path = PathBuf::from(name);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| {
+            StoreError::Unavailable(format!(
+                "{}: cannot open its lock file: {e}",
+                path.display()
+            ))
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Unavailable(format!(
+            "{}: another holdfast process is using this database (it holds {}); one process \
+             per SQLite file — stop it first, or use PostgreSQL to run several nodes",
+            path.display(),
+            lock_path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Unavailable(format!(
+            "{}: cannot lock {}: {e}",
+            path.display(),
+            lock_path.display()
+        ))),
+    }
+}
+
+/// Under [`lock_database`]'s lock no other process runs anything, so a request still `running`
+/// belongs to an attempt of a process that stopped without handing it back (a crash, a kill):
+/// its lease is expired now, for the first sweep to recover the request at once instead of
+/// `lease_secs` later (decision 41). The sweep applies LC-4 as ever: a `reset`, a recovery
+/// counted, or `lease_expired` with no attempts left.
+fn expire_orphaned_leases(conn: &Connection) -> Result<(), StoreError> {
+    let expired = conn.execute(
+        "UPDATE requests SET lease_expires_at = 0 WHERE status = 'running'",
+        [],
+    )?;
+    if expired > 0 {
+        tracing::info!(
+            requests = expired,
+            "requests left running by a stopped holdfast process: their leases expired now, \
+             for the first sweep to recover them"
+        );
+    }
+    Ok(())
+}
+
 fn configure(conn: &Connection) -> Result<(), StoreError> {
     conn.busy_timeout(BUSY_TIMEOUT)?;
     conn.set_prepared_statement_cache_capacity(64);
@@ -235,22 +289,28 @@ impl SqliteStore {
         let opened = {
             let path = path.clone();
             tokio::task::spawn_blocking(move || -> Result<_, StoreError> {
+                let lock = lock_database(&path)?;
                 let writer = open_writer(&path, synchronous)?;
+                expire_orphaned_leases(&writer)?;
                 let checkpointer = open_writer(&path, synchronous)?;
                 let reader = open_reader(&path)?;
-                Ok((writer, checkpointer, reader))
+                Ok((lock, writer, checkpointer, reader))
             })
             .await
             .map_err(|e| StoreError::Unavailable(format!("opening the database: {e}")))??
         };
-        let (writer, checkpointer, reader) = opened;
+        let (lock, writer, checkpointer, reader) = opened;
         let mut wal = path.clone().into_os_string();
         wal.push("-wal");
         let wal = PathBuf::from(wal);
         let (jobs, queue) = mpsc::unbounded_channel();
         std::thread::Builder::new()
             .name("holdfast-sqlite-writer".into())
-            .spawn(move || write_loop(writer, queue, wal))
+            .spawn(move || {
+                // Held until the last write is done.
+                let _lock = lock;
+                write_loop(writer, queue, wal);
+            })
             .map_err(|e| StoreError::Unavailable(format!("starting the writer thread: {e}")))?;
         let (stop, stopped) = std::sync::mpsc::channel();
         std::thread::Builder::new()

@@ -401,35 +401,42 @@ impl WorkerPool {
                 last_prune = tokio::time::Instant::now();
                 self.prune().await;
             }
-            match self
-                .store
-                .sweep(now_ms(), self.workers().max_attempts)
-                .await
-            {
-                Ok(swept) => {
-                    let expired = swept.recovered.len() + swept.failed.len();
-                    metrics::counter!(m::RECOVERIES).increment(swept.recovered.len() as u64);
-                    metrics::counter!(m::LEASE_EXPIRATIONS).increment(expired as u64);
-                    for id in swept.recovered.iter().chain(&swept.failed) {
-                        self.hub.publish(*id, HubEvent::Changed);
-                    }
-                    if !swept.recovered.is_empty() {
-                        info!(
-                            recovered = swept.recovered.len(),
-                            "expired leases swept back to pending"
-                        );
-                        self.wake.notify_one();
-                    }
-                    for id in &swept.failed {
-                        warn!(
-                            %id,
-                            error_type = "lease_expired",
-                            "request failed: its last attempt's lease expired and no attempts are left"
-                        );
-                    }
+            self.sweep_once().await;
+        }
+    }
+
+    /// One sweep (LC-4): expired leases back to `pending` or failed, counted, logged, and their
+    /// readers and the workers woken. `app::start` runs one before it serves, so requests a
+    /// stopped process left behind are recovered before any retry of them arrives.
+    pub(crate) async fn sweep_once(&self) {
+        match self
+            .store
+            .sweep(now_ms(), self.workers().max_attempts)
+            .await
+        {
+            Ok(swept) => {
+                let expired = swept.recovered.len() + swept.failed.len();
+                metrics::counter!(m::RECOVERIES).increment(swept.recovered.len() as u64);
+                metrics::counter!(m::LEASE_EXPIRATIONS).increment(expired as u64);
+                for id in swept.recovered.iter().chain(&swept.failed) {
+                    self.hub.publish(*id, HubEvent::Changed);
                 }
-                Err(e) => warn!(error = %e, "sweep failed"),
+                if !swept.recovered.is_empty() {
+                    info!(
+                        recovered = swept.recovered.len(),
+                        "expired leases swept back to pending"
+                    );
+                    self.wake.notify_one();
+                }
+                for id in &swept.failed {
+                    warn!(
+                        %id,
+                        error_type = "lease_expired",
+                        "request failed: its last attempt's lease expired and no attempts are left"
+                    );
+                }
             }
+            Err(e) => warn!(error = %e, "sweep failed"),
         }
     }
 

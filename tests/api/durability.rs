@@ -133,6 +133,111 @@ async fn stream_killed_mid_attempt_reruns_and_a_resume_reader_gets_reset_then_th
     mock.shutdown().await;
 }
 
+/// Decision 41: a restarted process recovers the requests its killed predecessor left running
+/// before it serves, not `lease_secs` later (DU-2 makes it the file's only process). With a
+/// 60 s lease: the first read after the restart already shows the recovery, and the SDK-style
+/// retry of the stream — sent as soon as the node answers — gets the new attempt's whole
+/// stream, not the dead attempt's events and an `attempt_abandoned` error.
+#[tokio::test]
+async fn requests_a_killed_process_left_running_are_recovered_before_its_restart_serves_du1_decision41()
+ {
+    let mock = start_mock(MockConfig {
+        chunks: 40,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
+    let toml = fault_test_toml(&db, "", 60, &mock.base_url());
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let body = stream_body("recovered at once");
+    let r = http
+        .post(format!("{}/v1/chat/completions", first.base))
+        .header("content-type", "application/json")
+        .header("prefer", "respond-async")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let id = header(&r, "holdfast-request-id");
+    // The first attempt stores a few events, then dies with its process.
+    let mut reader = get_events(&http, &first.base, &id, None).await;
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let piece = reader.chunk().await.unwrap().expect("stream continues");
+        seen.extend(parser.push(&piece).unwrap());
+    }
+    first.kill9();
+
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = get_json(&http, &format!("{}/requests/{id}", second.base)).await;
+    assert_eq!(
+        record["recoveries"], 1,
+        "recovered before the restart served: {record}"
+    );
+    let retry = http
+        .post(format!("{}/v1/chat/completions", second.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        header(&retry, "holdfast-request-id"),
+        id,
+        "the retry attaches"
+    );
+    let (text, events) = read_events(retry).await;
+    assert!(!text.contains("attempt_abandoned"), "{text}");
+    assert_eq!(
+        events.last().map(|e| e.data.as_str()),
+        Some("[DONE]"),
+        "{text}"
+    );
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(
+        (record["attempts"].as_u64(), record["recoveries"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert_eq!(mock.calls(), 2, "each attempt called the provider once");
+    drop(second);
+    mock.shutdown().await;
+}
+
+/// DU-2: one process per SQLite file. A second `holdfast serve` on the same database is refused
+/// with a message naming the file — it would otherwise run the first one's requests — and the
+/// first keeps serving.
+#[tokio::test]
+async fn a_second_process_on_one_sqlite_file_is_refused_and_the_first_keeps_serving_du2() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = config_toml(dir.path(), &mock.base_url());
+    let first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let addr = free_addr().to_string();
+    let (code, _, stderr) = run_holdfast(
+        dir.path(),
+        &["serve", "--config", "holdfast.toml", "--listen", &addr],
+        &[],
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("another holdfast process"), "{stderr}");
+    assert!(stderr.contains("holdfast.db"), "{stderr}");
+    let http = reqwest::Client::new();
+    let ready = http
+        .get(format!("{}/readyz", first.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    drop(first);
+    mock.shutdown().await;
+}
+
 fn with_grace(toml: String, grace_ms: u64) -> String {
     format!("shutdown_grace_ms = {grace_ms}\n{toml}")
 }

@@ -63,6 +63,19 @@ impl LosingRelay {
         }
     }
 
+    /// A relay in front of `db`'s server, and `db`'s URL through it.
+    async fn in_front_of(db: &TestDatabase) -> (LosingRelay, reqwest::Url) {
+        let mut url = reqwest::Url::parse(&db.url).expect("database url");
+        let server = format!(
+            "{}:{}",
+            url.host_str().expect("database host"),
+            url.port().unwrap_or(5432)
+        );
+        let relay = LosingRelay::start(server).await;
+        url.set_port(Some(relay.port)).expect("relay port");
+        (relay, url)
+    }
+
     /// Loses the answer to the next statement whose text contains `text`.
     fn lose_the_answer_to(&self, text: &'static [u8]) {
         *self.armed.lock().expect("armed") = Some(text);
@@ -159,14 +172,7 @@ fn event(data: &str) -> NewChunk {
 #[tokio::test]
 async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_event_once_lc3_rd4() {
     let db = TestDatabase::create().await;
-    let mut url = reqwest::Url::parse(&db.url).expect("database url");
-    let server = format!(
-        "{}:{}",
-        url.host_str().expect("database host"),
-        url.port().unwrap_or(5432)
-    );
-    let relay = LosingRelay::start(server).await;
-    url.set_port(Some(relay.port)).expect("relay port");
+    let (relay, url) = LosingRelay::in_front_of(&db).await;
     let store = Arc::new(
         PostgresStore::open(url.as_str())
             .await
@@ -249,14 +255,7 @@ const FINISH_STATEMENT: &[u8] = b"SET status = 'succeeded', response_status = $1
 #[tokio::test]
 async fn an_outcome_commit_whose_answer_is_lost_is_settled_as_the_attempts_own_decision38() {
     let db = TestDatabase::create().await;
-    let mut url = reqwest::Url::parse(&db.url).expect("database url");
-    let server = format!(
-        "{}:{}",
-        url.host_str().expect("database host"),
-        url.port().unwrap_or(5432)
-    );
-    let relay = LosingRelay::start(server).await;
-    url.set_port(Some(relay.port)).expect("relay port");
+    let (relay, url) = LosingRelay::in_front_of(&db).await;
     // A provider slow enough to arm the relay while it answers.
     let mock = start_mock(MockConfig {
         header_delay_ms: 500,
