@@ -12,6 +12,30 @@ fn config_toml(dir: &std::path::Path, mock_base: &str) -> String {
     fault_test_toml(&db, "", 2, mock_base)
 }
 
+/// Submits stream `body` with `Prefer: respond-async` and follows its log until the first
+/// attempt has stored a few events; returns the request's id and the last event's seq.
+async fn stream_a_few_events(http: &reqwest::Client, base: &str, body: String) -> (String, String) {
+    let r = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("prefer", "respond-async")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let id = header(&r, "holdfast-request-id");
+    let mut reader = get_events(http, base, &id, None).await;
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let piece = reader.chunk().await.unwrap().expect("stream continues");
+        seen.extend(parser.push(&piece).unwrap());
+    }
+    let position = seen.last().unwrap().id.clone().unwrap();
+    (id, position)
+}
+
 #[tokio::test]
 async fn request_running_at_sigkill_succeeds_after_restart_with_a_recovery_du1_lc4() {
     // The provider takes 1.5 s to answer, so the request is mid-attempt when we kill.
@@ -68,26 +92,13 @@ async fn stream_killed_mid_attempt_reruns_and_a_resume_reader_gets_reset_then_th
     let toml = config_toml(dir.path(), &mock.base_url());
     let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
     let http = reqwest::Client::new();
-    let r = http
-        .post(format!("{}/v1/chat/completions", first.base))
-        .header("content-type", "application/json")
-        .header("prefer", "respond-async")
-        .body(stream_body("survive a crash mid-stream"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let id = header(&r, "holdfast-request-id");
-
     // A log reader follows the first attempt for a few events.
-    let mut reader = get_events(&http, &first.base, &id, None).await;
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut seen = Vec::new();
-    while seen.len() < 4 {
-        let piece = reader.chunk().await.unwrap().expect("stream continues");
-        seen.extend(parser.push(&piece).unwrap());
-    }
-    let position = seen.last().unwrap().id.clone().unwrap();
+    let (id, position) = stream_a_few_events(
+        &http,
+        &first.base,
+        stream_body("survive a crash mid-stream"),
+    )
+    .await;
     first.kill9();
 
     let second = Process::serve(dir.path(), &toml, free_addr()).await;
@@ -153,24 +164,8 @@ async fn requests_a_killed_process_left_running_are_recovered_before_its_restart
     let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
     let http = reqwest::Client::new();
     let body = stream_body("recovered at once");
-    let r = http
-        .post(format!("{}/v1/chat/completions", first.base))
-        .header("content-type", "application/json")
-        .header("prefer", "respond-async")
-        .body(body.clone())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let id = header(&r, "holdfast-request-id");
     // The first attempt stores a few events, then dies with its process.
-    let mut reader = get_events(&http, &first.base, &id, None).await;
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut seen = Vec::new();
-    while seen.len() < 4 {
-        let piece = reader.chunk().await.unwrap().expect("stream continues");
-        seen.extend(parser.push(&piece).unwrap());
-    }
+    let (id, _) = stream_a_few_events(&http, &first.base, body.clone()).await;
     first.kill9();
 
     let second = Process::serve(dir.path(), &toml, free_addr()).await;
