@@ -232,6 +232,12 @@ impl Client {
     /// # Errors
     /// [`CliError`] when there is no such request or the server cannot be reached.
     pub async fn cancel(&self, id: &str, json: bool, out: &mut impl Write) -> Result<(), CliError> {
+        // Whether this call cancels it: a request already finished — cancelled earlier too — is
+        // reported as it is.
+        let before = self
+            .json(reqwest::Method::GET, &format!("/requests/{id}"), &[])
+            .await?;
+        let finished = matches!(before["status"].as_str(), Some("succeeded" | "failed"));
         let record = self
             .json(
                 reqwest::Method::POST,
@@ -243,7 +249,7 @@ impl Client {
             return print_json(out, &record);
         }
         let id = text(&record["id"]);
-        if record["error"]["type"] == "cancelled" {
+        if !finished && record["error"]["type"] == "cancelled" {
             writeln!(out, "{id} cancelled").map_err(io)
         } else {
             let status = text(&record["status"]);

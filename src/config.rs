@@ -421,6 +421,11 @@ fn describe(e: &figment::Error) -> String {
                 format!("{file}: {whole}")
             }
         }
+        // A host name is not an address to listen on; say what is.
+        kind if key == "listen" => format!(
+            "key `listen`{source}: {kind}; give an IP address and port, e.g. 127.0.0.1:8080 \
+             (this host only) or 0.0.0.0:8080 (every interface)"
+        ),
         kind => format!("key `{key}`{source}: {kind}"),
     }
 }

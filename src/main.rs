@@ -348,7 +348,7 @@ fn client(server: &ServerArgs, config: Option<&Path>) -> Result<holdfast::cli::C
                 ));
             }
             let config = Config::load_unvalidated(Some(path))
-                .map_err(|e| Stop(EXIT_CONFIG, format!("configuration: {e}")))?;
+                .map_err(|e| Stop(EXIT_CONFIG, e.to_string()))?;
             let mut addr = config.listen;
             if addr.ip().is_unspecified() {
                 addr.set_ip(match addr {

@@ -115,7 +115,21 @@ fn path_of(url: &str) -> Result<PathBuf, StoreError> {
 /// as the store's writer runs (the kernel releases it when the process dies, however it dies).
 /// A second process is refused rather than left to run the first one's requests.
 fn lock_database(path: &Path) -> Result<std::fs::File, StoreError> {
-    let mut name = path.as_os_str().to_owned();
+    // The file's own name, links resolved: a symbolic link to the database, or a path through
+    // one, names the same lock.
+    let real = std::fs::canonicalize(path).or_else(|_| {
+        // Not created yet: its directory's real path, and its name.
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = path.file_name().unwrap_or(path.as_os_str());
+        std::fs::canonicalize(parent).map(|dir| dir.join(name))
+    });
+    let real = real.map_err(|e| {
+        StoreError::Unavailable(format!("{}: cannot resolve its path: {e}", path.display()))
+    })?;
+    let mut name = real.into_os_string();
     name.push(".lock");
     let lock_path = PathBuf::from(name);
     let file = std::fs::OpenOptions::new()

@@ -124,6 +124,13 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     let (code, out, _) = cli(&node.base, &["requests", "cancel", &slow]);
     assert_eq!(code, 0);
     assert_eq!(out.trim(), format!("{slow} cancelled"));
+    // Cancelled already: nothing more to cancel.
+    let (code, out, _) = cli(&node.base, &["requests", "cancel", &slow]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        out.trim(),
+        format!("{slow} failed (already finished: nothing cancelled)")
+    );
     // A finished request is reported as it is, not as cancelled.
     let (code, out, _) = cli(&node.base, &["requests", "cancel", &first]);
     assert_eq!(code, 0);

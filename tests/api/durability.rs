@@ -213,15 +213,23 @@ async fn a_second_process_on_one_sqlite_file_is_refused_and_the_first_keeps_serv
     let dir = tempfile::tempdir().unwrap();
     let toml = config_toml(dir.path(), &mock.base_url());
     let first = Process::serve(dir.path(), &toml, free_addr()).await;
-    let addr = free_addr().to_string();
-    let (code, _, stderr) = run_holdfast(
-        dir.path(),
-        &["serve", "--config", "holdfast.toml", "--listen", &addr],
-        &[],
-    );
-    assert_eq!(code, 1, "{stderr}");
+    let stderr = refused_serve(dir.path());
     assert!(stderr.contains("another holdfast process"), "{stderr}");
     assert!(stderr.contains("holdfast.db"), "{stderr}");
+    // The same file under another name — a symbolic link in another directory — is the same
+    // database, refused too.
+    let other = tempfile::tempdir().unwrap();
+    let link = other.path().join("link.db");
+    std::os::unix::fs::symlink(dir.path().join("holdfast.db"), &link).unwrap();
+    let linked = fault_test_toml(
+        &format!("sqlite://{}", link.display()),
+        "",
+        2,
+        &mock.base_url(),
+    );
+    std::fs::write(other.path().join("holdfast.toml"), linked).unwrap();
+    let stderr = refused_serve(other.path());
+    assert!(stderr.contains("another holdfast process"), "{stderr}");
     let http = reqwest::Client::new();
     let ready = http
         .get(format!("{}/readyz", first.base))
@@ -231,6 +239,40 @@ async fn a_second_process_on_one_sqlite_file_is_refused_and_the_first_keeps_serv
     assert_eq!(ready.status(), 200);
     drop(first);
     mock.shutdown().await;
+}
+
+/// Runs `holdfast serve --config holdfast.toml` in `dir` on a free port and asserts it exits 1
+/// within 30 s (a process that starts serving instead is killed and the test fails); returns
+/// its stderr.
+fn refused_serve(dir: &std::path::Path) -> String {
+    let log = dir.join("refused.log");
+    let mut child = std::process::Command::new(holdfast_bin())
+        .args(["serve", "--config", "holdfast.toml", "--listen"])
+        .arg(free_addr().to_string())
+        .current_dir(dir)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "a second process on the database was not refused: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    stderr
 }
 
 fn with_grace(toml: String, grace_ms: u64) -> String {

@@ -78,6 +78,11 @@ fn each_invalid_configuration_fails_start_up_with_exit_2_and_one_line_naming_the
             "database_url",
         ),
         (
+            "a host name to listen on",
+            format!("listen = \"localhost:8080\"\n{BACKEND}"),
+            "127.0.0.1:8080",
+        ),
+        (
             "a string that never ends",
             format!("listen = \"127.0.0.1:1\n{BACKEND}"),
             "holdfast.toml: TOML parse error at line 1",
