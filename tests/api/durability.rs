@@ -15,23 +15,8 @@ fn config_toml(dir: &std::path::Path, mock_base: &str) -> String {
 /// Submits stream `body` with `Prefer: respond-async` and follows its log until the first
 /// attempt has stored a few events; returns the request's id and the last event's seq.
 async fn stream_a_few_events(http: &reqwest::Client, base: &str, body: String) -> (String, String) {
-    let r = http
-        .post(format!("{base}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .header("prefer", "respond-async")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let id = header(&r, "holdfast-request-id");
-    let mut reader = get_events(http, base, &id, None).await;
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut seen = Vec::new();
-    while seen.len() < 4 {
-        let piece = reader.chunk().await.unwrap().expect("stream continues");
-        seen.extend(parser.push(&piece).unwrap());
-    }
+    let id = submit_async(http, base, body).await;
+    let seen = wait_for_events(http, base, &id, 4).await;
     let position = seen.last().unwrap().id.clone().unwrap();
     (id, position)
 }

@@ -847,19 +847,25 @@ pub async fn submit_async(http: &reqwest::Client, base: &str, body: String) -> S
 }
 
 /// Follows request `id`'s event log live until it has shown `n` events (20 s at most for each
-/// piece): the stream is running and has stored them.
-pub async fn wait_for_events(http: &reqwest::Client, base: &str, id: &str, n: usize) {
+/// piece): the stream is running and has stored them. Returns the events shown.
+pub async fn wait_for_events(
+    http: &reqwest::Client,
+    base: &str,
+    id: &str,
+    n: usize,
+) -> Vec<holdfast::sse::SseEvent> {
     let mut response = get_events(http, base, id, None).await;
     let mut parser = holdfast::sse::SseParser::new();
-    let mut seen = 0;
-    while seen < n {
+    let mut seen = Vec::new();
+    while seen.len() < n {
         let piece = tokio::time::timeout(Duration::from_secs(20), response.chunk())
             .await
             .expect("the stream stores its first events")
             .unwrap()
             .expect("the stream goes on");
-        seen += parser.push(&piece).unwrap().len();
+        seen.extend(parser.push(&piece).unwrap());
     }
+    seen
 }
 
 /// `GET {base}/metrics` as text.
