@@ -460,7 +460,7 @@ pub(super) fn choose_backend(
 /// added at the end of the top-level object of a body without `stream_options`. Only that
 /// edit: the rest of the bytes stay the client's (ID-3b).
 fn inject_usage_request(route: Route, mut body: Vec<u8>) -> Vec<u8> {
-    let Some((_, member)) = route.stream_usage_request() else {
+    let Some(member) = route.stream_usage_request() else {
         return body;
     };
     let Some(end) = body.iter().rposition(|b| *b == b'}') else {

@@ -388,10 +388,11 @@ impl Route {
         }
     }
 
-    /// The top-level member a stream request of this route needs for the provider to report
-    /// its usage, as (name, `"name":value` text), when it needs one (OpenAI's chat and
-    /// completions streams report usage only when asked).
-    pub(crate) fn stream_usage_request(self) -> Option<(&'static str, &'static str)> {
+    /// The top-level `stream_options` member (as `"name":value` text) a stream request of this
+    /// route needs for the provider to report its usage, when it needs one (OpenAI's chat and
+    /// completions streams report usage only when asked; whether a client sent the member is
+    /// [`crate::canonical::Canonical::stream_options`]).
+    pub(crate) fn stream_usage_request(self) -> Option<&'static str> {
         match self.provider() {
             Provider::Openai => openai::stream_usage_request(self),
             Provider::Anthropic => None,

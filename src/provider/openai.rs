@@ -210,9 +210,7 @@ pub(super) fn is_usage_chunk(data: &str) -> bool {
 
 /// Chat and completions streams carry a usage chunk only with
 /// `stream_options.include_usage: true`.
-pub(super) fn stream_usage_request(route: Route) -> Option<(&'static str, &'static str)> {
-    matches!(route, Route::OpenaiChat | Route::OpenaiCompletions).then_some((
-        "stream_options",
-        r#""stream_options":{"include_usage":true}"#,
-    ))
+pub(super) fn stream_usage_request(route: Route) -> Option<&'static str> {
+    matches!(route, Route::OpenaiChat | Route::OpenaiCompletions)
+        .then_some(r#""stream_options":{"include_usage":true}"#)
 }

@@ -2240,8 +2240,7 @@ mod tests {
             .expect("rows at version 5");
             // Opening the store also expires the lease of a request left running (decision
             // 41): the migrated row is the same otherwise.
-            conn.execute_batch("UPDATE requests SET lease_expires_at = 0 WHERE status = 'running'")
-                .expect("expected lease");
+            expire_orphaned_leases(&conn).expect("expired lease");
             (
                 all_rows(&conn, &format!("SELECT {EVERY_COLUMN} FROM requests")),
                 all_rows(&conn, "SELECT * FROM chunks"),
