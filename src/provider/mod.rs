@@ -391,7 +391,7 @@ impl Route {
     /// The top-level `stream_options` member (as `"name":value` text) a stream request of this
     /// route needs for the provider to report its usage, when it needs one (OpenAI's chat and
     /// completions streams report usage only when asked; whether a client sent the member is
-    /// [`crate::canonical::Canonical::stream_options`]).
+    /// the canonical body's `stream_options` flag).
     pub(crate) fn stream_usage_request(self) -> Option<&'static str> {
         match self.provider() {
             Provider::Openai => openai::stream_usage_request(self),

@@ -152,7 +152,7 @@ async fn start_demo(dir: &Path, addr: std::net::SocketAddr) -> tokio::process::C
 /// which asks the provider for every stream's usage; the usage chunk, which has no choices,
 /// stays out of the client's stream (decision 40).
 #[tokio::test]
-async fn python_sdk_streams_from_the_demo_with_the_loop_every_openai_example_writes() {
+async fn python_sdk_streams_from_the_demo_with_the_loop_every_openai_example_writes_rs4() {
     let dir = tempfile::tempdir().unwrap();
     let addr = free_addr();
     let mut child = start_demo(dir.path(), addr).await;

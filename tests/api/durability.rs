@@ -135,7 +135,7 @@ async fn stream_killed_mid_attempt_reruns_and_a_resume_reader_gets_reset_then_th
 /// retry of the stream — sent as soon as the node answers — gets the new attempt's whole
 /// stream, not the dead attempt's events and an `attempt_abandoned` error.
 #[tokio::test]
-async fn requests_a_killed_process_left_running_are_recovered_before_its_restart_serves_du1_decision41()
+async fn requests_a_killed_process_left_running_are_recovered_before_its_restart_serves_du1_du2_decision41()
  {
     let mock = start_mock(MockConfig {
         chunks: 40,

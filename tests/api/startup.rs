@@ -247,7 +247,7 @@ async fn a_test_node_that_cannot_bind_is_not_taken_for_the_server_on_its_address
 /// `--demo --config FILE`: the banner describes what runs — the file's database, and a curl
 /// that says a namespace key is needed when the file configures namespaces.
 #[tokio::test]
-async fn the_demo_banner_describes_the_configuration_a_file_adds() {
+async fn the_demo_banner_describes_the_configuration_a_file_adds_cli2() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("extra.toml"),
@@ -285,7 +285,7 @@ async fn the_demo_banner_describes_the_configuration_a_file_adds() {
 /// CLI-1: a `database_url` that names no file is refused with the configuration, before the
 /// port is bound — on a taken port too, where binding first answered "address in use".
 #[test]
-fn a_database_url_without_a_file_is_refused_before_the_port_is_bound_cli1() {
+fn a_database_url_without_a_file_is_refused_before_the_port_is_bound_cli1_cli4a() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     for url in ["sqlite::memory:", "sqlite:", "sqlite://?mode=memory"] {

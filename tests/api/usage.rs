@@ -214,7 +214,7 @@ fn is_usage_chunk(event: &holdfast::sse::SseEvent) -> bool {
 /// breaks the loop every OpenAI example writes (`chunk.choices[0]`). A client that asked for it
 /// gets it, and the request log shows every stored event.
 #[tokio::test]
-async fn inject_stream_usage_asks_the_provider_after_hashing_the_clients_body_and_shows_the_usage_chunk_only_to_who_asked()
+async fn inject_stream_usage_asks_the_provider_after_hashing_the_clients_body_and_shows_the_usage_chunk_only_to_who_asked_rs4_rd9()
  {
     let app = spawn_app(MockConfig::default(), |c| c.inject_stream_usage = true).await;
     let body = stream_body("count my tokens");

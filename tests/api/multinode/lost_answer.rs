@@ -253,7 +253,7 @@ const FINISH_STATEMENT: &[u8] = b"SET status = 'succeeded', response_status = $1
 /// that try had answered — its tokens counted, "request finished" logged — with one provider
 /// call, one attempt and no recovery (LC-3, DU-1).
 #[tokio::test]
-async fn an_outcome_commit_whose_answer_is_lost_is_settled_as_the_attempts_own_decision38() {
+async fn an_outcome_commit_whose_answer_is_lost_is_settled_as_the_attempts_own_lc3_decision38() {
     let db = TestDatabase::create().await;
     let (relay, url) = LosingRelay::in_front_of(&db).await;
     // A provider slow enough to arm the relay while it answers.

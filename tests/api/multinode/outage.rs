@@ -234,7 +234,7 @@ async fn both_nodes_say_the_database_is_down(bases: &[String]) {
 }
 
 #[tokio::test]
-async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retryable_and_every_request_ends_terminal_rs8_lc4_du3()
+async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retryable_and_every_request_ends_terminal_rs8_lc4_du3_http3()
  {
     let mut pg = PrivatePostgres::create().await;
     let mock = start_mock(MockConfig {
