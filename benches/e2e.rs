@@ -665,6 +665,8 @@ struct StreamRow {
     first_p99: &'static str,
     cpu_per_stream: &'static str,
     cpu_per_event: &'static str,
+    /// Context switches of the proxy's threads per event received.
+    switches_per_event: &'static str,
     errors: &'static str,
 }
 
@@ -682,6 +684,7 @@ const SHORT_PROMPTS: StreamRow = StreamRow {
     first_p99: "stream c=64 first event p99",
     cpu_per_stream: "stream c=64 proxy CPU per stream",
     cpu_per_event: "stream c=64 proxy CPU per event",
+    switches_per_event: "stream c=64 proxy context switches per event",
     errors: "stream c=64 errors",
 };
 
@@ -699,6 +702,7 @@ const LONG_PROMPTS: StreamRow = StreamRow {
     first_p99: "20 KB prompts c=64 first event p99",
     cpu_per_stream: "20 KB prompts c=64 proxy CPU per stream",
     cpu_per_event: "20 KB prompts c=64 proxy CPU per event",
+    switches_per_event: "20 KB prompts c=64 proxy context switches per event",
     errors: "20 KB prompts c=64 errors",
 };
 
@@ -985,6 +989,44 @@ fn tree_cpu_secs(pid: u32) -> Option<f64> {
     Some(total)
 }
 
+/// Context switches (voluntary and not) of every thread of `pid` and of its child processes so
+/// far: each is a thread that stopped to wait or was preempted, so per request or per event it
+/// counts the hand-offs between threads that the CPU rows pay for.
+fn tree_switches(pid: u32) -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        total += status
+            .lines()
+            .filter(|l| {
+                l.starts_with("voluntary_ctxt_switches:")
+                    || l.starts_with("nonvoluntary_ctxt_switches:")
+            })
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    for child in children
+        .split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+    {
+        total += tree_switches(child).unwrap_or(0);
+    }
+    Some(total)
+}
+
+/// Context switches of all of `pids` ([`tree_switches`]); `None` without any.
+fn switches_of(pids: &[u32]) -> Option<u64> {
+    pids.iter()
+        .map(|&pid| tree_switches(pid))
+        .sum::<Option<u64>>()
+        .filter(|_| !pids.is_empty())
+}
+
 /// CPU seconds of all of `pids` ([`tree_cpu_secs`]); `None` without any.
 fn cpu_of(pids: &[u32]) -> Option<f64> {
     pids.iter()
@@ -1116,6 +1158,7 @@ async fn nonstream_rows(
     .await;
     let writer_before = metric_values(client, base, &WRITER_SERIES).await;
     let cpu_before = cpu_of(pids);
+    let switches_before = switches_of(pids);
     let t = concurrent(
         client,
         &urls,
@@ -1142,6 +1185,14 @@ async fn nonstream_rows(
             target,
             "ms",
             (b - a) / t.done.max(1) as f64 * 1e3,
+        );
+    }
+    if let (Some(a), Some(b)) = (switches_before, switches_of(pids)) {
+        results.add(
+            "non-stream c=64 proxy context switches per request",
+            target,
+            "switches",
+            (b - a) as f64 / t.done.max(1) as f64,
         );
     }
     let rps = t.done as f64 / t.elapsed.as_secs_f64();
@@ -1235,6 +1286,7 @@ async fn stream_throughput_row(
     let deadline = Instant::now() + PHASE_DEADLINE;
     let writer_before = metric_values(&client, base, &WRITER_SERIES).await;
     let cpu_before = cpu_of(pids);
+    let switches_before = switches_of(pids);
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..THROUGHPUT_CONCURRENCY {
@@ -1268,6 +1320,7 @@ async fn stream_throughput_row(
     }
     let elapsed = start.elapsed();
     let cpu = cpu_before.zip(cpu_of(pids)).map(|(a, b)| b - a);
+    let switches = switches_before.zip(switches_of(pids)).map(|(a, b)| b - a);
     let writer_after = metric_values(&client, base, &WRITER_SERIES).await;
     if let Some(e) = errors.first() {
         eprintln!("  {} stream errors; first: {e}", errors.len());
@@ -1297,6 +1350,15 @@ async fn stream_throughput_row(
             target,
             "us",
             cpu * 1e6 / events.max(1) as f64,
+            Some(events),
+        );
+    }
+    if let Some(switches) = switches {
+        results.add_n(
+            row.switches_per_event,
+            target,
+            "switches",
+            switches as f64 / events.max(1) as f64,
             Some(events),
         );
     }
