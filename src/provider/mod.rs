@@ -345,6 +345,16 @@ impl Route {
         }
     }
 
+    /// The member every data event of this route's stream carries, other than its final
+    /// `[DONE]` and error events (`choices` on chat and completions chunks, empty in a usage
+    /// chunk), if the route has one: an event without it is not this route's (decision 42).
+    pub(crate) fn stream_event_member(self) -> Option<&'static str> {
+        match self.provider() {
+            Provider::Openai => openai::stream_event_member(self),
+            Provider::Anthropic => None,
+        }
+    }
+
     /// Whether this route's answers carry a provider id that the provider's own API retrieves
     /// them by (the Responses API's `resp_...`), which holdfast records to serve that retrieval
     /// from the log.

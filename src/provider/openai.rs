@@ -89,6 +89,14 @@ pub(super) fn result_members(route: Route) -> &'static [&'static str] {
     }
 }
 
+/// Chat and completions chunks all carry `choices`; Responses events are told by their `type`.
+pub(super) fn stream_event_member(route: Route) -> Option<&'static str> {
+    match route {
+        Route::OpenaiChat | Route::OpenaiCompletions => Some("choices"),
+        _ => None,
+    }
+}
+
 /// The Responses API's answers have ids its API retrieves them by (`GET /v1/responses/{id}`).
 pub(super) fn keeps_answer_ids(route: Route) -> bool {
     route == Route::OpenaiResponses

@@ -727,6 +727,8 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         message: Option<&'a RawValue>,
         #[serde(borrow)]
         usage: Option<&'a RawValue>,
+        #[serde(borrow)]
+        choices: Option<&'a RawValue>,
     }
     let provider = route.provider();
     let name = event.event.as_deref();
@@ -739,7 +741,7 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         });
     }
     // The slower path owns what it read; the fast one borrows from the data.
-    let fallback: Option<(bool, Option<String>)>;
+    let fallback: Option<(bool, Option<String>, bool)>;
     let probe = match serde_json::from_str::<Probe<'_>>(&event.data) {
         Ok(probe) if event.data.starts_with('{') => {
             fallback = None;
@@ -753,6 +755,9 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
                         .get("type")
                         .and_then(|t| t.as_str())
                         .map(str::to_owned),
+                    route
+                        .stream_event_member()
+                        .is_some_and(|member| value.get(member).is_some()),
                 ));
                 Probe::default()
             }
@@ -764,11 +769,12 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
             }
         },
     };
-    let (error, kind) = match &fallback {
-        Some((error, kind)) => (*error, kind.as_deref()),
+    let (error, kind, has_member) = match &fallback {
+        Some((error, kind, has_member)) => (*error, kind.as_deref(), *has_member),
         None => (
             probe.error.is_some_and(|e| e.get() != "null"),
             probe.kind.as_deref(),
+            probe.choices.is_some(),
         ),
     };
     let parts = EventParts {
@@ -777,8 +783,19 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         message: probe.message,
         usage: probe.usage.filter(|u| u.get() != "null"),
     };
+    let error = provider.is_error_event(name, parts.kind, error);
+    if !error
+        && let Some(member) = route.stream_event_member()
+        && !has_member
+    {
+        // Not a chunk of this route's answer: no SDK can read it (decision 42).
+        return Err(format!(
+            "the provider sent a stream event without `{member}`: {}",
+            excerpt(event.data.as_bytes())
+        ));
+    }
     Ok(Seen {
-        error: provider.is_error_event(name, parts.kind, error),
+        error,
         ends_stream: route.ends_stream(&event.data, parts.kind),
         answer_id: route.answer_id_of_event(&parts),
         usage: route.usage_of_event(&parts),
@@ -929,8 +946,10 @@ mod tests {
         let chat = Route::OpenaiChat;
         assert_eq!(error(chat, None, r#"{"choices":[]}"#), Ok(false));
         assert_eq!(error(chat, None, "[DONE]"), Ok(false));
-        assert_eq!(error(chat, None, "[1, 2]"), Ok(false));
-        assert_eq!(error(chat, None, r#"{"error":null}"#), Ok(false));
+        assert_eq!(
+            error(chat, None, r#"{"error":null,"choices":[]}"#),
+            Ok(false)
+        );
         assert_eq!(
             error(chat, None, r#"{"error":{"message":"overloaded"}}"#),
             Ok(true)
@@ -944,6 +963,45 @@ mod tests {
         assert!(error(chat, None, r#"{"choices":[]"#).is_err());
         assert!(error(chat, None, r#"{"a":1} trailing"#).is_err());
         assert!(error(chat, None, "hello").is_err());
+    }
+
+    #[test]
+    fn a_chat_or_completions_stream_event_without_choices_is_not_the_routes_lc7_lc11_decision42() {
+        for route in [Route::OpenaiChat, Route::OpenaiCompletions] {
+            // Every chunk carries `choices`, the usage-only chunk an empty one.
+            assert_eq!(
+                error(route, None, r#"{"choices":[],"usage":{}}"#),
+                Ok(false)
+            );
+            for data in [
+                r#"{"id":"x","object":"chat.completion.chunk"}"#,
+                "[1, 2]",
+                "3",
+                r#"{"error":null}"#,
+            ] {
+                let refused = error(route, None, data).expect_err(data);
+                assert!(refused.contains("without `choices`"), "{refused}");
+            }
+            // An error event is an error, not a malformed chunk; `[DONE]` ends the stream.
+            assert_eq!(
+                error(route, None, r#"{"error":{"message":"overloaded"}}"#),
+                Ok(true)
+            );
+            assert!(ends(route, None, "[DONE]"));
+        }
+        // Other routes' events are told by their type, not by `choices`.
+        assert_eq!(
+            error(
+                Route::OpenaiResponses,
+                None,
+                r#"{"type":"response.output_text.delta","delta":"hi"}"#
+            ),
+            Ok(false)
+        );
+        assert_eq!(
+            error(Route::AnthropicMessages, Some("ping"), r#"{"type":"ping"}"#),
+            Ok(false)
+        );
     }
 
     #[test]

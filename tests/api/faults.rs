@@ -541,6 +541,20 @@ fn answer_rows() -> Vec<AnswerRow> {
             },
         },
         AnswerRow {
+            name: "chat stream of events without choices, then [DONE] (decision 42)",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                "data: {\"id\":\"chatcmpl-nochoices\",\"object\":\"chat.completion.chunk\"}\n\ndata: [DONE]\n\n",
+                false,
+            )),
+            path: chat,
+            stream: true,
+            expect: Invalid {
+                kept: "chatcmpl-nochoices",
+                answered: "text/event-stream",
+            },
+        },
+        AnswerRow {
             name: "non-stream 200 whose body is a JSON array",
             provider: Provider::Raw(raw_200("application/json", "[1,2,3]", false)),
             path: chat,
