@@ -318,18 +318,22 @@ impl SqliteStore {
         wal.push("-wal");
         let wal = PathBuf::from(wal);
         let (jobs, queue) = mpsc::unbounded_channel();
+        // One checkpoint round at a time: the checkpoint thread's, or the writer's at the WAL's
+        // hard limit ([`bound_wal`]).
+        let rounds = Arc::new(Mutex::new(()));
+        let writer_rounds = Arc::clone(&rounds);
         std::thread::Builder::new()
             .name("holdfast-sqlite-writer".into())
             .spawn(move || {
                 // Held until the last write is done.
                 let _lock = lock;
-                write_loop(writer, queue, wal);
+                write_loop(writer, queue, wal, &writer_rounds);
             })
             .map_err(|e| StoreError::Unavailable(format!("starting the writer thread: {e}")))?;
         let (stop, stopped) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("holdfast-sqlite-checkpoint".into())
-            .spawn(move || checkpoint_loop(checkpointer, stopped))
+            .spawn(move || checkpoint_loop(checkpointer, stopped, &rounds))
             .map_err(|e| StoreError::Unavailable(format!("starting the checkpoint thread: {e}")))?;
         Ok(SqliteStore {
             inner: Arc::new(Inner {
@@ -474,6 +478,7 @@ fn write_loop(
     conn: Connection,
     mut queue: mpsc::UnboundedReceiver<Box<dyn WriteJob>>,
     wal: PathBuf,
+    rounds: &Mutex<()>,
 ) {
     let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
     while let Some(job) = queue.blocking_recv() {
@@ -503,19 +508,34 @@ fn write_loop(
         for job in group.drain(..) {
             job.reply(commit);
         }
-        bound_wal(&conn, &wal);
+        bound_wal(&conn, &wal, rounds);
     }
 }
 
 /// The hard bound on the WAL. SQLite's automatic checkpoint (at 8,192 pages) is `PASSIVE`: it
 /// gives up silently while the checkpoint thread holds the checkpoint lock, and under writes
 /// that never pause the WAL then grows for as long as that thread's round takes. Past
-/// [`WAL_HARD_LIMIT`] the writer waits for that round (busy timeout) and runs a `RESTART`
-/// checkpoint, so the next commit writes the WAL from its start again.
-fn bound_wal(conn: &Connection, wal: &Path) {
+/// [`WAL_HARD_LIMIT`] the writer waits for that round to end — on `rounds`, which the
+/// checkpoint thread holds for each round, because SQLite answers a `RESTART` or `TRUNCATE`
+/// checkpoint `busy` at once while another checkpoint runs instead of waiting for it — and
+/// runs a `TRUNCATE` checkpoint, so the next commit writes the WAL from its start again and
+/// the file's size says how much it holds (a `RESTART` leaves it at its high-water mark).
+fn bound_wal(conn: &Connection, wal: &Path, rounds: &Mutex<()>) {
     let over = std::fs::metadata(wal).is_ok_and(|m| m.len() > WAL_HARD_LIMIT);
-    if over && let Err(e) = conn.query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(())) {
-        tracing::warn!(error = %e, "WAL checkpoint at the hard limit failed; retrying after the next commit");
+    if !over {
+        return;
+    }
+    let _round = rounds.lock().unwrap_or_else(|e| e.into_inner());
+    match conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+        r.get::<_, i64>(0)
+    }) {
+        Ok(0) => {}
+        Ok(_) => tracing::warn!(
+            "WAL checkpoint at the hard limit was busy (a reader held the WAL); retrying after the next commit"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "WAL checkpoint at the hard limit failed; retrying after the next commit")
+        }
     }
 }
 
@@ -590,9 +610,11 @@ fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Co
 
 /// The checkpoint thread: copies committed WAL frames into the database file every
 /// [`CHECKPOINT_EVERY`] without blocking the writer (`PASSIVE`), until `stop` is dropped.
-fn checkpoint_loop(conn: Connection, stop: std::sync::mpsc::Receiver<()>) {
+fn checkpoint_loop(conn: Connection, stop: std::sync::mpsc::Receiver<()>, rounds: &Mutex<()>) {
     while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(CHECKPOINT_EVERY)
     {
+        // Held for the round, so the writer's checkpoint at the hard limit waits for it.
+        let _round = rounds.lock().unwrap_or_else(|e| e.into_inner());
         if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
             tracing::warn!(error = %e, "WAL checkpoint failed; retrying later");
         }
