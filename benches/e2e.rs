@@ -978,15 +978,19 @@ fn cpu_secs(pid: u32) -> Option<f64> {
 /// CPU seconds of `pid` and its child processes (nginx's workers), threads included.
 fn tree_cpu_secs(pid: u32) -> Option<f64> {
     let mut total = cpu_secs(pid)?;
-    let children =
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-    for child in children
-        .split_whitespace()
-        .filter_map(|c| c.parse::<u32>().ok())
-    {
+    for child in children(pid) {
         total += tree_cpu_secs(child).unwrap_or(0.0);
     }
     Some(total)
+}
+
+/// The child processes of `pid` (nginx's workers).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+        .collect()
 }
 
 /// Context switches (voluntary and not) of every thread of `pid` and of its child processes so
@@ -1008,12 +1012,7 @@ fn tree_switches(pid: u32) -> Option<u64> {
             .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
             .sum::<u64>();
     }
-    let children =
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-    for child in children
-        .split_whitespace()
-        .filter_map(|c| c.parse::<u32>().ok())
-    {
+    for child in children(pid) {
         total += tree_switches(child).unwrap_or(0);
     }
     Some(total)
