@@ -345,13 +345,13 @@ impl Route {
         }
     }
 
-    /// The member every data event of this route's stream carries, other than its final
-    /// `[DONE]` and error events (`choices` on chat and completions chunks, empty in a usage
-    /// chunk), if the route has one: an event without it is not this route's (decision 42).
-    pub(crate) fn stream_event_member(self) -> Option<&'static str> {
+    /// Whether every data event of this route's stream, other than its final `[DONE]` and error
+    /// events, carries `choices` (chat and completions chunks; empty in a usage chunk): an
+    /// event without it is not this route's (decision 42).
+    pub(crate) fn stream_events_carry_choices(self) -> bool {
         match self.provider() {
-            Provider::Openai => openai::stream_event_member(self),
-            Provider::Anthropic => None,
+            Provider::Openai => openai::stream_events_carry_choices(self),
+            Provider::Anthropic => false,
         }
     }
 

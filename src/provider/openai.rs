@@ -90,11 +90,8 @@ pub(super) fn result_members(route: Route) -> &'static [&'static str] {
 }
 
 /// Chat and completions chunks all carry `choices`; Responses events are told by their `type`.
-pub(super) fn stream_event_member(route: Route) -> Option<&'static str> {
-    match route {
-        Route::OpenaiChat | Route::OpenaiCompletions => Some("choices"),
-        _ => None,
-    }
+pub(super) fn stream_events_carry_choices(route: Route) -> bool {
+    matches!(route, Route::OpenaiChat | Route::OpenaiCompletions)
 }
 
 /// The Responses API's answers have ids its API retrieves them by (`GET /v1/responses/{id}`).

@@ -609,7 +609,9 @@ fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Co
 }
 
 /// The checkpoint thread: copies committed WAL frames into the database file every
-/// [`CHECKPOINT_EVERY`] without blocking the writer (`PASSIVE`), until `stop` is dropped.
+/// [`CHECKPOINT_EVERY`] without blocking the writer's commits (`PASSIVE`), until `stop` is
+/// dropped. Each round holds `rounds`, which the writer waits on only past the WAL's hard limit
+/// ([`bound_wal`]).
 fn checkpoint_loop(conn: Connection, stop: std::sync::mpsc::Receiver<()>, rounds: &Mutex<()>) {
     while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(CHECKPOINT_EVERY)
     {

@@ -740,8 +740,15 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
             usage: None,
         });
     }
+    /// What the slower path read, owned: whether `error` is set, `type`, whether `choices` is
+    /// there.
+    struct Owned {
+        error: bool,
+        kind: Option<String>,
+        choices: bool,
+    }
     // The slower path owns what it read; the fast one borrows from the data.
-    let fallback: Option<(bool, Option<String>, bool)>;
+    let fallback: Option<Owned>;
     let probe = match serde_json::from_str::<Probe<'_>>(&event.data) {
         Ok(probe) if event.data.starts_with('{') => {
             fallback = None;
@@ -749,16 +756,14 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         }
         _ => match serde_json::from_str::<serde_json::Value>(&event.data) {
             Ok(value) => {
-                fallback = Some((
-                    value.get("error").is_some_and(|e| !e.is_null()),
-                    value
+                fallback = Some(Owned {
+                    error: value.get("error").is_some_and(|e| !e.is_null()),
+                    kind: value
                         .get("type")
                         .and_then(|t| t.as_str())
                         .map(str::to_owned),
-                    route
-                        .stream_event_member()
-                        .is_some_and(|member| value.get(member).is_some()),
-                ));
+                    choices: value.get("choices").is_some(),
+                });
                 Probe::default()
             }
             Err(_) => {
@@ -769,8 +774,8 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
             }
         },
     };
-    let (error, kind, has_member) = match &fallback {
-        Some((error, kind, has_member)) => (*error, kind.as_deref(), *has_member),
+    let (error, kind, has_choices) = match &fallback {
+        Some(owned) => (owned.error, owned.kind.as_deref(), owned.choices),
         None => (
             probe.error.is_some_and(|e| e.get() != "null"),
             probe.kind.as_deref(),
@@ -784,13 +789,10 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         usage: probe.usage.filter(|u| u.get() != "null"),
     };
     let error = provider.is_error_event(name, parts.kind, error);
-    if !error
-        && let Some(member) = route.stream_event_member()
-        && !has_member
-    {
+    if !error && !has_choices && route.stream_events_carry_choices() {
         // Not a chunk of this route's answer: no SDK can read it (decision 42).
         return Err(format!(
-            "the provider sent a stream event without `{member}`: {}",
+            "the provider sent a stream event without `choices`: {}",
             excerpt(event.data.as_bytes())
         ));
     }
