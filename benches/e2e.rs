@@ -953,14 +953,19 @@ async fn mock_reset(client: &reqwest::Client, mock: &str) -> Result<()> {
 /// `VmRSS` and `VmHWM` of `pid`, in KiB.
 fn memory_kib(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
+    Some((
+        status_field(&status, "VmRSS:")?,
+        status_field(&status, "VmHWM:")?,
+    ))
+}
+
+/// The number after `name` in a `/proc/.../status` text.
+fn status_field(status: &str, name: &str) -> Option<u64> {
+    status
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// User + system CPU time of `pid` so far, in seconds.
@@ -1003,13 +1008,9 @@ fn tree_switches(pid: u32) -> Option<u64> {
         .flatten()
     {
         let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
-        total += status
-            .lines()
-            .filter(|l| {
-                l.starts_with("voluntary_ctxt_switches:")
-                    || l.starts_with("nonvoluntary_ctxt_switches:")
-            })
-            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        total += ["voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:"]
+            .iter()
+            .filter_map(|name| status_field(&status, name))
             .sum::<u64>();
     }
     for child in children(pid) {
@@ -1020,18 +1021,20 @@ fn tree_switches(pid: u32) -> Option<u64> {
 
 /// Context switches of all of `pids` ([`tree_switches`]); `None` without any.
 fn switches_of(pids: &[u32]) -> Option<u64> {
+    sum_over(pids, tree_switches)
+}
+
+/// `of` summed over `pids`; `None` without any pid or when one has none.
+fn sum_over<T: std::iter::Sum<T>>(pids: &[u32], of: fn(u32) -> Option<T>) -> Option<T> {
     pids.iter()
-        .map(|&pid| tree_switches(pid))
-        .sum::<Option<u64>>()
+        .map(|&pid| of(pid))
+        .sum::<Option<T>>()
         .filter(|_| !pids.is_empty())
 }
 
 /// CPU seconds of all of `pids` ([`tree_cpu_secs`]); `None` without any.
 fn cpu_of(pids: &[u32]) -> Option<f64> {
-    pids.iter()
-        .map(|&pid| tree_cpu_secs(pid))
-        .sum::<Option<f64>>()
-        .filter(|_| !pids.is_empty())
+    sum_over(pids, tree_cpu_secs)
 }
 
 /// Values of unlabelled series on holdfast's `/metrics` (0 for one not exported yet); `None`
