@@ -773,6 +773,43 @@ pub fn fds(pid: u32) -> usize {
         .count()
 }
 
+/// Open file descriptors of a process, by what they are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FdKinds {
+    /// TCP connections and listeners (`socket:[…]`).
+    pub sockets: u64,
+    /// Files under the directory asked about: the database, its WAL and shared memory.
+    pub files: u64,
+    /// Everything else: pipes, eventfds, epoll, the log, `/dev/null`.
+    pub other: u64,
+}
+
+impl FdKinds {
+    pub fn total(&self) -> u64 {
+        self.sockets + self.files + self.other
+    }
+}
+
+/// Open file descriptors of process `pid` by kind, `files` being those under `dir`. An fd
+/// closed between listing and reading its link is not counted.
+pub fn fd_kinds(pid: u32, dir: &Path) -> FdKinds {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let mut kinds = FdKinds::default();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("proc fd") {
+        let Ok(target) = entry.and_then(|e| std::fs::read_link(e.path())) else {
+            continue;
+        };
+        if target.to_string_lossy().starts_with("socket:") {
+            kinds.sockets += 1;
+        } else if target.starts_with(&dir) {
+            kinds.files += 1;
+        } else {
+            kinds.other += 1;
+        }
+    }
+    kinds
+}
+
 /// Every request in the log, through `GET /requests` on `base` (one page per 500; RD-7).
 pub async fn every_record(http: &reqwest::Client, base: &str) -> Vec<Value> {
     let mut all = Vec::new();

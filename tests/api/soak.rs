@@ -12,13 +12,23 @@
 //! Asserted (the numbers are the consts below; docs/reliability.md has a long run's table):
 //! - RSS: its peak in the last third ≤ its peak in the middle third + [`RSS_GROWTH_MIB`], and
 //!   never above [`RSS_MAX_MIB`];
-//! - open fds: peak in the last third ≤ peak in the middle third + [`FD_GROWTH`], never above
-//!   [`FD_MAX`];
+//! - open fds, by kind (`/proc/<pid>/fd` links), never above [`FD_MAX`] in all: files in the
+//!   data directory (database, WAL, shared memory, lock, log) never above [`FILE_FDS_MAX`], what
+//!   the SQLite store's connections can hold; sockets never above those before the traffic + 2 ×
+//!   the peak of operations in flight + [`SOCKET_SLACK`] (a client connection and an upstream
+//!   connection per operation at most, kept alive: both pools only grow to the concurrency they
+//!   saw); and the rest (pipes,
+//!   eventfds, epoll, `/dev/null`) peaks in the last third ≤ its peak in the middle third +
+//!   [`OTHER_FD_GROWTH`]. A leak of one fd in a hundred operations breaks one of them; a
+//!   stall that lets operations pile up (more connections, more read connections) does not;
 //! - WAL never above [`WAL_MAX_MIB`];
 //! - database file: peak in the last third ≤ [`DB_GROWTH_FACTOR`] × peak in the middle third,
 //!   plus 1 MiB (pruning frees pages the next writes reuse); requests in the log never above
 //!   the new requests of `retention + prune interval + 15 s` of traffic (DU-4);
-//! - p99 latency of the last third ≤ [`P99_DRIFT_FACTOR`] × that of the first third + 50 ms.
+//! - p99 latency does not drift: the median over the last third's 5 s windows of each
+//!   window's p99 ≤ [`P99_DRIFT_FACTOR`] × the same of the first third + 50 ms. A log that
+//!   slows as it grows raises every window; one stall (a slow fsync on a shared disk: 0.9 s
+//!   put 11 operations in flight in one CI run) raises one or two, and is not drift.
 //!
 //! Pruning runs about every 60 s (`worker::PRUNE_EVERY`), so 3 minutes see two prunes that
 //! delete: the middle and last thirds each end just before one, at the same steady-state peak.
@@ -46,14 +56,20 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 const PRUNE_EVERY_SECS: u64 = 60;
 
 // The bounds. Measured in the CI form (debug build): RSS 28 MiB at start, 33 MiB at the end
-// (+0.2 MiB from the middle to the last third); 26 fds throughout; database 2.0 MiB; WAL 6.6
+// (+0.2 MiB from the middle to the last third); 26 fds throughout (38 in a run where a stall of
+// 0.9 s put 11 operations in flight); database 2.0 MiB; WAL 6.6
 // MiB; p99 82 ms then 93 ms. The WAL's bound is the store's design, not a measurement: the
 // automatic checkpoint at 8,192 pages (32 MiB, `store::sqlite`) restarts it, plus room for one
 // prune batch; between restarts the file keeps its high-water mark.
 const RSS_MAX_MIB: u64 = 96;
 const RSS_GROWTH_MIB: u64 = 16;
 const FD_MAX: u64 = 64;
-const FD_GROWTH: u64 = 8;
+/// Two per SQLite connection (the database and its WAL: the writer, the checkpointer and up to
+/// 8 readers, `store::sqlite::MAX_READERS`), the shared-memory file, the lock file, the log.
+const FILE_FDS_MAX: u64 = 2 * (2 + 8) + 3;
+/// Connections a pool opened before it saw a finished one come back.
+const SOCKET_SLACK: u64 = 4;
+const OTHER_FD_GROWTH: u64 = 2;
 const WAL_MAX_MIB: u64 = 40;
 const DB_GROWTH_FACTOR: f64 = 1.25;
 const P99_DRIFT_FACTOR: f64 = 3.0;
@@ -72,7 +88,7 @@ fn soak_duration() -> Duration {
 struct Sample {
     at: Duration,
     rss_kib: u64,
-    fds: u64,
+    fds: FdKinds,
     db_bytes: u64,
     wal_bytes: u64,
     requests: u64,
@@ -259,7 +275,7 @@ base_url = "{mock}"
             samples.push(Sample {
                 at: scheduled,
                 rss_kib: rss_kib(pid),
-                fds: fds(pid) as u64,
+                fds: fd_kinds(pid, dir.path()),
                 db_bytes: file_len(&db),
                 wal_bytes: file_len(&wal),
                 requests: logged_requests(&db),
@@ -301,7 +317,7 @@ base_url = "{mock}"
     samples.push(Sample {
         at: started.elapsed(),
         rss_kib: rss_kib(pid),
-        fds: fds(pid) as u64,
+        fds: fd_kinds(pid, dir.path()),
         db_bytes: file_len(&db),
         wal_bytes: file_len(&wal),
         requests: logged_requests(&db),
@@ -350,6 +366,28 @@ base_url = "{mock}"
         quantile_ms(&mut first_lat, 0.99),
         quantile_ms(&mut last_lat, 0.99),
     );
+    // Each window's p99, the median of them per third.
+    let window_p99s = |from: Duration, to: Duration| -> Vec<f64> {
+        let mut windows: std::collections::BTreeMap<u128, Vec<Duration>> = Default::default();
+        for (at, took) in latencies.iter().filter(|(at, _)| *at >= from && *at < to) {
+            windows
+                .entry(at.as_millis() / SAMPLE_EVERY.as_millis())
+                .or_default()
+                .push(*took);
+        }
+        let mut p99s: Vec<f64> = windows
+            .into_values()
+            .map(|mut w| quantile_ms(&mut w, 0.99))
+            .collect();
+        p99s.sort_by(f64::total_cmp);
+        p99s
+    };
+    let median = |v: &[f64]| v.get(v.len() / 2).copied().unwrap_or(0.0);
+    let (windows_first, windows_last) = (
+        window_p99s(Duration::ZERO, third),
+        window_p99s(third * 2, Duration::MAX),
+    );
+    let (window_p99_first, window_p99_last) = (median(&windows_first), median(&windows_last));
 
     println!(
         "soak: {:.0} s at {RATE}/s, {n} operations, 0 failed, peak in flight {}; retention \
@@ -357,13 +395,16 @@ base_url = "{mock}"
         duration.as_secs_f64(),
         peak_in_flight.load(Ordering::SeqCst)
     );
-    println!("soak: t(s)  rss(MiB)  fds  db(MiB)  wal(MiB)  requests");
+    println!("soak: t(s)  rss(MiB)  fds (sockets/files/other)  db(MiB)  wal(MiB)  requests");
     for s in &samples {
         println!(
-            "soak: {:>5.0}  {:>8.1}  {:>3}  {:>7.2}  {:>8.2}  {:>8}",
+            "soak: {:>5.0}  {:>8.1}  {:>3} ({:>2}/{:>2}/{:>2})  {:>7.2}  {:>8.2}  {:>8}",
             s.at.as_secs_f64(),
             s.rss_kib as f64 / 1024.0,
-            s.fds,
+            s.fds.total(),
+            s.fds.sockets,
+            s.fds.files,
+            s.fds.other,
             mib(s.db_bytes),
             mib(s.wal_bytes),
             s.requests
@@ -380,14 +421,15 @@ base_url = "{mock}"
     println!(
         "soak: {}; {}; {}; {}; {}",
         summary("rss MiB", |s| s.rss_kib, 1024.0),
-        summary("fds", |s| s.fds, 1.0),
+        summary("fds", |s| s.fds.total(), 1.0),
         summary("db MiB", |s| s.db_bytes, 1024.0 * 1024.0),
         summary("wal MiB", |s| s.wal_bytes, 1024.0 * 1024.0),
         summary("requests", |s| s.requests, 1.0),
     );
     println!(
         "soak: latency p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms; p99 first third \
-         {p99_first:.1} ms, last third {p99_last:.1} ms"
+         {p99_first:.1} ms, last third {p99_last:.1} ms; median of 5 s windows' p99 first third \
+         {window_p99_first:.1} ms, last third {window_p99_last:.1} ms"
     );
 
     let rss_mib = |s: &Sample| s.rss_kib / 1024;
@@ -401,10 +443,26 @@ base_url = "{mock}"
             <= Some(middle.iter().map(rss_mib).max().unwrap() + RSS_GROWTH_MIB),
         "RSS grows at most {RSS_GROWTH_MIB} MiB from the middle to the last third"
     );
-    assert!(overall(|s| s.fds) <= FD_MAX, "open fds stay under {FD_MAX}");
     assert!(
-        peak(&last, |s| s.fds) <= peak(&middle, |s| s.fds) + FD_GROWTH,
-        "open fds grow at most {FD_GROWTH} from the middle to the last third"
+        overall(|s| s.fds.total()) <= FD_MAX,
+        "open fds stay under {FD_MAX}"
+    );
+    assert!(
+        overall(|s| s.fds.files) <= FILE_FDS_MAX,
+        "fds on the data directory's files stay under {FILE_FDS_MAX}, what the store's \
+         connections hold"
+    );
+    let socket_max =
+        samples[0].fds.sockets + 2 * peak_in_flight.load(Ordering::SeqCst) + SOCKET_SLACK;
+    assert!(
+        overall(|s| s.fds.sockets) <= socket_max,
+        "sockets stay under {socket_max}: those before the traffic, two per operation in flight \
+         at the peak, + {SOCKET_SLACK}"
+    );
+    assert!(
+        peak(&last, |s| s.fds.other) <= peak(&middle, |s| s.fds.other) + OTHER_FD_GROWTH,
+        "fds other than sockets and files grow at most {OTHER_FD_GROWTH} from the middle to \
+         the last third"
     );
     assert!(
         overall(|s| s.wal_bytes) <= WAL_MAX_MIB << 20,
@@ -424,8 +482,10 @@ base_url = "{mock}"
          new requests)"
     );
     assert!(
-        p99_last <= p99_first * P99_DRIFT_FACTOR + 50.0,
-        "p99 does not drift: first third {p99_first:.1} ms, last third {p99_last:.1} ms"
+        window_p99_last <= window_p99_first * P99_DRIFT_FACTOR + 50.0,
+        "p99 does not drift: median of the 5 s windows' p99 first third {window_p99_first:.1} \
+         ms, last third {window_p99_last:.1} ms (windows first {windows_first:?}, last \
+         {windows_last:?})"
     );
     drop(node);
     mock.shutdown().await;
