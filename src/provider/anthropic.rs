@@ -20,6 +20,15 @@ pub(super) const REQUEST_ID_HEADER: &str = "request-id";
 /// The event that completes a Messages stream.
 pub(super) const STREAM_END: &str = "message_stop";
 
+/// The event a Messages stream opens with, once: it carries the message every later event
+/// adds to (decision 44).
+pub(super) const STREAM_START: &str = "message_start";
+
+/// `ping`, which may come anywhere in a Messages stream; the SDKs skip it.
+pub(super) fn is_keepalive_event(kind: Option<&str>) -> bool {
+    kind == Some("ping")
+}
+
 /// A Messages answer holds `content`.
 pub(super) const RESULT_MEMBERS: &[&str] = &["content"];
 

@@ -345,6 +345,27 @@ impl Route {
         }
     }
 
+    /// The event this route's stream opens with, when it has one: before it only keep-alive
+    /// events ([`Route::is_keepalive_event`]) and errors may come, and it comes once. An
+    /// answer that breaks that is not this route's: the SDKs' stream helpers raise on it
+    /// (decision 44). Chat and completions have no opening event; the Responses API has
+    /// `response.created`, not checked: providers in background mode open with
+    /// `response.queued`.
+    pub(crate) fn stream_start_name(self) -> Option<&'static str> {
+        match self.provider() {
+            Provider::Openai => None,
+            Provider::Anthropic => Some(anthropic::STREAM_START),
+        }
+    }
+
+    /// Whether a stream event of type `kind` only keeps the stream open (Anthropic's `ping`).
+    pub(crate) fn is_keepalive_event(self, kind: Option<&str>) -> bool {
+        match self.provider() {
+            Provider::Openai => false,
+            Provider::Anthropic => anthropic::is_keepalive_event(kind),
+        }
+    }
+
     /// Whether every data event of this route's stream, other than its final `[DONE]` and error
     /// events, carries `choices` (chat and completions chunks; empty in a usage chunk): an
     /// event without it is not this route's (decision 42).

@@ -424,6 +424,8 @@ impl WorkerPool {
         // Events before the route's final one: a stream of its final event alone answered
         // nothing (decision 39).
         let mut before_final = 0usize;
+        // Whether the route's opening event has come (decision 44).
+        let mut opened = false;
         loop {
             let piece = match self.upstreams.next_piece(&mut response).await {
                 Ok(piece) => piece,
@@ -474,6 +476,14 @@ impl WorkerPool {
             for event in events {
                 match inspect_event(route, &event) {
                     Ok(seen) => {
+                        if let Some(start) = route.stream_start_name()
+                            && !seen.error
+                            && let Some(why) = misplaced(&seen, &mut opened, start, &event)
+                        {
+                            let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
+                            let why = format!("{why} (content-type {content_type:?})");
+                            return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
+                        }
                         if seen.error {
                             provider_error = Some(event.data.clone());
                         }
@@ -700,6 +710,10 @@ struct Seen {
     error: bool,
     /// The event completes the route's stream ([`Route::ends_stream`]).
     ends_stream: bool,
+    /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
+    starts_stream: bool,
+    /// The event only keeps the stream open ([`Route::is_keepalive_event`]).
+    keepalive: bool,
     /// The provider's id of the answer, when the event announces it
     /// ([`Route::answer_id_of_event`]).
     answer_id: Option<String>,
@@ -736,8 +750,7 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
         return Ok(Seen {
             error: provider.is_error_event(name, None, false),
             ends_stream: route.ends_stream(&event.data, name),
-            answer_id: None,
-            usage: None,
+            ..Seen::default()
         });
     }
     /// What the slower path read, owned: whether `error` is set, `type`, whether `choices` is
@@ -799,8 +812,30 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
     Ok(Seen {
         error,
         ends_stream: route.ends_stream(&event.data, parts.kind),
+        starts_stream: parts.kind.is_some() && parts.kind == route.stream_start_name(),
+        keepalive: route.is_keepalive_event(parts.kind),
         answer_id: route.answer_id_of_event(&parts),
         usage: route.usage_of_event(&parts),
+    })
+}
+
+/// Why `event` (`seen`) is out of place in a stream that opens with `start`, if it is: it is a
+/// second `start`, or it comes before the first and is not a keep-alive (decision 44).
+/// `opened` says whether `start` has come, and is set by it.
+fn misplaced(seen: &Seen, opened: &mut bool, start: &str, event: &SseEvent) -> Option<String> {
+    if seen.starts_stream {
+        return std::mem::replace(opened, true).then(|| {
+            format!(
+                "the provider stream sent a second `{start}`: {}",
+                excerpt(event.data.as_bytes())
+            )
+        });
+    }
+    (!*opened && !seen.keepalive).then(|| {
+        format!(
+            "the provider stream began with an event other than `{start}`: {}",
+            excerpt(event.data.as_bytes())
+        )
     })
 }
 
@@ -1004,6 +1039,76 @@ mod tests {
             error(Route::AnthropicMessages, Some("ping"), r#"{"type":"ping"}"#),
             Ok(false)
         );
+    }
+
+    /// The events of one stream, in order, through [`misplaced`]: the reason of the first one
+    /// out of place, if any.
+    fn first_misplaced(route: Route, events: &[(Option<&str>, &str)]) -> Option<String> {
+        let start = route.stream_start_name()?;
+        let mut opened = false;
+        events.iter().find_map(|(name, data)| {
+            let event = event(*name, data);
+            let seen = inspect_event(route, &event).expect("valid event");
+            (!seen.error)
+                .then(|| misplaced(&seen, &mut opened, start, &event))
+                .flatten()
+        })
+    }
+
+    #[test]
+    fn a_messages_stream_opens_with_message_start_once_lc7_lc11_decision44() {
+        let route = Route::AnthropicMessages;
+        let start = (
+            Some("message_start"),
+            r#"{"type":"message_start","message":{}}"#,
+        );
+        let ping = (Some("ping"), r#"{"type":"ping"}"#);
+        let delta = (
+            Some("content_block_delta"),
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}"#,
+        );
+        let stop = (Some("message_stop"), r#"{"type":"message_stop"}"#);
+        let error = (
+            Some("error"),
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#,
+        );
+        // What Anthropic sends: pings and errors may come before `message_start`.
+        assert_eq!(
+            first_misplaced(route, &[ping, start, delta, ping, stop]),
+            None
+        );
+        assert_eq!(first_misplaced(route, &[error]), None);
+        // By its data's `type` when it has no `event:` name.
+        assert_eq!(
+            first_misplaced(route, &[(None, start.1), (None, delta.1), (None, stop.1)]),
+            None
+        );
+        for (events, why) in [
+            (
+                &[delta, stop][..],
+                "began with an event other than `message_start`",
+            ),
+            (
+                &[ping, delta, stop][..],
+                "began with an event other than `message_start`",
+            ),
+            (
+                &[stop][..],
+                "began with an event other than `message_start`",
+            ),
+            (&[start, delta, start, stop][..], "a second `message_start`"),
+        ] {
+            let found = first_misplaced(route, events).expect(why);
+            assert!(found.contains(why), "{found}");
+        }
+        // The OpenAI routes have no opening event to check.
+        for route in [
+            Route::OpenaiChat,
+            Route::OpenaiCompletions,
+            Route::OpenaiResponses,
+        ] {
+            assert_eq!(route.stream_start_name(), None);
+        }
     }
 
     #[test]

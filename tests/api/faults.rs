@@ -555,6 +555,39 @@ fn answer_rows() -> Vec<AnswerRow> {
             },
         },
         AnswerRow {
+            name: "messages stream whose content comes before any message_start (decision 44)",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                "event: ping\ndata: {\"type\":\"ping\"}\n\n\
+                 event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"no-start\"}}\n\n\
+                 event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+                false,
+            )),
+            path: "/v1/messages",
+            stream: true,
+            expect: Invalid {
+                kept: "no-start",
+                answered: "text/event-stream",
+            },
+        },
+        AnswerRow {
+            name: "messages stream with a second message_start (decision 44)",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_first\"}}\n\n\
+                 event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n\
+                 event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_second\"}}\n\n\
+                 event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+                false,
+            )),
+            path: "/v1/messages",
+            stream: true,
+            expect: Invalid {
+                kept: "msg_second",
+                answered: "text/event-stream",
+            },
+        },
+        AnswerRow {
             name: "non-stream 200 whose body is a JSON array",
             provider: Provider::Raw(raw_200("application/json", "[1,2,3]", false)),
             path: chat,
