@@ -493,6 +493,11 @@ fn list_filter(caller: &Caller, query: &[(String, String)]) -> Result<ListFilter
             }
         }
     }
+    if let (Some(since), Some(until)) = (filter.since, filter.until)
+        && since > until
+    {
+        return Err(bad_parameter("until", "must not be before since"));
+    }
     if namespace.is_some() && *caller != Caller::Admin {
         return Err(bad_parameter(
             "namespace",

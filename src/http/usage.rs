@@ -107,6 +107,9 @@ pub(super) async fn usage(
             return e.into_response();
         }
     }
+    if since > until {
+        return bad_parameter("until", "must not be before since").into_response();
+    }
     if namespace.is_some() && caller != super::Caller::Admin {
         return bad_parameter("namespace", "only admin keys choose a namespace").into_response();
     }

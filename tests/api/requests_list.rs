@@ -271,6 +271,7 @@ async fn an_unknown_list_parameter_or_a_bad_value_is_a_400_naming_it_rd7() {
         ("route=openai.chatt", "route"),
         ("since=yesterday", "since"),
         ("until=2026-13-01", "until"),
+        ("since=2026-12-03&until=2026-12-01", "until"),
         ("replayed=maybe", "replayed"),
         ("cursor=page-2", "cursor"),
         ("limit=ten", "limit"),

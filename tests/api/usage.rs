@@ -362,6 +362,24 @@ async fn usage_survives_a_restart_groups_every_way_and_stays_in_its_namespace() 
         .await
         .unwrap();
     assert_eq!(r.status(), 400);
+    // A window that ends before it starts is a mistake, not an empty ledger.
+    let r = http
+        .get(format!(
+            "{}/usage?since=2026-12-03&until=2026-12-01",
+            node.base
+        ))
+        .header("authorization", "Bearer key-a")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let error: Value = r.json().await.unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("until: ")),
+        "{error}"
+    );
     let b = get(&node.base, "?namespace=b", "admin-key").await;
     assert_eq!(b["totals"]["requests"], 1, "{b}");
     // The list too: a's key sees a's requests, the admin every namespace.
