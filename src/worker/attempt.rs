@@ -2,7 +2,6 @@
 //! (LC-5, LC-6, LC-7, LC-11), a stream stored chunk by chunk, and the fenced outcome write
 //! (LC-3).
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +10,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use super::WorkerPool;
-use super::chunks::{AppendError, PendingAppend};
+use super::chunks::AppendError;
 use super::retry::{self, WriteRetry};
 use crate::hub::HubEvent;
 use crate::ledger;
@@ -381,46 +380,10 @@ impl WorkerPool {
         &self,
         lease: &Lease,
         route: Route,
-        response: reqwest::Response,
-        status: u16,
-        request_id: Option<String>,
-        last_seq: i64,
-    ) -> Option<Ending> {
-        let mut in_flight = VecDeque::new();
-        let ending = self
-            .read_stream(
-                lease,
-                route,
-                response,
-                status,
-                request_id,
-                last_seq,
-                &mut in_flight,
-            )
-            .await?;
-        // Whatever the ending, every batch sent is stored first: a success names the seq they
-        // reach, a failure follows what was shown, and an ending after a batch that could not
-        // be stored is no ending (the lease is lost, or the store failed and the sweep re-runs
-        // the request).
-        for mut pending in in_flight {
-            stored_or_abandon(pending.stored().await)?;
-        }
-        Some(ending)
-    }
-
-    /// [`WorkerPool::stream`]'s reading: each batch of events is sent to the chunk writer as it
-    /// comes, with at most [`MAX_BATCHES_IN_FLIGHT`] unanswered (`in_flight`, oldest first;
-    /// the chunk writer publishes each batch to readers once it is durable, decision 45).
-    #[allow(clippy::too_many_arguments)]
-    async fn read_stream(
-        &self,
-        lease: &Lease,
-        route: Route,
         mut response: reqwest::Response,
         status: u16,
         request_id: Option<String>,
         mut last_seq: i64,
-        in_flight: &mut VecDeque<PendingAppend>,
     ) -> Option<Ending> {
         // What the provider reported the attempt has cost so far: kept on every ending, since
         // an interrupted stream was billed for what it produced.
@@ -451,9 +414,7 @@ impl WorkerPool {
             );
         }
         let mut parser = SseParser::new();
-        // Events handed to the chunk writer: all of them are stored before the attempt ends, or
-        // it ends without an outcome ([`WorkerPool::stream`]).
-        let mut sent = 0usize;
+        let mut stored = 0usize;
         let mut request_id_to_store = request_id.clone();
         // The body as received while no event has been seen, kept (capped) for the record if
         // none ever arrives.
@@ -468,7 +429,7 @@ impl WorkerPool {
         loop {
             let piece = match self.upstreams.next_piece(&mut response).await {
                 Ok(piece) => piece,
-                Err(e) if sent == 0 => {
+                Err(e) if stored == 0 => {
                     return Some(Ending::from(self.transient(
                         lease,
                         Some(status),
@@ -479,20 +440,20 @@ impl WorkerPool {
                 Err(e) => {
                     return fail(
                         ErrorType::StreamInterrupted,
-                        format!("the provider stream broke after {sent} events: {e}"),
+                        format!("the provider stream broke after {stored} events: {e}"),
                         None,
                         &usage,
                     );
                 }
             };
             let Some(bytes) = piece else { break };
-            if sent == 0 {
+            if stored == 0 {
                 keep_capped(&mut unseen, &bytes);
             }
             let events = match parser.push(&bytes) {
                 Ok(events) => events,
                 Err(e) => {
-                    let kept = (sent == 0).then(|| std::mem::take(&mut unseen));
+                    let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
                     return fail(
                         ErrorType::UpstreamInvalid,
                         format!(
@@ -519,7 +480,7 @@ impl WorkerPool {
                             && !seen.error
                             && let Some(why) = misplaced(&seen, &mut opened, start, &event)
                         {
-                            let kept = (sent == 0).then(|| std::mem::take(&mut unseen));
+                            let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
                             let why = format!("{why} (content-type {content_type:?})");
                             return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
                         }
@@ -540,7 +501,7 @@ impl WorkerPool {
                         }
                     }
                     Err(why) => {
-                        let kept = (sent == 0).then(|| std::mem::take(&mut unseen));
+                        let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
                         let why = format!("{why} (content-type {content_type:?})");
                         return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
                     }
@@ -551,7 +512,7 @@ impl WorkerPool {
                 });
             }
             if let Some(error) = &provider_error
-                && sent == 0
+                && stored == 0
             {
                 // The provider failed before anything was stored: as transient as a 5xx.
                 let message = format!("the provider sent an error event: {error}");
@@ -586,25 +547,22 @@ impl WorkerPool {
                     last: Some(batch),
                 });
             }
-            // Seqs are consecutive: the next batch follows this one's last (decision 36).
-            let events = batch.chunks.len();
-            in_flight.push_back(self.chunks.send(batch).ok()?);
-            sent += events;
-            last_seq += i64::try_from(events).expect("a batch's events fit in a seq");
-            unseen = Vec::new();
-            // Answers that came meanwhile, and the oldest one when too many are out.
-            loop {
-                let out = in_flight.len();
-                let Some(pending) = in_flight.front_mut() else {
-                    break;
-                };
-                let answer = match pending.try_stored() {
-                    Some(answer) => answer,
-                    None if out > MAX_BATCHES_IN_FLIGHT => pending.stored().await,
-                    None => break,
-                };
-                in_flight.pop_front();
-                stored_or_abandon(answer)?;
+            match self.chunks.append(batch).await {
+                Ok(stored_chunks) => {
+                    stored += stored_chunks.len();
+                    last_seq = stored_chunks.last().map_or(last_seq, |chunk| chunk.seq);
+                    unseen = Vec::new();
+                    for chunk in stored_chunks {
+                        self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
+                    }
+                }
+                Err(AppendError::LeaseLost) => return None,
+                Err(e) => {
+                    // Nothing more can be stored; the lease will expire and the sweep re-runs
+                    // the request as a new attempt after a reset (LC-8).
+                    warn!(error = %e, "abandoning attempt: chunks cannot be stored");
+                    return None;
+                }
             }
             if succeeded {
                 return Some(stream_success(status, request_id, usage).into());
@@ -620,7 +578,7 @@ impl WorkerPool {
         }
         match parser.finish() {
             Err(e) => {
-                let kept = (sent == 0).then_some(unseen);
+                let kept = (stored == 0).then_some(unseen);
                 fail(
                     ErrorType::UpstreamInvalid,
                     format!(
@@ -630,7 +588,7 @@ impl WorkerPool {
                     &usage,
                 )
             }
-            Ok(_) if sent == 0 => fail(
+            Ok(_) if stored == 0 => fail(
                 ErrorType::UpstreamInvalid,
                 format!(
                     "the provider answered {status} with content-type {content_type:?} and a body \
@@ -642,7 +600,7 @@ impl WorkerPool {
             Ok(_) => fail(
                 ErrorType::StreamInterrupted,
                 format!(
-                    "the provider stream ended after {sent} events without its final event ({})",
+                    "the provider stream ended after {stored} events without its final event ({})",
                     route.stream_end_name()
                 ),
                 None,
@@ -743,23 +701,6 @@ pub(super) fn log_finished(record: &RequestRecord) {
         upstream_status = record.response_status.or(error.and_then(|e| e.status)),
         "request finished"
     );
-}
-
-/// Most batches of one stream sent to the chunk writer and not yet answered (decision 45).
-const MAX_BATCHES_IN_FLIGHT: usize = 16;
-
-/// `Some` when a batch was stored; `None`, logged, when it was not and the attempt must end
-/// without an outcome: its lease was lost, or its chunks cannot be stored and the lease will
-/// expire so that the sweep re-runs the request as a new attempt after a reset (LC-8).
-fn stored_or_abandon(answer: Result<Vec<Arc<Chunk>>, AppendError>) -> Option<()> {
-    match answer {
-        Ok(_) => Some(()),
-        Err(AppendError::LeaseLost) => None,
-        Err(e) => {
-            warn!(error = %e, "abandoning attempt: chunks cannot be stored");
-            None
-        }
-    }
 }
 
 /// What [`inspect_event`] found in one provider event.

@@ -1,18 +1,13 @@
 //! Group commit of stream chunks.
 //!
 //! Every attempt that streams hands its parsed events to one writer task per process. The
-//! writer takes everything queued at that moment — from any number of streams, at most one
-//! batch of each request, the next ones waiting for the next commit in order — and stores it
+//! writer takes everything queued at that moment — from any number of streams — and stores it
 //! with one [`Store::append_chunks`](crate::store::Store::append_chunks) call, one
 //! transaction, each batch fenced on its own lease (LC-3). So the per-chunk cost falls as load
-//! rises instead of being one commit per chunk. Once the commit is durable, and not before,
-//! the writer publishes the stored chunks to live readers and then answers each attempt
-//! (decision 45): an attempt does not wait for each of its batches, it sends the next one as
-//! the provider streams it and collects the answers as they come ([`PendingAppend`]). A commit
-//! that fails is tried again for one lease length ([`WriteRetry`], decision 37) before its
-//! batches are failed.
+//! rises instead of being one commit per chunk, and an attempt learns that its chunks are
+//! durable before they are shown to any reader. A commit that fails is tried again for one
+//! lease length ([`WriteRetry`], decision 37) before its batches are failed.
 
-use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,17 +16,13 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::retry::{WriteRetry, is_transient};
-use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
 use crate::store::{Chunk, ChunkBatch, DynStore, StoreError};
 
 /// Largest number of batches stored in one transaction.
 const MAX_BATCHES_PER_COMMIT: usize = 1024;
 
-/// What the writer answers for one batch: its chunks as stored (and published), `None` when
-/// its lease was lost, or the commit's failure.
-type Stored = Result<Option<Vec<Arc<Chunk>>>, Arc<StoreError>>;
-type Ack = oneshot::Sender<Stored>;
+type Ack = oneshot::Sender<Result<Option<Vec<Chunk>>, Arc<StoreError>>>;
 
 /// Handle to the writer task. Cloning is cheap; the task ends when the last handle is dropped.
 #[derive(Clone, Debug)]
@@ -53,82 +44,36 @@ pub enum AppendError {
     Stopped,
 }
 
-/// A batch handed to the writer, not yet answered.
-#[derive(Debug)]
-pub struct PendingAppend(oneshot::Receiver<Stored>);
-
-impl PendingAppend {
-    /// Waits for the batch's commit: its chunks as stored, already published to live readers.
-    ///
-    /// # Errors
-    /// [`AppendError`]: lease lost, database failure, or writer stopped.
-    pub async fn stored(&mut self) -> Result<Vec<Arc<Chunk>>, AppendError> {
-        answer((&mut self.0).await)
-    }
-
-    /// The batch's answer if it has come, without waiting.
-    pub fn try_stored(&mut self) -> Option<Result<Vec<Arc<Chunk>>, AppendError>> {
-        match self.0.try_recv() {
-            Err(oneshot::error::TryRecvError::Empty) => None,
-            Ok(stored) => Some(answer(Ok(stored))),
-            Err(oneshot::error::TryRecvError::Closed) => Some(Err(AppendError::Stopped)),
-        }
-    }
-}
-
-fn answer(
-    stored: Result<Stored, oneshot::error::RecvError>,
-) -> Result<Vec<Arc<Chunk>>, AppendError> {
-    match stored {
-        Ok(Ok(Some(chunks))) => Ok(chunks),
-        Ok(Ok(None)) => Err(AppendError::LeaseLost),
-        Ok(Err(e)) => Err(AppendError::Store(e)),
-        Err(_) => Err(AppendError::Stopped),
-    }
-}
-
 impl ChunkWriter {
-    /// Starts the writer task over `store`. A failed commit is tried again for `retry_for`
-    /// (one lease length) before its batches are failed.
+    /// Starts the writer task over `store`. A failed commit is tried again for `retry_for` (one
+    /// lease length) before its batches are failed.
     pub fn spawn(store: DynStore, retry_for: Duration) -> ChunkWriter {
-        ChunkWriter::spawn_over(store, None, retry_for)
-    }
-
-    /// [`ChunkWriter::spawn`], publishing what it stores to `hub`'s live readers.
-    pub(crate) fn spawn_publishing(
-        store: DynStore,
-        hub: Arc<Hub>,
-        retry_for: Duration,
-    ) -> ChunkWriter {
-        ChunkWriter::spawn_over(store, Some(hub), retry_for)
+        ChunkWriter::spawn_over(store, retry_for)
     }
 
     /// [`ChunkWriter::spawn`] over anything that appends chunks (a test's scripted store).
-    fn spawn_over(store: impl Appends, hub: Option<Arc<Hub>>, retry_for: Duration) -> ChunkWriter {
+    fn spawn_over(store: impl Appends, retry_for: Duration) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, hub, rx, retry_for));
+        tokio::spawn(run(store, rx, retry_for));
         ChunkWriter { queue }
     }
 
-    /// Hands `batch` to the writer, to be stored after the batches this attempt sent before it
-    /// (in a shared transaction with whatever else is queued), and returns at once.
+    /// Stores `batch` (in a shared transaction with whatever else is queued) and returns the
+    /// stored chunks with their seqs.
     ///
     /// # Errors
-    /// [`AppendError::Stopped`] when the writer is gone.
-    pub fn send(&self, batch: ChunkBatch) -> Result<PendingAppend, AppendError> {
+    /// [`AppendError`]: lease lost, database failure, or writer stopped.
+    pub async fn append(&self, batch: ChunkBatch) -> Result<Vec<Chunk>, AppendError> {
         let (ack, done) = oneshot::channel();
         self.queue
             .send((batch, ack))
             .map_err(|_| AppendError::Stopped)?;
-        Ok(PendingAppend(done))
-    }
-
-    /// Stores `batch` and returns the stored chunks with their seqs.
-    ///
-    /// # Errors
-    /// [`AppendError`]: lease lost, database failure, or writer stopped.
-    pub async fn append(&self, batch: ChunkBatch) -> Result<Vec<Arc<Chunk>>, AppendError> {
-        self.send(batch)?.stored().await
+        match done.await {
+            Ok(Ok(Some(chunks))) => Ok(chunks),
+            Ok(Ok(None)) => Err(AppendError::LeaseLost),
+            Ok(Err(e)) => Err(AppendError::Store(e)),
+            Err(_) => Err(AppendError::Stopped),
+        }
     }
 }
 
@@ -162,62 +107,28 @@ async fn append_timed(
     result
 }
 
-/// The next group to commit: what waited from the last group first, then what is queued; at
-/// most one batch of each request (a request's next batch follows the seq its previous one
-/// reaches, so it waits in `waiting` for the next group, in order). `None` when the queue has
-/// closed and nothing waits.
-async fn next_group(
-    rx: &mut mpsc::UnboundedReceiver<(ChunkBatch, Ack)>,
-    waiting: &mut VecDeque<(ChunkBatch, Ack)>,
-    batches: &mut Vec<ChunkBatch>,
-    acks: &mut Vec<Ack>,
-) -> Option<()> {
-    let mut requests = HashSet::new();
-    let mut later = VecDeque::new();
-    let mut take = |(batch, ack): (ChunkBatch, Ack)| {
-        if requests.insert(batch.lease.id) {
-            batches.push(batch);
-            acks.push(ack);
-        } else {
-            later.push_back((batch, ack));
-        }
-    };
-    let mut taken = 0;
-    while let Some(item) = waiting.pop_front() {
-        take(item);
-        taken += 1;
-    }
-    if taken == 0 {
-        take(rx.recv().await?);
-        taken = 1;
-    }
-    while taken < MAX_BATCHES_PER_COMMIT {
-        match rx.try_recv() {
-            Ok(item) => take(item),
-            Err(_) => break,
-        }
-        taken += 1;
-    }
-    *waiting = later;
-    Some(())
-}
-
 async fn run(
     store: impl Appends,
-    hub: Option<Arc<Hub>>,
     mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>,
     retry_for: Duration,
 ) {
     let mut batches = Vec::new();
     let mut acks = Vec::new();
-    let mut waiting = VecDeque::new();
     // Set while commits fail: one window from the first failure covers every group that
     // fails meanwhile, so no stream waits longer than a lease length for the database.
     let mut failing: Option<WriteRetry> = None;
-    while next_group(&mut rx, &mut waiting, &mut batches, &mut acks)
-        .await
-        .is_some()
-    {
+    while let Some((batch, ack)) = rx.recv().await {
+        batches.push(batch);
+        acks.push(ack);
+        while batches.len() < MAX_BATCHES_PER_COMMIT {
+            match rx.try_recv() {
+                Ok((batch, ack)) => {
+                    batches.push(batch);
+                    acks.push(ack);
+                }
+                Err(_) => break,
+            }
+        }
         let mut result = append_timed(&store, &batches).await;
         if let Err(e) = &result
             && is_transient(e)
@@ -259,16 +170,7 @@ async fn run(
         match result {
             Ok(stored) => {
                 failing = None;
-                for ((ack, chunks), batch) in acks.drain(..).zip(stored).zip(&batches) {
-                    let chunks: Option<Vec<Arc<Chunk>>> =
-                        chunks.map(|chunks| chunks.into_iter().map(Arc::new).collect());
-                    // Durable now: shown to live readers before the attempt hears of it, so
-                    // what it publishes after its ending comes after them.
-                    if let (Some(hub), Some(chunks)) = (&hub, &chunks) {
-                        for chunk in chunks {
-                            hub.publish(batch.lease.id, HubEvent::Chunk(Arc::clone(chunk)));
-                        }
-                    }
+                for (ack, chunks) in acks.drain(..).zip(stored) {
                     // A dropped receiver is an attempt that was abandoned meanwhile.
                     let _ = ack.send(Ok(chunks));
                 }
@@ -360,46 +262,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_group_holds_one_batch_per_request_and_the_next_waits_for_the_next_commit_in_order_decision45()
-     {
-        let store = scripted(|_| None);
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), None, Duration::from_secs(30));
-        let first = batch("x1");
-        let mut second = batch("x2");
-        second.lease = first.lease.clone();
-        second.after = 1;
-        let mut third = batch("x3");
-        third.lease = first.lease.clone();
-        third.after = 2;
-        // All queued before the writer task runs (this test's runtime has one thread).
-        let mut sent =
-            [first, batch("y1"), second, third].map(|b| writer.send(b).expect("the writer runs"));
-        let mut seqs = Vec::new();
-        for pending in &mut sent {
-            let stored = pending.stored().await.expect("stored");
-            seqs.push((stored[0].seq, stored[0].data.clone()));
-        }
-        assert_eq!(
-            seqs,
-            [
-                (1, "x1".into()),
-                (1, "y1".into()),
-                (2, "x2".into()),
-                (3, "x3".into())
-            ]
-        );
-        assert_eq!(
-            calls(&store),
-            [2, 1, 1],
-            "x's batches in three commits, in order; y's beside the first"
-        );
-    }
-
-    #[tokio::test]
     async fn a_commit_failing_for_a_whole_window_fails_its_batches_and_later_groups_get_one_try_decision37()
      {
         let store = scripted(|_| unavailable());
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), None, Duration::from_millis(500));
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_millis(500));
         let first = writer.append(batch("a")).await;
         assert!(matches!(first, Err(AppendError::Store(_))), "{first:?}");
         let tried = calls(&store).len();
@@ -422,7 +288,7 @@ mod tests {
         });
         // Long enough that the two quick tries after the first fit in it on a busy machine.
         let window = Duration::from_secs(1);
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), None, window);
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), window);
         let stored = writer
             .append(batch("a"))
             .await
@@ -446,7 +312,7 @@ mod tests {
                 what: "a route this version does not know".into(),
             })
         });
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), None, Duration::from_secs(30));
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_secs(30));
         let result = writer.append(batch("a")).await;
         assert!(matches!(result, Err(AppendError::Store(_))), "{result:?}");
         assert_eq!(calls(&store).len(), 1);
@@ -455,7 +321,7 @@ mod tests {
     #[tokio::test]
     async fn a_batch_whose_attempt_ended_is_left_out_of_the_next_try_decision37() {
         let store = scripted(|n| if n == 1 { unavailable() } else { None });
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), None, Duration::from_secs(30));
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_secs(30));
         let called = store.called.notified();
         // Both batches are queued before the writer runs: one group.
         let gone = tokio::spawn({

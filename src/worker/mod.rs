@@ -98,8 +98,7 @@ impl WorkerPool {
         config: Arc<Config>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
-        let chunks =
-            ChunkWriter::spawn_publishing(store.clone(), Arc::clone(&hub), lease_length(&config));
+        let chunks = ChunkWriter::spawn(store.clone(), lease_length(&config));
         WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),
