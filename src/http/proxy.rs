@@ -74,8 +74,11 @@ pub(super) async fn handle(
             if e.status == StatusCode::UNAUTHORIZED {
                 tracing::debug!(route = route.name(), status = 401, code = e.code, %cause, "request refused");
             } else if e.status.is_client_error() {
+                // Whose request it was: the key's namespace, read again (refusals only).
+                let namespace = namespace(&state.config, &headers, route.provider()).ok();
                 tracing::info!(
                     route = route.name(),
+                    namespace = namespace.as_deref(),
                     status = e.status.as_u16(),
                     code = e.code,
                     request_id = e.request_id.as_deref(),

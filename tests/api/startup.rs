@@ -515,6 +515,7 @@ api_key_env = "HF_TEST_PROVIDER_KEY"
             ("status", "400"),
             ("code", "invalid_json"),
             ("route", "openai.chat"),
+            ("namespace", "default"),
         ] {
             assert_eq!(
                 log_field(refused, name)
