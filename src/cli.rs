@@ -288,7 +288,11 @@ impl Client {
             .as_array()
             .into_iter()
             .flatten()
-            .map(|g| row(text(&g["key"]), g))
+            // Requests sent without a model are grouped under "": shown as `-`, as the list does.
+            .map(|g| match text(&g["key"]) {
+                key if key.is_empty() => row("-".into(), g),
+                key => row(key, g),
+            })
             .collect();
         rows.push(row("TOTAL".into(), &answer["totals"]));
         let by = text(&answer["group_by"]).to_uppercase();

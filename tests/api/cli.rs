@@ -68,6 +68,11 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     assert_eq!(first, again);
     wait_deliveries(&node.base, &first, Some("team-key"), 2).await;
     let second = send(&node.base, chat_body("listed two")).await;
+    let no_model = send(
+        &node.base,
+        r#"{"messages":[{"role":"user","content":"no model"}]}"#.to_string(),
+    )
+    .await;
 
     let (code, out, err) = cli(&node.base, &["requests", "list"]);
     assert_eq!(code, 0, "{err}");
@@ -100,6 +105,10 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     let (code, out, _) = cli(&node.base, &["usage", "--group-by", "model"]);
     assert_eq!(code, 0);
     assert!(out.lines().any(|l| l.starts_with("gpt-4o-mini")), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("- ")),
+        "requests without a model ({no_model}) under `-`: {out}"
+    );
     assert!(out.lines().any(|l| l.starts_with("TOTAL")), "{out}");
     let (code, out, _) = cli(&node.base, &["usage", "--json"]);
     assert_eq!(code, 0);
