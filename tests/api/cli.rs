@@ -110,6 +110,12 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
         "requests without a model ({no_model}) under `-`: {out}"
     );
     assert!(out.lines().any(|l| l.starts_with("TOTAL")), "{out}");
+    let (code, _, err) = cli(
+        &node.base,
+        &["usage", "--since", "2026-12-03", "--until", "2026-12-01"],
+    );
+    assert_eq!(code, 1, "a window that ends before it starts: {err}");
+    assert!(err.contains("until"), "{err}");
     let (code, out, _) = cli(&node.base, &["usage", "--json"]);
     assert_eq!(code, 0);
     let usage: Value = serde_json::from_str(&out).unwrap();
