@@ -101,7 +101,19 @@ impl Upstreams {
                     value.set_sensitive(true);
                     Some((HeaderName::from_static(name), value))
                 }
-                _ => None,
+                Some(_) => {
+                    // Allowed (a local server needs no key), but a provider answers 401 to
+                    // every call: said once here rather than first by the provider.
+                    let variable = b.api_key_env.as_deref().unwrap_or_default();
+                    tracing::warn!(
+                        backend = %b.name,
+                        %variable,
+                        "${variable} is not set or empty: backend {} sends no key upstream",
+                        b.name
+                    );
+                    None
+                }
+                None => None,
             };
             let urls = Route::ALL
                 .into_iter()

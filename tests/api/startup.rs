@@ -114,6 +114,48 @@ fn each_invalid_configuration_fails_start_up_with_exit_2_and_one_line_naming_the
     assert_eq!(code, 2);
 }
 
+/// A backend whose `api_key_env` names an unset variable starts (a local server needs no key),
+/// with one warning naming the backend and the variable; a set one gets none.
+#[tokio::test]
+async fn a_backend_whose_key_variable_is_unset_starts_with_a_warning_naming_it() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        r#"
+database_url = "sqlite://{db}"
+[[backends]]
+name = "keyless"
+kind = "openai"
+base_url = "{mock}"
+api_key_env = "NO_PROVIDER_KEY_IS_SET_IN_THIS_TEST"
+[[backends]]
+name = "keyed"
+kind = "anthropic"
+base_url = "{mock}"
+api_key_env = "PROVIDER_KEY_SET_IN_THIS_TEST"
+"#,
+        db = dir.path().join("holdfast.db").display(),
+        mock = mock.base_url()
+    );
+    let node = Process::serve_logged_at_default_level(
+        dir.path(),
+        &toml,
+        free_addr(),
+        &[("PROVIDER_KEY_SET_IN_THIS_TEST", "sk-test")],
+    )
+    .await;
+    let log = node.log_text();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{log}");
+    assert!(
+        warnings[0].contains("$NO_PROVIDER_KEY_IS_SET_IN_THIS_TEST is not set")
+            && warnings[0].contains("keyless"),
+        "{log}"
+    );
+    drop(node);
+    mock.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_unknown_holdfast_variable_is_one_warning_and_the_demo_starts_and_says_where_its_mock_is()
  {
