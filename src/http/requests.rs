@@ -413,6 +413,17 @@ pub(super) fn bad_parameter(name: &str, why: impl std::fmt::Display) -> ApiError
     )
 }
 
+/// `since` and `until` when both are given: a window that ends before it starts is a mistake,
+/// not an empty answer.
+pub(super) fn time_window(since: Option<Millis>, until: Option<Millis>) -> Result<(), ApiError> {
+    match (since, until) {
+        (Some(since), Some(until)) if since > until => {
+            Err(bad_parameter("until", "must not be before since"))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// A time parameter, in [`Millis`]: an RFC 3339 time, or a date (`2026-12-01`), which is
 /// that day's start in UTC.
 pub(super) fn time_parameter(name: &str, value: &str) -> Result<Millis, ApiError> {
@@ -493,11 +504,7 @@ fn list_filter(caller: &Caller, query: &[(String, String)]) -> Result<ListFilter
             }
         }
     }
-    if let (Some(since), Some(until)) = (filter.since, filter.until)
-        && since > until
-    {
-        return Err(bad_parameter("until", "must not be before since"));
-    }
+    time_window(filter.since, filter.until)?;
     if namespace.is_some() && *caller != Caller::Admin {
         return Err(bad_parameter(
             "namespace",

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
 use super::errors::ApiError;
-use super::requests::{bad_parameter, time_parameter};
+use super::requests::{bad_parameter, time_parameter, time_window};
 use super::{AppState, caller};
 use crate::ledger;
 use crate::provider::{Provider, Usage};
@@ -107,8 +107,8 @@ pub(super) async fn usage(
             return e.into_response();
         }
     }
-    if since > until {
-        return bad_parameter("until", "must not be before since").into_response();
+    if let Err(e) = time_window(Some(since), Some(until)) {
+        return e.into_response();
     }
     if namespace.is_some() && caller != super::Caller::Admin {
         return bad_parameter("namespace", "only admin keys choose a namespace").into_response();

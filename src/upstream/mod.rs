@@ -88,23 +88,21 @@ impl Upstreams {
             .build()?;
         let mut backends = HashMap::new();
         for b in &config.backends {
-            let key = match b.api_key_env.as_deref().map(std::env::var) {
-                Some(Ok(key)) if !key.is_empty() => {
+            let key = match b.api_key_env.as_deref().map(|v| (v, std::env::var(v))) {
+                Some((variable, Ok(key))) if !key.is_empty() => {
                     let (name, value) = b.kind.auth_header(&key);
                     let mut value = HeaderValue::from_str(&value).map_err(|_| {
                         anyhow::anyhow!(
-                            "backends.{}: the key in ${} is not a valid header value",
-                            b.name,
-                            b.api_key_env.as_deref().unwrap_or_default()
+                            "backends.{}: the key in ${variable} is not a valid header value",
+                            b.name
                         )
                     })?;
                     value.set_sensitive(true);
                     Some((HeaderName::from_static(name), value))
                 }
-                Some(_) => {
+                Some((variable, _)) => {
                     // Allowed (a local server needs no key), but a provider answers 401 to
                     // every call: said once here rather than first by the provider.
-                    let variable = b.api_key_env.as_deref().unwrap_or_default();
                     tracing::warn!(
                         backend = %b.name,
                         %variable,

@@ -474,16 +474,10 @@ impl WorkerPool {
             let mut response_id = None;
             let mut usage_changed = false;
             for event in events {
-                match inspect_event(route, &event) {
+                let inspected = inspect_event(route, &event)
+                    .and_then(|seen| in_order(route, &seen, &mut opened, &event).map(|()| seen));
+                match inspected {
                     Ok(seen) => {
-                        if let Some(start) = route.stream_start_name()
-                            && !seen.error
-                            && let Some(why) = misplaced(&seen, &mut opened, start, &event)
-                        {
-                            let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
-                            let why = format!("{why} (content-type {content_type:?})");
-                            return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
-                        }
                         if seen.error {
                             provider_error = Some(event.data.clone());
                         }
@@ -819,24 +813,28 @@ fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
     })
 }
 
-/// Why `event` (`seen`) is out of place in a stream that opens with `start`, if it is: it is a
-/// second `start`, or it comes before the first and is not a keep-alive (decision 44).
-/// `opened` says whether `start` has come, and is set by it.
-fn misplaced(seen: &Seen, opened: &mut bool, start: &str, event: &SseEvent) -> Option<String> {
-    if seen.starts_stream {
-        return std::mem::replace(opened, true).then(|| {
-            format!(
-                "the provider stream sent a second `{start}`: {}",
-                excerpt(event.data.as_bytes())
-            )
-        });
-    }
-    (!*opened && !seen.keepalive).then(|| {
-        format!(
-            "the provider stream began with an event other than `{start}`: {}",
-            excerpt(event.data.as_bytes())
-        )
-    })
+/// Checks that `event` (`seen`) keeps the order of a stream that has an opening event
+/// ([`Route::stream_start_name`]): `Err` with the reason when it is a second opening event, or
+/// comes before the first and is neither a keep-alive nor an error (decision 44). `opened`
+/// says whether the opening event has come, and is set by it.
+fn in_order(route: Route, seen: &Seen, opened: &mut bool, event: &SseEvent) -> Result<(), String> {
+    let Some(start) = route.stream_start_name() else {
+        return Ok(());
+    };
+    let why = if seen.starts_stream {
+        if !std::mem::replace(opened, true) {
+            return Ok(());
+        }
+        "sent a second"
+    } else if *opened || seen.keepalive || seen.error {
+        return Ok(());
+    } else {
+        "began with an event other than"
+    };
+    Err(format!(
+        "the provider stream {why} `{start}`: {}",
+        excerpt(event.data.as_bytes())
+    ))
 }
 
 /// Whether a `content-type` value names an event stream (`text/event-stream`, any parameters).
@@ -1041,17 +1039,14 @@ mod tests {
         );
     }
 
-    /// The events of one stream, in order, through [`misplaced`]: the reason of the first one
+    /// The events of one stream, in order, through [`in_order`]: the reason of the first one
     /// out of place, if any.
     fn first_misplaced(route: Route, events: &[(Option<&str>, &str)]) -> Option<String> {
-        let start = route.stream_start_name()?;
         let mut opened = false;
         events.iter().find_map(|(name, data)| {
             let event = event(*name, data);
             let seen = inspect_event(route, &event).expect("valid event");
-            (!seen.error)
-                .then(|| misplaced(&seen, &mut opened, start, &event))
-                .flatten()
+            in_order(route, &seen, &mut opened, &event).err()
         })
     }
 

@@ -115,9 +115,10 @@ fn each_invalid_configuration_fails_start_up_with_exit_2_and_one_line_naming_the
 }
 
 /// A backend whose `api_key_env` names an unset variable starts (a local server needs no key),
-/// with one warning naming the backend and the variable; a set one gets none.
+/// with one warning naming the backend and the variable; a set one gets none, and its key is
+/// not logged (IN-3).
 #[tokio::test]
-async fn a_backend_whose_key_variable_is_unset_starts_with_a_warning_naming_it() {
+async fn a_backend_whose_key_variable_is_unset_starts_with_a_warning_naming_it_in3() {
     let mock = start_mock(MockConfig::default()).await;
     let dir = tempfile::tempdir().unwrap();
     let toml = format!(
@@ -152,6 +153,7 @@ api_key_env = "PROVIDER_KEY_SET_IN_THIS_TEST"
             && warnings[0].contains("keyless"),
         "{log}"
     );
+    assert!(!log.contains("sk-test"), "the set key is not logged: {log}");
     drop(node);
     mock.shutdown().await;
 }
