@@ -778,9 +778,10 @@ pub fn fds(pid: u32) -> usize {
 pub struct FdKinds {
     /// TCP connections and listeners (`socket:[…]`).
     pub sockets: u64,
-    /// Files under the directory asked about: the database, its WAL and shared memory.
+    /// Files under the directory asked about (for a node: its database, WAL, shared memory,
+    /// lock file and log).
     pub files: u64,
-    /// Everything else: pipes, eventfds, epoll, the log, `/dev/null`.
+    /// Everything else: pipes, eventfds, epoll, `/dev/null`.
     pub other: u64,
 }
 

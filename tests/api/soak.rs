@@ -17,10 +17,10 @@
 //!   the SQLite store's connections can hold; sockets never above those before the traffic + 2 ×
 //!   the peak of operations in flight + [`SOCKET_SLACK`] (a client connection and an upstream
 //!   connection per operation at most, kept alive: both pools only grow to the concurrency they
-//!   saw); and the rest (pipes,
-//!   eventfds, epoll, `/dev/null`) peaks in the last third ≤ its peak in the middle third +
-//!   [`OTHER_FD_GROWTH`]. A leak of one fd in a hundred operations breaks one of them; a
-//!   stall that lets operations pile up (more connections, more read connections) does not;
+//!   saw); and the rest (pipes, eventfds, epoll, `/dev/null`) peaks in the last third ≤ its
+//!   peak in the middle third + [`OTHER_FD_GROWTH`]. A leak of one fd in a hundred operations
+//!   breaks one of them; a stall that lets operations pile up (more connections, more read
+//!   connections) does not;
 //! - WAL never above [`WAL_MAX_MIB`];
 //! - database file: peak in the last third ≤ [`DB_GROWTH_FACTOR`] × peak in the middle third,
 //!   plus 1 MiB (pruning frees pages the next writes reuse); requests in the log never above
