@@ -490,6 +490,22 @@ fn answer_rows() -> Vec<AnswerRow> {
             },
         },
         AnswerRow {
+            // Reading stops at the final event (LC-7): what follows it in the same read neither
+            // fails nor re-runs (a second bill for) an answer the provider completed.
+            name: "responses stream: the final event, then an error event in the same read",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                &(responses_events_ending("response.incomplete")
+                    + "event: error\ndata: {\"type\":\"error\",\"code\":\"server_error\",\"message\":\"late\",\"sequence_number\":4}\n\n"),
+                false,
+            )),
+            path: "/v1/responses",
+            stream: true,
+            expect: Succeeded {
+                terminal: "response.incomplete",
+            },
+        },
+        AnswerRow {
             name: "responses stream: content events, then the provider's response.failed",
             provider: Provider::Raw(raw_200(
                 "text/event-stream",

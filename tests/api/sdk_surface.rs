@@ -314,6 +314,46 @@ async fn unknown_response_ids_go_to_the_backend_and_another_namespaces_are_404()
     app.stop().await;
 }
 
+/// A background Responses call (`"background": true`) is answered at once with the response
+/// `queued`: the provider finishes it, so its id is not recorded and retrieving or cancelling it
+/// reaches the provider, never a stale `queued` object from the log (RD-8, decision 46).
+#[tokio::test]
+async fn a_background_responses_id_is_the_providers_to_retrieve_and_cancel_rd8_decision46() {
+    let queued =
+        r#"{"id":"resp_bg_1","object":"response","status":"queued","background":true,"output":[]}"#;
+    let raw = RawProvider::start(raw_200("application/json", queued, false)).await;
+    let url = raw.base_url();
+    let app = spawn_app(MockConfig::default(), move |c| use_backend_url(c, &url)).await;
+    let body = r#"{"model":"gpt-4o-mini","input":"run in the background","background":true}"#;
+    let r = app.post("/v1/responses", body, &[]).await;
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["status"], "queued", "{answer}");
+    assert_eq!(raw.calls(), 1);
+    // An SDK's retry of the same call is still the one background job.
+    let again = app.post("/v1/responses", body, &[]).await;
+    assert_eq!(header(&again, "idempotent-replayed"), "true");
+    assert_eq!(raw.calls(), 1);
+
+    let r = app
+        .http
+        .get(format!("{}/v1/responses/resp_bg_1", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(raw.calls(), 2, "the retrieval went to the provider");
+    let r = app
+        .http
+        .post(format!("{}/v1/responses/resp_bg_1/cancel", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(raw.calls(), 3, "so did the cancel");
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn langchain_python_chat_openai_retries_attach_to_one_upstream_call() {
     require_python(&["langchain_openai"]);
