@@ -179,31 +179,99 @@ async fn pass_through(
     .await
 }
 
-/// The seq after which attempt `attempt`'s chunks start: its `reset` chunk, or 0 for the first
-/// attempt that stored anything.
-async fn attempt_start(state: &AppState, id: Uuid, attempt: u32) -> Result<i64, Response> {
+/// What a request's chunk log says of its attempts, read in seq order. A `reset` chunk carries
+/// the number of the attempt expected next, but that attempt may store nothing (a 5xx, a lease
+/// lost before its first event) and a later one streams instead, so an attempt is known by its
+/// own data chunks: its events begin after the latest `reset` before the first of them.
+#[derive(Default)]
+struct AttemptLog {
+    /// The seq of the latest `reset` chunk read.
+    latest_reset: i64,
+    /// The seq each attempt that stored events begins after.
+    starts: HashMap<u32, i64>,
+    /// The attempt of the latest data chunk read.
+    latest_attempt: Option<u32>,
+    /// The `response` member of each attempt's latest lifecycle event (`response.created`,
+    /// `.in_progress`, `.completed`, ...).
+    objects: HashMap<u32, Value>,
+}
+
+impl AttemptLog {
+    fn read(&mut self, chunk: &Chunk) {
+        #[derive(serde::Deserialize)]
+        struct Lifecycle {
+            response: Option<Value>,
+        }
+        match chunk.kind {
+            ChunkKind::Reset => self.latest_reset = chunk.seq,
+            ChunkKind::Data => {
+                self.starts
+                    .entry(chunk.attempt)
+                    .or_insert(self.latest_reset);
+                self.latest_attempt = Some(chunk.attempt);
+                // Only lifecycle events carry the object; skip the rest without parsing them.
+                if chunk.data.contains("\"response\"")
+                    && let Ok(Lifecycle {
+                        response: Some(object @ Value::Object(_)),
+                    }) = serde_json::from_str(&chunk.data)
+                {
+                    self.objects.insert(chunk.attempt, object);
+                }
+            }
+            ChunkKind::End => {}
+        }
+    }
+
+    /// The seq after which attempt `attempt`'s events begin; for an attempt that stored none,
+    /// the latest reset (what comes next).
+    fn start_of(&self, attempt: u32) -> i64 {
+        self.starts
+            .get(&attempt)
+            .copied()
+            .unwrap_or(self.latest_reset)
+    }
+
+    /// The response object a retrieval of attempt `attempt`'s id answers with: the latest
+    /// attempt's once a later one has described its response (a poller of an abandoned
+    /// attempt's id follows the request to its answer), else the attempt's own.
+    fn object_for(&self, attempt: u32) -> Option<&Value> {
+        self.latest_attempt
+            .filter(|latest| *latest > attempt)
+            .and_then(|latest| self.objects.get(&latest))
+            .or_else(|| self.objects.get(&attempt))
+    }
+}
+
+/// Reads request `id`'s chunk log from its start into `log`, a page at a time, until `enough`
+/// says so or the log ends.
+async fn read_log(
+    state: &AppState,
+    id: Uuid,
+    log: &mut AttemptLog,
+    enough: impl Fn(&AttemptLog) -> bool,
+) -> Result<(), Response> {
     let mut after = 0;
-    let mut start = 0;
     loop {
         let page = state
             .store
             .chunks_after(id, after, PAGE)
             .await
             .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
-        let full = page.len() as i64 == PAGE;
         for chunk in &page {
             after = chunk.seq;
-            if chunk.kind == ChunkKind::Reset && chunk.attempt == attempt {
-                start = chunk.seq;
-            }
-            if chunk.kind == ChunkKind::Data && chunk.attempt > attempt {
-                return Ok(start);
-            }
+            log.read(chunk);
         }
-        if !full {
-            return Ok(start);
+        if page.len() < PAGE as usize || enough(log) {
+            return Ok(());
         }
     }
+}
+
+/// The seq after which attempt `attempt`'s chunks start ([`AttemptLog::start_of`]).
+async fn attempt_start(state: &AppState, id: Uuid, attempt: u32) -> Result<i64, Response> {
+    let mut log = AttemptLog::default();
+    read_log(state, id, &mut log, |log| log.starts.contains_key(&attempt)).await?;
+    Ok(log.start_of(attempt))
 }
 
 /// The events of the attempt that starts after `start`, as the provider sent them (RS-4): those
@@ -272,17 +340,11 @@ async fn response_object(
     attempt: u32,
 ) -> Result<Value, Response> {
     let mut object = if record.stream {
-        // An id of an attempt that was abandoned (LC-8) answers with the request's current
+        // An id of an attempt that was abandoned (LC-8) answers with the request's latest
         // attempt's response once that has one: a poller follows the request to its answer.
-        let current = current_attempt(state, record).await?;
-        let mut object = Value::Null;
-        if current > attempt {
-            object = latest_streamed_object(state, record.id, current).await?;
-        }
-        if object.is_null() {
-            object = latest_streamed_object(state, record.id, attempt).await?;
-        }
-        object
+        let mut log = AttemptLog::default();
+        read_log(state, record.id, &mut log, |_| false).await?;
+        log.object_for(attempt).cloned().unwrap_or(Value::Null)
     } else {
         record
             .response_body
@@ -310,61 +372,67 @@ async fn response_object(
     Ok(object)
 }
 
-/// The attempt the request's chunk log now belongs to: the one after its latest `reset`, else
-/// the first.
-async fn current_attempt(state: &AppState, record: &RequestRecord) -> Result<u32, Response> {
-    if record.reset_seq == 0 {
-        return Ok(1);
-    }
-    let reset = state
-        .store
-        .chunks_after(record.id, record.reset_seq - 1, 1)
-        .await
-        .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
-    Ok(reset.first().map_or(1, |c| c.attempt))
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// The `response` member of the last lifecycle event (`response.created`, `.in_progress`,
-/// `.completed`, ...) attempt `attempt` stored.
-async fn latest_streamed_object(
-    state: &AppState,
-    id: Uuid,
-    attempt: u32,
-) -> Result<Value, Response> {
-    #[derive(serde::Deserialize)]
-    struct Lifecycle {
-        response: Option<Value>,
+    fn chunk(seq: i64, attempt: u32, kind: ChunkKind, data: &str) -> Chunk {
+        Chunk {
+            seq,
+            attempt,
+            kind,
+            event: None,
+            data: data.into(),
+        }
     }
-    let mut latest = Value::Null;
-    let mut after = attempt_start(state, id, attempt).await?;
-    loop {
-        let page = state
-            .store
-            .chunks_after(id, after, PAGE)
-            .await
-            .map_err(|e| ApiError::store(SHAPE, &e).into_response())?;
-        let full = page.len() as i64 == PAGE;
-        for chunk in &page {
-            after = chunk.seq;
-            if chunk.kind != ChunkKind::Data || chunk.attempt != attempt {
-                if chunk.kind == ChunkKind::Reset {
-                    return Ok(latest);
-                }
-                continue;
+
+    fn created(id: &str, status: &str) -> String {
+        json!({"type": "response.created", "response": {"id": id, "status": status}}).to_string()
+    }
+
+    /// Attempt 1 streamed and was abandoned (its reset names attempt 2), attempt 2 stored
+    /// nothing (a 503), attempt 3 answered: each id finds its own attempt's events, and the
+    /// abandoned id answers with attempt 3's response (LC-8, RD-6, decision 25).
+    #[test]
+    fn an_attempt_that_stored_nothing_after_a_reset_does_not_hide_the_next_one_lc8_rd6() {
+        let log_of = |chunks: &[Chunk]| {
+            let mut log = AttemptLog::default();
+            for c in chunks {
+                log.read(c);
             }
-            // Only lifecycle events carry the object; skip the rest without parsing them.
-            if !chunk.data.contains("\"response\"") {
-                continue;
-            }
-            if let Ok(Lifecycle {
-                response: Some(object),
-            }) = serde_json::from_str(&chunk.data)
-            {
-                latest = object;
-            }
-        }
-        if !full {
-            return Ok(latest);
-        }
+            log
+        };
+        let chunks = [
+            chunk(1, 1, ChunkKind::Data, &created("resp_a", "in_progress")),
+            chunk(
+                2,
+                1,
+                ChunkKind::Data,
+                r#"{"type":"response.output_text.delta"}"#,
+            ),
+            chunk(3, 2, ChunkKind::Reset, "2"),
+            chunk(4, 3, ChunkKind::Data, &created("resp_b", "in_progress")),
+            chunk(5, 3, ChunkKind::Data, &created("resp_b", "completed")),
+            chunk(6, 3, ChunkKind::End, r#"{"status":"succeeded"}"#),
+        ];
+        let log = log_of(&chunks);
+        assert_eq!(log.start_of(1), 0);
+        assert_eq!(log.start_of(3), 3, "attempt 3's events follow the reset");
+        assert_eq!(log.object_for(3).unwrap()["id"], "resp_b");
+        assert_eq!(log.object_for(3).unwrap()["status"], "completed");
+        assert_eq!(
+            log.object_for(1).unwrap()["id"],
+            "resp_b",
+            "the abandoned id follows the request to its answer"
+        );
+
+        // While the next attempt has described nothing, the abandoned id keeps its own object.
+        let log = log_of(&chunks[..3]);
+        assert_eq!(log.object_for(1).unwrap()["id"], "resp_a");
+        assert_eq!(
+            log.start_of(2),
+            3,
+            "an attempt yet to store begins after the reset"
+        );
     }
 }

@@ -461,6 +461,89 @@ async fn a_response_id_of_an_abandoned_attempt_points_to_the_request_and_never_s
     mock.shutdown().await;
 }
 
+/// RD-8 across an attempt that stored nothing: attempt 1 streams and is SIGKILLed (a reset
+/// naming attempt 2 follows its events), attempt 2 gets a 503, attempt 3 answers. Each id is
+/// served from its own attempt's events, and the abandoned id follows the request to attempt 3's
+/// completed response, never to attempt 1's `in_progress` one (LC-8, RD-6, decision 25).
+#[tokio::test]
+async fn a_response_id_is_served_from_its_own_attempt_after_an_attempt_that_stored_nothing_lc8_rd8()
+{
+    let mock = start_mock(MockConfig {
+        chunks: 30,
+        chunk_delay_ms: 60,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = config_toml(dir.path(), &mock.base_url());
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let body = r#"{"model":"gpt-4o-mini","input":"a 503 between two attempts","stream":true}"#;
+    let mut response = http
+        .post(format!("{}/v1/responses", first.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let id = header(&response, "holdfast-request-id");
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut events = Vec::new();
+    while events.len() < 4 {
+        events.extend(
+            parser
+                .push(&response.chunk().await.unwrap().unwrap())
+                .unwrap(),
+        );
+    }
+    let old: Value = serde_json::from_str(&events[0].data).unwrap();
+    let old_id = old["response"]["id"].as_str().unwrap().to_string();
+    first.kill9();
+    drop(response);
+
+    // The next call fails with a 503 before any event; the one after answers.
+    mock.set_config(MockConfig {
+        chunks: 5,
+        fail_first: 1,
+        fail_status: 503,
+        ..MockConfig::default()
+    });
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["attempts"], 3, "the 503 was an attempt: {record}");
+
+    let followed = get_json(&http, &format!("{}/v1/responses/{old_id}", second.base)).await;
+    assert_eq!(followed["status"], "completed", "{followed}");
+    let new_id = followed["id"].as_str().unwrap().to_string();
+    assert_ne!(new_id, old_id, "the latest attempt's response: {followed}");
+
+    let own = get_json(&http, &format!("{}/v1/responses/{new_id}", second.base)).await;
+    assert_eq!(own["id"], new_id.as_str(), "{own}");
+    assert_eq!(own["status"], "completed", "{own}");
+
+    let r = http
+        .get(format!("{}/v1/responses/{new_id}?stream=true", second.base))
+        .send()
+        .await
+        .unwrap();
+    let (text, replay) = read_events(r).await;
+    assert_eq!(
+        replay.last().and_then(|e| e.event.as_deref()),
+        Some("response.completed"),
+        "{text}"
+    );
+    assert!(
+        replay.iter().all(|e| {
+            let v: Value = serde_json::from_str(&e.data).unwrap();
+            v["response"]["id"].as_str().is_none_or(|r| r == new_id)
+        }),
+        "only the answering attempt's events: {text}"
+    );
+    drop(second);
+    mock.shutdown().await;
+}
+
 /// Usage ledger across a crash (docs/usage.md): a Messages stream SIGKILLed after
 /// `message_start` reported its input tokens re-runs; the record counts both attempts' usage
 /// and shows each attempt's (the first was billed for its input).
