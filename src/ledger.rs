@@ -75,6 +75,8 @@ pub(crate) fn count_saved(
     if calls == 0 {
         return;
     }
+    metrics::counter!(metrics_names::SAVED_CALLS, "backend" => backend.to_string(), "model" => label.to_string())
+        .increment(calls);
     let saved = usage.times(calls);
     count_tokens(metrics_names::SAVED_TOKENS, backend, label, &saved);
     if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, &saved)) {

@@ -338,11 +338,16 @@ pub(super) async fn cancel(
         Err(e) => return e.into_response(),
     };
     let not_found = || ApiError::not_found(shape, format!("no request {id}")).into_response();
-    match state.workers.cancel(&record.namespace, record.id).await {
-        Ok(Some(record)) => {
-            axum::Json(RecordView::new(&record, &state.config, None)).into_response()
+    let record = match state.workers.cancel(&record.namespace, record.id).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return not_found(),
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
+    // The full record, as `GET /requests/{id}` shows it: every attempt's usage summed.
+    match state.store.attempt_usage(record.id).await {
+        Ok(by_attempt) => {
+            axum::Json(RecordView::new(&record, &state.config, Some(by_attempt))).into_response()
         }
-        Ok(None) => not_found(),
         Err(e) => ApiError::store(shape, &e).into_response(),
     }
 }

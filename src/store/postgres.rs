@@ -1938,12 +1938,13 @@ impl Store for PostgresStore {
                 .map_err(|_| StoreError::corrupt(Some(id), format!("attempts {attempts}")))?;
             match rules::expired(count, max_attempts, last_seq, reset_seq) {
                 Expired::Fail(error) => {
-                    sqlx::query(
+                    sqlx::query(concat!(
                         "UPDATE requests SET status = 'failed', error_type = $2,
                              error_message = $3, error_status = NULL, lease_owner = NULL,
-                             lease_expires_at = NULL, finished_at = $1, updated_at = $1
-                         WHERE id = $4",
-                    )
+                             lease_expires_at = NULL, finished_at = $1, updated_at = $1, ",
+                        usage_from_current_attempt!(),
+                        " WHERE id = $4"
+                    ))
                     .bind(now)
                     .bind(error.kind.as_str())
                     .bind(text(&error.message))
@@ -2123,13 +2124,14 @@ impl Store for PostgresStore {
         // A finish racing this waits for us (or we for it) on the row lock; the loser re-checks
         // its condition against the winner's row and changes nothing.
         let error = rules::cancelled();
-        let cancelled: Option<(String, i32)> = sqlx::query_as(
+        let cancelled: Option<(String, i32)> = sqlx::query_as(concat!(
             "UPDATE requests SET status = 'failed', error_type = $5,
                  error_message = $1, error_status = NULL,
-                 lease_owner = NULL, lease_expires_at = NULL, finished_at = $2, updated_at = $2
-             WHERE id = $3 AND namespace = $4 AND status IN ('pending', 'running')
-             RETURNING claim_kind, attempts",
-        )
+                 lease_owner = NULL, lease_expires_at = NULL, finished_at = $2, updated_at = $2, ",
+            usage_from_current_attempt!(),
+            " WHERE id = $3 AND namespace = $4 AND status IN ('pending', 'running')
+             RETURNING claim_kind, attempts"
+        ))
         .bind(text(&error.message))
         .bind(now)
         .bind(id)

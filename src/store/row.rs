@@ -46,6 +46,42 @@ macro_rules! usage_assignments {
     };
 }
 
+/// A `SET` assignment of answer-usage column `usage_<kind>` from the current attempt's
+/// `attempt_usage` row, keeping what was stored where that row has nothing.
+macro_rules! current_attempt_usage {
+    ($kind:literal) => {
+        concat!(
+            "usage_",
+            $kind,
+            " = COALESCE((SELECT a.",
+            $kind,
+            " FROM attempt_usage a WHERE a.request_id = requests.id \
+             AND a.attempt = requests.attempts), usage_",
+            $kind,
+            ")"
+        )
+    };
+}
+
+/// `SET` assignments of the five answer-usage columns from the current attempt's reported usage,
+/// for a request settled without its attempt's outcome (cancelled, or failed by the sweep): the
+/// record shows what the provider reported before that, as `/usage` counts it (docs/usage.md).
+macro_rules! usage_from_current_attempt {
+    () => {
+        concat!(
+            current_attempt_usage!("input_tokens"),
+            ", ",
+            current_attempt_usage!("output_tokens"),
+            ", ",
+            current_attempt_usage!("cached_input_tokens"),
+            ", ",
+            current_attempt_usage!("cache_write_tokens"),
+            ", ",
+            current_attempt_usage!("reasoning_tokens")
+        )
+    };
+}
+
 /// Positions in [`request_columns!`], for adapters that read columns by index.
 pub(crate) mod col {
     pub(crate) const ID: usize = 0;

@@ -1067,12 +1067,13 @@ fn sweep_in(
             .map_err(|_| StoreError::corrupt(request, format!("attempts {attempts}")))?;
         match rules::expired(attempts, max_attempts, last_seq, reset_seq) {
             Expired::Fail(error) => {
-                conn.prepare_cached(
+                conn.prepare_cached(concat!(
                     "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
                          error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = ?1, updated_at = ?1
-                     WHERE id = ?4",
-                )?
+                         finished_at = ?1, updated_at = ?1, ",
+                    usage_from_current_attempt!(),
+                    " WHERE id = ?4"
+                ))?
                 .execute(params![now, error.kind.as_str(), error.message, id])?;
                 let settle = rules::settle(Status::Failed, Some(&error), claim);
                 settle_in(conn, &id, i64::from(attempts), &settle, None)?;
@@ -1262,13 +1263,14 @@ fn cancel_in(
 ) -> Result<Option<RequestRecord>, StoreError> {
     let error = rules::cancelled();
     let cancelled: Option<(String, i64)> = conn
-        .prepare_cached(
+        .prepare_cached(concat!(
             "UPDATE requests SET status = 'failed', error_type = ?4,
                  error_message = ?5, error_status = NULL,
-                 lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1
-             WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
-             RETURNING claim_kind, attempts",
-        )?
+                 lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1, ",
+            usage_from_current_attempt!(),
+            " WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
+             RETURNING claim_kind, attempts"
+        ))?
         .query_row(
             params![now, id, namespace, error.kind.as_str(), error.message],
             |r| Ok((r.get(0)?, r.get(1)?)),

@@ -171,9 +171,10 @@ impl WorkerPool {
         self.answers.remember(claim, record);
     }
 
-    /// Counts a delivery that attached or replayed (docs/usage.md): a saved call when the
-    /// request's deliveries now exceed its attempts; a replay's saved tokens are known at once,
-    /// an attachment's when the request finishes.
+    /// Counts a delivery that attached or replayed (docs/usage.md). A replay of a finished
+    /// request whose deliveries now exceed its attempts is a saved call, counted at once with
+    /// its tokens; an attachment is counted when the request finishes, since an attempt after it
+    /// (a retry, a recovery) can still spend the call it seemed to save.
     ///
     /// The ledger's write runs on its own, after the answer: a duplicate is answered even when
     /// nothing can be written (a full disk), uncounted then.
@@ -190,13 +191,7 @@ impl WorkerPool {
                 warn!(%id, error = %e, "could not count a delivery");
             }
         });
-        if record.deliveries() <= record.attempts {
-            return;
-        }
-        let model = record.model.clone().unwrap_or_default();
-        metrics::counter!(m::SAVED_CALLS, "backend" => record.backend.clone(), "model" => model)
-            .increment(1);
-        if record.status.is_terminal() {
+        if replayed && record.deliveries() > record.attempts {
             crate::ledger::count_saved(
                 &self.config,
                 &record.backend,
@@ -226,6 +221,14 @@ impl WorkerPool {
             && r.finished_at == Some(now)
         {
             attempt::log_finished(r);
+            // Deliveries that attached while it ran saved what the attempts did not spend.
+            crate::ledger::count_saved(
+                &self.config,
+                &r.backend,
+                r.model.as_deref(),
+                u64::from(r.saved_calls_while_running()),
+                &r.usage,
+            );
         }
         if record.is_some() {
             let running = self.running.lock().unwrap_or_else(|e| e.into_inner());

@@ -423,3 +423,129 @@ async fn usage_survives_a_restart_groups_every_way_and_stays_in_its_namespace() 
     drop(node);
     mock.shutdown().await;
 }
+
+/// `holdfast_saved_calls_total` counts an attachment when its request finishes, not when it
+/// attaches: here the attached delivery's call was spent after all by a retry (attempt 1 got a
+/// 503), so nothing was saved until a replay (docs/usage.md).
+#[tokio::test]
+async fn an_attachment_whose_call_a_retry_spent_is_not_counted_as_a_saved_call() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 1_000,
+            fail_first: 1,
+            fail_status: 503,
+            ..MockConfig::default()
+        },
+        |c| {
+            c.prices = vec![price("mock-openai", "gpt-4o-*")];
+            c.workers.backoff_initial_ms = 20;
+        },
+    )
+    .await;
+    let body = chat_body("attached, then retried");
+    let id = submit_async(&app.http, &app.base, body.clone()).await;
+    let attached = {
+        let (http, url, body) = (
+            app.http.clone(),
+            format!("{}/v1/chat/completions", app.base),
+            body.clone(),
+        );
+        tokio::spawn(async move {
+            let r = http
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (r.status(), r.bytes().await.unwrap())
+        })
+    };
+    wait_deliveries(&app.base, &id, None, 2).await;
+    let record = get_record(&app.http, &app.base, &id).await;
+    assert_eq!(
+        record["attempts"], 1,
+        "the duplicate attached during the first attempt: {record}"
+    );
+    let (status, _) = attached.await.unwrap();
+    assert_eq!(status, 200);
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["attempts"], 2, "{record}");
+    assert_eq!(record["saved_calls"], 0, "{record}");
+    let labels = r#"backend="mock-openai",model="gpt-4o-mini""#;
+    let page = app.metrics_text().await;
+    assert_eq!(
+        metric(&page, "holdfast_saved_calls_total", labels),
+        0.0,
+        "{page}"
+    );
+
+    // A replay of the finished request is a call saved.
+    let r = app.post("/v1/chat/completions", body, &[]).await;
+    assert_eq!(header(&r, "idempotent-replayed"), "true");
+    let page = app.metrics_text().await;
+    assert_eq!(
+        metric(&page, "holdfast_saved_calls_total", labels),
+        1.0,
+        "{page}"
+    );
+    let record = get_record(&app.http, &app.base, &id).await;
+    assert_eq!(record["saved_calls"], 1, "{record}");
+    app.stop().await;
+}
+
+/// A stream cancelled after `message_start` reported its input tokens: the cancel's answer, the
+/// list and `/usage` all show what the provider billed, priced (LC-9, docs/usage.md).
+#[tokio::test]
+async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_list_and_usage_lc9()
+{
+    let app = spawn_app(
+        MockConfig {
+            chunks: 100,
+            chunk_delay_ms: 50,
+            ..MockConfig::default()
+        },
+        |c| c.prices = vec![price("mock-anthropic", "claude-*")],
+    )
+    .await;
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"cancel me once billed"}]}"#;
+    let mut r = app.post("/v1/messages", body, &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut events = Vec::new();
+    while events.len() < 3 {
+        events.extend(parser.push(&r.chunk().await.unwrap().unwrap()).unwrap());
+    }
+    let cancelled: Value = app
+        .http
+        .post(format!("{}/requests/{id}/cancel", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cancelled["error"]["type"], "cancelled", "{cancelled}");
+    let input = cancelled["usage"]["input_tokens"].as_u64();
+    assert!(input > Some(0), "the billed input: {cancelled}");
+    assert!(cancelled["cost_usd"].as_f64() > Some(0.0), "{cancelled}");
+    assert_eq!(
+        cancelled["usage_by_attempt"][0]["input_tokens"].as_u64(),
+        input,
+        "{cancelled}"
+    );
+
+    let list = json_get(&app.http, format!("{}/requests", app.base), None).await;
+    let listed = &list["data"][0];
+    assert_eq!(listed["id"], id.as_str(), "{list}");
+    assert_eq!(listed["usage"]["input_tokens"].as_u64(), input, "{listed}");
+    assert_eq!(listed["cost_usd"], cancelled["cost_usd"], "{listed}");
+    let usage = json_get(&app.http, format!("{}/usage", app.base), None).await;
+    assert_eq!(
+        usage["totals"]["usage"]["input_tokens"].as_u64(),
+        input,
+        "{usage}"
+    );
+    drop(r);
+    app.stop().await;
+}
