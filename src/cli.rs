@@ -88,19 +88,11 @@ impl Client {
             .bytes()
             .await
             .map_err(|e| fail(format!("holdfast's answer broke off: {e}")))?;
-        let body: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| fail(format!("holdfast answered {status} without JSON: {e}")))?;
         if !status.is_success() {
-            let message = body["error"]["message"].as_str().unwrap_or("no message");
-            let hint = if status == reqwest::StatusCode::UNAUTHORIZED {
-                " (the CLI sends the key given with --api-key or HOLDFAST_API_KEY, else the \
-                 first admin key of the --config file that names the server)"
-            } else {
-                ""
-            };
-            return Err(fail(format!("holdfast answered {status}: {message}{hint}")));
+            return Err(refused(status, &bytes));
         }
-        Ok(body)
+        serde_json::from_slice(&bytes)
+            .map_err(|e| fail(format!("holdfast answered {status} without JSON: {e}")))
     }
 
     /// `holdfast requests list`.
@@ -315,8 +307,8 @@ impl Client {
     /// seq seen (`Last-Event-ID`), a server restart included, for up to `patience`.
     ///
     /// # Errors
-    /// [`CliError`] when there is no such request, or the server stays unreachable for longer
-    /// than `patience`.
+    /// [`CliError`] when there is no such request, the server refuses the call (a 4xx: a wrong
+    /// key, a bad `--from`), or it stays unreachable for longer than `patience`.
     pub async fn tail(
         &self,
         id: &str,
@@ -341,6 +333,12 @@ impl Client {
                 Ok(r) if r.status() == reqwest::StatusCode::NO_CONTENT => return Ok(()),
                 Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
                     return Err(fail(format!("no request {id}")));
+                }
+                Ok(r) if r.status().is_client_error() => {
+                    // A wrong key or a bad --from: asking again cannot change the answer.
+                    let status = r.status();
+                    let bytes = r.bytes().await.unwrap_or_default();
+                    return Err(refused(status, &bytes));
                 }
                 Ok(r) if !r.status().is_success() => {
                     // A server restarting answers errors for a moment: resume.
@@ -405,6 +403,20 @@ impl Client {
     }
 }
 
+/// A refusal from holdfast (status `status`, body `body`): its message, and for a 401 where the
+/// CLI's key came from.
+fn refused(status: reqwest::StatusCode, body: &[u8]) -> CliError {
+    let body: Value = serde_json::from_slice(body).unwrap_or_default();
+    let message = body["error"]["message"].as_str().unwrap_or("no message");
+    let hint = if status == reqwest::StatusCode::UNAUTHORIZED {
+        " (the CLI sends the key given with --api-key or HOLDFAST_API_KEY, else the first admin \
+         key of the --config file that names the server)"
+    } else {
+        ""
+    };
+    fail(format!("holdfast answered {status}: {message}{hint}"))
+}
+
 fn io(e: std::io::Error) -> CliError {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
         return CliError::OutputClosed;
@@ -429,10 +441,25 @@ fn text(value: &Value) -> String {
     }
 }
 
+/// Dollars to six significant digits, never in exponent form: a call of a cheap model costs
+/// millionths of a dollar, which a fixed number of decimals would print as `$0.000000`.
 fn usd(value: &Value) -> String {
-    value
-        .as_f64()
-        .map_or_else(|| "-".into(), |v| format!("${v:.6}"))
+    let Some(v) = value.as_f64() else {
+        return "-".into();
+    };
+    if v == 0.0 || !v.is_finite() {
+        return format!("${v}");
+    }
+    // Digits after the point that keep six significant ones (at most 15: below that is noise).
+    let magnitude = v.abs().log10().floor();
+    let decimals = (5.0 - magnitude).clamp(0.0, 15.0) as usize;
+    let fixed = format!("{v:.decimals$}");
+    let trimmed = if fixed.contains('.') {
+        fixed.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &fixed
+    };
+    format!("${trimmed}")
 }
 
 fn print_table(out: &mut impl Write, head: &[&str], rows: &[Vec<String>]) -> Result<(), CliError> {
@@ -457,4 +484,23 @@ fn print_table(out: &mut impl Write, head: &[&str], rows: &[Vec<String>]) -> Res
         writeln!(out, "{}", line(row.iter().map(String::as_str).collect())).map_err(io)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::usd;
+
+    #[test]
+    fn costs_print_six_significant_digits_never_a_false_zero() {
+        assert_eq!(usd(&json!(1e-7)), "$0.0000001");
+        assert_eq!(usd(&json!(0.000_005_7)), "$0.0000057");
+        assert_eq!(usd(&json!(0.000_017_1)), "$0.0000171");
+        assert_eq!(usd(&json!(12.345_678_9)), "$12.3457");
+        assert_eq!(usd(&json!(0.5)), "$0.5");
+        assert_eq!(usd(&json!(1_234_567.0)), "$1234567");
+        assert_eq!(usd(&json!(0.0)), "$0");
+        assert_eq!(usd(&json!(null)), "-");
+    }
 }

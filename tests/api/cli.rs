@@ -153,6 +153,25 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
         out.trim(),
         format!("{first} succeeded (already finished: nothing cancelled)")
     );
+    // A refusal ends `tail` at once with the server's message: a wrong key cannot start working
+    // by asking again, unlike a node restarting (5xx, no connection).
+    let tail_with = |key: &str, extra: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["requests", "tail", first.as_str(), "--patience-secs", "5"];
+        args.extend_from_slice(extra);
+        run_holdfast(
+            dir.path(),
+            &args,
+            &[("HOLDFAST_URL", &node.base), ("HOLDFAST_API_KEY", key)],
+        )
+    };
+    let (code, out, err) = tail_with("wrong-key", &[]);
+    assert_eq!(code, 1, "{out} {err}");
+    assert!(err.contains("401"), "the server's refusal: {err}");
+    assert!(!out.contains("resuming"), "no reconnect loop: {out}");
+    let (code, out, err) = tail_with("team-key", &["--from=-1"]);
+    assert_eq!(code, 1, "{out} {err}");
+    assert!(err.contains("400"), "the server's refusal: {err}");
     // Usage errors are 2; an unreachable server 1.
     let (code, _, _) = cli(&node.base, &["requests", "list", "--no-such-flag"]);
     assert_eq!(code, 2);
