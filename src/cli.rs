@@ -334,8 +334,12 @@ impl Client {
                 Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
                     return Err(fail(format!("no request {id}")));
                 }
-                Ok(r) if r.status().is_client_error() => {
-                    // A wrong key or a bad --from: asking again cannot change the answer.
+                Ok(r)
+                    if r.status().is_client_error()
+                        && !matches!(r.status().as_u16(), 408 | 409 | 425 | 429) =>
+                {
+                    // A wrong key or a bad --from: asking again cannot change the answer (a
+                    // timeout, conflict or rate limit from a proxy in front may pass).
                     let status = r.status();
                     let bytes = r.bytes().await.unwrap_or_default();
                     return Err(refused(status, &bytes));

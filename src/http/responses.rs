@@ -89,14 +89,17 @@ pub(super) async fn retrieve(
             .into_response();
         }
     };
+    let path = format!(
+        "/responses/{response_id}{}",
+        uri.query().map(|q| format!("?{q}")).unwrap_or_default()
+    );
     let (record, attempt) = match locate(&state, &namespace, &response_id).await {
+        Ok(Located::Known(record, _)) if providers_to_finish(&record) => {
+            return pass_through(&state, &headers, Method::GET, &path, Some(&record.backend)).await;
+        }
         Ok(Located::Known(record, attempt)) => (record, attempt),
         Ok(Located::Unknown) => {
-            let path = format!(
-                "/responses/{response_id}{}",
-                uri.query().map(|q| format!("?{q}")).unwrap_or_default()
-            );
-            return pass_through(&state, &headers, Method::GET, &path).await;
+            return pass_through(&state, &headers, Method::GET, &path, None).await;
         }
         Err(response) => return response,
     };
@@ -132,11 +135,15 @@ pub(super) async fn cancel(
         Ok(ns) => ns,
         Err(e) => return e.into_response(),
     };
+    let path = format!("/responses/{response_id}/cancel");
     let (record, attempt) = match locate(&state, &namespace, &response_id).await {
+        Ok(Located::Known(record, _)) if providers_to_finish(&record) => {
+            return pass_through(&state, &headers, Method::POST, &path, Some(&record.backend))
+                .await;
+        }
         Ok(Located::Known(record, attempt)) => (record, attempt),
         Ok(Located::Unknown) => {
-            let path = format!("/responses/{response_id}/cancel");
-            return pass_through(&state, &headers, Method::POST, &path).await;
+            return pass_through(&state, &headers, Method::POST, &path, None).await;
         }
         Err(response) => return response,
     };
@@ -151,32 +158,51 @@ pub(super) async fn cancel(
     }
 }
 
-/// An id holdfast does not hold goes to the first OpenAI backend unchanged.
+/// A background response (`"background": true`) that the provider answered `queued` or
+/// `in_progress`: the provider finishes it, so its retrieval and cancel are the provider's to
+/// answer, at the backend that ran the request, where a stored answer would stay `queued`
+/// (decision 46).
+fn providers_to_finish(record: &RequestRecord) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Object<'a> {
+        #[serde(borrow)]
+        status: Option<std::borrow::Cow<'a, str>>,
+    }
+    !record.stream
+        && record.status == Status::Succeeded
+        && record
+            .response_body
+            .as_deref()
+            .and_then(|body| serde_json::from_slice::<Object<'_>>(body).ok())
+            .is_some_and(|o| matches!(o.status.as_deref(), Some("queued" | "in_progress")))
+}
+
+/// A call for a response the provider holds: to `backend`, or for an id holdfast does not
+/// hold, the first OpenAI backend; unchanged, with the backend's key.
 async fn pass_through(
     state: &AppState,
     headers: &HeaderMap,
     method: Method,
     path: &str,
+    backend: Option<&str>,
 ) -> Response {
-    let Some(backend) = state
-        .config
-        .backends
-        .iter()
-        .find(|b| b.kind == Route::OpenaiResponses.provider())
-    else {
-        return ApiError::not_found(SHAPE, "no backend serves /v1/responses").into_response();
+    let backend = match backend {
+        Some(name) => name,
+        None => match state
+            .config
+            .backends
+            .iter()
+            .find(|b| b.kind == Route::OpenaiResponses.provider())
+        {
+            Some(b) => b.name.as_str(),
+            None => {
+                return ApiError::not_found(SHAPE, "no backend serves /v1/responses")
+                    .into_response();
+            }
+        },
     };
     let forwarded = passthrough::client_headers(headers, SHAPE);
-    passthrough::relay(
-        state,
-        &backend.name,
-        SHAPE,
-        method,
-        path,
-        forwarded,
-        Bytes::new(),
-    )
-    .await
+    passthrough::relay(state, backend, SHAPE, method, path, forwarded, Bytes::new()).await
 }
 
 /// What a request's chunk log says of its attempts, read in seq order. A `reset` chunk carries

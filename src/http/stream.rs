@@ -62,7 +62,9 @@ pub(super) fn follow(
             if full {
                 continue;
             }
-            // Live from the hub until it skips ahead, says "changed", or goes quiet.
+            // Live from the hub until it skips ahead, says "changed", or goes quiet. The store
+            // is re-read after POLL without a chunk, however often keep-alives go out between.
+            let mut poll_at = tokio::time::Instant::now() + POLL;
             loop {
                 let keepalive_at = quiet_since + keepalive;
                 tokio::select! {
@@ -72,6 +74,7 @@ pub(super) fn follow(
                             pos = chunk.seq;
                             let end = chunk.kind == ChunkKind::End;
                             quiet_since = tokio::time::Instant::now();
+                            poll_at = quiet_since + POLL;
                             yield Followed::Chunk((*chunk).clone());
                             if end {
                                 return;
@@ -83,7 +86,7 @@ pub(super) fn follow(
                         quiet_since = tokio::time::Instant::now();
                         yield Followed::KeepAlive;
                     }
-                    () = tokio::time::sleep(POLL) => break,
+                    () = tokio::time::sleep_until(poll_at) => break,
                 }
             }
         }
@@ -179,4 +182,90 @@ where
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt;
+
+    use super::*;
+    use crate::config::SqliteSynchronous;
+    use crate::provider::Route;
+    use crate::store::sqlite::SqliteStore;
+    use crate::store::{ChunkBatch, ClaimKind, NewChunk, NewRequest, now_ms};
+
+    /// A reader re-reads the store at least every POLL without a chunk, however often its
+    /// keep-alives go out (here every 20 ms): a chunk whose hub event it never got — another
+    /// node's, whose NOTIFY was lost — still reaches it (RD-4, docs/postgres.md).
+    #[tokio::test]
+    async fn a_reader_whose_keepalives_are_frequent_still_polls_the_store_for_chunks_rd4() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let store: DynStore = Arc::new(
+            SqliteStore::open(&url, SqliteSynchronous::Normal)
+                .await
+                .expect("open"),
+        );
+        let now = now_ms();
+        let hash = [7u8; 32];
+        store
+            .submit(NewRequest {
+                id: Uuid::now_v7(),
+                namespace: "default".into(),
+                route: Route::OpenaiChat,
+                backend: "mock".into(),
+                model: None,
+                stream: true,
+                body: b"{}".to_vec(),
+                headers: Vec::new(),
+                hash,
+                claim: ClaimKind::BodyHash,
+                claim_key: hex::encode(hash),
+                claim_expires_at: now + 600_000,
+                now,
+            })
+            .await
+            .expect("submit");
+        let (lease, record) = store
+            .lease_many("node", now, 30_000, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased");
+        let items = follow(
+            Arc::clone(&store),
+            Hub::new(),
+            record.id,
+            0,
+            Duration::from_millis(20),
+        );
+        let mut items = std::pin::pin!(items);
+        // A first keep-alive: the reader read the (empty) log and waits live.
+        assert!(matches!(items.next().await, Some(Ok(Followed::KeepAlive))));
+        // Stored without a word to this node's hub.
+        let batch = ChunkBatch {
+            lease,
+            after: 0,
+            chunks: vec![NewChunk {
+                event: None,
+                data: "{}".into(),
+            }],
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        };
+        store.append_chunks(&[batch]).await.expect("append");
+        // POLL is 500 ms: 25 keep-alives at most before the re-read; 200 (4 s) bound the test.
+        for _ in 0..200 {
+            match items.next().await {
+                Some(Ok(Followed::KeepAlive)) => {}
+                Some(Ok(Followed::Chunk(chunk))) => {
+                    assert_eq!(chunk.seq, 1);
+                    return;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        panic!("the stored chunk never reached the reader");
+    }
 }

@@ -209,8 +209,6 @@ pub(crate) struct BodyParts<'a> {
     pub id: Option<&'a str>,
     /// The top-level `object`.
     pub object: Option<&'a str>,
-    /// The top-level `status` (a Responses object's: `completed`, `queued`, ...).
-    pub status: Option<&'a str>,
     /// The top-level `usage`, unparsed.
     pub usage: Option<&'a RawValue>,
 }

@@ -114,12 +114,9 @@ pub(super) fn answer_id_of_event(route: Route, event: &EventParts<'_>) -> Option
     response.id.map(std::borrow::Cow::into_owned)
 }
 
-/// A Responses body is the response object: `{"object": "response", "id": ...}`. A background
-/// response the provider has only queued or started (`"background": true`) is the provider's to
-/// finish, and its id is not recorded: its retrieval and cancel go to the provider (decision 46).
+/// A Responses body is the response object: `{"object": "response", "id": ...}`.
 pub(super) fn answer_id_of_body(route: Route, body: &BodyParts<'_>) -> Option<String> {
-    let unfinished = matches!(body.status, Some("queued" | "in_progress"));
-    (route == Route::OpenaiResponses && body.object == Some("response") && !unfinished)
+    (route == Route::OpenaiResponses && body.object == Some("response"))
         .then(|| body.id.map(str::to_owned))
         .flatten()
 }

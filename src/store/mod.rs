@@ -315,9 +315,10 @@ impl RequestRecord {
     }
 
     /// Provider calls deliveries beyond them did not make: deliveries minus attempts, when
-    /// positive (docs/usage.md).
+    /// positive (docs/usage.md). At least one attempt is subtracted: the submission that created
+    /// the request saved nothing, even when it was cancelled before any attempt ran.
     pub fn saved_calls(&self) -> u32 {
-        self.deliveries().saturating_sub(self.attempts)
+        self.deliveries().saturating_sub(self.attempts.max(1))
     }
 
     /// [`RequestRecord::saved_calls`] of the deliveries made while it ran: the first and the
@@ -325,7 +326,7 @@ impl RequestRecord {
     /// request counts only these (after a lost answer it may settle it late, replays already
     /// counted; decision 38).
     pub(crate) fn saved_calls_while_running(&self) -> u32 {
-        (1 + self.attached).saturating_sub(self.attempts)
+        (1 + self.attached).saturating_sub(self.attempts.max(1))
     }
 }
 
@@ -1052,7 +1053,22 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{RequestRecord, Status, redact_url};
+
+    /// docs/usage.md: deliveries beyond the attempts, at least one attempt subtracted, so a
+    /// request cancelled before it ran saved only its duplicates' calls.
+    #[test]
+    fn saved_calls_are_deliveries_beyond_the_attempts_never_the_first_submission() {
+        let mut r = RequestRecord::example(Status::Failed);
+        (r.attempts, r.attached, r.replayed) = (0, 0, 0);
+        assert_eq!((r.saved_calls(), r.saved_calls_while_running()), (0, 0));
+        r.attached = 2;
+        assert_eq!((r.saved_calls(), r.saved_calls_while_running()), (2, 2));
+        r.attempts = 3;
+        assert_eq!((r.saved_calls(), r.saved_calls_while_running()), (0, 0));
+        (r.attempts, r.replayed) = (1, 1);
+        assert_eq!((r.saved_calls(), r.saved_calls_while_running()), (3, 2));
+    }
 
     #[test]
     fn redact_url_hides_passwords_in_userinfo_and_query() {

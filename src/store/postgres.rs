@@ -105,6 +105,32 @@ pub const IDS_PER_NOTIFY: usize = 200;
 /// Pause before the listener reconnects after a failure.
 const LISTEN_RETRY: Duration = Duration::from_secs(1);
 
+/// Session settings of every connection, so that a node that vanishes without closing its
+/// sockets (power loss, a network partition) cannot hold row locks for the hours the OS's own
+/// keepalive takes: the server drops a connection idle inside a transaction for a minute (a
+/// group transaction runs its statements back to back) and probes a silent peer after 30 s, 3
+/// times 10 s apart. Set after connecting rather than as startup parameters, which connection
+/// poolers such as PgBouncer refuse (docs/postgres.md).
+const SESSION_SETTINGS: [&str; 4] = [
+    "SET idle_in_transaction_session_timeout = '60s'",
+    "SET tcp_keepalives_idle = 30",
+    "SET tcp_keepalives_interval = 10",
+    "SET tcp_keepalives_count = 3",
+];
+
+/// Applies [`SESSION_SETTINGS`] to a new connection.
+fn apply_session_settings<'c>(
+    conn: &'c mut PgConnection,
+    _: sqlx::pool::PoolConnectionMetadata,
+) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+    Box::pin(async move {
+        for setting in SESSION_SETTINGS {
+            conn.execute(setting).await?;
+        }
+        Ok(())
+    })
+}
+
 /// The shared store for several nodes.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
@@ -180,21 +206,19 @@ impl PostgresStore {
     /// As [`PostgresStore::open`].
     pub async fn open_with(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url)?.application_name("holdfast");
-        let listen_pool = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_lazy_with(options.clone().application_name("holdfast-listen"));
-        let writer_pool = PgPoolOptions::new()
-            .max_connections(WRITERS)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_lazy_with(options.clone().application_name("holdfast-writer"));
-        let append_pool = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_lazy_with(options.clone().application_name("holdfast-chunks"));
-        let pool = PgPoolOptions::new()
-            .max_connections(max_connections.max(1))
-            .acquire_timeout(Duration::from_secs(30))
+        let pool_of = |size: u32| {
+            PgPoolOptions::new()
+                .max_connections(size)
+                .acquire_timeout(Duration::from_secs(30))
+                .after_connect(apply_session_settings)
+        };
+        let listen_pool =
+            pool_of(1).connect_lazy_with(options.clone().application_name("holdfast-listen"));
+        let writer_pool =
+            pool_of(WRITERS).connect_lazy_with(options.clone().application_name("holdfast-writer"));
+        let append_pool =
+            pool_of(1).connect_lazy_with(options.clone().application_name("holdfast-chunks"));
+        let pool = pool_of(max_connections.max(1))
             .connect_with(options)
             .await?;
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
@@ -1643,15 +1667,15 @@ fn usage_from_row(row: &PgRow, at: usize) -> Result<Usage, StoreError> {
 const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         COUNT(*)::bigint, SUM(r.attempts)::bigint, SUM(1 + r.attached + r.replayed)::bigint,
         SUM(r.attached)::bigint, SUM(r.replayed)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0))::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0))::bigint,
         SUM(u.input_tokens)::bigint, SUM(u.output_tokens)::bigint,
         SUM(u.cached_input_tokens)::bigint, SUM(u.cache_write_tokens)::bigint,
         SUM(u.reasoning_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.input_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.output_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.cached_input_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.cache_write_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - r.attempts, 0) * a.reasoning_tokens)::bigint
+        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.input_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.output_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.cached_input_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.cache_write_tokens)::bigint,
+        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.reasoning_tokens)::bigint
     FROM requests r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
                    SUM(output_tokens) AS output_tokens,
@@ -1819,14 +1843,19 @@ impl Store for PostgresStore {
         limit: usize,
     ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
         // One statement for up to `limit` rows (LC-2): SKIP LOCKED as in `lease`, each row's
-        // owner made unique by its id.
+        // owner made unique by its id. The candidates are picked once, in a materialized CTE:
+        // an `IN (subquery)` the planner turns into a semi-join may run the subquery again per
+        // row, and with SKIP LOCKED each run picks other rows, leasing more than `limit` — more
+        // than there are workers to run them.
         let rows = sqlx::query(concat!(
-            "UPDATE requests SET status = 'running', attempts = attempts + 1,
+            "WITH picked AS MATERIALIZED (
+                 SELECT id AS picked_id FROM requests
+                 WHERE status = 'pending' AND next_retry_at <= $3
+                 ORDER BY next_retry_at, id LIMIT $4
+                 FOR UPDATE SKIP LOCKED)
+             UPDATE requests SET status = 'running', attempts = attempts + 1,
                  lease_owner = $1 || '/' || id::text, lease_expires_at = $2, updated_at = $3
-             WHERE id IN (SELECT id FROM requests
-                          WHERE status = 'pending' AND next_retry_at <= $3
-                          ORDER BY next_retry_at, id LIMIT $4
-                          FOR UPDATE SKIP LOCKED)
+             FROM picked WHERE id = picked_id
              RETURNING lease_owner, ",
             request_columns!()
         ))
@@ -2124,6 +2153,14 @@ impl Store for PostgresStore {
         // A finish racing this waits for us (or we for it) on the row lock; the loser re-checks
         // its condition against the winner's row and changes nothing.
         let error = rules::cancelled();
+        // The row is locked first, so the update's own snapshot (a statement's, under READ
+        // COMMITTED) sees every chunk batch committed before the lock was granted: the usage it
+        // copies from `attempt_usage` is the latest (an update that waited on the row lock would
+        // re-check the row, but read `attempt_usage` as of before the wait).
+        sqlx::query("SELECT 1 FROM requests WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
         let cancelled: Option<(String, i32)> = sqlx::query_as(concat!(
             "UPDATE requests SET status = 'failed', error_type = $5,
                  error_message = $1, error_status = NULL,

@@ -1234,14 +1234,14 @@ fn usage_from_row(row: &Row<'_>, at: usize) -> Result<Usage, StoreError> {
 const USAGE_SQL_HEAD: &str = "SELECT ";
 const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         COUNT(*), SUM(r.attempts), SUM(1 + r.attached + r.replayed), SUM(r.attached),
-        SUM(r.replayed), SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0)),
+        SUM(r.replayed), SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0)),
         SUM(u.input_tokens), SUM(u.output_tokens), SUM(u.cached_input_tokens),
         SUM(u.cache_write_tokens), SUM(u.reasoning_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.input_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.output_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.cached_input_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.cache_write_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - r.attempts, 0) * a.reasoning_tokens)
+        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.input_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.output_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.cached_input_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.cache_write_tokens),
+        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.reasoning_tokens)
     FROM requests r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
                    SUM(output_tokens) AS output_tokens,

@@ -879,8 +879,6 @@ fn check_answer(
         #[serde(borrow)]
         object: Option<std::borrow::Cow<'a, str>>,
         #[serde(borrow)]
-        status: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow)]
         usage: Option<&'a RawValue>,
     }
     let has = |member: &str| route.result_members().contains(&member);
@@ -895,7 +893,6 @@ fn check_answer(
                 let parts = BodyParts {
                     id: p.id.as_deref(),
                     object: p.object.as_deref(),
-                    status: p.status.as_deref(),
                     usage: p.usage,
                 };
                 (route.answer_id_of_body(&parts), route.usage_of_body(&parts))
@@ -913,7 +910,6 @@ fn check_answer(
                     let parts = BodyParts {
                         id: map.get("id").and_then(|v| v.as_str()),
                         object: map.get("object").and_then(|v| v.as_str()),
-                        status: map.get("status").and_then(|v| v.as_str()),
                         usage: usage.as_deref(),
                     };
                     (route.answer_id_of_body(&parts), route.usage_of_body(&parts))
@@ -1191,12 +1187,6 @@ mod tests {
             Ok(Some("resp_1".into())),
             "and its id is kept"
         );
-        // A background response the provider has only queued is an answer whose id stays the
-        // provider's to serve (decision 46), also through the duplicate-key path.
-        let queued = br#"{"object":"response","id":"resp_2","status":"queued","output":[]}"#;
-        assert_eq!(answer_id(Route::OpenaiResponses, queued), Ok(None));
-        let running = br#"{"object":"response","id":"resp_2","id":"resp_2","status":"in_progress","output":[]}"#;
-        assert_eq!(answer_id(Route::OpenaiResponses, running), Ok(None));
         let refused = br#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#;
         assert!(answer_id(Route::AnthropicMessages, refused).is_err());
         assert_eq!(

@@ -26,7 +26,7 @@ use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
 use crate::store::{
-    DynStore, Lease, LeaseTo, NewRequest, RequestRecord, StoreError, Submitted, now_ms,
+    DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, StoreError, Submitted, now_ms,
 };
 use crate::upstream::Upstreams;
 pub(crate) use answers::ClaimRef;
@@ -191,7 +191,7 @@ impl WorkerPool {
                 warn!(%id, error = %e, "could not count a delivery");
             }
         });
-        if replayed && record.deliveries() > record.attempts {
+        if replayed && record.deliveries() > record.attempts.max(1) {
             crate::ledger::count_saved(
                 &self.config,
                 &record.backend,
@@ -216,9 +216,13 @@ impl WorkerPool {
     ) -> Result<Option<RequestRecord>, StoreError> {
         let now = now_ms();
         let record = self.store.cancel(namespace, id, now).await?;
-        // Finished by this call (an already terminal request comes back unchanged).
+        // Finished by this call (an already terminal request comes back unchanged; one an
+        // attempt settled in the same millisecond is not `cancelled`).
         if let Some(r) = &record
             && r.finished_at == Some(now)
+            && r.error
+                .as_ref()
+                .is_some_and(|e| e.kind == ErrorType::Cancelled)
         {
             attempt::log_finished(r);
             // Deliveries that attached while it ran saved what the attempts did not spend.

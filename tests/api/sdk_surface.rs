@@ -315,40 +315,64 @@ async fn unknown_response_ids_go_to_the_backend_and_another_namespaces_are_404()
 }
 
 /// A background Responses call (`"background": true`) is answered at once with the response
-/// `queued`: the provider finishes it, so its id is not recorded and retrieving or cancelling it
-/// reaches the provider, never a stale `queued` object from the log (RD-8, decision 46).
+/// `queued`: the provider finishes it, so retrieving or cancelling its id reaches the provider
+/// (the backend that ran it), never a stale `queued` object from the log; another namespace's
+/// retrieval is still 404 and not forwarded (RD-8, decision 46).
 #[tokio::test]
 async fn a_background_responses_id_is_the_providers_to_retrieve_and_cancel_rd8_decision46() {
     let queued =
         r#"{"id":"resp_bg_1","object":"response","status":"queued","background":true,"output":[]}"#;
     let raw = RawProvider::start(raw_200("application/json", queued, false)).await;
     let url = raw.base_url();
-    let app = spawn_app(MockConfig::default(), move |c| use_backend_url(c, &url)).await;
+    let app = spawn_app(MockConfig::default(), move |c| {
+        use_backend_url(c, &url);
+        c.namespaces = vec![
+            Namespace {
+                name: "a".into(),
+                api_keys: vec!["key-a".into()],
+            },
+            Namespace {
+                name: "b".into(),
+                api_keys: vec!["key-b".into()],
+            },
+        ];
+    })
+    .await;
+    let key_a = [("authorization", "Bearer key-a")];
     let body = r#"{"model":"gpt-4o-mini","input":"run in the background","background":true}"#;
-    let r = app.post("/v1/responses", body, &[]).await;
+    let r = app.post("/v1/responses", body, &key_a).await;
     assert_eq!(r.status(), 200);
     let answer: Value = r.json().await.unwrap();
     assert_eq!(answer["status"], "queued", "{answer}");
     assert_eq!(raw.calls(), 1);
     // An SDK's retry of the same call is still the one background job.
-    let again = app.post("/v1/responses", body, &[]).await;
+    let again = app.post("/v1/responses", body, &key_a).await;
     assert_eq!(header(&again, "idempotent-replayed"), "true");
     assert_eq!(raw.calls(), 1);
 
-    let r = app
-        .http
-        .get(format!("{}/v1/responses/resp_bg_1", app.base))
-        .send()
+    let call = |method: reqwest::Method, path: &str, key: &str| {
+        app.http
+            .request(method, format!("{}{path}", app.base))
+            .header("authorization", format!("Bearer {key}"))
+            .send()
+    };
+    let r = call(reqwest::Method::GET, "/v1/responses/resp_bg_1", "key-b")
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "another namespace's job");
+    assert_eq!(raw.calls(), 1, "and not forwarded");
+    let r = call(reqwest::Method::GET, "/v1/responses/resp_bg_1", "key-a")
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(raw.calls(), 2, "the retrieval went to the provider");
-    let r = app
-        .http
-        .post(format!("{}/v1/responses/resp_bg_1/cancel", app.base))
-        .send()
-        .await
-        .unwrap();
+    let r = call(
+        reqwest::Method::POST,
+        "/v1/responses/resp_bg_1/cancel",
+        "key-a",
+    )
+    .await
+    .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(raw.calls(), 3, "so did the cancel");
     app.stop().await;
