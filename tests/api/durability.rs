@@ -286,11 +286,8 @@ async fn sigterm_lets_a_running_stream_finish_within_the_grace_period_du5() {
     let mut parser = holdfast::sse::SseParser::new();
     let mut events = Vec::new();
     while events.len() < 2 {
-        events.extend(
-            parser
-                .push(&response.chunk().await.unwrap().unwrap())
-                .unwrap(),
-        );
+        let piece = response.chunk().await.unwrap().unwrap();
+        events.extend(parser.push(&piece).unwrap());
     }
     let pid = node.child.id().to_string();
     std::process::Command::new("kill")
@@ -370,6 +367,30 @@ async fn sigterm_with_a_short_grace_hands_the_request_back_without_a_recovery_du
 /// current response object (the new id, completed); streaming the old id from a position inside
 /// the abandoned attempt gives that attempt's remaining stored events, then an error event in
 /// OpenAI's shape, never a splice of two attempts (RS-4, RD-6).
+/// Starts Responses stream `body` on `node`, reads `n` of its events and SIGKILLs the node
+/// mid-stream: the request's id and the killed attempt's response id.
+async fn responses_stream_killed_after(
+    node: &mut Process,
+    http: &reqwest::Client,
+    body: &'static str,
+    n: usize,
+) -> (String, String) {
+    let mut response = http
+        .post(format!("{}/v1/responses", node.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let id = header(&response, "holdfast-request-id");
+    let events = first_events(&mut response, n).await;
+    let first: Value = serde_json::from_str(&events[0].data).unwrap();
+    let response_id = first["response"]["id"].as_str().unwrap().to_string();
+    node.kill9();
+    drop(response);
+    (id, response_id)
+}
+
 #[tokio::test]
 async fn a_response_id_of_an_abandoned_attempt_points_to_the_request_and_never_splices_lc8_rd6() {
     let mock = start_mock(MockConfig {
@@ -383,28 +404,13 @@ async fn a_response_id_of_an_abandoned_attempt_points_to_the_request_and_never_s
     let addr = free_addr();
     let mut first = Process::serve(dir.path(), &toml, addr).await;
     let http = reqwest::Client::new();
-    let body = r#"{"model":"gpt-4o-mini","input":"survive as a response","stream":true}"#;
-    let mut response = http
-        .post(format!("{}/v1/responses", first.base))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let id = header(&response, "holdfast-request-id");
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut events = Vec::new();
-    while events.len() < 8 {
-        events.extend(
-            parser
-                .push(&response.chunk().await.unwrap().unwrap())
-                .unwrap(),
-        );
-    }
-    let old: Value = serde_json::from_str(&events[0].data).unwrap();
-    let old_id = old["response"]["id"].as_str().unwrap().to_string();
-    first.kill9();
-    drop(response);
+    let (id, old_id) = responses_stream_killed_after(
+        &mut first,
+        &http,
+        r#"{"model":"gpt-4o-mini","input":"survive as a response","stream":true}"#,
+        8,
+    )
+    .await;
 
     let second = Process::serve(dir.path(), &toml, free_addr()).await;
     let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(30)).await;
@@ -478,28 +484,13 @@ async fn a_response_id_is_served_from_its_own_attempt_after_an_attempt_that_stor
     let toml = config_toml(dir.path(), &mock.base_url());
     let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
     let http = reqwest::Client::new();
-    let body = r#"{"model":"gpt-4o-mini","input":"a 503 between two attempts","stream":true}"#;
-    let mut response = http
-        .post(format!("{}/v1/responses", first.base))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let id = header(&response, "holdfast-request-id");
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut events = Vec::new();
-    while events.len() < 4 {
-        events.extend(
-            parser
-                .push(&response.chunk().await.unwrap().unwrap())
-                .unwrap(),
-        );
-    }
-    let old: Value = serde_json::from_str(&events[0].data).unwrap();
-    let old_id = old["response"]["id"].as_str().unwrap().to_string();
-    first.kill9();
-    drop(response);
+    let (id, old_id) = responses_stream_killed_after(
+        &mut first,
+        &http,
+        r#"{"model":"gpt-4o-mini","input":"a 503 between two attempts","stream":true}"#,
+        4,
+    )
+    .await;
 
     // The next call fails with a 503 before any event; the one after answers.
     mock.set_config(MockConfig {
@@ -571,15 +562,7 @@ async fn a_request_recovered_after_sigkill_counts_the_usage_of_both_attempts_du1
         .await
         .unwrap();
     let id = header(&response, "holdfast-request-id");
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut events = Vec::new();
-    while events.len() < 6 {
-        events.extend(
-            parser
-                .push(&response.chunk().await.unwrap().unwrap())
-                .unwrap(),
-        );
-    }
+    first_events(&mut response, 6).await;
     first.kill9();
     drop(response);
     let second = Process::serve(dir.path(), &toml, free_addr()).await;

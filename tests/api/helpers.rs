@@ -551,6 +551,36 @@ pub async fn read_events(response: reqwest::Response) -> (String, Vec<holdfast::
     (String::from_utf8(bytes.to_vec()).expect("UTF-8"), events)
 }
 
+/// Two namespaces, `a` with the key `key-a` and `b` with `key-b`.
+pub fn two_namespaces(a: &str, b: &str) -> Vec<holdfast::config::Namespace> {
+    [(a, "key-a"), (b, "key-b")]
+        .into_iter()
+        .map(|(name, key)| holdfast::config::Namespace {
+            name: name.into(),
+            api_keys: vec![key.into()],
+        })
+        .collect()
+}
+
+/// Reads an SSE response until it has shown at least `n` events (the stream goes on) and
+/// returns them.
+pub async fn first_events(
+    response: &mut reqwest::Response,
+    n: usize,
+) -> Vec<holdfast::sse::SseEvent> {
+    let mut parser = holdfast::sse::SseParser::new();
+    let mut events = Vec::new();
+    while events.len() < n {
+        let piece = response
+            .chunk()
+            .await
+            .expect("SSE body")
+            .expect("more events");
+        events.extend(parser.push(&piece).expect("valid SSE"));
+    }
+    events
+}
+
 /// `GET /requests/{id}` as an event stream, with an optional `Last-Event-ID`.
 pub async fn get_events(
     http: &reqwest::Client,

@@ -2,7 +2,6 @@
 //! filter narrows the list to what it names, bad input is a 400 naming the parameter, bodies
 //! are read by their own namespace and admin keys only.
 
-use holdfast::config::Namespace;
 use holdfast::mock::MockConfig;
 use serde_json::Value;
 
@@ -10,16 +9,7 @@ use crate::helpers::*;
 
 /// Two namespaces with one key each, and an admin key.
 fn tenants(config: &mut holdfast::config::Config) {
-    config.namespaces = vec![
-        Namespace {
-            name: "a".into(),
-            api_keys: vec!["key-a".into()],
-        },
-        Namespace {
-            name: "b".into(),
-            api_keys: vec!["key-b".into()],
-        },
-    ];
+    config.namespaces = two_namespaces("a", "b");
     config.admin_api_keys = vec!["admin-key".into()];
 }
 

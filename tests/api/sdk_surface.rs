@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use holdfast::config::{ModelRewrite, Namespace, Passthrough};
+use holdfast::config::{ModelRewrite, Passthrough};
 use holdfast::mock::MockConfig;
 use serde_json::Value;
 
@@ -260,16 +260,7 @@ async fn python_responses_retrieve_shows_the_status_during_and_after_and_cancel_
 #[tokio::test]
 async fn unknown_response_ids_go_to_the_backend_and_another_namespaces_are_404() {
     let app = spawn_app(MockConfig::default(), |c| {
-        c.namespaces = vec![
-            Namespace {
-                name: "a".into(),
-                api_keys: vec!["key-a".into()],
-            },
-            Namespace {
-                name: "b".into(),
-                api_keys: vec!["key-b".into()],
-            },
-        ];
+        c.namespaces = two_namespaces("a", "b");
     })
     .await;
     let body = r#"{"model":"gpt-4o-mini","input":"whose is it"}"#;
@@ -326,16 +317,7 @@ async fn a_background_responses_id_is_the_providers_to_retrieve_and_cancel_rd8_d
     let url = raw.base_url();
     let app = spawn_app(MockConfig::default(), move |c| {
         use_backend_url(c, &url);
-        c.namespaces = vec![
-            Namespace {
-                name: "a".into(),
-                api_keys: vec!["key-a".into()],
-            },
-            Namespace {
-                name: "b".into(),
-                api_keys: vec!["key-b".into()],
-            },
-        ];
+        c.namespaces = two_namespaces("a", "b");
     })
     .await;
     let key_a = [("authorization", "Bearer key-a")];

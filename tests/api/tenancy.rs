@@ -3,22 +3,13 @@
 
 use std::time::Duration;
 
-use holdfast::config::{ModelRewrite, Namespace};
+use holdfast::config::ModelRewrite;
 use holdfast::mock::MockConfig;
 
 use crate::helpers::*;
 
 fn two_tenants(c: &mut holdfast::config::Config) {
-    c.namespaces = vec![
-        Namespace {
-            name: "team-a".into(),
-            api_keys: vec!["key-a".into()],
-        },
-        Namespace {
-            name: "team-b".into(),
-            api_keys: vec!["key-b".into()],
-        },
-    ];
+    c.namespaces = two_namespaces("team-a", "team-b");
 }
 
 #[tokio::test]

@@ -3,7 +3,6 @@
 //! stream of `GET /requests/{id}` takes the key as `?key=` (an `EventSource` cannot send headers)
 //! and nothing else does. The page itself is driven by Chromium in `browser::ui`.
 
-use holdfast::config::Namespace;
 use holdfast::mock::MockConfig;
 
 use crate::helpers::*;
@@ -124,16 +123,7 @@ fn no_handlers(html: &str) -> bool {
 }
 
 fn two_tenants(c: &mut holdfast::config::Config) {
-    c.namespaces = vec![
-        Namespace {
-            name: "team-a".into(),
-            api_keys: vec!["key-a".into()],
-        },
-        Namespace {
-            name: "team-b".into(),
-            api_keys: vec!["key-b".into()],
-        },
-    ];
+    c.namespaces = two_namespaces("team-a", "team-b");
     c.admin_api_keys = vec!["key-admin".into()];
     c.ui = true;
 }

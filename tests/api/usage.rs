@@ -511,11 +511,7 @@ async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_
     let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"cancel me once billed"}]}"#;
     let mut r = app.post("/v1/messages", body, &[]).await;
     let id = header(&r, "holdfast-request-id");
-    let mut parser = holdfast::sse::SseParser::new();
-    let mut events = Vec::new();
-    while events.len() < 3 {
-        events.extend(parser.push(&r.chunk().await.unwrap().unwrap()).unwrap());
-    }
+    first_events(&mut r, 3).await;
     let cancelled: Value = app
         .http
         .post(format!("{}/requests/{id}/cancel", app.base))
