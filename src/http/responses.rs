@@ -178,7 +178,8 @@ fn providers_to_finish(record: &RequestRecord) -> bool {
 }
 
 /// A call for a response the provider holds: to `backend`, or for an id holdfast does not
-/// hold, the first OpenAI backend; unchanged, with the backend's key.
+/// hold (or whose backend has left the configuration), the first OpenAI backend; unchanged,
+/// with the backend's key.
 async fn pass_through(
     state: &AppState,
     headers: &HeaderMap,
@@ -186,7 +187,9 @@ async fn pass_through(
     path: &str,
     backend: Option<&str>,
 ) -> Response {
-    let backend = match backend {
+    // The request's backend, while the configuration still has it; else the first OpenAI one.
+    let configured = backend.filter(|name| state.config.backends.iter().any(|b| b.name == *name));
+    let backend = match configured {
         Some(name) => name,
         None => match state
             .config

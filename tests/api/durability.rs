@@ -362,11 +362,6 @@ async fn sigterm_with_a_short_grace_hands_the_request_back_without_a_recovery_du
     mock.shutdown().await;
 }
 
-/// LC-8 with OpenAI's retrieval protocol (decision 25): after a SIGKILL mid-stream the request
-/// re-runs as a new attempt with a new provider id. Retrieving the old id answers the request's
-/// current response object (the new id, completed); streaming the old id from a position inside
-/// the abandoned attempt gives that attempt's remaining stored events, then an error event in
-/// OpenAI's shape, never a splice of two attempts (RS-4, RD-6).
 /// Starts Responses stream `body` on `node`, reads `n` of its events and SIGKILLs the node
 /// mid-stream: the request's id and the killed attempt's response id.
 async fn responses_stream_killed_after(
@@ -391,6 +386,11 @@ async fn responses_stream_killed_after(
     (id, response_id)
 }
 
+/// LC-8 with OpenAI's retrieval protocol (decision 25): after a SIGKILL mid-stream the request
+/// re-runs as a new attempt with a new provider id. Retrieving the old id answers the request's
+/// current response object (the new id, completed); streaming the old id from a position inside
+/// the abandoned attempt gives that attempt's remaining stored events, then an error event in
+/// OpenAI's shape, never a splice of two attempts (RS-4, RD-6).
 #[tokio::test]
 async fn a_response_id_of_an_abandoned_attempt_points_to_the_request_and_never_splices_lc8_rd6() {
     let mock = start_mock(MockConfig {
