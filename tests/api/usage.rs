@@ -489,6 +489,8 @@ async fn an_attachment_whose_call_a_retry_spent_is_not_counted_as_a_saved_call()
         1.0,
         "{page}"
     );
+    // The replay's count reaches the database beside its answer, a moment later.
+    wait_deliveries(&app.base, &id, None, 3).await;
     let record = get_record(&app.http, &app.base, &id).await;
     assert_eq!(record["saved_calls"], 1, "{record}");
     app.stop().await;
