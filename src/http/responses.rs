@@ -188,21 +188,17 @@ async fn pass_through(
     backend: Option<&str>,
 ) -> Response {
     // The request's backend, while the configuration still has it; else the first OpenAI one.
-    let configured = backend.filter(|name| state.config.backends.iter().any(|b| b.name == *name));
-    let backend = match configured {
-        Some(name) => name,
-        None => match state
-            .config
-            .backends
-            .iter()
-            .find(|b| b.kind == Route::OpenaiResponses.provider())
-        {
-            Some(b) => b.name.as_str(),
-            None => {
-                return ApiError::not_found(SHAPE, "no backend serves /v1/responses")
-                    .into_response();
-            }
-        },
+    let backends = &state.config.backends;
+    let Some(backend) = backend
+        .filter(|name| backends.iter().any(|b| b.name == *name))
+        .or_else(|| {
+            backends
+                .iter()
+                .find(|b| b.kind == Route::OpenaiResponses.provider())
+                .map(|b| b.name.as_str())
+        })
+    else {
+        return ApiError::not_found(SHAPE, "no backend serves /v1/responses").into_response();
     };
     let forwarded = passthrough::client_headers(headers, SHAPE);
     passthrough::relay(state, backend, SHAPE, method, path, forwarded, Bytes::new()).await

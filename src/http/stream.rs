@@ -190,9 +190,8 @@ mod tests {
 
     use super::*;
     use crate::config::SqliteSynchronous;
-    use crate::provider::Route;
     use crate::store::sqlite::SqliteStore;
-    use crate::store::{ChunkBatch, ClaimKind, NewChunk, NewRequest, now_ms};
+    use crate::store::{ChunkBatch, NewChunk, NewRequest, now_ms};
 
     /// A reader re-reads the store at least every POLL without a chunk, however often its
     /// keep-alives go out (here every 20 ms): a chunk whose hub event it never got — another
@@ -207,25 +206,11 @@ mod tests {
                 .expect("open"),
         );
         let now = now_ms();
-        let hash = [7u8; 32];
-        store
-            .submit(NewRequest {
-                id: Uuid::now_v7(),
-                namespace: "default".into(),
-                route: Route::OpenaiChat,
-                backend: "mock".into(),
-                model: None,
-                stream: true,
-                body: b"{}".to_vec(),
-                headers: Vec::new(),
-                hash,
-                claim: ClaimKind::BodyHash,
-                claim_key: hex::encode(hash),
-                claim_expires_at: now + 600_000,
-                now,
-            })
-            .await
-            .expect("submit");
+        let request = NewRequest {
+            stream: true,
+            ..NewRequest::example(7, now)
+        };
+        store.submit(request).await.expect("submit");
         let (lease, record) = store
             .lease_many("node", now, 30_000, 1)
             .await

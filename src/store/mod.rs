@@ -273,6 +273,31 @@ pub struct RequestRecord {
 }
 
 #[cfg(test)]
+impl NewRequest {
+    /// A non-stream request submitted at `now`, its body and hash told apart by `i`, for unit
+    /// tests.
+    pub(crate) fn example(i: u8, now: Millis) -> NewRequest {
+        let mut hash = [0u8; 32];
+        hash[0] = i;
+        NewRequest {
+            id: uuid::Uuid::now_v7(),
+            namespace: "default".into(),
+            route: Route::OpenaiChat,
+            backend: "mock".into(),
+            model: Some("m".into()),
+            stream: false,
+            body: format!("{{\"n\":{i}}}").into_bytes(),
+            headers: vec![("openai-beta".into(), "x".into())],
+            hash,
+            claim: ClaimKind::BodyHash,
+            claim_key: hex::encode(hash),
+            claim_expires_at: now + 600_000,
+            now,
+        }
+    }
+}
+
+#[cfg(test)]
 impl RequestRecord {
     /// A non-stream record of attempt 1 with `status`, for unit tests.
     pub(crate) fn example(status: Status) -> RequestRecord {
@@ -1058,7 +1083,7 @@ mod tests {
     /// docs/usage.md: deliveries beyond the attempts, at least one attempt subtracted, so a
     /// request cancelled before it ran saved only its duplicates' calls.
     #[test]
-    fn saved_calls_are_deliveries_beyond_the_attempts_never_the_first_submission() {
+    fn saved_calls_are_deliveries_beyond_the_attempts_never_the_first_submission_rd9() {
         let mut r = RequestRecord::example(Status::Failed);
         (r.attempts, r.attached, r.replayed) = (0, 0, 0);
         assert_eq!((r.saved_calls(), r.saved_calls_while_running()), (0, 0));

@@ -1666,17 +1666,15 @@ fn usage_from_row(row: &PgRow, at: usize) -> Result<Usage, StoreError> {
 /// BIGINT, since PostgreSQL sums BIGINT as NUMERIC).
 const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         COUNT(*)::bigint, SUM(r.attempts)::bigint, SUM(1 + r.attached + r.replayed)::bigint,
-        SUM(r.attached)::bigint, SUM(r.replayed)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0))::bigint,
+        SUM(r.attached)::bigint, SUM(r.replayed)::bigint, SUM(r.saved)::bigint,
         SUM(u.input_tokens)::bigint, SUM(u.output_tokens)::bigint,
         SUM(u.cached_input_tokens)::bigint, SUM(u.cache_write_tokens)::bigint,
         SUM(u.reasoning_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.input_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.output_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.cached_input_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.cache_write_tokens)::bigint,
-        SUM(GREATEST(1 + r.attached + r.replayed - GREATEST(r.attempts, 1), 0) * a.reasoning_tokens)::bigint
-    FROM requests r
+        SUM(r.saved * a.input_tokens)::bigint, SUM(r.saved * a.output_tokens)::bigint,
+        SUM(r.saved * a.cached_input_tokens)::bigint,
+        SUM(r.saved * a.cache_write_tokens)::bigint, SUM(r.saved * a.reasoning_tokens)::bigint
+    FROM (SELECT *, GREATEST(1 + attached + replayed - GREATEST(attempts, 1), 0) AS saved
+          FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
                    SUM(output_tokens) AS output_tokens,
                    SUM(cached_input_tokens) AS cached_input_tokens,

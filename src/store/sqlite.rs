@@ -1230,19 +1230,19 @@ fn usage_from_row(row: &Row<'_>, at: usize) -> Result<Usage, StoreError> {
 
 /// `Store::usage`'s statement around its group key: per (key, backend, model), the request
 /// counts and the token sums of every attempt and of the saved calls (saved calls times the
-/// answering attempt's usage).
+/// answering attempt's usage). A request's saved calls are `RequestRecord::saved_calls`:
+/// deliveries minus attempts, at least one attempt subtracted, never below zero.
 const USAGE_SQL_HEAD: &str = "SELECT ";
 const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         COUNT(*), SUM(r.attempts), SUM(1 + r.attached + r.replayed), SUM(r.attached),
-        SUM(r.replayed), SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0)),
+        SUM(r.replayed), SUM(r.saved),
         SUM(u.input_tokens), SUM(u.output_tokens), SUM(u.cached_input_tokens),
         SUM(u.cache_write_tokens), SUM(u.reasoning_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.input_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.output_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.cached_input_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.cache_write_tokens),
-        SUM(MAX(1 + r.attached + r.replayed - MAX(r.attempts, 1), 0) * a.reasoning_tokens)
-    FROM requests r
+        SUM(r.saved * a.input_tokens), SUM(r.saved * a.output_tokens),
+        SUM(r.saved * a.cached_input_tokens), SUM(r.saved * a.cache_write_tokens),
+        SUM(r.saved * a.reasoning_tokens)
+    FROM (SELECT *, MAX(1 + attached + replayed - MAX(attempts, 1), 0) AS saved
+          FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
                    SUM(output_tokens) AS output_tokens,
                    SUM(cached_input_tokens) AS cached_input_tokens,
@@ -1756,28 +1756,7 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::Route;
     use crate::store::NewChunk;
-
-    fn new_request(i: u8, now: Millis) -> NewRequest {
-        let mut hash = [0u8; 32];
-        hash[0] = i;
-        NewRequest {
-            id: Uuid::now_v7(),
-            namespace: "default".into(),
-            route: Route::OpenaiChat,
-            backend: "mock".into(),
-            model: Some("m".into()),
-            stream: false,
-            body: format!("{{\"n\":{i}}}").into_bytes(),
-            headers: vec![("openai-beta".into(), "x".into())],
-            hash,
-            claim: ClaimKind::BodyHash,
-            claim_key: hex::encode(hash),
-            claim_expires_at: now + 600_000,
-            now,
-        }
-    }
 
     #[tokio::test]
     async fn in_memory_and_pathless_urls_are_refused_du1() {
@@ -1810,7 +1789,7 @@ mod tests {
         let mut ids = Vec::new();
         for i in 0..3 {
             let Submitted::Created(created) = store
-                .submit(new_request(i, now + i64::from(i)))
+                .submit(NewRequest::example(i, now + i64::from(i)))
                 .await
                 .expect("submit")
             else {
@@ -2134,7 +2113,7 @@ mod tests {
             tasks.push(tokio::spawn(async move {
                 let mut n = 0u64;
                 while std::time::Instant::now() < deadline {
-                    let mut new = new_request(0, 1_000);
+                    let mut new = NewRequest::example(0, 1_000);
                     let mut hash = [0u8; 32];
                     hash[..4].copy_from_slice(&t.to_be_bytes());
                     hash[4..12].copy_from_slice(&n.to_be_bytes());
@@ -2194,8 +2173,10 @@ mod tests {
             )
             .await
             .unwrap_or_else(|e| panic!("open a file at sqlx version {applied}: {e}"));
-            let Submitted::Created(created) =
-                store.submit(new_request(1, 5)).await.expect("submit")
+            let Submitted::Created(created) = store
+                .submit(NewRequest::example(1, 5))
+                .await
+                .expect("submit")
             else {
                 panic!("expected a new request");
             };

@@ -191,7 +191,7 @@ impl WorkerPool {
                 warn!(%id, error = %e, "could not count a delivery");
             }
         });
-        if replayed && record.deliveries() > record.attempts.max(1) {
+        if replayed && record.saved_calls() > 0 {
             crate::ledger::count_saved(
                 &self.config,
                 &record.backend,

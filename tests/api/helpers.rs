@@ -166,6 +166,17 @@ pub async fn get_json(http: &reqwest::Client, url: &str) -> Value {
         .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
 }
 
+/// `POST {url}` with no body, the answer as JSON.
+pub async fn post_json(http: &reqwest::Client, url: &str) -> Value {
+    http.post(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: not JSON: {e}"))
+}
+
 /// `GET {base}/requests/{id}` as JSON.
 pub async fn get_record(http: &reqwest::Client, base: &str, id: &str) -> Value {
     get_json(http, &format!("{base}/requests/{id}")).await

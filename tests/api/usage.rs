@@ -428,7 +428,7 @@ async fn usage_survives_a_restart_groups_every_way_and_stays_in_its_namespace() 
 /// attaches: here the attached delivery's call was spent after all by a retry (attempt 1 got a
 /// 503), so nothing was saved until a replay (docs/usage.md).
 #[tokio::test]
-async fn an_attachment_whose_call_a_retry_spent_is_not_counted_as_a_saved_call() {
+async fn an_attachment_whose_call_a_retry_spent_is_not_counted_as_a_saved_call_rd9() {
     let app = spawn_app(
         MockConfig {
             header_delay_ms: 1_000,
@@ -499,8 +499,8 @@ async fn an_attachment_whose_call_a_retry_spent_is_not_counted_as_a_saved_call()
 /// A stream cancelled after `message_start` reported its input tokens: the cancel's answer, the
 /// list and `/usage` all show what the provider billed, priced (LC-9, docs/usage.md).
 #[tokio::test]
-async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_list_and_usage_lc9()
-{
+async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_list_and_usage_lc9_rd9()
+ {
     let app = spawn_app(
         MockConfig {
             chunks: 100,
@@ -514,15 +514,7 @@ async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_
     let mut r = app.post("/v1/messages", body, &[]).await;
     let id = header(&r, "holdfast-request-id");
     first_events(&mut r, 3).await;
-    let cancelled: Value = app
-        .http
-        .post(format!("{}/requests/{id}/cancel", app.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let cancelled = post_json(&app.http, &format!("{}/requests/{id}/cancel", app.base)).await;
     assert_eq!(cancelled["error"]["type"], "cancelled", "{cancelled}");
     let input = cancelled["usage"]["input_tokens"].as_u64();
     assert!(input > Some(0), "the billed input: {cancelled}");
