@@ -33,6 +33,12 @@ pub struct Config {
     /// database sees at most `nodes × (database_pool_size + 4)` holdfast connections (see
     /// `docs/postgres.md`). Ignored for SQLite.
     pub database_pool_size: u32,
+    /// PostgreSQL only: how long a new call waits for the database to record it, and a
+    /// connection for the query pool, in milliseconds (default 1500). Past it the call is
+    /// refused with 503 `store_unavailable`, `x-should-retry: true` (RS-8, RS-10), so an SDK
+    /// backs off instead of hanging on a database that is down, unreachable or saturated.
+    /// Ignored for SQLite, whose writer is in the process.
+    pub database_timeout_ms: u64,
     /// Body-hash claim window in seconds, counted from the claimed request's submission (ID-4).
     pub dedupe_window_secs: u64,
     /// Lifetime of an explicit `Idempotency-Key` claim in seconds (ID-5).
@@ -251,6 +257,7 @@ impl Default for Config {
             database_url: "sqlite://holdfast.db".into(),
             sqlite_synchronous: SqliteSynchronous::Full,
             database_pool_size: 16,
+            database_timeout_ms: 1_500,
             dedupe_window_secs: 600,
             idempotency_key_ttl_secs: 86_400,
             max_body_bytes: 32 * 1024 * 1024,
@@ -703,6 +710,7 @@ impl Config {
             ("sse_keepalive_ms", self.sse_keepalive_ms),
             ("max_held_requests", self.max_held_requests as u64),
             ("database_pool_size", u64::from(self.database_pool_size)),
+            ("database_timeout_ms", self.database_timeout_ms),
             ("workers.concurrency", self.workers.concurrency as u64),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),

@@ -228,9 +228,7 @@ pub(super) async fn get_one(
         Err(e) => return e.into_response(),
     };
     if wants_events {
-        if let Err(e) = state.store.count_log_read(record.id).await {
-            tracing::warn!(id = %record.id, error = %e, "could not count a log reader");
-        }
+        state.workers.count_log_read(record.id);
         return event_stream(&state, &record, position);
     }
     let by_attempt = match state.store.attempt_usage(record.id).await {

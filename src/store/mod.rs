@@ -20,6 +20,7 @@ pub(crate) use rules::holds_outcome;
 pub use rules::{end_data, failure_releases_claim};
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -591,6 +592,20 @@ pub enum Outcome {
     },
 }
 
+/// Deliveries and log reads of one request counted since the last write of them
+/// ([`Store::add_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// The request.
+    pub id: Uuid,
+    /// Submissions that attached to it while it ran.
+    pub attached: u32,
+    /// Submissions answered from its log after it ended.
+    pub replayed: u32,
+    /// Readers of its log as an event stream.
+    pub log_reads: u32,
+}
+
 /// Where a provider's answer id was recorded ([`Store::find_response`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResponseRef {
@@ -914,19 +929,16 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the database fails.
     async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError>;
 
-    /// Counts one more delivery of request `id`: a submission that attached to it while it ran,
-    /// or (`replayed`) was answered from storage after it ended. Apart from the submission's
-    /// own transaction, so a duplicate is answered even when nothing can be written.
+    /// Adds deliveries (submissions that attached to a request while it ran, or were answered
+    /// from its log after it ended) and readers of its log to each request `counts` names, with
+    /// one write for all of them (DU-6). Apart from the submissions' own transactions and off
+    /// the writer queue of submissions, leases, chunks and outcomes, so a duplicate is answered
+    /// even when nothing can be written, and counting never delays other work. `counts` is
+    /// sorted by id, the order rows are locked in. A request no longer stored is skipped.
     ///
     /// # Errors
-    /// [`StoreError`] when the database fails.
-    async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError>;
-
-    /// Counts a reader of request `id`'s log as an event stream (it is not a delivery).
-    ///
-    /// # Errors
-    /// [`StoreError`] when the database fails.
-    async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError>;
+    /// [`StoreError`] when the database fails; nothing was added then.
+    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError>;
 
     /// The usage ledger of the requests `query` selects, one row per (group, backend, model).
     ///
@@ -996,7 +1008,12 @@ pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError
         Ok(Arc::new(store))
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         Ok(Arc::new(
-            postgres::PostgresStore::open_with(url, config.database_pool_size).await?,
+            postgres::PostgresStore::open_with_limits(
+                url,
+                config.database_pool_size,
+                Duration::from_millis(config.database_timeout_ms),
+            )
+            .await?,
         ))
     } else {
         Err(StoreError::Config(format!(

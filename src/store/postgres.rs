@@ -86,7 +86,7 @@ use super::row::RawRecord;
 use super::row::tokens_of;
 use super::rules::{self, Expired, Settle, failure_releases_claim};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, ListFilter, Millis,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, ErrorInfo, Lease, LeaseTo, ListFilter, Millis,
     NewRequest, Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError,
     Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
 };
@@ -94,6 +94,9 @@ use crate::provider::Route;
 
 /// Connections per process unless [`PostgresStore::open_with`] says otherwise.
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
+/// How long a pool waits for a connection unless [`PostgresStore::open_with_limits`] says
+/// otherwise (`database_timeout_ms`'s default).
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_millis(1_500);
 
 /// Channel of "these requests changed" notifications; payload `"<origin> <id>,<id>,..."`.
 pub const CHANGED_CHANNEL: &str = "holdfast_changed";
@@ -205,11 +208,25 @@ impl PostgresStore {
     /// # Errors
     /// As [`PostgresStore::open`].
     pub async fn open_with(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        Self::open_with_limits(url, max_connections, DEFAULT_ACQUIRE_TIMEOUT).await
+    }
+
+    /// [`PostgresStore::open_with`], waiting at most `acquire_timeout` for a connection of any
+    /// of its pools (a connection attempt included): past it the caller gets
+    /// [`StoreError::Unavailable`] (`database_timeout_ms`, RS-10).
+    ///
+    /// # Errors
+    /// As [`PostgresStore::open`].
+    pub async fn open_with_limits(
+        url: &str,
+        max_connections: u32,
+        acquire_timeout: Duration,
+    ) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url)?.application_name("holdfast");
         let pool_of = |size: u32| {
             PgPoolOptions::new()
                 .max_connections(size)
-                .acquire_timeout(Duration::from_secs(30))
+                .acquire_timeout(acquire_timeout)
                 .after_connect(apply_session_settings)
         };
         let listen_pool =
@@ -2336,35 +2353,33 @@ impl Store for PostgresStore {
             .collect()
     }
 
-    async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
-        self.write(LockKey::Request(id), move |conn| {
-            Box::pin(async move {
-                sqlx::query(
-                    "UPDATE requests SET attached = attached + (NOT $2)::int,
-                         replayed = replayed + $2::int
-                     WHERE id = $1",
-                )
-                .bind(id)
-                .bind(replayed)
-                .execute(&mut *conn)
-                .await?;
-                Ok(())
-            })
-        })
-        .await
-    }
-
-    async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
-        self.write(LockKey::Request(id), move |conn| {
-            Box::pin(async move {
-                sqlx::query("UPDATE requests SET log_reads = log_reads + 1 WHERE id = $1")
-                    .bind(id)
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(())
-            })
-        })
-        .await
+    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError> {
+        // On the query pool, autocommit: never queued behind or ahead of the writers' groups.
+        // The rows are locked in id order (the CTE), as every other multi-row write does.
+        let ids: Vec<Uuid> = counts.iter().map(|c| c.id).collect();
+        let column = |f: fn(&Counts) -> u32| -> Vec<i32> {
+            counts
+                .iter()
+                .map(|c| i32::try_from(f(c)).unwrap_or(i32::MAX))
+                .collect()
+        };
+        sqlx::query(
+            "WITH c AS (SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::int[])
+                          AS c(id, attached, replayed, log_reads)),
+                  locked AS (SELECT r.id FROM requests r JOIN c ON c.id = r.id
+                             ORDER BY r.id FOR UPDATE OF r)
+             UPDATE requests r SET attached = r.attached + c.attached,
+                 replayed = r.replayed + c.replayed, log_reads = r.log_reads + c.log_reads
+             FROM c JOIN locked ON locked.id = c.id
+             WHERE r.id = c.id",
+        )
+        .bind(&ids)
+        .bind(column(|c| c.attached))
+        .bind(column(|c| c.replayed))
+        .bind(column(|c| c.log_reads))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {

@@ -43,9 +43,9 @@ use super::row::tokens_of;
 use super::row::{RawRecord, col};
 use super::rules::{self, Expired, Settle};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, Lease, LeaseTo, ListFilter, Millis, NewRequest,
-    Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage,
-    UsageGroup, UsageQuery, UsageRow,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, Lease, LeaseTo, ListFilter, Millis,
+    NewRequest, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
+    Usage, UsageGroup, UsageQuery, UsageRow,
 };
 use crate::config::SqliteSynchronous;
 use crate::provider::Route;
@@ -1658,22 +1658,22 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn count_delivery(&self, id: Uuid, replayed: bool) -> Result<(), StoreError> {
+    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError> {
+        let counts: Arc<[Counts]> = counts.into();
         self.write(move |conn| {
-            conn.prepare_cached(
-                "UPDATE requests SET attached = attached + (?2 = 0), replayed = replayed + ?2
+            let mut stmt = conn.prepare_cached(
+                "UPDATE requests SET attached = attached + ?2, replayed = replayed + ?3,
+                     log_reads = log_reads + ?4
                  WHERE id = ?1",
-            )?
-            .execute(params![id.to_string(), replayed])?;
-            Ok(())
-        })
-        .await
-    }
-
-    async fn count_log_read(&self, id: Uuid) -> Result<(), StoreError> {
-        self.write(move |conn| {
-            conn.prepare_cached("UPDATE requests SET log_reads = log_reads + 1 WHERE id = ?1")?
-                .execute(params![id.to_string()])?;
+            )?;
+            for c in counts.iter() {
+                stmt.execute(params![
+                    c.id.to_string(),
+                    c.attached,
+                    c.replayed,
+                    c.log_reads
+                ])?;
+            }
             Ok(())
         })
         .await

@@ -10,6 +10,7 @@
 
 mod answers;
 mod attempt;
+mod bookkeeping;
 mod chunks;
 mod retry;
 
@@ -31,6 +32,7 @@ use crate::store::{
 use crate::upstream::Upstreams;
 pub(crate) use answers::ClaimRef;
 use answers::RecentAnswers;
+use bookkeeping::Bookkeeping;
 pub use chunks::{AppendError, ChunkWriter};
 
 /// How often expired terminal requests are pruned (DU-4).
@@ -72,6 +74,8 @@ pub(crate) struct WorkerPool {
     running: Arc<Mutex<HashMap<Uuid, CancellationToken>>>,
     /// Succeeded requests by claim: duplicates answered without a database write.
     answers: Arc<RecentAnswers>,
+    /// Deliveries and log reads, counted apart from the answers and written in bulk (DU-6).
+    books: Arc<Bookkeeping>,
 }
 
 /// A running attempt's entry in [`WorkerPool::running`]; removed on drop.
@@ -104,6 +108,7 @@ impl WorkerPool {
             stopping: CancellationToken::new(),
             abandon: CancellationToken::new(),
             chunks,
+            books: Bookkeeping::spawn(store.clone()),
             store,
             hub,
             upstreams,
@@ -160,9 +165,29 @@ impl WorkerPool {
             }
             Ok(submitted)
         });
-        admission
-            .await
-            .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
+        let Some(limit) = self.admission_limit() else {
+            return admission
+                .await
+                .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))));
+        };
+        // RS-10: a database that does not answer in time refuses the call, retryable; the
+        // admission task goes on, and a retry attaches to what it records after all.
+        match tokio::time::timeout(limit, admission).await {
+            Ok(joined) => joined
+                .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}")))),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "the database did not record the request within database_timeout_ms ({} ms)",
+                limit.as_millis()
+            ))),
+        }
+    }
+
+    /// How long a new call waits for the store to record it (`database_timeout_ms`, RS-10):
+    /// PostgreSQL only; SQLite's writer is in the process.
+    fn admission_limit(&self) -> Option<Duration> {
+        let url = self.config.database_url.as_str();
+        (url.starts_with("postgres://") || url.starts_with("postgresql://"))
+            .then(|| Duration::from_millis(self.config.database_timeout_ms))
     }
 
     /// Keeps `record`, the answer to a submission holding `claim`, for the claim's duplicates
@@ -176,8 +201,9 @@ impl WorkerPool {
     /// its tokens; an attachment is counted when the request finishes, since an attempt after it
     /// (a retry, a recovery) can still spend the call it seemed to save.
     ///
-    /// The ledger's write runs on its own, after the answer: a duplicate is answered even when
-    /// nothing can be written (a full disk), uncounted then.
+    /// The count is written after the answer, in bulk with the others ([`Bookkeeping`], DU-6):
+    /// a duplicate is answered even when nothing can be written, and counting it never delays
+    /// another request.
     fn count_delivery(&self, record: &mut RequestRecord) {
         let replayed = record.status.is_terminal();
         if replayed {
@@ -185,12 +211,7 @@ impl WorkerPool {
         } else {
             record.attached += 1;
         }
-        let (store, id) = (self.store.clone(), record.id);
-        tokio::spawn(async move {
-            if let Err(e) = store.count_delivery(id, replayed).await {
-                warn!(%id, error = %e, "could not count a delivery");
-            }
-        });
+        self.books.delivery(record.id, replayed);
         if replayed && record.saved_calls() > 0 {
             crate::ledger::count_saved(
                 &self.config,
@@ -243,6 +264,12 @@ impl WorkerPool {
             self.hub.publish(id, HubEvent::Changed);
         }
         Ok(record)
+    }
+
+    /// Counts a reader of request `id`'s log as an event stream, written like the deliveries
+    /// (DU-6).
+    pub(crate) fn count_log_read(&self, id: Uuid) {
+        self.books.log_read(id);
     }
 
     /// Registers an attempt of request `id` as running here, for [`WorkerPool::cancel`].
@@ -381,6 +408,7 @@ impl WorkerPool {
             let _ = permits.acquire_many(all).await;
         }
         let _ = sweeper.await;
+        self.books.close(&self.store).await;
     }
 
     /// How long to sleep when nothing is due: until the earliest scheduled retry, at most `poll`.

@@ -9,6 +9,7 @@ mod browser;
 mod chaos;
 mod cli;
 mod clients;
+mod degradation;
 mod disk_full;
 mod docs;
 mod durability;

@@ -31,7 +31,7 @@ use crate::store_conformance::TestDatabase;
 mod chaos;
 mod lost_answer;
 mod outage;
-mod pg_server;
+pub mod pg_server;
 
 /// `application_name` of each node's LISTEN connection.
 const LISTEN_APP: &str = "holdfast-listen";
