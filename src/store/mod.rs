@@ -901,13 +901,20 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the database fails or the row is unreadable.
     async fn get_any(&self, id: Uuid) -> Result<Option<RequestRecord>, StoreError>;
 
-    /// Hands a running attempt back to `pending` without counting a recovery (DU-5, graceful
-    /// shutdown), fenced on the lease; a `reset` chunk follows if the attempt stored chunks.
-    /// The attempt still counts in `attempts`. `false` when the lease was already lost.
+    /// Hands a running attempt back at shutdown (DU-5), fenced on the lease, with the sweep's
+    /// verdict and no recovery counted (`rules::handed_back`): `pending`, due at once, with a
+    /// `reset` chunk if the attempt stored chunks; or, when it was attempt `max_attempts`,
+    /// `failed` with `lease_expired` (its `end` chunk, its claim released as ID-6 says), so
+    /// `attempts` never exceeds `max_attempts`. `false` when the lease was already lost.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails.
-    async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError>;
+    async fn release(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        max_attempts: u32,
+    ) -> Result<bool, StoreError>;
 
     /// Deletes at most `limit` terminal requests that finished before `before`, with their
     /// chunks and claims (DU-4). Returns how many were deleted.

@@ -1627,6 +1627,34 @@ const APPEND_CHUNKS: &str = "WITH b AS (
      SELECT grp, (SELECT count(*) FROM notified) AS notifications FROM upd
      UNION ALL SELECT grp, 0 FROM stored";
 
+/// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
+/// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied, then
+/// [`rules::settle`] (`end` chunk, claim). The caller holds the row's lock.
+async fn fail_abandoned_in(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    claim: ClaimKind,
+    attempts: i32,
+    error: &ErrorInfo,
+    now: Millis,
+) -> Result<(), StoreError> {
+    sqlx::query(concat!(
+        "UPDATE requests SET status = 'failed', error_type = $2, error_message = $3,
+             error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
+             finished_at = $1, updated_at = $1, ",
+        usage_from_current_attempt!(),
+        " WHERE id = $4"
+    ))
+    .bind(now)
+    .bind(error.kind.as_str())
+    .bind(text(&error.message))
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
+    let settle = rules::settle(Status::Failed, Some(error), claim);
+    settle_in(tx, id, attempts, &settle, None).await
+}
+
 /// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
 /// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
 /// else after the last seq.
@@ -1982,21 +2010,7 @@ impl Store for PostgresStore {
                 .map_err(|_| StoreError::corrupt(Some(id), format!("attempts {attempts}")))?;
             match rules::expired(count, max_attempts, last_seq, reset_seq) {
                 Expired::Fail(error) => {
-                    sqlx::query(concat!(
-                        "UPDATE requests SET status = 'failed', error_type = $2,
-                             error_message = $3, error_status = NULL, lease_owner = NULL,
-                             lease_expires_at = NULL, finished_at = $1, updated_at = $1, ",
-                        usage_from_current_attempt!(),
-                        " WHERE id = $4"
-                    ))
-                    .bind(now)
-                    .bind(error.kind.as_str())
-                    .bind(text(&error.message))
-                    .bind(id)
-                    .execute(&mut *tx)
-                    .await?;
-                    let settle = rules::settle(Status::Failed, Some(&error), claim);
-                    settle_in(&mut tx, id, attempts, &settle, None).await?;
+                    fail_abandoned_in(&mut tx, id, claim, attempts, &error, now).await?;
                     swept.failed.push(id);
                 }
                 Expired::Recover { reset } => {
@@ -2246,32 +2260,58 @@ impl Store for PostgresStore {
         row.as_ref().map(record_from_row).transpose()
     }
 
-    async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+    async fn release(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        max_attempts: u32,
+    ) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin().await?;
-        let released: Option<(i32, i64, i64)> = sqlx::query_as(
-            "UPDATE requests SET status = 'pending', next_retry_at = $1, lease_owner = NULL,
-                 lease_expires_at = NULL, updated_at = $1
-             WHERE id = $2 AND lease_owner = $3 AND status = 'running'
-             RETURNING attempts, last_seq, reset_seq",
+        // Fenced and locked first: the verdict needs `attempts`, and a failure copies the usage
+        // committed before the lock (as `cancel` does).
+        let held: Option<(String, i32, i64, i64)> = sqlx::query_as(
+            "SELECT claim_kind, attempts, last_seq, reset_seq FROM requests
+             WHERE id = $1 AND lease_owner = $2 AND status = 'running'
+             FOR UPDATE",
         )
-        .bind(now)
         .bind(lease.id)
         .bind(&lease.owner)
         .fetch_optional(&mut *tx)
         .await?;
-        if let Some((attempts, last_seq, reset_seq)) = released {
-            let attempts = u32::try_from(attempts).map_err(corrupt)?;
-            if let Some((attempt, data)) = rules::reset_after(attempts, last_seq, reset_seq) {
-                let attempt = attempt_number(attempt)?;
-                append_control(&mut tx, lease.id, attempt, ChunkKind::Reset, &data).await?;
+        let Some((claim, attempts, last_seq, reset_seq)) = held else {
+            tx.commit().await?;
+            return Ok(false);
+        };
+        let claim = claim_of(lease.id, &claim)?;
+        let count = u32::try_from(attempts).map_err(corrupt)?;
+        let due = match rules::handed_back(count, max_attempts, last_seq, reset_seq) {
+            Expired::Fail(error) => {
+                fail_abandoned_in(&mut tx, lease.id, claim, attempts, &error, now).await?;
+                false
             }
-        }
-        if released.is_some() {
-            self.notify_changed(&mut tx, &[lease.id]).await?;
+            Expired::Recover { reset } => {
+                sqlx::query(
+                    "UPDATE requests SET status = 'pending', next_retry_at = $1,
+                         lease_owner = NULL, lease_expires_at = NULL, updated_at = $1
+                     WHERE id = $2",
+                )
+                .bind(now)
+                .bind(lease.id)
+                .execute(&mut *tx)
+                .await?;
+                if let Some((attempt, data)) = reset {
+                    let attempt = attempt_number(attempt)?;
+                    append_control(&mut tx, lease.id, attempt, ChunkKind::Reset, &data).await?;
+                }
+                true
+            }
+        };
+        self.notify_changed(&mut tx, &[lease.id]).await?;
+        if due {
             self.notify_work(&mut tx).await?;
         }
         tx.commit().await?;
-        Ok(released.is_some())
+        Ok(true)
     }
 
     async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {

@@ -81,6 +81,29 @@ pub(crate) fn expired(attempts: u32, max_attempts: u32, last_seq: i64, reset_seq
     }
 }
 
+/// `error.message` of a request handed back at shutdown on its last attempt (DU-5).
+pub(crate) const HANDED_BACK_MESSAGE: &str =
+    "its last attempt was handed back at shutdown and no attempts are left";
+
+/// What a hand-back at shutdown does (DU-5): the sweep's verdict at once ([`expired`]), with no
+/// recovery counted — back to `pending` (a `reset` if the attempt stored chunks) while attempts
+/// are left, else `failed` with `lease_expired`, as a crash at that moment would end it, so
+/// `attempts` never exceeds `max_attempts`.
+pub(crate) fn handed_back(
+    attempts: u32,
+    max_attempts: u32,
+    last_seq: i64,
+    reset_seq: i64,
+) -> Expired {
+    match expired(attempts, max_attempts, last_seq, reset_seq) {
+        Expired::Fail(error) => Expired::Fail(ErrorInfo {
+            message: HANDED_BACK_MESSAGE.into(),
+            ..error
+        }),
+        recover => recover,
+    }
+}
+
 /// The error of a cancelled request (LC-9).
 pub(crate) fn cancelled() -> ErrorInfo {
     ErrorInfo {

@@ -43,7 +43,7 @@ use super::row::tokens_of;
 use super::row::{RawRecord, col};
 use super::rules::{self, Expired, Settle};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, Lease, LeaseTo, ListFilter, Millis,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, ErrorInfo, Lease, LeaseTo, ListFilter, Millis,
     NewRequest, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
     Usage, UsageGroup, UsageQuery, UsageRow,
 };
@@ -1067,16 +1067,7 @@ fn sweep_in(
             .map_err(|_| StoreError::corrupt(request, format!("attempts {attempts}")))?;
         match rules::expired(attempts, max_attempts, last_seq, reset_seq) {
             Expired::Fail(error) => {
-                conn.prepare_cached(concat!(
-                    "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
-                         error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
-                         finished_at = ?1, updated_at = ?1, ",
-                    usage_from_current_attempt!(),
-                    " WHERE id = ?4"
-                ))?
-                .execute(params![now, error.kind.as_str(), error.message, id])?;
-                let settle = rules::settle(Status::Failed, Some(&error), claim);
-                settle_in(conn, &id, i64::from(attempts), &settle, None)?;
+                fail_abandoned_in(conn, &id, claim, attempts, &error, now)?;
                 failed.push(id);
             }
             Expired::Recover { reset } => {
@@ -1286,27 +1277,67 @@ fn cancel_in(
     Ok(fetch(conn, id)?.filter(|r| r.namespace == namespace))
 }
 
+/// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
+/// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied,
+/// then [`rules::settle`] (`end` chunk, claim).
+fn fail_abandoned_in(
+    conn: &Connection,
+    id: &str,
+    claim: ClaimKind,
+    attempts: u32,
+    error: &ErrorInfo,
+    now: Millis,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(concat!(
+        "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
+             error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
+             finished_at = ?1, updated_at = ?1, ",
+        usage_from_current_attempt!(),
+        " WHERE id = ?4"
+    ))?
+    .execute(params![now, error.kind.as_str(), error.message, id])?;
+    let settle = rules::settle(Status::Failed, Some(error), claim);
+    settle_in(conn, id, i64::from(attempts), &settle, None)
+}
+
 /// [`Store::release`] inside the writer's transaction.
-fn release_in(conn: &Connection, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+fn release_in(
+    conn: &Connection,
+    lease: &Lease,
+    now: Millis,
+    max_attempts: u32,
+) -> Result<bool, StoreError> {
     let id = lease.id.to_string();
-    let released: Option<(i64, i64, i64)> = conn
+    let held: Option<(String, i64, i64, i64)> = conn
         .prepare_cached(
-            "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,
-                 lease_expires_at = NULL, updated_at = ?1
-             WHERE id = ?2 AND lease_owner = ?3 AND status = 'running'
-             RETURNING attempts, last_seq, reset_seq",
+            "SELECT claim_kind, attempts, last_seq, reset_seq FROM requests
+             WHERE id = ?1 AND lease_owner = ?2 AND status = 'running'",
         )?
-        .query_row(params![now, id, lease.owner], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        .query_row(params![id, lease.owner], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
         })
         .optional()?;
-    if let Some((attempts, last_seq, reset_seq)) = released {
-        let attempts = u32::try_from(attempts).map_err(corrupt)?;
-        if let Some((attempt, data)) = rules::reset_after(attempts, last_seq, reset_seq) {
-            append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+    let Some((claim, attempts, last_seq, reset_seq)) = held else {
+        return Ok(false);
+    };
+    let claim = ClaimKind::parse(&claim)
+        .ok_or_else(|| StoreError::corrupt(Some(lease.id), format!("claim_kind {claim:?}")))?;
+    let attempts = u32::try_from(attempts).map_err(corrupt)?;
+    match rules::handed_back(attempts, max_attempts, last_seq, reset_seq) {
+        Expired::Fail(error) => fail_abandoned_in(conn, &id, claim, attempts, &error, now)?,
+        Expired::Recover { reset } => {
+            conn.prepare_cached(
+                "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,
+                     lease_expires_at = NULL, updated_at = ?1
+                 WHERE id = ?2",
+            )?
+            .execute(params![now, id])?;
+            if let Some((attempt, data)) = reset {
+                append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+            }
         }
     }
-    Ok(released.is_some())
+    Ok(true)
 }
 
 /// [`Store::prune`] inside the writer's transaction.
@@ -1609,9 +1640,15 @@ impl Store for SqliteStore {
         self.read(move |conn| fetch(conn, &id.to_string())).await
     }
 
-    async fn release(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+    async fn release(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        max_attempts: u32,
+    ) -> Result<bool, StoreError> {
         let lease = lease.clone();
-        self.write(move |conn| release_in(conn, &lease, now)).await
+        self.write(move |conn| release_in(conn, &lease, now, max_attempts))
+            .await
     }
 
     async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {

@@ -59,7 +59,12 @@ impl WorkerPool {
             () = registration.abort.cancelled() => None,
             () = self.abandon.cancelled() => {
                 // Shutdown grace is over (DU-5): hand the request back without a recovery.
-                match self.store.release(&lease, now_ms()).await {
+                let max = self.workers().max_attempts;
+                match self.store.release(&lease, now_ms(), max).await {
+                    Ok(true) if lease.attempt >= max => warn!(
+                        error_type = "lease_expired",
+                        "request failed: its last attempt was handed back at shutdown"
+                    ),
                     Ok(true) => info!("handed back to pending at shutdown"),
                     Ok(false) => {}
                     Err(e) => warn!(error = %e, "could not hand back; the lease will expire"),

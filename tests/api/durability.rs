@@ -362,6 +362,43 @@ async fn sigterm_with_a_short_grace_hands_the_request_back_without_a_recovery_du
     mock.shutdown().await;
 }
 
+/// DU-5: a hand-back at shutdown of attempt `max_attempts` fails the request with
+/// `lease_expired` (what the sweep would do had the node crashed) instead of leaving it for an
+/// attempt beyond the maximum: `attempts` stays 1 and the provider is called once.
+#[tokio::test]
+async fn sigterm_on_the_last_attempt_fails_the_request_so_attempts_never_exceed_the_maximum_du5() {
+    let mock = start_mock(MockConfig {
+        header_delay_ms: 10_000,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml =
+        config_toml(dir.path(), &mock.base_url()).replace("max_attempts = 50", "max_attempts = 1");
+    let toml = with_grace(toml, 200);
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let id = submit_async(&http, &first.base, chat_body("my only attempt")).await;
+    wait_until(Duration::from_secs(10), "the provider call started", || {
+        mock.calls() == 1
+    })
+    .await;
+    assert!(
+        first.sigterm_and_wait(Duration::from_secs(10)),
+        "clean exit"
+    );
+
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = wait_terminal(&http, &second.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed", "{record}");
+    assert_eq!(record["error"]["type"], "lease_expired", "{record}");
+    assert_eq!(record["attempts"], 1, "never above max_attempts: {record}");
+    assert_eq!(record["recoveries"], 0, "{record}");
+    assert_eq!(mock.calls(), 1, "no second provider call");
+    drop(second);
+    mock.shutdown().await;
+}
+
 /// Starts Responses stream `body` on `node`, reads `n` of its events and SIGKILLs the node
 /// mid-stream: the request's id and the killed attempt's response id.
 async fn responses_stream_killed_after(

@@ -214,6 +214,7 @@ conformance!(
     cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
     list_is_newest_first_with_status_filter_and_cursor_rd7,
     release_hands_back_without_counting_a_recovery_du5,
+    a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_maximum_du5,
     prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4,
     counts_and_next_due_follow_the_lifecycle,
     nul_characters_in_text_never_fail_a_write_in2,
@@ -760,7 +761,7 @@ async fn stale_owner_writes_nothing_lc3(store: DynStore) {
     );
     assert!(
         !store
-            .release(&stale, T0 + LEASE_MS + 2)
+            .release(&stale, T0 + LEASE_MS + 2, MAX_ATTEMPTS)
             .await
             .expect("release")
     );
@@ -1691,7 +1692,12 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
         // Handed back to pending (DU-5): not running, so not finished either.
         let pending = create(&store, by_hash(&format!("pending {i}"), now + 10)).await;
         let (l, _) = lease_at(&store, "node/a", now + 10).await;
-        assert!(store.release(&l, now + 11).await.expect("release"));
+        assert!(
+            store
+                .release(&l, now + 11, MAX_ATTEMPTS)
+                .await
+                .expect("release")
+        );
         let before = get(&store, pending.id).await;
         assert_eq!(before.status, Status::Pending);
         assert!(
@@ -2102,7 +2108,12 @@ async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore)
 async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
     let rec = create(&store, by_hash("drain", T0)).await;
     let (l1, _) = lease_at(&store, "node/a", T0).await;
-    assert!(store.release(&l1, T0 + 5).await.expect("release"));
+    assert!(
+        store
+            .release(&l1, T0 + 5, MAX_ATTEMPTS)
+            .await
+            .expect("release")
+    );
     let after = get(&store, rec.id).await;
     assert_eq!(after.status, Status::Pending);
     assert_eq!((after.attempts, after.recoveries), (1, 0));
@@ -2112,7 +2123,10 @@ async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
         "no chunks stored: no reset"
     );
     assert!(
-        !store.release(&l1, T0 + 6).await.expect("release"),
+        !store
+            .release(&l1, T0 + 6, MAX_ATTEMPTS)
+            .await
+            .expect("release"),
         "already released"
     );
     assert!(!store.heartbeat(&l1, T0 + 6, LEASE_MS).await.expect("hb"));
@@ -2121,7 +2135,12 @@ async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
     let (l2, _) = lease_at(&store, "node/b", T0 + 10).await;
     assert_eq!(l2.attempt, 2);
     append(&store, &l2, new_chunks("b", 2)).await.expect("own");
-    assert!(store.release(&l2, T0 + 11).await.expect("release"));
+    assert!(
+        store
+            .release(&l2, T0 + 11, MAX_ATTEMPTS)
+            .await
+            .expect("release")
+    );
     let chunks = all_chunks(&store, rec.id).await;
     assert_eq!(chunks.len(), 3);
     assert_eq!(
@@ -2134,6 +2153,50 @@ async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
     assert_eq!((after.last_seq, after.reset_seq), (3, 3));
     // The claim survives a hand-back.
     assert_eq!(attach(&store, by_hash("drain", T0 + 12)).await.id, rec.id);
+}
+
+/// DU-5: a hand-back of attempt `max_attempts` gets the sweep's verdict at once — `failed`
+/// with `lease_expired`, its `end` chunk after what it stored, its body-hash claim released —
+/// so no lease can start an attempt beyond the maximum.
+async fn a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_maximum_du5(
+    store: DynStore,
+) {
+    let rec = create(&store, by_hash("last one", T0)).await;
+    let (l1, _) = lease_at(&store, "node/a", T0).await;
+    assert!(store.release(&l1, T0 + 1, 2).await.expect("release"));
+    assert_eq!(get(&store, rec.id).await.status, Status::Pending);
+    let (l2, _) = lease_at(&store, "node/b", T0 + 2).await;
+    assert_eq!(l2.attempt, 2);
+    append(&store, &l2, new_chunks("z", 2)).await.expect("own");
+    assert!(store.release(&l2, T0 + 3, 2).await.expect("release"));
+    let after = get(&store, rec.id).await;
+    assert_eq!(after.status, Status::Failed);
+    assert_eq!(
+        after.error.as_ref().map(|e| e.kind),
+        Some(ErrorType::LeaseExpired)
+    );
+    assert_eq!((after.attempts, after.recoveries), (2, 0));
+    assert_eq!(after.finished_at, Some(T0 + 3));
+    let chunks = all_chunks(&store, rec.id).await;
+    assert_eq!(
+        chunks.iter().map(|c| c.kind).collect::<Vec<_>>(),
+        [ChunkKind::Data, ChunkKind::Data, ChunkKind::End],
+        "no reset: nothing runs after it"
+    );
+    assert!(
+        store
+            .lease_many("node/c", T0 + 4, LEASE_MS, 10)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "nothing left to lease"
+    );
+    assert!(
+        !store.release(&l2, T0 + 5, 2).await.expect("release"),
+        "already settled"
+    );
+    // The claim was released: the same body is a new request.
+    assert_ne!(create(&store, by_hash("last one", T0 + 6)).await.id, rec.id);
 }
 
 async fn prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4(store: DynStore) {
