@@ -35,8 +35,12 @@
 //! - **Sweep** (LC-4, LC-8): the expired leases are selected `FOR UPDATE SKIP LOCKED`, so sweepers
 //!   on several nodes never recover the same request twice or append two `reset` chunks, and
 //!   never wait on each other.
-//! - **Lock order**: a transaction that touches both tables locks the `requests` row before
-//!   `claims` rows; `append_chunks` locks its requests in id order. No deadlock cycles.
+//! - **Lock order** (one global order, issue 28): request rows by id, then claim rows by
+//!   namespace and key in byte order. The sweep selects its expired rows `ORDER BY id` and
+//!   releases the failed ones' claims last, sorted ([`release_claims_in_order`], as prune and
+//!   every settlement do); a writer group runs its request writes before its submissions, and
+//!   an outcome that fails a request (locking it, then its claims) commits alone, first;
+//!   `append_chunks` locks its requests in id order. No deadlock cycles.
 //!
 //! # Cross-node wake-ups (LISTEN/NOTIFY)
 //!
@@ -398,15 +402,32 @@ const MAX_JOBS_PER_COMMIT: usize = 512;
 /// commit the next group is already being written, and the server works on both at once.
 const WRITERS: u32 = 2;
 
-/// What a job locks first, to order the jobs of a group: claims (by namespace and key) before
-/// requests (by id), each in order. Two writers' transactions then take their locks in one
-/// global order and cannot deadlock each other.
+/// What a job locks first, to order the jobs of a group in the adapter's one global lock order
+/// (module notes): requests by id, then claims by namespace and key in byte order. A write that
+/// locks a request and then its claims is committed alone, before the group's others, so no
+/// group holds a claim while it waits for a request row; and no two transactions take the same
+/// rows in opposite orders (issue 28).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum LockKey {
-    /// A submission: the claim `(namespace, claim_key)`.
-    Claim(String, String),
+    /// An outcome that fails request `0`, which may release its claims (ID-6): committed in a
+    /// transaction of its own, first.
+    Releasing(Uuid),
     /// A write to one request's row.
     Request(Uuid),
+    /// A submission: the claim `(namespace, claim_key)`.
+    Claim(String, String),
+}
+
+impl LockKey {
+    /// The key of an outcome write of request `id`: [`LockKey::Releasing`] when it fails the
+    /// request.
+    fn outcome(id: Uuid, outcome: &Outcome) -> LockKey {
+        if matches!(outcome, Outcome::Failed { .. }) {
+            LockKey::Releasing(id)
+        } else {
+            LockKey::Request(id)
+        }
+    }
 }
 
 /// One write of a group commit, type-erased for the writer's queue.
@@ -668,13 +689,21 @@ async fn commit_group(
     conn: &mut PgConnection,
     group: &mut [Box<dyn WriteJob>],
 ) -> Result<(), String> {
+    // Writes that lock a request and then its claims run alone, first (the sort puts them
+    // there): inside a group they would hold a claim while the group waits for request rows.
+    let alone = group
+        .iter()
+        .take_while(|job| matches!(job.key(), LockKey::Releasing(_)))
+        .count();
+    let (releasing, group) = group.split_at_mut(alone);
+    for job in releasing {
+        run_alone(conn, job).await?;
+    }
     if let [job] = group {
-        // Alone, its statement is its transaction (each job's write is one statement). A
-        // failure may be the connection's: find out before keeping it.
-        if job.run(conn).await {
-            return Ok(());
-        }
-        return conn.ping().await.map_err(|e| e.to_string());
+        return run_alone(conn, job).await;
+    }
+    if group.is_empty() {
+        return Ok(());
     }
     match in_one_transaction(conn, group).await {
         Ok(true) => return Ok(()),
@@ -691,6 +720,15 @@ async fn commit_group(
         conn.execute(end).await.map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+/// Runs `job` as its own transaction (each job's write is one statement). `Err`: it failed and
+/// so did the connection (found out before the connection is kept).
+async fn run_alone(conn: &mut PgConnection, job: &mut Box<dyn WriteJob>) -> Result<(), String> {
+    if job.run(conn).await {
+        return Ok(());
+    }
+    conn.ping().await.map_err(|e| e.to_string())
 }
 
 /// Runs the submissions `shared` of `group` (one per claim) as one [`SUBMIT_MANY`]; those that
@@ -1628,8 +1666,9 @@ const APPEND_CHUNKS: &str = "WITH b AS (
      UNION ALL SELECT grp, 0 FROM stored";
 
 /// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
-/// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied, then
-/// [`rules::settle`] (`end` chunk, claim). The caller holds the row's lock.
+/// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied, its
+/// `end` chunk. The caller holds the row's lock, and releases its claims
+/// ([`release_claims_in_order`]) when this answers `true` ([`rules::settle`]).
 async fn fail_abandoned_in(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
@@ -1637,7 +1676,7 @@ async fn fail_abandoned_in(
     attempts: i32,
     error: &ErrorInfo,
     now: Millis,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
     sqlx::query(concat!(
         "UPDATE requests SET status = 'failed', error_type = $2, error_message = $3,
              error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
@@ -1651,8 +1690,36 @@ async fn fail_abandoned_in(
     .bind(id)
     .execute(&mut **tx)
     .await?;
-    let settle = rules::settle(Status::Failed, Some(error), claim);
-    settle_in(tx, id, attempts, &settle, None).await
+    let mut settle = rules::settle(Status::Failed, Some(error), claim);
+    let release = std::mem::take(&mut settle.release_claim);
+    settle_in(tx, id, attempts, &settle, None).await?;
+    Ok(release)
+}
+
+/// Deletes the claims of requests `ids`, locking them first in the global claim order:
+/// namespace and key in byte order (`COLLATE "C"`, Rust's `String` order, as the writer's
+/// [`LockKey`] sorts submissions). A claim taken over meanwhile no longer names its request
+/// and is left alone.
+async fn release_claims_in_order(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[Uuid],
+) -> Result<(), StoreError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "WITH locked AS MATERIALIZED (
+             SELECT namespace, claim_key FROM claims WHERE request_id = ANY($1)
+             ORDER BY namespace COLLATE \"C\", claim_key COLLATE \"C\"
+             FOR UPDATE)
+         DELETE FROM claims c USING locked l
+         WHERE c.namespace = l.namespace AND c.claim_key = l.claim_key
+           AND c.request_id = ANY($1)",
+    )
+    .bind(ids)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
@@ -1666,10 +1733,7 @@ async fn settle_in(
     end_seq: Option<i64>,
 ) -> Result<(), StoreError> {
     if settle.release_claim {
-        sqlx::query("DELETE FROM claims WHERE request_id = $1")
-            .bind(id)
-            .execute(&mut **tx)
-            .await?;
+        release_claims_in_order(tx, &[id]).await?;
     }
     match end_seq {
         Some(seq) => {
@@ -1980,7 +2044,7 @@ impl Store for PostgresStore {
             })?;
         }
         let args = Arc::new((lease.clone(), outcome.clone(), changed));
-        self.write(LockKey::Request(lease.id), move |conn| {
+        self.write(LockKey::outcome(lease.id, outcome), move |conn| {
             let args = Arc::clone(&args);
             Box::pin(async move {
                 let (lease, outcome, changed) = &*args;
@@ -1998,19 +2062,24 @@ impl Store for PostgresStore {
         let expired: Vec<(Uuid, String, i32, i64, i64)> = sqlx::query_as(
             "SELECT id, claim_kind, attempts, last_seq, reset_seq FROM requests
              WHERE status = 'running' AND lease_expires_at < $1
+             ORDER BY id
              FOR UPDATE SKIP LOCKED",
         )
         .bind(now)
         .fetch_all(&mut *tx)
         .await?;
         let mut swept = Swept::default();
+        // Claims last, all at once in the global order, after every request row (issue 28).
+        let mut releasing = Vec::new();
         for (id, claim, attempts, last_seq, reset_seq) in expired {
             let claim = claim_of(id, &claim)?;
             let count = u32::try_from(attempts)
                 .map_err(|_| StoreError::corrupt(Some(id), format!("attempts {attempts}")))?;
             match rules::expired(count, max_attempts, last_seq, reset_seq) {
                 Expired::Fail(error) => {
-                    fail_abandoned_in(&mut tx, id, claim, attempts, &error, now).await?;
+                    if fail_abandoned_in(&mut tx, id, claim, attempts, &error, now).await? {
+                        releasing.push(id);
+                    }
                     swept.failed.push(id);
                 }
                 Expired::Recover { reset } => {
@@ -2032,6 +2101,7 @@ impl Store for PostgresStore {
                 }
             }
         }
+        release_claims_in_order(&mut tx, &releasing).await?;
         let changed: Vec<Uuid> = swept
             .failed
             .iter()
@@ -2120,7 +2190,7 @@ impl Store for PostgresStore {
         let lease = last.lease.clone();
         let changed = format!("{} {}", self.origin, lease.id);
         let args = Arc::new((plan, lease, outcome.clone(), changed, self.origin.clone()));
-        self.write(LockKey::Request(last.lease.id), move |conn| {
+        self.write(LockKey::outcome(last.lease.id, outcome), move |conn| {
             let args = Arc::clone(&args);
             Box::pin(async move {
                 let (plan, lease, outcome, changed, origin) = &*args;
@@ -2286,7 +2356,9 @@ impl Store for PostgresStore {
         let count = u32::try_from(attempts).map_err(corrupt)?;
         let due = match rules::handed_back(count, max_attempts, last_seq, reset_seq) {
             Expired::Fail(error) => {
-                fail_abandoned_in(&mut tx, lease.id, claim, attempts, &error, now).await?;
+                if fail_abandoned_in(&mut tx, lease.id, claim, attempts, &error, now).await? {
+                    release_claims_in_order(&mut tx, &[lease.id]).await?;
+                }
                 false
             }
             Expired::Recover { reset } => {
@@ -2343,10 +2415,7 @@ impl Store for PostgresStore {
             .bind(&ids)
             .execute(&mut *tx)
             .await?;
-        sqlx::query("DELETE FROM claims WHERE request_id = ANY($1)")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
+        release_claims_in_order(&mut tx, &ids).await?;
         let deleted = sqlx::query("DELETE FROM requests WHERE id = ANY($1)")
             .bind(&ids)
             .execute(&mut *tx)

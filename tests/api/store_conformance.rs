@@ -2381,3 +2381,170 @@ async fn postgres_leases_a_batch_in_one_statement_lc2() {
         "one statement for the whole batch"
     );
 }
+
+/// Issue 28, LC-4 and DU-3 on PostgreSQL: two nodes sweeping the same expired requests at once,
+/// while both nodes' writers attach duplicates to their claims, send the dead attempts' late
+/// heartbeats and count deliveries on the same rows, take over each request exactly once and
+/// meet in no deadlock: every node takes request rows by id, then claim rows in byte order.
+/// A writer group that met a deadlock would be re-run silently, so the database's own counter
+/// is the check, besides every call succeeding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_nodes_sweeping_the_same_expired_requests_take_each_over_once_without_a_deadlock_lc4_du3()
+ {
+    const N: usize = 60;
+    const MAX: u32 = 2;
+    let db = TestDatabase::create().await;
+    let a: DynStore = Arc::new(PostgresStore::open(&db.url).await.expect("open a"));
+    let b: DynStore = Arc::new(PostgresStore::open(&db.url).await.expect("open b"));
+    for round in 0..3i64 {
+        let t = T0 + round * 10_000_000;
+        // N requests leased by a node that died: odd ones on their last attempt (the sweep
+        // fails them and releases their claims), even ones with a stored chunk (recovered
+        // with a reset).
+        let text = |i: usize| format!("round {round} request {i}");
+        for i in 0..N {
+            create(&a, by_hash(&text(i), t)).await;
+        }
+        let mut dead = Vec::new();
+        let mut handed_back = 0;
+        for i in 0..N {
+            let (lease, _) = lease_at(&a, "node/dead", t + 1).await;
+            if i % 2 == 1 {
+                assert!(a.release(&lease, t + 1, MAX).await.expect("release"));
+                handed_back += 1;
+            } else {
+                append(&a, &lease, new_chunks("d", 1)).await.expect("own");
+                dead.push(lease);
+            }
+        }
+        // The handed-back ones again: attempt 2 of 2.
+        let last = a
+            .lease_many("node/dead", t + 2, LEASE_MS, N)
+            .await
+            .expect("lease");
+        assert_eq!(last.len(), handed_back);
+        dead.extend(last.into_iter().map(|(lease, _)| lease));
+        let now = t + 2 + LEASE_MS + 1;
+        let barrier = Arc::new(Barrier::new(2 + 2 * 3 * dead.len()));
+        let mut sweeps = Vec::new();
+        for store in [a.clone(), b.clone()] {
+            let barrier = Arc::clone(&barrier);
+            sweeps.push(tokio::spawn(async move {
+                barrier.wait().await;
+                store.sweep(now, MAX).await
+            }));
+        }
+        let mut traffic = Vec::new();
+        for (i, lease) in dead.iter().enumerate() {
+            for store in [a.clone(), b.clone()] {
+                let barrier = Arc::clone(&barrier);
+                let duplicate = by_hash(&text(i), t + 3);
+                traffic.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    store.submit(duplicate).await.map(|_| ())
+                }));
+            }
+            for store in [a.clone(), b.clone()] {
+                let (store, lease, barrier) = (store.clone(), lease.clone(), Arc::clone(&barrier));
+                traffic.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    // Dated so that the lease stays expired for the sweep.
+                    store.heartbeat(&lease, t, LEASE_MS).await.map(|_| ())
+                }));
+            }
+            for store in [a.clone(), b.clone()] {
+                let (id, barrier) = (lease.id, Arc::clone(&barrier));
+                traffic.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .add_counts(&[holdfast::store::Counts {
+                            id,
+                            attached: 1,
+                            ..Default::default()
+                        }])
+                        .await
+                }));
+            }
+        }
+        let (mut recovered, mut failed) = (Vec::new(), Vec::new());
+        for sweep in sweeps {
+            let swept = sweep
+                .await
+                .unwrap()
+                .expect("no sweep fails (a deadlock is 40P01)");
+            recovered.extend(swept.recovered);
+            failed.extend(swept.failed);
+        }
+        for call in traffic {
+            call.await.unwrap().expect("no write fails");
+        }
+        // A row a late heartbeat held at that moment was skipped by both (SKIP LOCKED): the
+        // next sweeps take it.
+        for store in [&a, &b, &a, &b] {
+            let swept = store.sweep(now, MAX).await.expect("sweep");
+            recovered.extend(swept.recovered);
+            failed.extend(swept.failed);
+        }
+        // This round's (the last round's recovered requests, leased below, expire again).
+        let ids: HashSet<Uuid> = dead.iter().map(|l| l.id).collect();
+        recovered.retain(|id| ids.contains(id));
+        failed.retain(|id| ids.contains(id));
+        let mut taken: Vec<Uuid> = recovered.iter().chain(&failed).copied().collect();
+        taken.sort();
+        taken.dedup();
+        assert_eq!(
+            recovered.len() + failed.len(),
+            N,
+            "each expired request taken over once"
+        );
+        assert_eq!(taken.into_iter().collect::<HashSet<_>>(), ids);
+        assert_eq!(failed.len(), N / 2, "the ones on their last attempt failed");
+        // Every recovered request runs once more: both nodes lease until nothing is due.
+        let (la, lb) = tokio::join!(
+            a.lease_many("node/a", now, LEASE_MS, 2 * N),
+            b.lease_many("node/b", now, LEASE_MS, 2 * N)
+        );
+        let mut leased: Vec<Uuid> = la
+            .unwrap()
+            .into_iter()
+            .chain(lb.unwrap())
+            .map(|(l, _)| l.id)
+            .filter(|id| ids.contains(id))
+            .collect();
+        leased.sort();
+        recovered.sort();
+        assert_eq!(leased, recovered, "each recovered request leased once");
+    }
+    // The database's count of deadlocks it broke: read once both nodes' connections are gone
+    // (a backend reports its statistics when it exits).
+    drop((a, b));
+    let mut admin = PgConnection::connect(&db.url).await.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let others: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+        if others == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{others} connections of the two nodes still open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let deadlocks: i64 = sqlx::query_scalar(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        deadlocks, 0,
+        "PostgreSQL broke a deadlock between the nodes"
+    );
+}
