@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
@@ -21,6 +22,8 @@ pub struct Running {
     /// Where the HTTP API listens.
     pub addr: SocketAddr,
     shutdown: CancellationToken,
+    /// Ends what the HTTP server still holds after the workers stop ([`AppState::cut`], DU-5).
+    cut: CancellationToken,
     server: JoinHandle<()>,
     workers: JoinHandle<()>,
     /// Cross-node wake-ups ([`crate::store::Store::listen`] and its bridge).
@@ -51,6 +54,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     pool.sweep_once().await;
     let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
 
+    let cut = CancellationToken::new();
     let state = AppState {
         config,
         store,
@@ -59,6 +63,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         upstreams,
         models: Arc::default(),
         held: Arc::default(),
+        cut: cut.clone(),
     };
     let addr = listener.local_addr()?;
     // TCP_NODELAY on every accepted connection: a stream's events are small writes after the
@@ -82,6 +87,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     Ok(Running {
         addr,
         shutdown,
+        cut,
         server,
         workers,
         wakeups,
@@ -89,22 +95,37 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
 }
 
 impl Running {
-    /// Stops accepting and leasing, lets in-flight attempts finish, and returns when both the
-    /// server and the workers have stopped.
+    /// Stops accepting and leasing, lets in-flight attempts finish (`shutdown_grace_ms`), and
+    /// returns when both the server and the workers have stopped. Connections still open
+    /// [`CUT_AFTER`] after the workers stop are ended (DU-5): event streams end, a proxied one
+    /// after an error event `shutting_down`, and held calls answer 503 `shutting_down`; their
+    /// requests were handed back to `pending`, and a retry attaches to them elsewhere.
     pub async fn shutdown(mut self) {
         self.shutdown.cancel();
         let _ = self.workers.await;
         let _ = self.wakeups.await;
-        // Held connections whose request was handed back to pending would wait for another
-        // node; cut them shortly after the workers stop, and their SDKs retry elsewhere.
-        if tokio::time::timeout(std::time::Duration::from_secs(2), &mut self.server)
+        if tokio::time::timeout(CUT_AFTER, &mut self.server)
             .await
             .is_err()
         {
-            self.server.abort();
+            // Aborting the server task alone would leave them open: axum runs each connection
+            // in a task of its own, which only the end of the process would drop.
+            self.cut.cancel();
+            if tokio::time::timeout(CLOSE_AFTER_CUT, &mut self.server)
+                .await
+                .is_err()
+            {
+                tracing::warn!("connections still open after the shutdown cut; abandoning them");
+                self.server.abort();
+            }
         }
     }
 }
+
+/// How long after the workers stop open connections are left to end on their own (DU-5).
+const CUT_AFTER: Duration = Duration::from_secs(2);
+/// How long the cut connections get to send their last bytes and close.
+const CLOSE_AFTER_CUT: Duration = Duration::from_millis(500);
 
 /// Turns the store's reports of changes made by other nodes (PostgreSQL LISTEN/NOTIFY; SQLite
 /// has none) into this node's wake-ups: a changed request wakes its readers on the hub, new work

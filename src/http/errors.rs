@@ -1,4 +1,4 @@
-//! Errors in the route's provider shape (SPEC RS-6, RS-7, RS-8, IN-1).
+//! Errors in the route's provider shape (SPEC RS-6, RS-7, RS-8, IN-1, DU-5).
 //!
 //! OpenAI routes: `{"error":{"message","type","param","code"}}`. Anthropic routes:
 //! `{"type":"error","error":{"type","message"}}` with Anthropic's documented `type` for the
@@ -109,6 +109,21 @@ impl ApiError {
         }
     }
 
+    /// 503 `shutting_down` for a call this node was holding when it shut down (DU-5): the
+    /// request is recorded, so a retry (`x-should-retry: true`, after `retry-after-ms`) attaches
+    /// to it on whichever node answers.
+    pub(crate) fn shutting_down(shape: Provider) -> Self {
+        let mut err = Self::new(
+            shape,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            SHUTTING_DOWN_MESSAGE,
+        );
+        err.should_retry = Some(true);
+        err.retry_after_ms = Some(SHUTTING_DOWN_RETRY_AFTER_MS);
+        err
+    }
+
     /// Marks the answer as final for the SDK (`x-should-retry: false`, RS-7).
     pub(crate) fn final_answer(mut self) -> Self {
         self.should_retry = Some(false);
@@ -121,6 +136,14 @@ impl ApiError {
         self
     }
 }
+
+/// What a call or stream this node ends at shutdown is told (DU-5): the 503's message and the
+/// proxied stream's closing error event's.
+pub(crate) const SHUTTING_DOWN_MESSAGE: &str = "this holdfast node is shutting down; the request \
+     is recorded, and sending it again attaches to it";
+
+/// `retry-after-ms` on a 503 `shutting_down`.
+const SHUTTING_DOWN_RETRY_AFTER_MS: u64 = 1_000;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {

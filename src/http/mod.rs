@@ -49,6 +49,10 @@ pub(crate) struct AppState {
     pub models: Arc<passthrough::ModelsCache>,
     /// Proxied calls this node is holding open right now (RS-8 overload limit).
     pub held: Arc<std::sync::atomic::AtomicUsize>,
+    /// Cancelled by `app::Running::shutdown` about 2 s after the workers stop (DU-5):
+    /// every event stream and held call of this node ends then. Without it they would outlive
+    /// the shutdown, since each connection runs in a task of its own.
+    pub cut: tokio_util::sync::CancellationToken,
 }
 
 /// The router with every route of SPEC §1.

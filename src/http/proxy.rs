@@ -329,7 +329,8 @@ async fn stream_answer(
             }
         }
     };
-    let mut response = stream::event_stream_response(body);
+    let farewell = stream::shutting_down_event(shape);
+    let mut response = stream::event_stream_response(body, state.cut.clone(), Some(farewell));
     set_identity_headers(&mut response, &record, replayed, route, &state.config);
     Ok(response)
 }
@@ -582,7 +583,8 @@ fn prefers_async(headers: &HeaderMap) -> bool {
 }
 
 /// Holds until `ready` holds for the record (RS-1, RS-2): subscribe first, then re-read the
-/// record after every wake-up and at least every [`WAIT_POLL`].
+/// record after every wake-up and at least every [`WAIT_POLL`]. At the shutdown cut
+/// ([`AppState::cut`]) it gives up with 503 `shutting_down` (DU-5).
 ///
 /// `fresh` is a subscription taken before `record` was created (and `record` is the state at
 /// creation): nothing can have changed unseen, so the first re-read is skipped.
@@ -632,6 +634,11 @@ async fn wait_for(
                 }
             }
             () = tokio::time::sleep(WAIT_POLL) => {}
+            // Shutdown (DU-5): this node's workers handed the request back; another node's
+            // take it, and the caller's retry attaches to it there.
+            () = state.cut.cancelled() => {
+                return Err(ApiError::shutting_down(shape).for_request(record.id));
+            }
         }
     }
 }

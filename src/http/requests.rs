@@ -585,7 +585,8 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
             }
         }
     };
-    let mut response = stream::event_stream_response(body);
+    // Cut at shutdown without `end`: the reader resumes with its position (DU-5).
+    let mut response = stream::event_stream_response(body, state.cut.clone(), None);
     if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
         response.headers_mut().insert("holdfast-request-id", v);
     }

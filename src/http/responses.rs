@@ -336,7 +336,8 @@ fn events(state: &AppState, record: &RequestRecord, start: i64, after: Option<i6
             }
         }
     };
-    let mut response = stream::event_stream_response(body);
+    let farewell = stream::shutting_down_event(SHAPE);
+    let mut response = stream::event_stream_response(body, state.cut.clone(), Some(farewell));
     if let Ok(v) = axum::http::HeaderValue::from_str(&record.id.to_string()) {
         response.headers_mut().insert("holdfast-request-id", v);
     }

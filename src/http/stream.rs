@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::hub::{Hub, HubEvent};
@@ -167,12 +168,47 @@ pub(super) fn log_bytes(item: &Followed) -> Bytes {
     }
 }
 
+/// The closing error event of a proxied stream this node ends at shutdown (DU-5, RS-4): in the
+/// provider's stream shape, so that its SDK raises and its retry attaches to the request
+/// elsewhere, where a clean end would read as a complete, truncated answer.
+pub(super) fn shutting_down_event(shape: Provider) -> Bytes {
+    provider_error(shape, "shutting_down", super::errors::SHUTTING_DOWN_MESSAGE)
+}
+
 /// A `200 text/event-stream` response around `body`, uncached and unbuffered by proxies.
-pub(super) fn event_stream_response<S>(body: S) -> axum::response::Response
+///
+/// When `cut` fires (shutdown, DU-5) the body ends between two of its items, after `farewell`
+/// when given (a proxied stream's [`shutting_down_event`]); without one (`GET /requests/{id}`)
+/// it just ends, without `end`, so its reader reconnects with its position, as after a store
+/// failure (RD-6). Dropping `body` then drops whatever it holds (a proxied call's slot).
+pub(super) fn event_stream_response<S>(
+    body: S,
+    cut: CancellationToken,
+    farewell: Option<Bytes>,
+) -> axum::response::Response
 where
     S: Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
 {
     use axum::http::{HeaderValue, header};
+    let body = async_stream::stream! {
+        let mut body = std::pin::pin!(body);
+        loop {
+            tokio::select! {
+                biased;
+                () = cut.cancelled() => {
+                    if let Some(farewell) = farewell {
+                        yield Ok(farewell);
+                    }
+                    return;
+                }
+                // `next` is cancel-safe: an item is either taken whole or left in `body`.
+                item = futures::StreamExt::next(&mut body) => match item {
+                    Some(item) => yield item,
+                    None => return,
+                },
+            }
+        }
+    };
     let mut response = axum::response::Response::new(axum::body::Body::from_stream(body));
     let headers = response.headers_mut();
     headers.insert(
@@ -252,5 +288,30 @@ mod tests {
             }
         }
         panic!("the stored chunk never reached the reader");
+    }
+
+    /// DU-5: at the shutdown cut an event stream that would never end on its own ends between
+    /// two events — a proxied one after its closing error event `shutting_down` (RS-4), a log
+    /// stream with nothing more (no `end`, RD-6).
+    #[tokio::test]
+    async fn a_cut_event_stream_ends_after_its_farewell_du5() {
+        for farewell in [Some(shutting_down_event(Provider::Openai)), None] {
+            let cut = CancellationToken::new();
+            let first = Bytes::from_static(b"data: {}\n\n");
+            let endless = futures::stream::once(std::future::ready(Ok(first.clone())))
+                .chain(futures::stream::pending());
+            let response = event_stream_response(endless, cut.clone(), farewell.clone());
+            let mut body = response.into_body().into_data_stream();
+            let piece = body.next().await.expect("first event").expect("bytes");
+            assert_eq!(piece, first);
+            cut.cancel();
+            let rest = tokio::time::timeout(Duration::from_secs(5), body.collect::<Vec<_>>())
+                .await
+                .expect("the cut ends the stream");
+            let rest: Vec<Bytes> = rest.into_iter().map(|r| r.expect("bytes")).collect();
+            assert_eq!(rest, farewell.into_iter().collect::<Vec<_>>());
+        }
+        let event = String::from_utf8(shutting_down_event(Provider::Openai).to_vec()).unwrap();
+        assert!(event.contains("\"shutting_down\""), "{event}");
     }
 }

@@ -323,3 +323,153 @@ async fn idle_stream_gets_keepalive_comments_rd2() {
     assert_eq!(events.last().unwrap().data, "[DONE]");
     app.stop().await;
 }
+
+/// DU-5: the in-process shutdown ends every connection it holds within the drain bound
+/// (`shutdown_grace_ms`, then about 2 s): a log reader of a stream handed back at shutdown, which
+/// would otherwise follow the pending request with keep-alives forever, ends without `end` (it
+/// resumes elsewhere with its position); the proxied stream ends on an error event, not
+/// `[DONE]`; held calls, a non-stream one and a stream one before its first event, answer 503
+/// `shutting_down` that SDKs retry. Before the cut (issue 28) only the server task was aborted
+/// and each connection, a task of its own, stayed open.
+#[tokio::test]
+async fn shutdown_ends_log_readers_proxied_streams_and_held_calls_within_the_drain_bound_du5() {
+    const GRACE_MS: u64 = 200;
+    let app = spawn_app(
+        MockConfig {
+            // A 20 s stream: it outlives the grace.
+            chunks: 400,
+            chunk_delay_ms: 50,
+            // The first two calls (the held ones) answer after a minute.
+            hang_before_headers_ms: Some(60_000),
+            hang_first: 2,
+            ..MockConfig::default()
+        },
+        |c| {
+            c.shutdown_grace_ms = GRACE_MS;
+            c.sse_keepalive_ms = 100;
+        },
+    )
+    .await;
+    let (http, base) = (app.http.clone(), app.base.clone());
+    let hold = |body: String| {
+        let (http, base) = (http.clone(), base.clone());
+        tokio::spawn(async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+        })
+    };
+    let held_answer = hold(chat_body("held at shutdown"));
+    wait_until(Duration::from_secs(10), "the held call's attempt", || {
+        app.mock.calls() == 1
+    })
+    .await;
+    let held_stream = hold(stream_body("held stream at shutdown"));
+    wait_until(Duration::from_secs(10), "the held stream's attempt", || {
+        app.mock.calls() == 2
+    })
+    .await;
+    // The live stream, proxied and followed in the log, both mid-stream.
+    let mut proxied = app.chat(&stream_body("outlive the grace")).await;
+    assert_eq!(proxied.status(), 200);
+    let id = header(&proxied, "holdfast-request-id");
+    let mut proxied_parser = holdfast::sse::SseParser::new();
+    let mut reader = get_events(&http, &base, &id, None).await;
+    assert_eq!(reader.status(), 200);
+    let mut reader_parser = holdfast::sse::SseParser::new();
+    let mut proxied_events = next_events(&mut proxied, &mut proxied_parser, 3).await;
+    let mut reader_events = next_events(&mut reader, &mut reader_parser, 3).await;
+
+    let started = std::time::Instant::now();
+    let stopping = tokio::spawn(app.stop());
+    // Grace, the cut 2 s after the workers stop, and slack for a loaded machine.
+    let bound = Duration::from_millis(GRACE_MS + 2_000 + 2_000);
+    let ended = tokio::time::timeout(bound, async {
+        tokio::join!(
+            rest_of_events(&mut proxied, &mut proxied_parser),
+            rest_of_events(&mut reader, &mut reader_parser),
+            held_answer,
+            held_stream,
+        )
+    })
+    .await;
+    let Ok((proxied_rest, reader_rest, held_answer, held_stream)) = ended else {
+        panic!(
+            "connections still open {:?} after shutdown began",
+            started.elapsed()
+        );
+    };
+    proxied_events.extend(proxied_rest);
+    reader_events.extend(reader_rest);
+
+    let last = proxied_events.last().expect("proxied events");
+    assert_ne!(last.data, "[DONE]", "the stream was not finished");
+    let error: serde_json::Value = serde_json::from_str(&last.data).expect("JSON error event");
+    assert!(
+        matches!(
+            error["error"]["code"].as_str(),
+            Some("attempt_abandoned" | "shutting_down")
+        ),
+        "the proxied stream ends on an error event its SDK raises on: {error}"
+    );
+    assert!(
+        reader_events
+            .iter()
+            .all(|e| e.event.as_deref() != Some("end")),
+        "no `end`: the request is pending, its reader resumes elsewhere"
+    );
+    assert!(
+        reader_events
+            .iter()
+            .any(|e| e.event.as_deref() == Some("reset")),
+        "the handed-back attempt's reset reached the reader"
+    );
+    for held in [held_answer, held_stream] {
+        let held = held
+            .expect("task")
+            .expect("an answer, not a dropped connection");
+        assert_eq!(held.status(), 503);
+        assert_eq!(header(&held, "holdfast-error"), "shutting_down");
+        assert_eq!(header(&held, "x-should-retry"), "true");
+        assert!(!header(&held, "retry-after-ms").is_empty());
+        assert!(!header(&held, "holdfast-request-id").is_empty());
+        let body: serde_json::Value = held.json().await.expect("JSON error");
+        assert_eq!(body["error"]["code"], "shutting_down", "{body}");
+    }
+    tokio::time::timeout(Duration::from_secs(2), stopping)
+        .await
+        .expect("Running::shutdown returns once its connections are closed")
+        .expect("shutdown task");
+}
+
+/// Reads `response` until `parser` has given at least `n` more events.
+async fn next_events(
+    response: &mut reqwest::Response,
+    parser: &mut holdfast::sse::SseParser,
+    n: usize,
+) -> Vec<holdfast::sse::SseEvent> {
+    let mut events = Vec::new();
+    while events.len() < n {
+        let piece = response
+            .chunk()
+            .await
+            .expect("SSE body")
+            .expect("more events");
+        events.extend(parser.push(&piece).expect("valid SSE"));
+    }
+    events
+}
+
+/// Reads `response` to the end of its body (or a broken connection), returning its events.
+async fn rest_of_events(
+    response: &mut reqwest::Response,
+    parser: &mut holdfast::sse::SseParser,
+) -> Vec<holdfast::sse::SseEvent> {
+    let mut events = Vec::new();
+    while let Ok(Some(piece)) = response.chunk().await {
+        events.extend(parser.push(&piece).expect("valid SSE"));
+    }
+    events
+}
