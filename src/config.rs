@@ -184,6 +184,11 @@ pub struct Workers {
     pub sweep_interval_ms: u64,
     /// How often an idle worker pool looks for due work it was not woken for, in milliseconds.
     pub poll_interval_ms: u64,
+    /// How long a failed write of an attempt — its stream chunks, its outcome — is tried again
+    /// from the first failure while the database is unavailable, in seconds (default 60; at
+    /// least `lease_secs` is used). The provider's answer is held meanwhile, so a database
+    /// back within it costs no second provider call (LC-3, decision 52).
+    pub write_retry_secs: u64,
 }
 
 /// `[upstream]`: separate timeouts, no total deadline on a healthy stream (LC-10).
@@ -292,6 +297,7 @@ impl Default for Workers {
             backoff_max_ms: 30_000,
             sweep_interval_ms: 1_000,
             poll_interval_ms: 1_000,
+            write_retry_secs: 60,
         }
     }
 }
@@ -716,6 +722,7 @@ impl Config {
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),
             ("workers.sweep_interval_ms", self.workers.sweep_interval_ms),
             ("workers.poll_interval_ms", self.workers.poll_interval_ms),
+            ("workers.write_retry_secs", self.workers.write_retry_secs),
             (
                 "upstream.connect_timeout_ms",
                 self.upstream.connect_timeout_ms,

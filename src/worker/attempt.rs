@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{debug, error, info, warn};
+use tracing::{Instrument, debug, error, info, warn};
 
 use super::WorkerPool;
 use super::chunks::AppendError;
@@ -22,6 +22,11 @@ use crate::store::{
     Usage, holds_outcome, now_ms,
 };
 use crate::upstream::{Call, CallError};
+
+/// How soon a heartbeat that failed (the database unavailable) is tried again: the lease is
+/// renewed within about this long of the database's return, well inside the sweeps' hold
+/// (decision 52).
+pub(super) const HEARTBEAT_RETRY: Duration = Duration::from_secs(1);
 use serde_json::value::RawValue;
 
 /// What an attempt records: its outcome and, for a stream the provider finished, the last
@@ -47,9 +52,11 @@ impl WorkerPool {
     pub(super) async fn run_attempt(&self, lease: Lease, record: RequestRecord) {
         let lost = CancellationToken::new();
         // Renews the lease until the outcome is written; stopped with this function, however
-        // it ends.
+        // it ends. In the attempt's span, so its log lines name the request.
         let heartbeat = AbortOnDropHandle::new(tokio::spawn(
-            self.clone().heartbeat(lease.clone(), lost.clone()),
+            self.clone()
+                .heartbeat(lease.clone(), lost.clone())
+                .in_current_span(),
         ));
         let registration = self.register(lease.id);
         debug!("attempt started");
@@ -88,9 +95,9 @@ impl WorkerPool {
             Outcome::Retry { .. } => None,
         };
         // The provider has answered: losing the outcome now would cost a second provider call
-        // when the sweep re-runs the request, so a failed write is tried again for one lease
-        // length (decision 37), the heartbeat still renewing the lease, until the lease is
-        // found lost or shutdown's grace is over. The write is fenced (LC-3): a try after the
+        // when the sweep re-runs the request, so a failed write is tried again for
+        // `write_retry_secs`, at least one lease length (decisions 37, 52), the heartbeat still
+        // renewing the lease, until the lease is found lost or shutdown's grace is over. The write is fenced (LC-3): a try after the
         // lease was lost stores nothing, and a failed try stored nothing, the last batch
         // included.
         let mut retry: Option<WriteRetry> = None;
@@ -122,7 +129,7 @@ impl WorkerPool {
             }
             let retry = retry.get_or_insert_with(|| {
                 warn!(error = %e, "could not record the outcome; retrying");
-                WriteRetry::new(super::lease_length(&self.config))
+                WriteRetry::new(super::write_window(&self.config))
             });
             let again = tokio::select! {
                 again = retry.wait() => again,
@@ -226,19 +233,23 @@ impl WorkerPool {
     /// is gone. A database error is not a lost lease: the lease may still be valid.
     async fn heartbeat(self, lease: Lease, lost: CancellationToken) {
         let every = Duration::from_millis(u64::try_from(self.lease_ms() / 3).unwrap_or(1).max(1));
+        let mut wait = every;
         loop {
-            tokio::time::sleep(every).await;
+            tokio::time::sleep(wait).await;
             match self
                 .store
                 .heartbeat(&lease, now_ms(), self.lease_ms())
                 .await
             {
-                Ok(true) => {}
+                Ok(true) => wait = every,
                 Ok(false) => {
                     lost.cancel();
                     return;
                 }
-                Err(e) => warn!(error = %e, "heartbeat failed"),
+                Err(e) => {
+                    warn!(error = %e, "heartbeat failed");
+                    wait = every.min(HEARTBEAT_RETRY);
+                }
             }
         }
     }

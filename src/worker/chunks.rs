@@ -5,8 +5,8 @@
 //! with one [`Store::append_chunks`](crate::store::Store::append_chunks) call, one
 //! transaction, each batch fenced on its own lease (LC-3). So the per-chunk cost falls as load
 //! rises instead of being one commit per chunk, and an attempt learns that its chunks are
-//! durable before they are shown to any reader. A commit that fails is tried again for one
-//! lease length ([`WriteRetry`], decision 37) before its batches are failed.
+//! durable before they are shown to any reader. A commit that fails is tried again for
+//! `write_retry_secs` ([`WriteRetry`], decisions 37, 52) before its batches are failed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,8 +45,8 @@ pub enum AppendError {
 }
 
 impl ChunkWriter {
-    /// Starts the writer task over `store`. A failed commit is tried again for `retry_for` (one
-    /// lease length) before its batches are failed.
+    /// Starts the writer task over `store`. A failed commit is tried again for `retry_for`
+    /// (`write_retry_secs`, at least a lease length) before its batches are failed.
     pub fn spawn(store: DynStore, retry_for: Duration) -> ChunkWriter {
         ChunkWriter::spawn_over(store, retry_for)
     }
@@ -115,7 +115,7 @@ async fn run(
     let mut batches = Vec::new();
     let mut acks = Vec::new();
     // Set while commits fail: one window from the first failure covers every group that
-    // fails meanwhile, so no stream waits longer than a lease length for the database.
+    // fails meanwhile, so no stream waits longer than that window for the database.
     let mut failing: Option<WriteRetry> = None;
     while let Some((batch, ack)) = rx.recv().await {
         batches.push(batch);

@@ -42,11 +42,24 @@ const PRUNE_BATCH: i64 = 500;
 /// Most requests leased by one store call.
 const LEASE_BATCH: usize = 256;
 
-/// One lease length (`workers.lease_secs`): also how long a failed write of an attempt is tried
-/// again (decision 37).
-fn lease_length(config: &Config) -> Duration {
-    Duration::from_secs(config.workers.lease_secs)
+/// How long a failed write of an attempt is tried again (decision 37, decision 52):
+/// `workers.write_retry_secs`, at least one lease length.
+fn write_window(config: &Config) -> Duration {
+    Duration::from_secs(
+        config
+            .workers
+            .write_retry_secs
+            .max(config.workers.lease_secs),
+    )
 }
+
+/// How long a node holds its sweeps once the store answers again after failing (decision 52):
+/// every live attempt's heartbeat, tried every [`attempt::HEARTBEAT_RETRY`] while it fails,
+/// renews its lease first, so a lease that ran out during the outage is not taken over from an
+/// attempt that holds, or is still receiving, the provider's answer.
+const SWEEP_HOLD_AFTER_OUTAGE: Duration = Duration::from_secs(3);
+/// Longest wait for one sweep: a statement hung on a silent network counts as a failure.
+const SWEEP_LIMIT: Duration = Duration::from_secs(5);
 
 /// What a worker pool needs.
 #[derive(Clone)]
@@ -102,7 +115,7 @@ impl WorkerPool {
         config: Arc<Config>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
-        let chunks = ChunkWriter::spawn(store.clone(), lease_length(&config));
+        let chunks = ChunkWriter::spawn(store.clone(), write_window(&config));
         WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),
@@ -427,6 +440,7 @@ impl WorkerPool {
             tokio::time::interval(Duration::from_millis(self.workers().sweep_interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_prune = tokio::time::Instant::now() - PRUNE_EVERY;
+        let mut store = StoreState::Answering;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -436,14 +450,42 @@ impl WorkerPool {
                 last_prune = tokio::time::Instant::now();
                 self.prune().await;
             }
-            self.sweep_once().await;
+            store = match store {
+                StoreState::Answering => self.sweep_or_fail().await,
+                // The store failed: no sweep until it answers again, then for a hold.
+                StoreState::Failing => match self.store.next_due().await {
+                    Ok(_) => {
+                        info!(
+                            hold_ms = SWEEP_HOLD_AFTER_OUTAGE.as_millis() as u64,
+                            "the database answers again; sweeps wait for running attempts to renew their leases"
+                        );
+                        StoreState::Holding(tokio::time::Instant::now() + SWEEP_HOLD_AFTER_OUTAGE)
+                    }
+                    Err(_) => StoreState::Failing,
+                },
+                StoreState::Holding(until) if tokio::time::Instant::now() < until => store,
+                StoreState::Holding(_) => self.sweep_or_fail().await,
+            };
+        }
+    }
+
+    /// One sweep of the loop: [`StoreState::Failing`] when it failed or hung.
+    async fn sweep_or_fail(&self) -> StoreState {
+        match tokio::time::timeout(SWEEP_LIMIT, self.sweep_once()).await {
+            Ok(true) => StoreState::Answering,
+            Ok(false) => StoreState::Failing,
+            Err(_) => {
+                warn!("sweep timed out");
+                StoreState::Failing
+            }
         }
     }
 
     /// One sweep (LC-4): expired leases back to `pending` or failed, counted, logged, and their
     /// readers and the workers woken. `app::start` runs one before it serves, so requests a
-    /// stopped process left behind are recovered before any retry of them arrives.
-    pub(crate) async fn sweep_once(&self) {
+    /// stopped process left behind are recovered before any retry of them arrives. `false`
+    /// when the store failed.
+    pub(crate) async fn sweep_once(&self) -> bool {
         match self
             .store
             .sweep(now_ms(), self.workers().max_attempts)
@@ -470,8 +512,12 @@ impl WorkerPool {
                         "request failed: its last attempt's lease expired and no attempts are left"
                     );
                 }
+                true
             }
-            Err(e) => warn!(error = %e, "sweep failed"),
+            Err(e) => {
+                warn!(error = %e, "sweep failed");
+                false
+            }
         }
     }
 
@@ -492,6 +538,18 @@ impl WorkerPool {
             }
         }
     }
+}
+
+/// What the sweeper knows of the store (decision 52).
+#[derive(Debug, Clone, Copy)]
+enum StoreState {
+    /// The last sweep succeeded.
+    Answering,
+    /// The last sweep, or the probe since, failed: leases may have run out only because their
+    /// attempts could not renew them.
+    Failing,
+    /// The store answers again; sweeps resume at this instant.
+    Holding(tokio::time::Instant),
 }
 
 fn hostname() -> String {

@@ -69,9 +69,10 @@ const WRITE_RETRY_FIRST: Duration = Duration::from_millis(50);
 const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// How a failed write of an attempt — its chunks or its outcome — is tried again (decision
-/// 37). Once the provider has answered, giving up costs a second provider call when the sweep
-/// re-runs the request, so the write is tried for as long as the attempt's lease could still
-/// be held: one lease length from the first failure, waiting 50 ms, doubling to 1 s, between
+/// 37, decision 52). Once the provider has answered, giving up costs a second provider call
+/// when the sweep re-runs the request, so the write is tried for `workers.write_retry_secs`
+/// (at least one lease length) from the first failure — the heartbeat renews the lease as soon
+/// as the database is back, and sweeps hold meanwhile — waiting 50 ms, doubling to 1 s, between
 /// tries. The writes are fenced (LC-3), so a try that comes after the lease was lost stores
 /// nothing, and one whose earlier try had committed stores nothing twice.
 #[derive(Debug)]

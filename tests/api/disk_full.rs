@@ -56,12 +56,15 @@ impl DiskNode {
         let disk = dir.join("disk");
         std::fs::create_dir(&disk).expect("create the mount point");
         let db = disk.join("holdfast.db");
+        // A failed write is tried again for one lease length, as these tests were written
+        // for (decision 37): `write_retry_secs` below `lease_secs` counts as `lease_secs`.
         let toml = fault_test_toml(
             &format!("sqlite://{}", db.display()),
             "",
             lease_secs,
             mock_base,
-        );
+        )
+        .replace("[workers]\n", "[workers]\nwrite_retry_secs = 1\n");
         let config = dir.join("holdfast.toml");
         std::fs::write(&config, toml).expect("write config");
         let addr = free_addr();
