@@ -73,6 +73,7 @@
 //! - `metrics`: Prometheus metric names and the recorder.
 //! - [`app`]: wiring it all together.
 
+#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod app;

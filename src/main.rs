@@ -1,5 +1,7 @@
 //! The `holdfast` binary: parse the command line, start tracing, hand over (SPEC CLI-1..CLI-3).
 
+#![forbid(unsafe_code)]
+
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 

@@ -223,7 +223,9 @@ fn dependency_table(lib: &str) -> BTreeMap<String, BTreeSet<String>> {
         .collect()
 }
 
-/// The crate modules a module's source names as `crate::NAME`.
+/// The crate modules a module's source names: as `crate::NAME`, in a group `crate::{A, B::x}`,
+/// or through as many `super::` as the file is deep (`super::super::NAME` from
+/// `src/worker/attempt.rs`), grouped or not.
 fn used_modules(root: &Path, module: &str) -> BTreeSet<String> {
     let mut files = Vec::new();
     let dir = root.join("src").join(module);
@@ -240,20 +242,90 @@ fn used_modules(root: &Path, module: &str) -> BTreeSet<String> {
         .filter(|f| f.extension().is_some_and(|e| e == "rs"))
     {
         let text = std::fs::read_to_string(file).unwrap();
-        for (i, _) in text.match_indices("crate::") {
-            if i > 0 && text.as_bytes()[i - 1].is_ascii_alphanumeric() {
-                continue; // `holdfast_crate::` and the like
-            }
-            let name: String = text[i + "crate::".len()..]
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                .collect();
-            if !name.is_empty() && name != module {
-                used.insert(name);
-            }
-        }
+        let depth = module_depth(&root.join("src"), file);
+        used.extend(
+            crate_level_names(&text, depth)
+                .into_iter()
+                .filter(|name| name != module),
+        );
     }
     used
+}
+
+/// How many modules deep `file` is below the crate root `src`: `src/hub.rs` and
+/// `src/worker/mod.rs` 1, `src/worker/attempt.rs` 2.
+fn module_depth(src: &Path, file: &Path) -> usize {
+    let parts = file.strip_prefix(src).unwrap().components().count();
+    if file.file_name().is_some_and(|n| n == "mod.rs") {
+        parts - 1
+    } else {
+        parts
+    }
+}
+
+/// The crate-level module names `text` uses (see [`used_modules`]); `depth` as
+/// [`module_depth`].
+fn crate_level_names(text: &str, depth: usize) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut roots: Vec<usize> = Vec::new();
+    for (i, _) in text.match_indices("crate::") {
+        if i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_') {
+            roots.push(i + "crate::".len());
+        }
+    }
+    let supers = "super::".repeat(depth);
+    for (i, _) in text.match_indices(supers.as_str()) {
+        let before_ok = i == 0
+            || !(bytes[i - 1].is_ascii_alphanumeric()
+                || bytes[i - 1] == b'_'
+                || bytes[i - 1] == b':');
+        let after = i + supers.len();
+        if before_ok && !text[after..].starts_with("super::") {
+            roots.push(after);
+        }
+    }
+    for at in roots {
+        names.extend(group_heads(&text[at..]));
+    }
+    names
+}
+
+/// The first path segment of each path in `rest`: `name::...` gives `name`; a group
+/// `{a, b::c, d::{e}}` gives `a`, `b`, `d`.
+fn group_heads(rest: &str) -> Vec<String> {
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect()
+    };
+    let Some(group) = rest.strip_prefix('{') else {
+        let name = ident(rest);
+        return if name.is_empty() {
+            Vec::new()
+        } else {
+            vec![name]
+        };
+    };
+    let mut heads = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                heads.push(ident(group[start..i].trim_start()));
+                break;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                heads.push(ident(group[start..i].trim_start()));
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    heads.retain(|h| !h.is_empty() && h != "self");
+    heads
 }
 
 #[test]
@@ -276,7 +348,12 @@ fn modules_use_only_what_the_dependency_rule_in_lib_rs_allows_and_it_has_no_cycl
     );
     let mut violations = Vec::new();
     for (module, allowed) in &table {
-        for used in used_modules(root, module) {
+        // Names that are not modules (`crate::store::redact_url` is `store`'s; an inline
+        // `mod tests` makes `super::` its parent's) are not the table's business.
+        for used in used_modules(root, module)
+            .into_iter()
+            .filter(|u| table.contains_key(u))
+        {
             if !allowed.contains(&used) {
                 violations.push(format!("{module} uses {used}"));
             }
@@ -321,4 +398,116 @@ fn the_dependency_check_sees_a_use_the_table_does_not_allow() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     // The real store uses `provider`, which this table does not allow.
     assert!(used_modules(root, "store").contains("provider"));
+}
+
+/// Issue 29: the written tour stays true. Every `src/**/*.rs` has its room in
+/// `docs/architecture.md`'s module table: a row for its own path, or the row of a folder above
+/// it that names the rest of its path in backticks (`` `src/worker/` `` ... `` `attempt.rs` ``).
+#[test]
+fn every_source_file_has_a_room_in_the_architecture_module_table() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
+    let table = doc
+        .split("## Modules")
+        .nth(1)
+        .expect("docs/architecture.md has a Modules section");
+    let rows: Vec<(String, String)> = table
+        .lines()
+        .take_while(|l| l.starts_with('|') || l.trim().is_empty())
+        .filter_map(|l| {
+            let l = l.strip_prefix("| `")?;
+            let (path, rest) = l.split_once('`')?;
+            Some((path.to_string(), rest.to_string()))
+        })
+        .collect();
+    assert!(!rows.is_empty(), "no module table rows");
+    let mut files = Vec::new();
+    files_under(&root.join("src"), &mut files);
+    let mut missing = Vec::new();
+    for file in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "rs"))
+    {
+        let path = file
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        let housed = rows.iter().any(|(row, room)| {
+            row == &path
+                || path
+                    .strip_prefix(row.as_str())
+                    .is_some_and(|rest| row.ends_with('/') && room.contains(&format!("`{rest}`")))
+        });
+        if !housed {
+            missing.push(path);
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "docs/architecture.md's module table does not name: {missing:?}"
+    );
+    // And every row names something that exists.
+    for (row, _) in &rows {
+        assert!(
+            root.join(row).exists(),
+            "the module table names {row}, which does not exist"
+        );
+    }
+}
+
+/// Issue 29: `docs/decisions.md` numbers its decisions 1, 2, 3, ... with no gap (a withdrawn
+/// one keeps its number and says so).
+#[test]
+fn decisions_are_numbered_without_a_gap() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/decisions.md")).unwrap();
+    let numbers: Vec<u32> = doc
+        .lines()
+        .filter_map(|l| {
+            let (n, rest) = l.split_once(". **")?;
+            let _ = rest;
+            n.parse().ok()
+        })
+        .collect();
+    assert!(!numbers.is_empty());
+    let expected: Vec<u32> = (1..=numbers.len() as u32).collect();
+    assert_eq!(
+        numbers, expected,
+        "docs/decisions.md: numbers out of order or with a gap"
+    );
+}
+
+/// Issue 29: the dependency check sees every path form a module can use another by.
+#[test]
+fn the_dependency_check_sees_grouped_and_super_paths() {
+    let names = |text: &str, depth: usize| -> Vec<String> {
+        crate_level_names(text, depth).into_iter().collect()
+    };
+    assert_eq!(
+        names("use crate::{config::Config, store::{self, X}, hub};", 1),
+        ["config", "hub", "store"]
+    );
+    assert_eq!(names("use crate::metrics as m;", 1), ["metrics"]);
+    assert_eq!(
+        names("let x = super::super::ledger::count();", 2),
+        ["ledger"]
+    );
+    assert_eq!(
+        names("use super::super::{store, hub::Hub};", 2),
+        ["hub", "store"]
+    );
+    // One level short of the crate root is a sibling, not a crate module.
+    assert!(names("use super::retry;", 2).is_empty());
+    assert_eq!(names("use super::retry;", 1), ["retry"]);
+    // `my_crate::x` is not `crate::x`.
+    assert!(names("use my_crate::config;", 1).is_empty());
+    let src = Path::new("/r/src");
+    assert_eq!(module_depth(src, Path::new("/r/src/hub.rs")), 1);
+    assert_eq!(module_depth(src, Path::new("/r/src/worker/mod.rs")), 1);
+    assert_eq!(module_depth(src, Path::new("/r/src/worker/attempt.rs")), 2);
+    assert_eq!(
+        module_depth(src, Path::new("/r/src/store/sqlite/writer.rs")),
+        3
+    );
 }
