@@ -10,6 +10,7 @@
 //! tried again after a pause, so a database back from an outage still gets every count.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +36,9 @@ pub(crate) struct Bookkeeping {
     pending: Mutex<HashMap<Uuid, Counts>>,
     /// Woken when counts are added.
     added: Notify,
+    /// Whether the loss of a count past [`MAX_PENDING`] was warned about since the last
+    /// successful write.
+    warned_full: AtomicBool,
     /// Cancelled when the pool stops: the task ends ([`Bookkeeping::close`] writes what is left).
     closed: CancellationToken,
 }
@@ -71,7 +75,13 @@ impl Bookkeeping {
             Some(c) => count(c),
             None if full => {
                 drop(pending);
-                warn!(%id, "too many uncounted requests while the database fails; a count is lost");
+                if !self.warned_full.swap(true, Ordering::Relaxed) {
+                    warn!(
+                        max = MAX_PENDING,
+                        "too many requests with unwritten delivery counts while the database \
+                         fails; counts of further requests are lost until a write succeeds"
+                    );
+                }
                 return;
             }
             None => {
@@ -117,7 +127,10 @@ impl Bookkeeping {
             return true;
         }
         match store.add_counts(&counts).await {
-            Ok(()) => true,
+            Ok(()) => {
+                self.warned_full.store(false, Ordering::Relaxed);
+                true
+            }
             Err(e) => {
                 warn!(requests = counts.len(), error = %e, "could not write delivery counts; trying again");
                 self.restore(counts);
@@ -147,5 +160,47 @@ impl Bookkeeping {
     pub(crate) async fn close(&self, store: &DynStore) {
         self.closed.cancel();
         let _ = tokio::time::timeout(LAST_WRITE, self.write(store)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_of_a_request_add_up_and_a_failed_write_puts_them_back_du6() {
+        let books = Bookkeeping::default();
+        let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+        books.delivery(a, true);
+        books.delivery(a, true);
+        books.delivery(a, false);
+        books.log_read(b);
+        let taken = books.take();
+        assert_eq!(
+            taken,
+            [
+                Counts {
+                    id: a,
+                    attached: 1,
+                    replayed: 2,
+                    log_reads: 0
+                },
+                Counts {
+                    id: b,
+                    attached: 0,
+                    replayed: 0,
+                    log_reads: 1
+                },
+            ],
+            "one entry per request, in id order"
+        );
+        assert!(books.take().is_empty(), "taken out");
+        // The write failed; one more replay came meanwhile.
+        books.delivery(a, true);
+        books.restore(taken);
+        let again = books.take();
+        assert_eq!(again[0].replayed, 3);
+        assert_eq!(again[0].attached, 1);
+        assert_eq!(again[1].log_reads, 1);
     }
 }
