@@ -454,6 +454,28 @@ fn every_source_file_has_a_room_in_the_architecture_module_table() {
             "the module table names {row}, which does not exist"
         );
     }
+    // So does every path the "where to make a change" table sends a reader to.
+    let changes = doc
+        .split("## Where to make a change")
+        .nth(1)
+        .and_then(|t| t.split("\n## ").next())
+        .expect("docs/architecture.md has a \"Where to make a change\" section");
+    let named: Vec<&str> = changes
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|p| p.starts_with("src/") || p.starts_with("tests/") || p.starts_with("docs/"))
+        .collect();
+    assert!(
+        named.len() >= 4,
+        "the four changes name their files: {named:?}"
+    );
+    for path in named {
+        assert!(
+            root.join(path).exists(),
+            "\"where to make a change\" names {path}, which does not exist"
+        );
+    }
 }
 
 /// Issue 29: `docs/decisions.md` numbers its decisions 1, 2, 3, ... with no gap (a withdrawn

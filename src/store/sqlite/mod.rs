@@ -1,0 +1,646 @@
+//! SQLite adapter of [`Store`]: one file in WAL mode, one writer thread that group-commits,
+//! read connections on the blocking pool (SPEC DU-2).
+//!
+//! **Writes.** Every write method becomes a job for one dedicated thread that owns the only
+//! writing connection. The thread takes every job queued at that moment (up to
+//! 1,024), runs them in one `BEGIN IMMEDIATE` transaction, commits once, and only then answers
+//! the callers. So:
+//! - SQLite's single-writer rule never shows up as `SQLITE_BUSY`, and every job is atomic with
+//!   respect to every other: the claim (an upsert on the `claims` primary key, ID-7) and the
+//!   lease (due ids chosen, then updated, in one job, LC-2) need no further locking;
+//! - a job that fails fails alone: the group is rolled back and run again without it, each
+//!   other job in its own `SAVEPOINT` ([`commit_group`]); a commit that fails fails every job
+//!   of the group, and nothing of any of them is stored;
+//! - no caller hears "stored" before the commit that stored it (with `synchronous = full`,
+//!   before its `fsync`), and under load one commit (one `fsync`) serves many requests — the
+//!   group commit of `docs/architecture.md`, for requests as well as stream chunks.
+//!
+//! **Reads** run on a small pool of read-only connections on tokio's blocking threads and see
+//! every committed write (WAL snapshot per statement).
+//!
+//! **Checkpoints.** SQLite's automatic WAL checkpoint runs inside whichever commit crosses the
+//! threshold, so a request now and then pays for copying the WAL back into the database. A
+//! background thread runs `PRAGMA wal_checkpoint(PASSIVE)` every 100 ms, beside
+//! the writer rather than in its way, so under ordinary load the WAL never reaches that
+//! threshold; under writes that never pause the automatic checkpoint still bounds it.
+//!
+//! Why rusqlite and not sqlx here: sqlx's SQLite driver runs each statement on the connection's
+//! own thread and hands rows back over a channel, a thread hop per statement; a request made
+//! about a dozen of them (docs/benchmarks.md, docs/decisions.md). Here a whole job — several
+//! statements — is one hop, and a group of jobs is one commit.
+
+/// The tables a whole record is read from: the request row and its body, written once.
+macro_rules! record_tables {
+    () => {
+        " FROM requests JOIN request_bodies USING (id)"
+    };
+}
+
+mod open;
+mod sql;
+mod writer;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use rusqlite::{OptionalExtension, params};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use self::open::ReadPool;
+use self::sql::{
+    SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in, chunk_from_row, corrupt,
+    created_record, due_ids, fetch, finish_in, lease_in, parse_id, prune_in, record_from_row,
+    release_in, submit_in, sweep_in, usage_from_row,
+};
+use self::writer::WriteJob;
+use super::{
+    Chunk, ChunkBatch, Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Outcome,
+    RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup,
+    UsageQuery, UsageRow,
+};
+use crate::provider::Route;
+
+pub(crate) use self::open::{LATEST_SCHEMA, schema_version};
+
+/// The embedded store. Cloning is cheap; the writer and checkpoint threads stop when the last
+/// clone is dropped.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Jobs for the writer thread.
+    jobs: mpsc::UnboundedSender<Box<dyn WriteJob>>,
+    /// Read-only connections.
+    readers: ReadPool,
+    /// Dropping it stops the checkpoint thread.
+    _stop_checkpoints: std::sync::mpsc::Sender<()>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.inner.readers.path)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn submit_and_lease(
+        &self,
+        new: NewRequest,
+        lease: Option<LeaseTo<'_>>,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
+        // Shared with the write, which may run more than once, and whole again once it has
+        // run: the created record is built from it without a copy.
+        let new = Arc::new(new);
+        let shared = Arc::clone(&new);
+        let (submitted, lease) = self
+            .write(move |conn| {
+                let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
+                    owner,
+                    lease_ms: *lease_ms,
+                });
+                submit_in(conn, &shared, lease)
+            })
+            .await?;
+        let submitted = match submitted {
+            SubmittedIn::Created => {
+                let new = Arc::try_unwrap(new).unwrap_or_else(|new| (*new).clone());
+                Submitted::Created(Box::new(created_record(new, lease.is_some())))
+            }
+            SubmittedIn::Attached(record) => Submitted::Attached(record),
+            SubmittedIn::KeyMismatch { existing } => Submitted::KeyMismatch { existing },
+        };
+        Ok((submitted, lease))
+    }
+
+    async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        let namespace = namespace.to_string();
+        self.read(
+            move |conn| Ok(fetch(conn, &id.to_string())?.filter(|r| r.namespace == namespace)),
+        )
+        .await
+    }
+
+    async fn lease(
+        &self,
+        owner: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Option<(Lease, RequestRecord)>, StoreError> {
+        let owner = owner.to_string();
+        self.write(move |conn| {
+            // Chosen, then leased: one writer, so nothing comes in between.
+            let Some(id) = due_ids(conn, now, 1)?.pop() else {
+                return Ok(None);
+            };
+            lease_in(conn, &id, owner.clone(), now, lease_ms).map(Some)
+        })
+        .await
+    }
+
+    async fn lease_many(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
+        let owner_prefix = owner_prefix.to_string();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.write(move |conn| {
+            // Chosen, then leased, oldest first, in one job of the only writer: atomic like
+            // `lease`, for up to `limit` rows.
+            due_ids(conn, now, limit)?
+                .into_iter()
+                .map(|id| {
+                    let owner = format!("{owner_prefix}/{id}");
+                    lease_in(conn, &id, owner, now, lease_ms)
+                })
+                .collect()
+        })
+        .await
+    }
+
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let lease = lease.clone();
+        self.write(move |conn| {
+            let done = conn
+                .prepare_cached(
+                    "UPDATE requests SET lease_expires_at = ?1
+                     WHERE id = ?2 AND lease_owner = ?3 AND status = 'running'",
+                )?
+                .execute(params![now + lease_ms, lease.id.to_string(), lease.owner])?;
+            Ok(done == 1)
+        })
+        .await
+    }
+
+    async fn finish_read(
+        &self,
+        lease: &Lease,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let (lease, outcome) = (lease.clone(), outcome.clone());
+        self.write(move |conn| finish_in(conn, &lease, &outcome, now))
+            .await
+    }
+
+    async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
+        let (recovered, failed) = self
+            .write(move |conn| sweep_in(conn, now, max_attempts))
+            .await?;
+        Ok(Swept {
+            recovered: recovered
+                .iter()
+                .map(|id| parse_id(id))
+                .collect::<Result<_, _>>()?,
+            failed: failed
+                .iter()
+                .map(|id| parse_id(id))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    async fn append_chunks(
+        &self,
+        batches: &[ChunkBatch],
+    ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        if batches.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batches = batches.to_vec();
+        self.write(move |conn| append_in(conn, &batches)).await
+    }
+
+    fn ends_streams_in_one_write(&self) -> bool {
+        true
+    }
+
+    async fn finish_with_chunks(
+        &self,
+        last: &ChunkBatch,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
+        let (last, outcome) = (last.clone(), outcome.clone());
+        self.write(move |conn| {
+            let Some(chunks) = append_in(conn, std::slice::from_ref(&last))?
+                .pop()
+                .flatten()
+            else {
+                return Ok(None);
+            };
+            // The same transaction holds the lease the append was fenced on; an error rolls
+            // the chunks back with it.
+            let record = finish_in(conn, &last.lease, &outcome, now)?.ok_or_else(|| {
+                StoreError::corrupt(Some(last.lease.id), "the lease was lost inside one write")
+            })?;
+            Ok(Some((chunks, record)))
+        })
+        .await
+    }
+
+    async fn chunks_after(
+        &self,
+        id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<Chunk>, StoreError> {
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT seq, attempt, kind, event, data FROM chunks
+                 WHERE request_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+            )?;
+            let mut rows = stmt.query(params![id.to_string(), after, limit])?;
+            let mut chunks = Vec::new();
+            while let Some(row) = rows.next()? {
+                chunks.push(chunk_from_row(row)?);
+            }
+            Ok(chunks)
+        })
+        .await
+    }
+
+    async fn cancel(
+        &self,
+        namespace: &str,
+        id: Uuid,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let namespace = namespace.to_string();
+        self.write(move |conn| cancel_in(conn, &namespace, &id.to_string(), now))
+            .await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<RequestRecord>, StoreError> {
+        let f = filter.clone();
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(concat!(
+                "SELECT ",
+                request_columns!(),
+                record_tables!(),
+                " WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
+                     AND (?3 IS NULL OR route = ?3) AND (?4 IS NULL OR model = ?4)
+                     AND (?5 IS NULL OR backend = ?5) AND (?6 IS NULL OR created_at >= ?6)
+                     AND (?7 IS NULL OR created_at < ?7)
+                     AND (?8 IS NULL OR instr(body, CAST(?8 AS BLOB)) > 0)
+                     AND (?9 = 0 OR attached + replayed > 0)
+                     AND (?10 IS NULL OR id < ?10)
+                 ORDER BY id DESC LIMIT ?11"
+            ))?;
+            let mut rows = stmt.query(params![
+                f.namespace,
+                f.status.map(Status::as_str),
+                f.route.map(Route::name),
+                f.model,
+                f.backend,
+                f.since,
+                f.until,
+                f.text,
+                f.replayed,
+                f.before.map(|b| b.to_string()),
+                f.limit
+            ])?;
+            let mut records = Vec::new();
+            while let Some(row) = rows.next()? {
+                records.push(record_from_row(row, 0)?);
+            }
+            Ok(records)
+        })
+        .await
+    }
+
+    async fn get_any(&self, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        self.read(move |conn| fetch(conn, &id.to_string())).await
+    }
+
+    async fn release(
+        &self,
+        lease: &Lease,
+        now: Millis,
+        max_attempts: u32,
+    ) -> Result<bool, StoreError> {
+        let lease = lease.clone();
+        self.write(move |conn| release_in(conn, &lease, now, max_attempts))
+            .await
+    }
+
+    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {
+        self.write(move |conn| prune_in(conn, before, limit)).await
+    }
+
+    async fn find_response(&self, response_id: &str) -> Result<Option<ResponseRef>, StoreError> {
+        let response_id = response_id.to_string();
+        self.read(move |conn| {
+            let found: Option<(String, String, i64)> = conn
+                .prepare_cached(
+                    "SELECT request_id, namespace, attempt FROM response_ids WHERE response_id = ?1",
+                )?
+                .query_row(params![response_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .optional()?;
+            found
+                .map(|(id, namespace, attempt)| {
+                    Ok(ResponseRef {
+                        request_id: parse_id(&id)?,
+                        namespace,
+                        attempt: u32::try_from(attempt).map_err(corrupt)?,
+                    })
+                })
+                .transpose()
+        })
+        .await
+    }
+
+    async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError> {
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT attempt, input_tokens, output_tokens, cached_input_tokens,
+                     cache_write_tokens, reasoning_tokens
+                 FROM attempt_usage WHERE request_id = ?1 ORDER BY attempt",
+            )?;
+            let mut rows = stmt.query(params![id.to_string()])?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                let attempt = u32::try_from(row.get::<_, i64>(0)?).map_err(corrupt)?;
+                out.push((attempt, usage_from_row(row, 1)?));
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError> {
+        let counts: Arc<[Counts]> = counts.into();
+        self.write(move |conn| {
+            let mut stmt = conn.prepare_cached(
+                "UPDATE requests SET attached = attached + ?2, replayed = replayed + ?3,
+                     log_reads = log_reads + ?4
+                 WHERE id = ?1",
+            )?;
+            for c in counts.iter() {
+                stmt.execute(params![
+                    c.id.to_string(),
+                    c.attached,
+                    c.replayed,
+                    c.log_reads
+                ])?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
+        let query = query.clone();
+        self.read(move |conn| {
+            let key = match query.group_by {
+                UsageGroup::Model => "COALESCE(r.model, '')",
+                UsageGroup::Backend => "r.backend",
+                UsageGroup::Namespace => "r.namespace",
+                UsageGroup::Day => "strftime('%Y-%m-%d', r.created_at / 1000, 'unixepoch')",
+            };
+            let sql = format!("{}{key}{}", USAGE_SQL_HEAD, USAGE_SQL_TAIL);
+            let mut stmt = conn.prepare_cached(&sql)?;
+            let mut rows = stmt.query(params![query.namespace, query.since, query.until])?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                let count = |i: usize| -> Result<u64, StoreError> {
+                    Ok(u64::try_from(row.get::<_, Option<i64>>(i)?.unwrap_or(0)).unwrap_or(0))
+                };
+                out.push(UsageRow {
+                    key: row.get(0)?,
+                    backend: row.get(1)?,
+                    model: row.get(2)?,
+                    requests: count(3)?,
+                    attempts: count(4)?,
+                    deliveries: count(5)?,
+                    attached: count(6)?,
+                    replayed: count(7)?,
+                    saved_calls: count(8)?,
+                    usage: usage_from_row(row, 9)?,
+                    saved: usage_from_row(row, 14)?,
+                });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {
+        self.read(|conn| {
+            let rows: Vec<(String, i64)> = conn
+                .prepare_cached("SELECT status, COUNT(*) FROM requests GROUP BY status")?
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<Result<_, _>>()?;
+            rows.into_iter()
+                .map(|(s, n)| {
+                    Status::parse(&s)
+                        .map(|s| (s, n))
+                        .ok_or_else(|| corrupt(format!("status {s:?}")))
+                })
+                .collect()
+        })
+        .await
+    }
+
+    async fn next_due(&self) -> Result<Option<Millis>, StoreError> {
+        self.read(|conn| {
+            Ok(conn
+                .prepare_cached("SELECT MIN(next_retry_at) FROM requests WHERE status = 'pending'")?
+                .query_row([], |r| r.get(0))?)
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.read(|conn| {
+            conn.prepare_cached("SELECT 1")?.query_row([], |_| Ok(()))?;
+            Ok(())
+        })
+        .await?;
+        // The writer thread must be alive and able to take its lock, too: an empty job is a
+        // `BEGIN IMMEDIATE` / `COMMIT` with nothing to write (no fsync).
+        self.write(|_| Ok(())).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rusqlite::Connection;
+
+    use crate::config::SqliteSynchronous;
+    use crate::store::NewChunk;
+
+    #[tokio::test]
+    async fn in_memory_and_pathless_urls_are_refused_du1() {
+        for url in [
+            "sqlite::memory:",
+            "sqlite://:memory:",
+            "sqlite://",
+            "sqlite:?mode=rwc",
+        ] {
+            let err = SqliteStore::open(url, SqliteSynchronous::Full)
+                .await
+                .map(|_| ())
+                .expect_err(url);
+            assert!(
+                err.to_string().contains("needs a file path"),
+                "{url}: {err}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn created_record_matches_the_row_lease_many_takes_each_due_request_once_and_one_commit_fences_each_batch_lc2_lc3()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let store = SqliteStore::open(&url, SqliteSynchronous::Normal)
+            .await
+            .expect("open");
+        let now = 1_000_000;
+        let mut ids = Vec::new();
+        for i in 0..3 {
+            let Submitted::Created(created) = store
+                .submit(NewRequest::example(i, now + i64::from(i)))
+                .await
+                .expect("submit")
+            else {
+                panic!("expected a new request");
+            };
+            let stored = store
+                .get("default", created.id)
+                .await
+                .expect("get")
+                .expect("stored");
+            assert_eq!(format!("{created:?}"), format!("{stored:?}"));
+            ids.push(created.id);
+        }
+
+        let first = store
+            .lease_many("node/a", now + 10, 30_000, 2)
+            .await
+            .expect("lease");
+        assert_eq!(
+            first.iter().map(|(l, _)| l.id).collect::<Vec<_>>(),
+            ids[..2].to_vec(),
+            "oldest first"
+        );
+        assert_ne!(first[0].0.owner, first[1].0.owner);
+        for (lease, record) in &first {
+            assert_eq!(record.status, Status::Running);
+            assert_eq!((lease.attempt, record.attempts), (1, 1));
+            assert!(store.heartbeat(lease, now + 20, 30_000).await.expect("hb"));
+        }
+        let rest = store
+            .lease_many("node/b", now + 10, 30_000, 10)
+            .await
+            .expect("lease");
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].0.id, ids[2]);
+        assert!(
+            store
+                .lease_many("node/c", now + 10, 30_000, 10)
+                .await
+                .expect("lease")
+                .is_empty()
+        );
+
+        // One commit: two fenced batches and one whose lease is not held (LC-3).
+        let chunk = |d: &str| NewChunk {
+            event: None,
+            data: d.into(),
+        };
+        let mut stale = first[1].0.clone();
+        stale.owner.push_str("-lost");
+        let batches = vec![
+            ChunkBatch {
+                lease: first[0].0.clone(),
+                after: 0,
+                chunks: vec![chunk("a1"), chunk("a2")],
+                upstream_request_id: Some("req-a".into()),
+                response_id: None,
+                usage: None,
+            },
+            ChunkBatch {
+                lease: stale,
+                after: 0,
+                chunks: vec![chunk("x")],
+                upstream_request_id: None,
+                response_id: None,
+                usage: None,
+            },
+            ChunkBatch {
+                lease: rest[0].0.clone(),
+                after: 0,
+                chunks: vec![chunk("c1")],
+                upstream_request_id: None,
+                response_id: None,
+                usage: None,
+            },
+        ];
+        let stored = store.append_chunks(&batches).await.expect("append");
+        let seqs = |r: &Option<Vec<Chunk>>| {
+            r.as_ref().map(|c| {
+                c.iter()
+                    .map(|c| (c.seq, c.data.clone()))
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(
+            seqs(&stored[0]),
+            Some(vec![(1, "a1".into()), (2, "a2".into())])
+        );
+        assert_eq!(seqs(&stored[1]), None);
+        assert_eq!(seqs(&stored[2]), Some(vec![(1, "c1".into())]));
+        // The same batch again (its first write's answer lost) is not stored twice; the next
+        // one follows it.
+        let again = store.append_chunks(&batches[..1]).await.expect("append");
+        assert_eq!(seqs(&again[0]), seqs(&stored[0]));
+        let mut next = batches[0].clone();
+        next.after = 2;
+        let again = store.append_chunks(&[next]).await.expect("append");
+        assert_eq!(
+            seqs(&again[0]),
+            Some(vec![(3, "a1".into()), (4, "a2".into())])
+        );
+        let a = store.get("default", ids[0]).await.expect("get").expect("a");
+        assert_eq!(
+            (a.last_seq, a.upstream_request_id.as_deref()),
+            (4, Some("req-a"))
+        );
+        let b = store.get("default", ids[1]).await.expect("get").expect("b");
+        assert_eq!(b.last_seq, 0);
+        let read = store.chunks_after(ids[0], 0, 10).await.expect("chunks");
+        assert_eq!(
+            read.iter().map(|c| c.seq).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4]
+        );
+    }
+
+    /// How many temporary b-trees `sql` opens (`OpenEphemeral` in its program).
+    pub(super) fn ephemeral_tables(conn: &Connection, sql: &str) -> usize {
+        let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).expect("explain");
+        let n = stmt.parameter_count();
+        let params: Vec<rusqlite::types::Value> = vec![rusqlite::types::Value::Null; n];
+        stmt.query_map(rusqlite::params_from_iter(params), |r| {
+            r.get::<_, String>(1)
+        })
+        .expect("program")
+        .filter(|op| op.as_deref() == Ok("OpenEphemeral"))
+        .count()
+    }
+}

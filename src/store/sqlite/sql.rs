@@ -1,0 +1,824 @@
+//! The statements and the `*_in` functions that run inside the writer's transaction (submit,
+//! lease, finish, sweep, cancel, release, prune, append chunks), and the reading of rows.
+
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use uuid::Uuid;
+
+use crate::store::row::tokens_of;
+use crate::store::row::{RawRecord, col};
+use crate::store::rules::{self, Expired, Settle};
+use crate::store::{
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, Millis, NewRequest,
+    Outcome, RequestRecord, Status, StoreError, Usage,
+};
+
+pub(super) fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::corrupt(None, what)
+}
+
+/// Reads a [`RequestRecord`] from `row`, whose columns from `at` on are `request_columns!()`
+/// (positions in [`col`], checks in [`RawRecord::into_record`]).
+pub(super) fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord, StoreError> {
+    let id: String = row.get(at + col::ID)?;
+    RawRecord {
+        id: parse_id(&id)?,
+        namespace: row.get(at + col::NAMESPACE)?,
+        route: row.get(at + col::ROUTE)?,
+        backend: row.get(at + col::BACKEND)?,
+        model: row.get(at + col::MODEL)?,
+        stream: row.get::<_, i64>(at + col::STREAM)? != 0,
+        body: row.get(at + col::BODY)?,
+        headers: row.get(at + col::HEADERS)?,
+        claim_kind: row.get(at + col::CLAIM_KIND)?,
+        status: row.get(at + col::STATUS)?,
+        attempts: row.get(at + col::ATTEMPTS)?,
+        recoveries: row.get(at + col::RECOVERIES)?,
+        next_retry_at: row.get(at + col::NEXT_RETRY_AT)?,
+        error_type: row.get(at + col::ERROR_TYPE)?,
+        error_message: row.get(at + col::ERROR_MESSAGE)?,
+        error_status: row.get(at + col::ERROR_STATUS)?,
+        response_status: row.get(at + col::RESPONSE_STATUS)?,
+        response_body: row.get(at + col::RESPONSE_BODY)?,
+        upstream_request_id: row.get(at + col::UPSTREAM_REQUEST_ID)?,
+        last_seq: row.get(at + col::LAST_SEQ)?,
+        reset_seq: row.get(at + col::RESET_SEQ)?,
+        created_at: row.get(at + col::CREATED_AT)?,
+        updated_at: row.get(at + col::UPDATED_AT)?,
+        finished_at: row.get(at + col::FINISHED_AT)?,
+        attached: row.get(at + col::ATTACHED)?,
+        replayed: row.get(at + col::REPLAYED)?,
+        log_reads: row.get(at + col::LOG_READS)?,
+        usage: usage_from_row(row, at + col::USAGE)?,
+    }
+    .into_record()
+}
+
+const FETCH_SQL: &str = concat!(
+    "SELECT ",
+    request_columns!(),
+    record_tables!(),
+    " WHERE id = ?1"
+);
+
+/// Reads request `id`, any namespace.
+pub(super) fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(FETCH_SQL)?;
+    let mut rows = stmt.query(params![id])?;
+    match rows.next()? {
+        Some(row) => Ok(Some(record_from_row(row, 0)?)),
+        None => Ok(None),
+    }
+}
+
+/// Deletes the claims pointing at `id` (ID-6).
+fn release_claims(conn: &Connection, id: &str) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM claims WHERE request_id = ?1")?
+        .execute(params![id])?;
+    Ok(())
+}
+
+/// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
+/// if the rule says so, its `end` chunk at `end_seq` when the seq is already reserved, else
+/// after the last seq.
+fn settle_in(
+    conn: &Connection,
+    id: &str,
+    attempt: i64,
+    settle: &Settle,
+    end_seq: Option<i64>,
+) -> Result<(), StoreError> {
+    if settle.release_claim {
+        release_claims(conn, id)?;
+    }
+    match end_seq {
+        Some(seq) => insert_control(conn, id, seq, attempt, ChunkKind::End, &settle.end),
+        None => append_control(conn, id, attempt, ChunkKind::End, &settle.end).map(|_| ()),
+    }
+}
+
+/// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
+/// moves `reset_seq` (LC-8, RD-5, RD-6). Returns its seq.
+fn append_control(
+    conn: &Connection,
+    id: &str,
+    attempt: i64,
+    kind: ChunkKind,
+    data: &str,
+) -> Result<i64, StoreError> {
+    let seq: i64 = conn
+        .prepare_cached(
+            "UPDATE requests SET last_seq = last_seq + 1,
+                 reset_seq = CASE WHEN ?2 = 'reset' THEN last_seq + 1 ELSE reset_seq END
+             WHERE id = ?1
+             RETURNING last_seq",
+        )?
+        .query_row(params![id, kind.as_str()], |r| r.get(0))?;
+    insert_control(conn, id, seq, attempt, kind, data)?;
+    Ok(seq)
+}
+
+const INSERT_CONTROL_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+     VALUES (?1, ?2, ?3, ?4, NULL, ?5)";
+
+/// Inserts a control chunk at `seq`, already reserved in `last_seq` by the caller.
+fn insert_control(
+    conn: &Connection,
+    id: &str,
+    seq: i64,
+    attempt: i64,
+    kind: ChunkKind,
+    data: &str,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(INSERT_CONTROL_SQL)?.execute(params![
+        id,
+        seq,
+        attempt,
+        kind.as_str(),
+        data
+    ])?;
+    Ok(())
+}
+
+/// The record of a request just inserted by [`Store::submit`], as the row's column defaults
+/// make it: pending and due now, or `leased` (running its first attempt); no chunks.
+pub(super) fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
+    RequestRecord {
+        id: new.id,
+        namespace: new.namespace,
+        route: new.route,
+        backend: new.backend,
+        model: new.model,
+        stream: new.stream,
+        body: new.body,
+        headers: new.headers,
+        claim: new.claim,
+        status: if leased {
+            Status::Running
+        } else {
+            Status::Pending
+        },
+        attempts: u32::from(leased),
+        recoveries: 0,
+        next_retry_at: new.now,
+        error: None,
+        response_status: None,
+        response_body: None,
+        upstream_request_id: None,
+        last_seq: 0,
+        reset_seq: 0,
+        created_at: new.now,
+        updated_at: new.now,
+        finished_at: None,
+        attached: 0,
+        replayed: 0,
+        log_reads: 0,
+        usage: Usage::default(),
+    }
+}
+
+pub(super) fn chunk_from_row(row: &Row<'_>) -> Result<Chunk, StoreError> {
+    let kind: String = row.get(2)?;
+    Ok(Chunk {
+        seq: row.get(0)?,
+        attempt: u32::try_from(row.get::<_, i64>(1)?).map_err(corrupt)?,
+        kind: ChunkKind::parse(&kind).ok_or_else(|| corrupt(format!("chunk kind {kind:?}")))?,
+        event: row.get(3)?,
+        data: row.get(4)?,
+    })
+}
+
+pub(super) fn parse_id(s: &str) -> Result<Uuid, StoreError> {
+    Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")))
+}
+
+/// Inserts a claim, takes over an expired one, or leaves a live one untouched (ID-7).
+const CLAIM_SQL: &str =
+    "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+     ON CONFLICT (namespace, claim_key) DO UPDATE SET
+         kind = excluded.kind, request_id = excluded.request_id,
+         fingerprint = excluded.fingerprint, expires_at = excluded.expires_at
+     WHERE claims.expires_at <= ?7";
+
+/// Inserts a request, pending, or running its first attempt when `?10` (the lease owner) is set.
+const INSERT_REQUEST_SQL: &str =
+    "INSERT INTO requests (id, namespace, route, backend, model, stream, hash, claim_kind,
+         status, attempts, lease_owner, lease_expires_at, next_retry_at, created_at, updated_at)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8,
+         CASE WHEN ?10 IS NULL THEN 'pending' ELSE 'running' END,
+         CASE WHEN ?10 IS NULL THEN 0 ELSE 1 END, ?10, ?11, ?9, ?9, ?9)";
+
+/// Stores a request's body and headers, apart from its row: the row is rewritten at every
+/// update, they never change (decision 35).
+const INSERT_BODY_SQL: &str = "INSERT INTO request_bodies (id, body, headers) VALUES (?1, ?2, ?3)";
+
+/// What [`submit_in`] did: [`Submitted`] without the created record, which is `new` as
+/// inserted ([`created_record`]).
+pub(super) enum SubmittedIn {
+    Created,
+    Attached(Box<RequestRecord>),
+    KeyMismatch { existing: Uuid },
+}
+
+/// [`Store::submit_and_lease`] inside the writer's transaction: with `lease`, a created
+/// request is inserted already leased.
+pub(super) fn submit_in(
+    conn: &Connection,
+    new: &NewRequest,
+    lease: Option<LeaseTo<'_>>,
+) -> Result<(SubmittedIn, Option<Lease>), StoreError> {
+    let id = new.id.to_string();
+    // The upsert inserts our claim or takes over an expired one — one row changed, the claim
+    // is ours — or leaves a live one untouched. One statement on the only writer, so two racing
+    // submissions cannot both win (ID-7). The count of changed rows says which, not a
+    // `RETURNING`, which SQLite serves through a temporary b-tree per statement.
+    let won = conn.prepare_cached(CLAIM_SQL)?.execute(params![
+        new.namespace,
+        new.claim_key,
+        new.claim.as_str(),
+        id,
+        &new.hash[..],
+        new.claim_expires_at,
+        new.now
+    ])? == 1;
+
+    if won {
+        let headers = serde_json::to_string(&new.headers).map_err(corrupt)?;
+        let (owner, expires_at) = match lease {
+            Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
+            None => (None, None),
+        };
+        conn.prepare_cached(INSERT_REQUEST_SQL)?.execute(params![
+            id,
+            new.namespace,
+            new.route.name(),
+            new.backend,
+            new.model,
+            i64::from(new.stream),
+            &new.hash[..],
+            new.claim.as_str(),
+            new.now,
+            owner,
+            expires_at
+        ])?;
+        conn.prepare_cached(INSERT_BODY_SQL)?
+            .execute(params![id, new.body, headers])?;
+        let lease = owner.map(|owner| Lease {
+            id: new.id,
+            owner: owner.to_string(),
+            attempt: 1,
+        });
+        // The row is exactly what was just inserted: the caller builds the record from `new`.
+        return Ok((SubmittedIn::Created, lease));
+    }
+
+    let (existing, fingerprint): (String, Vec<u8>) = conn
+        .prepare_cached(
+            "SELECT request_id, fingerprint FROM claims WHERE namespace = ?1 AND claim_key = ?2",
+        )?
+        .query_row(params![new.namespace, new.claim_key], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })?;
+    let existing_id = parse_id(&existing)?;
+    if fingerprint != new.hash {
+        return Ok((
+            SubmittedIn::KeyMismatch {
+                existing: existing_id,
+            },
+            None,
+        ));
+    }
+    let record = fetch(conn, &existing)?.ok_or_else(|| {
+        StoreError::corrupt(
+            Some(existing_id),
+            "a live claim points at a missing request",
+        )
+    })?;
+    Ok((SubmittedIn::Attached(Box::new(record)), None))
+}
+
+/// The outcome writes of [`finish_in`], each fenced on the lease (LC-3). A terminal one reserves
+/// the `end` chunk's seq in the same statement (RD-5), so the row is rewritten once.
+const FINISH_SUCCEEDED_SQL: &str = concat!(
+    "UPDATE requests SET status = 'succeeded', response_status = ?1,
+         response_body = ?2, upstream_request_id = ?3, error_type = NULL,
+         error_message = NULL, error_status = NULL, lease_owner = NULL,
+         lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
+         last_seq = last_seq + 1, ",
+    usage_assignments!("?7", "?8", "?9", "?10", "?11"),
+    " WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'"
+);
+const FINISH_RETRY_SQL: &str = "UPDATE requests SET status = 'pending', next_retry_at = ?1,
+         error_type = ?2, error_message = ?3, error_status = ?4,
+         lease_owner = NULL, lease_expires_at = NULL, updated_at = ?5
+     WHERE id = ?6 AND lease_owner = ?7 AND status = 'running'";
+const FINISH_FAILED_SQL: &str = concat!(
+    "UPDATE requests SET status = 'failed', error_type = ?1, error_message = ?2,
+         error_status = ?3, response_status = ?4, response_body = ?5,
+         upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
+         finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1, ",
+    usage_assignments!("?10", "?11", "?12", "?13", "?14"),
+    " WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'"
+);
+
+/// [`Store::finish_read`] inside the writer's transaction: the record as the write left it, or
+/// `None` when the lease was lost and nothing was written.
+///
+/// The fenced `UPDATE` is followed by a read of the row it changed, by primary key, rather than
+/// an `UPDATE ... RETURNING`: SQLite buffers `RETURNING` rows in a temporary b-tree it creates
+/// and drops for every statement, which costs more than the read.
+pub(super) fn finish_in(
+    conn: &Connection,
+    lease: &Lease,
+    outcome: &Outcome,
+    now: Millis,
+) -> Result<Option<RequestRecord>, StoreError> {
+    let id = lease.id.to_string();
+    let changed = match outcome {
+        Outcome::Succeeded {
+            status,
+            body,
+            upstream_request_id,
+            usage,
+            ..
+        } => {
+            let u = tokens_of(usage.as_ref());
+            conn.prepare_cached(FINISH_SUCCEEDED_SQL)?.execute(params![
+                i64::from(*status),
+                body,
+                upstream_request_id,
+                now,
+                id,
+                lease.owner,
+                u[0],
+                u[1],
+                u[2],
+                u[3],
+                u[4]
+            ])?
+        }
+        Outcome::Retry {
+            next_retry_at,
+            error,
+        } => conn.prepare_cached(FINISH_RETRY_SQL)?.execute(params![
+            next_retry_at,
+            error.kind.as_str(),
+            error.message,
+            error.status.map(i64::from),
+            now,
+            id,
+            lease.owner
+        ])?,
+        Outcome::Failed {
+            error,
+            response,
+            upstream_request_id,
+            usage,
+        } => {
+            let u = tokens_of(usage.as_ref());
+            conn.prepare_cached(FINISH_FAILED_SQL)?.execute(params![
+                error.kind.as_str(),
+                error.message,
+                error.status.map(i64::from),
+                response.as_ref().map(|(s, _)| i64::from(*s)),
+                response.as_ref().map(|(_, b)| b.as_slice()),
+                upstream_request_id,
+                now,
+                id,
+                lease.owner,
+                u[0],
+                u[1],
+                u[2],
+                u[3],
+                u[4]
+            ])?
+        }
+    };
+    if changed == 0 {
+        return Ok(None);
+    }
+    let record = fetch(conn, &id)?
+        .ok_or_else(|| StoreError::corrupt(Some(lease.id), "the finished row is gone"))?;
+    if let Outcome::Succeeded {
+        response_id: Some(response_id),
+        ..
+    } = outcome
+    {
+        insert_response_id(conn, response_id, &id, lease.attempt)?;
+    }
+    if let Outcome::Succeeded {
+        usage: Some(usage), ..
+    }
+    | Outcome::Failed {
+        usage: Some(usage), ..
+    } = outcome
+    {
+        upsert_usage(conn, &id, lease.attempt, usage)?;
+    }
+    if record.status.is_terminal() {
+        let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
+        // The end chunk's seq was reserved by the UPDATE above.
+        let attempt = i64::from(record.attempts);
+        settle_in(conn, &id, attempt, &settle, Some(record.last_seq))?;
+    }
+    Ok(Some(record))
+}
+
+/// [`Store::sweep`] inside the writer's transaction: each expired lease gets the verdict of
+/// [`rules::expired`]. Ids as stored.
+pub(super) fn sweep_in(
+    conn: &Connection,
+    now: Millis,
+    max_attempts: u32,
+) -> Result<(Vec<String>, Vec<String>), StoreError> {
+    let expired: Vec<(String, String, i64, i64, i64)> = conn
+        .prepare_cached(
+            "SELECT id, claim_kind, attempts, last_seq, reset_seq FROM requests
+             WHERE status = 'running' AND lease_expires_at < ?1",
+        )?
+        .query_map(params![now], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    let (mut recovered, mut failed) = (Vec::new(), Vec::new());
+    for (id, claim, attempts, last_seq, reset_seq) in expired {
+        let request = Some(parse_id(&id)?);
+        let claim = ClaimKind::parse(&claim)
+            .ok_or_else(|| StoreError::corrupt(request, format!("claim_kind {claim:?}")))?;
+        let attempts = u32::try_from(attempts)
+            .map_err(|_| StoreError::corrupt(request, format!("attempts {attempts}")))?;
+        match rules::expired(attempts, max_attempts, last_seq, reset_seq) {
+            Expired::Fail(error) => {
+                fail_abandoned_in(conn, &id, claim, attempts, &error, now)?;
+                failed.push(id);
+            }
+            Expired::Recover { reset } => {
+                conn.prepare_cached(
+                    "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
+                         next_retry_at = ?1, lease_owner = NULL, lease_expires_at = NULL,
+                         updated_at = ?1
+                     WHERE id = ?2",
+                )?
+                .execute(params![now, id])?;
+                if let Some((attempt, data)) = reset {
+                    append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+                }
+                recovered.push(id);
+            }
+        }
+    }
+    Ok((recovered, failed))
+}
+
+/// Reserves `?1` seqs for a batch of chunks after seq `?5`, fenced on the lease (LC-3) and on
+/// that seq: the batch's first chunk is `?5 + 1`, or nothing is written.
+const APPEND_FENCE_SQL: &str = "UPDATE requests SET last_seq = last_seq + ?1,
+         upstream_request_id = COALESCE(?2, upstream_request_id)
+     WHERE id = ?3 AND lease_owner = ?4 AND status = 'running' AND last_seq = ?5";
+
+/// The last seq of a request while lease `?2` runs it: what a batch that did not pass
+/// [`APPEND_FENCE_SQL`] is compared with, to tell a batch already stored from a lost lease.
+const LEASED_LAST_SEQ_SQL: &str = "SELECT last_seq FROM requests
+     WHERE id = ?1 AND lease_owner = ?2 AND status = 'running'";
+
+/// Stores one provider event at a reserved seq.
+const APPEND_CHUNK_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+     VALUES (?1, ?2, ?3, 'data', ?4, ?5)";
+
+/// [`Store::append_chunks`] inside the writer's transaction. With the statements prepared once
+/// and no thread hop per statement, a fenced `UPDATE` per batch and an `INSERT` per chunk cost
+/// microseconds each; the commit, shared by every batch, is the expensive part.
+pub(super) fn append_in(
+    conn: &Connection,
+    batches: &[ChunkBatch],
+) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+    let mut fence = conn.prepare_cached(APPEND_FENCE_SQL)?;
+    let mut leased_last_seq = conn.prepare_cached(LEASED_LAST_SEQ_SQL)?;
+    let mut insert = conn.prepare_cached(APPEND_CHUNK_SQL)?;
+    let mut results = Vec::with_capacity(batches.len());
+    for batch in batches {
+        let id = batch.lease.id.to_string();
+        let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
+        // Fenced (LC-3): seqs are reserved only while the attempt holds its lease, and only
+        // right after the seq the batch follows.
+        let reserve = params![
+            n,
+            batch.upstream_request_id,
+            id,
+            batch.lease.owner,
+            batch.after
+        ];
+        if fence.execute(reserve)? == 0 {
+            // Stored by an earlier try of this write, or not at all (the lease is lost).
+            let last: Option<i64> = leased_last_seq
+                .query_row(params![id, batch.lease.owner], |r| r.get(0))
+                .optional()?;
+            let already = n > 0 && last == Some(batch.after + n);
+            results.push(already.then(|| batch.stored()));
+            continue;
+        }
+        let stored = batch.stored();
+        for chunk in &stored {
+            insert.execute(params![
+                id,
+                chunk.seq,
+                i64::from(chunk.attempt),
+                chunk.event,
+                chunk.data
+            ])?;
+        }
+        if let Some(response_id) = &batch.response_id {
+            insert_response_id(conn, response_id, &id, batch.lease.attempt)?;
+        }
+        if let Some(usage) = &batch.usage {
+            upsert_usage(conn, &id, batch.lease.attempt, usage)?;
+        }
+        results.push(Some(stored));
+    }
+    Ok(results)
+}
+
+/// Records that `response_id` is the provider's id of attempt `attempt` of request `id`. An id
+/// already recorded keeps its first owner (providers do not reuse ids).
+fn insert_response_id(
+    conn: &Connection,
+    response_id: &str,
+    id: &str,
+    attempt: u32,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO response_ids (response_id, namespace, request_id, attempt)
+         SELECT ?1, namespace, id, ?3 FROM requests WHERE id = ?2
+         ON CONFLICT (response_id) DO NOTHING",
+    )?
+    .execute(params![response_id, id, i64::from(attempt)])?;
+    Ok(())
+}
+
+const UPSERT_USAGE_SQL: &str = "INSERT INTO attempt_usage (request_id, attempt, input_tokens,
+         output_tokens, cached_input_tokens, cache_write_tokens, reasoning_tokens)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+     ON CONFLICT (request_id, attempt) DO UPDATE SET
+         input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
+         cached_input_tokens = excluded.cached_input_tokens,
+         cache_write_tokens = excluded.cache_write_tokens,
+         reasoning_tokens = excluded.reasoning_tokens";
+
+/// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
+/// (usage is reported cumulatively).
+fn upsert_usage(
+    conn: &Connection,
+    id: &str,
+    attempt: u32,
+    usage: &Usage,
+) -> Result<(), StoreError> {
+    let u = tokens_of(Some(usage));
+    conn.prepare_cached(UPSERT_USAGE_SQL)?.execute(params![
+        id,
+        i64::from(attempt),
+        u[0],
+        u[1],
+        u[2],
+        u[3],
+        u[4]
+    ])?;
+    Ok(())
+}
+
+/// A usage row's five token columns from `at` on.
+pub(super) fn usage_from_row(row: &Row<'_>, at: usize) -> Result<Usage, StoreError> {
+    let n = |i: usize| -> Result<Option<u64>, StoreError> {
+        Ok(row
+            .get::<_, Option<i64>>(at + i)?
+            .and_then(|v| u64::try_from(v).ok()))
+    };
+    Ok(Usage {
+        input_tokens: n(0)?,
+        output_tokens: n(1)?,
+        cached_input_tokens: n(2)?,
+        cache_write_tokens: n(3)?,
+        reasoning_tokens: n(4)?,
+    })
+}
+
+/// `Store::usage`'s statement around its group key: per (key, backend, model), the request
+/// counts and the token sums of every attempt and of the saved calls (saved calls times the
+/// answering attempt's usage). A request's saved calls are `RequestRecord::saved_calls`:
+/// deliveries minus attempts, at least one attempt subtracted, never below zero.
+pub(super) const USAGE_SQL_HEAD: &str = "SELECT ";
+pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
+        COUNT(*), SUM(r.attempts), SUM(1 + r.attached + r.replayed), SUM(r.attached),
+        SUM(r.replayed), SUM(r.saved),
+        SUM(u.input_tokens), SUM(u.output_tokens), SUM(u.cached_input_tokens),
+        SUM(u.cache_write_tokens), SUM(u.reasoning_tokens),
+        SUM(r.saved * a.input_tokens), SUM(r.saved * a.output_tokens),
+        SUM(r.saved * a.cached_input_tokens), SUM(r.saved * a.cache_write_tokens),
+        SUM(r.saved * a.reasoning_tokens)
+    FROM (SELECT *, MAX(1 + attached + replayed - MAX(attempts, 1), 0) AS saved
+          FROM requests) r
+    LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
+                   SUM(output_tokens) AS output_tokens,
+                   SUM(cached_input_tokens) AS cached_input_tokens,
+                   SUM(cache_write_tokens) AS cache_write_tokens,
+                   SUM(reasoning_tokens) AS reasoning_tokens
+               FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
+    LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
+    WHERE (?1 IS NULL OR r.namespace = ?1) AND r.created_at >= ?2 AND r.created_at < ?3
+    GROUP BY key, r.backend, r.model
+    ORDER BY key, r.backend, r.model";
+
+/// [`Store::cancel`] inside the writer's transaction.
+pub(super) fn cancel_in(
+    conn: &Connection,
+    namespace: &str,
+    id: &str,
+    now: Millis,
+) -> Result<Option<RequestRecord>, StoreError> {
+    let error = rules::cancelled();
+    let cancelled: Option<(String, i64)> = conn
+        .prepare_cached(concat!(
+            "UPDATE requests SET status = 'failed', error_type = ?4,
+                 error_message = ?5, error_status = NULL,
+                 lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1, ",
+            usage_from_current_attempt!(),
+            " WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
+             RETURNING claim_kind, attempts"
+        ))?
+        .query_row(
+            params![now, id, namespace, error.kind.as_str(), error.message],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()?;
+    if let Some((claim, attempts)) = &cancelled {
+        let claim = ClaimKind::parse(claim).ok_or_else(|| {
+            StoreError::corrupt(parse_id(id).ok(), format!("claim_kind {claim:?}"))
+        })?;
+        let settle = rules::settle(Status::Failed, Some(&error), claim);
+        settle_in(conn, id, *attempts, &settle, None)?;
+    }
+    Ok(fetch(conn, id)?.filter(|r| r.namespace == namespace))
+}
+
+/// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
+/// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied,
+/// then [`rules::settle`] (`end` chunk, claim).
+fn fail_abandoned_in(
+    conn: &Connection,
+    id: &str,
+    claim: ClaimKind,
+    attempts: u32,
+    error: &ErrorInfo,
+    now: Millis,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(concat!(
+        "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
+             error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
+             finished_at = ?1, updated_at = ?1, ",
+        usage_from_current_attempt!(),
+        " WHERE id = ?4"
+    ))?
+    .execute(params![now, error.kind.as_str(), error.message, id])?;
+    let settle = rules::settle(Status::Failed, Some(error), claim);
+    settle_in(conn, id, i64::from(attempts), &settle, None)
+}
+
+/// [`Store::release`] inside the writer's transaction.
+pub(super) fn release_in(
+    conn: &Connection,
+    lease: &Lease,
+    now: Millis,
+    max_attempts: u32,
+) -> Result<bool, StoreError> {
+    let id = lease.id.to_string();
+    let held: Option<(String, i64, i64, i64)> = conn
+        .prepare_cached(
+            "SELECT claim_kind, attempts, last_seq, reset_seq FROM requests
+             WHERE id = ?1 AND lease_owner = ?2 AND status = 'running'",
+        )?
+        .query_row(params![id, lease.owner], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })
+        .optional()?;
+    let Some((claim, attempts, last_seq, reset_seq)) = held else {
+        return Ok(false);
+    };
+    let claim = ClaimKind::parse(&claim)
+        .ok_or_else(|| StoreError::corrupt(Some(lease.id), format!("claim_kind {claim:?}")))?;
+    let attempts = u32::try_from(attempts).map_err(corrupt)?;
+    match rules::handed_back(attempts, max_attempts, last_seq, reset_seq) {
+        Expired::Fail(error) => fail_abandoned_in(conn, &id, claim, attempts, &error, now)?,
+        Expired::Recover { reset } => {
+            conn.prepare_cached(
+                "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,
+                     lease_expires_at = NULL, updated_at = ?1
+                 WHERE id = ?2",
+            )?
+            .execute(params![now, id])?;
+            if let Some((attempt, data)) = reset {
+                append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// [`Store::prune`] inside the writer's transaction.
+pub(super) fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreError> {
+    let ids: Vec<String> = conn
+        .prepare_cached(
+            "SELECT id FROM requests
+             WHERE finished_at IS NOT NULL AND finished_at < ?1
+             ORDER BY finished_at LIMIT ?2",
+        )?
+        .query_map(params![before, limit], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    for id in &ids {
+        for sql in [
+            "DELETE FROM chunks WHERE request_id = ?1",
+            "DELETE FROM claims WHERE request_id = ?1",
+            "DELETE FROM response_ids WHERE request_id = ?1",
+            "DELETE FROM attempt_usage WHERE request_id = ?1",
+            "DELETE FROM request_bodies WHERE id = ?1",
+            "DELETE FROM requests WHERE id = ?1",
+        ] {
+            conn.prepare_cached(sql)?.execute(params![id])?;
+        }
+    }
+    Ok(ids.len() as u64)
+}
+
+/// Leases request `?4` ([`lease_in`]).
+const LEASE_SQL: &str = "UPDATE requests SET status = 'running', attempts = attempts + 1,
+         lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3
+     WHERE id = ?4";
+
+/// Leases request `id`, chosen by [`due_ids`] in the same job, to `owner` (LC-2), and reads it.
+pub(super) fn lease_in(
+    conn: &Connection,
+    id: &str,
+    owner: String,
+    now: Millis,
+    lease_ms: i64,
+) -> Result<(Lease, RequestRecord), StoreError> {
+    conn.prepare_cached(LEASE_SQL)?
+        .execute(params![owner, now + lease_ms, now, id])?;
+    let record = fetch(conn, id)?.ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
+    let lease = Lease {
+        id: record.id,
+        owner,
+        attempt: record.attempts,
+    };
+    Ok((lease, record))
+}
+
+/// Up to `?2` pending requests due at `?1`, oldest first, in the order of index `requests_due`.
+const DUE_IDS_SQL: &str = "SELECT id FROM requests WHERE status = 'pending' AND next_retry_at <= ?1
+     ORDER BY next_retry_at, id LIMIT ?2";
+
+/// Up to `limit` pending requests due at `now`, oldest first.
+pub(super) fn due_ids(
+    conn: &Connection,
+    now: Millis,
+    limit: i64,
+) -> Result<Vec<String>, StoreError> {
+    Ok(conn
+        .prepare_cached(DUE_IDS_SQL)?
+        .query_map(params![now, limit], |r| r.get(0))?
+        .collect::<Result<_, _>>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::SqliteStore;
+    use super::super::tests::ephemeral_tables;
+    use super::*;
+    use crate::config::SqliteSynchronous;
+
+    #[tokio::test]
+    async fn a_requests_writes_and_a_streams_appends_build_no_temporary_btree() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        SqliteStore::open(&url, SqliteSynchronous::Normal)
+            .await
+            .expect("open");
+        let conn = Connection::open(dir.path().join("t.db")).expect("open");
+        for sql in [
+            CLAIM_SQL,
+            INSERT_REQUEST_SQL,
+            INSERT_BODY_SQL,
+            DUE_IDS_SQL,
+            LEASE_SQL,
+            FINISH_SUCCEEDED_SQL,
+            FINISH_RETRY_SQL,
+            FINISH_FAILED_SQL,
+            FETCH_SQL,
+            UPSERT_USAGE_SQL,
+            INSERT_CONTROL_SQL,
+            APPEND_FENCE_SQL,
+            LEASED_LAST_SEQ_SQL,
+            APPEND_CHUNK_SQL,
+        ] {
+            assert_eq!(ephemeral_tables(&conn, sql), 0, "{sql}");
+        }
+    }
+}
