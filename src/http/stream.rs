@@ -192,10 +192,12 @@ where
     use axum::http::{HeaderValue, header};
     let body = async_stream::stream! {
         let mut body = std::pin::pin!(body);
+        // One waiter for the whole stream, not one registered per event.
+        let mut cancelled = std::pin::pin!(cut.cancelled_owned());
         loop {
             tokio::select! {
                 biased;
-                () = cut.cancelled() => {
+                () = &mut cancelled => {
                     if let Some(farewell) = farewell {
                         yield Ok(farewell);
                     }

@@ -178,21 +178,22 @@ impl WorkerPool {
             }
             Ok(submitted)
         });
-        let Some(limit) = self.admission_limit() else {
-            return admission
-                .await
-                .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))));
+        let joined = match self.admission_limit() {
+            None => admission.await,
+            // RS-10: a database that does not answer in time refuses the call, retryable; the
+            // admission task goes on, and a retry attaches to what it records after all.
+            Some(limit) => match tokio::time::timeout(limit, admission).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    return Err(StoreError::Unavailable(format!(
+                        "the database did not record the request within database_timeout_ms \
+                         ({} ms)",
+                        limit.as_millis()
+                    )));
+                }
+            },
         };
-        // RS-10: a database that does not answer in time refuses the call, retryable; the
-        // admission task goes on, and a retry attaches to what it records after all.
-        match tokio::time::timeout(limit, admission).await {
-            Ok(joined) => joined
-                .unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}")))),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "the database did not record the request within database_timeout_ms ({} ms)",
-                limit.as_millis()
-            ))),
-        }
+        joined.unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
     }
 
     /// How long a new call waits for the store to record it (`database_timeout_ms`, RS-10):
