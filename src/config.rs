@@ -577,6 +577,18 @@ impl Config {
     /// # Errors
     /// [`ConfigError::Invalid`] naming the first offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_backends()?;
+        self.check_model_rewrites()?;
+        self.check_passthrough()?;
+        self.check_prices()?;
+        self.check_tenants()?;
+        self.check_limits()?;
+        self.check_cors()?;
+        self.check_database_url()
+    }
+
+    /// `[[backends]]`: at least one, named uniquely, each with a usable base URL.
+    fn check_backends(&self) -> Result<(), ConfigError> {
         if self.backends.is_empty() {
             return Err(invalid(
                 "backends",
@@ -607,6 +619,11 @@ impl Config {
                 )
             })?;
         }
+        Ok(())
+    }
+
+    /// `[[model_rewrites]]`: a pattern, and a backend that exists.
+    fn check_model_rewrites(&self) -> Result<(), ConfigError> {
         for (i, r) in self.model_rewrites.iter().enumerate() {
             if r.pattern.is_empty() {
                 return Err(invalid(
@@ -629,6 +646,11 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// `[[passthrough]]`: a versioned path that overlaps no route of holdfast's own, and a backend that exists.
+    fn check_passthrough(&self) -> Result<(), ConfigError> {
         for (i, p) in self.passthrough.iter().enumerate() {
             let (base, _) = p.base();
             let segments: Vec<&str> = base.split('/').skip(1).collect();
@@ -669,6 +691,11 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// `[[prices]]`: a backend that exists, and rates of 0 or more.
+    fn check_prices(&self) -> Result<(), ConfigError> {
         for (i, p) in self.prices.iter().enumerate() {
             if !self.backends.iter().any(|b| b.name == p.backend) {
                 return Err(invalid(
@@ -691,6 +718,11 @@ impl Config {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// `admin_api_keys` and `[[namespaces]]`: names and non-empty keys.
+    fn check_tenants(&self) -> Result<(), ConfigError> {
         if self.admin_api_keys.iter().any(String::is_empty) {
             return Err(invalid("admin_api_keys", "must not hold an empty key"));
         }
@@ -708,6 +740,11 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Every count, size and duration above 0, and the backoff's bounds in order.
+    fn check_limits(&self) -> Result<(), ConfigError> {
         let positive = [
             ("dedupe_window_secs", self.dedupe_window_secs),
             ("idempotency_key_ttl_secs", self.idempotency_key_ttl_secs),
@@ -738,6 +775,17 @@ impl Config {
                 return Err(invalid(key, "must be greater than 0"));
             }
         }
+        if self.workers.backoff_initial_ms > self.workers.backoff_max_ms {
+            return Err(invalid(
+                "workers.backoff_initial_ms",
+                "must not exceed workers.backoff_max_ms",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `cors_allow_origins`: `*` or valid origins.
+    fn check_cors(&self) -> Result<(), ConfigError> {
         for (i, origin) in self.cors_allow_origins.iter().enumerate() {
             if origin != "*" && axum::http::HeaderValue::from_str(origin).is_err() {
                 return Err(invalid(
@@ -746,12 +794,11 @@ impl Config {
                 ));
             }
         }
-        if self.workers.backoff_initial_ms > self.workers.backoff_max_ms {
-            return Err(invalid(
-                "workers.backoff_initial_ms",
-                "must not exceed workers.backoff_max_ms",
-            ));
-        }
+        Ok(())
+    }
+
+    /// `database_url`: an SQLite path that can be used (CLI-1), or a PostgreSQL URL.
+    fn check_database_url(&self) -> Result<(), ConfigError> {
         if self.database_url.starts_with("sqlite:") {
             // Before the port is bound or the database opened (CLI-1).
             sqlite_path(&self.database_url).map_err(|m| invalid("database_url", m))?;

@@ -942,10 +942,12 @@ pub trait Store: Send + Sync + 'static {
     /// the writer queue of submissions, leases, chunks and outcomes, so a duplicate is answered
     /// even when nothing can be written, and counting never delays other work. `counts` is
     /// sorted by id, the order rows are locked in. A request no longer stored is skipped.
+    /// Answers the ids whose rows other writes held at that moment (PostgreSQL skips them
+    /// rather than wait): their counts were not added, to be tried again.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails; nothing was added then.
-    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError>;
+    async fn add_counts(&self, counts: &[Counts]) -> Result<Vec<Uuid>, StoreError>;
 
     /// The usage ledger of the requests `query` selects, one row per (group, backend, model).
     ///

@@ -18,8 +18,8 @@ use crate::metrics as m;
 use crate::provider::{BodyParts, EventParts, Route};
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{
-    Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, RequestRecord, StoreError,
-    Usage, holds_outcome, now_ms,
+    Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, Millis, NewChunk, Outcome, RequestRecord,
+    StoreError, Usage, holds_outcome, now_ms,
 };
 use crate::upstream::{Call, CallError};
 
@@ -55,7 +55,7 @@ impl WorkerPool {
         // it ends. In the attempt's span, so its log lines name the request.
         let heartbeat = AbortOnDropHandle::new(tokio::spawn(
             self.clone()
-                .heartbeat(lease.clone(), lost.clone())
+                .heartbeat(lease.clone(), record.updated_at, lost.clone())
                 .in_current_span(),
         ));
         let registration = self.register(lease.id);
@@ -127,6 +127,7 @@ impl WorkerPool {
             if !retry::is_transient(&e) {
                 break Err(e);
             }
+            self.health.failed();
             let retry = retry.get_or_insert_with(|| {
                 warn!(error = %e, "could not record the outcome; retrying");
                 WriteRetry::new(super::write_window(&self.config))
@@ -231,24 +232,29 @@ impl WorkerPool {
 
     /// Renews the lease every third of its length; cancels `lost` when the store says the lease
     /// is gone. A database error is not a lost lease: the lease may still be valid.
-    async fn heartbeat(self, lease: Lease, lost: CancellationToken) {
-        let every = Duration::from_millis(u64::try_from(self.lease_ms() / 3).unwrap_or(1).max(1));
-        let mut wait = every;
+    ///
+    /// The lease runs from `granted` (the time the write that granted it was dated with) and
+    /// each renewal from the time it was sent, not from when it committed: a grant or a renewal
+    /// that waited long in a stalled database queue is renewed again at once rather than a
+    /// third of a lease later, before the sweeps' hold after an outage ends (decision 52).
+    async fn heartbeat(self, lease: Lease, granted: Millis, lost: CancellationToken) {
+        let third = (self.lease_ms() / 3).max(1);
+        let retry = i64::try_from(HEARTBEAT_RETRY.as_millis()).unwrap_or(1_000);
+        let mut next = granted.saturating_add(third);
         loop {
-            tokio::time::sleep(wait).await;
-            match self
-                .store
-                .heartbeat(&lease, now_ms(), self.lease_ms())
-                .await
-            {
-                Ok(true) => wait = every,
+            let wait = (next - now_ms()).clamp(0, third);
+            tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(0))).await;
+            let sent = now_ms();
+            match self.store.heartbeat(&lease, sent, self.lease_ms()).await {
+                Ok(true) => next = sent.saturating_add(third),
                 Ok(false) => {
                     lost.cancel();
                     return;
                 }
                 Err(e) => {
                     warn!(error = %e, "heartbeat failed");
-                    wait = every.min(HEARTBEAT_RETRY);
+                    self.health.failed();
+                    next = now_ms().saturating_add(third.min(retry));
                 }
             }
         }

@@ -7,7 +7,9 @@
 //! Here a count is added to an in-memory tally per request, and one task writes the whole tally
 //! with one [`Store::add_counts`](crate::store::Store::add_counts) call at a time. While that
 //! write runs, new counts gather for the next one; a failed write puts its counts back and is
-//! tried again after a pause, so a database back from an outage still gets every count.
+//! tried again after a pause, so a database back from an outage still gets every count. On
+//! PostgreSQL a row another write holds is skipped rather than waited for, and its counts go
+//! into the next write: counting never waits on, nor deadlocks with, the work it counts.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +29,18 @@ use crate::store::{Counts, DynStore};
 const MAX_PENDING: usize = 100_000;
 /// Pause after a failed write before the counts are tried again.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Pause before counts whose rows other writes held are tried again.
+const BUSY_RETRY: Duration = Duration::from_millis(20);
+
+/// What one write of the tally did.
+enum Written {
+    /// Every count is stored.
+    All,
+    /// Some rows were held by other writes: their counts were put back.
+    Busy,
+    /// The store failed: every count was put back.
+    Failed,
+}
 /// How long shutdown waits for the last write.
 const LAST_WRITE: Duration = Duration::from_secs(2);
 
@@ -120,21 +134,31 @@ impl Bookkeeping {
         }
     }
 
-    /// Writes what is pending with one store call. `false`: it failed and was put back.
-    async fn write(&self, store: &DynStore) -> bool {
+    /// Writes what is pending with one store call; what it could not write is put back.
+    async fn write(&self, store: &DynStore) -> Written {
         let counts = self.take();
         if counts.is_empty() {
-            return true;
+            return Written::All;
         }
         match store.add_counts(&counts).await {
-            Ok(()) => {
+            Ok(busy) if busy.is_empty() => {
                 self.warned_full.store(false, Ordering::Relaxed);
-                true
+                Written::All
+            }
+            Ok(busy) => {
+                self.warned_full.store(false, Ordering::Relaxed);
+                self.restore(
+                    counts
+                        .into_iter()
+                        .filter(|c| busy.contains(&c.id))
+                        .collect(),
+                );
+                Written::Busy
             }
             Err(e) => {
                 warn!(requests = counts.len(), error = %e, "could not write delivery counts; trying again");
                 self.restore(counts);
-                false
+                Written::Failed
             }
         }
     }
@@ -145,14 +169,17 @@ impl Bookkeeping {
                 () = self.added.notified() => {}
                 () = self.closed.cancelled() => break,
             }
-            if !self.write(&store).await {
-                tokio::select! {
-                    () = tokio::time::sleep(RETRY_AFTER) => {}
-                    () = self.closed.cancelled() => break,
-                }
-                // Counts put back wait for no new one to be tried again.
-                self.added.notify_one();
+            let pause = match self.write(&store).await {
+                Written::All => continue,
+                Written::Busy => BUSY_RETRY,
+                Written::Failed => RETRY_AFTER,
+            };
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = self.closed.cancelled() => break,
             }
+            // Counts put back wait for no new one to be tried again.
+            self.added.notify_one();
         }
     }
 

@@ -89,6 +89,8 @@ pub(crate) struct WorkerPool {
     answers: Arc<RecentAnswers>,
     /// Deliveries and log reads, counted apart from the answers and written in bulk (DU-6).
     books: Arc<Bookkeeping>,
+    /// When the store last failed this node (decision 52).
+    health: Arc<StoreHealth>,
 }
 
 /// A running attempt's entry in [`WorkerPool::running`]; removed on drop.
@@ -122,6 +124,7 @@ impl WorkerPool {
             abandon: CancellationToken::new(),
             chunks,
             books: Bookkeeping::spawn(store.clone()),
+            health: Arc::new(StoreHealth::new(is_postgres(&config))),
             store,
             hub,
             upstreams,
@@ -199,9 +202,7 @@ impl WorkerPool {
     /// How long a new call waits for the store to record it (`database_timeout_ms`, RS-10):
     /// PostgreSQL only; SQLite's writer is in the process.
     fn admission_limit(&self) -> Option<Duration> {
-        let url = self.config.database_url.as_str();
-        (url.starts_with("postgres://") || url.starts_with("postgresql://"))
-            .then(|| Duration::from_millis(self.config.database_timeout_ms))
+        is_postgres(&self.config).then(|| Duration::from_millis(self.config.database_timeout_ms))
     }
 
     /// Keeps `record`, the answer to a submission holding `claim`, for the claim's duplicates
@@ -441,7 +442,6 @@ impl WorkerPool {
             tokio::time::interval(Duration::from_millis(self.workers().sweep_interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_prune = tokio::time::Instant::now() - PRUNE_EVERY;
-        let mut store = StoreState::Answering;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -451,34 +451,29 @@ impl WorkerPool {
                 last_prune = tokio::time::Instant::now();
                 self.prune().await;
             }
-            store = match store {
-                StoreState::Answering => self.sweep_or_fail().await,
-                // The store failed: no sweep until it answers again, then for a hold.
-                StoreState::Failing => match self.store.next_due().await {
-                    Ok(_) => {
-                        info!(
-                            hold_ms = SWEEP_HOLD_AFTER_OUTAGE.as_millis() as u64,
-                            "the database answers again; sweeps wait for running attempts to renew their leases"
-                        );
-                        StoreState::Holding(tokio::time::Instant::now() + SWEEP_HOLD_AFTER_OUTAGE)
-                    }
-                    Err(_) => StoreState::Failing,
-                },
-                StoreState::Holding(until) if tokio::time::Instant::now() < until => store,
-                StoreState::Holding(_) => self.sweep_or_fail().await,
-            };
+            // Decision 52: no sweep while the store fails, nor until it has not failed this
+            // node for a hold: every live attempt's heartbeat renews its lease first.
+            if self.health.failed_within(SWEEP_HOLD_AFTER_OUTAGE) {
+                continue;
+            }
+            match tokio::time::timeout(SWEEP_LIMIT, self.sweep_once()).await {
+                Ok(true) => {}
+                Ok(false) => self.health.failed(),
+                Err(_) => {
+                    warn!("sweep timed out");
+                    self.health.failed();
+                }
+            }
         }
     }
 
-    /// One sweep of the loop: [`StoreState::Failing`] when it failed or hung.
-    async fn sweep_or_fail(&self) -> StoreState {
-        match tokio::time::timeout(SWEEP_LIMIT, self.sweep_once()).await {
-            Ok(true) => StoreState::Answering,
-            Ok(false) => StoreState::Failing,
-            Err(_) => {
-                warn!("sweep timed out");
-                StoreState::Failing
-            }
+    /// The sweep before a node serves (decision 41): recovers what a stopped process left
+    /// running, so a retry of it attaches to its recovery. Skipped on PostgreSQL, where this
+    /// node may start as the database returns from an outage and other nodes' live attempts
+    /// have yet to renew their leases; the loop sweeps after the hold (decision 52).
+    pub(crate) async fn sweep_at_start(&self) {
+        if !self.health.failed_within(SWEEP_HOLD_AFTER_OUTAGE) {
+            self.sweep_once().await;
         }
     }
 
@@ -541,16 +536,53 @@ impl WorkerPool {
     }
 }
 
-/// What the sweeper knows of the store (decision 52).
-#[derive(Debug, Clone, Copy)]
-enum StoreState {
-    /// The last sweep succeeded.
-    Answering,
-    /// The last sweep, or the probe since, failed: leases may have run out only because their
-    /// attempts could not renew them.
-    Failing,
-    /// The store answers again; sweeps resume at this instant.
-    Holding(tokio::time::Instant),
+/// When this node's store last failed a write it needed: a sweep, a heartbeat, an attempt's
+/// outcome (decision 52). Leases may have run out during the failure only because their
+/// attempts could not renew them, so sweeps wait until the store has not failed for a hold.
+#[derive(Debug)]
+pub(crate) struct StoreHealth {
+    /// Milliseconds since `start` of the last failure; `i64::MIN`: none yet.
+    last_failure: std::sync::atomic::AtomicI64,
+    start: std::time::Instant,
+}
+
+impl StoreHealth {
+    /// No failure yet, or (`held`) one at once: a PostgreSQL node that starts as the database
+    /// returns holds its sweeps too, while the other nodes' attempts renew their leases.
+    fn new(held: bool) -> StoreHealth {
+        let health = StoreHealth {
+            last_failure: std::sync::atomic::AtomicI64::new(i64::MIN),
+            start: std::time::Instant::now(),
+        };
+        if held {
+            health.failed();
+        }
+        health
+    }
+
+    fn elapsed_ms(&self) -> i64 {
+        i64::try_from(self.start.elapsed().as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Records a failure now.
+    pub(crate) fn failed(&self) {
+        self.last_failure
+            .store(self.elapsed_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the store failed within `hold`.
+    fn failed_within(&self, hold: Duration) -> bool {
+        let last = self.last_failure.load(std::sync::atomic::Ordering::Relaxed);
+        last != i64::MIN
+            && self.elapsed_ms().saturating_sub(last)
+                < i64::try_from(hold.as_millis()).unwrap_or(i64::MAX)
+    }
+}
+
+/// Whether the store is PostgreSQL (shared by nodes, reached over a network).
+fn is_postgres(config: &Config) -> bool {
+    let url = config.database_url.as_str();
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 fn hostname() -> String {
@@ -564,4 +596,24 @@ fn hostname() -> String {
         })
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "holdfast".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweeps_hold_while_the_store_fails_and_for_a_while_after_decision52() {
+        let hold = Duration::from_secs(3);
+        let fresh = StoreHealth::new(false);
+        assert!(!fresh.failed_within(hold), "no failure yet: sweep");
+        fresh.failed();
+        assert!(fresh.failed_within(hold), "just failed: hold");
+        assert!(
+            !fresh.failed_within(Duration::ZERO),
+            "a hold of nothing is over"
+        );
+        // A PostgreSQL node starts holding: the database may just have come back.
+        assert!(StoreHealth::new(true).failed_within(hold));
+    }
 }

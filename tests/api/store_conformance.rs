@@ -2463,6 +2463,7 @@ async fn postgres_two_nodes_sweeping_the_same_expired_requests_take_each_over_on
                             ..Default::default()
                         }])
                         .await
+                        .map(|_| ())
                 }));
             }
         }
@@ -2547,4 +2548,48 @@ async fn postgres_two_nodes_sweeping_the_same_expired_requests_take_each_over_on
         deadlocks, 0,
         "PostgreSQL broke a deadlock between the nodes"
     );
+}
+
+/// DU-6 on PostgreSQL: counting never waits for a row another write holds — it skips it and
+/// says so, and the count lands on the next try; an unknown request is neither counted nor
+/// reported busy.
+#[tokio::test]
+async fn postgres_counts_skip_a_row_another_write_holds_and_report_it_du6() {
+    let t = postgres_store().await;
+    let store = t.store.clone();
+    let rec = create(&store, by_hash("counted", T0)).await;
+    let counts = [
+        holdfast::store::Counts {
+            id: rec.id,
+            replayed: 2,
+            ..Default::default()
+        },
+        holdfast::store::Counts {
+            id: Uuid::now_v7(),
+            replayed: 1,
+            ..Default::default()
+        },
+    ];
+    let url = t._postgres_db.as_ref().unwrap().url.clone();
+    let mut holder = PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM requests WHERE id = $1 FOR UPDATE")
+        .bind(rec.id)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let busy = tokio::time::timeout(Duration::from_secs(5), store.add_counts(&counts))
+        .await
+        .expect("counting does not wait for the held row")
+        .expect("add_counts");
+    assert_eq!(
+        busy,
+        [rec.id],
+        "the held row is reported, the unknown one is not"
+    );
+    assert_eq!(get(&store, rec.id).await.replayed, 0);
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let busy = store.add_counts(&counts[..1]).await.expect("add_counts");
+    assert!(busy.is_empty());
+    assert_eq!(get(&store, rec.id).await.replayed, 2);
 }

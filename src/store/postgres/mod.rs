@@ -768,9 +768,10 @@ impl Store for PostgresStore {
             .collect()
     }
 
-    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError> {
+    async fn add_counts(&self, counts: &[Counts]) -> Result<Vec<Uuid>, StoreError> {
         // On the query pool, autocommit: never queued behind or ahead of the writers' groups.
-        // The rows are locked in id order (the CTE), as every other multi-row write does.
+        // Rows another write holds are skipped, not waited for (so counting can neither delay
+        // nor deadlock with real work) and reported back, unless the request is gone.
         let ids: Vec<Uuid> = counts.iter().map(|c| c.id).collect();
         let column = |f: fn(&Counts) -> u32| -> Vec<i32> {
             counts
@@ -778,23 +779,28 @@ impl Store for PostgresStore {
                 .map(|c| i32::try_from(f(c)).unwrap_or(i32::MAX))
                 .collect()
         };
-        sqlx::query(
+        let busy = sqlx::query_scalar(
             "WITH c AS (SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::int[])
                           AS c(id, attached, replayed, log_reads)),
-                  locked AS (SELECT r.id FROM requests r JOIN c ON c.id = r.id
-                             ORDER BY r.id FOR UPDATE OF r)
-             UPDATE requests r SET attached = r.attached + c.attached,
-                 replayed = r.replayed + c.replayed, log_reads = r.log_reads + c.log_reads
-             FROM c JOIN locked ON locked.id = c.id
-             WHERE r.id = c.id",
+                  locked AS MATERIALIZED (SELECT r.id FROM requests r JOIN c ON c.id = r.id
+                             ORDER BY r.id FOR UPDATE OF r SKIP LOCKED),
+                  done AS (UPDATE requests r SET attached = r.attached + c.attached,
+                               replayed = r.replayed + c.replayed,
+                               log_reads = r.log_reads + c.log_reads
+                           FROM c JOIN locked ON locked.id = c.id
+                           WHERE r.id = c.id
+                           RETURNING r.id)
+             SELECT c.id FROM c
+             WHERE c.id NOT IN (SELECT id FROM done)
+               AND EXISTS (SELECT 1 FROM requests r WHERE r.id = c.id)",
         )
         .bind(&ids)
         .bind(column(|c| c.attached))
         .bind(column(|c| c.replayed))
         .bind(column(|c| c.log_reads))
-        .execute(&self.pool)
+        .fetch_all(&self.pool)
         .await?;
-        Ok(())
+        Ok(busy)
     }
 
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {

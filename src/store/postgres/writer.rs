@@ -345,15 +345,16 @@ async fn commit_group(
     conn: &mut PgConnection,
     group: &mut [Box<dyn WriteJob>],
 ) -> Result<(), String> {
-    // Writes that lock a request and then its claims run alone, first (the sort puts them
-    // there): inside a group they would hold a claim while the group waits for request rows.
+    // Writes that lock a request and then its claims run first (the sort puts them there),
+    // each in a transaction of its own: inside a group they would hold a claim while the group
+    // waits for request rows.
     let alone = group
         .iter()
         .take_while(|job| matches!(job.key(), LockKey::Releasing(_)))
         .count();
     let (releasing, group) = group.split_at_mut(alone);
     for job in releasing {
-        run_alone(conn, job).await?;
+        run_in_own_transaction(conn, job).await?;
     }
     if let [job] = group {
         return run_alone(conn, job).await;
@@ -367,14 +368,24 @@ async fn commit_group(
         Err(e) => return Err(e.to_string()),
     }
     for job in group.iter_mut() {
-        conn.execute("BEGIN").await.map_err(|e| e.to_string())?;
-        let end = if job.run(conn).await {
-            "COMMIT"
-        } else {
-            "ROLLBACK"
-        };
-        conn.execute(end).await.map_err(|e| e.to_string())?;
+        run_in_own_transaction(conn, job).await?;
     }
+    Ok(())
+}
+
+/// Runs `job` between a `BEGIN` and its `COMMIT` (`ROLLBACK` when it fails), so a job of
+/// several statements is stored whole or not at all. `Err`: the connection failed.
+async fn run_in_own_transaction(
+    conn: &mut PgConnection,
+    job: &mut Box<dyn WriteJob>,
+) -> Result<(), String> {
+    conn.execute("BEGIN").await.map_err(|e| e.to_string())?;
+    let end = if job.run(conn).await {
+        "COMMIT"
+    } else {
+        "ROLLBACK"
+    };
+    conn.execute(end).await.map_err(|e| e.to_string())?;
     Ok(())
 }
 

@@ -381,7 +381,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn add_counts(&self, counts: &[Counts]) -> Result<(), StoreError> {
+    async fn add_counts(&self, counts: &[Counts]) -> Result<Vec<Uuid>, StoreError> {
         let counts: Arc<[Counts]> = counts.into();
         self.write(move |conn| {
             let mut stmt = conn.prepare_cached(
@@ -397,7 +397,8 @@ impl Store for SqliteStore {
                     c.log_reads
                 ])?;
             }
-            Ok(())
+            // The one writer holds every row: none is ever busy.
+            Ok(Vec::new())
         })
         .await
     }
