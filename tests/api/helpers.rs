@@ -579,7 +579,15 @@ pub async fn first_events(
     response: &mut reqwest::Response,
     n: usize,
 ) -> Vec<holdfast::sse::SseEvent> {
-    let mut parser = holdfast::sse::SseParser::new();
+    next_events(response, &mut holdfast::sse::SseParser::new(), n).await
+}
+
+/// Reads `response` until `parser` has given at least `n` more events (the stream goes on).
+pub async fn next_events(
+    response: &mut reqwest::Response,
+    parser: &mut holdfast::sse::SseParser,
+    n: usize,
+) -> Vec<holdfast::sse::SseEvent> {
     let mut events = Vec::new();
     while events.len() < n {
         let piece = response

@@ -444,24 +444,6 @@ async fn shutdown_ends_log_readers_proxied_streams_and_held_calls_within_the_dra
         .expect("shutdown task");
 }
 
-/// Reads `response` until `parser` has given at least `n` more events.
-async fn next_events(
-    response: &mut reqwest::Response,
-    parser: &mut holdfast::sse::SseParser,
-    n: usize,
-) -> Vec<holdfast::sse::SseEvent> {
-    let mut events = Vec::new();
-    while events.len() < n {
-        let piece = response
-            .chunk()
-            .await
-            .expect("SSE body")
-            .expect("more events");
-        events.extend(parser.push(&piece).expect("valid SSE"));
-    }
-    events
-}
-
 /// Reads `response` to the end of its body (or a broken connection), returning its events.
 async fn rest_of_events(
     response: &mut reqwest::Response,
