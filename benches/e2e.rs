@@ -474,6 +474,75 @@ async fn wait_ready(
     }
 }
 
+/// The environment variable that makes this binary the floor proxy: `LISTEN_PORT UPSTREAM_PORT`.
+const FLOOR_ENV: &str = "HOLDFAST_BENCH_FLOOR";
+
+/// The floor (issue 30): a tokio + hyper forwarding proxy with no log at all, on 2 worker
+/// threads, a pooled keep-alive client, bodies streamed frame by frame both ways — what any
+/// Rust proxy costs on this machine before it does anything of its own.
+fn floor_proxy(spec: &str) -> Result<()> {
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let (listen, upstream) = spec
+        .split_once(' ')
+        .context("HOLDFAST_BENCH_FLOOR: LISTEN_PORT UPSTREAM_PORT")?;
+    let (listen, upstream): (u16, u16) = (listen.parse()?, upstream.parse()?);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", listen)).await?;
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1024)
+            .build_http::<hyper::body::Incoming>();
+        loop {
+            let (tcp, _) = listener.accept().await?;
+            tcp.set_nodelay(true)?;
+            let client = client.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |mut req: hyper::Request<hyper::body::Incoming>| {
+                        let client = client.clone();
+                        async move {
+                            let path = req
+                                .uri()
+                                .path_and_query()
+                                .map_or("/", |p| p.as_str())
+                                .to_string();
+                            *req.uri_mut() = format!("http://127.0.0.1:{upstream}{path}")
+                                .parse()
+                                .map_err(|e| anyhow::anyhow!("{e}"))?;
+                            let response = client.request(req).await?;
+                            Ok::<_, anyhow::Error>(response.map(|b| b.boxed()))
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    })
+}
+
+/// Starts the floor proxy (this binary with [`FLOOR_ENV`]) in front of the mock.
+async fn start_floor(
+    client: &reqwest::Client,
+    dir: &Path,
+    mock_port: u16,
+) -> Result<(Child, String)> {
+    let port = free_port()?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.env(FLOOR_ENV, format!("{port} {mock_port}"));
+    let log = dir.join("floor.log");
+    let mut child = spawn("floor", cmd, &log)?;
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(client, &format!("{base}/_mock/calls"), &mut child, &log).await?;
+    Ok((child, base))
+}
+
 fn holdfast_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_holdfast"))
 }
@@ -1565,8 +1634,8 @@ async fn replay_rows(
         "ms",
         after.elapsed.as_secs_f64() * 1000.0,
     );
-    // nginx passes every call through: its row is the plain-proxy baseline, not replays.
-    if (fresh > 0 && target != "nginx") || t.errors > 0 {
+    // nginx and the floor pass every call through: their rows are plain-proxy baselines.
+    if (fresh > 0 && target != "nginx" && target != "floor") || t.errors > 0 {
         results.note(format!(
             "{target}: {fresh} replays were not answered as replays; {} errors at c=64",
             t.errors
@@ -1870,6 +1939,44 @@ async fn cluster_rows(
     Ok(())
 }
 
+/// A proxy with no log in front of the mock: nginx, or the floor.
+struct PlainProxy<'a> {
+    name: &'static str,
+    pid: u32,
+    base: &'a str,
+    mock: &'a str,
+}
+
+/// The rows a plain proxy runs (every row group but the holdfast-only ones).
+async fn plain_proxy_rows(
+    results: &mut Results,
+    options: &Options,
+    proxy: &PlainProxy<'_>,
+    nonce: &str,
+    counts: Counts,
+) -> Result<()> {
+    let (name, base, mock) = (proxy.name, proxy.base, proxy.mock);
+    let c = client(THROUGHPUT_CONCURRENCY + 16)?;
+    let pids = [proxy.pid];
+    let bases = [base.to_string()];
+    if options.row("nonstream") {
+        nonstream_rows(results, &c, name, &bases, nonce, counts, &pids).await?;
+        if options.row("replay") {
+            replay_rows(results, &c, name, base, mock, nonce, counts).await?;
+        }
+    }
+    if options.row("stream") {
+        stream_rows(results, &c, name, base, nonce, counts).await?;
+    }
+    for row in options.stream_throughput_rows() {
+        stream_throughput_row(results, name, &bases, nonce, counts, &pids, row).await?;
+    }
+    if options.row("paced") {
+        paced_row(results, name, base, mock, nonce, counts).await?;
+    }
+    Ok(())
+}
+
 fn derived(results: &mut Results, proxies: &[String]) {
     let direct = "direct";
     for p in proxies {
@@ -1904,6 +2011,37 @@ fn derived(results: &mut Results, proxies: &[String]) {
             ] {
                 if let (Some(a), Some(b)) = (results.get(src, p), results.get(src, "nginx")) {
                     results.add(dst, p, "ratio", a / b);
+                }
+            }
+        }
+        // Against the floor (issue 30's targets are ratios to it).
+        if p != "floor" && p != "nginx" {
+            for (src, dst, unit) in [
+                ("non-stream c=64 throughput", "throughput / floor", "ratio"),
+                (
+                    "stream c=64 throughput",
+                    "stream throughput / floor",
+                    "ratio",
+                ),
+                (
+                    "replay c=64 throughput",
+                    "replay throughput / floor",
+                    "ratio",
+                ),
+                (
+                    "stream c=64 proxy CPU per event",
+                    "CPU per event / floor",
+                    "ratio",
+                ),
+                (
+                    "non-stream c=64 proxy CPU per request",
+                    "CPU per request − floor",
+                    "ms",
+                ),
+            ] {
+                if let (Some(a), Some(b)) = (results.get(src, p), results.get(src, "floor")) {
+                    let v = if unit == "ms" { a - b } else { a / b };
+                    results.add(dst, p, unit, v);
                 }
             }
         }
@@ -1971,6 +2109,10 @@ fn raise_nofile() -> u64 {
 // ---------------------------------------------------------------------------------------------
 
 fn main() -> Result<()> {
+    // The floor target is this binary run again as a plain tokio + hyper proxy (issue 30).
+    if let Ok(spec) = std::env::var(FLOOR_ENV) {
+        return floor_proxy(&spec);
+    }
     let options = options()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -2045,29 +2187,30 @@ async fn run(options: Options) -> Result<()> {
 
     // Plain proxy.
     let mut proxies = Vec::new();
+    if options.target("floor") {
+        let (floor, base) = start_floor(&control, dir.path(), mock_port).await?;
+        println!("\n== floor ({base})");
+        let plain = PlainProxy {
+            name: "floor",
+            pid: floor.pid(),
+            base: &base,
+            mock: &mock,
+        };
+        plain_proxy_rows(&mut results, &options, &plain, &nonce, counts).await?;
+        proxies.push("floor".to_string());
+        floor.stop(Duration::from_secs(5));
+    }
     let nginx_installed = Path::new(NGINX).exists();
     if options.target("nginx") && nginx_installed {
         let (nginx, base) = start_nginx(&control, dir.path(), mock_port).await?;
         println!("\n== nginx ({base})");
-        let c = client(THROUGHPUT_CONCURRENCY + 16)?;
-        let pids = [nginx.pid()];
-        let bases = [base.clone()];
-        if options.row("nonstream") {
-            nonstream_rows(&mut results, &c, "nginx", &bases, &nonce, counts, &pids).await?;
-            if options.row("replay") {
-                replay_rows(&mut results, &c, "nginx", &base, &mock, &nonce, counts).await?;
-            }
-        }
-        if options.row("stream") {
-            stream_rows(&mut results, &c, "nginx", &base, &nonce, counts).await?;
-        }
-        for row in options.stream_throughput_rows() {
-            stream_throughput_row(&mut results, "nginx", &bases, &nonce, counts, &pids, row)
-                .await?;
-        }
-        if options.row("paced") {
-            paced_row(&mut results, "nginx", &base, &mock, &nonce, counts).await?;
-        }
+        let plain = PlainProxy {
+            name: "nginx",
+            pid: nginx.pid(),
+            base: &base,
+            mock: &mock,
+        };
+        plain_proxy_rows(&mut results, &options, &plain, &nonce, counts).await?;
         proxies.push("nginx".to_string());
         nginx.stop(Duration::from_secs(5));
     } else if !nginx_installed {
