@@ -97,103 +97,74 @@ async fn admit_and_answer(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let admitted = admit(state, route, headers, body).await?;
+    answer_admitted(state, route, headers, admitted).await
+}
+
+/// A call admitted into the log: the request as recorded (new, or the one its claim found),
+/// and what answering it needs.
+struct Admitted {
+    record: RequestRecord,
+    namespace: String,
+    /// Answered from an execution that already existed (RS-5's `Idempotent-Replayed`).
+    replayed: bool,
+    /// The new request's wake-ups, subscribed before it existed; `None` for an existing one.
+    fresh: Option<Subscription>,
+    held: HeldSlot,
+    /// The claim this call took or found.
+    claim: Claim,
+}
+
+/// What a call claims: its key and fingerprint, and how long the claim lasts.
+struct Claim {
+    key: String,
+    fingerprint: [u8; 32],
+    ttl_ms: i64,
+    /// holdfast asked the provider for the stream's usage chunk, the client did not (decision
+    /// 40).
+    hide_usage: bool,
+}
+
+impl Claim {
+    /// The claim's duplicates may be answered from memory once it succeeded: until the claim
+    /// expires (counted from the request that holds it, which may be an earlier one), and never
+    /// past the moment pruning may delete the request with its claim (DU-4).
+    fn of<'a>(
+        &'a self,
+        namespace: &'a str,
+        record: &RequestRecord,
+        config: &Config,
+    ) -> ClaimRef<'a> {
+        let retention_ms =
+            i64::try_from(config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        ClaimRef {
+            namespace,
+            claim_key: &self.key,
+            fingerprint: self.fingerprint,
+            expires_at: record.created_at.saturating_add(self.ttl_ms).min(
+                record
+                    .finished_at
+                    .unwrap_or(record.created_at)
+                    .saturating_add(retention_ms),
+            ),
+        }
+    }
+}
+
+/// Admission (ID-8, ID-7): refuses what cannot be recorded, then records the request with its
+/// claim in one store call, or finds the request the claim already holds.
+async fn admit(
+    state: &AppState,
+    route: Route,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Admitted, ApiError> {
     let shape = route.provider();
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
-    let canonical = canonical::canonicalize(&body).map_err(|e| invalid_body(shape, &e))?;
-    let (backend, upstream_model) =
-        choose_backend(&state.config, route, canonical.model.as_deref()).ok_or_else(|| {
-            ApiError::bad_request(
-                shape,
-                "no_backend",
-                format!(
-                    "no backend serves route {} for model {:?}",
-                    route.name(),
-                    canonical.model.as_deref().unwrap_or("")
-                ),
-            )
-        })?;
-    let forwarded = forwarded_headers(headers, route, shape)?;
-    let key = idempotency_key(headers, shape)?;
-
-    // ID-3b: the provider gets the client's bytes; only the model value changes, in place.
-    let rewrite = match (&upstream_model, &canonical.model_span) {
-        (Some(model), Some(span)) if canonical.model.as_deref() != Some(model.as_str()) => {
-            Some((model.clone(), span.clone()))
-        }
-        _ => None,
-    };
-    let (hashed, upstream_body, model) = match rewrite {
-        Some((model, span)) => (
-            canonical.with_model(&model),
-            canonical::rewrite_model(&body, span, &model),
-            Some(model),
-        ),
-        None => (canonical.bytes, body.to_vec(), canonical.model),
-    };
-    let header_refs: Vec<(&str, &str)> = forwarded
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
-    // After the hash: the identity is the client's body (docs/usage.md).
-    // A client that did not ask for the usage chunk must not see one, whether this node asks
-    // for it or the node that ran the request did (decision 40). Every delivery of a request
-    // has the same body, so all agree.
-    let hide_usage =
-        canonical.stream && route.stream_usage_request().is_some() && !canonical.stream_options;
-    let upstream_body = if state.config.inject_stream_usage && hide_usage {
-        inject_usage_request(route, upstream_body)
-    } else {
-        upstream_body
-    };
-    let now = now_ms();
-    let (claim, claim_key, ttl_secs) = match key {
-        Some(key) => (
-            ClaimKind::Key,
-            format!("{} {key}", route.name()),
-            state.config.idempotency_key_ttl_secs,
-        ),
-        None => (
-            ClaimKind::BodyHash,
-            hex::encode(hash),
-            state.config.dedupe_window_secs,
-        ),
-    };
-    let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-    let new = NewRequest {
-        id: Uuid::now_v7(),
-        namespace: namespace.clone(),
-        route,
-        backend,
-        model,
-        stream: canonical.stream,
-        body: upstream_body,
-        headers: forwarded,
-        hash,
-        claim,
-        claim_key: claim_key.clone(),
-        claim_expires_at: now.saturating_add(ttl_ms),
-        now,
-    };
-    // The claim's duplicates may be answered from memory once it succeeded: until the claim
-    // expires (counted from the request that holds it, which may be an earlier one), and never
-    // past the moment pruning may delete the request with its claim (DU-4).
-    let retention_ms =
-        i64::try_from(state.config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-    let claim_of = |record: &RequestRecord| ClaimRef {
-        namespace: &namespace,
-        claim_key: &claim_key,
-        fingerprint: hash,
-        expires_at: record.created_at.saturating_add(ttl_ms).min(
-            record
-                .finished_at
-                .unwrap_or(record.created_at)
-                .saturating_add(retention_ms),
-        ),
-    };
+    let (new, claim) = new_request(&state.config, route, headers, &namespace, &body)?;
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
@@ -226,11 +197,131 @@ async fn admit_and_answer(
         }
         Err(e) => return Err(ApiError::store(shape, &e)),
     };
-
     let span = tracing::Span::current();
     span.record("id", tracing::field::display(record.id));
     span.record("backend", record.backend.as_str());
+    Ok(Admitted {
+        record,
+        namespace,
+        replayed,
+        fresh,
+        held,
+        claim,
+    })
+}
 
+/// The request a call's body makes (ID-2, ID-3, ID-5, CLI-5), and its claim: the body
+/// canonicalised and hashed with its route, backend and forwarded headers; the model rewritten
+/// for its backend.
+fn new_request(
+    config: &Config,
+    route: Route,
+    headers: &HeaderMap,
+    namespace: &str,
+    body: &[u8],
+) -> Result<(NewRequest, Claim), ApiError> {
+    let shape = route.provider();
+    let canonical = canonical::canonicalize(body).map_err(|e| invalid_body(shape, &e))?;
+    let (backend, upstream_model) = choose_backend(config, route, canonical.model.as_deref())
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                shape,
+                "no_backend",
+                format!(
+                    "no backend serves route {} for model {:?}",
+                    route.name(),
+                    canonical.model.as_deref().unwrap_or("")
+                ),
+            )
+        })?;
+    let forwarded = forwarded_headers(headers, route, shape)?;
+    let key = idempotency_key(headers, shape)?;
+
+    // ID-3b: the provider gets the client's bytes; only the model value changes, in place.
+    let rewrite = match (&upstream_model, &canonical.model_span) {
+        (Some(model), Some(span)) if canonical.model.as_deref() != Some(model.as_str()) => {
+            Some((model.clone(), span.clone()))
+        }
+        _ => None,
+    };
+    let (hashed, upstream_body, model) = match rewrite {
+        Some((model, span)) => (
+            canonical.with_model(&model),
+            canonical::rewrite_model(body, span, &model),
+            Some(model),
+        ),
+        None => (canonical.bytes, body.to_vec(), canonical.model),
+    };
+    let header_refs: Vec<(&str, &str)> = forwarded
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
+    // After the hash: the identity is the client's body (docs/usage.md).
+    // A client that did not ask for the usage chunk must not see one, whether this node asks
+    // for it or the node that ran the request did (decision 40). Every delivery of a request
+    // has the same body, so all agree.
+    let hide_usage =
+        canonical.stream && route.stream_usage_request().is_some() && !canonical.stream_options;
+    let upstream_body = if config.inject_stream_usage && hide_usage {
+        inject_usage_request(route, upstream_body)
+    } else {
+        upstream_body
+    };
+    let now = now_ms();
+    let (kind, claim_key, ttl_secs) = match key {
+        Some(key) => (
+            ClaimKind::Key,
+            format!("{} {key}", route.name()),
+            config.idempotency_key_ttl_secs,
+        ),
+        None => (
+            ClaimKind::BodyHash,
+            hex::encode(hash),
+            config.dedupe_window_secs,
+        ),
+    };
+    let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+    let new = NewRequest {
+        id: Uuid::now_v7(),
+        namespace: namespace.to_owned(),
+        route,
+        backend,
+        model,
+        stream: canonical.stream,
+        body: upstream_body,
+        headers: forwarded,
+        hash,
+        claim: kind,
+        claim_key: claim_key.clone(),
+        claim_expires_at: now.saturating_add(ttl_ms),
+        now,
+    };
+    let claim = Claim {
+        key: claim_key,
+        fingerprint: hash,
+        ttl_ms,
+        hide_usage,
+    };
+    Ok((new, claim))
+}
+
+/// The answer to an admitted call: 202 at once when the client prefers (RS-9), a stream
+/// (RS-1..RS-4), or the settled request's answer.
+async fn answer_admitted(
+    state: &AppState,
+    route: Route,
+    headers: &HeaderMap,
+    admitted: Admitted,
+) -> Result<Response, ApiError> {
+    let Admitted {
+        record,
+        namespace,
+        replayed,
+        fresh,
+        held,
+        claim,
+    } = admitted;
     if prefers_async(headers) {
         let mut response = (
             StatusCode::ACCEPTED,
@@ -248,23 +339,26 @@ async fn admit_and_answer(
         set_identity_headers(&mut response, &record, replayed, route, &state.config);
         return Ok(response);
     }
-
     if record.stream {
         if record.status.is_terminal() {
-            state.workers.remember(&claim_of(&record), &record);
+            let claim_ref = claim.of(&namespace, &record, &state.config);
+            state.workers.remember(&claim_ref, &record);
         }
         let delivery = Delivery {
             route,
             replayed,
-            hide_usage,
+            hide_usage: claim.hide_usage,
         };
         return stream_answer(state, &namespace, record, delivery, held, fresh).await;
     }
+    let shape = route.provider();
     let record = wait_for(state, &namespace, record, shape, fresh, |r| {
         r.status.is_terminal()
     })
     .await?;
-    state.workers.remember(&claim_of(&record), &record);
+    state
+        .workers
+        .remember(&claim.of(&namespace, &record, &state.config), &record);
     drop(held);
     Ok(answer(&record, replayed, route, &state.config))
 }

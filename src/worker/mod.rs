@@ -13,6 +13,7 @@ mod attempt;
 mod bookkeeping;
 mod chunks;
 mod retry;
+mod stream;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
