@@ -23,7 +23,7 @@ use super::errors::ApiError;
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
-use crate::hub::{HubEvent, Subscription};
+use crate::hub::{Handed, HubEvent, Subscription};
 use crate::metrics as m;
 use crate::provider::Provider;
 use crate::provider::Route;
@@ -381,20 +381,24 @@ async fn stream_answer(
         hide_usage,
     } = delivery;
     let shape = route.provider();
-    let record = wait_for(state, namespace, record, shape, fresh, |r| {
-        r.status.is_terminal() || r.last_seq > r.reset_seq
-    })
-    .await?;
+    // Until the current attempt stored or handed on its first event (RS-1, RS-11).
+    let ready = |r: &RequestRecord| r.status.is_terminal() || r.last_seq > r.reset_seq;
+    let (record, start) = wait(state, namespace, record, shape, fresh, true, ready).await?;
     let only_end = record.status.is_terminal() && record.last_seq == record.reset_seq + 1;
     if only_end && record.status == Status::Failed {
         return Ok(answer(&record, replayed, route, &state.config));
     }
+    let follow = stream::Follow {
+        after: record.reset_seq,
+        keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
+        proxied: true,
+    };
     let items = stream::follow(
         state.store.clone(),
         Arc::clone(&state.hub),
         record.id,
-        record.reset_seq,
-        Duration::from_millis(state.config.sse_keepalive_ms),
+        follow,
+        start,
     );
     let id = record.id;
     let body = async_stream::stream! {
@@ -690,8 +694,24 @@ async fn wait_for(
     fresh: Option<Subscription>,
     ready: impl Fn(&RequestRecord) -> bool,
 ) -> Result<RequestRecord, ApiError> {
+    let (record, _) = wait(state, namespace, record, shape, fresh, false, ready).await?;
+    Ok(record)
+}
+
+/// [`wait_for`], and with `take_ahead` also until the attempt hands on its first events
+/// (RS-11): then the record as admitted (with the provider's request id those events came
+/// with), the subscription that received them, and the events.
+async fn wait(
+    state: &AppState,
+    namespace: &str,
+    record: RequestRecord,
+    shape: Provider,
+    fresh: Option<Subscription>,
+    take_ahead: bool,
+    ready: impl Fn(&RequestRecord) -> bool,
+) -> Result<(RequestRecord, Option<Start>), ApiError> {
     if ready(&record) {
-        return Ok(record);
+        return Ok((record, None));
     }
     let (mut subscription, mut read) = match fresh {
         Some(subscription) => (subscription, false),
@@ -700,7 +720,7 @@ async fn wait_for(
     loop {
         if read {
             match state.store.get(namespace, record.id).await {
-                Ok(Some(r)) if ready(&r) => return Ok(r),
+                Ok(Some(r)) if ready(&r) => return Ok((r, None)),
                 Ok(Some(_)) => {}
                 Ok(None) => {
                     return Err(
@@ -718,15 +738,21 @@ async fn wait_for(
         }
         read = true;
         tokio::select! {
-            event = subscription.recv() => {
+            event = subscription.recv() => match event {
                 // This node's worker settled it and handed over the record it wrote.
-                if let HubEvent::Settled(settled) = event {
-                    if ready(&settled) {
-                        return Ok((*settled).clone());
+                HubEvent::Settled(settled) if ready(&settled) => return Ok(((*settled).clone(), None)),
+                HubEvent::Settled(_) => read = false,
+                HubEvent::Ahead(handed) if take_ahead => {
+                    let mut record = record;
+                    if record.upstream_request_id.is_none() {
+                        record.upstream_request_id.clone_from(&handed.upstream_request_id);
                     }
-                    read = false;
+                    return Ok((record, Some((subscription, vec![handed]))));
                 }
-            }
+                // Not committed: nothing a re-read would find.
+                HubEvent::Ahead(_) => read = false,
+                HubEvent::Changed | HubEvent::Chunks(_) => {}
+            },
             () = tokio::time::sleep(WAIT_POLL) => {}
             // Shutdown (DU-5): this node's workers handed the request back; another node's
             // take it, and the caller's retry attaches to it there.
@@ -736,6 +762,9 @@ async fn wait_for(
         }
     }
 }
+
+/// A stream's subscription, taken while waiting, and the events handed on it already brought.
+type Start = (Subscription, Vec<Arc<Handed>>);
 
 /// The answer for a settled non-stream request (RS-3, RS-5, RS-7).
 fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config) -> Response {

@@ -37,6 +37,9 @@ use serde_json::value::RawValue;
 pub(super) struct Ending {
     pub(super) outcome: Outcome,
     pub(super) last: Option<ChunkBatch>,
+    /// The stream's last batch when it was stored before the outcome (PostgreSQL): published
+    /// only once the outcome is committed (RS-12).
+    pub(super) withheld: Vec<Chunk>,
 }
 
 impl From<Outcome> for Ending {
@@ -44,6 +47,7 @@ impl From<Outcome> for Ending {
         Ending {
             outcome,
             last: None,
+            withheld: Vec::new(),
         }
     }
 }
@@ -79,7 +83,15 @@ impl WorkerPool {
         let written = self.write_outcome(&lease, &ending, &lost).await;
         drop(heartbeat);
         match written {
-            Ok(Some((chunks, settled))) => self.settle(&lease, &ending.outcome, chunks, settled),
+            Ok(Some((chunks, settled))) => {
+                let Ending {
+                    outcome,
+                    mut withheld,
+                    ..
+                } = ending;
+                withheld.extend(chunks);
+                self.settle(&lease, &outcome, withheld, settled);
+            }
             written => {
                 if written.is_ok() || lost.is_cancelled() {
                     info!("lease lost before the outcome was written");
@@ -187,8 +199,9 @@ impl WorkerPool {
     /// Announces a written outcome: its chunks and the settled request to readers, its usage
     /// and saved calls to the ledger, and a wake-up for the retry it schedules.
     fn settle(&self, lease: &Lease, outcome: &Outcome, chunks: Vec<Chunk>, settled: RequestRecord) {
-        for chunk in chunks {
-            self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
+        if !chunks.is_empty() {
+            self.hub
+                .publish(lease.id, HubEvent::Chunks(Arc::new(chunks)));
         }
         let reported = match outcome {
             Outcome::Succeeded { usage, .. } | Outcome::Failed { usage, .. } => *usage,

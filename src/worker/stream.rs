@@ -2,14 +2,15 @@
 //! stream has shown so far and turns each read into a [`Step`]; [`WorkerPool::stream`] drives it
 //! with the provider's body and the chunk writer.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tracing::warn;
 
 use super::WorkerPool;
 use super::attempt::{Ending, in_order, inspect_event, is_event_stream};
-use super::chunks::AppendError;
-use crate::hub::HubEvent;
+use super::chunks::{AppendError, Pending};
+use crate::hub::{Handed, HubEvent};
 use crate::provider::Route;
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, Usage};
@@ -212,6 +213,7 @@ impl StreamRead {
             return Step::End(Ending {
                 outcome: self.success(),
                 last: Some(batch),
+                withheld: Vec::new(),
             });
         }
         let then = if succeeded {
@@ -333,10 +335,70 @@ fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
     kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
 }
 
+/// Most events an attempt's log may fall behind its proxied streams (RS-11).
+pub(crate) const STREAM_AHEAD_EVENTS: usize = 64;
+/// Most event data bytes an attempt's log may fall behind its proxied streams (RS-11).
+pub(crate) const STREAM_AHEAD_BYTES: usize = 256 * 1024;
+
+/// The batches an attempt handed on and the writer has not yet committed (RS-11), oldest
+/// first.
+#[derive(Debug, Default)]
+struct Window {
+    pending: VecDeque<Pending>,
+    events: usize,
+    bytes: usize,
+}
+
+impl Window {
+    fn push(&mut self, pending: Pending) {
+        self.events += pending.events;
+        self.bytes += pending.bytes;
+        self.pending.push_back(pending);
+    }
+
+    fn pop(&mut self) -> Option<Pending> {
+        let pending = self.pending.pop_front()?;
+        self.events -= pending.events;
+        self.bytes -= pending.bytes;
+        Some(pending)
+    }
+
+    /// Lets go of the batches already committed; the first failure, if one failed.
+    fn committed(&mut self) -> Result<(), AppendError> {
+        while let Some(oldest) = self.pending.front_mut() {
+            let Some(stored) = oldest.try_stored() else {
+                break;
+            };
+            self.pop();
+            stored?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the writer until the log is within the window's bounds of the stream.
+    async fn make_room(&mut self) -> Result<(), AppendError> {
+        while self.events > STREAM_AHEAD_EVENTS || self.bytes > STREAM_AHEAD_BYTES {
+            let Some(oldest) = self.pop() else { break };
+            oldest.stored().await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every batch handed on is committed.
+    async fn drain(&mut self) -> Result<(), AppendError> {
+        while let Some(oldest) = self.pop() {
+            oldest.stored().await?;
+        }
+        Ok(())
+    }
+}
+
 impl WorkerPool {
-    /// Reads a 2xx event stream into the log: each read's events stored as one batch through
-    /// the group-commit writer and published to live readers once durable ([`StreamRead`]
-    /// decides what each read means). `None` when the lease was lost or chunks cannot be
+    /// Reads a 2xx event stream into the log ([`StreamRead`] decides what each read means).
+    /// Each read's events are handed on at once: to the chunk writer, which commits them and
+    /// then publishes them to positioned readers, and to the proxied streams, within a bounded
+    /// window (RS-11). The batch that ends the stream is stored after all of them and shown
+    /// only with the outcome (RS-12). `None` when the lease was lost or chunks cannot be
     /// stored (the lease then expires and the sweep re-runs the request after a reset, LC-8).
     pub(super) async fn stream(
         &self,
@@ -348,36 +410,64 @@ impl WorkerPool {
             let (body, _) = self.upstreams.read_capped(&mut response).await;
             return Some(read.not_an_event_stream(body));
         }
-        loop {
+        let mut window = Window::default();
+        let stored = loop {
             let step = match self.upstreams.next_piece(&mut response).await {
                 Ok(Some(bytes)) => read.on_bytes(&bytes),
-                Ok(None) => return Some(read.on_body_end()),
+                Ok(None) => break Ok(read.on_body_end()),
                 Err(e) => read.on_read_error(&e),
             };
-            let (batch, then) = match step {
-                Step::Read => continue,
-                Step::End(ending) => return Some(ending),
+            match step {
+                Step::Read => {}
+                Step::End(ending) => break Ok(ending),
                 Step::Transient(message) => {
                     let status = Some(read.status);
-                    return Some(self.transient(lease, status, message, None).into());
+                    break Ok(self.transient(lease, status, message, None).into());
                 }
-                Step::Store { batch, then } => (batch, then),
-            };
-            match self.chunks.append(batch).await {
-                Ok(stored) => {
-                    read.on_stored(&stored);
-                    for chunk in stored {
-                        self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
+                Step::Store { batch, then: None } => {
+                    let handed = Handed {
+                        chunks: batch.stored(),
+                        upstream_request_id: batch.upstream_request_id.clone(),
+                    };
+                    read.on_stored(&handed.chunks);
+                    self.hub
+                        .publish(lease.id, HubEvent::Ahead(Arc::new(handed)));
+                    let pending = match self.chunks.hand_on(batch) {
+                        Ok(pending) => pending,
+                        Err(e) => break Err(e),
+                    };
+                    window.push(pending);
+                    if let Err(e) = window.make_room().await {
+                        break Err(e);
                     }
                 }
-                Err(AppendError::LeaseLost) => return None,
-                Err(e) => {
-                    warn!(error = %e, "abandoning attempt: chunks cannot be stored");
-                    return None;
+                Step::Store {
+                    batch,
+                    then: Some(outcome),
+                } => {
+                    break self.chunks.append(batch).await.map(|withheld| Ending {
+                        outcome,
+                        last: None,
+                        withheld,
+                    });
                 }
             }
-            if let Some(outcome) = then {
-                return Some(outcome.into());
+            if let Err(e) = window.committed() {
+                break Err(e);
+            }
+        };
+        // Every ending waits for what was handed on before it: stored chunks stay (LC-7), and
+        // a last batch written with the outcome follows them.
+        let stored = match stored {
+            Ok(ending) => window.drain().await.map(|()| ending),
+            Err(e) => Err(e),
+        };
+        match stored {
+            Ok(ending) => Some(ending),
+            Err(AppendError::LeaseLost) => None,
+            Err(e) => {
+                warn!(error = %e, "abandoning attempt: chunks cannot be stored");
+                None
             }
         }
     }
