@@ -32,6 +32,9 @@ const MAX_BATCHES_PER_COMMIT: usize = 1024;
 type Ack = oneshot::Sender<Result<Option<Vec<Chunk>>, Arc<StoreError>>>;
 
 /// What the writer is sent.
+// A batch is what almost every message is: boxing it would cost an allocation per batch to
+// save bytes on the rare flush.
+#[allow(clippy::large_enum_variant)]
 enum Queued {
     /// A batch to store, with whom to tell.
     Batch {
