@@ -59,7 +59,7 @@ pub(crate) struct Subscription {
 /// Events a request's channel holds for its slowest reader. A reader further behind gets
 /// [`HubEvent::Changed`] and re-reads the store, so this bounds memory, not correctness. Every
 /// request (streamed or not) gets a channel while someone waits on it, allocated and zeroed at
-/// subscription, so the capacity is also a per-request cost (docs/benchmarks.md).
+/// subscription, so the capacity is also a per-request cost (docs/benchmarks-history.md).
 const CHANNEL_CAPACITY: usize = 128;
 
 impl Hub {

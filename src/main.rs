@@ -286,7 +286,7 @@ impl From<holdfast::config::ConfigError> for Stop {
     }
 }
 
-/// mimalloc instead of the system allocator: measured in docs/benchmarks.md.
+/// mimalloc instead of the system allocator: measured in docs/benchmarks-history.md.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -49,7 +49,7 @@ pub(super) async fn handle(
 ) -> Response {
     // Every log line of the call names its request once it is known. At `debug`: the lines a
     // proxied call logs at `info` and above already name their request, and a span per call
-    // costs more than a replay's whole answer at the default level (docs/benchmarks.md).
+    // costs more than a replay's whole answer at the default level (docs/benchmarks-history.md).
     let span = tracing::debug_span!(
         "request",
         route = route.name(),

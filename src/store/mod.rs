@@ -732,6 +732,25 @@ pub trait Store: Send + Sync + 'static {
         lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError>;
 
+    /// [`Store::submit_and_lease`], sending the created request and its lease to `early` as
+    /// soon as this store has decided them, before they are durable, where one process alone
+    /// arbitrates claims (SQLite; ID-9): the provider call may start then. The result is still
+    /// answered once durable, and nothing may be answered to a client before. Other stores
+    /// never send to `early`.
+    ///
+    /// # Errors
+    /// As [`Store::submit_and_lease`]; after an early send, a failed commit recorded nothing,
+    /// and the lease it sent is not held.
+    async fn submit_and_lease_early(
+        &self,
+        new: NewRequest,
+        lease: Option<LeaseTo<'_>>,
+        early: tokio::sync::oneshot::Sender<(RequestRecord, Lease)>,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        drop(early);
+        self.submit_and_lease(new, lease).await
+    }
+
     /// [`Store::submit_and_lease`] without a lease: the dispatcher leases the request.
     ///
     /// # Errors
@@ -762,7 +781,7 @@ pub trait Store: Send + Sync + 'static {
     /// [`Store::lease`] with an owner unique to its attempt: `owner_prefix` (itself unique to
     /// the call), `/`, and the request id. Empty when nothing is due. One statement on both
     /// adapters, so a burst of new requests costs one write instead of one each
-    /// (docs/benchmarks.md).
+    /// (docs/benchmarks-history.md).
     ///
     /// # Errors
     /// [`StoreError`] when the database fails; nothing was leased then.
@@ -857,7 +876,7 @@ pub trait Store: Send + Sync + 'static {
     /// append and a [`Store::finish_read`]. SQLite: yes, one commit instead of two. PostgreSQL:
     /// no — it stores the appends of many streams in one statement and their successes in
     /// another, and a combined write per stream would run alone beside them (measured in
-    /// docs/benchmarks.md: fewer streams per second, later first events).
+    /// docs/benchmarks-history.md: fewer streams per second, later first events).
     fn ends_streams_in_one_write(&self) -> bool {
         false
     }

@@ -172,7 +172,22 @@ impl WorkerPool {
                 owner,
                 lease_ms: pool.lease_ms(),
             });
-            let (mut submitted, lease) = pool.store.submit_and_lease(new, lease).await?;
+            let (early, decided) = tokio::sync::oneshot::channel();
+            let submit = pool.store.submit_and_lease_early(new, lease, early);
+            tokio::pin!(submit);
+            let mut permit = permit;
+            let submitted = tokio::select! {
+                submitted = &mut submit => submitted,
+                // Decided, not yet durable (SQLite): the provider call need not wait for the
+                // commit; the answer does, since this returns only once it is durable (ID-9).
+                Ok((record, lease)) = decided => {
+                    if let Some(permit) = permit.take() {
+                        pool.spawn_attempt(lease, record, permit);
+                    }
+                    submit.await
+                }
+            };
+            let (mut submitted, lease) = submitted?;
             match (&mut submitted, lease, permit) {
                 (Submitted::Created(record), Some(lease), Some(permit)) => {
                     pool.spawn_attempt(lease, (**record).clone(), permit);

@@ -430,6 +430,19 @@ impl WorkerPool {
                     let status = Some(read.status);
                     break Ok(self.transient(lease, status, message, None).into());
                 }
+                // An answer id a client may retrieve or resume by (a Responses `resp_...`,
+                // RD-8) is in the log before any client learns it: its batch is committed
+                // first (RS-11).
+                Step::Store { batch, then: None } if batch.response_id.is_some() => {
+                    match self.chunks.append(batch).await {
+                        Ok(stored) => {
+                            read.on_stored(&stored);
+                            self.hub
+                                .publish(lease.id, HubEvent::Chunks(Arc::new(stored)));
+                        }
+                        Err(e) => break Err(e),
+                    }
+                }
                 Step::Store { batch, then: None } => {
                     let handed = Handed {
                         chunks: batch.stored(),

@@ -26,7 +26,7 @@
 //!
 //! Why rusqlite and not sqlx here: sqlx's SQLite driver runs each statement on the connection's
 //! own thread and hands rows back over a channel, a thread hop per statement; a request made
-//! about a dozen of them (docs/benchmarks.md, docs/decisions.md). Here a whole job — several
+//! about a dozen of them (docs/benchmarks-history.md, docs/decisions.md). Here a whole job — several
 //! statements — is one hop, and a group of jobs is one commit.
 
 /// The tables a whole record is read from: the request row and its body, written once.
@@ -108,6 +108,53 @@ impl Store for SqliteStore {
                 submit_in(conn, &shared, lease)
             })
             .await?;
+        let submitted = match submitted {
+            SubmittedIn::Created => {
+                let new = Arc::try_unwrap(new).unwrap_or_else(|new| (*new).clone());
+                Submitted::Created(Box::new(created_record(new, lease.is_some())))
+            }
+            SubmittedIn::Attached(record) => Submitted::Attached(record),
+            SubmittedIn::KeyMismatch { existing } => Submitted::KeyMismatch { existing },
+        };
+        Ok((submitted, lease))
+    }
+
+    async fn submit_and_lease_early(
+        &self,
+        new: NewRequest,
+        lease: Option<LeaseTo<'_>>,
+        early: tokio::sync::oneshot::Sender<(RequestRecord, Lease)>,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
+        let new = Arc::new(new);
+        let shared = Arc::clone(&new);
+        // The writer thread only passes the lease on; the record is built here.
+        let (leased, decided) = tokio::sync::oneshot::channel::<Lease>();
+        let hook: writer::Early<(SubmittedIn, Option<Lease>)> =
+            Box::new(move |(submitted, lease)| {
+                if let (SubmittedIn::Created, Some(lease)) = (submitted, lease) {
+                    let _ = leased.send(lease.clone());
+                }
+            });
+        let write = self.write_hooked(
+            move |conn| {
+                let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
+                    owner,
+                    lease_ms: *lease_ms,
+                });
+                submit_in(conn, &shared, lease)
+            },
+            Some(hook),
+        );
+        tokio::pin!(write);
+        let written = tokio::select! {
+            written = &mut write => written,
+            Ok(lease) = decided => {
+                let _ = early.send((created_record((*new).clone(), true), lease));
+                write.await
+            }
+        };
+        let (submitted, lease) = written?;
         let submitted = match submitted {
             SubmittedIn::Created => {
                 let new = Arc::try_unwrap(new).unwrap_or_else(|new| (*new).clone());

@@ -149,7 +149,7 @@ pub(super) fn open_writer(
     // a checkpoint run by the writer itself lets the WAL start over: SQLite's automatic one
     // stays on as that bound (test `the_wal_stays_bounded_while_writes_never_pause_du2`), at
     // 8,192 pages (32 MiB) so that it is rare and the background rounds have already copied
-    // most of what it covers (the measurements behind the number: docs/benchmarks.md). After
+    // most of what it covers (the measurements behind the number: docs/benchmarks-history.md). After
     // a burst the file is cut back to `journal_size_limit`.
     // The savepoints of a group run again after a failed write (`commit_group`) journal in
     // memory, not in a temporary file.

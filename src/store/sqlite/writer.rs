@@ -30,11 +30,29 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
+        self.write_hooked(f, None).await
+    }
+
+    /// [`SqliteStore::write`], calling `early` with what the job's first successful run
+    /// returned, before its group commits: for a caller that may act ahead of the commit and
+    /// waits for it before it answers anyone (ID-9). A later run of the job (its group rolled
+    /// back for another job's failure) answers the caller as usual, and so does a commit that
+    /// fails.
+    pub(super) async fn write_hooked<T, F>(
+        &self,
+        f: F,
+        early: Option<Early<T>>,
+    ) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+    {
         let (reply, answer) = oneshot::channel();
         let job = Job {
             run: f,
             result: None,
             reply,
+            early,
         };
         self.inner
             .jobs
@@ -46,6 +64,9 @@ impl SqliteStore {
     }
 }
 
+/// What a job's first successful run is told to, before its commit (ID-9).
+pub(super) type Early<T> = Box<dyn FnOnce(&T) + Send>;
+
 /// One write of the group commit, type-erased for the writer's queue.
 pub(super) trait WriteJob: Send {
     /// Runs the write inside the group's transaction, replacing what an earlier run of it
@@ -53,6 +74,8 @@ pub(super) trait WriteJob: Send {
     fn run(&mut self, conn: &Connection) -> bool;
     /// Answers the caller once the group is settled; `commit` is the group commit's failure.
     fn reply(self: Box<Self>, commit: Result<(), &str>);
+    /// Drops the hook that would be told the result before the commit (ID-9).
+    fn tell_only_when_durable(&mut self);
 }
 
 struct Job<T, F> {
@@ -60,6 +83,8 @@ struct Job<T, F> {
     /// The last run's result; `None` before the first and after a panic.
     result: Option<Result<T, StoreError>>,
     reply: oneshot::Sender<Result<T, StoreError>>,
+    /// Told the first successful run's result, before the commit ([`SqliteStore::write_hooked`]).
+    early: Option<Early<T>>,
 }
 
 impl<T, F> WriteJob for Job<T, F>
@@ -71,12 +96,27 @@ where
         self.result = None;
         let result = (self.run)(conn);
         let keep = result.is_ok();
+        if let Ok(value) = &result
+            && let Some(early) = self.early.take()
+        {
+            early(value);
+        }
         self.result = Some(result);
         keep
     }
 
+    fn tell_only_when_durable(&mut self) {
+        self.early = None;
+    }
+
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
-        let Job { run, result, reply } = *self;
+        let Job {
+            run,
+            result,
+            reply,
+            early,
+        } = *self;
+        drop(early);
         // What the write captured goes first, so its caller gets back sole ownership of what it
         // shared with it.
         drop(run);
@@ -105,12 +145,20 @@ pub(super) fn write_loop(
     rounds: &Mutex<()>,
 ) {
     let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
+    // After a failed commit (a full disk), no job is acted on before its commit until one
+    // succeeds again: a failing disk costs at most one group's early provider calls (ID-9).
+    let mut failing = false;
     while let Some(job) = queue.blocking_recv() {
         group.push(job);
         while group.len() < MAX_JOBS_PER_COMMIT {
             match queue.try_recv() {
                 Ok(job) => group.push(job),
                 Err(_) => break,
+            }
+        }
+        if failing {
+            for job in &mut group {
+                job.tell_only_when_durable();
             }
         }
         let started = std::time::Instant::now();
@@ -128,6 +176,7 @@ pub(super) fn write_loop(
             }
             Ok(Committed::InOnePass) => {}
         }
+        failing = committed.is_err();
         let commit = committed.as_ref().map(|_| ()).map_err(String::as_str);
         for job in group.drain(..) {
             job.reply(commit);
@@ -177,7 +226,7 @@ enum Committed {
 ///
 /// Almost every group succeeds whole, so the first pass runs the jobs with no savepoints: a
 /// savepoint makes SQLite copy every page a job touches into its statement journal first,
-/// which cost about a tenth of the writer's instructions per request (docs/benchmarks.md).
+/// which cost about a tenth of the writer's instructions per request (docs/benchmarks-history.md).
 /// When a job fails or panics, the pass is rolled back and the group is run again without that
 /// job, each other job in its own savepoint as before, so a write fails alone and the rest of
 /// its group commits (DU-1). Jobs may therefore run twice; only what commits is answered.
@@ -273,6 +322,7 @@ mod tests {
             run: f,
             result: None,
             reply,
+            early: None,
         };
         (Box::new(job), answer)
     }
@@ -317,6 +367,46 @@ mod tests {
             .expect("query")
             .collect::<Result<_, _>>()
             .expect("rows")
+    }
+
+    /// ID-9: the hook is told a job's result inside the open transaction (another connection
+    /// does not see the row yet), once, on its first successful run, even when the group is
+    /// run again without a failed job; the job's caller is answered after the commit.
+    #[test]
+    fn a_hooked_job_is_told_its_result_before_the_commit_once_id9() {
+        let (dir, conn) = scratch();
+        // What the hook was told, and what a reader saw then.
+        type Told = Vec<(i64, Vec<i64>)>;
+        let seen: Arc<std::sync::Mutex<Told>> = Arc::default();
+        let told = Arc::clone(&seen);
+        let path = dir.path().join("t.db");
+        let hook: Box<dyn FnOnce(&i64) + Send> = Box::new(move |n| {
+            let reader = Connection::open(&path).expect("reader");
+            told.lock().unwrap().push((*n, stored(&reader)));
+        });
+        let (reply, answer) = oneshot::channel();
+        let hooked = Job {
+            run: insert(7),
+            result: None,
+            reply,
+            early: Some(hook),
+        };
+        let failing = job(|conn| {
+            conn.execute("INSERT INTO t (n) VALUES (8)", [])?;
+            Err(StoreError::Unavailable("this write fails".into()))
+        });
+        let (committed, answers) = run_group(
+            &conn,
+            vec![(Box::new(hooked), answer), failing, job(insert(9))],
+        );
+        assert_eq!(committed, Ok(Committed::WithoutTheFailedJob));
+        assert!(matches!(answers[..], [Ok(7), Err(_), Ok(9)]), "{answers:?}");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(7, vec![])],
+            "told once, before anything was committed"
+        );
+        assert_eq!(stored(&conn), vec![7, 9]);
     }
 
     #[test]
