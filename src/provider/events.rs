@@ -4,6 +4,7 @@
 //! decision 39). The worker asks these and never spells a provider's member or event itself.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use serde_json::value::RawValue;
 
@@ -177,49 +178,21 @@ impl Route {
         self,
         body: &[u8],
     ) -> Result<(Option<String>, Option<Usage>), String> {
-        #[derive(serde::Deserialize, Default)]
-        struct Probe<'a> {
-            #[serde(borrow)]
-            error: Option<&'a RawValue>,
-            choices: Option<serde::de::IgnoredAny>,
-            data: Option<serde::de::IgnoredAny>,
-            output: Option<serde::de::IgnoredAny>,
-            content: Option<serde::de::IgnoredAny>,
-            candidates: Option<serde::de::IgnoredAny>,
-            #[serde(rename = "promptFeedback")]
-            prompt_feedback: Option<serde::de::IgnoredAny>,
-            #[serde(borrow)]
-            id: Option<Cow<'a, str>>,
-            #[serde(borrow)]
-            object: Option<Cow<'a, str>>,
-            #[serde(borrow)]
-            usage: Option<&'a RawValue>,
-            #[serde(borrow, rename = "usageMetadata")]
-            usage_metadata: Option<&'a RawValue>,
-        }
-        let Ok(text) = std::str::from_utf8(body) else {
-            return Err("a body that is not JSON".into());
+        // Every top-level member, unparsed; a key twice keeps the last, as every SDK does.
+        let members = match serde_json::from_slice::<BTreeMap<Cow<'_, str>, &RawValue>>(body) {
+            Ok(members) => members,
+            Err(_) if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() => {
+                return Err("JSON that is not an object".into());
+            }
+            Err(_) => return Err("a body that is not JSON".into()),
         };
-        let mut normalised = String::new();
-        let (p, object) = match probe::<Probe<'_>>(text.trim_ascii_start(), &mut normalised) {
-            Ok(found) => found,
-            Err(()) => return Err("a body that is not JSON".into()),
-        };
-        if !object {
-            return Err("JSON that is not an object".into());
-        }
-        let has = |member: &str| match member {
-            "choices" => p.choices.is_some(),
-            "data" => p.data.is_some(),
-            "output" => p.output.is_some(),
-            "content" => p.content.is_some(),
-            "candidates" => p.candidates.is_some(),
-            "promptFeedback" => p.prompt_feedback.is_some(),
-            _ => false,
-        };
-        if !self.result_members().iter().any(|m| has(m)) {
+        let member = |name: &str| members.get(name).copied().filter(|v| v.get() != "null");
+        let text =
+            |name: &str| member(name).and_then(|v| serde_json::from_str::<String>(v.get()).ok());
+        let (id, object) = (text("id"), text("object"));
+        if !self.result_members().iter().any(|m| member(m).is_some()) {
             // No SDK can read an answer without its route's result member (decision 39).
-            return Err(if p.error.is_some() {
+            return Err(if member("error").is_some() {
                 "an error object instead of an answer".into()
             } else {
                 format!(
@@ -229,10 +202,10 @@ impl Route {
             });
         }
         let parts = BodyParts {
-            id: p.id.as_deref(),
-            object: p.object.as_deref(),
-            usage: p.usage,
-            usage_metadata: p.usage_metadata,
+            id: id.as_deref(),
+            object: object.as_deref(),
+            usage: member("usage"),
+            usage_metadata: member("usageMetadata"),
         };
         Ok((self.answer_id_of_body(&parts), self.usage_of_body(&parts)))
     }

@@ -51,6 +51,8 @@ pub(super) fn client_path(route: Route) -> &'static str {
         | Route::OpenaiEmbeddings
         | Route::OpenaiResponses
         | Route::AnthropicMessages => "",
+        #[cfg(test)]
+        Route::EchoSay => "",
     }
 }
 

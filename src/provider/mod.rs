@@ -11,6 +11,8 @@
 //! "How to add a provider").
 
 mod anthropic;
+#[cfg(test)]
+mod echo;
 mod events;
 mod gemini;
 mod openai;
@@ -35,6 +37,9 @@ pub enum Provider {
     Anthropic,
     /// Google's Gemini API (GM-1).
     Gemini,
+    /// A provider compiled only in tests (`echo.rs`), which proves the provider boundary.
+    #[cfg(test)]
+    Echo,
 }
 
 /// One proxied endpoint (SPEC §0 "route", HTTP-1). The name (`openai.chat`, ...) is stored with
@@ -59,11 +64,23 @@ pub enum Route {
     GeminiV1Generate,
     /// `POST /v1/models/{model}:streamGenerateContent?alt=sse` (GM-1).
     GeminiV1Stream,
+    /// `POST /echo/say`, the test-only provider's route.
+    #[cfg(test)]
+    EchoSay,
 }
 
 impl Provider {
     /// Every provider kind.
+    #[cfg(not(test))]
     pub const ALL: [Provider; 3] = [Provider::Openai, Provider::Anthropic, Provider::Gemini];
+    /// Every provider kind, the test-only one included.
+    #[cfg(test)]
+    pub const ALL: [Provider; 4] = [
+        Provider::Openai,
+        Provider::Anthropic,
+        Provider::Gemini,
+        Provider::Echo,
+    ];
 
     /// The config spelling.
     pub fn name(self) -> &'static str {
@@ -71,6 +88,8 @@ impl Provider {
             Provider::Openai => "openai",
             Provider::Anthropic => "anthropic",
             Provider::Gemini => "gemini",
+            #[cfg(test)]
+            Provider::Echo => "echo",
         }
     }
 
@@ -82,6 +101,10 @@ impl Provider {
         } else if gemini::owns_path(path) {
             Provider::Gemini
         } else {
+            #[cfg(test)]
+            if echo::owns_path(path) {
+                return Provider::Echo;
+            }
             Provider::Openai
         }
     }
@@ -92,6 +115,8 @@ impl Provider {
             Provider::Openai => openai::auth_header(key),
             Provider::Anthropic => anthropic::auth_header(key),
             Provider::Gemini => gemini::auth_header(key),
+            #[cfg(test)]
+            Provider::Echo => echo::auth_header(key),
         }
     }
 
@@ -102,6 +127,8 @@ impl Provider {
             Provider::Openai => openai::FORWARDED_HEADERS,
             Provider::Anthropic => anthropic::FORWARDED_HEADERS,
             Provider::Gemini => gemini::FORWARDED_HEADERS,
+            #[cfg(test)]
+            Provider::Echo => echo::FORWARDED_HEADERS,
         }
     }
 
@@ -112,6 +139,8 @@ impl Provider {
             Provider::Openai => openai::DEFAULT_HEADERS,
             Provider::Anthropic => anthropic::DEFAULT_HEADERS,
             Provider::Gemini => gemini::DEFAULT_HEADERS,
+            #[cfg(test)]
+            Provider::Echo => echo::DEFAULT_HEADERS,
         }
     }
 
@@ -123,6 +152,10 @@ impl Provider {
         } else if gemini::owns_call(headers) {
             Provider::Gemini
         } else {
+            #[cfg(test)]
+            if echo::owns_call(headers) {
+                return Provider::Echo;
+            }
             Provider::Openai
         }
     }
@@ -132,6 +165,8 @@ impl Provider {
         match self {
             Provider::Openai | Provider::Anthropic => &["/v1"],
             Provider::Gemini => &gemini::VERSIONS,
+            #[cfg(test)]
+            Provider::Echo => &["/echo"],
         }
     }
 
@@ -148,6 +183,8 @@ impl Provider {
             Provider::Openai => openai::MODELS_PATH.to_string(),
             Provider::Anthropic => anthropic::models_page_path(after),
             Provider::Gemini => gemini::models_page_path(after),
+            #[cfg(test)]
+            Provider::Echo => "/models".to_string(),
         }
     }
 
@@ -157,6 +194,8 @@ impl Provider {
             Provider::Openai => None,
             Provider::Anthropic => anthropic::next_models_page(page),
             Provider::Gemini => gemini::next_models_page(page),
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -164,6 +203,8 @@ impl Provider {
     pub(crate) fn models_of_page(self, page: &Value) -> Option<&Vec<Value>> {
         match self {
             Provider::Openai | Provider::Anthropic => page["data"].as_array(),
+            #[cfg(test)]
+            Provider::Echo => page["data"].as_array(),
             Provider::Gemini => gemini::models_of_page(page),
         }
     }
@@ -172,6 +213,8 @@ impl Provider {
     pub(crate) fn model_id(self, model: &Value) -> Option<&str> {
         match self {
             Provider::Openai | Provider::Anthropic => model["id"].as_str(),
+            #[cfg(test)]
+            Provider::Echo => model["id"].as_str(),
             Provider::Gemini => gemini::model_id(model),
         }
     }
@@ -182,6 +225,8 @@ impl Provider {
             Provider::Openai => openai::model_entry(id),
             Provider::Anthropic => anthropic::model_entry(id),
             Provider::Gemini => gemini::model_entry(id),
+            #[cfg(test)]
+            Provider::Echo => echo::model_entry(id),
         }
     }
 
@@ -196,6 +241,8 @@ impl Provider {
             Provider::Openai => openai::models_answer(models),
             Provider::Anthropic => anthropic::models_page(models, query),
             Provider::Gemini => gemini::models_page(models, query),
+            #[cfg(test)]
+            Provider::Echo => echo::models_answer(models),
         }
     }
 
@@ -206,6 +253,8 @@ impl Provider {
             Provider::Openai => Some(openai::REQUEST_ID_HEADER),
             Provider::Anthropic => Some(anthropic::REQUEST_ID_HEADER),
             Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => Some(echo::REQUEST_ID_HEADER),
         }
     }
 
@@ -215,6 +264,8 @@ impl Provider {
             Provider::Openai => openai::error_body(status, code, message),
             Provider::Anthropic => anthropic::error_body(status, message),
             Provider::Gemini => gemini::error_body(status, code, message),
+            #[cfg(test)]
+            Provider::Echo => echo::error_body(code, message),
         }
     }
 
@@ -225,6 +276,8 @@ impl Provider {
             Provider::Openai => openai::error_event(code, message),
             Provider::Anthropic => anthropic::error_event(message),
             Provider::Gemini => gemini::error_event(code, message),
+            #[cfg(test)]
+            Provider::Echo => echo::error_event(code, message),
         }
     }
 
@@ -240,6 +293,8 @@ impl Provider {
             Provider::Openai => openai::is_error_event(event, error),
             Provider::Anthropic => anthropic::is_error_event(event, kind, error),
             Provider::Gemini => gemini::is_error_event(error),
+            #[cfg(test)]
+            Provider::Echo => echo::is_error_event(event, error),
         }
     }
 }
@@ -344,6 +399,7 @@ impl Usage {
 
 impl Route {
     /// Every route, in documentation order.
+    #[cfg(not(test))]
     pub const ALL: [Route; 9] = [
         Route::OpenaiChat,
         Route::OpenaiCompletions,
@@ -354,6 +410,20 @@ impl Route {
         Route::GeminiStream,
         Route::GeminiV1Generate,
         Route::GeminiV1Stream,
+    ];
+    /// Every route, the test-only provider's included.
+    #[cfg(test)]
+    pub const ALL: [Route; 10] = [
+        Route::OpenaiChat,
+        Route::OpenaiCompletions,
+        Route::OpenaiEmbeddings,
+        Route::OpenaiResponses,
+        Route::AnthropicMessages,
+        Route::GeminiGenerate,
+        Route::GeminiStream,
+        Route::GeminiV1Generate,
+        Route::GeminiV1Stream,
+        Route::EchoSay,
     ];
 
     /// The stored name, e.g. `openai.chat`.
@@ -368,6 +438,8 @@ impl Route {
             Route::GeminiStream => "gemini.v1beta.stream",
             Route::GeminiV1Generate => "gemini.v1.generate",
             Route::GeminiV1Stream => "gemini.v1.stream",
+            #[cfg(test)]
+            Route::EchoSay => "echo.say",
         }
     }
 
@@ -388,6 +460,8 @@ impl Route {
             | Route::GeminiStream
             | Route::GeminiV1Generate
             | Route::GeminiV1Stream => Provider::Gemini,
+            #[cfg(test)]
+            Route::EchoSay => Provider::Echo,
         }
     }
 
@@ -404,6 +478,8 @@ impl Route {
             | Route::GeminiStream
             | Route::GeminiV1Generate
             | Route::GeminiV1Stream => gemini::client_path(self),
+            #[cfg(test)]
+            Route::EchoSay => echo::SAY_PATH,
         }
     }
 
@@ -414,6 +490,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => self.client_path(),
             Provider::Gemini => gemini::router_path(self),
+            #[cfg(test)]
+            Provider::Echo => self.client_path(),
         }
     }
 
@@ -423,6 +501,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => false,
             Provider::Gemini => true,
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
@@ -448,6 +528,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => body_stream,
             Provider::Gemini => gemini::streams(self),
+            #[cfg(test)]
+            Provider::Echo => body_stream,
         }
     }
 
@@ -458,6 +540,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => self.client_path()["/v1".len()..].to_string(),
             Provider::Gemini => gemini::upstream_path(self, model.unwrap_or_default()),
+            #[cfg(test)]
+            Provider::Echo => "/say".to_string(),
         }
     }
 
@@ -468,6 +552,8 @@ impl Route {
             Provider::Openai => openai::ends_stream(self, data, kind),
             Provider::Anthropic => anthropic::ends_stream(kind),
             Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => echo::ends_stream(kind),
         }
     }
 
@@ -478,6 +564,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => false,
             Provider::Gemini => gemini::finishes_answer(event),
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
@@ -487,6 +575,8 @@ impl Route {
             Provider::Openai => openai::stream_end_name(self),
             Provider::Anthropic => anthropic::STREAM_END,
             Provider::Gemini => gemini::STREAM_END,
+            #[cfg(test)]
+            Provider::Echo => echo::STREAM_END,
         }
     }
 
@@ -500,6 +590,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Gemini => None,
             Provider::Anthropic => Some(anthropic::STREAM_START),
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -508,6 +600,8 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Gemini => false,
             Provider::Anthropic => anthropic::is_keepalive_event(kind),
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
@@ -521,6 +615,8 @@ impl Route {
             Provider::Openai if openai::stream_events_carry_choices(self) => &["choices"],
             Provider::Openai | Provider::Anthropic => &[],
             Provider::Gemini => gemini::STREAM_EVENT_MEMBERS,
+            #[cfg(test)]
+            Provider::Echo => &[],
         }
     }
 
@@ -531,6 +627,8 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::keeps_answer_ids(self),
             Provider::Anthropic | Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
@@ -539,6 +637,8 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::answer_id_of_event(self, event),
             Provider::Anthropic | Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -547,6 +647,8 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::answer_id_of_body(self, body),
             Provider::Anthropic | Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -557,6 +659,8 @@ impl Route {
             Provider::Openai => openai::usage_of_event(self, event),
             Provider::Anthropic => anthropic::usage_of_event(event),
             Provider::Gemini => gemini::usage_of_event(event),
+            #[cfg(test)]
+            Provider::Echo => echo::usage_of_event(event),
         }
     }
 
@@ -566,6 +670,8 @@ impl Route {
             Provider::Openai => openai::usage_of(body.usage?),
             Provider::Anthropic => anthropic::usage_of(body.usage?),
             Provider::Gemini => gemini::usage_of(body.usage_metadata?),
+            #[cfg(test)]
+            Provider::Echo => echo::usage_of(body.usage?),
         }
     }
 
@@ -577,6 +683,8 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::stream_usage_request(self),
             Provider::Anthropic | Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -594,6 +702,8 @@ impl Route {
             Provider::Openai => openai::text_of_event(self, kind, data),
             Provider::Anthropic => anthropic::text_of_event(data),
             Provider::Gemini => gemini::text_of_event(data),
+            #[cfg(test)]
+            Provider::Echo => echo::text_of_event(data),
         }
     }
 
@@ -604,6 +714,8 @@ impl Route {
             Provider::Openai => openai::result_members(self),
             Provider::Anthropic => anthropic::RESULT_MEMBERS,
             Provider::Gemini => gemini::RESULT_MEMBERS,
+            #[cfg(test)]
+            Provider::Echo => echo::RESULT_MEMBERS,
         }
     }
 }
