@@ -741,6 +741,17 @@ mod tests {
     }
 
     #[test]
+    fn a_routes_name_starts_with_its_providers_name_for_usage_by_provider() {
+        for route in Route::ALL {
+            assert_eq!(
+                route.name().split('.').next(),
+                Some(route.provider().name()),
+                "GET /usage?group_by=provider reads the provider from the route's name"
+            );
+        }
+    }
+
+    #[test]
     fn gemini_paths_carry_the_model_and_the_client_version_gm1() {
         assert_eq!(
             Route::GeminiGenerate.upstream_path(Some("gemini-2.5-flash")),

@@ -638,3 +638,41 @@ async fn google_genai_python_raises_when_the_provider_stream_is_cut_lc7_gm5() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn usage_groups_by_provider_and_metrics_carry_it_rd9() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app.post(GENERATE, gemini_body("by provider"), &[]).await;
+    assert_eq!(r.status(), 200);
+    let again = app.post(GENERATE, gemini_body("by provider"), &[]).await;
+    assert_eq!(header(&again, "idempotent-replayed"), "true");
+    assert_eq!(app.chat(&chat_body("by provider")).await.status(), 200);
+    let id = header(&again, "holdfast-request-id");
+    wait_deliveries_at_least(&app.base, &id, 2).await;
+    let usage = get_json(&app.http, &format!("{}/usage?group_by=provider", app.base)).await;
+    assert_eq!(usage["group_by"], "provider");
+    let groups = usage["groups"].as_array().unwrap();
+    let of = |key: &str| {
+        groups
+            .iter()
+            .find(|g| g["key"] == key)
+            .unwrap_or_else(|| panic!("no {key} group: {usage}"))
+    };
+    assert_eq!(of("gemini")["requests"], 1, "{usage}");
+    assert_eq!(of("gemini")["saved_calls"], 1, "{usage}");
+    assert_eq!(of("openai")["requests"], 1, "{usage}");
+    let page = app.metrics_text().await;
+    assert!(
+        metric(
+            &page,
+            "holdfast_upstream_tokens_total",
+            r#"provider="gemini",backend="mock-gemini",kind="output""#
+        ) > 0.0,
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, "holdfast_saved_calls_total", r#"provider="gemini""#),
+        1.0
+    );
+    app.stop().await;
+}

@@ -666,6 +666,16 @@ async fn hundred_identical_gemini_calls_across_three_nodes_make_one_upstream_cal
     let record = get_record(&cluster.http, cluster.base(2), &answers[0].0).await;
     assert_eq!(record["route"], "gemini.v1beta.generate", "{record}");
     assert_eq!(record["model"], "gemini-2.5-flash", "{record}");
+    // The ledger by provider, from PostgreSQL (the provider is the route name's first part).
+    let usage = get_json(
+        &cluster.http,
+        &format!("{}/usage?group_by=provider", cluster.base(1)),
+    )
+    .await;
+    let groups = usage["groups"].as_array().expect("groups");
+    assert_eq!(groups.len(), 1, "{usage}");
+    assert_eq!(groups[0]["key"], "gemini", "{usage}");
+    assert_eq!(groups[0]["requests"], 1, "{usage}");
 }
 
 #[tokio::test]
