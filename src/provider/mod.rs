@@ -160,6 +160,17 @@ impl Provider {
         }
     }
 
+    /// Whether a backend's `base_url` carries the API version (decision 1), so a forwarded
+    /// client path loses its first segment; a Gemini backend's does not (decision 55).
+    pub(crate) fn base_url_has_version(self) -> bool {
+        match self {
+            Provider::Openai | Provider::Anthropic => true,
+            Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => false,
+        }
+    }
+
     /// The version prefixes of the paths this provider's clients call.
     pub(crate) fn path_prefixes(self) -> &'static [&'static str] {
         match self {

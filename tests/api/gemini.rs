@@ -676,3 +676,25 @@ async fn usage_groups_by_provider_and_metrics_carry_it_rd9() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_pass_through_path_to_a_gemini_backend_keeps_its_version_decision55() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.passthrough = vec![holdfast::config::Passthrough {
+            path: "/v1beta/files/*".into(),
+            backend: "mock-gemini".into(),
+        }];
+    })
+    .await;
+    let r = app
+        .http
+        .get(format!("{}/v1beta/files/abc", app.base))
+        .send()
+        .await
+        .unwrap();
+    // The mock has no such route: its 404 names the path it was called with.
+    assert_eq!(r.status(), 404);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("GET /v1beta/files/abc"), "{body}");
+    app.stop().await;
+}
