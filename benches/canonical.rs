@@ -1,6 +1,6 @@
 //! Canonicalisation and hashing speed (SPEC ID-1..ID-3): `cargo bench --bench canonical`.
 
-#![allow(clippy::unwrap_used, missing_docs)] // criterion_group! makes an undocumented pub fn
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // criterion_group! makes an undocumented pub fn
 
 use holdfast::canonical::{canonicalize, request_hash};
 

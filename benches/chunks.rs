@@ -5,7 +5,7 @@
 //! 256 concurrent streams with 100-byte prompts and 256 with 50 KB prompts, each appending 64
 //! events of ~120 bytes, on a SQLite file in WAL mode with `synchronous = FULL` and `NORMAL`.
 
-#![allow(clippy::unwrap_used, missing_docs)] // criterion_group! makes an undocumented pub fn
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // criterion_group! makes an undocumented pub fn
 
 use std::time::{Duration, Instant};
 

@@ -12,7 +12,7 @@
 //! run the holdfast rows against that database, e.g. `postgres://...`; or set
 //! `HOLDFAST_BENCH_DATABASE_URL`). Every loop is bounded in count and in time.
 
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -290,7 +290,7 @@ impl Default for Config {
 impl Default for Workers {
     fn default() -> Self {
         Workers {
-            concurrency: 64,
+            concurrency: 10_000,
             lease_secs: 30,
             max_attempts: 5,
             backoff_initial_ms: 500,
@@ -912,7 +912,10 @@ mod tests {
         assert_eq!(c.dedupe_window_secs, 600);
         assert_eq!(c.idempotency_key_ttl_secs, 86_400);
         assert_eq!(c.max_body_bytes, 33_554_432);
-        assert_eq!(c.workers.concurrency, 64);
+        assert_eq!(
+            c.workers.concurrency, 10_000,
+            "issue 30: LLM calls are slow and I/O-bound"
+        );
         assert_eq!(c.workers.lease_secs, 30);
         assert_eq!(c.workers.max_attempts, 5);
         assert_eq!(c.workers.backoff_initial_ms, 500);

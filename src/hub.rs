@@ -21,12 +21,25 @@ use crate::store::{Chunk, RequestRecord};
 pub(crate) enum HubEvent {
     /// Status, attempts or result changed: re-read the record (and chunks).
     Changed,
-    /// A chunk was stored (durably, before it is published).
-    Chunk(Arc<Chunk>),
+    /// Chunks were stored (durably, before they are published), in seq order.
+    Chunks(Arc<Vec<Chunk>>),
+    /// An attempt handed these data chunks to the chunk writer: not yet committed, and maybe
+    /// never (RS-11). Only a proxied stream takes them; every positioned reader waits for
+    /// [`HubEvent::Chunks`] (RD-4).
+    Ahead(Arc<Handed>),
     /// This node's worker recorded an attempt's outcome: the record as that committed write
     /// left it, so a waiter can answer without reading it back. Anyone else treats it as
     /// [`HubEvent::Changed`].
     Settled(Arc<RequestRecord>),
+}
+
+/// Data chunks an attempt handed on ahead of their commit (RS-11).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Handed {
+    /// In seq order.
+    pub(crate) chunks: Vec<Chunk>,
+    /// The provider's request id, with the attempt's first batch (RS-5).
+    pub(crate) upstream_request_id: Option<String>,
 }
 
 /// Per-request broadcast channels, created on first subscription and dropped with the last.

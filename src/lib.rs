@@ -74,7 +74,7 @@
 //! - [`app`]: wiring it all together.
 
 #![forbid(unsafe_code)]
-#![cfg_attr(test, allow(clippy::unwrap_used))]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod app;
 pub mod canonical;

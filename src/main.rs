@@ -586,7 +586,7 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
 /// Stands for the demo's mock provider in `--demo`'s configuration until it is started.
 const DEMO_MOCK_URL: &str = "http://demo-mock.invalid/v1";
 
-/// The same, for a Gemini backend, whose `base_url` has no version prefix (decision 55).
+/// The same, for a Gemini backend, whose `base_url` has no version prefix (decision 57).
 const DEMO_MOCK_ROOT: &str = "http://demo-mock.invalid";
 
 /// `--demo`'s base configuration: its own SQLite file, the mock provider as every backend, the

@@ -12,7 +12,7 @@
 //! the default; the long form (docs/reliability.md, "Parser fuzzing") is
 //! `PROPTEST_CASES=100000 cargo test --release --test parsers`.
 
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
 use std::collections::HashSet;
 use std::fmt;

@@ -258,7 +258,7 @@ pub(super) async fn configured(
     let backend = rule.backend.clone();
     let provider = state.config.backend(&backend).map_or(shape, |b| b.kind);
     // The path after its first segment (the version prefix), which `base_url` carries; the
-    // whole path for a provider whose `base_url` has no version (Gemini's, decision 55).
+    // whole path for a provider whose `base_url` has no version (Gemini's, decision 57).
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let rest = if provider.base_url_has_version() {
         path.get(1..)

@@ -23,7 +23,7 @@ use super::errors::ApiError;
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
-use crate::hub::{HubEvent, Subscription};
+use crate::hub::{Handed, HubEvent, Subscription};
 use crate::metrics as m;
 use crate::provider::Provider;
 use crate::provider::Route;
@@ -100,121 +100,75 @@ async fn admit_and_answer(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let admitted = admit(state, route, path_model, headers, body).await?;
+    answer_admitted(state, route, headers, admitted).await
+}
+
+/// A call admitted into the log: the request as recorded (new, or the one its claim found),
+/// and what answering it needs.
+struct Admitted {
+    record: RequestRecord,
+    namespace: String,
+    /// Answered from an execution that already existed (RS-5's `Idempotent-Replayed`).
+    replayed: bool,
+    /// The new request's wake-ups, subscribed before it existed; `None` for an existing one.
+    fresh: Option<Subscription>,
+    held: HeldSlot,
+    /// The claim this call took or found.
+    claim: Claim,
+}
+
+/// What a call claims: its key and fingerprint, and how long the claim lasts.
+struct Claim {
+    key: String,
+    fingerprint: [u8; 32],
+    ttl_ms: i64,
+    /// holdfast asked the provider for the stream's usage chunk, the client did not (decision
+    /// 40).
+    hide_usage: bool,
+}
+
+impl Claim {
+    /// The claim's duplicates may be answered from memory once it succeeded: until the claim
+    /// expires (counted from the request that holds it, which may be an earlier one), and never
+    /// past the moment pruning may delete the request with its claim (DU-4).
+    fn of<'a>(
+        &'a self,
+        namespace: &'a str,
+        record: &RequestRecord,
+        config: &Config,
+    ) -> ClaimRef<'a> {
+        let retention_ms =
+            i64::try_from(config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        ClaimRef {
+            namespace,
+            claim_key: &self.key,
+            fingerprint: self.fingerprint,
+            expires_at: record.created_at.saturating_add(self.ttl_ms).min(
+                record
+                    .finished_at
+                    .unwrap_or(record.created_at)
+                    .saturating_add(retention_ms),
+            ),
+        }
+    }
+}
+
+/// Admission (ID-8, ID-7): refuses what cannot be recorded, then records the request with its
+/// claim in one store call, or finds the request the claim already holds.
+async fn admit(
+    state: &AppState,
+    route: Route,
+    path_model: Option<String>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Admitted, ApiError> {
     let shape = route.provider();
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
-    let mut canonical = canonical::canonicalize(&body).map_err(|e| invalid_body(shape, &e))?;
-    if route.model_in_path() {
-        // GM-1: the path's model is the request's; the body's bytes are not touched.
-        (canonical.model, canonical.model_span) = (path_model, None);
-    }
-    let (backend, upstream_model) =
-        choose_backend(&state.config, route, canonical.model.as_deref()).ok_or_else(|| {
-            ApiError::bad_request(
-                shape,
-                "no_backend",
-                format!(
-                    "no backend serves route {} for model {:?}",
-                    route.name(),
-                    canonical.model.as_deref().unwrap_or("")
-                ),
-            )
-        })?;
-    let forwarded = forwarded_headers(headers, route, shape)?;
-    let key = idempotency_key(headers, shape)?;
-
-    // ID-3b: the provider gets the client's bytes; only the model value changes, in place.
-    let rewrite = match (&upstream_model, &canonical.model_span) {
-        (Some(model), Some(span)) if canonical.model.as_deref() != Some(model.as_str()) => {
-            Some((model.clone(), span.clone()))
-        }
-        _ => None,
-    };
-    let (hashed, upstream_body, model) = match rewrite {
-        Some((model, span)) => (
-            canonical.with_model(&model),
-            canonical::rewrite_model(&body, span, &model),
-            Some(model),
-        ),
-        None if route.model_in_path() => (
-            canonical.bytes,
-            body.to_vec(),
-            upstream_model.or(canonical.model),
-        ),
-        None => (canonical.bytes, body.to_vec(), canonical.model),
-    };
-    let header_refs: Vec<(&str, &str)> = forwarded
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    let hash = match (&model, route.model_in_path()) {
-        (Some(model), true) => canonical::request_hash_with_path_model(
-            route.name(),
-            &backend,
-            &header_refs,
-            &hashed,
-            model,
-        ),
-        _ => canonical::request_hash(route.name(), &backend, &header_refs, &hashed),
-    };
-    // After the hash: the identity is the client's body (docs/usage.md).
-    // A client that did not ask for the usage chunk must not see one, whether this node asks
-    // for it or the node that ran the request did (decision 40). Every delivery of a request
-    // has the same body, so all agree.
-    let hide_usage =
-        canonical.stream && route.stream_usage_request().is_some() && !canonical.stream_options;
-    let upstream_body = if state.config.inject_stream_usage && hide_usage {
-        inject_usage_request(route, upstream_body)
-    } else {
-        upstream_body
-    };
-    let now = now_ms();
-    let (claim, claim_key, ttl_secs) = match key {
-        Some(key) => (
-            ClaimKind::Key,
-            format!("{} {key}", route.name()),
-            state.config.idempotency_key_ttl_secs,
-        ),
-        None => (
-            ClaimKind::BodyHash,
-            hex::encode(hash),
-            state.config.dedupe_window_secs,
-        ),
-    };
-    let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-    let new = NewRequest {
-        id: Uuid::now_v7(),
-        namespace: namespace.clone(),
-        route,
-        backend,
-        model,
-        stream: route.streams(canonical.stream),
-        body: upstream_body,
-        headers: forwarded,
-        hash,
-        claim,
-        claim_key: claim_key.clone(),
-        claim_expires_at: now.saturating_add(ttl_ms),
-        now,
-    };
-    // The claim's duplicates may be answered from memory once it succeeded: until the claim
-    // expires (counted from the request that holds it, which may be an earlier one), and never
-    // past the moment pruning may delete the request with its claim (DU-4).
-    let retention_ms =
-        i64::try_from(state.config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-    let claim_of = |record: &RequestRecord| ClaimRef {
-        namespace: &namespace,
-        claim_key: &claim_key,
-        fingerprint: hash,
-        expires_at: record.created_at.saturating_add(ttl_ms).min(
-            record
-                .finished_at
-                .unwrap_or(record.created_at)
-                .saturating_add(retention_ms),
-        ),
-    };
+    let (new, claim) = new_request(&state.config, route, path_model, headers, &namespace, &body)?;
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
@@ -247,11 +201,150 @@ async fn admit_and_answer(
         }
         Err(e) => return Err(ApiError::store(shape, &e)),
     };
-
     let span = tracing::Span::current();
     span.record("id", tracing::field::display(record.id));
     span.record("backend", record.backend.as_str());
+    Ok(Admitted {
+        record,
+        namespace,
+        replayed,
+        fresh,
+        held,
+        claim,
+    })
+}
 
+/// The request a call's body makes (ID-2, ID-3, ID-5, CLI-5), and its claim: the body
+/// canonicalised and hashed with its route, backend and forwarded headers (and the path's
+/// model, GM-1); the model rewritten for its backend.
+fn new_request(
+    config: &Config,
+    route: Route,
+    path_model: Option<String>,
+    headers: &HeaderMap,
+    namespace: &str,
+    body: &[u8],
+) -> Result<(NewRequest, Claim), ApiError> {
+    let shape = route.provider();
+    let mut canonical = canonical::canonicalize(body).map_err(|e| invalid_body(shape, &e))?;
+    if route.model_in_path() {
+        // GM-1: the path's model is the request's; the body's bytes are not touched.
+        (canonical.model, canonical.model_span) = (path_model, None);
+    }
+    let (backend, upstream_model) = choose_backend(config, route, canonical.model.as_deref())
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                shape,
+                "no_backend",
+                format!(
+                    "no backend serves route {} for model {:?}",
+                    route.name(),
+                    canonical.model.as_deref().unwrap_or("")
+                ),
+            )
+        })?;
+    let forwarded = forwarded_headers(headers, route, shape)?;
+    let key = idempotency_key(headers, shape)?;
+
+    // ID-3b: the provider gets the client's bytes; only the model value changes, in place.
+    let rewrite = match (&upstream_model, &canonical.model_span) {
+        (Some(model), Some(span)) if canonical.model.as_deref() != Some(model.as_str()) => {
+            Some((model.clone(), span.clone()))
+        }
+        _ => None,
+    };
+    let (hashed, upstream_body, model) = match rewrite {
+        Some((model, span)) => (
+            canonical.with_model(&model),
+            canonical::rewrite_model(body, span, &model),
+            Some(model),
+        ),
+        None if route.model_in_path() => (
+            canonical.bytes,
+            body.to_vec(),
+            upstream_model.or(canonical.model),
+        ),
+        None => (canonical.bytes, body.to_vec(), canonical.model),
+    };
+    let header_refs: Vec<(&str, &str)> = forwarded
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let hash = match (&model, route.model_in_path()) {
+        (Some(model), true) => canonical::request_hash_with_path_model(
+            route.name(),
+            &backend,
+            &header_refs,
+            &hashed,
+            model,
+        ),
+        _ => canonical::request_hash(route.name(), &backend, &header_refs, &hashed),
+    };
+    // After the hash: the identity is the client's body (docs/usage.md).
+    // A client that did not ask for the usage chunk must not see one, whether this node asks
+    // for it or the node that ran the request did (decision 40). Every delivery of a request
+    // has the same body, so all agree.
+    let hide_usage =
+        canonical.stream && route.stream_usage_request().is_some() && !canonical.stream_options;
+    let upstream_body = if config.inject_stream_usage && hide_usage {
+        inject_usage_request(route, upstream_body)
+    } else {
+        upstream_body
+    };
+    let now = now_ms();
+    let (kind, claim_key, ttl_secs) = match key {
+        Some(key) => (
+            ClaimKind::Key,
+            format!("{} {key}", route.name()),
+            config.idempotency_key_ttl_secs,
+        ),
+        None => (
+            ClaimKind::BodyHash,
+            hex::encode(hash),
+            config.dedupe_window_secs,
+        ),
+    };
+    let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+    let new = NewRequest {
+        id: Uuid::now_v7(),
+        namespace: namespace.to_owned(),
+        route,
+        backend,
+        model,
+        stream: route.streams(canonical.stream),
+        body: upstream_body,
+        headers: forwarded,
+        hash,
+        claim: kind,
+        claim_key: claim_key.clone(),
+        claim_expires_at: now.saturating_add(ttl_ms),
+        now,
+    };
+    let claim = Claim {
+        key: claim_key,
+        fingerprint: hash,
+        ttl_ms,
+        hide_usage,
+    };
+    Ok((new, claim))
+}
+
+/// The answer to an admitted call: 202 at once when the client prefers (RS-9), a stream
+/// (RS-1..RS-4), or the settled request's answer.
+async fn answer_admitted(
+    state: &AppState,
+    route: Route,
+    headers: &HeaderMap,
+    admitted: Admitted,
+) -> Result<Response, ApiError> {
+    let Admitted {
+        record,
+        namespace,
+        replayed,
+        fresh,
+        held,
+        claim,
+    } = admitted;
     if prefers_async(headers) {
         let mut response = (
             StatusCode::ACCEPTED,
@@ -269,23 +362,26 @@ async fn admit_and_answer(
         set_identity_headers(&mut response, &record, replayed, route, &state.config);
         return Ok(response);
     }
-
     if record.stream {
         if record.status.is_terminal() {
-            state.workers.remember(&claim_of(&record), &record);
+            let claim_ref = claim.of(&namespace, &record, &state.config);
+            state.workers.remember(&claim_ref, &record);
         }
         let delivery = Delivery {
             route,
             replayed,
-            hide_usage,
+            hide_usage: claim.hide_usage,
         };
         return stream_answer(state, &namespace, record, delivery, held, fresh).await;
     }
+    let shape = route.provider();
     let record = wait_for(state, &namespace, record, shape, fresh, |r| {
         r.status.is_terminal()
     })
     .await?;
-    state.workers.remember(&claim_of(&record), &record);
+    state
+        .workers
+        .remember(&claim.of(&namespace, &record, &state.config), &record);
     drop(held);
     Ok(answer(&record, replayed, route, &state.config))
 }
@@ -308,20 +404,24 @@ async fn stream_answer(
         hide_usage,
     } = delivery;
     let shape = route.provider();
-    let record = wait_for(state, namespace, record, shape, fresh, |r| {
-        r.status.is_terminal() || r.last_seq > r.reset_seq
-    })
-    .await?;
+    // Until the current attempt stored or handed on its first event (RS-1, RS-11).
+    let ready = |r: &RequestRecord| r.status.is_terminal() || r.last_seq > r.reset_seq;
+    let (record, start) = wait(state, namespace, record, shape, fresh, true, ready).await?;
     let only_end = record.status.is_terminal() && record.last_seq == record.reset_seq + 1;
     if only_end && record.status == Status::Failed {
         return Ok(answer(&record, replayed, route, &state.config));
     }
+    let follow = stream::Follow {
+        after: record.reset_seq,
+        keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
+        proxied: true,
+    };
     let items = stream::follow(
         state.store.clone(),
         Arc::clone(&state.hub),
         record.id,
-        record.reset_seq,
-        Duration::from_millis(state.config.sse_keepalive_ms),
+        follow,
+        start,
     );
     let id = record.id;
     let body = async_stream::stream! {
@@ -617,8 +717,24 @@ async fn wait_for(
     fresh: Option<Subscription>,
     ready: impl Fn(&RequestRecord) -> bool,
 ) -> Result<RequestRecord, ApiError> {
+    let (record, _) = wait(state, namespace, record, shape, fresh, false, ready).await?;
+    Ok(record)
+}
+
+/// [`wait_for`], and with `take_ahead` also until the attempt hands on its first events
+/// (RS-11): then the record as admitted (with the provider's request id those events came
+/// with), the subscription that received them, and the events.
+async fn wait(
+    state: &AppState,
+    namespace: &str,
+    record: RequestRecord,
+    shape: Provider,
+    fresh: Option<Subscription>,
+    take_ahead: bool,
+    ready: impl Fn(&RequestRecord) -> bool,
+) -> Result<(RequestRecord, Option<Start>), ApiError> {
     if ready(&record) {
-        return Ok(record);
+        return Ok((record, None));
     }
     let (mut subscription, mut read) = match fresh {
         Some(subscription) => (subscription, false),
@@ -627,7 +743,7 @@ async fn wait_for(
     loop {
         if read {
             match state.store.get(namespace, record.id).await {
-                Ok(Some(r)) if ready(&r) => return Ok(r),
+                Ok(Some(r)) if ready(&r) => return Ok((r, None)),
                 Ok(Some(_)) => {}
                 Ok(None) => {
                     return Err(
@@ -645,15 +761,21 @@ async fn wait_for(
         }
         read = true;
         tokio::select! {
-            event = subscription.recv() => {
+            event = subscription.recv() => match event {
                 // This node's worker settled it and handed over the record it wrote.
-                if let HubEvent::Settled(settled) = event {
-                    if ready(&settled) {
-                        return Ok((*settled).clone());
+                HubEvent::Settled(settled) if ready(&settled) => return Ok(((*settled).clone(), None)),
+                HubEvent::Settled(_) => read = false,
+                HubEvent::Ahead(handed) if take_ahead => {
+                    let mut record = record;
+                    if record.upstream_request_id.is_none() {
+                        record.upstream_request_id.clone_from(&handed.upstream_request_id);
                     }
-                    read = false;
+                    return Ok((record, Some((subscription, vec![handed]))));
                 }
-            }
+                // Not committed: nothing a re-read would find.
+                HubEvent::Ahead(_) => read = false,
+                HubEvent::Changed | HubEvent::Chunks(_) => {}
+            },
             () = tokio::time::sleep(WAIT_POLL) => {}
             // Shutdown (DU-5): this node's workers handed the request back; another node's
             // take it, and the caller's retry attaches to it there.
@@ -663,6 +785,9 @@ async fn wait_for(
         }
     }
 }
+
+/// A stream's subscription, taken while waiting, and the events handed on it already brought.
+type Start = (Subscription, Vec<Arc<Handed>>);
 
 /// The answer for a settled non-stream request (RS-3, RS-5, RS-7).
 fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config) -> Response {

@@ -563,12 +563,17 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
         Some(p) if p < record.reset_seq => record.reset_seq - 1,
         Some(p) => p,
     };
+    let follow = stream::Follow {
+        after,
+        keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
+        proxied: false,
+    };
     let items = stream::follow(
         state.store.clone(),
         Arc::clone(&state.hub),
         record.id,
-        after,
-        Duration::from_millis(state.config.sse_keepalive_ms),
+        follow,
+        None,
     );
     let record_id = record.id;
     let body = async_stream::stream! {

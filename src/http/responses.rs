@@ -304,12 +304,17 @@ async fn attempt_start(state: &AppState, id: Uuid, attempt: u32) -> Result<i64, 
 /// response; an attempt that was abandoned, or a request that failed, ends with an error event
 /// in OpenAI's stream shape (RS-4, RD-6).
 fn events(state: &AppState, record: &RequestRecord, start: i64, after: Option<i64>) -> Response {
+    let follow = stream::Follow {
+        after: start,
+        keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
+        proxied: false,
+    };
     let items = stream::follow(
         state.store.clone(),
         Arc::clone(&state.hub),
         record.id,
-        start,
-        Duration::from_millis(state.config.sse_keepalive_ms),
+        follow,
+        None,
     );
     let id = record.id;
     let body = async_stream::stream! {

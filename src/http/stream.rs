@@ -15,7 +15,7 @@ use futures::Stream;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::hub::{Hub, HubEvent};
+use crate::hub::{Handed, Hub, HubEvent, Subscription};
 use crate::provider::Provider;
 use crate::sse;
 use crate::store::{Chunk, ChunkKind, DynStore, StoreError};
@@ -34,29 +34,155 @@ pub(super) enum Followed {
     KeepAlive,
 }
 
-/// Chunks of request `id` after seq `after`, stored then live, ending after the `end` chunk.
-/// Yields [`Followed::KeepAlive`] every `keepalive` without a chunk.
+/// How a reader follows a chunk log.
+#[derive(Debug)]
+pub(super) struct Follow {
+    /// The seq it starts after.
+    pub(super) after: i64,
+    /// A keep-alive after this long without a chunk.
+    pub(super) keepalive: Duration,
+    /// A proxied stream, which has no position (RS-4): it takes events handed on ahead of the
+    /// log (RS-11) and holds back the last data chunk it reads from the store until the next
+    /// chunk (RS-12). Every other reader sees committed chunks only (RD-4).
+    pub(super) proxied: bool,
+}
+
+/// Where a reader is in a chunk log, and what it does with each chunk it is offered: the
+/// handoff rules of RD-4, RS-11 and RS-12, kept apart from the store and the hub so that they
+/// are unit-tested.
+#[derive(Debug)]
+struct Position {
+    /// The seq of the last chunk sent (or dropped after a reset).
+    sent: i64,
+    /// The highest seq known to be committed.
+    committed: i64,
+    /// The attempt that wrote the last chunk sent.
+    attempt: u32,
+    proxied: bool,
+    /// A proxied stream's last data chunk read from the store, at `sent + 1`: it may be the
+    /// route's final event, committed before its outcome, so it waits for the next chunk.
+    held: Option<Chunk>,
+}
+
+/// Where an offered chunk comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// Read from the store: committed.
+    Store,
+    /// Published by the hub once committed.
+    Committed,
+    /// Handed on by an attempt, not yet committed (RS-11).
+    Ahead,
+}
+
+impl Position {
+    fn new(follow: &Follow) -> Position {
+        Position {
+            sent: follow.after,
+            committed: follow.after,
+            attempt: 0,
+            proxied: follow.proxied,
+            held: None,
+        }
+    }
+
+    /// Offers `chunk`; what to send goes to `out`, in order. `false` when it leaves a gap
+    /// that only the store can fill.
+    fn offer(&mut self, chunk: &Chunk, source: Source, out: &mut Vec<Chunk>) -> bool {
+        if source == Source::Ahead && !self.proxied {
+            return true;
+        }
+        let known = self.committed;
+        let next = self.sent + 1 + i64::from(self.held.is_some());
+        if chunk.seq > next {
+            // Handed-on events after a gap wait for their commit; a committed gap is read
+            // from the store, from where this reader is.
+            return source == Source::Ahead;
+        }
+        if source != Source::Ahead {
+            self.committed = known.max(chunk.seq);
+        }
+        if chunk.seq < next {
+            // Sent already, ahead of the log: where the log now says something else, the
+            // events sent since never reached it (their attempt was abandoned), and the
+            // stream ends with the abandoned attempt's error (RS-11).
+            let diverged = source != Source::Ahead
+                && chunk.seq > known
+                && chunk.seq <= self.sent
+                && (chunk.kind != ChunkKind::Data || chunk.attempt != self.attempt);
+            if diverged {
+                self.held = None;
+                self.sent = chunk.seq;
+                out.push(Chunk {
+                    kind: ChunkKind::Reset,
+                    event: None,
+                    data: String::new(),
+                    ..chunk.clone()
+                });
+            }
+            return true;
+        }
+        if let Some(held) = self.held.take() {
+            self.sent = held.seq;
+            // A held final event is not an answer when a reset follows it.
+            if chunk.kind != ChunkKind::Reset {
+                self.attempt = held.attempt;
+                out.push(held);
+            }
+        }
+        if self.proxied && source == Source::Store && chunk.kind == ChunkKind::Data {
+            self.held = Some(chunk.clone());
+            return true;
+        }
+        self.sent = chunk.seq;
+        self.attempt = chunk.attempt;
+        out.push(chunk.clone());
+        true
+    }
+
+    /// Where a store read starts: after what is known committed, so that a reset or an end
+    /// stored where a proxied stream went ahead is seen.
+    fn read_from(&self) -> i64 {
+        self.committed.min(self.sent)
+    }
+}
+
+/// Chunks of request `id` after seq `follow.after`, stored then live, ending after the `end`
+/// chunk (and, for a proxied stream, after a `reset`). Yields [`Followed::KeepAlive`] every
+/// `follow.keepalive` without a chunk. `start` is a subscription the caller took before and
+/// the handed-on batches it already received from it.
 pub(super) fn follow(
     store: DynStore,
     hub: Arc<Hub>,
     id: Uuid,
-    after: i64,
-    keepalive: Duration,
+    follow: Follow,
+    start: Option<(Subscription, Vec<Arc<Handed>>)>,
 ) -> impl Stream<Item = Result<Followed, StoreError>> + Send + 'static {
     async_stream::try_stream! {
-        let mut subscription = hub.subscribe(id);
-        let mut pos = after;
+        let mut position = Position::new(&follow);
+        let (mut subscription, early) = match start {
+            Some((subscription, early)) => (subscription, early),
+            None => (hub.subscribe(id), Vec::new()),
+        };
+        let mut out = Vec::new();
+        for handed in &early {
+            for chunk in &handed.chunks {
+                position.offer(chunk, Source::Ahead, &mut out);
+            }
+        }
         let mut quiet_since = tokio::time::Instant::now();
         loop {
             // Backlog from the store.
-            let page = store.chunks_after(id, pos, PAGE).await?;
+            let page = store.chunks_after(id, position.read_from(), PAGE).await?;
             let full = page.len() as i64 == PAGE;
-            for chunk in page {
-                pos = chunk.seq;
-                let end = chunk.kind == ChunkKind::End;
+            for chunk in &page {
+                position.offer(chunk, Source::Store, &mut out);
+            }
+            for chunk in out.drain(..) {
+                let last = is_last(&chunk, follow.proxied);
                 quiet_since = tokio::time::Instant::now();
                 yield Followed::Chunk(chunk);
-                if end {
+                if last {
                     return;
                 }
             }
@@ -67,31 +193,52 @@ pub(super) fn follow(
             // is re-read after POLL without a chunk, however often keep-alives go out between.
             let mut poll_at = tokio::time::Instant::now() + POLL;
             loop {
-                let keepalive_at = quiet_since + keepalive;
+                let keepalive_at = quiet_since + follow.keepalive;
+                let mut reread = false;
                 tokio::select! {
                     event = subscription.recv() => match event {
-                        HubEvent::Chunk(chunk) if chunk.seq <= pos => {}
-                        HubEvent::Chunk(chunk) if chunk.seq == pos + 1 => {
-                            pos = chunk.seq;
-                            let end = chunk.kind == ChunkKind::End;
-                            quiet_since = tokio::time::Instant::now();
-                            poll_at = quiet_since + POLL;
-                            yield Followed::Chunk((*chunk).clone());
-                            if end {
-                                return;
+                        HubEvent::Chunks(chunks) => {
+                            for chunk in chunks.iter() {
+                                if !position.offer(chunk, Source::Committed, &mut out) {
+                                    reread = true;
+                                    break;
+                                }
                             }
                         }
-                        _ => break,
+                        HubEvent::Ahead(handed) => {
+                            for chunk in &handed.chunks {
+                                position.offer(chunk, Source::Ahead, &mut out);
+                            }
+                        }
+                        HubEvent::Changed | HubEvent::Settled(_) => reread = true,
                     },
                     () = tokio::time::sleep_until(keepalive_at) => {
                         quiet_since = tokio::time::Instant::now();
                         yield Followed::KeepAlive;
                     }
-                    () = tokio::time::sleep_until(poll_at) => break,
+                    () = tokio::time::sleep_until(poll_at) => reread = true,
+                }
+                for chunk in out.drain(..) {
+                    let last = is_last(&chunk, follow.proxied);
+                    quiet_since = tokio::time::Instant::now();
+                    poll_at = quiet_since + POLL;
+                    yield Followed::Chunk(chunk);
+                    if last {
+                        return;
+                    }
+                }
+                if reread {
+                    break;
                 }
             }
         }
     }
+}
+
+/// Whether a reader's stream ends after `chunk`: the `end`, and for a proxied stream a
+/// `reset` too (its attempt was abandoned, RS-4).
+fn is_last(chunk: &Chunk, proxied: bool) -> bool {
+    chunk.kind == ChunkKind::End || (proxied && chunk.kind == ChunkKind::Reset)
 }
 
 /// The `data` of an `end` chunk.
@@ -228,6 +375,151 @@ mod tests {
 
     use super::*;
     use crate::config::SqliteSynchronous;
+
+    fn data(seq: i64, attempt: u32) -> Chunk {
+        Chunk {
+            seq,
+            attempt,
+            kind: ChunkKind::Data,
+            event: None,
+            data: format!("event {seq}"),
+        }
+    }
+
+    fn control(seq: i64, kind: ChunkKind) -> Chunk {
+        Chunk {
+            seq,
+            attempt: 1,
+            kind,
+            event: None,
+            data: String::new(),
+        }
+    }
+
+    fn position(proxied: bool) -> Position {
+        Position::new(&Follow {
+            after: 0,
+            keepalive: Duration::from_secs(15),
+            proxied,
+        })
+    }
+
+    /// Offers `chunks` from `source`; the seqs and kinds sent.
+    fn offer(position: &mut Position, source: Source, chunks: &[Chunk]) -> Vec<(i64, ChunkKind)> {
+        let mut out = Vec::new();
+        for chunk in chunks {
+            position.offer(chunk, source, &mut out);
+        }
+        out.iter().map(|c| (c.seq, c.kind)).collect()
+    }
+
+    #[test]
+    fn a_positioned_reader_never_takes_an_event_before_its_commit_rd4() {
+        let mut reader = position(false);
+        assert_eq!(
+            offer(&mut reader, Source::Ahead, &[data(1, 1), data(2, 1)]),
+            vec![]
+        );
+        let committed = offer(&mut reader, Source::Committed, &[data(1, 1), data(2, 1)]);
+        assert_eq!(committed, vec![(1, ChunkKind::Data), (2, ChunkKind::Data)]);
+        assert_eq!(
+            offer(&mut reader, Source::Store, &[data(3, 1)]),
+            vec![(3, ChunkKind::Data)]
+        );
+        assert_eq!(reader.read_from(), 3);
+        // A chunk after a gap (a lagged subscription) is read again from the store, from 3.
+        let mut out = Vec::new();
+        assert!(!reader.offer(&data(6, 1), Source::Committed, &mut out));
+        assert!(out.is_empty());
+        assert_eq!(reader.read_from(), 3);
+    }
+
+    #[test]
+    fn a_proxied_stream_takes_events_ahead_of_the_log_once_each_rs11() {
+        let mut reader = position(true);
+        let ahead = offer(&mut reader, Source::Ahead, &[data(1, 1), data(2, 1)]);
+        assert_eq!(ahead, vec![(1, ChunkKind::Data), (2, ChunkKind::Data)]);
+        assert_eq!(
+            reader.read_from(),
+            0,
+            "the store is read from what is committed"
+        );
+        assert_eq!(
+            offer(&mut reader, Source::Committed, &[data(1, 1), data(2, 1)]),
+            vec![]
+        );
+        assert_eq!(
+            offer(&mut reader, Source::Store, &[data(1, 1), data(2, 1)]),
+            vec![]
+        );
+        assert_eq!(reader.read_from(), 2);
+        // Handed on after a gap (a lagged subscription): waits for the commit, no re-read.
+        let mut out = Vec::new();
+        assert!(reader.offer(&data(5, 1), Source::Ahead, &mut out));
+        assert!(out.is_empty());
+        // A committed gap is read from the store.
+        assert!(!reader.offer(&data(5, 1), Source::Committed, &mut out));
+    }
+
+    #[test]
+    fn a_proxied_stream_holds_back_the_last_event_it_reads_from_the_store_until_the_next_rs12() {
+        let mut reader = position(true);
+        let read = offer(&mut reader, Source::Store, &[data(1, 1), data(2, 1)]);
+        assert_eq!(
+            read,
+            vec![(1, ChunkKind::Data)],
+            "event 2 may be the final one"
+        );
+        let ended = offer(
+            &mut reader,
+            Source::Store,
+            &[data(2, 1), control(3, ChunkKind::End)],
+        );
+        assert_eq!(ended, vec![(2, ChunkKind::Data), (3, ChunkKind::End)]);
+
+        // The final event was committed and its outcome never was (the node died): the reset
+        // that follows drops it, and the stream ends with the abandoned attempt's error.
+        let mut reader = position(true);
+        offer(&mut reader, Source::Store, &[data(1, 1), data(2, 1)]);
+        let reset = offer(&mut reader, Source::Store, &[control(3, ChunkKind::Reset)]);
+        assert_eq!(reset, vec![(3, ChunkKind::Reset)]);
+
+        // Events handed on release it as well.
+        let mut reader = position(true);
+        offer(&mut reader, Source::Store, &[data(1, 1)]);
+        let next = offer(&mut reader, Source::Ahead, &[data(2, 1)]);
+        assert_eq!(next, vec![(1, ChunkKind::Data), (2, ChunkKind::Data)]);
+    }
+
+    #[test]
+    fn events_sent_ahead_that_never_reached_the_log_end_the_stream_as_abandoned_rs11() {
+        // Events 1..3 went out; only 1 was committed before the attempt was abandoned: the
+        // sweep stored its reset at seq 2.
+        let mut reader = position(true);
+        offer(
+            &mut reader,
+            Source::Ahead,
+            &[data(1, 1), data(2, 1), data(3, 1)],
+        );
+        let read = offer(
+            &mut reader,
+            Source::Store,
+            &[data(1, 1), control(2, ChunkKind::Reset), data(3, 2)],
+        );
+        assert_eq!(
+            read,
+            vec![(2, ChunkKind::Reset)],
+            "never another attempt's event 3"
+        );
+        assert!(is_last(&control(2, ChunkKind::Reset), true));
+
+        // Failed for good instead: its `end` where event 2 went out ends it the same way.
+        let mut reader = position(true);
+        offer(&mut reader, Source::Ahead, &[data(1, 1), data(2, 1)]);
+        let read = offer(&mut reader, Source::Store, &[control(2, ChunkKind::End)]);
+        assert_eq!(read, vec![(2, ChunkKind::Reset)]);
+    }
+
     use crate::store::sqlite::SqliteStore;
     use crate::store::{ChunkBatch, NewChunk, NewRequest, now_ms};
 
@@ -255,12 +547,17 @@ mod tests {
             .expect("lease")
             .pop()
             .expect("leased");
+        let follow_from_start = Follow {
+            after: 0,
+            keepalive: Duration::from_millis(20),
+            proxied: false,
+        };
         let items = follow(
             Arc::clone(&store),
             Hub::new(),
             record.id,
-            0,
-            Duration::from_millis(20),
+            follow_from_start,
+            None,
         );
         let mut items = std::pin::pin!(items);
         // A first keep-alive: the reader read the (empty) log and waits live.

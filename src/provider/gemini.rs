@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use super::{EventParts, Route, Usage};
 
 /// None: no client header changes what the Gemini API answers to a key-authenticated call
-/// (GM-2, decision 55). `x-goog-api-client` is the SDK's telemetry and `X-Server-Timeout` the
+/// (GM-2, decision 57). `x-goog-api-client` is the SDK's telemetry and `X-Server-Timeout` the
 /// SDK's own deadline, which a durable request must not inherit.
 pub(super) const FORWARDED_HEADERS: &[&str] = &[];
 
@@ -72,7 +72,7 @@ pub(super) fn streams(route: Route) -> bool {
 }
 
 /// The upstream path and query for `model`: the client's path with the model in it, under the
-/// backend's `base_url`, which has no version prefix (decision 55); a stream asks for SSE.
+/// backend's `base_url`, which has no version prefix (decision 57); a stream asks for SSE.
 pub(super) fn upstream_path(route: Route, model: &str) -> String {
     let path = client_path(route).replace("{model}", model);
     if streams(route) {

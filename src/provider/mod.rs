@@ -161,7 +161,7 @@ impl Provider {
     }
 
     /// Whether a backend's `base_url` carries the API version (decision 1), so a forwarded
-    /// client path loses its first segment; a Gemini backend's does not (decision 55).
+    /// client path loses its first segment; a Gemini backend's does not (decision 57).
     pub(crate) fn base_url_has_version(self) -> bool {
         match self {
             Provider::Openai | Provider::Anthropic => true,
@@ -258,7 +258,7 @@ impl Provider {
     }
 
     /// The provider's request-id response header (RS-5), when it has one: Google's API
-    /// documents none (decision 55).
+    /// documents none (decision 57).
     pub(crate) fn request_id_header(self) -> Option<&'static str> {
         match self {
             Provider::Openai => Some(openai::REQUEST_ID_HEADER),
@@ -546,7 +546,7 @@ impl Route {
 
     /// The path (and query) appended to a backend's `base_url`: the client path without `/v1`
     /// (the `base_url` has it), or for Gemini the client path with `model` in it (GM-1,
-    /// decision 55).
+    /// decision 57).
     pub(crate) fn upstream_path(self, model: Option<&str>) -> String {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => self.client_path()["/v1".len()..].to_string(),

@@ -10,16 +10,15 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{Instrument, debug, error, info, warn};
 
 use super::WorkerPool;
-use super::chunks::AppendError;
 use super::retry::{self, WriteRetry};
+use super::stream::StreamRead;
 use crate::hub::HubEvent;
 use crate::ledger;
 use crate::metrics as m;
 use crate::provider::{Route, excerpt};
-use crate::sse::SseParser;
 use crate::store::{
-    Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, Millis, NewChunk, Outcome, RequestRecord,
-    StoreError, Usage, holds_outcome, now_ms,
+    Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, Millis, Outcome, RequestRecord, StoreError,
+    holds_outcome, now_ms,
 };
 use crate::upstream::{Call, CallError};
 
@@ -32,9 +31,13 @@ pub(super) const HEARTBEAT_RETRY: Duration = Duration::from_secs(1);
 /// batch of events, stored with the outcome in one commit ([`Store::finish_with_chunks`]).
 ///
 /// [`Store::finish_with_chunks`]: crate::store::Store::finish_with_chunks
-struct Ending {
-    outcome: Outcome,
-    last: Option<ChunkBatch>,
+#[derive(Debug)]
+pub(super) struct Ending {
+    pub(super) outcome: Outcome,
+    pub(super) last: Option<ChunkBatch>,
+    /// The stream's last batch when it was stored before the outcome (PostgreSQL): published
+    /// only once the outcome is committed (RS-12).
+    pub(super) withheld: Vec<Chunk>,
 }
 
 impl From<Outcome> for Ending {
@@ -42,6 +45,7 @@ impl From<Outcome> for Ending {
         Ending {
             outcome,
             last: None,
+            withheld: Vec::new(),
         }
     }
 }
@@ -59,57 +63,83 @@ impl WorkerPool {
         ));
         let registration = self.register(lease.id);
         debug!("attempt started");
-        let outcome = tokio::select! {
-            outcome = self.call(&lease, &record) => outcome,
+        let ending = tokio::select! {
+            ending = self.call(&lease, &record) => ending,
             () = lost.cancelled() => None,
             () = registration.abort.cancelled() => None,
             () = self.abandon.cancelled() => {
-                // Shutdown grace is over (DU-5): hand the request back without a recovery.
-                let max = self.workers().max_attempts;
-                match self.store.release(&lease, now_ms(), max).await {
-                    Ok(true) if lease.attempt >= max => warn!(
-                        error_type = "lease_expired",
-                        "request failed: its last attempt was handed back at shutdown"
-                    ),
-                    Ok(true) => info!("handed back to pending at shutdown"),
-                    Ok(false) => {}
-                    Err(e) => warn!(error = %e, "could not hand back; the lease will expire"),
-                }
-                self.hub.publish(lease.id, HubEvent::Changed);
+                self.hand_back(&lease).await;
                 None
             }
         };
         drop(registration);
-        let Some(Ending { outcome, last }) = outcome else {
+        let Some(ending) = ending else {
             info!("attempt ended without an outcome");
             return;
         };
-        let retry_at = match &outcome {
-            Outcome::Retry { next_retry_at, .. } => Some(*next_retry_at),
-            _ => None,
-        };
-        log_attempt(&outcome);
-        let reported = match &outcome {
-            Outcome::Succeeded { usage, .. } | Outcome::Failed { usage, .. } => *usage,
-            Outcome::Retry { .. } => None,
-        };
-        // The provider has answered: losing the outcome now would cost a second provider call
-        // when the sweep re-runs the request, so a failed write is tried again for
-        // `write_retry_secs`, at least one lease length (decisions 37, 52), the heartbeat still
-        // renewing the lease, until the lease is found lost or shutdown's grace is over. The write is fenced (LC-3): a try after the
-        // lease was lost stores nothing, and a failed try stored nothing, the last batch
-        // included.
+        log_attempt(&ending.outcome);
+        let written = self.write_outcome(&lease, &ending, &lost).await;
+        drop(heartbeat);
+        match written {
+            Ok(Some((chunks, settled))) => {
+                let Ending {
+                    outcome,
+                    mut withheld,
+                    ..
+                } = ending;
+                withheld.extend(chunks);
+                self.settle(&lease, &outcome, withheld, settled);
+            }
+            written => {
+                if written.is_ok() || lost.is_cancelled() {
+                    info!("lease lost before the outcome was written");
+                }
+                // Not settled here: readers on this node re-read the store now, not at their
+                // next poll.
+                self.hub.publish(lease.id, HubEvent::Changed);
+            }
+        }
+    }
+
+    /// Shutdown grace is over (DU-5): hands the request back without a recovery.
+    async fn hand_back(&self, lease: &Lease) {
+        let max = self.workers().max_attempts;
+        match self.store.release(lease, now_ms(), max).await {
+            Ok(true) if lease.attempt >= max => warn!(
+                error_type = "lease_expired",
+                "request failed: its last attempt was handed back at shutdown"
+            ),
+            Ok(true) => info!("handed back to pending at shutdown"),
+            Ok(false) => {}
+            Err(e) => warn!(error = %e, "could not hand back; the lease will expire"),
+        }
+        self.hub.publish(lease.id, HubEvent::Changed);
+    }
+
+    /// Writes the attempt's outcome (with a stream's last batch), fenced on its lease (LC-3):
+    /// the stored chunks and the request as settled, `None` when the lease was lost.
+    ///
+    /// The provider has answered: losing the outcome now would cost a second provider call
+    /// when the sweep re-runs the request, so a failed write is tried again for
+    /// `write_retry_secs`, at least one lease length (decisions 37, 52), the heartbeat still
+    /// renewing the lease, until the lease is found lost or shutdown's grace is over. A try
+    /// after the lease was lost stores nothing, and a failed try stored nothing, the last batch
+    /// included.
+    async fn write_outcome(
+        &self,
+        lease: &Lease,
+        ending: &Ending,
+        lost: &CancellationToken,
+    ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
+        let outcome = &ending.outcome;
         let mut retry: Option<WriteRetry> = None;
         let mut tries = 0;
-        let finished = loop {
+        let written = loop {
             tries += 1;
-            let written = match &last {
+            let written = match &ending.last {
                 Some(last) => {
                     let started = std::time::Instant::now();
-                    let written = self
-                        .store
-                        .finish_with_chunks(last, &outcome, now_ms())
-                        .await;
+                    let written = self.store.finish_with_chunks(last, outcome, now_ms()).await;
                     if written.is_ok() {
                         metrics::histogram!(m::CHUNK_COMMIT_SECONDS)
                             .record(started.elapsed().as_secs_f64());
@@ -118,7 +148,7 @@ impl WorkerPool {
                 }
                 None => self
                     .store
-                    .finish_read(&lease, &outcome, now_ms())
+                    .finish_read(lease, outcome, now_ms())
                     .await
                     .map(|settled| settled.map(|settled| (Vec::new(), settled))),
             };
@@ -141,65 +171,69 @@ impl WorkerPool {
             }
             metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "outcome").increment(1);
         };
-        drop(heartbeat);
-        let finished = match finished {
+        let written = match written {
             // After a failed try, "not under this lease" may be that try's own commit — found
             // by the next try, or by the heartbeat while the next try waited.
-            Ok(None) if retry.is_some() => self.own_earlier_commit(&lease, &outcome, tries).await,
+            Ok(None) if retry.is_some() => self.own_earlier_commit(lease, outcome, tries).await,
             Err(_) if retry.is_some() && lost.is_cancelled() => {
-                self.own_earlier_commit(&lease, &outcome, tries).await
+                self.own_earlier_commit(lease, outcome, tries).await
             }
             Ok(Some(_)) if retry.is_some() => {
                 info!(tries, "the outcome was recorded after retries");
-                finished
+                written
             }
-            finished => finished,
+            written => written,
         };
-        match finished {
-            Ok(Some((chunks, settled))) => {
-                for chunk in chunks {
-                    self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
-                }
-                if let Some(usage) = &reported {
-                    ledger::count_upstream(
-                        &self.config,
-                        &settled.backend,
-                        settled.model.as_deref(),
-                        usage,
-                    );
-                }
-                if settled.status.is_terminal() {
-                    log_finished(&settled);
-                    // Deliveries that attached while it ran saved calls whose cost is known now.
-                    ledger::count_saved(
-                        &self.config,
-                        &settled.backend,
-                        settled.model.as_deref(),
-                        u64::from(settled.saved_calls_while_running()),
-                        &settled.usage,
-                    );
-                }
-                self.hub
-                    .publish(lease.id, HubEvent::Settled(Arc::new(settled)));
-                if let Some(at) = retry_at {
-                    let wake = Arc::clone(&self.wake);
-                    let delay = u64::try_from(at - now_ms()).unwrap_or(0);
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(delay)).await;
-                        wake.notify_one();
-                    });
-                }
-                return;
-            }
-            Err(e) if !lost.is_cancelled() => {
-                // The lease will expire and the sweep re-runs the request.
-                metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "outcome").increment(1);
-                error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run");
-            }
-            _ => info!("lease lost before the outcome was written"),
+        if let Err(e) = &written
+            && !lost.is_cancelled()
+        {
+            // The lease will expire and the sweep re-runs the request.
+            metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "outcome").increment(1);
+            error!(error = %e, tries, "could not record the outcome; the lease will expire and the request re-run");
         }
-        // Not settled here: readers on this node re-read the store now, not at their next poll.
-        self.hub.publish(lease.id, HubEvent::Changed);
+        written
+    }
+
+    /// Announces a written outcome: its chunks and the settled request to readers, its usage
+    /// and saved calls to the ledger, and a wake-up for the retry it schedules.
+    fn settle(&self, lease: &Lease, outcome: &Outcome, chunks: Vec<Chunk>, settled: RequestRecord) {
+        if !chunks.is_empty() {
+            self.hub
+                .publish(lease.id, HubEvent::Chunks(Arc::new(chunks)));
+        }
+        let reported = match outcome {
+            Outcome::Succeeded { usage, .. } | Outcome::Failed { usage, .. } => *usage,
+            Outcome::Retry { .. } => None,
+        };
+        if let Some(usage) = &reported {
+            ledger::count_upstream(
+                &self.config,
+                &settled.backend,
+                settled.model.as_deref(),
+                usage,
+            );
+        }
+        if settled.status.is_terminal() {
+            log_finished(&settled);
+            // Deliveries that attached while it ran saved calls whose cost is known now.
+            ledger::count_saved(
+                &self.config,
+                &settled.backend,
+                settled.model.as_deref(),
+                u64::from(settled.saved_calls_while_running()),
+                &settled.usage,
+            );
+        }
+        self.hub
+            .publish(lease.id, HubEvent::Settled(Arc::new(settled)));
+        if let Outcome::Retry { next_retry_at, .. } = outcome {
+            let wake = Arc::clone(&self.wake);
+            let delay = u64::try_from(next_retry_at - now_ms()).unwrap_or(0);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                wake.notify_one();
+            });
+        }
     }
 
     /// An outcome write tried again after a failure found the request no longer under this
@@ -288,9 +322,16 @@ impl WorkerPool {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         if record.stream && (200..300).contains(&status) {
-            return self
-                .stream(lease, route, response, status, request_id, record.last_seq)
-                .await;
+            let read = StreamRead::new(
+                lease.clone(),
+                route,
+                status,
+                content_type_of(&response),
+                request_id,
+                record.last_seq,
+                self.store.ends_streams_in_one_write(),
+            );
+            return self.stream(lease, response, read).await;
         }
         let outcome = self
             .classify(lease, route, &mut response, status, request_id)
@@ -386,265 +427,9 @@ impl WorkerPool {
         }
     }
 
-    /// Reads a 2xx event stream, storing each event as a chunk through the group-commit writer
-    /// and publishing it to live readers once durable.
-    ///
-    /// The stream succeeds only with the route's final event ([`Route::ends_stream`]); reading
-    /// stops there. A failure before the first stored chunk is transient (LC-5); after it,
-    /// terminal `stream_interrupted` (LC-7), and so is a body that ends without the final
-    /// event. An answer that is not an event stream at all — another content type, or a body
-    /// that ends without a single event — is `upstream_invalid` and kept on the record
-    /// (capped): the provider answered and was paid, so it is not retried (LC-11). Garbage
-    /// inside a stream fails it as `upstream_invalid` without storing the garbage.
-    ///
-    /// `last_seq` is the request's last seq when the lease was taken; each batch names the seq
-    /// it follows, so a batch is stored once even when its write is tried again.
-    async fn stream(
-        &self,
-        lease: &Lease,
-        route: Route,
-        mut response: reqwest::Response,
-        status: u16,
-        request_id: Option<String>,
-        mut last_seq: i64,
-    ) -> Option<Ending> {
-        // What the provider reported the attempt has cost so far: kept on every ending, since
-        // an interrupted stream was billed for what it produced.
-        let mut usage = Usage::default();
-        let fail = |kind: ErrorType, message: String, response: Option<Vec<u8>>, usage: &Usage| {
-            Some(Ending::from(Outcome::Failed {
-                error: ErrorInfo {
-                    kind,
-                    message,
-                    status: Some(status),
-                },
-                response: response.map(|body| (status, body)),
-                upstream_request_id: request_id.clone(),
-                usage: (!usage.is_empty()).then_some(*usage),
-            }))
-        };
-        let content_type = content_type_of(&response);
-        if !is_event_stream(&content_type) {
-            let (body, _) = self.upstreams.read_capped(&mut response).await;
-            return fail(
-                ErrorType::UpstreamInvalid,
-                format!(
-                    "the provider answered {status} to a stream request with content-type \
-                     {content_type:?} instead of an event stream"
-                ),
-                Some(body),
-                &usage,
-            );
-        }
-        let mut parser = SseParser::new();
-        let mut stored = 0usize;
-        let mut request_id_to_store = request_id.clone();
-        // The body as received while no event has been seen, kept (capped) for the record if
-        // none ever arrives.
-        let mut unseen = Vec::new();
-        // The answer's provider id is recorded once, with the batch that announced it.
-        let mut answer_id_seen = !route.keeps_answer_ids();
-        // Events before the route's final one: a stream of its final event alone answered
-        // nothing (decision 39).
-        let mut before_final = 0usize;
-        // Whether the route's opening event has come (decision 44).
-        let mut opened = false;
-        // Whether an event finished the answer: complete if the body ends cleanly (GM-3).
-        let mut finished = false;
-        loop {
-            let piece = match self.upstreams.next_piece(&mut response).await {
-                Ok(piece) => piece,
-                Err(e) if stored == 0 => {
-                    return Some(Ending::from(self.transient(
-                        lease,
-                        Some(status),
-                        e.to_string(),
-                        None,
-                    )));
-                }
-                Err(e) => {
-                    return fail(
-                        ErrorType::StreamInterrupted,
-                        format!("the provider stream broke after {stored} events: {e}"),
-                        None,
-                        &usage,
-                    );
-                }
-            };
-            let Some(bytes) = piece else { break };
-            if stored == 0 {
-                keep_capped(&mut unseen, &bytes);
-            }
-            let events = match parser.push(&bytes) {
-                Ok(events) => events,
-                Err(e) => {
-                    let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
-                    return fail(
-                        ErrorType::UpstreamInvalid,
-                        format!(
-                            "the provider stream (content-type {content_type:?}) is not valid \
-                             SSE: {e}"
-                        ),
-                        kept,
-                        &usage,
-                    );
-                }
-            };
-            if events.is_empty() {
-                continue;
-            }
-            let mut chunks = Vec::with_capacity(events.len());
-            let mut provider_error = None;
-            let mut ended = false;
-            let mut response_id = None;
-            let mut usage_changed = false;
-            for event in events {
-                if ended {
-                    // Reading stops at the final event (LC-7): what a provider sends after it in
-                    // the same read is neither stored nor allowed to fail a complete answer.
-                    break;
-                }
-                let inspected = route
-                    .inspect_event(event.event.as_deref(), &event.data)
-                    .and_then(|seen| {
-                        route
-                            .in_order(&seen, &mut opened, &event.data)
-                            .map(|()| seen)
-                    });
-                match inspected {
-                    Ok(seen) => {
-                        if seen.error {
-                            provider_error = Some(event.data.clone());
-                        }
-                        if !seen.ends_stream {
-                            before_final += 1;
-                        }
-                        ended |= seen.ends_stream;
-                        finished |= seen.finishes_answer;
-                        if !answer_id_seen && seen.answer_id.is_some() {
-                            answer_id_seen = true;
-                            response_id = seen.answer_id;
-                        }
-                        if let Some(reported) = seen.usage {
-                            usage.update(reported);
-                            usage_changed = true;
-                        }
-                    }
-                    Err(why) => {
-                        let kept = (stored == 0).then(|| std::mem::take(&mut unseen));
-                        let why = format!("{why} (content-type {content_type:?})");
-                        return fail(ErrorType::UpstreamInvalid, why, kept, &usage);
-                    }
-                }
-                chunks.push(NewChunk {
-                    event: event.event,
-                    data: event.data,
-                });
-            }
-            if let Some(error) = &provider_error
-                && stored == 0
-            {
-                // The provider failed before anything was stored: as transient as a 5xx.
-                let message = format!("the provider sent an error event: {error}");
-                return Some(self.transient(lease, Some(status), message, None).into());
-            }
-            let batch = ChunkBatch {
-                lease: lease.clone(),
-                after: last_seq,
-                chunks,
-                upstream_request_id: request_id_to_store.take(),
-                response_id,
-                usage: usage_changed.then_some(usage),
-            };
-            // The provider's final event: the answer is complete, whatever follows.
-            let succeeded = ended && provider_error.is_none();
-            if succeeded && before_final == 0 {
-                // Nothing was stored yet: what came is all in `unseen`.
-                return fail(
-                    ErrorType::UpstreamInvalid,
-                    format!(
-                        "the provider stream (content-type {content_type:?}) held its final \
-                         event and nothing before it: no answer"
-                    ),
-                    Some(std::mem::take(&mut unseen)),
-                    &usage,
-                );
-            }
-            if succeeded && self.store.ends_streams_in_one_write() {
-                // Its batch is stored with the outcome: one commit for both.
-                return Some(Ending {
-                    outcome: stream_success(status, request_id, usage),
-                    last: Some(batch),
-                });
-            }
-            match self.chunks.append(batch).await {
-                Ok(stored_chunks) => {
-                    stored += stored_chunks.len();
-                    last_seq = stored_chunks.last().map_or(last_seq, |chunk| chunk.seq);
-                    unseen = Vec::new();
-                    for chunk in stored_chunks {
-                        self.hub.publish(lease.id, HubEvent::Chunk(Arc::new(chunk)));
-                    }
-                }
-                Err(AppendError::LeaseLost) => return None,
-                Err(e) => {
-                    // Nothing more can be stored; the lease will expire and the sweep re-runs
-                    // the request as a new attempt after a reset (LC-8).
-                    warn!(error = %e, "abandoning attempt: chunks cannot be stored");
-                    return None;
-                }
-            }
-            if succeeded {
-                return Some(stream_success(status, request_id, usage).into());
-            }
-            if let Some(error) = provider_error {
-                return fail(
-                    ErrorType::StreamInterrupted,
-                    format!("the provider failed mid-stream: {error}"),
-                    None,
-                    &usage,
-                );
-            }
-        }
-        match parser.finish() {
-            Err(e) => {
-                let kept = (stored == 0).then_some(unseen);
-                fail(
-                    ErrorType::UpstreamInvalid,
-                    format!(
-                        "the provider stream (content-type {content_type:?}) is not valid SSE: {e}"
-                    ),
-                    kept,
-                    &usage,
-                )
-            }
-            Ok(_) if finished && stored > 0 => {
-                Some(stream_success(status, request_id, usage).into())
-            }
-            Ok(_) if stored == 0 => fail(
-                ErrorType::UpstreamInvalid,
-                format!(
-                    "the provider answered {status} with content-type {content_type:?} and a body \
-                     that ended without any event"
-                ),
-                Some(unseen),
-                &usage,
-            ),
-            Ok(_) => fail(
-                ErrorType::StreamInterrupted,
-                format!(
-                    "the provider stream ended after {stored} events without its final event ({})",
-                    route.stream_end_name()
-                ),
-                None,
-                &usage,
-            ),
-        }
-    }
-
     /// A transient failure: retry after backoff while attempts are left (LC-5), else
     /// `attempts_exhausted`.
-    fn transient(
+    pub(super) fn transient(
         &self,
         lease: &Lease,
         status: Option<u16>,
@@ -673,18 +458,6 @@ impl WorkerPool {
                 status,
             },
         }
-    }
-}
-
-/// The outcome of a stream that ended with the provider's final event: its body is the chunk
-/// log, not a stored body.
-fn stream_success(status: u16, upstream_request_id: Option<String>, usage: Usage) -> Outcome {
-    Outcome::Succeeded {
-        status,
-        body: Vec::new(),
-        upstream_request_id,
-        response_id: None,
-        usage: (!usage.is_empty()).then_some(usage),
     }
 }
 
@@ -737,25 +510,16 @@ pub(super) fn log_finished(record: &RequestRecord) {
 }
 
 /// Whether a `content-type` value names an event stream (`text/event-stream`, any parameters).
-fn is_event_stream(content_type: &str) -> bool {
+pub(super) fn is_event_stream(content_type: &str) -> bool {
     content_type
         .split(';')
         .next()
         .is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream"))
 }
 
-/// Most bytes of a stream body kept on the record when the body held no event.
-const KEEP_UNSEEN: usize = 64 * 1024;
-
-/// Appends `bytes` to `kept` up to [`KEEP_UNSEEN`].
-fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
-    let room = KEEP_UNSEEN.saturating_sub(kept.len());
-    kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
-}
-
 /// The provider's `Content-Type` as sent, `none` when absent: named in every
 /// `upstream_invalid` message so the operator sees what came back (decision 21).
-fn content_type_of(response: &reqwest::Response) -> String {
+pub(super) fn content_type_of(response: &reqwest::Response) -> String {
     response
         .headers()
         .get(reqwest::header::CONTENT_TYPE)
@@ -768,6 +532,7 @@ fn content_type_of(response: &reqwest::Response) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
     #[test]
     fn content_types_of_event_streams_are_recognised() {
         assert!(is_event_stream("text/event-stream"));

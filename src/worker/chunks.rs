@@ -4,8 +4,11 @@
 //! writer takes everything queued at that moment — from any number of streams — and stores it
 //! with one [`Store::append_chunks`](crate::store::Store::append_chunks) call, one
 //! transaction, each batch fenced on its own lease (LC-3). So the per-chunk cost falls as load
-//! rises instead of being one commit per chunk, and an attempt learns that its chunks are
-//! durable before they are shown to any reader. A commit that fails is tried again for
+//! rises instead of being one commit per chunk. A stream's events are handed on
+//! ([`ChunkWriter::hand_on`]): the attempt shows them to its proxied streams at once and reads on
+//! while the writer commits them, within a bounded window (RS-11); the writer publishes them to
+//! positioned readers once committed (RD-4). A stream's last batch, which ends it, is appended
+//! and waited for ([`ChunkWriter::append`]) and published only with the outcome (RS-12). A commit that fails is tried again for
 //! `write_retry_secs` ([`WriteRetry`], decisions 37, 52) before its batches are failed.
 
 use std::sync::Arc;
@@ -16,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::retry::{WriteRetry, is_transient};
+use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
 use crate::store::{Chunk, ChunkBatch, DynStore, StoreError};
 
@@ -24,10 +28,59 @@ const MAX_BATCHES_PER_COMMIT: usize = 1024;
 
 type Ack = oneshot::Sender<Result<Option<Vec<Chunk>>, Arc<StoreError>>>;
 
+/// A batch waiting for the writer, with whom to tell.
+struct Queued {
+    batch: ChunkBatch,
+    ack: Ack,
+    /// Publish the stored chunks on the hub (the writer does, at once) instead of handing them
+    /// back: a batch handed on ahead of the log (RS-11).
+    publish: bool,
+}
+
 /// Handle to the writer task. Cloning is cheap; the task ends when the last handle is dropped.
 #[derive(Clone, Debug)]
 pub struct ChunkWriter {
-    queue: mpsc::UnboundedSender<(ChunkBatch, Ack)>,
+    queue: mpsc::UnboundedSender<Queued>,
+}
+
+/// A batch handed to the writer by [`ChunkWriter::hand_on`], until it is committed.
+#[derive(Debug)]
+pub(super) struct Pending {
+    done: oneshot::Receiver<Result<Option<Vec<Chunk>>, Arc<StoreError>>>,
+    /// The batch's events and data bytes: what it holds of the attempt's window (RS-11).
+    pub(super) events: usize,
+    pub(super) bytes: usize,
+}
+
+impl Pending {
+    /// Waits for the batch's commit.
+    ///
+    /// # Errors
+    /// [`AppendError`]: lease lost, database failure, or writer stopped.
+    pub(super) async fn stored(self) -> Result<(), AppendError> {
+        answer(self.done.await).map(drop)
+    }
+
+    /// The batch's commit, if it has been answered: `None` while it waits.
+    pub(super) fn try_stored(&mut self) -> Option<Result<(), AppendError>> {
+        match self.done.try_recv() {
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Ok(answered) => Some(answer(Ok(answered)).map(drop)),
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(AppendError::Stopped)),
+        }
+    }
+}
+
+/// What the writer answered, as an append's result.
+fn answer(
+    answered: Result<Result<Option<Vec<Chunk>>, Arc<StoreError>>, oneshot::error::RecvError>,
+) -> Result<Vec<Chunk>, AppendError> {
+    match answered {
+        Ok(Ok(Some(chunks))) => Ok(chunks),
+        Ok(Ok(None)) => Err(AppendError::LeaseLost),
+        Ok(Err(e)) => Err(AppendError::Store(e)),
+        Err(_) => Err(AppendError::Stopped),
+    }
 }
 
 /// Why an append did not store anything.
@@ -48,32 +101,63 @@ impl ChunkWriter {
     /// Starts the writer task over `store`. A failed commit is tried again for `retry_for`
     /// (`write_retry_secs`, at least a lease length) before its batches are failed.
     pub fn spawn(store: DynStore, retry_for: Duration) -> ChunkWriter {
-        ChunkWriter::spawn_over(store, retry_for)
+        ChunkWriter::spawn_over(store, Hub::new(), retry_for)
+    }
+
+    /// [`ChunkWriter::spawn`], publishing handed-on batches on `hub` once committed.
+    pub(crate) fn spawn_publishing(
+        store: DynStore,
+        hub: Arc<Hub>,
+        retry_for: Duration,
+    ) -> ChunkWriter {
+        ChunkWriter::spawn_over(store, hub, retry_for)
     }
 
     /// [`ChunkWriter::spawn`] over anything that appends chunks (a test's scripted store).
-    fn spawn_over(store: impl Appends, retry_for: Duration) -> ChunkWriter {
+    fn spawn_over(store: impl Appends, hub: Arc<Hub>, retry_for: Duration) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, rx, retry_for));
+        tokio::spawn(run(store, hub, rx, retry_for));
         ChunkWriter { queue }
     }
 
     /// Stores `batch` (in a shared transaction with whatever else is queued) and returns the
-    /// stored chunks with their seqs.
+    /// stored chunks with their seqs, unpublished.
     ///
     /// # Errors
     /// [`AppendError`]: lease lost, database failure, or writer stopped.
     pub async fn append(&self, batch: ChunkBatch) -> Result<Vec<Chunk>, AppendError> {
         let (ack, done) = oneshot::channel();
         self.queue
-            .send((batch, ack))
+            .send(Queued {
+                batch,
+                ack,
+                publish: false,
+            })
             .map_err(|_| AppendError::Stopped)?;
-        match done.await {
-            Ok(Ok(Some(chunks))) => Ok(chunks),
-            Ok(Ok(None)) => Err(AppendError::LeaseLost),
-            Ok(Err(e)) => Err(AppendError::Store(e)),
-            Err(_) => Err(AppendError::Stopped),
-        }
+        answer(done.await)
+    }
+
+    /// Hands `batch` to the writer without waiting for its commit (RS-11): the writer
+    /// publishes its chunks on the hub once they are stored; [`Pending`] tells the attempt when.
+    ///
+    /// # Errors
+    /// [`AppendError::Stopped`] when the writer is gone.
+    pub(super) fn hand_on(&self, batch: ChunkBatch) -> Result<Pending, AppendError> {
+        let (ack, done) = oneshot::channel();
+        let events = batch.chunks.len();
+        let bytes = batch.chunks.iter().map(|c| c.data.len()).sum();
+        self.queue
+            .send(Queued {
+                batch,
+                ack,
+                publish: true,
+            })
+            .map_err(|_| AppendError::Stopped)?;
+        Ok(Pending {
+            done,
+            events,
+            bytes,
+        })
     }
 }
 
@@ -109,7 +193,8 @@ async fn append_timed(
 
 async fn run(
     store: impl Appends,
-    mut rx: mpsc::UnboundedReceiver<(ChunkBatch, Ack)>,
+    hub: Arc<Hub>,
+    mut rx: mpsc::UnboundedReceiver<Queued>,
     retry_for: Duration,
 ) {
     let mut batches = Vec::new();
@@ -117,14 +202,14 @@ async fn run(
     // Set while commits fail: one window from the first failure covers every group that
     // fails meanwhile, so no stream waits longer than that window for the database.
     let mut failing: Option<WriteRetry> = None;
-    while let Some((batch, ack)) = rx.recv().await {
-        batches.push(batch);
-        acks.push(ack);
+    while let Some(queued) = rx.recv().await {
+        batches.push(queued.batch);
+        acks.push((queued.ack, queued.publish));
         while batches.len() < MAX_BATCHES_PER_COMMIT {
             match rx.try_recv() {
-                Ok((batch, ack)) => {
-                    batches.push(batch);
-                    acks.push(ack);
+                Ok(queued) => {
+                    batches.push(queued.batch);
+                    acks.push((queued.ack, queued.publish));
                 }
                 Err(_) => break,
             }
@@ -145,7 +230,7 @@ async fn run(
                 let open: Vec<_> = batches
                     .drain(..)
                     .zip(acks.drain(..))
-                    .filter(|(_, ack)| !ack.is_closed())
+                    .filter(|(_, (ack, _))| !ack.is_closed())
                     .collect();
                 (batches, acks) = open.into_iter().unzip();
                 if batches.is_empty() {
@@ -170,16 +255,23 @@ async fn run(
         match result {
             Ok(stored) => {
                 failing = None;
-                for (ack, chunks) in acks.drain(..).zip(stored) {
+                for (((ack, publish), chunks), batch) in acks.drain(..).zip(stored).zip(&batches) {
                     // A dropped receiver is an attempt that was abandoned meanwhile.
-                    let _ = ack.send(Ok(chunks));
+                    let _ = match chunks {
+                        Some(chunks) if publish => {
+                            let id = batch.lease.id;
+                            hub.publish(id, HubEvent::Chunks(Arc::new(chunks)));
+                            ack.send(Ok(Some(Vec::new())))
+                        }
+                        chunks => ack.send(Ok(chunks)),
+                    };
                 }
             }
             Err(e) => {
                 metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "chunks")
                     .increment(acks.len() as u64);
                 let e = Arc::new(e);
-                for ack in acks.drain(..) {
+                for (ack, _) in acks.drain(..) {
                     let _ = ack.send(Err(Arc::clone(&e)));
                 }
             }
@@ -265,7 +357,8 @@ mod tests {
     async fn a_commit_failing_for_a_whole_window_fails_its_batches_and_later_groups_get_one_try_decision37()
      {
         let store = scripted(|_| unavailable());
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_millis(500));
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_millis(500));
         let first = writer.append(batch("a")).await;
         assert!(matches!(first, Err(AppendError::Store(_))), "{first:?}");
         let tried = calls(&store).len();
@@ -288,7 +381,7 @@ mod tests {
         });
         // Long enough that the two quick tries after the first fit in it on a busy machine.
         let window = Duration::from_secs(1);
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), window);
+        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), window);
         let stored = writer
             .append(batch("a"))
             .await
@@ -312,7 +405,8 @@ mod tests {
                 what: "a route this version does not know".into(),
             })
         });
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_secs(30));
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(30));
         let result = writer.append(batch("a")).await;
         assert!(matches!(result, Err(AppendError::Store(_))), "{result:?}");
         assert_eq!(calls(&store).len(), 1);
@@ -321,7 +415,8 @@ mod tests {
     #[tokio::test]
     async fn a_batch_whose_attempt_ended_is_left_out_of_the_next_try_decision37() {
         let store = scripted(|n| if n == 1 { unavailable() } else { None });
-        let writer = ChunkWriter::spawn_over(Arc::clone(&store), Duration::from_secs(30));
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(30));
         let called = store.called.notified();
         // Both batches are queued before the writer runs: one group.
         let gone = tokio::spawn({

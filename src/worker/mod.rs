@@ -13,6 +13,7 @@ mod attempt;
 mod bookkeeping;
 mod chunks;
 mod retry;
+mod stream;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -117,7 +118,8 @@ impl WorkerPool {
         config: Arc<Config>,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
-        let chunks = ChunkWriter::spawn(store.clone(), write_window(&config));
+        let chunks =
+            ChunkWriter::spawn_publishing(store.clone(), Arc::clone(&hub), write_window(&config));
         WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),

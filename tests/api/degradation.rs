@@ -239,6 +239,96 @@ pub mod postgres {
         assert_eq!(mock.calls(), 2);
     }
 
+    /// RS-11, RS-12 (issue 30): a proxied stream runs ahead of its log by a bounded window.
+    /// With the database silent mid-stream, the submitter stops receiving within the window
+    /// (the attempt waits for the writer, and the provider's bytes wait in the socket); when
+    /// the database returns it gets the rest and the final event, after the outcome is
+    /// committed. One provider call, and the log a positioned reader replays is the stream the
+    /// submitter got, event for event.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_stops_within_its_window_while_postgres_is_silent_and_resumes_when_it_returns_rs11()
+     {
+        const EVENTS: u32 = 400;
+        const BEFORE_SILENCE: usize = 5;
+        // The window, and a read's worth of events beyond it.
+        const WINDOW_AND_A_READ: usize = 64 + 16;
+        let db = TestDatabase::create().await;
+        let (relay, url) = SilentRelay::in_front_of(&db.url).await;
+        let mock = start_mock(MockConfig {
+            chunks: EVENTS,
+            chunk_delay_ms: 2,
+            ..MockConfig::default()
+        })
+        .await;
+        let dir = tempfile::tempdir().unwrap();
+        let toml = fault_test_toml(&url, "", 30, &mock.base_url());
+        let node = Process::serve(dir.path(), &toml, free_addr()).await;
+        let http = reqwest::Client::new();
+        let mut response = http
+            .post(format!("{}/v1/chat/completions", node.base))
+            .header("content-type", "application/json")
+            .body(stream_body("runs ahead of its log"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let id = header(&response, "holdfast-request-id");
+        let mut parser = holdfast::sse::SseParser::new();
+        let mut got = next_events(&mut response, &mut parser, BEFORE_SILENCE).await;
+        relay.pause();
+        // The provider sends the whole stream into the socket meanwhile.
+        wait_until(
+            Duration::from_secs(20),
+            "the provider sent every event",
+            || mock.open_streams() == 0,
+        )
+        .await;
+        // What reaches the client now, until it has been quiet for a while.
+        while let Ok(piece) =
+            tokio::time::timeout(Duration::from_millis(500), response.chunk()).await
+        {
+            let piece = piece.unwrap().expect("the stream goes on");
+            got.extend(parser.push(&piece).unwrap());
+        }
+        let silent = got.len();
+        // Ahead of the log: events kept coming after the database went silent, up to the
+        // window (with every event committed before it is shown, they would stop at once).
+        assert!(
+            silent >= BEFORE_SILENCE + 40,
+            "only {silent} events reached the client while the database was silent"
+        );
+        assert!(
+            silent <= BEFORE_SILENCE + WINDOW_AND_A_READ,
+            "{silent} events reached the client while the database was silent"
+        );
+        assert!(
+            got.iter().all(|e| e.data != "[DONE]"),
+            "no ending before its commit (RS-12)"
+        );
+        relay.resume();
+        while let Some(piece) = response.chunk().await.unwrap() {
+            got.extend(parser.push(&piece).unwrap());
+        }
+        assert_eq!(
+            got.last().map(|e| e.data.as_str()),
+            Some("[DONE]"),
+            "{} events",
+            got.len()
+        );
+        assert_eq!(mock.calls(), 1, "one provider call");
+        let record = wait_terminal(&http, &node.base, &id, Duration::from_secs(10)).await;
+        assert_eq!(record["status"], "succeeded", "{record}");
+        // The positioned reader's replay: the same events, in order, then `end`.
+        let (_, logged) = read_events(get_events(&http, &node.base, &id, None).await).await;
+        let logged: Vec<&str> = logged
+            .iter()
+            .filter(|e| e.event.as_deref() != Some("end"))
+            .map(|e| e.data.as_str())
+            .collect();
+        let sent: Vec<&str> = got.iter().map(|e| e.data.as_str()).collect();
+        assert_eq!(logged, sent, "the log is the stream the submitter got");
+    }
+
     /// RS-10: with the server's network silent (nothing answers, nothing is refused: the
     /// connections held by the pool hang, new ones never complete), every node refuses a new
     /// call within 2 s, retryable; once the network heals they answer again.

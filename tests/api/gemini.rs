@@ -678,7 +678,7 @@ async fn usage_groups_by_provider_and_metrics_carry_it_rd9() {
 }
 
 #[tokio::test]
-async fn a_pass_through_path_to_a_gemini_backend_keeps_its_version_decision55() {
+async fn a_pass_through_path_to_a_gemini_backend_keeps_its_version_decision57() {
     let app = spawn_app(MockConfig::default(), |c| {
         c.passthrough = vec![holdfast::config::Passthrough {
             path: "/v1beta/files/*".into(),

@@ -3,7 +3,7 @@
 
 // Tests unwrap freely: a panic is the failure report. Helpers are `pub` for their sibling
 // modules, not for anyone outside.
-#![allow(clippy::unwrap_used, unreachable_pub)]
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
 mod browser;
 mod chaos;

@@ -82,6 +82,48 @@ async fn fifty_concurrent_identical_requests_make_one_upstream_call_id7_rs2() {
     app.stop().await;
 }
 
+/// Issue 30, decision 55: with the default `workers.concurrency`, 300 slow calls (more than the
+/// old pool of 64) all reach the provider at once: none waits for another to finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_default_configuration_hundreds_of_slow_calls_run_at_once_decision55() {
+    const CALLS: u64 = 300;
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 30_000,
+            ..MockConfig::default()
+        },
+        // The default pool; a short grace, so that stopping does not wait out the calls.
+        |c| c.shutdown_grace_ms = 100,
+    )
+    .await;
+    let calls: Vec<_> = (0..CALLS)
+        .map(|i| {
+            let (http, url) = (
+                app.http.clone(),
+                format!("{}/v1/chat/completions", app.base),
+            );
+            tokio::spawn(async move {
+                http.post(url)
+                    .header("content-type", "application/json")
+                    .body(chat_body(&format!("slow call {i}")))
+                    .send()
+                    .await
+            })
+        })
+        .collect();
+    // The provider answers none of them within the wait: only running at once gets there.
+    wait_until(
+        Duration::from_secs(20),
+        "every call reached the provider",
+        || app.mock.calls() == CALLS,
+    )
+    .await;
+    for call in calls {
+        call.abort();
+    }
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn transient_500s_are_retried_until_success_and_counted_as_attempts_lc5() {
     let app = spawn_app(
@@ -441,7 +483,7 @@ async fn every_forwarded_header_of_each_provider_reaches_it_and_splits_the_reque
                 .to_string(),
             ),
             Provider::Gemini => {
-                // None (decision 55): the SDK's telemetry and deadline headers neither reach
+                // None (decision 57): the SDK's telemetry and deadline headers neither reach
                 // the provider nor split the request.
                 assert!(provider.forwarded_headers().is_empty());
                 let path = "/v1beta/models/gemini-2.5-flash:generateContent";

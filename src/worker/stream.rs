@@ -1,0 +1,756 @@
+//! A provider's event stream read into the log (LC-5, LC-7, LC-11): [`StreamRead`] holds what a
+//! stream has shown so far and turns each read into a [`Step`]; [`WorkerPool::stream`] drives it
+//! with the provider's body and the chunk writer.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use tracing::warn;
+
+use super::WorkerPool;
+use super::attempt::{Ending, is_event_stream};
+use super::chunks::{AppendError, Pending};
+use crate::hub::{Handed, HubEvent};
+use crate::provider::Route;
+use crate::sse::{SseEvent, SseParser};
+use crate::store::{Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, Usage};
+
+/// What the attempt does next, as [`StreamRead`] decides it.
+#[derive(Debug)]
+pub(super) enum Step {
+    /// Nothing to store yet: read on.
+    Read,
+    /// Store `batch`; once it is stored, end with `then` if set, or read on.
+    Store {
+        batch: ChunkBatch,
+        then: Option<Outcome>,
+    },
+    /// End the attempt (with its last batch when the store writes it with the outcome).
+    End(Ending),
+    /// The provider failed before anything was stored: retried like a 5xx (LC-5).
+    Transient(String),
+}
+
+/// One stream's reading state: the SSE parser, what has been stored, and what the events have
+/// shown (usage, the answer's id, the opening event). Takes the provider's bytes and the chunk
+/// writer's answers; touches no socket and no store, so every ending is unit-tested.
+///
+/// The stream succeeds only with the route's final event ([`Route::ends_stream`]); reading
+/// stops there. A route without one (Gemini's) succeeds when an event finished the answer
+/// ([`Route::finishes_answer`]) and the body then ended cleanly (GM-3). A failure before the first stored chunk is transient (LC-5); after it,
+/// terminal `stream_interrupted` (LC-7), and so is a body that ends without the final event.
+/// An answer that is not an event stream at all (a body that ends without a single event) is
+/// `upstream_invalid` and kept on the record (capped): the provider answered and was paid, so
+/// it is not retried (LC-11). Garbage inside a stream fails it as `upstream_invalid` without
+/// storing the garbage.
+pub(super) struct StreamRead {
+    lease: Lease,
+    route: Route,
+    status: u16,
+    content_type: String,
+    /// The provider's request id, for the outcome.
+    request_id: Option<String>,
+    /// The provider's request id, until the first batch records it (RS-5).
+    request_id_to_store: Option<String>,
+    /// The store writes a stream's last batch with its outcome in one commit.
+    ends_in_one_write: bool,
+    parser: SseParser,
+    /// What the provider reported the attempt has cost so far: kept on every ending, since an
+    /// interrupted stream was billed for what it produced.
+    usage: Usage,
+    /// Events stored by this attempt.
+    stored: usize,
+    /// The request's last seq as stored: each batch names the seq it follows, so a batch is
+    /// stored once even when its write is tried again.
+    last_seq: i64,
+    /// The body as received while no event has been stored, kept (capped) for the record if
+    /// none ever is.
+    unseen: Vec<u8>,
+    /// The answer's provider id is recorded once, with the batch that announced it.
+    answer_id_seen: bool,
+    /// Events before the route's final one: a stream of its final event alone answered nothing
+    /// (decision 39).
+    before_final: usize,
+    /// Whether the route's opening event has come (decision 44).
+    opened: bool,
+    /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
+    finished: bool,
+}
+
+impl StreamRead {
+    /// The state of a 2xx answer to a stream request, before its body is read. `last_seq` is
+    /// the request's last seq when the lease was taken.
+    pub(super) fn new(
+        lease: Lease,
+        route: Route,
+        status: u16,
+        content_type: String,
+        request_id: Option<String>,
+        last_seq: i64,
+        ends_in_one_write: bool,
+    ) -> StreamRead {
+        StreamRead {
+            lease,
+            route,
+            status,
+            content_type,
+            request_id_to_store: request_id.clone(),
+            request_id,
+            ends_in_one_write,
+            parser: SseParser::new(),
+            usage: Usage::default(),
+            stored: 0,
+            last_seq,
+            unseen: Vec::new(),
+            answer_id_seen: !route.keeps_answer_ids(),
+            before_final: 0,
+            opened: false,
+            finished: false,
+        }
+    }
+
+    /// Whether the answer's content type names an event stream; if not, the attempt ends with
+    /// [`StreamRead::not_an_event_stream`] and its (capped) body.
+    pub(super) fn is_event_stream(&self) -> bool {
+        is_event_stream(&self.content_type)
+    }
+
+    /// The ending of an answer of another content type than an event stream (LC-11).
+    pub(super) fn not_an_event_stream(&self, body: Vec<u8>) -> Ending {
+        let message = format!(
+            "the provider answered {} to a stream request with content-type {:?} instead of an \
+             event stream",
+            self.status, self.content_type
+        );
+        self.fail(ErrorType::UpstreamInvalid, message, Some(body))
+    }
+
+    /// The next piece of the provider's body.
+    pub(super) fn on_bytes(&mut self, bytes: &[u8]) -> Step {
+        if self.stored == 0 {
+            keep_capped(&mut self.unseen, bytes);
+        }
+        match self.parser.push(bytes) {
+            Ok(events) if events.is_empty() => Step::Read,
+            Ok(events) => self.on_events(events),
+            Err(e) => {
+                let message = format!(
+                    "the provider stream (content-type {:?}) is not valid SSE: {e}",
+                    self.content_type
+                );
+                Step::End(self.fail_keeping_unseen(ErrorType::UpstreamInvalid, message))
+            }
+        }
+    }
+
+    /// The events of one read, in order: checked, then stored as one batch, or the attempt
+    /// ends.
+    pub(super) fn on_events(&mut self, events: Vec<SseEvent>) -> Step {
+        let mut chunks = Vec::with_capacity(events.len());
+        let mut provider_error = None;
+        let mut ended = false;
+        let mut response_id = None;
+        let mut usage_changed = false;
+        for event in events {
+            if ended {
+                // Reading stops at the final event (LC-7): what a provider sends after it in the
+                // same read is neither stored nor allowed to fail a complete answer.
+                break;
+            }
+            let inspected = self
+                .route
+                .inspect_event(event.event.as_deref(), &event.data)
+                .and_then(|seen| {
+                    let opened = &mut self.opened;
+                    self.route
+                        .in_order(&seen, opened, &event.data)
+                        .map(|()| seen)
+                });
+            let seen = match inspected {
+                Ok(seen) => seen,
+                Err(why) => {
+                    let why = format!("{why} (content-type {:?})", self.content_type);
+                    return Step::End(self.fail_keeping_unseen(ErrorType::UpstreamInvalid, why));
+                }
+            };
+            if seen.error {
+                provider_error = Some(event.data.clone());
+            }
+            if !seen.ends_stream {
+                self.before_final += 1;
+            }
+            ended |= seen.ends_stream;
+            self.finished |= seen.finishes_answer;
+            if !self.answer_id_seen && seen.answer_id.is_some() {
+                self.answer_id_seen = true;
+                response_id = seen.answer_id;
+            }
+            if let Some(reported) = seen.usage {
+                self.usage.update(reported);
+                usage_changed = true;
+            }
+            chunks.push(NewChunk {
+                event: event.event,
+                data: event.data,
+            });
+        }
+        if let Some(error) = &provider_error
+            && self.stored == 0
+        {
+            // The provider failed before anything was stored: as transient as a 5xx.
+            return Step::Transient(format!("the provider sent an error event: {error}"));
+        }
+        let batch = ChunkBatch {
+            lease: self.lease.clone(),
+            after: self.last_seq,
+            chunks,
+            upstream_request_id: self.request_id_to_store.take(),
+            response_id,
+            usage: usage_changed.then_some(self.usage),
+        };
+        // The provider's final event: the answer is complete, whatever follows.
+        let succeeded = ended && provider_error.is_none();
+        if succeeded && self.before_final == 0 {
+            // Nothing was stored yet: what came is all in `unseen`.
+            let message = format!(
+                "the provider stream (content-type {:?}) held its final event and nothing before \
+                 it: no answer",
+                self.content_type
+            );
+            return Step::End(self.fail_keeping_unseen(ErrorType::UpstreamInvalid, message));
+        }
+        if succeeded && self.ends_in_one_write {
+            // Its batch is stored with the outcome: one commit for both.
+            return Step::End(Ending {
+                outcome: self.success(),
+                last: Some(batch),
+                withheld: Vec::new(),
+            });
+        }
+        let then = if succeeded {
+            Some(self.success())
+        } else {
+            provider_error.map(|error| {
+                self.failed(
+                    ErrorType::StreamInterrupted,
+                    format!("the provider failed mid-stream: {error}"),
+                    None,
+                )
+            })
+        };
+        Step::Store { batch, then }
+    }
+
+    /// The chunk writer stored a batch as `chunks`.
+    pub(super) fn on_stored(&mut self, chunks: &[Chunk]) {
+        self.stored += chunks.len();
+        self.last_seq = chunks.last().map_or(self.last_seq, |chunk| chunk.seq);
+        self.unseen = Vec::new();
+    }
+
+    /// Reading the provider's body failed.
+    pub(super) fn on_read_error(&self, error: &dyn std::fmt::Display) -> Step {
+        if self.stored == 0 {
+            return Step::Transient(error.to_string());
+        }
+        let message = format!(
+            "the provider stream broke after {} events: {error}",
+            self.stored
+        );
+        Step::End(self.fail(ErrorType::StreamInterrupted, message, None))
+    }
+
+    /// The provider's body ended before the route's final event: complete if an event finished
+    /// the answer (GM-3), else interrupted, or no stream at all.
+    pub(super) fn on_body_end(self) -> Ending {
+        let success = (self.finished && self.stored > 0).then(|| self.success());
+        let parsed = self.parser.finish();
+        if let (Ok(_), Some(outcome)) = (&parsed, success) {
+            return Ending::from(outcome);
+        }
+        let content_type = &self.content_type;
+        let (kind, message) = match parsed {
+            Err(e) => (
+                ErrorType::UpstreamInvalid,
+                format!(
+                    "the provider stream (content-type {content_type:?}) is not valid SSE: {e}"
+                ),
+            ),
+            Ok(_) if self.stored == 0 => (
+                ErrorType::UpstreamInvalid,
+                format!(
+                    "the provider answered {} with content-type {content_type:?} and a body that \
+                     ended without any event",
+                    self.status
+                ),
+            ),
+            Ok(_) => (
+                ErrorType::StreamInterrupted,
+                format!(
+                    "the provider stream ended after {} events without its final event ({})",
+                    self.stored,
+                    self.route.stream_end_name()
+                ),
+            ),
+        };
+        let kept = (self.stored == 0).then_some(self.unseen);
+        Ending::from(Outcome::Failed {
+            error: ErrorInfo {
+                kind,
+                message,
+                status: Some(self.status),
+            },
+            response: kept.map(|body| (self.status, body)),
+            upstream_request_id: self.request_id,
+            usage: (!self.usage.is_empty()).then_some(self.usage),
+        })
+    }
+
+    /// The outcome of a stream that ended with the provider's final event: its body is the
+    /// chunk log, not a stored body.
+    fn success(&self) -> Outcome {
+        Outcome::Succeeded {
+            status: self.status,
+            body: Vec::new(),
+            upstream_request_id: self.request_id.clone(),
+            response_id: None,
+            usage: (!self.usage.is_empty()).then_some(self.usage),
+        }
+    }
+
+    /// A terminal failure with the usage reported so far, keeping `response` on the record.
+    fn failed(&self, kind: ErrorType, message: String, response: Option<Vec<u8>>) -> Outcome {
+        Outcome::Failed {
+            error: ErrorInfo {
+                kind,
+                message,
+                status: Some(self.status),
+            },
+            response: response.map(|body| (self.status, body)),
+            upstream_request_id: self.request_id.clone(),
+            usage: (!self.usage.is_empty()).then_some(self.usage),
+        }
+    }
+
+    fn fail(&self, kind: ErrorType, message: String, response: Option<Vec<u8>>) -> Ending {
+        Ending::from(self.failed(kind, message, response))
+    }
+
+    /// A terminal failure that keeps the body received so far when nothing was stored.
+    fn fail_keeping_unseen(&mut self, kind: ErrorType, message: String) -> Ending {
+        let kept = (self.stored == 0).then(|| std::mem::take(&mut self.unseen));
+        self.fail(kind, message, kept)
+    }
+}
+
+/// Most bytes of a stream body kept on the record when the body held no event.
+const KEEP_UNSEEN: usize = 64 * 1024;
+
+/// Appends `bytes` to `kept` up to [`KEEP_UNSEEN`].
+fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
+    let room = KEEP_UNSEEN.saturating_sub(kept.len());
+    kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+}
+
+/// Most events an attempt's log may fall behind its proxied streams (RS-11).
+pub(crate) const STREAM_AHEAD_EVENTS: usize = 64;
+/// Most event data bytes an attempt's log may fall behind its proxied streams (RS-11).
+pub(crate) const STREAM_AHEAD_BYTES: usize = 256 * 1024;
+
+/// The batches an attempt handed on and the writer has not yet committed (RS-11), oldest
+/// first.
+#[derive(Debug, Default)]
+struct Window {
+    pending: VecDeque<Pending>,
+    events: usize,
+    bytes: usize,
+}
+
+impl Window {
+    fn push(&mut self, pending: Pending) {
+        self.events += pending.events;
+        self.bytes += pending.bytes;
+        self.pending.push_back(pending);
+    }
+
+    fn pop(&mut self) -> Option<Pending> {
+        let pending = self.pending.pop_front()?;
+        self.events -= pending.events;
+        self.bytes -= pending.bytes;
+        Some(pending)
+    }
+
+    /// Lets go of the batches already committed; the first failure, if one failed.
+    fn committed(&mut self) -> Result<(), AppendError> {
+        while let Some(oldest) = self.pending.front_mut() {
+            let Some(stored) = oldest.try_stored() else {
+                break;
+            };
+            self.pop();
+            stored?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the writer until the log is within the window's bounds of the stream.
+    async fn make_room(&mut self) -> Result<(), AppendError> {
+        while self.events > STREAM_AHEAD_EVENTS || self.bytes > STREAM_AHEAD_BYTES {
+            let Some(oldest) = self.pop() else { break };
+            oldest.stored().await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every batch handed on is committed.
+    async fn drain(&mut self) -> Result<(), AppendError> {
+        while let Some(oldest) = self.pop() {
+            oldest.stored().await?;
+        }
+        Ok(())
+    }
+}
+
+impl WorkerPool {
+    /// Reads a 2xx event stream into the log ([`StreamRead`] decides what each read means).
+    /// Each read's events are handed on at once: to the chunk writer, which commits them and
+    /// then publishes them to positioned readers, and to the proxied streams, within a bounded
+    /// window (RS-11). The batch that ends the stream is stored after all of them and shown
+    /// only with the outcome (RS-12). `None` when the lease was lost or chunks cannot be
+    /// stored (the lease then expires and the sweep re-runs the request after a reset, LC-8).
+    pub(super) async fn stream(
+        &self,
+        lease: &Lease,
+        mut response: reqwest::Response,
+        mut read: StreamRead,
+    ) -> Option<Ending> {
+        if !read.is_event_stream() {
+            let (body, _) = self.upstreams.read_capped(&mut response).await;
+            return Some(read.not_an_event_stream(body));
+        }
+        let mut window = Window::default();
+        let stored = loop {
+            let step = match self.upstreams.next_piece(&mut response).await {
+                Ok(Some(bytes)) => read.on_bytes(&bytes),
+                Ok(None) => break Ok(read.on_body_end()),
+                Err(e) => read.on_read_error(&e),
+            };
+            match step {
+                Step::Read => {}
+                Step::End(ending) => break Ok(ending),
+                Step::Transient(message) => {
+                    let status = Some(read.status);
+                    break Ok(self.transient(lease, status, message, None).into());
+                }
+                Step::Store { batch, then: None } => {
+                    let handed = Handed {
+                        chunks: batch.stored(),
+                        upstream_request_id: batch.upstream_request_id.clone(),
+                    };
+                    read.on_stored(&handed.chunks);
+                    self.hub
+                        .publish(lease.id, HubEvent::Ahead(Arc::new(handed)));
+                    let pending = match self.chunks.hand_on(batch) {
+                        Ok(pending) => pending,
+                        Err(e) => break Err(e),
+                    };
+                    window.push(pending);
+                    if let Err(e) = window.make_room().await {
+                        break Err(e);
+                    }
+                }
+                Step::Store {
+                    batch,
+                    then: Some(outcome),
+                } => {
+                    break self.chunks.append(batch).await.map(|withheld| Ending {
+                        outcome,
+                        last: None,
+                        withheld,
+                    });
+                }
+            }
+            if let Err(e) = window.committed() {
+                break Err(e);
+            }
+        };
+        // Every ending waits for what was handed on before it: stored chunks stay (LC-7), and
+        // a last batch written with the outcome follows them.
+        let stored = match stored {
+            Ok(ending) => window.drain().await.map(|()| ending),
+            Err(e) => Err(e),
+        };
+        match stored {
+            Ok(ending) => Some(ending),
+            Err(AppendError::LeaseLost) => None,
+            Err(e) => {
+                warn!(error = %e, "abandoning attempt: chunks cannot be stored");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ROLE: &str = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+    const TEXT: &str = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+    const USAGE: &str =
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+    const ERROR: &str = "data: {\"error\":{\"message\":\"overloaded\"}}\n\n";
+
+    fn chat(ends_in_one_write: bool) -> StreamRead {
+        let lease = Lease {
+            id: uuid::Uuid::nil(),
+            owner: "node/attempt".into(),
+            attempt: 1,
+        };
+        let content_type = "text/event-stream; charset=utf-8".into();
+        StreamRead::new(
+            lease,
+            Route::OpenaiChat,
+            200,
+            content_type,
+            Some("req_1".into()),
+            0,
+            ends_in_one_write,
+        )
+    }
+
+    /// Reads `bytes` and stores the batch they make, as the chunk writer would; returns the
+    /// batch and the outcome it ends with.
+    fn store(read: &mut StreamRead, bytes: &str) -> (ChunkBatch, Option<Outcome>) {
+        let step = read.on_bytes(bytes.as_bytes());
+        let Step::Store { batch, then } = step else {
+            panic!("expected a batch to store, got {step:?}");
+        };
+        read.on_stored(&batch.stored());
+        (batch, then)
+    }
+
+    fn failed(ending: &Ending) -> (ErrorType, Option<&[u8]>) {
+        match &ending.outcome {
+            Outcome::Failed {
+                error, response, ..
+            } => (
+                error.kind,
+                response.as_ref().map(|(_, body)| body.as_slice()),
+            ),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
+    fn ended(step: Step) -> Ending {
+        match step {
+            Step::End(ending) => ending,
+            other => panic!("expected the attempt to end, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_read_is_one_batch_and_the_final_event_succeeds_the_stream_lc7() {
+        let mut read = chat(false);
+        let (first, then) = store(&mut read, &format!("{ROLE}{TEXT}"));
+        assert!(then.is_none());
+        assert_eq!((first.after, first.chunks.len()), (0, 2));
+        assert_eq!(
+            first.upstream_request_id.as_deref(),
+            Some("req_1"),
+            "RS-5: with the first batch"
+        );
+        let (last, then) = store(&mut read, &format!("{USAGE}{DONE}"));
+        assert_eq!(
+            (last.after, last.chunks.len()),
+            (2, 2),
+            "follows the stored seq"
+        );
+        assert_eq!(last.upstream_request_id, None, "recorded once");
+        let usage = last
+            .usage
+            .expect("the batch that reported usage carries it");
+        assert_eq!(
+            (usage.input_tokens, usage.output_tokens),
+            (Some(3), Some(5))
+        );
+        match then {
+            Some(Outcome::Succeeded {
+                status: 200,
+                usage: Some(u),
+                ..
+            }) => assert_eq!(u, usage),
+            other => panic!("expected success with usage, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn where_the_store_ends_streams_in_one_write_the_last_batch_goes_with_the_outcome() {
+        let mut read = chat(true);
+        store(&mut read, ROLE);
+        let ending = ended(read.on_bytes(format!("{TEXT}{DONE}").as_bytes()));
+        assert!(matches!(ending.outcome, Outcome::Succeeded { .. }));
+        let last = ending.last.expect("the last batch rides with the outcome");
+        assert_eq!((last.after, last.chunks.len()), (1, 2));
+    }
+
+    #[test]
+    fn an_event_split_across_reads_is_stored_once_whole() {
+        let mut read = chat(false);
+        let (head, tail) = TEXT.split_at(20);
+        assert!(matches!(read.on_bytes(head.as_bytes()), Step::Read));
+        let (batch, _) = store(&mut read, tail);
+        assert_eq!(batch.chunks.len(), 1);
+        assert!(batch.chunks[0].data.contains("\"hi\""));
+    }
+
+    #[test]
+    fn what_follows_the_final_event_in_the_same_read_is_not_stored_lc7() {
+        let mut read = chat(false);
+        let (batch, then) = store(&mut read, &format!("{TEXT}{DONE}data: not json\n\n"));
+        assert_eq!(batch.chunks.len(), 2);
+        assert!(matches!(then, Some(Outcome::Succeeded { .. })));
+    }
+
+    #[test]
+    fn an_error_event_is_transient_before_anything_is_stored_and_interrupts_after_lc5_lc7() {
+        let mut read = chat(false);
+        assert!(
+            matches!(read.on_bytes(ERROR.as_bytes()), Step::Transient(m) if m.contains("overloaded"))
+        );
+
+        let mut read = chat(false);
+        store(&mut read, ROLE);
+        let (batch, then) = store(&mut read, ERROR);
+        assert_eq!(
+            batch.chunks.len(),
+            1,
+            "the error event is stored for readers"
+        );
+        match then {
+            Some(Outcome::Failed { error, .. }) => {
+                assert_eq!(error.kind, ErrorType::StreamInterrupted)
+            }
+            other => panic!("expected stream_interrupted, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_read_error_is_transient_before_anything_is_stored_and_interrupts_after_lc5_lc7() {
+        let mut read = chat(false);
+        assert!(matches!(
+            read.on_read_error(&"connection reset"),
+            Step::Transient(_)
+        ));
+        store(&mut read, ROLE);
+        let ending = ended(read.on_read_error(&"connection reset"));
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+    }
+
+    #[test]
+    fn a_body_that_ends_before_the_final_event_is_interrupted_or_no_stream_at_all_lc7_lc11() {
+        let mut read = chat(false);
+        store(&mut read, ROLE);
+        let ending = read.on_body_end();
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+
+        let mut read = chat(false);
+        assert!(matches!(read.on_bytes(b": just a comment\n\n"), Step::Read));
+        let ending = read.on_body_end();
+        assert_eq!(
+            failed(&ending),
+            (
+                ErrorType::UpstreamInvalid,
+                Some(&b": just a comment\n\n"[..])
+            ),
+            "what came is kept on the record"
+        );
+    }
+
+    #[test]
+    fn a_gemini_stream_succeeds_at_a_clean_end_after_a_finish_reason_and_not_before_gm3() {
+        const CHUNK: &str =
+            "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"hi\"}]}}]}\r\n\r\n";
+        const LAST: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"\"}]},\"finishReason\":\"STOP\"}],\"usageMetadata\":{\"promptTokenCount\":2,\"candidatesTokenCount\":1}}\r\n\r\n";
+        let gemini = || {
+            let mut read = chat(true);
+            read.route = Route::GeminiStream;
+            read
+        };
+        let mut read = gemini();
+        store(&mut read, CHUNK);
+        let (_, then) = store(&mut read, LAST);
+        assert!(
+            then.is_none(),
+            "the finishing chunk does not end the reading"
+        );
+        match read.on_body_end().outcome {
+            Outcome::Succeeded { usage, .. } => {
+                assert_eq!(usage.and_then(|u| u.output_tokens), Some(1));
+            }
+            other => panic!("expected a success, got {other:?}"),
+        }
+        let mut read = gemini();
+        store(&mut read, CHUNK);
+        let ending = read.on_body_end();
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+        // A broken connection after the finishing chunk is no clean end.
+        let mut read = gemini();
+        store(&mut read, LAST);
+        let ending = ended(read.on_read_error(&"connection reset"));
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+    }
+
+    #[test]
+    fn a_final_event_alone_answered_nothing_decision39() {
+        let mut read = chat(false);
+        let ending = ended(read.on_bytes(DONE.as_bytes()));
+        assert_eq!(
+            failed(&ending),
+            (ErrorType::UpstreamInvalid, Some(DONE.as_bytes()))
+        );
+    }
+
+    #[test]
+    fn garbage_inside_a_stream_is_upstream_invalid_and_not_stored_lc11() {
+        let mut read = chat(false);
+        let ending = ended(read.on_bytes(b"data: <html>\n\n"));
+        assert_eq!(
+            failed(&ending),
+            (ErrorType::UpstreamInvalid, Some(&b"data: <html>\n\n"[..]))
+        );
+
+        let mut read = chat(false);
+        store(&mut read, ROLE);
+        let ending = ended(read.on_bytes(b"data: <html>\n\n"));
+        assert_eq!(
+            failed(&ending),
+            (ErrorType::UpstreamInvalid, None),
+            "only an unstored body is kept"
+        );
+    }
+
+    #[test]
+    fn another_content_type_is_not_an_event_stream_lc11() {
+        let lease = Lease {
+            id: uuid::Uuid::nil(),
+            owner: "node/attempt".into(),
+            attempt: 1,
+        };
+        let read = StreamRead::new(
+            lease,
+            Route::OpenaiChat,
+            200,
+            "text/html".into(),
+            None,
+            0,
+            false,
+        );
+        assert!(!read.is_event_stream());
+        let ending = read.not_an_event_stream(b"<html>".to_vec());
+        assert_eq!(
+            failed(&ending),
+            (ErrorType::UpstreamInvalid, Some(&b"<html>"[..]))
+        );
+    }
+}
