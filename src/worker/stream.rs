@@ -75,6 +75,9 @@ pub(super) struct StreamRead {
     opened: bool,
     /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
     finished: bool,
+    /// The events from the one that finished the answer on, held until the body ends: then
+    /// stored with the outcome and shown only with it, like a final event (GM-3, RS-12).
+    held: Option<ChunkBatch>,
 }
 
 impl StreamRead {
@@ -106,6 +109,7 @@ impl StreamRead {
             before_final: 0,
             opened: false,
             finished: false,
+            held: None,
         }
     }
 
@@ -208,6 +212,16 @@ impl StreamRead {
             response_id,
             usage: usage_changed.then_some(self.usage),
         };
+        // Events after a held batch join it, in order.
+        let batch = match self.held.take() {
+            Some(held) => joined(held, batch),
+            None => batch,
+        };
+        if self.finished && provider_error.is_none() {
+            // Finished, but complete only at a clean end of the body (GM-3): held until then.
+            self.held = Some(batch);
+            return Step::Read;
+        }
         // The provider's final event: the answer is complete, whatever follows.
         let succeeded = ended && provider_error.is_none();
         if succeeded && self.before_final == 0 {
@@ -249,7 +263,7 @@ impl StreamRead {
     }
 
     /// Reading the provider's body failed.
-    pub(super) fn on_read_error(&self, error: &dyn std::fmt::Display) -> Step {
+    pub(super) fn on_read_error(&mut self, error: &dyn std::fmt::Display) -> Step {
         if self.stored == 0 {
             return Step::Transient(error.to_string());
         }
@@ -257,16 +271,42 @@ impl StreamRead {
             "the provider stream broke after {} events: {error}",
             self.stored
         );
-        Step::End(self.fail(ErrorType::StreamInterrupted, message, None))
+        let failed = self.failed(ErrorType::StreamInterrupted, message, None);
+        self.then_end(failed)
+    }
+
+    /// Ends with `outcome`, after storing a held batch if there is one: what the provider sent
+    /// was read and billed, so it stays (LC-7).
+    fn then_end(&mut self, outcome: Outcome) -> Step {
+        match self.held.take() {
+            Some(batch) => Step::Store {
+                batch,
+                then: Some(outcome),
+            },
+            None => Step::End(Ending::from(outcome)),
+        }
     }
 
     /// The provider's body ended before the route's final event: complete if an event finished
-    /// the answer (GM-3), else interrupted, or no stream at all.
-    pub(super) fn on_body_end(self) -> Ending {
-        let success = (self.finished && self.stored > 0).then(|| self.success());
-        let parsed = self.parser.finish();
-        if let (Ok(_), Some(outcome)) = (&parsed, success) {
-            return Ending::from(outcome);
+    /// the answer (GM-3) — its held batch is then stored with the outcome, as a final event's
+    /// is — else interrupted, or no stream at all.
+    pub(super) fn on_body_end(&mut self) -> Step {
+        let parsed = std::mem::take(&mut self.parser).finish();
+        if parsed.is_ok()
+            && let Some(batch) = self.held.take()
+        {
+            let outcome = self.success();
+            if self.ends_in_one_write {
+                return Step::End(Ending {
+                    outcome,
+                    last: Some(batch),
+                    withheld: Vec::new(),
+                });
+            }
+            return Step::Store {
+                batch,
+                then: Some(outcome),
+            };
         }
         let content_type = &self.content_type;
         let (kind, message) = match parsed {
@@ -293,17 +333,18 @@ impl StreamRead {
                 ),
             ),
         };
-        let kept = (self.stored == 0).then_some(self.unseen);
-        Ending::from(Outcome::Failed {
+        let kept = (self.stored == 0).then(|| std::mem::take(&mut self.unseen));
+        let failed = Outcome::Failed {
             error: ErrorInfo {
                 kind,
                 message,
                 status: Some(self.status),
             },
             response: kept.map(|body| (self.status, body)),
-            upstream_request_id: self.request_id,
+            upstream_request_id: self.request_id.clone(),
             usage: (!self.usage.is_empty()).then_some(self.usage),
-        })
+        };
+        self.then_end(failed)
     }
 
     /// The outcome of a stream that ended with the provider's final event: its body is the
@@ -345,6 +386,15 @@ impl StreamRead {
 
 /// Most bytes of a stream body kept on the record when the body held no event.
 const KEEP_UNSEEN: usize = 64 * 1024;
+
+/// `held` followed by `next`: one batch, in order, carrying what either announced.
+fn joined(mut held: ChunkBatch, next: ChunkBatch) -> ChunkBatch {
+    held.chunks.extend(next.chunks);
+    held.upstream_request_id = held.upstream_request_id.or(next.upstream_request_id);
+    held.response_id = held.response_id.or(next.response_id);
+    held.usage = next.usage.or(held.usage);
+    held
+}
 
 /// Appends `bytes` to `kept` up to [`KEEP_UNSEEN`].
 fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
@@ -431,7 +481,7 @@ impl WorkerPool {
         let stored = loop {
             let step = match self.upstreams.next_piece(&mut response).await {
                 Ok(Some(bytes)) => read.on_bytes(&bytes),
-                Ok(None) => break Ok(read.on_body_end()),
+                Ok(None) => read.on_body_end(),
                 Err(e) => read.on_read_error(&e),
             };
             match step {
@@ -651,12 +701,12 @@ mod tests {
     fn a_body_that_ends_before_the_final_event_is_interrupted_or_no_stream_at_all_lc7_lc11() {
         let mut read = chat(false);
         store(&mut read, ROLE);
-        let ending = read.on_body_end();
+        let ending = ended(read.on_body_end());
         assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
 
         let mut read = chat(false);
         assert!(matches!(read.on_bytes(b": just a comment\n\n"), Step::Read));
-        let ending = read.on_body_end();
+        let ending = ended(read.on_body_end());
         assert_eq!(
             failed(&ending),
             (
@@ -668,37 +718,55 @@ mod tests {
     }
 
     #[test]
-    fn a_gemini_stream_succeeds_at_a_clean_end_after_a_finish_reason_and_not_before_gm3() {
+    fn a_gemini_stream_succeeds_at_a_clean_end_after_a_finish_reason_and_not_before_gm3_rs12() {
         const CHUNK: &str =
             "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"hi\"}]}}]}\r\n\r\n";
         const LAST: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"\"}]},\"finishReason\":\"STOP\"}],\"usageMetadata\":{\"promptTokenCount\":2,\"candidatesTokenCount\":1}}\r\n\r\n";
-        let gemini = || {
-            let mut read = chat(true);
+        let gemini = |ends_in_one_write: bool| {
+            let mut read = chat(ends_in_one_write);
             read.route = Route::GeminiStream;
             read
         };
-        let mut read = gemini();
+        let interrupted = |o: &Option<Outcome>| matches!(o, Some(Outcome::Failed { error, .. }) if error.kind == ErrorType::StreamInterrupted);
+        // SQLite: the finishing chunk is held, not handed on, and stored with the outcome.
+        let mut read = gemini(true);
         store(&mut read, CHUNK);
-        let (_, then) = store(&mut read, LAST);
-        assert!(
-            then.is_none(),
-            "the finishing chunk does not end the reading"
-        );
-        match read.on_body_end().outcome {
+        assert!(matches!(read.on_bytes(LAST.as_bytes()), Step::Read), "held");
+        let ending = ended(read.on_body_end());
+        match &ending.outcome {
             Outcome::Succeeded { usage, .. } => {
                 assert_eq!(usage.and_then(|u| u.output_tokens), Some(1));
             }
             other => panic!("expected a success, got {other:?}"),
         }
-        let mut read = gemini();
+        assert_eq!(ending.last.map(|b| (b.after, b.chunks.len())), Some((1, 1)));
+        // PostgreSQL: stored, then the success (RS-12 publishes it with the outcome).
+        let mut read = gemini(false);
         store(&mut read, CHUNK);
-        let ending = read.on_body_end();
+        assert!(matches!(read.on_bytes(LAST.as_bytes()), Step::Read), "held");
+        match read.on_body_end() {
+            Step::Store { batch, then } => {
+                assert_eq!(batch.chunks.len(), 1);
+                assert!(matches!(then, Some(Outcome::Succeeded { .. })), "{then:?}");
+            }
+            other => panic!("expected the held batch, then the success: {other:?}"),
+        }
+        // No finishing chunk: interrupted.
+        let mut read = gemini(true);
+        store(&mut read, CHUNK);
+        let ending = ended(read.on_body_end());
         assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
-        // A broken connection after the finishing chunk is no clean end.
-        let mut read = gemini();
-        store(&mut read, LAST);
-        let ending = ended(read.on_read_error(&"connection reset"));
-        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+        // A broken connection after the finishing chunk is no clean end; what was read stays.
+        let mut read = gemini(true);
+        store(&mut read, CHUNK);
+        assert!(matches!(read.on_bytes(LAST.as_bytes()), Step::Read));
+        match read.on_read_error(&"connection reset") {
+            Step::Store { batch, then } => {
+                assert_eq!(batch.chunks.len(), 1);
+                assert!(interrupted(&then), "{then:?}");
+            }
+            other => panic!("expected the held batch, then the failure: {other:?}"),
+        }
     }
 
     #[test]
