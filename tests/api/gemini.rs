@@ -309,6 +309,18 @@ async fn holdfasts_own_errors_on_gemini_routes_take_googles_shape_gm5_rs6() {
     let body: Value = unknown.json().await.unwrap();
     assert_eq!(body["error"]["status"], "NOT_FOUND", "{body}");
 
+    // A path under /v1beta that holdfast does not serve: Google's shape too (IN-1).
+    let fallback = app
+        .http
+        .get(format!("{}/v1beta/files", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fallback.status(), 404);
+    assert_eq!(header(&fallback, "holdfast-error"), "not_found");
+    let body: Value = fallback.json().await.unwrap();
+    assert_eq!(body["error"]["status"], "NOT_FOUND", "{body}");
+
     let slash = app
         .post(
             "/v1beta/models/a%2Fb:generateContent",
