@@ -7,9 +7,12 @@
 //! rises instead of being one commit per chunk. A stream's events are handed on
 //! ([`ChunkWriter::hand_on`]): the attempt shows them to its proxied streams at once and reads on
 //! while the writer commits them, within a bounded window (RS-11); the writer publishes them to
-//! positioned readers once committed (RD-4). A stream's last batch, which ends it, is appended
-//! and waited for ([`ChunkWriter::append`]) and published only with the outcome (RS-12). A commit that fails is tried again for
-//! `write_retry_secs` ([`WriteRetry`], decisions 37, 52) before its batches are failed.
+//! positioned readers once committed (RD-4). While nobody waits on a commit but those readers,
+//! the writer holds it open briefly for more ([`MAX_HOLD`]); an attempt that waits for what it
+//! handed on asks for the commit at once ([`ChunkWriter::flush`]). A stream's last batch, which
+//! ends it, is appended and waited for ([`ChunkWriter::append`]) and published only with the
+//! outcome (RS-12). A commit that fails is tried again for `write_retry_secs` ([`WriteRetry`],
+//! decisions 37, 52) before its batches are failed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,14 +31,26 @@ const MAX_BATCHES_PER_COMMIT: usize = 1024;
 
 type Ack = oneshot::Sender<Result<Option<Vec<Chunk>>, Arc<StoreError>>>;
 
-/// A batch waiting for the writer, with whom to tell.
-struct Queued {
-    batch: ChunkBatch,
-    ack: Ack,
-    /// Publish the stored chunks on the hub (the writer does, at once) instead of handing them
-    /// back: a batch handed on ahead of the log (RS-11).
-    publish: bool,
+/// What the writer is sent.
+// A batch is what almost every message is: boxing it would cost an allocation per batch to
+// save bytes on the rare flush.
+#[allow(clippy::large_enum_variant)]
+enum Queued {
+    /// A batch to store, with whom to tell.
+    Batch {
+        batch: ChunkBatch,
+        ack: Ack,
+        /// Publish the stored chunks on the hub (the writer does, at once) instead of handing
+        /// them back: a batch handed on ahead of the log (RS-11).
+        publish: bool,
+    },
+    /// An attempt waits for what it handed on: commit what is queued now.
+    Flush,
 }
+
+/// Longest time the writer holds a commit open for more batches while nobody waits on it
+/// (issue 30): at most the last commit's duration, so a fast disk holds briefly.
+const MAX_HOLD: Duration = Duration::from_millis(2);
 
 /// Handle to the writer task. Cloning is cheap; the task ends when the last handle is dropped.
 #[derive(Clone, Debug)]
@@ -128,7 +143,7 @@ impl ChunkWriter {
     pub async fn append(&self, batch: ChunkBatch) -> Result<Vec<Chunk>, AppendError> {
         let (ack, done) = oneshot::channel();
         self.queue
-            .send(Queued {
+            .send(Queued::Batch {
                 batch,
                 ack,
                 publish: false,
@@ -147,7 +162,7 @@ impl ChunkWriter {
         let events = batch.chunks.len();
         let bytes = batch.chunks.iter().map(|c| c.data.len()).sum();
         self.queue
-            .send(Queued {
+            .send(Queued::Batch {
                 batch,
                 ack,
                 publish: true,
@@ -158,6 +173,12 @@ impl ChunkWriter {
             events,
             bytes,
         })
+    }
+
+    /// Asks the writer to commit what is queued without holding it open for more: an attempt
+    /// is about to wait for what it handed on.
+    pub(super) fn flush(&self) {
+        let _ = self.queue.send(Queued::Flush);
     }
 }
 
@@ -191,6 +212,22 @@ async fn append_timed(
     result
 }
 
+/// Adds `queued` to the group; whether someone waits on its commit.
+fn take(queued: Queued, batches: &mut Vec<ChunkBatch>, acks: &mut Vec<(Ack, bool)>) -> bool {
+    match queued {
+        Queued::Batch {
+            batch,
+            ack,
+            publish,
+        } => {
+            batches.push(batch);
+            acks.push((ack, publish));
+            !publish
+        }
+        Queued::Flush => true,
+    }
+}
+
 async fn run(
     store: impl Appends,
     hub: Arc<Hub>,
@@ -202,18 +239,30 @@ async fn run(
     // Set while commits fail: one window from the first failure covers every group that
     // fails meanwhile, so no stream waits longer than that window for the database.
     let mut failing: Option<WriteRetry> = None;
+    // How long the last commit took: what a hold may add.
+    let mut last_commit = Duration::ZERO;
     while let Some(queued) = rx.recv().await {
-        batches.push(queued.batch);
-        acks.push((queued.ack, queued.publish));
+        // Whether someone waits on this commit: an appended batch, or a flush.
+        let mut awaited = take(queued, &mut batches, &mut acks);
         while batches.len() < MAX_BATCHES_PER_COMMIT {
             match rx.try_recv() {
-                Ok(queued) => {
-                    batches.push(queued.batch);
-                    acks.push((queued.ack, queued.publish));
-                }
+                Ok(queued) => awaited |= take(queued, &mut batches, &mut acks),
                 Err(_) => break,
             }
         }
+        // Only handed-on batches wait, and only positioned readers wait on them: hold the
+        // commit open a little for more, so that a commit carries many events (issue 30).
+        let hold_until = tokio::time::Instant::now() + last_commit.min(MAX_HOLD);
+        while !awaited && !batches.is_empty() && batches.len() < MAX_BATCHES_PER_COMMIT {
+            match tokio::time::timeout_at(hold_until, rx.recv()).await {
+                Ok(Some(queued)) => awaited |= take(queued, &mut batches, &mut acks),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        if batches.is_empty() {
+            continue;
+        }
+        let started = tokio::time::Instant::now();
         let mut result = append_timed(&store, &batches).await;
         if let Err(e) = &result
             && is_transient(e)
@@ -252,6 +301,7 @@ async fn run(
                 Err(e) => warn!(error = %e, tries, "chunk commit failed; giving up its batches"),
             }
         }
+        last_commit = started.elapsed();
         match result {
             Ok(stored) => {
                 failing = None;
@@ -290,11 +340,12 @@ mod tests {
     use crate::store::{Lease, NewChunk};
 
     /// A store whose appends fail as `fail` says for each call (numbered from 1), and otherwise
-    /// store every batch; it keeps how many batches each call held.
+    /// store every batch, each taking `took`; it keeps how many batches each call held.
     struct Scripted {
         fail: Box<dyn Fn(usize) -> Option<StoreError> + Send + Sync>,
         calls: Mutex<Vec<usize>>,
         called: Notify,
+        took: Duration,
     }
 
     impl Appends for Arc<Scripted> {
@@ -309,6 +360,7 @@ mod tests {
                     calls.len()
                 };
                 self.called.notify_waiters();
+                tokio::time::sleep(self.took).await;
                 match (self.fail)(n) {
                     Some(e) => Err(e),
                     None => Ok(batches.iter().map(|b| Some(b.stored())).collect()),
@@ -324,7 +376,47 @@ mod tests {
             fail: Box::new(fail),
             calls: Mutex::default(),
             called: Notify::new(),
+            took: Duration::ZERO,
         })
+    }
+
+    /// Issue 30: while only handed-on batches wait, a commit is held open for as long as the
+    /// last one took (at most MAX_HOLD) and takes what arrives meanwhile; an attempt that
+    /// waits (a flush) or an appended batch that ends a stream is committed at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_commit_nobody_waits_on_is_held_open_for_more_and_a_flush_ends_the_hold() {
+        let store = Arc::new(Scripted {
+            fail: Box::new(|_| None),
+            calls: Mutex::default(),
+            called: Notify::new(),
+            took: Duration::from_millis(1),
+        });
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
+        let gap = Duration::from_micros(500);
+        // The first commit has nothing to measure a hold by.
+        writer.hand_on(batch("a")).unwrap().stored().await.unwrap();
+        assert_eq!(calls(&store), vec![1]);
+        // Held: a batch handed on 0.5 ms later joins the commit.
+        let b = writer.hand_on(batch("b")).unwrap();
+        tokio::time::sleep(gap).await;
+        let c = writer.hand_on(batch("c")).unwrap();
+        b.stored().await.unwrap();
+        c.stored().await.unwrap();
+        assert_eq!(calls(&store), vec![1, 2]);
+        // A flush commits at once: the next batch gets a commit of its own.
+        let d = writer.hand_on(batch("d")).unwrap();
+        writer.flush();
+        tokio::time::sleep(gap).await;
+        let e = writer.hand_on(batch("e")).unwrap();
+        d.stored().await.unwrap();
+        e.stored().await.unwrap();
+        assert_eq!(calls(&store), vec![1, 2, 1, 1]);
+        // So does a batch that ends a stream (appended and waited for).
+        let f = writer.hand_on(batch("f")).unwrap();
+        writer.append(batch("g")).await.unwrap();
+        f.stored().await.unwrap();
+        assert_eq!(calls(&store), vec![1, 2, 1, 1, 2]);
     }
 
     fn calls(store: &Scripted) -> Vec<usize> {

@@ -9,7 +9,7 @@ use tracing::warn;
 
 use super::WorkerPool;
 use super::attempt::{Ending, is_event_stream};
-use super::chunks::{AppendError, Pending};
+use super::chunks::{AppendError, ChunkWriter, Pending};
 use crate::hub::{Handed, HubEvent};
 use crate::provider::Route;
 use crate::sse::{SseEvent, SseParser};
@@ -443,7 +443,10 @@ impl Window {
     }
 
     /// Waits for the writer until the log is within the window's bounds of the stream.
-    async fn make_room(&mut self) -> Result<(), AppendError> {
+    async fn make_room(&mut self, writer: &ChunkWriter) -> Result<(), AppendError> {
+        if self.events > STREAM_AHEAD_EVENTS || self.bytes > STREAM_AHEAD_BYTES {
+            writer.flush();
+        }
         while self.events > STREAM_AHEAD_EVENTS || self.bytes > STREAM_AHEAD_BYTES {
             let Some(oldest) = self.pop() else { break };
             oldest.stored().await?;
@@ -452,7 +455,10 @@ impl Window {
     }
 
     /// Waits until every batch handed on is committed.
-    async fn drain(&mut self) -> Result<(), AppendError> {
+    async fn drain(&mut self, writer: &ChunkWriter) -> Result<(), AppendError> {
+        if !self.pending.is_empty() {
+            writer.flush();
+        }
         while let Some(oldest) = self.pop() {
             oldest.stored().await?;
         }
@@ -504,7 +510,7 @@ impl WorkerPool {
                         Err(e) => break Err(e),
                     };
                     window.push(pending);
-                    if let Err(e) = window.make_room().await {
+                    if let Err(e) = window.make_room(&self.chunks).await {
                         break Err(e);
                     }
                 }
@@ -526,7 +532,7 @@ impl WorkerPool {
         // Every ending waits for what was handed on before it: stored chunks stay (LC-7), and
         // a last batch written with the outcome follows them.
         let stored = match stored {
-            Ok(ending) => window.drain().await.map(|()| ending),
+            Ok(ending) => window.drain(&self.chunks).await.map(|()| ending),
             Err(e) => Err(e),
         };
         match stored {

@@ -99,6 +99,10 @@ pub struct Outcome {
     pub reconnects: u64,
     /// Every provider call's body content, by the mock's call number.
     calls: ProviderCalls,
+    /// Per body, the mock's call count when a client first held its complete answer (a
+    /// stream's final event, or a non-stream answer): no call for the body may come after it
+    /// (RS-12).
+    answered: HashMap<usize, u64>,
 }
 
 /// The provider calls the mock recorded, collected while the workload runs: by call number,
@@ -145,22 +149,36 @@ pub async fn run(workload: &Workload, mock: &MockServer) -> Outcome {
     let ids: Arc<Mutex<HashMap<usize, HashSet<String>>>> = Arc::default();
     let retries = Arc::new(AtomicU64::new(0));
     let reconnects = Arc::new(AtomicU64::new(0));
+    let answered: Arc<std::sync::Mutex<HashMap<usize, u64>>> = Arc::default();
     let clients = (0..workload.logical * workload.copies).map(|n| {
         let (http, ids) = (http.clone(), Arc::clone(&ids));
+        let answered = Arc::clone(&answered);
         let (retries, reconnects) = (Arc::clone(&retries), Arc::clone(&reconnects));
         async move {
             let i = n % workload.logical;
             let copy = n / workload.logical;
             tokio::time::sleep(workload.spread.mul_f64(i as f64 / workload.logical as f64)).await;
+            // The mock's call count once this client holds the answer.
+            let answered = |_: &str| {
+                let calls = mock.calls();
+                let mut answered = answered.lock().unwrap();
+                let first = answered.entry(i).or_insert(calls);
+                *first = (*first).min(calls);
+            };
             if !(Workload::streams(i) && copy < workload.readers_per_stream) {
                 let id = client(&http, workload, i, copy, ids, &retries, None).await;
+                answered(&id);
                 return (i, id, None);
             }
             // A reader follows the stream live from the moment its id is known, on another
             // node than the client's.
             let (tx, rx) = tokio::sync::oneshot::channel();
             let (id, events) = tokio::join!(
-                client(&http, workload, i, copy, ids, &retries, Some(tx)),
+                async {
+                    let id = client(&http, workload, i, copy, ids, &retries, Some(tx)).await;
+                    answered(&id);
+                    id
+                },
                 async {
                     let id = rx.await.expect("the client learns an id");
                     let first = i + copy + 1;
@@ -183,9 +201,11 @@ pub async fn run(workload: &Workload, mock: &MockServer) -> Outcome {
         }
     };
     let ids = std::mem::take(&mut *ids.lock().await);
+    let answered = std::mem::take(&mut *answered.lock().unwrap());
     Outcome {
         ids,
         calls,
+        answered,
         results,
         retries: retries.load(Ordering::SeqCst),
         reconnects: reconnects.load(Ordering::SeqCst),
@@ -366,6 +386,19 @@ async fn log_reader(
     unreachable!()
 }
 
+/// The numbers of the provider calls with `content` made after call `after`.
+fn calls_after(
+    by_number: &std::collections::BTreeMap<u64, String>,
+    after: u64,
+    content: &str,
+) -> Vec<u64> {
+    by_number
+        .range(after + 1..)
+        .filter(|(_, c)| c.as_str() == content)
+        .map(|(n, _)| *n)
+        .collect()
+}
+
 /// The checker's counts of one run.
 #[derive(Debug, Default)]
 pub struct Counts {
@@ -395,6 +428,8 @@ pub struct Counts {
 /// - all copies and retries of one body landed on one request (ID-4, ID-7);
 /// - provider calls ≤ attempts, per body and in total: an attempt calls the provider at most
 ///   once, and a node fenced out of a request (LC-3) does not call again;
+/// - once a client held a body's complete answer, the provider is not called for it again
+///   (RS-12: a stream's final event reaches a client only after its outcome is committed);
 /// - `reset` chunks ≤ recoveries (LC-8);
 /// - a stream's stored log after its last `reset` is exactly the provider's answer (the mock,
 ///   asked again at the end, answers a body with the same text): nothing of a fenced-off
@@ -436,9 +471,10 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
     calls.collect(mock);
     let per_body_calls = !calls.missed;
     let mut calls_by_content: HashMap<String, u64> = HashMap::new();
-    for content in calls.by_number.into_values() {
-        *calls_by_content.entry(content).or_default() += 1;
+    for content in calls.by_number.values() {
+        *calls_by_content.entry(content.clone()).or_default() += 1;
     }
+    let calls_by_number = calls.by_number;
     let mut final_texts: Vec<(usize, String, String)> = Vec::new();
     for i in 0..workload.logical {
         let seen = &outcome.ids[&i];
@@ -463,6 +499,14 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
             assert!(
                 calls >= 1 && calls <= attempts,
                 "body {i}: {calls} upstream calls for {attempts} attempts"
+            );
+            // RS-12: once a client held the complete answer, the request never ran again.
+            let answered_at = outcome.answered[&i];
+            let content = workload.content(i);
+            let later: Vec<u64> = calls_after(&calls_by_number, answered_at, &content);
+            assert!(
+                later.is_empty(),
+                "body {i}: provider calls {later:?} after a client held its answer (call {answered_at})"
             );
         }
         if Workload::streams(i) {
