@@ -152,3 +152,148 @@ fn bridge_notifications(
         let _ = listening.await;
     })
 }
+
+#[cfg(test)]
+mod tests {
+    //! The test-only provider (`provider/echo.rs`, compiled only here) through the whole
+    //! pipeline: admission, the claim, a worker's call, the stream's parse and end, replays and
+    //! the log — nothing outside `provider/` names it (docs/architecture.md, "How to add a
+    //! provider").
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::http::HeaderMap;
+    use axum::response::IntoResponse;
+
+    use super::*;
+
+    /// The echo API's upstream: `POST /say` says the body's `text` back, a stream word by word
+    /// ending with `said` (left out when the text contains "cut"). Counts calls.
+    async fn echo_upstream(calls: Arc<AtomicUsize>) -> SocketAddr {
+        let say = move |headers: HeaderMap, body: String| {
+            let calls = Arc::clone(&calls);
+            async move {
+                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                let body: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let text = body["text"].as_str().unwrap_or_default().to_string();
+                let mood = headers.get("echo-mood").is_some();
+                let leaked = headers.get("x-echo-key").is_some();
+                let usage = serde_json::json!({"in": 1, "out": text.split(' ').count()});
+                let id = [("echo-request-id", format!("echo-{n}"))];
+                if body["stream"] != true {
+                    let said = serde_json::json!({"say": text, "usage": usage, "mood": mood, "leaked": leaked});
+                    return (id, axum::Json(said)).into_response();
+                }
+                let mut events = String::new();
+                for word in text.split(' ') {
+                    let data = serde_json::json!({"say": word});
+                    events.push_str(&format!("event: piece\ndata: {data}\n\n"));
+                }
+                if !text.contains("cut") {
+                    let data = serde_json::json!({"usage": usage});
+                    events.push_str(&format!("event: said\ndata: {data}\n\n"));
+                }
+                (id, [("content-type", "text/event-stream")], events).into_response()
+            }
+        };
+        let app = axum::Router::new().route("/say", axum::routing::post(say));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_provider_compiled_only_in_tests_runs_the_whole_pipeline() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let upstream = echo_upstream(Arc::clone(&calls)).await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("holdfast.toml");
+        let toml = format!(
+            "database_url = \"sqlite://{}\"\n[[backends]]\nname = \"echo\"\nkind = \"echo\"\nbase_url = \"http://{upstream}\"\n",
+            dir.path().join("holdfast.db").display()
+        );
+        std::fs::write(&path, toml).expect("write the config");
+        let config = Config::load(Some(&path)).expect("kind = \"echo\" is a backend kind");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let running = start(config, listener).await.expect("start");
+        let base = format!("http://{}", running.addr);
+        let http = reqwest::Client::new();
+        let post = |body: &'static str| {
+            http.post(format!("{base}/echo/say"))
+                .header("content-type", "application/json")
+                .header("echo-mood", "calm")
+                .header("x-echo-key", "the client's key")
+                .body(body)
+                .send()
+        };
+
+        // A whole answer: recorded, called once, replayed.
+        let body = r#"{"model":"m","text":"hello there"}"#;
+        let first = post(body).await.expect("POST");
+        assert_eq!(first.status(), 200);
+        let header = |r: &reqwest::Response, name: &str| {
+            r.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string()
+        };
+        assert_eq!(header(&first, "echo-request-id"), "echo-1", "RS-5");
+        let id = header(&first, "holdfast-request-id");
+        let said: serde_json::Value = first.json().await.expect("JSON");
+        assert_eq!(said["say"], "hello there");
+        assert_eq!(said["mood"], true, "its forwarded header reached it");
+        assert_eq!(said["leaked"], false, "the client's key did not");
+        let again = post(body).await.expect("POST");
+        assert_eq!(header(&again, "idempotent-replayed"), "true");
+        assert_eq!(header(&again, "holdfast-request-id"), id);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        let record: serde_json::Value = http
+            .get(format!("{base}/requests/{id}"))
+            .send()
+            .await
+            .expect("GET")
+            .json()
+            .await
+            .expect("JSON");
+        assert_eq!(record["route"], "echo.say", "{record}");
+        assert_eq!(record["usage"]["output_tokens"], 2, "{record}");
+
+        // A stream: complete at `said`, replayed byte for byte.
+        let stream = r#"{"model":"m","text":"one two three","stream":true}"#;
+        let streamed = post(stream)
+            .await
+            .expect("POST")
+            .text()
+            .await
+            .expect("body");
+        assert!(streamed.contains("event: said"), "{streamed}");
+        let replayed = post(stream)
+            .await
+            .expect("POST")
+            .text()
+            .await
+            .expect("body");
+        assert_eq!(replayed, streamed);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+        // A stream without its final event: interrupted, closed with the provider's error event.
+        let cut = r#"{"model":"m","text":"cut short","stream":true}"#;
+        let answer = post(cut).await.expect("POST");
+        let id = header(&answer, "holdfast-request-id");
+        let text = answer.text().await.expect("body");
+        assert!(text.contains("event: oops"), "{text}");
+        assert!(text.contains("stream_interrupted"), "{text}");
+        let record: serde_json::Value = http
+            .get(format!("{base}/requests/{id}"))
+            .send()
+            .await
+            .expect("GET")
+            .json()
+            .await
+            .expect("JSON");
+        assert_eq!(record["error"]["type"], "stream_interrupted", "{record}");
+        running.shutdown().await;
+    }
+}

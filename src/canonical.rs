@@ -48,6 +48,7 @@
 //! for each header, sorted by (lower-cased name, value):
 //!     field(lower-cased name) field(value)
 //! field(canonical body, after model rewriting)
+//! field(model), only for a route that takes its model in the path (GM-1)
 //! ```
 //!
 //! Bump [`CANONICAL_VERSION`] whenever the canonical form or this layout changes: every stored
@@ -191,6 +192,28 @@ pub fn request_hash(
     headers: &[(&str, &str)],
     canonical: &[u8],
 ) -> [u8; 32] {
+    request_hash_of(route, backend, headers, canonical, None)
+}
+
+/// [`request_hash`] for a route that takes its model in the path (GM-1): the model (after
+/// rewriting) is hashed last, so the same body sent to another model is another request.
+pub fn request_hash_with_path_model(
+    route: &str,
+    backend: &str,
+    headers: &[(&str, &str)],
+    canonical: &[u8],
+    model: &str,
+) -> [u8; 32] {
+    request_hash_of(route, backend, headers, canonical, Some(model))
+}
+
+fn request_hash_of(
+    route: &str,
+    backend: &str,
+    headers: &[(&str, &str)],
+    canonical: &[u8],
+    path_model: Option<&str>,
+) -> [u8; 32] {
     fn field(h: &mut Sha256, bytes: &[u8]) {
         h.update((bytes.len() as u64).to_be_bytes());
         h.update(bytes);
@@ -211,6 +234,9 @@ pub fn request_hash(
         field(&mut h, value.as_bytes());
     }
     field(&mut h, canonical);
+    if let Some(model) = path_model {
+        field(&mut h, model.as_bytes());
+    }
     h.finalize().into()
 }
 
@@ -1259,6 +1285,21 @@ mod tests {
             assert_eq!(again.bytes, c.with_model(model), "{model:?}");
             assert_eq!(again.model.as_deref(), Some(model));
         }
+    }
+
+    #[test]
+    fn a_path_model_is_part_of_the_hash_gm1() {
+        let body = br#"{"contents":[]}"#;
+        let a = request_hash_with_path_model("gemini.v1.generate", "g", &[], body, "m1");
+        assert_ne!(
+            a,
+            request_hash_with_path_model("gemini.v1.generate", "g", &[], body, "m2")
+        );
+        assert_ne!(a, request_hash("gemini.v1.generate", "g", &[], body));
+        assert_eq!(
+            a,
+            request_hash_with_path_model("gemini.v1.generate", "g", &[], body, "m1")
+        );
     }
 
     #[test]

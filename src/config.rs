@@ -12,7 +12,7 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
-use crate::provider::Provider;
+use crate::provider::{Provider, Route};
 
 /// The whole configuration. Field names are the config keys (SPEC CLI-4).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -335,25 +335,37 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     }
 }
 
-/// Paths holdfast serves itself; a `[[passthrough]]` path may not overlap them.
-const RESERVED_PATHS: &[&str] = &[
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/models",
-    "/requests",
-    "/healthz",
-    "/readyz",
-    "/metrics",
-    "/openapi.json",
-    "/ui",
-    "/v1/messages/count_tokens",
+/// Paths holdfast serves itself besides the proxied routes, and whether it serves paths under
+/// them too; a `[[passthrough]]` path may not overlap them ([`own_paths`]).
+const OWN_PATHS: &[(&str, bool)] = &[
+    ("/v1/models", true),
+    ("/v1/messages/count_tokens", false),
+    ("/v1/responses", true),
+    ("/usage", false),
+    ("/requests", true),
+    ("/healthz", false),
+    ("/readyz", false),
+    ("/metrics", false),
+    ("/openapi.json", false),
+    ("/ui", true),
 ];
 
-/// Of [`RESERVED_PATHS`], those holdfast also serves paths under.
-const RESERVED_PREFIXES: &[&str] = &["/v1/responses", "/requests", "/ui"];
+/// Every path holdfast serves itself, and whether it serves paths under it: the proxied routes'
+/// from the route table ([`Route::router_path`]; a path with a parameter is its prefix), then
+/// [`OWN_PATHS`].
+fn own_paths() -> Vec<(&'static str, bool)> {
+    Route::ALL
+        .into_iter()
+        .map(|route| {
+            let path = route.router_path();
+            match path.find("/{") {
+                Some(at) => (&path[..at], true),
+                None => (path, false),
+            }
+        })
+        .chain(OWN_PATHS.iter().copied())
+        .collect()
+}
 
 /// Environment variables starting with `HOLDFAST_` that are holdfast's own but not config
 /// keys (the `holdfast requests` CLI's): `serve` ignores them silently.
@@ -672,13 +684,12 @@ impl Config {
                 ));
             }
             let (_, prefix) = p.base();
-            let overlaps = |own: &&str| {
-                let own = own.trim_end_matches("/*");
-                base == own
+            let overlaps = |(own, under): &(&str, bool)| {
+                base == *own
                     || (prefix && own.starts_with(&format!("{base}/")))
-                    || (RESERVED_PREFIXES.contains(&own) && base.starts_with(&format!("{own}/")))
+                    || (*under && base.starts_with(&format!("{own}/")))
             };
-            if let Some(own) = RESERVED_PATHS.iter().find(|own| overlaps(own)) {
+            if let Some((own, _)) = own_paths().iter().find(|own| overlaps(own)) {
                 return Err(invalid(
                     format!("passthrough[{i}].path"),
                     format!("{:?} overlaps holdfast's own route {own}", p.path),
@@ -868,6 +879,30 @@ mod tests {
                 api_key_env: None,
             }],
             ..Config::default()
+        }
+    }
+
+    #[test]
+    fn pass_through_paths_may_not_overlap_a_route_of_the_route_table_gm1() {
+        let refused = |path: &str| {
+            let mut config = with_backend();
+            config.passthrough = vec![Passthrough {
+                path: path.into(),
+                backend: "openai".into(),
+            }];
+            config.check_passthrough().is_err()
+        };
+        for path in [
+            "/v1/chat/completions",
+            "/v1beta/models/*",
+            "/v1beta/models/x:embedContent",
+            "/v1/models/x",
+            "/v1/responses/x",
+        ] {
+            assert!(refused(path), "{path}");
+        }
+        for path in ["/v1/moderations", "/v1beta/files/*", "/v1/files/*"] {
+            assert!(!refused(path), "{path}");
         }
     }
 

@@ -34,8 +34,21 @@ pub(crate) fn cost(price: &Price, usage: &Usage) -> Option<f64> {
     Some(usd / 1_000_000.0)
 }
 
-/// Adds `usage` to the token counter `name` of `backend` and `model`, one series per kind.
-fn count_tokens(name: &'static str, backend: &str, model: &str, usage: &Usage) {
+/// The `provider` label of `backend`'s series: its kind, empty for a backend no longer
+/// configured.
+fn provider_of(config: &Config, backend: &str) -> &'static str {
+    config.backend(backend).map_or("", |b| b.kind.name())
+}
+
+/// Adds `usage` to the token counter `name` of `backend` (of `provider`) and `model`, one series
+/// per kind.
+fn count_tokens(
+    name: &'static str,
+    provider: &'static str,
+    backend: &str,
+    model: &str,
+    usage: &Usage,
+) {
     let kinds = [
         ("input", usage.input_tokens),
         ("output", usage.output_tokens),
@@ -45,7 +58,7 @@ fn count_tokens(name: &'static str, backend: &str, model: &str, usage: &Usage) {
     ];
     for (kind, n) in kinds {
         if let Some(n) = n {
-            metrics::counter!(name, "backend" => backend.to_string(), "model" => model.to_string(), "kind" => kind)
+            metrics::counter!(name, "provider" => provider, "backend" => backend.to_string(), "model" => model.to_string(), "kind" => kind)
                 .increment(n);
         }
     }
@@ -54,10 +67,17 @@ fn count_tokens(name: &'static str, backend: &str, model: &str, usage: &Usage) {
 /// Counts what an attempt of a request of `backend` and `model` reported it cost.
 pub(crate) fn count_upstream(config: &Config, backend: &str, model: Option<&str>, usage: &Usage) {
     let label = model.unwrap_or("");
-    count_tokens(metrics_names::UPSTREAM_TOKENS, backend, label, usage);
+    let provider = provider_of(config, backend);
+    count_tokens(
+        metrics_names::UPSTREAM_TOKENS,
+        provider,
+        backend,
+        label,
+        usage,
+    );
     if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, usage)) {
         // metrics counters count integers: a gauge that only grows carries the dollars.
-        metrics::gauge!(metrics_names::COST_USD, "backend" => backend.to_string(), "model" => label.to_string())
+        metrics::gauge!(metrics_names::COST_USD, "provider" => provider, "backend" => backend.to_string(), "model" => label.to_string())
             .increment(usd);
     }
 }
@@ -75,12 +95,19 @@ pub(crate) fn count_saved(
     if calls == 0 {
         return;
     }
-    metrics::counter!(metrics_names::SAVED_CALLS, "backend" => backend.to_string(), "model" => label.to_string())
+    let provider = provider_of(config, backend);
+    metrics::counter!(metrics_names::SAVED_CALLS, "provider" => provider, "backend" => backend.to_string(), "model" => label.to_string())
         .increment(calls);
     let saved = usage.times(calls);
-    count_tokens(metrics_names::SAVED_TOKENS, backend, label, &saved);
+    count_tokens(
+        metrics_names::SAVED_TOKENS,
+        provider,
+        backend,
+        label,
+        &saved,
+    );
     if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, &saved)) {
-        metrics::gauge!(metrics_names::SAVED_COST_USD, "backend" => backend.to_string(), "model" => label.to_string())
+        metrics::gauge!(metrics_names::SAVED_COST_USD, "provider" => provider, "backend" => backend.to_string(), "model" => label.to_string())
             .increment(usd);
     }
 }

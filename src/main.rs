@@ -535,6 +535,8 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
         for backend in &mut config.backends {
             if backend.base_url == DEMO_MOCK_URL {
                 backend.base_url = server.base_url();
+            } else if backend.base_url == DEMO_MOCK_ROOT {
+                backend.base_url = server.root_url();
             }
         }
         Some(server)
@@ -584,7 +586,10 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
 /// Stands for the demo's mock provider in `--demo`'s configuration until it is started.
 const DEMO_MOCK_URL: &str = "http://demo-mock.invalid/v1";
 
-/// `--demo`'s base configuration: its own SQLite file, the mock provider as both backends, the
+/// The same, for a Gemini backend, whose `base_url` has no version prefix (decision 57).
+const DEMO_MOCK_ROOT: &str = "http://demo-mock.invalid";
+
+/// `--demo`'s base configuration: its own SQLite file, the mock provider as every backend, the
 /// web page at `/ui`, and example prices with stream usage asked for, so the ledger's token and
 /// cost columns fill (docs/usage.md).
 fn demo_config() -> Config {
@@ -603,11 +608,18 @@ fn demo_config() -> Config {
                 base_url: DEMO_MOCK_URL.into(),
                 api_key_env: None,
             },
+            Backend {
+                name: "mock-gemini".into(),
+                kind: Provider::Gemini,
+                base_url: DEMO_MOCK_ROOT.into(),
+                api_key_env: None,
+            },
         ],
         ui: true,
         prices: vec![
             demo_price("mock-openai", "gpt-4o-mini*", 0.15, 0.60),
             demo_price("mock-anthropic", "claude-*", 0.80, 4.00),
+            demo_price("mock-gemini", "gemini-*", 0.30, 2.50),
         ],
         inject_stream_usage: true,
         ..Config::default()

@@ -3,6 +3,7 @@
 //! [`requests`], provider-shaped errors in [`errors`].
 
 mod errors;
+mod gemini;
 pub(crate) mod openapi;
 mod ops;
 mod passthrough;
@@ -17,7 +18,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, any, get, post};
@@ -59,8 +60,10 @@ pub(crate) struct AppState {
 pub(crate) fn router(state: AppState) -> Router {
     let cors = cors(&state.config.cors_allow_origins);
     let mut router = Router::new();
-    for (_, path, handler) in fixed_routes() {
-        router = router.route(path, handler);
+    for (_, _, path, handler) in fixed_routes() {
+        if let Some(handler) = handler {
+            router = router.route(path, handler);
+        }
     }
     for (i, rule) in state.config.passthrough.iter().enumerate() {
         let (base, prefix) = rule.base();
@@ -82,40 +85,104 @@ pub(crate) fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Every route holdfast serves whatever the configuration says: (method, path in the router's
-/// `{param}` syntax, handler). The router is built from this table and `/openapi.json` is
-/// checked against it (`tests/api/openapi.rs`), so a route cannot be added undocumented.
-fn fixed_routes() -> Vec<(&'static str, &'static str, MethodRouter<AppState>)> {
-    let mut routes: Vec<(&'static str, &'static str, MethodRouter<AppState>)> = Route::ALL
-        .into_iter()
-        .map(|route| {
-            let handler =
-                post(move |state, headers, body| proxy::handle(state, route, headers, body));
-            ("POST", route.client_path(), handler)
-        })
-        .collect();
-    routes.extend([
-        ("GET", "/v1/models", get(passthrough::models)),
-        (
-            "POST",
-            "/v1/messages/count_tokens",
-            post(passthrough::count_tokens),
-        ),
-        ("GET", "/v1/responses/{id}", get(responses::retrieve)),
-        ("POST", "/v1/responses/{id}/cancel", post(responses::cancel)),
-        ("GET", "/usage", get(usage::usage)),
-        ("GET", "/requests", get(requests::list)),
-        ("GET", "/requests/{id}", get(requests::get_one)),
-        ("POST", "/requests/{id}/cancel", post(requests::cancel)),
-        ("GET", "/healthz", get(ops::healthz)),
-        ("GET", "/readyz", get(ops::readyz)),
-        ("GET", "/metrics", get(ops::metrics)),
-        ("GET", "/openapi.json", get(openapi::serve)),
-    ]);
+/// One served route: (method, path as documented, path in the router's `{param}` syntax,
+/// handler). Several documented routes may share one router path and handler (Gemini's
+/// `/v1beta/models/{call}`): the first carries it, the others `None`.
+type Served = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<MethodRouter<AppState>>,
+);
+
+/// Every route holdfast serves whatever the configuration says. The router is built from this
+/// table and `/openapi.json` is checked against it (`tests/api/openapi.rs`), so a route cannot
+/// be added undocumented.
+fn fixed_routes() -> Vec<Served> {
+    let mut routes: Vec<Served> = Vec::new();
+    let mut routed = std::collections::HashSet::new();
+    for route in Route::ALL {
+        let path = route.router_path();
+        let handler = routed.insert(path).then(|| {
+            if route.model_in_path() {
+                post(
+                    move |State(state), Path(call): Path<String>, uri, headers, body| {
+                        gemini::call(state, path, call, uri, headers, body)
+                    },
+                )
+            } else {
+                post(move |state, headers, body| proxy::handle(state, route, None, headers, body))
+            }
+        });
+        routes.push(("POST", route.client_path(), path, handler));
+    }
+    // Gemini's calls around its logged routes (GM-4): token counting shares the routes'
+    // handler, the model list and one model are answered from the backends.
+    for version in Provider::Gemini.path_prefixes() {
+        let call = Route::ALL
+            .into_iter()
+            .find(|r| r.model_in_path() && r.client_path().starts_with(&format!("{version}/")))
+            .map_or("", |r| r.router_path());
+        routes.push(("POST", count_tokens_path(version), call, None));
+        routes.push((
+            "GET",
+            model_path(version),
+            call,
+            Some(get(passthrough::model)),
+        ));
+    }
+    routes.push((
+        "GET",
+        "/v1beta/models",
+        "/v1beta/models",
+        Some(get(gemini::models)),
+    ));
+    let same = |(method, path, handler): (&'static str, &'static str, MethodRouter<AppState>)| {
+        (method, path, path, Some(handler))
+    };
+    routes.extend(
+        [
+            ("GET", "/v1/models", get(passthrough::models)),
+            (
+                "POST",
+                "/v1/messages/count_tokens",
+                post(passthrough::count_tokens),
+            ),
+            ("GET", "/v1/responses/{id}", get(responses::retrieve)),
+            ("POST", "/v1/responses/{id}/cancel", post(responses::cancel)),
+            ("GET", "/usage", get(usage::usage)),
+            ("GET", "/requests", get(requests::list)),
+            ("GET", "/requests/{id}", get(requests::get_one)),
+            ("POST", "/requests/{id}/cancel", post(requests::cancel)),
+            ("GET", "/healthz", get(ops::healthz)),
+            ("GET", "/readyz", get(ops::readyz)),
+            ("GET", "/metrics", get(ops::metrics)),
+            ("GET", "/openapi.json", get(openapi::serve)),
+        ]
+        .map(same),
+    );
     // The web page is always routed and answers 404 itself when `ui` is off, so the table (and
     // `/openapi.json`) does not depend on the configuration.
-    routes.extend(ui::routes().map(|(path, handler)| ("GET", path, handler)));
+    routes.extend(ui::routes().map(|(path, handler)| same(("GET", path, handler))));
     routes
+}
+
+/// `POST {version}/models/{model}:countTokens`, as documented.
+fn count_tokens_path(version: &str) -> &'static str {
+    if version == "/v1beta" {
+        "/v1beta/models/{model}:countTokens"
+    } else {
+        "/v1/models/{model}:countTokens"
+    }
+}
+
+/// `GET {version}/models/{model}`, as documented.
+fn model_path(version: &str) -> &'static str {
+    if version == "/v1beta" {
+        "/v1beta/models/{model}"
+    } else {
+        "/v1/models/{model}"
+    }
 }
 
 /// (method, path) of every route of [`fixed_routes`], for the test that checks
@@ -123,7 +190,7 @@ fn fixed_routes() -> Vec<(&'static str, &'static str, MethodRouter<AppState>)> {
 pub(crate) fn route_list() -> Vec<(&'static str, &'static str)> {
     fixed_routes()
         .into_iter()
-        .map(|(method, path, _)| (method, path))
+        .map(|(method, path, _, _)| (method, path))
         .collect()
 }
 
@@ -146,7 +213,14 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
             .map(|n| HeaderName::from_static(n))
             .collect::<Vec<_>>()
     };
-    let mut allow_headers = names(&["last-event-id", "x-api-key", "idempotency-key", "prefer"]);
+    let mut allow_headers = names(&["last-event-id", "idempotency-key", "prefer"]);
+    allow_headers.extend(
+        Provider::ALL
+            .iter()
+            .map(|p| p.credential_header())
+            .filter(|h| *h != "authorization")
+            .map(HeaderName::from_static),
+    );
     allow_headers.extend([header::AUTHORIZATION, header::CONTENT_TYPE, header::ACCEPT]);
     allow_headers.extend(
         Provider::ALL
@@ -167,7 +241,8 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
     expose_headers.extend(
         Provider::ALL
             .iter()
-            .map(|p| HeaderName::from_static(p.request_id_header())),
+            .filter_map(|p| p.request_id_header())
+            .map(HeaderName::from_static),
     );
     Some(
         CorsLayer::new()
@@ -196,10 +271,14 @@ async fn method_not_allowed(uri: Uri) -> Response {
     .into_response()
 }
 
-/// The key a caller presented: `x-api-key: KEY`, else `Authorization: Bearer KEY`.
+/// The key a caller presented: in a provider SDK's key header (`x-api-key`, `x-goog-api-key`;
+/// GM-2), else `Authorization: Bearer KEY`.
 fn presented_key(headers: &HeaderMap) -> Option<&[u8]> {
-    headers
-        .get("x-api-key")
+    Provider::ALL
+        .iter()
+        .map(|p| p.credential_header())
+        .filter(|name| *name != "authorization")
+        .find_map(|name| headers.get(name))
         .map(|v| v.as_bytes())
         .or_else(|| {
             headers

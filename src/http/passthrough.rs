@@ -55,15 +55,67 @@ pub(super) async fn models(
     headers: HeaderMap,
 ) -> Response {
     let provider = Provider::of_shared_call(&headers);
+    models_of(&state, provider, &query, &headers)
+        .await
+        .into_response()
+}
+
+/// The model list of `provider`'s backends and aliases, in its shape, paged as `query` asks
+/// (GM-4 for Gemini's).
+///
+/// # Errors
+/// 401 `invalid_api_key` as [`namespace`].
+pub(super) async fn models_of(
+    state: &AppState,
+    provider: Provider,
+    query: &HashMap<String, String>,
+    headers: &HeaderMap,
+) -> Result<axum::Json<Value>, ApiError> {
+    namespace(&state.config, headers, provider)?;
+    let models = merged_models(state, provider).await;
+    Ok(axum::Json(provider.models_answer(models, query)))
+}
+
+/// `GET /v1/models/{model}` (and Gemini's `/v1beta/models/{model}`): the entry of the merged
+/// list ([`models_of`]) whose id is `model` (Gemini's `models/` prefix optional), in the
+/// caller's provider's shape, or 404. Not recorded.
+pub(super) async fn model(
+    State(state): State<AppState>,
+    axum::extract::Path(model): axum::extract::Path<String>,
+    uri: Uri,
+    mut headers: HeaderMap,
+) -> Response {
+    super::gemini::key_from_query(&uri, &mut headers);
+    let provider = if uri.path().starts_with("/v1beta/") {
+        Provider::Gemini
+    } else {
+        Provider::of_shared_call(&headers)
+    };
     if let Err(e) = namespace(&state.config, &headers, provider) {
         return e.into_response();
     }
+    let wanted = model.strip_prefix("models/").unwrap_or(&model);
+    let found = merged_models(&state, provider)
+        .await
+        .into_iter()
+        .find(|m| provider.model_id(m) == Some(wanted));
+    match found {
+        Some(entry) => axum::Json(entry).into_response(),
+        None => {
+            ApiError::not_found(provider, format!("model {wanted:?} is not found")).into_response()
+        }
+    }
+}
+
+/// Every model of `provider`'s backends (each list kept for a minute; a backend that fails is
+/// skipped and logged), then the exact aliases, each id once.
+async fn merged_models(state: &AppState, provider: Provider) -> Vec<Value> {
     let mut models: Vec<Value> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for backend in state.config.backends.iter().filter(|b| b.kind == provider) {
         let list = match state.models.get(&backend.name) {
             Some(list) => list,
-            None => match fetch_models(&state, &backend.name, provider).await {
+            None => match fetch_models(state, &backend.name, provider).await {
                 Ok(list) => {
                     state.models.put(&backend.name, list.clone());
                     list
@@ -75,7 +127,7 @@ pub(super) async fn models(
             },
         };
         for model in list {
-            let id = model["id"].as_str().unwrap_or_default().to_string();
+            let id = provider.model_id(&model).unwrap_or_default().to_string();
             if !id.is_empty() && seen.insert(id) {
                 models.push(model);
             }
@@ -86,7 +138,7 @@ pub(super) async fn models(
             models.push(provider.model_entry(&alias));
         }
     }
-    axum::Json(provider.models_answer(models, &query)).into_response()
+    models
 }
 
 /// Exact model names that `model_rewrites` send to a backend of `provider`.
@@ -133,9 +185,9 @@ async fn fetch_models(
         }
         let page: Value =
             serde_json::from_slice(&body).map_err(|e| format!("GET /models: not JSON: {e}"))?;
-        let data = page["data"]
-            .as_array()
-            .ok_or("GET /models: no `data` list")?;
+        let data = provider
+            .models_of_page(&page)
+            .ok_or("GET /models: no list of models")?;
         models.extend(data.iter().cloned());
         match provider.next_models_page(&page) {
             Some(next) => after = Some(next),
@@ -205,12 +257,16 @@ pub(super) async fn configured(
     };
     let backend = rule.backend.clone();
     let provider = state.config.backend(&backend).map_or(shape, |b| b.kind);
-    // The path after its first segment (the version prefix), which `base_url` carries.
+    // The path after its first segment (the version prefix), which `base_url` carries; the
+    // whole path for a provider whose `base_url` has no version (Gemini's, decision 57).
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
-    let rest = path
-        .get(1..)
-        .and_then(|p| p.find('/').map(|i| &path[i + 1..]))
-        .unwrap_or(path);
+    let rest = if provider.base_url_has_version() {
+        path.get(1..)
+            .and_then(|p| p.find('/').map(|i| &path[i + 1..]))
+            .unwrap_or(path)
+    } else {
+        path
+    };
     let forwarded = client_headers(&headers, provider);
     relay(&state, &backend, shape, method, rest, forwarded, body).await
 }
@@ -270,7 +326,9 @@ pub(super) async fn relay(
                 || name == "retry-after"
                 || name == "retry-after-ms"
                 || name == "x-should-retry"
-                || Provider::ALL.iter().any(|p| p.request_id_header() == name)
+                || Provider::ALL
+                    .iter()
+                    .any(|p| p.request_id_header() == Some(name))
         })
         .map(|(n, v)| (n.clone(), v.clone()))
         .collect();

@@ -40,10 +40,12 @@ const REFUSAL_CAUSE_CHARS: usize = 300;
 /// another node, or a lost wake-up, still settles the wait).
 const WAIT_POLL: Duration = Duration::from_millis(500);
 
-/// Handles one proxied call.
+/// Handles one proxied call. `path_model` is the model a route that takes it in the path was
+/// called with (GM-1).
 pub(super) async fn handle(
     State(state): State<AppState>,
     route: Route,
+    path_model: Option<String>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -57,7 +59,7 @@ pub(super) async fn handle(
         namespace = tracing::field::Empty,
         backend = tracing::field::Empty,
     );
-    match admit_and_answer(&state, route, &headers, body)
+    match admit_and_answer(&state, route, path_model, &headers, body)
         .instrument(span)
         .await
     {
@@ -94,10 +96,11 @@ pub(super) async fn handle(
 async fn admit_and_answer(
     state: &AppState,
     route: Route,
+    path_model: Option<String>,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let admitted = admit(state, route, headers, body).await?;
+    let admitted = admit(state, route, path_model, headers, body).await?;
     answer_admitted(state, route, headers, admitted).await
 }
 
@@ -156,6 +159,7 @@ impl Claim {
 async fn admit(
     state: &AppState,
     route: Route,
+    path_model: Option<String>,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Admitted, ApiError> {
@@ -164,7 +168,7 @@ async fn admit(
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
-    let (new, claim) = new_request(&state.config, route, headers, &namespace, &body)?;
+    let (new, claim) = new_request(&state.config, route, path_model, headers, &namespace, &body)?;
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
@@ -211,17 +215,22 @@ async fn admit(
 }
 
 /// The request a call's body makes (ID-2, ID-3, ID-5, CLI-5), and its claim: the body
-/// canonicalised and hashed with its route, backend and forwarded headers; the model rewritten
-/// for its backend.
+/// canonicalised and hashed with its route, backend and forwarded headers (and the path's
+/// model, GM-1); the model rewritten for its backend.
 fn new_request(
     config: &Config,
     route: Route,
+    path_model: Option<String>,
     headers: &HeaderMap,
     namespace: &str,
     body: &[u8],
 ) -> Result<(NewRequest, Claim), ApiError> {
     let shape = route.provider();
-    let canonical = canonical::canonicalize(body).map_err(|e| invalid_body(shape, &e))?;
+    let mut canonical = canonical::canonicalize(body).map_err(|e| invalid_body(shape, &e))?;
+    if route.model_in_path() {
+        // GM-1: the path's model is the request's; the body's bytes are not touched.
+        (canonical.model, canonical.model_span) = (path_model, None);
+    }
     let (backend, upstream_model) = choose_backend(config, route, canonical.model.as_deref())
         .ok_or_else(|| {
             ApiError::bad_request(
@@ -250,13 +259,27 @@ fn new_request(
             canonical::rewrite_model(body, span, &model),
             Some(model),
         ),
+        None if route.model_in_path() => (
+            canonical.bytes,
+            body.to_vec(),
+            upstream_model.or(canonical.model),
+        ),
         None => (canonical.bytes, body.to_vec(), canonical.model),
     };
     let header_refs: Vec<(&str, &str)> = forwarded
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    let hash = canonical::request_hash(route.name(), &backend, &header_refs, &hashed);
+    let hash = match (&model, route.model_in_path()) {
+        (Some(model), true) => canonical::request_hash_with_path_model(
+            route.name(),
+            &backend,
+            &header_refs,
+            &hashed,
+            model,
+        ),
+        _ => canonical::request_hash(route.name(), &backend, &header_refs, &hashed),
+    };
     // After the hash: the identity is the client's body (docs/usage.md).
     // A client that did not ask for the usage chunk must not see one, whether this node asks
     // for it or the node that ran the request did (decision 40). Every delivery of a request
@@ -288,7 +311,7 @@ fn new_request(
         route,
         backend,
         model,
-        stream: canonical.stream,
+        stream: route.streams(canonical.stream),
         body: upstream_body,
         headers: forwarded,
         hash,
@@ -854,12 +877,14 @@ fn set_identity_headers(
         "idempotent-replayed",
         HeaderValue::from_static(if replayed { "true" } else { "false" }),
     );
-    if let Some(v) = record
-        .upstream_request_id
-        .as_deref()
-        .and_then(|v| HeaderValue::from_str(v).ok())
-    {
-        headers.insert(route.provider().request_id_header(), v);
+    if let (Some(name), Some(v)) = (
+        route.provider().request_id_header(),
+        record
+            .upstream_request_id
+            .as_deref()
+            .and_then(|v| HeaderValue::from_str(v).ok()),
+    ) {
+        headers.insert(name, v);
     }
 }
 

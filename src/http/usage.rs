@@ -64,14 +64,15 @@ fn group(value: &str) -> Result<UsageGroup, ApiError> {
         "backend" => Ok(UsageGroup::Backend),
         "namespace" => Ok(UsageGroup::Namespace),
         "day" => Ok(UsageGroup::Day),
+        "provider" => Ok(UsageGroup::Provider),
         _ => Err(bad_parameter(
             "group_by",
-            format!("{value:?} is not one of model, backend, namespace, day"),
+            format!("{value:?} is not one of model, backend, namespace, day, provider"),
         )),
     }
 }
 
-/// `GET /usage?since=&until=&group_by=model|backend|namespace|day[&namespace=]`: requests
+/// `GET /usage?since=&until=&group_by=model|backend|namespace|day|provider[&namespace=]`: requests
 /// submitted in `[since, until)` (RFC 3339; default the last 30 days up to now), grouped, with
 /// totals. A namespace key sees its namespace; an admin key every namespace, or `namespace=`'s.
 pub(super) async fn usage(
@@ -147,6 +148,7 @@ pub(super) async fn usage(
             UsageGroup::Backend => "backend",
             UsageGroup::Namespace => "namespace",
             UsageGroup::Day => "day",
+            UsageGroup::Provider => "provider",
         },
         "namespace": store_query.namespace,
         "groups": groups,

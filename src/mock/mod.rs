@@ -1,4 +1,4 @@
-//! The mock provider (SPEC CLI-3): a fake OpenAI + Anthropic HTTP server.
+//! The mock provider (SPEC CLI-3): a fake OpenAI + Anthropic + Gemini HTTP server.
 //!
 //! Used in-process by `holdfast serve --demo` and by tests (bound to port 0), as a separate
 //! process by `holdfast mock-upstream --listen ADDR`, and by the benchmarks. It answers
@@ -10,7 +10,10 @@
 //!
 //! - this file: [`MockConfig`], [`MockServer`], [`run`], shared state, the accept loop, the model
 //!   call pipeline (record → connection faults → provider answer) and the control routes.
-//! - `openai.rs`, `anthropic.rs`: the providers' bodies, stream events and error shapes.
+//! - `openai.rs`, `anthropic.rs`, `gemini.rs`: the providers' bodies, stream events and error
+//!   shapes. Gemini's routes take the model in the path (`/v1beta/models/{model}:generateContent`,
+//!   also under `/v1`): a Gemini backend's `base_url` is the mock's address without `/v1`
+//!   ([`MockServer::root_url`]).
 //! - `sse.rs`: event framing and the streamed body with its faults (delay, stall, garbage, drop).
 //! - `text.rs`: the deterministic reply text, token counts, embeddings and base64.
 //!
@@ -32,6 +35,7 @@
 //! the connection without the chunked terminator, and the client sees a body error.
 
 mod anthropic;
+mod gemini;
 mod openai;
 mod sse;
 mod text;
@@ -47,7 +51,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, Extension, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, State};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -205,6 +209,12 @@ impl MockServer {
             ip => ip,
         };
         format!("http://{}/v1", SocketAddr::new(ip, self.addr.port()))
+    }
+
+    /// `http://127.0.0.1:PORT`: the `base_url` of a Gemini backend, which carries no version
+    /// prefix (the client's goes upstream).
+    pub fn root_url(&self) -> String {
+        self.base_url().trim_end_matches("/v1").to_string()
     }
 
     /// Model calls received since the last reset (every route, faults included; not `/_mock/*`).
@@ -490,6 +500,8 @@ enum Route {
     Embeddings,
     Responses,
     Messages,
+    GeminiGenerate,
+    GeminiStream,
 }
 
 /// Whose shapes (error body, request-id header) a route speaks.
@@ -497,22 +509,28 @@ enum Route {
 enum Provider {
     OpenAi,
     Anthropic,
+    Gemini,
 }
 
 impl Route {
     fn provider(self) -> Provider {
         match self {
+            Route::Chat | Route::Completions | Route::Embeddings | Route::Responses => {
+                Provider::OpenAi
+            }
             Route::Messages => Provider::Anthropic,
-            _ => Provider::OpenAi,
+            Route::GeminiGenerate | Route::GeminiStream => Provider::Gemini,
         }
     }
 }
 
 impl Provider {
-    fn request_id_header(self) -> HeaderName {
+    /// Google documents no request-id header; the mock sends none for Gemini.
+    fn request_id_header(self) -> Option<HeaderName> {
         match self {
-            Provider::OpenAi => HeaderName::from_static("x-request-id"),
-            Provider::Anthropic => HeaderName::from_static("request-id"),
+            Provider::OpenAi => Some(HeaderName::from_static("x-request-id")),
+            Provider::Anthropic => Some(HeaderName::from_static("request-id")),
+            Provider::Gemini => None,
         }
     }
 
@@ -520,6 +538,7 @@ impl Provider {
         match self {
             Provider::OpenAi => openai::error_body(status.as_u16(), message),
             Provider::Anthropic => anthropic::error_body(status.as_u16(), message),
+            Provider::Gemini => gemini::error_body(status.as_u16(), message),
         }
     }
 }
@@ -532,6 +551,9 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/embeddings", model(Route::Embeddings))
         .route("/v1/responses", model(Route::Responses))
         .route("/v1/messages", model(Route::Messages))
+        .route("/v1beta/models/{call}", post(gemini_call))
+        .route("/v1/models/{call}", post(gemini_call))
+        .route("/v1beta/models", get(list_models))
         .route("/v1/models", get(list_models))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/responses/{id}", get(unknown_response))
@@ -587,12 +609,54 @@ fn read_call(route: Route, body: &[u8]) -> Result<CallInfo, BadRequest> {
             .and_then(Value::as_str)
             .unwrap_or("mock-model")
             .to_owned(),
-        stream: route != Route::Embeddings && value.get("stream") == Some(&Value::Bool(true)),
+        stream: match route {
+            Route::Embeddings | Route::GeminiGenerate => false,
+            Route::GeminiStream => true,
+            Route::Chat | Route::Completions | Route::Responses | Route::Messages => {
+                value.get("stream") == Some(&Value::Bool(true))
+            }
+        },
         include_usage: value.pointer("/stream_options/include_usage") == Some(&Value::Bool(true)),
         seed: text::seed_of(&value),
         embeddings,
     };
     Ok(info)
+}
+
+/// `POST /{version}/models/{model}:{method}`: Gemini's model calls (`generateContent`,
+/// `streamGenerateContent`, the stream chosen by the path) and `countTokens`.
+async fn gemini_call(
+    State(shared): State<Arc<Shared>>,
+    Path(call): Path<String>,
+    Extension(kill): Extension<ConnKill>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let (model, method) = call.rsplit_once(':').unwrap_or((call.as_str(), ""));
+    let route = match method {
+        "generateContent" => Route::GeminiGenerate,
+        "streamGenerateContent" => Route::GeminiStream,
+        "countTokens" => {
+            shared.record_other(RawCall::new(0, &uri, &headers, &body));
+            return match serde_json::from_slice::<Value>(&body) {
+                Ok(value) => axum::Json(gemini::count_json(text::seed_of(&value).prompt_tokens))
+                    .into_response(),
+                Err(e) => error_response(
+                    Provider::Gemini,
+                    StatusCode::BAD_REQUEST,
+                    &format!("mock: body is not JSON: {e}"),
+                    0,
+                ),
+            };
+        }
+        _ => return not_found(Method::POST, uri).await,
+    };
+    let info = read_call(route, &body).map(|mut info| {
+        model.clone_into(&mut info.model);
+        info
+    });
+    model_call_as(&shared, route, info, kill, uri, headers, body).await
 }
 
 /// `POST /v1/...`: record, apply connection faults, then answer in the route's shape.
@@ -604,8 +668,21 @@ async fn model_call(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let provider = route.provider();
     let info = read_call(route, &body);
+    model_call_as(&shared, route, info, kill, uri, headers, body).await
+}
+
+/// A model call of `route` whose body was read into `info`.
+async fn model_call_as(
+    shared: &Shared,
+    route: Route,
+    info: Result<CallInfo, BadRequest>,
+    kill: ConnKill,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let provider = route.provider();
     let (n, k, cfg) = shared.begin_call();
     shared.record(RawCall::new(n, &uri, &headers, &body));
     tracing::trace!(n, k, ?route, "mock: model call");
@@ -696,12 +773,19 @@ fn answer(
         input_tokens: info.seed.prompt_tokens,
         output_tokens: u64::from(cfg.chunks),
     };
+    let gm = gemini::Reply {
+        n,
+        model: &info.model,
+        prompt_tokens: info.seed.prompt_tokens,
+        candidates_tokens: u64::from(cfg.chunks),
+    };
     if info.stream && !cfg.ignore_stream {
         let mut parts = match route {
             Route::Chat => openai::chat_stream(&oa, &pieces, info.include_usage),
             Route::Completions => openai::completion_stream(&oa, &pieces, info.include_usage),
             Route::Responses => openai::responses_stream(&oa, &pieces),
             Route::Messages => anthropic::message_stream(&an, &pieces),
+            Route::GeminiGenerate | Route::GeminiStream => gemini::generate_stream(&gm, &pieces),
             Route::Embeddings => sse::StreamParts::default(),
         };
         if cfg.omit_stream_end {
@@ -739,6 +823,7 @@ fn answer(
         Route::Completions => openai::completion_json(&oa, &text),
         Route::Responses => openai::responses_json(&oa, &text),
         Route::Messages => anthropic::message_json(&an, &text),
+        Route::GeminiGenerate | Route::GeminiStream => gemini::generate_json(&gm, &text),
         Route::Embeddings => Bytes::new(),
     };
     body_response(provider, StatusCode::OK, n, body)
@@ -755,8 +840,11 @@ fn base_response(
     *resp.status_mut() = status;
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-    if let Ok(id) = HeaderValue::try_from(format!("req_mock_{n}")) {
-        headers.insert(provider.request_id_header(), id);
+    if let (Some(name), Ok(id)) = (
+        provider.request_id_header(),
+        HeaderValue::try_from(format!("req_mock_{n}")),
+    ) {
+        headers.insert(name, id);
     }
     resp
 }
@@ -800,6 +888,14 @@ const MOCK_MODELS: [&str; 3] = ["mock-small", "mock-large", "gpt-4o-mini"];
 /// Recorded with the other calls that are not model calls; not counted.
 async fn list_models(State(shared): State<Arc<Shared>>, uri: Uri, headers: HeaderMap) -> Response {
     shared.record_other(RawCall::new(0, &uri, &headers, b""));
+    if uri.path().starts_with("/v1beta") || headers.contains_key("x-goog-api-key") {
+        let ids: Vec<String> = MOCK_MODELS
+            .iter()
+            .map(|id| format!("gemini-{id}"))
+            .collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        return axum::Json(gemini::models_json(&ids)).into_response();
+    }
     if headers.contains_key("anthropic-version") {
         let data: Vec<Value> = MOCK_MODELS
             .iter()

@@ -1,5 +1,6 @@
 //! What holdfast knows about each provider, in one place: one module per provider kind
-//! (`openai.rs`, `anthropic.rs`), and the proxied [`Route`]s each serves.
+//! (`openai.rs`, `anthropic.rs`, `gemini.rs`), the proxied [`Route`]s each serves, and how a
+//! provider answer is read (`events.rs`: stream events and whole bodies, LC-7, LC-11).
 //!
 //! A provider module owns every rule that differs between providers: the upstream paths of its
 //! routes, how the backend's key is sent, which client headers are forwarded and which are
@@ -10,6 +11,10 @@
 //! "How to add a provider").
 
 mod anthropic;
+#[cfg(test)]
+mod echo;
+mod events;
+mod gemini;
 mod openai;
 
 use std::collections::HashMap;
@@ -19,8 +24,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+pub(crate) use events::excerpt;
+
 /// The kind of API a backend speaks, and the shape its clients expect (SPEC §0 "backend").
-/// The config spelling is lower-case: `kind = "openai"` or `kind = "anthropic"`.
+/// The config spelling is lower-case: `kind = "openai"`, `"anthropic"` or `"gemini"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Provider {
@@ -28,6 +35,11 @@ pub enum Provider {
     Openai,
     /// Anthropic's Messages API.
     Anthropic,
+    /// Google's Gemini API (GM-1).
+    Gemini,
+    /// A provider compiled only in tests (`echo.rs`), which proves the provider boundary.
+    #[cfg(test)]
+    Echo,
 }
 
 /// One proxied endpoint (SPEC §0 "route", HTTP-1). The name (`openai.chat`, ...) is stored with
@@ -44,17 +56,40 @@ pub enum Route {
     OpenaiResponses,
     /// `POST /v1/messages`.
     AnthropicMessages,
+    /// `POST /v1beta/models/{model}:generateContent` (GM-1).
+    GeminiGenerate,
+    /// `POST /v1beta/models/{model}:streamGenerateContent?alt=sse` (GM-1).
+    GeminiStream,
+    /// `POST /v1/models/{model}:generateContent` (GM-1).
+    GeminiV1Generate,
+    /// `POST /v1/models/{model}:streamGenerateContent?alt=sse` (GM-1).
+    GeminiV1Stream,
+    /// `POST /echo/say`, the test-only provider's route.
+    #[cfg(test)]
+    EchoSay,
 }
 
 impl Provider {
     /// Every provider kind.
-    pub const ALL: [Provider; 2] = [Provider::Openai, Provider::Anthropic];
+    #[cfg(not(test))]
+    pub const ALL: [Provider; 3] = [Provider::Openai, Provider::Anthropic, Provider::Gemini];
+    /// Every provider kind, the test-only one included.
+    #[cfg(test)]
+    pub const ALL: [Provider; 4] = [
+        Provider::Openai,
+        Provider::Anthropic,
+        Provider::Gemini,
+        Provider::Echo,
+    ];
 
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {
             Provider::Openai => "openai",
             Provider::Anthropic => "anthropic",
+            Provider::Gemini => "gemini",
+            #[cfg(test)]
+            Provider::Echo => "echo",
         }
     }
 
@@ -63,7 +98,13 @@ impl Provider {
     pub(crate) fn for_path(path: &str) -> Provider {
         if anthropic::owns_path(path) {
             Provider::Anthropic
+        } else if gemini::owns_path(path) {
+            Provider::Gemini
         } else {
+            #[cfg(test)]
+            if echo::owns_path(path) {
+                return Provider::Echo;
+            }
             Provider::Openai
         }
     }
@@ -73,6 +114,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::auth_header(key),
             Provider::Anthropic => anthropic::auth_header(key),
+            Provider::Gemini => gemini::auth_header(key),
+            #[cfg(test)]
+            Provider::Echo => echo::auth_header(key),
         }
     }
 
@@ -82,6 +126,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::FORWARDED_HEADERS,
             Provider::Anthropic => anthropic::FORWARDED_HEADERS,
+            Provider::Gemini => gemini::FORWARDED_HEADERS,
+            #[cfg(test)]
+            Provider::Echo => echo::FORWARDED_HEADERS,
         }
     }
 
@@ -91,16 +138,46 @@ impl Provider {
         match self {
             Provider::Openai => openai::DEFAULT_HEADERS,
             Provider::Anthropic => anthropic::DEFAULT_HEADERS,
+            Provider::Gemini => gemini::DEFAULT_HEADERS,
+            #[cfg(test)]
+            Provider::Echo => echo::DEFAULT_HEADERS,
         }
     }
 
-    /// The provider whose SDK made a call to a path both serve (`GET /v1/models`): Anthropic's
-    /// SDKs send `anthropic-version` on every call.
+    /// The provider whose SDK made a call to a path several serve (`GET /v1/models`):
+    /// Anthropic's SDKs send `anthropic-version` on every call, Google's `x-goog-api-key`.
     pub(crate) fn of_shared_call(headers: &HeaderMap) -> Provider {
         if anthropic::owns_call(headers) {
             Provider::Anthropic
+        } else if gemini::owns_call(headers) {
+            Provider::Gemini
         } else {
+            #[cfg(test)]
+            if echo::owns_call(headers) {
+                return Provider::Echo;
+            }
             Provider::Openai
+        }
+    }
+
+    /// Whether a backend's `base_url` carries the API version (decision 1), so a forwarded
+    /// client path loses its first segment; a Gemini backend's does not (decision 57).
+    pub(crate) fn base_url_has_version(self) -> bool {
+        match self {
+            Provider::Openai | Provider::Anthropic => true,
+            Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => false,
+        }
+    }
+
+    /// The version prefixes of the paths this provider's clients call.
+    pub(crate) fn path_prefixes(self) -> &'static [&'static str] {
+        match self {
+            Provider::Openai | Provider::Anthropic => &["/v1"],
+            Provider::Gemini => &gemini::VERSIONS,
+            #[cfg(test)]
+            Provider::Echo => &["/echo"],
         }
     }
 
@@ -116,6 +193,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::MODELS_PATH.to_string(),
             Provider::Anthropic => anthropic::models_page_path(after),
+            Provider::Gemini => gemini::models_page_path(after),
+            #[cfg(test)]
+            Provider::Echo => "/models".to_string(),
         }
     }
 
@@ -124,6 +204,29 @@ impl Provider {
         match self {
             Provider::Openai => None,
             Provider::Anthropic => anthropic::next_models_page(page),
+            Provider::Gemini => gemini::next_models_page(page),
+            #[cfg(test)]
+            Provider::Echo => None,
+        }
+    }
+
+    /// The models of a fetched page of a backend's model list.
+    pub(crate) fn models_of_page(self, page: &Value) -> Option<&Vec<Value>> {
+        match self {
+            Provider::Openai | Provider::Anthropic => page["data"].as_array(),
+            #[cfg(test)]
+            Provider::Echo => page["data"].as_array(),
+            Provider::Gemini => gemini::models_of_page(page),
+        }
+    }
+
+    /// A model-list entry's id: the model name a request sends.
+    pub(crate) fn model_id(self, model: &Value) -> Option<&str> {
+        match self {
+            Provider::Openai | Provider::Anthropic => model["id"].as_str(),
+            #[cfg(test)]
+            Provider::Echo => model["id"].as_str(),
+            Provider::Gemini => gemini::model_id(model),
         }
     }
 
@@ -132,6 +235,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::model_entry(id),
             Provider::Anthropic => anthropic::model_entry(id),
+            Provider::Gemini => gemini::model_entry(id),
+            #[cfg(test)]
+            Provider::Echo => echo::model_entry(id),
         }
     }
 
@@ -145,14 +251,21 @@ impl Provider {
         match self {
             Provider::Openai => openai::models_answer(models),
             Provider::Anthropic => anthropic::models_page(models, query),
+            Provider::Gemini => gemini::models_page(models, query),
+            #[cfg(test)]
+            Provider::Echo => echo::models_answer(models),
         }
     }
 
-    /// The provider's request-id response header (RS-5).
-    pub(crate) fn request_id_header(self) -> &'static str {
+    /// The provider's request-id response header (RS-5), when it has one: Google's API
+    /// documents none (decision 57).
+    pub(crate) fn request_id_header(self) -> Option<&'static str> {
         match self {
-            Provider::Openai => openai::REQUEST_ID_HEADER,
-            Provider::Anthropic => anthropic::REQUEST_ID_HEADER,
+            Provider::Openai => Some(openai::REQUEST_ID_HEADER),
+            Provider::Anthropic => Some(anthropic::REQUEST_ID_HEADER),
+            Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => Some(echo::REQUEST_ID_HEADER),
         }
     }
 
@@ -161,6 +274,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::error_body(status, code, message),
             Provider::Anthropic => anthropic::error_body(status, message),
+            Provider::Gemini => gemini::error_body(status, code, message),
+            #[cfg(test)]
+            Provider::Echo => echo::error_body(code, message),
         }
     }
 
@@ -170,6 +286,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::error_event(code, message),
             Provider::Anthropic => anthropic::error_event(message),
+            Provider::Gemini => gemini::error_event(code, message),
+            #[cfg(test)]
+            Provider::Echo => echo::error_event(code, message),
         }
     }
 
@@ -184,6 +303,9 @@ impl Provider {
         match self {
             Provider::Openai => openai::is_error_event(event, error),
             Provider::Anthropic => anthropic::is_error_event(event, kind, error),
+            Provider::Gemini => gemini::is_error_event(error),
+            #[cfg(test)]
+            Provider::Echo => echo::is_error_event(event, error),
         }
     }
 }
@@ -200,6 +322,12 @@ pub(crate) struct EventParts<'a> {
     pub message: Option<&'a RawValue>,
     /// The data's `usage` member, unparsed (a chat usage chunk, Anthropic's `message_delta`).
     pub usage: Option<&'a RawValue>,
+    /// The data's `candidates` member, unparsed (a Gemini chunk).
+    pub candidates: Option<&'a RawValue>,
+    /// The data's `promptFeedback` member, unparsed (a Gemini chunk).
+    pub prompt_feedback: Option<&'a RawValue>,
+    /// The data's `usageMetadata` member, unparsed (a Gemini chunk).
+    pub usage_metadata: Option<&'a RawValue>,
 }
 
 /// The parts of a non-stream answer the provider rules read, borrowed from its body.
@@ -211,6 +339,8 @@ pub(crate) struct BodyParts<'a> {
     pub object: Option<&'a str>,
     /// The top-level `usage`, unparsed.
     pub usage: Option<&'a RawValue>,
+    /// The top-level `usageMetadata`, unparsed (Gemini).
+    pub usage_metadata: Option<&'a RawValue>,
 }
 
 /// Tokens a provider reported for one attempt, normalised across providers (docs/usage.md).
@@ -280,12 +410,31 @@ impl Usage {
 
 impl Route {
     /// Every route, in documentation order.
-    pub const ALL: [Route; 5] = [
+    #[cfg(not(test))]
+    pub const ALL: [Route; 9] = [
         Route::OpenaiChat,
         Route::OpenaiCompletions,
         Route::OpenaiEmbeddings,
         Route::OpenaiResponses,
         Route::AnthropicMessages,
+        Route::GeminiGenerate,
+        Route::GeminiStream,
+        Route::GeminiV1Generate,
+        Route::GeminiV1Stream,
+    ];
+    /// Every route, the test-only provider's included.
+    #[cfg(test)]
+    pub const ALL: [Route; 10] = [
+        Route::OpenaiChat,
+        Route::OpenaiCompletions,
+        Route::OpenaiEmbeddings,
+        Route::OpenaiResponses,
+        Route::AnthropicMessages,
+        Route::GeminiGenerate,
+        Route::GeminiStream,
+        Route::GeminiV1Generate,
+        Route::GeminiV1Stream,
+        Route::EchoSay,
     ];
 
     /// The stored name, e.g. `openai.chat`.
@@ -296,6 +445,12 @@ impl Route {
             Route::OpenaiEmbeddings => "openai.embeddings",
             Route::OpenaiResponses => "openai.responses",
             Route::AnthropicMessages => "anthropic.messages",
+            Route::GeminiGenerate => "gemini.v1beta.generate",
+            Route::GeminiStream => "gemini.v1beta.stream",
+            Route::GeminiV1Generate => "gemini.v1.generate",
+            Route::GeminiV1Stream => "gemini.v1.stream",
+            #[cfg(test)]
+            Route::EchoSay => "echo.say",
         }
     }
 
@@ -307,12 +462,22 @@ impl Route {
     /// The provider kind that serves this route.
     pub fn provider(self) -> Provider {
         match self {
+            Route::OpenaiChat
+            | Route::OpenaiCompletions
+            | Route::OpenaiEmbeddings
+            | Route::OpenaiResponses => Provider::Openai,
             Route::AnthropicMessages => Provider::Anthropic,
-            _ => Provider::Openai,
+            Route::GeminiGenerate
+            | Route::GeminiStream
+            | Route::GeminiV1Generate
+            | Route::GeminiV1Stream => Provider::Gemini,
+            #[cfg(test)]
+            Route::EchoSay => Provider::Echo,
         }
     }
 
-    /// The path clients call on holdfast.
+    /// The path clients call on holdfast; `{model}` stands for the model of a route that
+    /// takes it in the path (GM-1).
     pub fn client_path(self) -> &'static str {
         match self {
             Route::OpenaiChat => "/v1/chat/completions",
@@ -320,12 +485,75 @@ impl Route {
             Route::OpenaiEmbeddings => "/v1/embeddings",
             Route::OpenaiResponses => "/v1/responses",
             Route::AnthropicMessages => "/v1/messages",
+            Route::GeminiGenerate
+            | Route::GeminiStream
+            | Route::GeminiV1Generate
+            | Route::GeminiV1Stream => gemini::client_path(self),
+            #[cfg(test)]
+            Route::EchoSay => echo::SAY_PATH,
         }
     }
 
-    /// The path appended to a backend's `base_url` (which includes `/v1`).
-    pub(crate) fn upstream_path(self) -> &'static str {
-        &self.client_path()["/v1".len()..]
+    /// The path the router matches this route under, in its `{param}` syntax: the client path,
+    /// or for a model in the path `/v1beta/models/{call}`, `{call}` being `{model}:{method}`,
+    /// which several routes share (the router cannot match a literal after a parameter).
+    pub fn router_path(self) -> &'static str {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => self.client_path(),
+            Provider::Gemini => gemini::router_path(self),
+            #[cfg(test)]
+            Provider::Echo => self.client_path(),
+        }
+    }
+
+    /// Whether the model is in the path rather than the body (GM-1): it is then part of the
+    /// request hash, and model rewrites apply to it.
+    pub fn model_in_path(self) -> bool {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => false,
+            Provider::Gemini => true,
+            #[cfg(test)]
+            Provider::Echo => false,
+        }
+    }
+
+    /// The route of a call to a shared router path ([`Route::router_path`]) whose `{call}`
+    /// segment names `method` (`generateContent`, `streamGenerateContent`).
+    pub fn of_method(router_path: &str, method: &str) -> Option<Route> {
+        Route::ALL.into_iter().find(|r| {
+            r.router_path() == router_path
+                && r.client_path()
+                    .rsplit_once(':')
+                    .is_some_and(|(_, m)| m == method)
+        })
+    }
+
+    /// Whether `model` can be the model segment of this route's path (GM-1).
+    pub fn is_path_model(model: &str) -> bool {
+        gemini::is_path_model(model)
+    }
+
+    /// Whether a request of this route streams: the body's top-level `"stream": true`
+    /// (`body_stream`), or for Gemini the path (GM-1).
+    pub fn streams(self, body_stream: bool) -> bool {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => body_stream,
+            Provider::Gemini => gemini::streams(self),
+            #[cfg(test)]
+            Provider::Echo => body_stream,
+        }
+    }
+
+    /// The path (and query) appended to a backend's `base_url`: the client path without `/v1`
+    /// (the `base_url` has it), or for Gemini the client path with `model` in it (GM-1,
+    /// decision 57).
+    pub(crate) fn upstream_path(self, model: Option<&str>) -> String {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => self.client_path()["/v1".len()..].to_string(),
+            Provider::Gemini => gemini::upstream_path(self, model.unwrap_or_default()),
+            #[cfg(test)]
+            Provider::Echo => "/say".to_string(),
+        }
     }
 
     /// Whether a provider stream event completes this route's stream (LC-7). `data` is the
@@ -334,6 +562,21 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::ends_stream(self, data, kind),
             Provider::Anthropic => anthropic::ends_stream(kind),
+            Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => echo::ends_stream(kind),
+        }
+    }
+
+    /// Whether a stream event finishes the answer, which is then complete when the body ends
+    /// cleanly after it: Gemini's streams have no final event (GM-3). The other providers'
+    /// streams end at their final event ([`Route::ends_stream`]).
+    pub(crate) fn finishes_answer(self, event: &EventParts<'_>) -> bool {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => false,
+            Provider::Gemini => gemini::finishes_answer(event),
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
@@ -342,6 +585,9 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::stream_end_name(self),
             Provider::Anthropic => anthropic::STREAM_END,
+            Provider::Gemini => gemini::STREAM_END,
+            #[cfg(test)]
+            Provider::Echo => echo::STREAM_END,
         }
     }
 
@@ -353,26 +599,35 @@ impl Route {
     /// `response.queued`.
     pub(crate) fn stream_start_name(self) -> Option<&'static str> {
         match self.provider() {
-            Provider::Openai => None,
+            Provider::Openai | Provider::Gemini => None,
             Provider::Anthropic => Some(anthropic::STREAM_START),
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
     /// Whether a stream event of type `kind` only keeps the stream open (Anthropic's `ping`).
     pub(crate) fn is_keepalive_event(self, kind: Option<&str>) -> bool {
         match self.provider() {
-            Provider::Openai => false,
+            Provider::Openai | Provider::Gemini => false,
             Provider::Anthropic => anthropic::is_keepalive_event(kind),
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
-    /// Whether every data event of this route's stream, other than its final `[DONE]` and error
-    /// events, carries `choices` (chat and completions chunks; empty in a usage chunk): an
-    /// event without it is not this route's (decision 42).
-    pub(crate) fn stream_events_carry_choices(self) -> bool {
+    /// Top-level members one of which every data event of this route's stream carries, other
+    /// than its final `[DONE]` and error events: `choices` for chat and completions chunks
+    /// (empty in a usage chunk, decision 42), `candidates`, `promptFeedback` or
+    /// `usageMetadata` for Gemini's (GM-3). An event with none is not this route's. Empty:
+    /// events are told by their type instead.
+    pub(crate) fn stream_event_members(self) -> &'static [&'static str] {
         match self.provider() {
-            Provider::Openai => openai::stream_events_carry_choices(self),
-            Provider::Anthropic => false,
+            Provider::Openai if openai::stream_events_carry_choices(self) => &["choices"],
+            Provider::Openai | Provider::Anthropic => &[],
+            Provider::Gemini => gemini::STREAM_EVENT_MEMBERS,
+            #[cfg(test)]
+            Provider::Echo => &[],
         }
     }
 
@@ -382,7 +637,9 @@ impl Route {
     pub(crate) fn keeps_answer_ids(self) -> bool {
         match self.provider() {
             Provider::Openai => openai::keeps_answer_ids(self),
-            Provider::Anthropic => false,
+            Provider::Anthropic | Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => false,
         }
     }
 
@@ -390,7 +647,9 @@ impl Route {
     pub(crate) fn answer_id_of_event(self, event: &EventParts<'_>) -> Option<String> {
         match self.provider() {
             Provider::Openai => openai::answer_id_of_event(self, event),
-            Provider::Anthropic => None,
+            Provider::Anthropic | Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -398,7 +657,9 @@ impl Route {
     pub(crate) fn answer_id_of_body(self, body: &BodyParts<'_>) -> Option<String> {
         match self.provider() {
             Provider::Openai => openai::answer_id_of_body(self, body),
-            Provider::Anthropic => None,
+            Provider::Anthropic | Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -408,6 +669,9 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::usage_of_event(self, event),
             Provider::Anthropic => anthropic::usage_of_event(event),
+            Provider::Gemini => gemini::usage_of_event(event),
+            #[cfg(test)]
+            Provider::Echo => echo::usage_of_event(event),
         }
     }
 
@@ -416,6 +680,9 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::usage_of(body.usage?),
             Provider::Anthropic => anthropic::usage_of(body.usage?),
+            Provider::Gemini => gemini::usage_of(body.usage_metadata?),
+            #[cfg(test)]
+            Provider::Echo => echo::usage_of(body.usage?),
         }
     }
 
@@ -426,7 +693,9 @@ impl Route {
     pub(crate) fn stream_usage_request(self) -> Option<&'static str> {
         match self.provider() {
             Provider::Openai => openai::stream_usage_request(self),
-            Provider::Anthropic => None,
+            Provider::Anthropic | Provider::Gemini => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 
@@ -443,6 +712,9 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::text_of_event(self, kind, data),
             Provider::Anthropic => anthropic::text_of_event(data),
+            Provider::Gemini => gemini::text_of_event(data),
+            #[cfg(test)]
+            Provider::Echo => echo::text_of_event(data),
         }
     }
 
@@ -452,6 +724,9 @@ impl Route {
         match self.provider() {
             Provider::Openai => openai::result_members(self),
             Provider::Anthropic => anthropic::RESULT_MEMBERS,
+            Provider::Gemini => gemini::RESULT_MEMBERS,
+            #[cfg(test)]
+            Provider::Echo => echo::RESULT_MEMBERS,
         }
     }
 }
@@ -464,13 +739,53 @@ mod tests {
     fn names_round_trip_and_upstream_paths_drop_the_version_prefix() {
         for r in Route::ALL {
             assert_eq!(Route::from_name(r.name()), Some(r));
-            assert!(r.client_path().ends_with(r.upstream_path()));
-            assert!(r.upstream_path().starts_with('/'));
+            let upstream = r.upstream_path(Some("m"));
+            assert!(upstream.starts_with('/'));
+            if !r.model_in_path() {
+                assert!(r.client_path().ends_with(&upstream));
+            }
             assert_eq!(Provider::for_path(r.client_path()), r.provider());
         }
-        assert_eq!(Route::OpenaiChat.upstream_path(), "/chat/completions");
-        assert_eq!(Route::AnthropicMessages.upstream_path(), "/messages");
+        assert_eq!(Route::OpenaiChat.upstream_path(None), "/chat/completions");
+        assert_eq!(Route::AnthropicMessages.upstream_path(None), "/messages");
         assert_eq!(Route::from_name("nope.chat"), None);
+    }
+
+    #[test]
+    fn a_routes_name_starts_with_its_providers_name_for_usage_by_provider() {
+        for route in Route::ALL {
+            assert_eq!(
+                route.name().split('.').next(),
+                Some(route.provider().name()),
+                "GET /usage?group_by=provider reads the provider from the route's name"
+            );
+        }
+    }
+
+    #[test]
+    fn gemini_paths_carry_the_model_and_the_client_version_gm1() {
+        assert_eq!(
+            Route::GeminiGenerate.upstream_path(Some("gemini-2.5-flash")),
+            "/v1beta/models/gemini-2.5-flash:generateContent"
+        );
+        assert_eq!(
+            Route::GeminiV1Stream.upstream_path(Some("g")),
+            "/v1/models/g:streamGenerateContent?alt=sse"
+        );
+        let beta = Route::GeminiGenerate.router_path();
+        assert_eq!(beta, "/v1beta/models/{call}");
+        assert_eq!(
+            Route::of_method(beta, "streamGenerateContent"),
+            Some(Route::GeminiStream)
+        );
+        assert_eq!(
+            Route::of_method("/v1/models/{call}", "generateContent"),
+            Some(Route::GeminiV1Generate)
+        );
+        assert_eq!(Route::of_method(beta, "countTokens"), None);
+        assert!(Route::GeminiStream.streams(false));
+        assert!(!Route::GeminiGenerate.streams(true));
+        assert!(Route::OpenaiChat.streams(true));
     }
 
     #[test]

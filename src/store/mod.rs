@@ -395,6 +395,8 @@ pub enum UsageGroup {
     Namespace,
     /// By UTC day of submission (`YYYY-MM-DD`).
     Day,
+    /// By provider: the first segment of the route's name (`openai`, `anthropic`, `gemini`).
+    Provider,
 }
 
 /// Which requests `Store::usage` sums: submitted in `[since, until)`, of one namespace or all.

@@ -24,6 +24,8 @@ pub(crate) struct Call<'a> {
     pub body: &'a [u8],
     /// Forwarded and default headers, as recorded (ID-3a).
     pub headers: &'a [(String, String)],
+    /// The model as recorded: part of the URL for a route that takes it in the path (GM-1).
+    pub model: Option<&'a str>,
 }
 
 /// Why a call produced no usable HTTP response. All of these are transient (LC-5) when they
@@ -67,7 +69,8 @@ struct Target {
     backend: Backend,
     /// The key header and its value, if the backend has a key.
     key: Option<(HeaderName, HeaderValue)>,
-    /// The provider URL of every route, parsed once (parsing per call showed in profiles).
+    /// The provider URL of every route whose path has no model in it, parsed once (parsing per
+    /// call showed in profiles).
     urls: Vec<(Route, reqwest::Url)>,
 }
 
@@ -115,11 +118,12 @@ impl Upstreams {
             };
             let urls = Route::ALL
                 .into_iter()
+                .filter(|route| !route.model_in_path())
                 .map(|route| {
                     let url = format!(
                         "{}{}",
                         b.base_url.trim_end_matches('/'),
-                        route.upstream_path()
+                        route.upstream_path(None)
                     );
                     reqwest::Url::parse(&url)
                         .map(|url| (route, url))
@@ -154,11 +158,19 @@ impl Upstreams {
             .get(call.backend)
             .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?;
         let route = call.route;
-        let url = urls
-            .iter()
-            .find(|(r, _)| *r == route)
-            .map(|(_, url)| url.clone())
-            .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?;
+        let url = if route.model_in_path() {
+            let url = format!(
+                "{}{}",
+                backend.base_url.trim_end_matches('/'),
+                route.upstream_path(call.model)
+            );
+            reqwest::Url::parse(&url).map_err(|e| CallError::Connect(format!("{url}: {e}")))?
+        } else {
+            urls.iter()
+                .find(|(r, _)| *r == route)
+                .map(|(_, url)| url.clone())
+                .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?
+        };
         let mut headers = HeaderMap::new();
         headers.insert(
             reqwest::header::CONTENT_TYPE,

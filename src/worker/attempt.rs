@@ -15,11 +15,10 @@ use super::stream::StreamRead;
 use crate::hub::HubEvent;
 use crate::ledger;
 use crate::metrics as m;
-use crate::provider::{BodyParts, EventParts, Route};
-use crate::sse::SseEvent;
+use crate::provider::{Route, excerpt};
 use crate::store::{
     Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, Millis, Outcome, RequestRecord, StoreError,
-    Usage, holds_outcome, now_ms,
+    holds_outcome, now_ms,
 };
 use crate::upstream::{Call, CallError};
 
@@ -27,7 +26,6 @@ use crate::upstream::{Call, CallError};
 /// renewed within about this long of the database's return, well inside the sweeps' hold
 /// (decision 52).
 pub(super) const HEARTBEAT_RETRY: Duration = Duration::from_secs(1);
-use serde_json::value::RawValue;
 
 /// What an attempt records: its outcome and, for a stream the provider finished, the last
 /// batch of events, stored with the outcome in one commit ([`Store::finish_with_chunks`]).
@@ -304,6 +302,7 @@ impl WorkerPool {
             route,
             body: &record.body,
             headers: &record.headers,
+            model: record.model.as_deref(),
         };
         let mut response = match self.upstreams.send(&call).await {
             Ok(r) => r,
@@ -316,9 +315,10 @@ impl WorkerPool {
         let status = response.status().as_u16();
         metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => status.to_string())
             .increment(1);
-        let request_id = response
-            .headers()
-            .get(route.provider().request_id_header())
+        let request_id = route
+            .provider()
+            .request_id_header()
+            .and_then(|name| response.headers().get(name))
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         if record.stream && (200..300).contains(&status) {
@@ -367,7 +367,7 @@ impl WorkerPool {
             Err(e) => return self.transient(lease, Some(status), e.to_string(), hint),
         };
         if (200..300).contains(&status) {
-            return match check_answer(route, &body) {
+            return match route.check_answer(&body) {
                 Ok((response_id, usage)) => Outcome::Succeeded {
                     status,
                     body,
@@ -509,237 +509,12 @@ pub(super) fn log_finished(record: &RequestRecord) {
     );
 }
 
-/// What [`inspect_event`] found in one provider event.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub(super) struct Seen {
-    /// The event reports an error (LC-7).
-    pub(super) error: bool,
-    /// The event completes the route's stream ([`Route::ends_stream`]).
-    pub(super) ends_stream: bool,
-    /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
-    pub(super) starts_stream: bool,
-    /// The event only keeps the stream open ([`Route::is_keepalive_event`]).
-    pub(super) keepalive: bool,
-    /// The provider's id of the answer, when the event announces it
-    /// ([`Route::answer_id_of_event`]).
-    pub(super) answer_id: Option<String>,
-    /// What the event reports the attempt has cost ([`Route::usage_of_event`]).
-    pub(super) usage: Option<Usage>,
-}
-
-/// Checks a provider event before it is stored: its data must be JSON or `[DONE]` (otherwise
-/// `Err` with the reason). Says whether it reports an error and whether it is the route's final
-/// event, as the route's provider defines them.
-///
-/// One parse per event: an object is read into a struct that keeps only `error` (as raw JSON,
-/// so nothing is allocated for the rest, which is still fully validated) and `type`. Only what
-/// that cannot read (a duplicated key) takes the slower path through `serde_json::Value`.
-pub(super) fn inspect_event(route: Route, event: &SseEvent) -> Result<Seen, String> {
-    #[derive(serde::Deserialize, Default)]
-    struct Probe<'a> {
-        #[serde(borrow)]
-        error: Option<&'a RawValue>,
-        #[serde(borrow, rename = "type")]
-        kind: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow)]
-        response: Option<&'a RawValue>,
-        #[serde(borrow)]
-        message: Option<&'a RawValue>,
-        #[serde(borrow)]
-        usage: Option<&'a RawValue>,
-        #[serde(borrow)]
-        choices: Option<&'a RawValue>,
-    }
-    let provider = route.provider();
-    let name = event.event.as_deref();
-    if event.data == "[DONE]" {
-        return Ok(Seen {
-            error: provider.is_error_event(name, None, false),
-            ends_stream: route.ends_stream(&event.data, name),
-            ..Seen::default()
-        });
-    }
-    /// What the slower path read, owned: whether `error` is set, `type`, whether `choices` is
-    /// there.
-    struct Owned {
-        error: bool,
-        kind: Option<String>,
-        choices: bool,
-    }
-    // The slower path owns what it read; the fast one borrows from the data.
-    let fallback: Option<Owned>;
-    let probe = match serde_json::from_str::<Probe<'_>>(&event.data) {
-        Ok(probe) if event.data.starts_with('{') => {
-            fallback = None;
-            probe
-        }
-        _ => match serde_json::from_str::<serde_json::Value>(&event.data) {
-            Ok(value) => {
-                fallback = Some(Owned {
-                    error: value.get("error").is_some_and(|e| !e.is_null()),
-                    kind: value
-                        .get("type")
-                        .and_then(|t| t.as_str())
-                        .map(str::to_owned),
-                    choices: value.get("choices").is_some(),
-                });
-                Probe::default()
-            }
-            Err(_) => {
-                return Err(format!(
-                    "the provider sent an event whose data is not JSON: {}",
-                    excerpt(event.data.as_bytes())
-                ));
-            }
-        },
-    };
-    let (error, kind, has_choices) = match &fallback {
-        Some(owned) => (owned.error, owned.kind.as_deref(), owned.choices),
-        None => (
-            probe.error.is_some_and(|e| e.get() != "null"),
-            probe.kind.as_deref(),
-            probe.choices.is_some(),
-        ),
-    };
-    let parts = EventParts {
-        kind: name.or(kind),
-        response: probe.response,
-        message: probe.message,
-        usage: probe.usage.filter(|u| u.get() != "null"),
-    };
-    let error = provider.is_error_event(name, parts.kind, error);
-    if !error && !has_choices && route.stream_events_carry_choices() {
-        // Not a chunk of this route's answer: no SDK can read it (decision 42).
-        return Err(format!(
-            "the provider sent a stream event without `choices`: {}",
-            excerpt(event.data.as_bytes())
-        ));
-    }
-    Ok(Seen {
-        error,
-        ends_stream: route.ends_stream(&event.data, parts.kind),
-        starts_stream: parts.kind.is_some() && parts.kind == route.stream_start_name(),
-        keepalive: route.is_keepalive_event(parts.kind),
-        answer_id: route.answer_id_of_event(&parts),
-        usage: route.usage_of_event(&parts),
-    })
-}
-
-/// Checks that `event` (`seen`) keeps the order of a stream that has an opening event
-/// ([`Route::stream_start_name`]): `Err` with the reason when it is a second opening event, or
-/// comes before the first and is neither a keep-alive nor an error (decision 44). `opened`
-/// says whether the opening event has come, and is set by it.
-pub(super) fn in_order(
-    route: Route,
-    seen: &Seen,
-    opened: &mut bool,
-    event: &SseEvent,
-) -> Result<(), String> {
-    let Some(start) = route.stream_start_name() else {
-        return Ok(());
-    };
-    let why = if seen.starts_stream {
-        if !std::mem::replace(opened, true) {
-            return Ok(());
-        }
-        "sent a second"
-    } else if *opened || seen.keepalive || seen.error {
-        return Ok(());
-    } else {
-        "began with an event other than"
-    };
-    Err(format!(
-        "the provider stream {why} `{start}`: {}",
-        excerpt(event.data.as_bytes())
-    ))
-}
-
 /// Whether a `content-type` value names an event stream (`text/event-stream`, any parameters).
 pub(super) fn is_event_stream(content_type: &str) -> bool {
     content_type
         .split(';')
         .next()
         .is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream"))
-}
-
-/// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error object
-/// (a non-null top-level `error` with none of the route's [`Route::result_members`]). `Err`
-/// says what it is instead; `Ok` carries the provider's id of the answer, if it has one.
-fn check_answer(
-    route: Route,
-    body: &[u8],
-) -> Result<(Option<String>, Option<Usage>), &'static str> {
-    #[derive(serde::Deserialize)]
-    struct Probe<'a> {
-        #[serde(borrow)]
-        error: Option<&'a RawValue>,
-        choices: Option<serde::de::IgnoredAny>,
-        data: Option<serde::de::IgnoredAny>,
-        output: Option<serde::de::IgnoredAny>,
-        content: Option<serde::de::IgnoredAny>,
-        #[serde(borrow)]
-        id: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow)]
-        object: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow)]
-        usage: Option<&'a RawValue>,
-    }
-    let has = |member: &str| route.result_members().contains(&member);
-    let (error, answered, (answer_id, usage)) = match serde_json::from_slice::<Probe<'_>>(body) {
-        Ok(p) if body.trim_ascii_start().starts_with(b"{") => (
-            p.error.is_some_and(|e| e.get() != "null"),
-            (p.choices.is_some() && has("choices"))
-                || (p.data.is_some() && has("data"))
-                || (p.output.is_some() && has("output"))
-                || (p.content.is_some() && has("content")),
-            {
-                let parts = BodyParts {
-                    id: p.id.as_deref(),
-                    object: p.object.as_deref(),
-                    usage: p.usage,
-                };
-                (route.answer_id_of_body(&parts), route.usage_of_body(&parts))
-            },
-        ),
-        // A duplicated key (serde_json::Value keeps the last), or not an object at all.
-        _ => match serde_json::from_slice::<serde_json::Value>(body) {
-            Ok(serde_json::Value::Object(map)) => (
-                map.get("error").is_some_and(|e| !e.is_null()),
-                map.keys().any(|k| has(k)),
-                {
-                    let usage = map
-                        .get("usage")
-                        .and_then(|u| serde_json::value::to_raw_value(u).ok());
-                    let parts = BodyParts {
-                        id: map.get("id").and_then(|v| v.as_str()),
-                        object: map.get("object").and_then(|v| v.as_str()),
-                        usage: usage.as_deref(),
-                    };
-                    (route.answer_id_of_body(&parts), route.usage_of_body(&parts))
-                },
-            ),
-            Ok(_) => return Err("JSON that is not an object"),
-            Err(_) => return Err("a body that is not JSON"),
-        },
-    };
-    if !answered {
-        // No SDK can read an answer without its route's result member (decision 39).
-        return Err(if error {
-            "an error object instead of an answer"
-        } else {
-            match route.result_members() {
-                ["choices"] => {
-                    "a JSON object without `choices`, which every answer of this route has"
-                }
-                ["data"] => "a JSON object without `data`, which every answer of this route has",
-                ["output"] => {
-                    "a JSON object without `output`, which every answer of this route has"
-                }
-                _ => "a JSON object without `content`, which every answer of this route has",
-            }
-        });
-    }
-    Ok((answer_id, usage))
 }
 
 /// The provider's `Content-Type` as sent, `none` when absent: named in every
@@ -754,262 +529,9 @@ pub(super) fn content_type_of(response: &reqwest::Response) -> String {
         )
 }
 
-/// The first 200 characters of a provider body, for messages.
-fn excerpt(body: &[u8]) -> String {
-    let text = String::from_utf8_lossy(body);
-    let mut out: String = text.chars().take(200).collect();
-    if text.chars().count() > 200 {
-        out.push('…');
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn event(name: Option<&str>, data: &str) -> SseEvent {
-        SseEvent {
-            event: name.map(str::to_owned),
-            data: data.to_owned(),
-            ..SseEvent::default()
-        }
-    }
-
-    fn error(route: Route, name: Option<&str>, data: &str) -> Result<bool, String> {
-        inspect_event(route, &event(name, data)).map(|seen| seen.error)
-    }
-
-    fn ends(route: Route, name: Option<&str>, data: &str) -> bool {
-        inspect_event(route, &event(name, data)).is_ok_and(|seen| seen.ends_stream)
-    }
-
-    #[test]
-    fn inspect_event_validates_json_once_and_finds_error_events_lc7() {
-        let chat = Route::OpenaiChat;
-        assert_eq!(error(chat, None, r#"{"choices":[]}"#), Ok(false));
-        assert_eq!(error(chat, None, "[DONE]"), Ok(false));
-        assert_eq!(
-            error(chat, None, r#"{"error":null,"choices":[]}"#),
-            Ok(false)
-        );
-        assert_eq!(
-            error(chat, None, r#"{"error":{"message":"overloaded"}}"#),
-            Ok(true)
-        );
-        assert_eq!(error(chat, Some("error"), r#"{"type":"error"}"#), Ok(true));
-        // A duplicated key is JSON serde_json::Value accepts (last one wins).
-        assert_eq!(
-            error(chat, None, r#"{"error":null,"error":{"m":1}}"#),
-            Ok(true)
-        );
-        assert!(error(chat, None, r#"{"choices":[]"#).is_err());
-        assert!(error(chat, None, r#"{"a":1} trailing"#).is_err());
-        assert!(error(chat, None, "hello").is_err());
-    }
-
-    #[test]
-    fn a_chat_or_completions_stream_event_without_choices_is_not_the_routes_lc7_lc11_decision42() {
-        for route in [Route::OpenaiChat, Route::OpenaiCompletions] {
-            // Every chunk carries `choices`, the usage-only chunk an empty one.
-            assert_eq!(
-                error(route, None, r#"{"choices":[],"usage":{}}"#),
-                Ok(false)
-            );
-            for data in [
-                r#"{"id":"x","object":"chat.completion.chunk"}"#,
-                "[1, 2]",
-                "3",
-                r#"{"error":null}"#,
-            ] {
-                let refused = error(route, None, data).expect_err(data);
-                assert!(refused.contains("without `choices`"), "{refused}");
-            }
-            // An error event is an error, not a malformed chunk; `[DONE]` ends the stream.
-            assert_eq!(
-                error(route, None, r#"{"error":{"message":"overloaded"}}"#),
-                Ok(true)
-            );
-            assert!(ends(route, None, "[DONE]"));
-        }
-        // Other routes' events are told by their type, not by `choices`.
-        assert_eq!(
-            error(
-                Route::OpenaiResponses,
-                None,
-                r#"{"type":"response.output_text.delta","delta":"hi"}"#
-            ),
-            Ok(false)
-        );
-        assert_eq!(
-            error(Route::AnthropicMessages, Some("ping"), r#"{"type":"ping"}"#),
-            Ok(false)
-        );
-    }
-
-    /// The events of one stream, in order, through [`in_order`]: the reason of the first one
-    /// out of place, if any.
-    fn first_misplaced(route: Route, events: &[(Option<&str>, &str)]) -> Option<String> {
-        let mut opened = false;
-        events.iter().find_map(|(name, data)| {
-            let event = event(*name, data);
-            let seen = inspect_event(route, &event).expect("valid event");
-            in_order(route, &seen, &mut opened, &event).err()
-        })
-    }
-
-    #[test]
-    fn a_messages_stream_opens_with_message_start_once_lc7_lc11_decision44() {
-        let route = Route::AnthropicMessages;
-        let start = (
-            Some("message_start"),
-            r#"{"type":"message_start","message":{}}"#,
-        );
-        let ping = (Some("ping"), r#"{"type":"ping"}"#);
-        let delta = (
-            Some("content_block_delta"),
-            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}"#,
-        );
-        let stop = (Some("message_stop"), r#"{"type":"message_stop"}"#);
-        let error = (
-            Some("error"),
-            r#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#,
-        );
-        // What Anthropic sends: pings and errors may come before `message_start`.
-        assert_eq!(
-            first_misplaced(route, &[ping, start, delta, ping, stop]),
-            None
-        );
-        assert_eq!(first_misplaced(route, &[error]), None);
-        // By its data's `type` when it has no `event:` name.
-        assert_eq!(
-            first_misplaced(route, &[(None, start.1), (None, delta.1), (None, stop.1)]),
-            None
-        );
-        for (events, why) in [
-            (
-                &[delta, stop][..],
-                "began with an event other than `message_start`",
-            ),
-            (
-                &[ping, delta, stop][..],
-                "began with an event other than `message_start`",
-            ),
-            (
-                &[stop][..],
-                "began with an event other than `message_start`",
-            ),
-            (&[start, delta, start, stop][..], "a second `message_start`"),
-        ] {
-            let found = first_misplaced(route, events).expect(why);
-            assert!(found.contains(why), "{found}");
-        }
-        // The OpenAI routes have no opening event to check.
-        for route in [
-            Route::OpenaiChat,
-            Route::OpenaiCompletions,
-            Route::OpenaiResponses,
-        ] {
-            assert_eq!(route.stream_start_name(), None);
-        }
-    }
-
-    #[test]
-    fn each_route_is_completed_only_by_its_own_final_event_lc7() {
-        for route in [Route::OpenaiChat, Route::OpenaiCompletions] {
-            assert!(ends(route, None, "[DONE]"));
-            let last = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
-            assert!(
-                !ends(route, None, last),
-                "finish_reason alone is not the end"
-            );
-        }
-        let responses = Route::OpenaiResponses;
-        for kind in [
-            "response.completed",
-            "response.incomplete",
-            "response.failed",
-        ] {
-            let data = format!(r#"{{"type":"{kind}","sequence_number":9,"response":{{}}}}"#);
-            assert!(ends(responses, Some(kind), &data), "{kind}");
-            assert!(ends(responses, None, &data), "{kind} by its data's type");
-        }
-        assert!(!ends(
-            responses,
-            Some("response.output_text.done"),
-            r#"{"type":"response.output_text.done"}"#
-        ));
-        assert!(!ends(responses, None, "[DONE]"));
-        let messages = Route::AnthropicMessages;
-        assert!(ends(
-            messages,
-            Some("message_stop"),
-            r#"{"type":"message_stop"}"#
-        ));
-        assert!(!ends(
-            messages,
-            Some("message_delta"),
-            r#"{"type":"message_delta"}"#
-        ));
-        assert!(!ends(messages, None, "[DONE]"));
-    }
-
-    /// [`check_answer`]'s verdict and the answer's id, without the usage.
-    fn answer_id(route: Route, body: &[u8]) -> Result<Option<String>, &'static str> {
-        check_answer(route, body).map(|(id, _)| id)
-    }
-
-    #[test]
-    fn a_2xx_answer_must_be_an_object_with_the_routes_result_member_lc11_decision39() {
-        let chat = Route::OpenaiChat;
-        assert_eq!(answer_id(chat, br#"{"choices":[],"error":null}"#), Ok(None));
-        // An object without the route's result member is no answer (decision 39).
-        assert_eq!(
-            answer_id(chat, br#"{"id":"x"}"#),
-            Err("a JSON object without `choices`, which every answer of this route has")
-        );
-        assert!(answer_id(chat, b"{}").is_err());
-        assert!(answer_id(Route::OpenaiEmbeddings, br#"{"object":"list"}"#).is_err());
-        assert!(answer_id(Route::OpenaiResponses, br#"{"id":"resp_1"}"#).is_err());
-        assert!(answer_id(Route::AnthropicMessages, br#"{"type":"message"}"#).is_err());
-        assert_eq!(
-            answer_id(
-                Route::AnthropicMessages,
-                br#"{"type":"message","content":[]}"#
-            ),
-            Ok(None)
-        );
-        assert!(answer_id(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
-        assert!(answer_id(chat, br#" [1,2]"#).is_err());
-        assert!(answer_id(chat, br#""text""#).is_err());
-        assert!(answer_id(chat, b"not json").is_err());
-        // An answer with both is the provider's answer (a failed Responses object has both).
-        let failed = br#"{"object":"response","id":"resp_1","status":"failed","output":[],"error":{"code":"server_error"}}"#;
-        assert_eq!(
-            answer_id(Route::OpenaiResponses, failed),
-            Ok(Some("resp_1".into())),
-            "and its id is kept"
-        );
-        let refused = br#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#;
-        assert!(answer_id(Route::AnthropicMessages, refused).is_err());
-        assert_eq!(
-            answer_id(
-                Route::AnthropicMessages,
-                br#"{"type":"message","content":[]}"#
-            ),
-            Ok(None)
-        );
-        assert!(
-            answer_id(
-                Route::OpenaiEmbeddings,
-                br#"{"error":{"m":1},"choices":[]}"#
-            )
-            .is_err()
-        );
-        // A duplicated key takes the slower path and the same rule.
-        assert!(answer_id(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
-        assert_eq!(answer_id(chat, br#"{"choices":1,"choices":[]}"#), Ok(None));
-    }
 
     #[test]
     fn content_types_of_event_streams_are_recognised() {

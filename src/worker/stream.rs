@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tracing::warn;
 
 use super::WorkerPool;
-use super::attempt::{Ending, in_order, inspect_event, is_event_stream};
+use super::attempt::{Ending, is_event_stream};
 use super::chunks::{AppendError, ChunkWriter, Pending};
 use crate::hub::{Handed, HubEvent};
 use crate::provider::Route;
@@ -36,7 +36,8 @@ pub(super) enum Step {
 /// writer's answers; touches no socket and no store, so every ending is unit-tested.
 ///
 /// The stream succeeds only with the route's final event ([`Route::ends_stream`]); reading
-/// stops there. A failure before the first stored chunk is transient (LC-5); after it,
+/// stops there. A route without one (Gemini's) succeeds when an event finished the answer
+/// ([`Route::finishes_answer`]) and the body then ended cleanly (GM-3). A failure before the first stored chunk is transient (LC-5); after it,
 /// terminal `stream_interrupted` (LC-7), and so is a body that ends without the final event.
 /// An answer that is not an event stream at all (a body that ends without a single event) is
 /// `upstream_invalid` and kept on the record (capped): the provider answered and was paid, so
@@ -72,6 +73,11 @@ pub(super) struct StreamRead {
     before_final: usize,
     /// Whether the route's opening event has come (decision 44).
     opened: bool,
+    /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
+    finished: bool,
+    /// The events from the one that finished the answer on, held until the body ends: then
+    /// stored with the outcome and shown only with it, like a final event (GM-3, RS-12).
+    held: Option<ChunkBatch>,
 }
 
 impl StreamRead {
@@ -102,6 +108,8 @@ impl StreamRead {
             answer_id_seen: !route.keeps_answer_ids(),
             before_final: 0,
             opened: false,
+            finished: false,
+            held: None,
         }
     }
 
@@ -153,9 +161,15 @@ impl StreamRead {
                 // same read is neither stored nor allowed to fail a complete answer.
                 break;
             }
-            let inspected = inspect_event(self.route, &event).and_then(|seen| {
-                in_order(self.route, &seen, &mut self.opened, &event).map(|()| seen)
-            });
+            let inspected = self
+                .route
+                .inspect_event(event.event.as_deref(), &event.data)
+                .and_then(|seen| {
+                    let opened = &mut self.opened;
+                    self.route
+                        .in_order(&seen, opened, &event.data)
+                        .map(|()| seen)
+                });
             let seen = match inspected {
                 Ok(seen) => seen,
                 Err(why) => {
@@ -170,6 +184,7 @@ impl StreamRead {
                 self.before_final += 1;
             }
             ended |= seen.ends_stream;
+            self.finished |= seen.finishes_answer;
             if !self.answer_id_seen && seen.answer_id.is_some() {
                 self.answer_id_seen = true;
                 response_id = seen.answer_id;
@@ -197,6 +212,16 @@ impl StreamRead {
             response_id,
             usage: usage_changed.then_some(self.usage),
         };
+        // Events after a held batch join it, in order.
+        let batch = match self.held.take() {
+            Some(held) => joined(held, batch),
+            None => batch,
+        };
+        if self.finished && provider_error.is_none() {
+            // Finished, but complete only at a clean end of the body (GM-3): held until then.
+            self.held = Some(batch);
+            return Step::Read;
+        }
         // The provider's final event: the answer is complete, whatever follows.
         let succeeded = ended && provider_error.is_none();
         if succeeded && self.before_final == 0 {
@@ -238,7 +263,7 @@ impl StreamRead {
     }
 
     /// Reading the provider's body failed.
-    pub(super) fn on_read_error(&self, error: &dyn std::fmt::Display) -> Step {
+    pub(super) fn on_read_error(&mut self, error: &dyn std::fmt::Display) -> Step {
         if self.stored == 0 {
             return Step::Transient(error.to_string());
         }
@@ -246,13 +271,45 @@ impl StreamRead {
             "the provider stream broke after {} events: {error}",
             self.stored
         );
-        Step::End(self.fail(ErrorType::StreamInterrupted, message, None))
+        let failed = self.failed(ErrorType::StreamInterrupted, message, None);
+        self.then_end(failed)
     }
 
-    /// The provider's body ended before the route's final event.
-    pub(super) fn on_body_end(self) -> Ending {
+    /// Ends with `outcome`, after storing a held batch if there is one: what the provider sent
+    /// was read and billed, so it stays (LC-7).
+    fn then_end(&mut self, outcome: Outcome) -> Step {
+        match self.held.take() {
+            Some(batch) => Step::Store {
+                batch,
+                then: Some(outcome),
+            },
+            None => Step::End(Ending::from(outcome)),
+        }
+    }
+
+    /// The provider's body ended before the route's final event: complete if an event finished
+    /// the answer (GM-3) — its held batch is then stored with the outcome, as a final event's
+    /// is — else interrupted, or no stream at all.
+    pub(super) fn on_body_end(&mut self) -> Step {
+        let parsed = std::mem::take(&mut self.parser).finish();
+        if parsed.is_ok()
+            && let Some(batch) = self.held.take()
+        {
+            let outcome = self.success();
+            if self.ends_in_one_write {
+                return Step::End(Ending {
+                    outcome,
+                    last: Some(batch),
+                    withheld: Vec::new(),
+                });
+            }
+            return Step::Store {
+                batch,
+                then: Some(outcome),
+            };
+        }
         let content_type = &self.content_type;
-        let (kind, message) = match self.parser.finish() {
+        let (kind, message) = match parsed {
             Err(e) => (
                 ErrorType::UpstreamInvalid,
                 format!(
@@ -276,17 +333,18 @@ impl StreamRead {
                 ),
             ),
         };
-        let kept = (self.stored == 0).then_some(self.unseen);
-        Ending::from(Outcome::Failed {
+        let kept = (self.stored == 0).then(|| std::mem::take(&mut self.unseen));
+        let failed = Outcome::Failed {
             error: ErrorInfo {
                 kind,
                 message,
                 status: Some(self.status),
             },
             response: kept.map(|body| (self.status, body)),
-            upstream_request_id: self.request_id,
+            upstream_request_id: self.request_id.clone(),
             usage: (!self.usage.is_empty()).then_some(self.usage),
-        })
+        };
+        self.then_end(failed)
     }
 
     /// The outcome of a stream that ended with the provider's final event: its body is the
@@ -328,6 +386,15 @@ impl StreamRead {
 
 /// Most bytes of a stream body kept on the record when the body held no event.
 const KEEP_UNSEEN: usize = 64 * 1024;
+
+/// `held` followed by `next`: one batch, in order, carrying what either announced.
+fn joined(mut held: ChunkBatch, next: ChunkBatch) -> ChunkBatch {
+    held.chunks.extend(next.chunks);
+    held.upstream_request_id = held.upstream_request_id.or(next.upstream_request_id);
+    held.response_id = held.response_id.or(next.response_id);
+    held.usage = next.usage.or(held.usage);
+    held
+}
 
 /// Appends `bytes` to `kept` up to [`KEEP_UNSEEN`].
 fn keep_capped(kept: &mut Vec<u8>, bytes: &[u8]) {
@@ -420,7 +487,7 @@ impl WorkerPool {
         let stored = loop {
             let step = match self.upstreams.next_piece(&mut response).await {
                 Ok(Some(bytes)) => read.on_bytes(&bytes),
-                Ok(None) => break Ok(read.on_body_end()),
+                Ok(None) => read.on_body_end(),
                 Err(e) => read.on_read_error(&e),
             };
             match step {
@@ -653,12 +720,12 @@ mod tests {
     fn a_body_that_ends_before_the_final_event_is_interrupted_or_no_stream_at_all_lc7_lc11() {
         let mut read = chat(false);
         store(&mut read, ROLE);
-        let ending = read.on_body_end();
+        let ending = ended(read.on_body_end());
         assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
 
         let mut read = chat(false);
         assert!(matches!(read.on_bytes(b": just a comment\n\n"), Step::Read));
-        let ending = read.on_body_end();
+        let ending = ended(read.on_body_end());
         assert_eq!(
             failed(&ending),
             (
@@ -667,6 +734,58 @@ mod tests {
             ),
             "what came is kept on the record"
         );
+    }
+
+    #[test]
+    fn a_gemini_stream_succeeds_at_a_clean_end_after_a_finish_reason_and_not_before_gm3_rs12() {
+        const CHUNK: &str =
+            "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"hi\"}]}}]}\r\n\r\n";
+        const LAST: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"\"}]},\"finishReason\":\"STOP\"}],\"usageMetadata\":{\"promptTokenCount\":2,\"candidatesTokenCount\":1}}\r\n\r\n";
+        let gemini = |ends_in_one_write: bool| {
+            let mut read = chat(ends_in_one_write);
+            read.route = Route::GeminiStream;
+            read
+        };
+        let interrupted = |o: &Option<Outcome>| matches!(o, Some(Outcome::Failed { error, .. }) if error.kind == ErrorType::StreamInterrupted);
+        // SQLite: the finishing chunk is held, not handed on, and stored with the outcome.
+        let mut read = gemini(true);
+        store(&mut read, CHUNK);
+        assert!(matches!(read.on_bytes(LAST.as_bytes()), Step::Read), "held");
+        let ending = ended(read.on_body_end());
+        match &ending.outcome {
+            Outcome::Succeeded { usage, .. } => {
+                assert_eq!(usage.and_then(|u| u.output_tokens), Some(1));
+            }
+            other => panic!("expected a success, got {other:?}"),
+        }
+        assert_eq!(ending.last.map(|b| (b.after, b.chunks.len())), Some((1, 1)));
+        // PostgreSQL: stored, then the success (RS-12 publishes it with the outcome).
+        let mut read = gemini(false);
+        store(&mut read, CHUNK);
+        assert!(matches!(read.on_bytes(LAST.as_bytes()), Step::Read), "held");
+        match read.on_body_end() {
+            Step::Store { batch, then } => {
+                assert_eq!(batch.chunks.len(), 1);
+                assert!(matches!(then, Some(Outcome::Succeeded { .. })), "{then:?}");
+            }
+            other => panic!("expected the held batch, then the success: {other:?}"),
+        }
+        // No finishing chunk: interrupted.
+        let mut read = gemini(true);
+        store(&mut read, CHUNK);
+        let ending = ended(read.on_body_end());
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+        // A broken connection after the finishing chunk is no clean end; what was read stays.
+        let mut read = gemini(true);
+        store(&mut read, CHUNK);
+        assert!(matches!(read.on_bytes(LAST.as_bytes()), Step::Read));
+        match read.on_read_error(&"connection reset") {
+            Step::Store { batch, then } => {
+                assert_eq!(batch.chunks.len(), 1);
+                assert!(interrupted(&then), "{then:?}");
+            }
+            other => panic!("expected the held batch, then the failure: {other:?}"),
+        }
     }
 
     #[test]

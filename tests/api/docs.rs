@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-const PREFIXES: [&str; 8] = ["CLI", "HTTP", "ID", "LC", "RS", "RD", "DU", "IN"];
+const PREFIXES: [&str; 9] = ["CLI", "HTTP", "ID", "LC", "RS", "RD", "DU", "IN", "GM"];
 
 /// Every rule id (`LC-7`, `ID-3a`, ...) in `text`, as whole words.
 fn rule_ids(text: &str) -> Vec<String> {

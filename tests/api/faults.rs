@@ -838,3 +838,277 @@ async fn header_is_replay(app: &TestApp, id: &str) -> u64 {
     let record = wait_terminal(&app.http, &app.base, id, Duration::from_secs(30)).await;
     record["attempts"].as_u64().unwrap_or_default()
 }
+
+/// One Gemini fault: what the provider does, and what the record and the client show.
+struct GeminiRow {
+    name: &'static str,
+    provider: Provider,
+    stream: bool,
+    tweak: fn(&mut Config),
+    /// The client's status (200 for a stream that started).
+    answered: u16,
+    status: &'static str,
+    error: Option<&'static str>,
+    attempts: u64,
+    calls: u64,
+}
+
+const GEMINI_ERROR_CHUNK: &str = "data: {\"error\":{\"code\":503,\"message\":\"overloaded\",\"status\":\"UNAVAILABLE\"}}\r\n\r\n";
+
+fn gemini_rows() -> Vec<GeminiRow> {
+    let html = raw_200("text/html; charset=utf-8", HTML_PAGE, false);
+    vec![
+        GeminiRow {
+            name: "gemini stream: the body ends cleanly without a finishReason chunk",
+            provider: Provider::Mock(MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            }),
+            stream: true,
+            tweak: none,
+            answered: 200,
+            status: "failed",
+            error: Some("stream_interrupted"),
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini stream: TCP reset mid-stream",
+            provider: Provider::Mock(MockConfig {
+                chunks: 10,
+                drop_after_chunks: Some(3),
+                ..MockConfig::default()
+            }),
+            stream: true,
+            tweak: none,
+            answered: 200,
+            status: "failed",
+            error: Some("stream_interrupted"),
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini stream: connection reset before headers, then the stream",
+            provider: Provider::Mock(MockConfig {
+                reset_before_headers: 1,
+                ..MockConfig::default()
+            }),
+            stream: true,
+            tweak: none,
+            answered: 200,
+            status: "succeeded",
+            error: None,
+            attempts: 2,
+            calls: 2,
+        },
+        GeminiRow {
+            name: "gemini: 200 text/html",
+            provider: Provider::Raw(html.clone()),
+            stream: false,
+            tweak: none,
+            answered: 502,
+            status: "failed",
+            error: Some("upstream_invalid"),
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini stream: 200 text/html",
+            provider: Provider::Raw(html),
+            stream: true,
+            tweak: none,
+            answered: 502,
+            status: "failed",
+            error: Some("upstream_invalid"),
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini: a JSON error inside a 200",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                r#"{"error":{"code":500,"message":"internal","status":"INTERNAL"}}"#,
+                false,
+            )),
+            stream: false,
+            tweak: none,
+            answered: 502,
+            status: "failed",
+            error: Some("upstream_invalid"),
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini stream: an error chunk in a 200 before any answer, every time",
+            provider: Provider::Raw(raw_200("text/event-stream", GEMINI_ERROR_CHUNK, false)),
+            stream: true,
+            tweak: |c| c.workers.max_attempts = 2,
+            answered: 502,
+            status: "failed",
+            error: Some("attempts_exhausted"),
+            attempts: 2,
+            calls: 2,
+        },
+        GeminiRow {
+            name: "gemini: 429 with retry-after, then 200",
+            provider: Provider::Mock(MockConfig {
+                fail_first: 1,
+                fail_status: 429,
+                retry_after: Some("0.3".into()),
+                ..MockConfig::default()
+            }),
+            stream: false,
+            tweak: |c| c.workers.backoff_max_ms = 5_000,
+            answered: 200,
+            status: "succeeded",
+            error: None,
+            attempts: 2,
+            calls: 2,
+        },
+        GeminiRow {
+            name: "gemini: 400 with Google's error body",
+            provider: Provider::Mock(MockConfig {
+                fail_first: 1,
+                fail_status: 400,
+                ..MockConfig::default()
+            }),
+            stream: true,
+            tweak: none,
+            answered: 400,
+            status: "failed",
+            error: Some("upstream_refused"),
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini: a blocked prompt (promptFeedback, no candidates)",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                r#"{"promptFeedback":{"blockReason":"SAFETY"},"usageMetadata":{"promptTokenCount":4,"totalTokenCount":4}}"#,
+                false,
+            )),
+            stream: false,
+            tweak: none,
+            answered: 200,
+            status: "succeeded",
+            error: None,
+            attempts: 1,
+            calls: 1,
+        },
+        GeminiRow {
+            name: "gemini stream: a blocked prompt (promptFeedback, no candidates)",
+            provider: Provider::Raw(raw_200(
+                "text/event-stream",
+                "data: {\"promptFeedback\":{\"blockReason\":\"SAFETY\"},\"usageMetadata\":{\"promptTokenCount\":4}}\r\n\r\n",
+                false,
+            )),
+            stream: true,
+            tweak: none,
+            answered: 200,
+            status: "succeeded",
+            error: None,
+            attempts: 1,
+            calls: 1,
+        },
+    ]
+}
+
+/// GM-3, GM-5, LC-5..LC-7, LC-11: the fault matrix's Gemini rows. Each row: the client's
+/// status and error shape, the final record, and the number of provider calls.
+#[tokio::test]
+async fn every_gemini_fault_matrix_row_ends_in_its_documented_record_and_call_count_gm3() {
+    for row in gemini_rows() {
+        let (mock_config, raw) = match &row.provider {
+            Provider::Mock(c) => (c.clone(), None),
+            Provider::Raw(bytes) => (
+                MockConfig::default(),
+                Some(RawProvider::start(bytes.clone()).await),
+            ),
+        };
+        let raw_url = raw.as_ref().map(RawProvider::base_url);
+        let tweak = row.tweak;
+        let app = spawn_app(mock_config, move |c| {
+            tweak(c);
+            if let Some(url) = &raw_url {
+                use_backend_url(c, url);
+            }
+        })
+        .await;
+        let path = if row.stream {
+            "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
+        } else {
+            "/v1beta/models/gemini-2.5-flash:generateContent"
+        };
+        let started = Instant::now();
+        let r = app.post(path, gemini_body(row.name), &[]).await;
+        assert_eq!(r.status(), row.answered, "{}", row.name);
+        let id = header(&r, "holdfast-request-id");
+        let text = r.text().await.unwrap();
+        match (row.answered, row.stream, row.error) {
+            (200, true, Some(cause)) => {
+                // A failure after the first chunk: Google's error object closes the stream.
+                let last = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
+                assert!(
+                    last.starts_with(r#"data: {"error":"#),
+                    "{}: {text}",
+                    row.name
+                );
+                assert!(last.contains(cause), "{}: {text}", row.name);
+            }
+            (200, _, None) => {}
+            (_, _, Some(cause)) if cause != "upstream_refused" => {
+                let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(error["error"]["code"], row.answered, "{}: {text}", row.name);
+                assert_eq!(
+                    error["error"]["details"][0]["reason"], cause,
+                    "{}: {text}",
+                    row.name
+                );
+            }
+            _ => {
+                // The provider's refusal, replayed as it came.
+                let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(
+                    error["error"]["status"], "INVALID_ARGUMENT",
+                    "{}: {text}",
+                    row.name
+                );
+            }
+        }
+        let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(30)).await;
+        assert_eq!(record["status"], row.status, "{}: {record}", row.name);
+        assert_eq!(
+            record["error"]["type"].as_str(),
+            row.error,
+            "{}: {record}",
+            row.name
+        );
+        assert_eq!(
+            record["attempts"].as_u64(),
+            Some(row.attempts),
+            "{}: {record}",
+            row.name
+        );
+        assert_eq!(
+            calls_of(&row.provider, &app.mock, raw.as_ref()),
+            row.calls,
+            "{}",
+            row.name
+        );
+        if row.name.contains("blocked") {
+            assert!(
+                text.contains("SAFETY"),
+                "{}: the answer is passed on: {text}",
+                row.name
+            );
+            assert_eq!(record["usage"]["input_tokens"], 4, "{}: {record}", row.name);
+        }
+        if row.name.contains("retry-after") {
+            assert!(
+                started.elapsed() >= Duration::from_millis(300),
+                "retry-after honoured"
+            );
+        }
+        app.stop().await;
+    }
+}

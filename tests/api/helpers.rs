@@ -33,7 +33,8 @@ pub async fn start_mock(config: MockConfig) -> MockServer {
         .expect("start mock")
 }
 
-/// Test defaults: quick retries and sweeps, the mock as both backends, a fresh SQLite file.
+/// Test defaults: quick retries and sweeps, the mock as every backend (OpenAI, Anthropic,
+/// Gemini), a fresh SQLite file.
 pub fn test_config(mock: &MockServer, dir: &Path) -> Config {
     let mut config = Config {
         database_url: format!("sqlite://{}", dir.join("holdfast.db").display()),
@@ -48,6 +49,12 @@ pub fn test_config(mock: &MockServer, dir: &Path) -> Config {
                 name: "mock-anthropic".into(),
                 kind: Provider::Anthropic,
                 base_url: mock.base_url(),
+                api_key_env: None,
+            },
+            Backend {
+                name: "mock-gemini".into(),
+                kind: Provider::Gemini,
+                base_url: mock.root_url(),
                 api_key_env: None,
             },
         ],
@@ -718,11 +725,34 @@ pub fn raw_200(content_type: &str, body: &str, close_delimited: bool) -> Vec<u8>
     .into_bytes()
 }
 
-/// Points every backend of `config` at `base_url`.
+/// Points every backend of `config` at `base_url` (a Gemini backend at it without `/v1`).
 pub fn use_backend_url(config: &mut Config, base_url: &str) {
     for b in &mut config.backends {
-        b.base_url = base_url.to_string();
+        b.base_url = match b.kind {
+            Provider::Gemini => base_url.trim_end_matches("/v1").to_string(),
+            Provider::Openai | Provider::Anthropic => base_url.to_string(),
+        };
     }
+}
+
+/// A Gemini `generateContent` body whose prompt is `text`.
+pub fn gemini_body(text: &str) -> String {
+    serde_json::json!({"contents": [{"role": "user", "parts": [{"text": text}]}]}).to_string()
+}
+
+/// The text of Gemini chunks (their first candidate's text parts), concatenated.
+pub fn gemini_text(events: &[holdfast::sse::SseEvent]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(&e.data).ok())
+        .flat_map(|v| {
+            v["candidates"][0]["content"]["parts"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|p| p["text"].as_str().map(str::to_owned))
+        .collect()
 }
 
 /// Runs the holdfast binary with `args` in `dir` (environment: this process's, minus every

@@ -14,6 +14,7 @@ mod disk_full;
 mod docs;
 mod durability;
 mod faults;
+mod gemini;
 mod helpers;
 mod multinode;
 mod node;

@@ -603,3 +603,137 @@ async fn notifications_from_one_store_wake_another_stores_workers_and_readers_in
         .expect("the listener stops on shutdown")
         .expect("listener task");
 }
+
+/// A cluster whose nodes also have a Gemini backend (`mock-gemini`, the mock's root URL), and
+/// `started` nodes.
+async fn gemini_cluster(mock: MockConfig, started: usize) -> Cluster {
+    let mut cluster = Cluster::start(mock, 0).await;
+    cluster.toml.push_str(&format!(
+        "[[backends]]\nname = \"mock-gemini\"\nkind = \"gemini\"\nbase_url = \"{}\"\n",
+        cluster.mock.root_url()
+    ));
+    for _ in 0..started {
+        cluster.add_node().await;
+    }
+    cluster
+}
+
+const GEMINI_GENERATE: &str = "/v1beta/models/gemini-2.5-flash:generateContent";
+const GEMINI_STREAM: &str = "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse";
+
+/// POSTs a Gemini `body` to `path` on `node`, with `headers`.
+async fn gemini_post(
+    cluster: &Cluster,
+    node: usize,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
+    let mut request = cluster
+        .http
+        .post(format!("{}{path}", cluster.base(node)))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.send().await.expect("POST")
+}
+
+#[tokio::test]
+async fn hundred_identical_gemini_calls_across_three_nodes_make_one_upstream_call_id7_du3_gm1() {
+    let mock = MockConfig {
+        header_delay_ms: 700,
+        ..MockConfig::default()
+    };
+    let cluster = gemini_cluster(mock, 3).await;
+    let body = gemini_body("one Gemini call for the whole cluster");
+    let answers = futures::future::join_all((0..100).map(|i| {
+        let (cluster, body) = (&cluster, &body);
+        async move {
+            let r = gemini_post(cluster, i % 3, GEMINI_GENERATE, body, &[]).await;
+            assert_eq!(r.status(), 200);
+            let id = header(&r, "holdfast-request-id");
+            (id, r.bytes().await.expect("body"))
+        }
+    }))
+    .await;
+    assert_eq!(cluster.mock.calls(), 1, "ID-7: one upstream call");
+    assert!(
+        answers.iter().all(|a| a == &answers[0]),
+        "one request, one answer"
+    );
+    let record = get_record(&cluster.http, cluster.base(2), &answers[0].0).await;
+    assert_eq!(record["route"], "gemini.v1beta.generate", "{record}");
+    assert_eq!(record["model"], "gemini-2.5-flash", "{record}");
+    // The ledger by provider, from PostgreSQL (the provider is the route name's first part).
+    let usage = get_json(
+        &cluster.http,
+        &format!("{}/usage?group_by=provider", cluster.base(1)),
+    )
+    .await;
+    let groups = usage["groups"].as_array().expect("groups");
+    assert_eq!(groups.len(), 1, "{usage}");
+    assert_eq!(groups[0]["key"], "gemini", "{usage}");
+    assert_eq!(groups[0]["requests"], 1, "{usage}");
+}
+
+#[tokio::test]
+async fn sigkilled_node_gemini_stream_resets_and_resumes_on_another_node_lc8_du3_gm3() {
+    let mock = MockConfig {
+        chunks: 60,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    };
+    let mut cluster = gemini_cluster(mock, 1).await;
+    let a = 0;
+    let r = gemini_post(
+        &cluster,
+        a,
+        GEMINI_STREAM,
+        &gemini_body("recover this Gemini stream"),
+        &[("prefer", "respond-async")],
+    )
+    .await;
+    assert_eq!(r.status(), 202);
+    let id = header(&r, "holdfast-request-id");
+    cluster
+        .wait_record(a, &id, "chunks to flow on node A", |r| {
+            r["last_seq"].as_i64().unwrap_or(0) >= 3
+        })
+        .await;
+    let b = cluster.add_node().await;
+    let c = cluster.add_node().await;
+    let mut reader = Reader::new(get_events(&cluster.http, cluster.base(b), &id, None).await);
+    reader.read_at_least(2).await;
+    cluster.nodes[a].kill9();
+
+    let events = reader.finish().await;
+    let record = wait_terminal(&cluster.http, cluster.base(c), &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["attempts"], 2, "{record}");
+    assert_eq!(record["recoveries"], 1, "{record}");
+    assert_eq!(cluster.mock.calls(), 2, "one provider call per attempt");
+    assert_consecutive(&events);
+    let reset = events
+        .iter()
+        .position(|e| e.event.as_deref() == Some("reset"))
+        .expect("RD-6: a reset between the attempts");
+    let current = read_events(get_events(&cluster.http, cluster.base(c), &id, None).await)
+        .await
+        .1;
+    assert_eq!(log_of(&events[reset + 1..]), log_of(&current));
+    // The new attempt ends with the finishing chunk, then `end` (GM-3).
+    let finishing = &current[current.len() - 2];
+    assert!(
+        finishing.data.contains("finishReason"),
+        "{}",
+        finishing.data
+    );
+    // Resumed with `Last-Event-ID` inside the abandoned attempt: its reset, then the whole new
+    // attempt (RD-6).
+    let resumed = read_events(get_events(&cluster.http, cluster.base(b), &id, Some("2")).await)
+        .await
+        .1;
+    assert_eq!(log_of(&resumed), log_of(&events[reset..]));
+}

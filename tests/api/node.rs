@@ -891,3 +891,95 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
     wait_deliveries_at_least(&app.base, all[0]["id"].as_str().unwrap(), 2).await;
     app.stop().await;
 }
+
+/// Runs the @google/genai driver in `mode` against `app`.
+async fn gemini_node(app: &TestApp, mode: &str) -> Value {
+    require_node("@google/genai");
+    run_node("gemini_node.mjs", &[mode], &[("HOLDFAST_URL", &app.base)]).await
+}
+
+#[tokio::test]
+async fn google_genai_node_generates_streams_counts_and_lists_through_holdfast_gm1_gm4() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let out = gemini_node(&app, "surface").await;
+    let text = out["text"].as_str().unwrap();
+    assert!(text.starts_with("mock reply"), "{out}");
+    assert_eq!(out["again"], out["text"], "the re-send is the same answer");
+    assert!(
+        out["stream_text"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply"),
+        "{out}"
+    );
+    assert!(out["total_tokens"].as_u64().unwrap() >= 1, "{out}");
+    let models: Vec<&str> = out["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(models.contains(&"models/gemini-mock-small"), "{out}");
+    assert_eq!(out["one_model"], "models/gemini-mock-small");
+    assert_eq!(app.mock.calls(), 2, "the re-send was replayed: {out}");
+    let routes: Vec<String> = records(&app)
+        .await
+        .iter()
+        .filter_map(|r| r["route"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        routes.contains(&"gemini.v1beta.stream".to_string()),
+        "@google/genai calls /v1beta: {routes:?}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn google_genai_node_retries_past_its_timeout_attach_to_one_provider_call_rs2() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 2_500,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = gemini_node(&app, "retry").await;
+    assert!(out["error"].is_null(), "the SDK call succeeded: {out}");
+    assert!(out["text"].as_str().unwrap().starts_with("mock reply"));
+    assert_eq!(
+        app.mock.calls(),
+        1,
+        "one provider call for every SDK attempt"
+    );
+    let list = records(&app).await;
+    assert_eq!(list.len(), 1);
+    let id = list[0]["id"].as_str().unwrap().to_string();
+    let record = wait_deliveries_at_least(&app.base, &id, 2).await;
+    assert!(record["saved_calls"].as_u64().unwrap() >= 1, "{record}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn google_genai_node_throws_when_the_provider_stream_is_cut_lc7_gm5() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            drop_after_chunks: Some(3),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = gemini_node(&app, "cut").await;
+    assert!(!out["error"].is_null(), "the SDK threw: {out}");
+    assert!(
+        out["error"]["message"].as_str().unwrap().contains("broke"),
+        "{out}"
+    );
+    assert!(
+        !out["text"].as_str().unwrap().is_empty(),
+        "text came first: {out}"
+    );
+    app.stop().await;
+}

@@ -482,6 +482,33 @@ async fn every_forwarded_header_of_each_provider_reaches_it_and_splits_the_reque
                 })
                 .to_string(),
             ),
+            Provider::Gemini => {
+                // None (decision 57): the SDK's telemetry and deadline headers neither reach
+                // the provider nor split the request.
+                assert!(provider.forwarded_headers().is_empty());
+                let path = "/v1beta/models/gemini-2.5-flash:generateContent";
+                let body = gemini_body("forwarded headers");
+                let mut ids = Vec::new();
+                for value in ["1", "2"] {
+                    let headers = [("x-goog-api-client", value), ("x-server-timeout", value)];
+                    let answer = app.post(path, body.clone(), &headers).await;
+                    assert_eq!(answer.status(), 200);
+                    ids.push(header(&answer, "holdfast-request-id"));
+                }
+                assert_eq!(
+                    ids[0], ids[1],
+                    "the SDK's own headers are not the request's"
+                );
+                let sent = app.mock.recorded().last().cloned().expect("a call");
+                assert!(
+                    sent.headers
+                        .iter()
+                        .all(|(n, _)| n != "x-goog-api-client" && n != "x-server-timeout"),
+                    "{:?}",
+                    sent.headers
+                );
+                continue;
+            }
         };
         assert!(!provider.forwarded_headers().is_empty());
         for name in provider.forwarded_headers() {

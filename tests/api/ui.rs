@@ -212,3 +212,19 @@ async fn event_stream_takes_the_key_as_a_query_parameter_and_nothing_else_does()
     assert_eq!(cancel.status(), 401, "cancel takes no query key");
     app.stop().await;
 }
+
+/// The page's route filter offers every route of the route table (a new provider's included).
+#[tokio::test]
+async fn the_pages_route_filter_offers_every_route() {
+    let app = spawn_app(MockConfig::default(), |c| c.ui = true).await;
+    let (status, _, page) = answer(&app.http, "GET", &format!("{}/ui", app.base)).await;
+    assert_eq!(status, 200);
+    for route in holdfast::provider::Route::ALL {
+        assert!(
+            page.contains(&format!("<option>{}</option>", route.name())),
+            "the route filter lacks {}",
+            route.name()
+        );
+    }
+    app.stop().await;
+}

@@ -483,6 +483,11 @@ function eventText(route, name, data) {
     return data.type === 'content_block_delta' && data.delta && data.delta.type === 'text_delta' ? data.delta.text ?? '' : '';
   }
   if (route === 'openai.responses') return kind === 'response.output_text.delta' ? data.delta ?? '' : '';
+  if (route.startsWith('gemini.')) {
+    const candidate = Array.isArray(data.candidates) ? data.candidates[0] : null;
+    const parts = candidate && candidate.content && Array.isArray(candidate.content.parts) ? candidate.content.parts : [];
+    return parts.filter((p) => p.thought !== true).map((p) => p.text ?? '').join('');
+  }
   const choice = Array.isArray(data.choices) ? data.choices[0] : null;
   if (!choice) return '';
   if (route === 'openai.completions') return choice.text ?? '';

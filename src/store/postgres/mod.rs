@@ -811,6 +811,7 @@ impl Store for PostgresStore {
             UsageGroup::Day => {
                 "to_char(to_timestamp(r.created_at / 1000.0) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
             }
+            UsageGroup::Provider => "split_part(r.route, '.', 1)",
         };
         let sql = format!("SELECT {key}{USAGE_SQL_TAIL}");
         let rows = sqlx::query(&sql)

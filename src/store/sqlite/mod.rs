@@ -458,6 +458,7 @@ impl Store for SqliteStore {
                 UsageGroup::Backend => "r.backend",
                 UsageGroup::Namespace => "r.namespace",
                 UsageGroup::Day => "strftime('%Y-%m-%d', r.created_at / 1000, 'unixepoch')",
+                UsageGroup::Provider => "substr(r.route, 1, instr(r.route, '.') - 1)",
             };
             let sql = format!("{}{key}{}", USAGE_SQL_HEAD, USAGE_SQL_TAIL);
             let mut stmt = conn.prepare_cached(&sql)?;

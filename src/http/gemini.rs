@@ -1,0 +1,146 @@
+//! Google's Gemini routes (GM-1, GM-4). The router cannot match `{model}:generateContent` in
+//! one path segment, so every `POST /{version}/models/{call}` comes here and is dispatched by
+//! the method after the colon: `generateContent` and `streamGenerateContent` to the proxied
+//! route of that method ([`proxy::handle`], the model taken from the path), `countTokens`
+//! forwarded unlogged to the backend the model routes to. `GET /v1beta/models` is the merged
+//! model list ([`passthrough::models_of`]); one model is [`passthrough::model`].
+
+use std::collections::HashMap;
+
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, Method, Uri};
+use axum::response::{IntoResponse, Response};
+
+use super::errors::ApiError;
+use super::{AppState, namespace, passthrough, proxy};
+use crate::provider::{Provider, Route};
+
+const SHAPE: Provider = Provider::Gemini;
+
+/// `POST /{version}/models/{model}:{method}` under `router_path` (a [`Route::router_path`]).
+pub(super) async fn call(
+    state: AppState,
+    router_path: &'static str,
+    call: String,
+    uri: Uri,
+    mut headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Some((model, method)) = call.rsplit_once(':') else {
+        return no_route(&uri);
+    };
+    if !Route::is_path_model(model) {
+        return ApiError::bad_request(
+            SHAPE,
+            "invalid_model",
+            format!(
+                "the model in the path, {model:?}, must be letters, digits, `.`, `-` or `_` \
+                 (at most 256)"
+            ),
+        )
+        .into_response();
+    }
+    key_from_query(&uri, &mut headers);
+    if method == "countTokens" {
+        return count_tokens(state, router_path, model, &headers, body).await;
+    }
+    let Some(route) = Route::of_method(router_path, method) else {
+        return no_route(&uri);
+    };
+    if route.streams(false) && !asks_for_sse(&uri) {
+        // Without `alt=sse` Google streams one JSON array, which holdfast does not (GM-1).
+        return ApiError::bad_request(
+            SHAPE,
+            "unsupported_stream_format",
+            "holdfast streams Gemini answers as server-sent events only: add `?alt=sse`",
+        )
+        .into_response();
+    }
+    proxy::handle(State(state), route, Some(model.to_owned()), headers, body).await
+}
+
+/// `GET /v1beta/models`: the merged model list in Gemini's shape.
+pub(super) async fn models(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+    uri: Uri,
+    mut headers: HeaderMap,
+) -> Response {
+    key_from_query(&uri, &mut headers);
+    passthrough::models_of(&state, SHAPE, &query, &headers)
+        .await
+        .into_response()
+}
+
+/// `countTokens`: forwarded to the backend the model routes to, the rewritten model in the
+/// path, not logged (HTTP-4).
+async fn count_tokens(
+    state: AppState,
+    router_path: &'static str,
+    model: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    if let Err(e) = namespace(&state.config, headers, SHAPE) {
+        return e.into_response();
+    }
+    let body = match proxy::read_body(&state.config, headers, body, SHAPE).await {
+        Ok(body) => body,
+        Err(e) => return e.into_response(),
+    };
+    let Some(route) = Route::of_method(router_path, "generateContent") else {
+        return ApiError::not_found(SHAPE, "no Gemini route here").into_response();
+    };
+    let Some((backend, rewritten)) = proxy::choose_backend(&state.config, route, Some(model))
+    else {
+        return ApiError::bad_request(
+            SHAPE,
+            "no_backend",
+            format!("no backend serves Gemini model {model:?}"),
+        )
+        .into_response();
+    };
+    let model = rewritten.as_deref().unwrap_or(model);
+    let path = route
+        .upstream_path(Some(model))
+        .replace(":generateContent", ":countTokens");
+    let forwarded = passthrough::client_headers(headers, SHAPE);
+    passthrough::relay(
+        &state,
+        &backend,
+        SHAPE,
+        Method::POST,
+        &path,
+        forwarded,
+        body,
+    )
+    .await
+}
+
+/// `?key=KEY`, the Gemini API's other way to send a key, taken as `x-goog-api-key` when that
+/// header is absent: a namespace key like any other (GM-2), never forwarded (the upstream URL
+/// is built from the route, without the client's query).
+pub(super) fn key_from_query(uri: &Uri, headers: &mut HeaderMap) {
+    if headers.contains_key(SHAPE.credential_header()) {
+        return;
+    }
+    let key = query_of(uri).remove("key");
+    if let Some(value) = key.and_then(|k| HeaderValue::from_str(&k).ok()) {
+        headers.insert(SHAPE.credential_header(), value);
+    }
+}
+
+/// Whether the query asks for server-sent events (`alt=sse`).
+fn asks_for_sse(uri: &Uri) -> bool {
+    query_of(uri).get("alt").is_some_and(|alt| alt == "sse")
+}
+
+/// The query's parameters, decoded (the last of a repeated name); none when it cannot be read.
+fn query_of(uri: &Uri) -> HashMap<String, String> {
+    Query::<HashMap<String, String>>::try_from_uri(uri).map_or_else(|_| HashMap::new(), |q| q.0)
+}
+
+fn no_route(uri: &Uri) -> Response {
+    ApiError::not_found(SHAPE, format!("holdfast has no route {}", uri.path())).into_response()
+}

@@ -1,0 +1,552 @@
+//! How a provider answer is read, for every provider: each stream event checked before it is
+//! stored (JSON, error or not, final or finishing, its usage and answer id; LC-7, LC-11,
+//! decisions 42, 44, GM-3), and a whole 2xx body checked for the route's result member (LC-11,
+//! decision 39). The worker asks these and never spells a provider's member or event itself.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use serde_json::value::RawValue;
+
+use super::{BodyParts, EventParts, Route, Usage};
+
+/// What [`Route::inspect_event`] found in one provider event.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct Seen {
+    /// The event reports an error (LC-7).
+    pub error: bool,
+    /// The event completes the route's stream ([`Route::ends_stream`]): reading stops here.
+    pub ends_stream: bool,
+    /// The event finishes the answer ([`Route::finishes_answer`]): the stream is complete if
+    /// the body then ends cleanly (Gemini, GM-3).
+    pub finishes_answer: bool,
+    /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
+    pub starts_stream: bool,
+    /// The event only keeps the stream open ([`Route::is_keepalive_event`]).
+    pub keepalive: bool,
+    /// The provider's id of the answer, when the event announces it
+    /// ([`Route::answer_id_of_event`]).
+    pub answer_id: Option<String>,
+    /// What the event reports the attempt has cost ([`Route::usage_of_event`]).
+    pub usage: Option<Usage>,
+}
+
+/// The members of an event's data the provider rules read, borrowed. `Option<&RawValue>`
+/// reads a JSON `null` as absent.
+#[derive(serde::Deserialize, Default)]
+struct EventProbe<'a> {
+    #[serde(borrow)]
+    error: Option<&'a RawValue>,
+    #[serde(borrow, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    response: Option<&'a RawValue>,
+    #[serde(borrow)]
+    message: Option<&'a RawValue>,
+    #[serde(borrow)]
+    usage: Option<&'a RawValue>,
+    #[serde(borrow)]
+    choices: Option<&'a RawValue>,
+    #[serde(borrow)]
+    candidates: Option<&'a RawValue>,
+    #[serde(borrow, rename = "promptFeedback")]
+    prompt_feedback: Option<&'a RawValue>,
+    #[serde(borrow, rename = "usageMetadata")]
+    usage_metadata: Option<&'a RawValue>,
+}
+
+impl EventProbe<'_> {
+    /// Whether the top-level member `name` (one of the probed ones) is there.
+    fn has(&self, name: &str) -> bool {
+        match name {
+            "choices" => self.choices.is_some(),
+            "candidates" => self.candidates.is_some(),
+            "promptFeedback" => self.prompt_feedback.is_some(),
+            "usageMetadata" => self.usage_metadata.is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// Parses `data` as JSON into `T`, borrowing. An object `T` cannot read directly (a key twice:
+/// `serde_json::Value` keeps the last, as every SDK does) is read from its re-serialisation,
+/// kept in `normalised`; JSON that is not an object gives `T::default()`. `Err` when `data` is
+/// not JSON. `Ok(false)` beside the value when it was not an object.
+fn probe<'a, T>(data: &'a str, normalised: &'a mut String) -> Result<(T, bool), ()>
+where
+    T: serde::Deserialize<'a> + Default,
+{
+    if data.starts_with('{')
+        && let Ok(probe) = serde_json::from_str::<T>(data)
+    {
+        return Ok((probe, true));
+    }
+    match serde_json::from_str::<serde_json::Value>(data) {
+        Ok(value @ serde_json::Value::Object(_)) => {
+            *normalised = value.to_string();
+            Ok((serde_json::from_str(normalised).unwrap_or_default(), true))
+        }
+        Ok(_) => Ok((T::default(), false)),
+        Err(_) => Err(()),
+    }
+}
+
+impl Route {
+    /// Checks a provider event (`name`: its `event:` name; `data`) before it is stored: its data
+    /// must be JSON or `[DONE]` (otherwise `Err` with the reason), and carry one of the route's
+    /// [`Route::stream_event_members`] unless it is an error. Says whether it reports an error,
+    /// ends or finishes the stream, opens it, only keeps it open, and what it reports.
+    ///
+    /// One parse per event: an object is read into a struct that keeps only the members the
+    /// rules read, as raw JSON (nothing is allocated for the rest, which is still fully
+    /// validated). Only what that cannot read (a duplicated key) takes a slower path.
+    pub(crate) fn inspect_event(self, name: Option<&str>, data: &str) -> Result<Seen, String> {
+        let provider = self.provider();
+        if data == "[DONE]" {
+            return Ok(Seen {
+                error: provider.is_error_event(name, None, false),
+                ends_stream: self.ends_stream(data, name),
+                ..Seen::default()
+            });
+        }
+        let mut normalised = String::new();
+        let Ok((probe, _)) = probe::<EventProbe<'_>>(data, &mut normalised) else {
+            return Err(format!(
+                "the provider sent an event whose data is not JSON: {}",
+                excerpt(data.as_bytes())
+            ));
+        };
+        let parts = EventParts {
+            kind: name.or(probe.kind.as_deref()),
+            response: probe.response,
+            message: probe.message,
+            usage: probe.usage,
+            candidates: probe.candidates,
+            prompt_feedback: probe.prompt_feedback,
+            usage_metadata: probe.usage_metadata,
+        };
+        let error = provider.is_error_event(name, parts.kind, probe.error.is_some());
+        let members = self.stream_event_members();
+        if !error && !members.is_empty() && !members.iter().any(|m| probe.has(m)) {
+            // Not a chunk of this route's answer: no SDK can read it (decision 42, GM-3).
+            return Err(format!(
+                "the provider sent a stream event without {}: {}",
+                named(members, "or"),
+                excerpt(data.as_bytes())
+            ));
+        }
+        Ok(Seen {
+            error,
+            ends_stream: self.ends_stream(data, parts.kind),
+            finishes_answer: !error && self.finishes_answer(&parts),
+            starts_stream: parts.kind.is_some() && parts.kind == self.stream_start_name(),
+            keepalive: self.is_keepalive_event(parts.kind),
+            answer_id: self.answer_id_of_event(&parts),
+            usage: self.usage_of_event(&parts),
+        })
+    }
+
+    /// Checks that an event (`seen`, its `data`) keeps the order of a stream that has an
+    /// opening event ([`Route::stream_start_name`]): `Err` with the reason when it is a second
+    /// opening event, or comes before the first and is neither a keep-alive nor an error
+    /// (decision 44). `opened` says whether the opening event has come, and is set by it.
+    pub(crate) fn in_order(self, seen: &Seen, opened: &mut bool, data: &str) -> Result<(), String> {
+        let Some(start) = self.stream_start_name() else {
+            return Ok(());
+        };
+        let why = if seen.starts_stream {
+            if !std::mem::replace(opened, true) {
+                return Ok(());
+            }
+            "sent a second"
+        } else if *opened || seen.keepalive || seen.error {
+            return Ok(());
+        } else {
+            "began with an event other than"
+        };
+        Err(format!(
+            "the provider stream {why} `{start}`: {}",
+            excerpt(data.as_bytes())
+        ))
+    }
+
+    /// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error
+    /// object (a non-null top-level `error` with none of the route's [`Route::result_members`]).
+    /// `Err` says what it is instead; `Ok` carries the provider's id of the answer, if it has
+    /// one, and the usage it reports.
+    pub(crate) fn check_answer(
+        self,
+        body: &[u8],
+    ) -> Result<(Option<String>, Option<Usage>), String> {
+        // Every top-level member, unparsed; a key twice keeps the last, as every SDK does.
+        let members = match serde_json::from_slice::<BTreeMap<Cow<'_, str>, &RawValue>>(body) {
+            Ok(members) => members,
+            Err(_) if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() => {
+                return Err("JSON that is not an object".into());
+            }
+            Err(_) => return Err("a body that is not JSON".into()),
+        };
+        let member = |name: &str| members.get(name).copied().filter(|v| v.get() != "null");
+        let text =
+            |name: &str| member(name).and_then(|v| serde_json::from_str::<String>(v.get()).ok());
+        let (id, object) = (text("id"), text("object"));
+        if !self.result_members().iter().any(|m| member(m).is_some()) {
+            // No SDK can read an answer without its route's result member (decision 39).
+            return Err(if member("error").is_some() {
+                "an error object instead of an answer".into()
+            } else {
+                format!(
+                    "a JSON object without {}, which every answer of this route has",
+                    named(self.result_members(), "or")
+                )
+            });
+        }
+        let parts = BodyParts {
+            id: id.as_deref(),
+            object: object.as_deref(),
+            usage: member("usage"),
+            usage_metadata: member("usageMetadata"),
+        };
+        Ok((self.answer_id_of_body(&parts), self.usage_of_body(&parts)))
+    }
+}
+
+/// `names` in backticks, the last joined with `word`: "`a`, `b` or `c`".
+fn named(names: &[&str], word: &str) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} {word} {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// The first 200 characters of a provider body, for messages.
+pub(crate) fn excerpt(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let mut out: String = text.chars().take(200).collect();
+    if text.chars().count() > 200 {
+        out.push('…');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(route: Route, name: Option<&str>, data: &str) -> Result<bool, String> {
+        route.inspect_event(name, data).map(|seen| seen.error)
+    }
+
+    fn ends(route: Route, name: Option<&str>, data: &str) -> bool {
+        route
+            .inspect_event(name, data)
+            .is_ok_and(|seen| seen.ends_stream)
+    }
+
+    #[test]
+    fn inspect_event_validates_json_once_and_finds_error_events_lc7() {
+        let chat = Route::OpenaiChat;
+        assert_eq!(error(chat, None, r#"{"choices":[]}"#), Ok(false));
+        assert_eq!(error(chat, None, "[DONE]"), Ok(false));
+        assert_eq!(
+            error(chat, None, r#"{"error":null,"choices":[]}"#),
+            Ok(false)
+        );
+        assert_eq!(
+            error(chat, None, r#"{"error":{"message":"overloaded"}}"#),
+            Ok(true)
+        );
+        assert_eq!(error(chat, Some("error"), r#"{"type":"error"}"#), Ok(true));
+        // A duplicated key is JSON serde_json::Value accepts (last one wins).
+        assert_eq!(
+            error(chat, None, r#"{"error":null,"error":{"m":1}}"#),
+            Ok(true)
+        );
+        assert!(error(chat, None, r#"{"choices":[]"#).is_err());
+        assert!(error(chat, None, r#"{"a":1} trailing"#).is_err());
+        assert!(error(chat, None, "hello").is_err());
+    }
+
+    #[test]
+    fn a_chat_or_completions_stream_event_without_choices_is_not_the_routes_lc7_lc11_decision42() {
+        for route in [Route::OpenaiChat, Route::OpenaiCompletions] {
+            // Every chunk carries `choices`, the usage-only chunk an empty one.
+            assert_eq!(
+                error(route, None, r#"{"choices":[],"usage":{}}"#),
+                Ok(false)
+            );
+            for data in [
+                r#"{"id":"x","object":"chat.completion.chunk"}"#,
+                "[1, 2]",
+                "3",
+                r#"{"error":null}"#,
+            ] {
+                let refused = error(route, None, data).expect_err(data);
+                assert!(refused.contains("without `choices`"), "{refused}");
+            }
+            // An error event is an error, not a malformed chunk; `[DONE]` ends the stream.
+            assert_eq!(
+                error(route, None, r#"{"error":{"message":"overloaded"}}"#),
+                Ok(true)
+            );
+            assert!(ends(route, None, "[DONE]"));
+        }
+        // Other routes' events are told by their type, not by `choices`.
+        assert_eq!(
+            error(
+                Route::OpenaiResponses,
+                None,
+                r#"{"type":"response.output_text.delta","delta":"hi"}"#
+            ),
+            Ok(false)
+        );
+        assert_eq!(
+            error(Route::AnthropicMessages, Some("ping"), r#"{"type":"ping"}"#),
+            Ok(false)
+        );
+    }
+
+    /// The events of one stream, in order, through [`Route::in_order`]: the reason of the first one
+    /// out of place, if any.
+    fn first_misplaced(route: Route, events: &[(Option<&str>, &str)]) -> Option<String> {
+        let mut opened = false;
+        events.iter().find_map(|(name, data)| {
+            let seen = route.inspect_event(*name, data).expect("valid event");
+            route.in_order(&seen, &mut opened, data).err()
+        })
+    }
+
+    #[test]
+    fn a_messages_stream_opens_with_message_start_once_lc7_lc11_decision44() {
+        let route = Route::AnthropicMessages;
+        let start = (
+            Some("message_start"),
+            r#"{"type":"message_start","message":{}}"#,
+        );
+        let ping = (Some("ping"), r#"{"type":"ping"}"#);
+        let delta = (
+            Some("content_block_delta"),
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}"#,
+        );
+        let stop = (Some("message_stop"), r#"{"type":"message_stop"}"#);
+        let error = (
+            Some("error"),
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#,
+        );
+        // What Anthropic sends: pings and errors may come before `message_start`.
+        assert_eq!(
+            first_misplaced(route, &[ping, start, delta, ping, stop]),
+            None
+        );
+        assert_eq!(first_misplaced(route, &[error]), None);
+        // By its data's `type` when it has no `event:` name.
+        assert_eq!(
+            first_misplaced(route, &[(None, start.1), (None, delta.1), (None, stop.1)]),
+            None
+        );
+        for (events, why) in [
+            (
+                &[delta, stop][..],
+                "began with an event other than `message_start`",
+            ),
+            (
+                &[ping, delta, stop][..],
+                "began with an event other than `message_start`",
+            ),
+            (
+                &[stop][..],
+                "began with an event other than `message_start`",
+            ),
+            (&[start, delta, start, stop][..], "a second `message_start`"),
+        ] {
+            let found = first_misplaced(route, events).expect(why);
+            assert!(found.contains(why), "{found}");
+        }
+        // The OpenAI routes have no opening event to check.
+        for route in [
+            Route::OpenaiChat,
+            Route::OpenaiCompletions,
+            Route::OpenaiResponses,
+        ] {
+            assert_eq!(route.stream_start_name(), None);
+        }
+    }
+
+    #[test]
+    fn each_route_is_completed_only_by_its_own_final_event_lc7() {
+        for route in [Route::OpenaiChat, Route::OpenaiCompletions] {
+            assert!(ends(route, None, "[DONE]"));
+            let last = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+            assert!(
+                !ends(route, None, last),
+                "finish_reason alone is not the end"
+            );
+        }
+        let responses = Route::OpenaiResponses;
+        for kind in [
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ] {
+            let data = format!(r#"{{"type":"{kind}","sequence_number":9,"response":{{}}}}"#);
+            assert!(ends(responses, Some(kind), &data), "{kind}");
+            assert!(ends(responses, None, &data), "{kind} by its data's type");
+        }
+        assert!(!ends(
+            responses,
+            Some("response.output_text.done"),
+            r#"{"type":"response.output_text.done"}"#
+        ));
+        assert!(!ends(responses, None, "[DONE]"));
+        let messages = Route::AnthropicMessages;
+        assert!(ends(
+            messages,
+            Some("message_stop"),
+            r#"{"type":"message_stop"}"#
+        ));
+        assert!(!ends(
+            messages,
+            Some("message_delta"),
+            r#"{"type":"message_delta"}"#
+        ));
+        assert!(!ends(messages, None, "[DONE]"));
+    }
+
+    /// [`Route::check_answer`]'s verdict and the answer's id, without the usage.
+    fn answer_id(route: Route, body: &[u8]) -> Result<Option<String>, String> {
+        route.check_answer(body).map(|(id, _)| id)
+    }
+
+    #[test]
+    fn a_2xx_answer_must_be_an_object_with_the_routes_result_member_lc11_decision39() {
+        let chat = Route::OpenaiChat;
+        assert_eq!(answer_id(chat, br#"{"choices":[],"error":null}"#), Ok(None));
+        // An object without the route's result member is no answer (decision 39).
+        assert_eq!(
+            answer_id(chat, br#"{"id":"x"}"#),
+            Err("a JSON object without `choices`, which every answer of this route has".into())
+        );
+        assert!(answer_id(chat, b"{}").is_err());
+        assert!(answer_id(Route::OpenaiEmbeddings, br#"{"object":"list"}"#).is_err());
+        assert!(answer_id(Route::OpenaiResponses, br#"{"id":"resp_1"}"#).is_err());
+        assert!(answer_id(Route::AnthropicMessages, br#"{"type":"message"}"#).is_err());
+        assert_eq!(
+            answer_id(
+                Route::AnthropicMessages,
+                br#"{"type":"message","content":[]}"#
+            ),
+            Ok(None)
+        );
+        assert!(answer_id(chat, br#"{"error":{"message":"overloaded"}}"#).is_err());
+        assert!(answer_id(chat, br#" [1,2]"#).is_err());
+        assert!(answer_id(chat, br#""text""#).is_err());
+        assert!(answer_id(chat, b"not json").is_err());
+        // An answer with both is the provider's answer (a failed Responses object has both).
+        let failed = br#"{"object":"response","id":"resp_1","status":"failed","output":[],"error":{"code":"server_error"}}"#;
+        assert_eq!(
+            answer_id(Route::OpenaiResponses, failed),
+            Ok(Some("resp_1".into())),
+            "and its id is kept"
+        );
+        let refused = br#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#;
+        assert!(answer_id(Route::AnthropicMessages, refused).is_err());
+        assert_eq!(
+            answer_id(
+                Route::AnthropicMessages,
+                br#"{"type":"message","content":[]}"#
+            ),
+            Ok(None)
+        );
+        assert!(
+            answer_id(
+                Route::OpenaiEmbeddings,
+                br#"{"error":{"m":1},"choices":[]}"#
+            )
+            .is_err()
+        );
+        // A duplicated key takes the slower path and the same rule.
+        assert!(answer_id(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
+        assert_eq!(answer_id(chat, br#"{"choices":1,"choices":[]}"#), Ok(None));
+    }
+
+    #[test]
+    fn a_gemini_chunk_needs_a_candidate_feedback_or_usage_and_finishes_at_finish_reason_gm3() {
+        let route = Route::GeminiStream;
+        let text =
+            r#"{"candidates":[{"content":{"parts":[{"text":"hi"}],"role":"model"},"index":0}]}"#;
+        let last = r#"{"candidates":[{"content":{"parts":[{"text":""}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":3,"candidatesTokenCount":2}}"#;
+        let seen = route.inspect_event(None, text).expect("a chunk");
+        assert!(!seen.finishes_answer && !seen.ends_stream && !seen.error);
+        let seen = route.inspect_event(None, last).expect("the last chunk");
+        assert!(seen.finishes_answer, "finishReason finishes the answer");
+        assert!(
+            !seen.ends_stream,
+            "but reading goes on to the end of the body"
+        );
+        assert_eq!(seen.usage.and_then(|u| u.output_tokens), Some(2));
+        let blocked =
+            r#"{"promptFeedback":{"blockReason":"SAFETY"},"usageMetadata":{"promptTokenCount":3}}"#;
+        assert!(
+            route
+                .inspect_event(None, blocked)
+                .expect("blocked")
+                .finishes_answer
+        );
+        let error = r#"{"error":{"code":500,"message":"x","status":"INTERNAL"}}"#;
+        assert_eq!(error_of(route, error), Ok(true));
+        let refused = route
+            .inspect_event(None, r#"{"id":"x"}"#)
+            .expect_err("not a Gemini chunk");
+        assert!(
+            refused.contains("without `candidates`, `promptFeedback` or `usageMetadata`"),
+            "{refused}"
+        );
+        assert!(
+            route
+                .inspect_event(None, "[DONE]")
+                .is_ok_and(|s| !s.finishes_answer)
+        );
+        assert!(route.inspect_event(None, "nope").is_err());
+        // A duplicated key: the last one counts, as for the other routes.
+        let twice = r#"{"candidates":[],"candidates":[{"finishReason":"STOP"}]}"#;
+        assert!(
+            route
+                .inspect_event(None, twice)
+                .expect("dup")
+                .finishes_answer
+        );
+    }
+
+    fn error_of(route: Route, data: &str) -> Result<bool, String> {
+        error(route, None, data)
+    }
+
+    #[test]
+    fn a_gemini_answer_holds_candidates_or_prompt_feedback_lc11_gm3() {
+        let route = Route::GeminiGenerate;
+        let (id, usage) = route
+            .check_answer(br#"{"candidates":[],"usageMetadata":{"promptTokenCount":4,"candidatesTokenCount":6}}"#)
+            .expect("an answer");
+        assert_eq!(id, None);
+        assert_eq!(usage.and_then(|u| u.input_tokens), Some(4));
+        assert!(
+            route
+                .check_answer(br#"{"promptFeedback":{"blockReason":"OTHER"}}"#)
+                .is_ok()
+        );
+        let error = route
+            .check_answer(br#"{"error":{"code":400,"message":"x","status":"INVALID_ARGUMENT"}}"#)
+            .expect_err("an error in a 200");
+        assert_eq!(error, "an error object instead of an answer");
+        let none = route
+            .check_answer(br#"{"usageMetadata":{}}"#)
+            .expect_err("no answer");
+        assert!(
+            none.contains("without `candidates` or `promptFeedback`"),
+            "{none}"
+        );
+        assert!(route.check_answer(b"<html></html>").is_err());
+    }
+}

@@ -1,0 +1,372 @@
+//! Google's Gemini API (the Developer API's REST shape, `generativelanguage.googleapis.com`):
+//! `generateContent` and `streamGenerateContent?alt=sse` under `/v1beta` and `/v1`.
+//!
+//! What sets it apart from the other providers (SPEC GM-1..GM-5): the model is in the URL path
+//! (`/v1beta/models/{model}:generateContent`), the key travels in `x-goog-api-key`, the stream
+//! is chosen by the path rather than the body, and a stream has no final event: it is complete
+//! when a chunk carrying a `finishReason` (or a blocked prompt's `promptFeedback.blockReason`)
+//! has arrived and the body then ends cleanly (GM-3).
+
+use std::collections::HashMap;
+
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+
+use super::{EventParts, Route, Usage};
+
+/// None: no client header changes what the Gemini API answers to a key-authenticated call
+/// (GM-2, decision 57). `x-goog-api-client` is the SDK's telemetry and `X-Server-Timeout` the
+/// SDK's own deadline, which a durable request must not inherit.
+pub(super) const FORWARDED_HEADERS: &[&str] = &[];
+
+/// None.
+pub(super) const DEFAULT_HEADERS: &[(&str, &str)] = &[];
+
+/// The header Google's SDKs send the key in, and holdfast sends the backend's key in.
+pub(super) const KEY_HEADER: &str = "x-goog-api-key";
+
+/// The answer's result members: `candidates`, or `promptFeedback` alone for a prompt that was
+/// blocked before any candidate was generated (GM-3).
+pub(super) const RESULT_MEMBERS: &[&str] = &["candidates", "promptFeedback"];
+
+/// The members a stream chunk carries: a chunk with none of them is not this route's (GM-3).
+pub(super) const STREAM_EVENT_MEMBERS: &[&str] = &["candidates", "promptFeedback", "usageMetadata"];
+
+/// How messages name what completes a Gemini stream.
+pub(super) const STREAM_END: &str = "a chunk with `finishReason`, then the end of the body";
+
+/// The API versions holdfast serves, as the first path segment.
+pub(super) const VERSIONS: [&str; 2] = ["/v1beta", "/v1"];
+
+/// The client path of each route, in the documentation's `{model}` form.
+pub(super) fn client_path(route: Route) -> &'static str {
+    match route {
+        Route::GeminiGenerate => "/v1beta/models/{model}:generateContent",
+        Route::GeminiStream => "/v1beta/models/{model}:streamGenerateContent",
+        Route::GeminiV1Generate => "/v1/models/{model}:generateContent",
+        Route::GeminiV1Stream => "/v1/models/{model}:streamGenerateContent",
+        Route::OpenaiChat
+        | Route::OpenaiCompletions
+        | Route::OpenaiEmbeddings
+        | Route::OpenaiResponses
+        | Route::AnthropicMessages => "",
+        #[cfg(test)]
+        Route::EchoSay => "",
+    }
+}
+
+/// The path a route is routed under: `{call}` is `{model}:{method}` (the router cannot match a
+/// parameter followed by a literal in one segment).
+pub(super) fn router_path(route: Route) -> &'static str {
+    if client_path(route).starts_with("/v1beta/") {
+        "/v1beta/models/{call}"
+    } else {
+        "/v1/models/{call}"
+    }
+}
+
+/// Whether the route streams (`streamGenerateContent`): chosen by the path, not the body.
+pub(super) fn streams(route: Route) -> bool {
+    matches!(route, Route::GeminiStream | Route::GeminiV1Stream)
+}
+
+/// The upstream path and query for `model`: the client's path with the model in it, under the
+/// backend's `base_url`, which has no version prefix (decision 57); a stream asks for SSE.
+pub(super) fn upstream_path(route: Route, model: &str) -> String {
+    let path = client_path(route).replace("{model}", model);
+    if streams(route) {
+        format!("{path}?alt=sse")
+    } else {
+        path
+    }
+}
+
+/// Whether `model` can stand in a path segment as sent: letters, digits, `.`, `-`, `_`, at
+/// most 256 characters (GM-1).
+pub(super) fn is_path_model(model: &str) -> bool {
+    !model.is_empty()
+        && model.len() <= 256
+        && model
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+}
+
+/// A call from Google's SDKs to a path other providers serve too (`GET /v1/models`): they send
+/// `x-goog-api-key` (GM-4).
+pub(super) fn owns_call(headers: &HeaderMap) -> bool {
+    headers.contains_key(KEY_HEADER)
+}
+
+/// Paths whose clients are Google's SDKs: everything under `/v1beta`, and `/v1/models/...`
+/// calls with a method suffix.
+pub(super) fn owns_path(path: &str) -> bool {
+    path.starts_with("/v1beta/") || (path.starts_with("/v1/models/") && path.contains(':'))
+}
+
+/// `x-goog-api-key: KEY`.
+pub(super) fn auth_header(key: &str) -> (&'static str, String) {
+    (KEY_HEADER, key.to_string())
+}
+
+/// One page of the model list, up to 1,000 models, from `pageToken` `after`.
+pub(super) fn models_page_path(after: Option<&str>) -> String {
+    match after {
+        Some(token) => format!("/v1beta/models?pageSize=1000&pageToken={token}"),
+        None => "/v1beta/models?pageSize=1000".to_string(),
+    }
+}
+
+/// The page's `nextPageToken`, when it has a non-empty one.
+pub(super) fn next_models_page(page: &Value) -> Option<String> {
+    page["nextPageToken"]
+        .as_str()
+        .filter(|t| !t.is_empty())
+        .map(str::to_owned)
+}
+
+/// The models of a fetched page (`models`).
+pub(super) fn models_of_page(page: &Value) -> Option<&Vec<Value>> {
+    page["models"].as_array()
+}
+
+/// A model's id in the merged list: its `name` without the `models/` prefix.
+pub(super) fn model_id(model: &Value) -> Option<&str> {
+    let name = model["name"].as_str()?;
+    Some(name.strip_prefix("models/").unwrap_or(name))
+}
+
+/// A model-list entry for an alias.
+pub(super) fn model_entry(id: &str) -> Value {
+    json!({
+        "name": format!("models/{id}"),
+        "displayName": id,
+        "supportedGenerationMethods": ["generateContent", "streamGenerateContent", "countTokens"],
+    })
+}
+
+/// One page of the list shape: `pageSize` (default 50, at most 1000) from `pageToken` (the
+/// position, as holdfast writes it), with `nextPageToken` while more follow.
+pub(super) fn models_page(models: Vec<Value>, query: &HashMap<String, String>) -> Value {
+    let size = query
+        .get("pageSize")
+        .and_then(|s| s.parse::<usize>().ok())
+        .filter(|s| *s > 0)
+        .unwrap_or(50)
+        .min(1000);
+    let start = query
+        .get("pageToken")
+        .and_then(|t| t.parse::<usize>().ok())
+        .unwrap_or(0)
+        .min(models.len());
+    let end = (start + size).min(models.len());
+    let mut page = json!({"models": models[start..end].to_vec()});
+    if end < models.len() {
+        page["nextPageToken"] = Value::String(end.to_string());
+    }
+    page
+}
+
+/// Google's canonical status name for an HTTP status (`google.rpc.Code`).
+fn status_name(status: u16) -> &'static str {
+    match status {
+        400 | 413 | 422 => "INVALID_ARGUMENT",
+        401 => "UNAUTHENTICATED",
+        403 => "PERMISSION_DENIED",
+        404 => "NOT_FOUND",
+        405 | 501 => "UNIMPLEMENTED",
+        409 => "ABORTED",
+        429 => "RESOURCE_EXHAUSTED",
+        499 => "CANCELLED",
+        503 => "UNAVAILABLE",
+        504 => "DEADLINE_EXCEEDED",
+        _ if (400..500).contains(&status) => "FAILED_PRECONDITION",
+        _ => "INTERNAL",
+    }
+}
+
+/// `{"error":{"code","message","status","details"}}` (GM-5): Google's shape, with holdfast's
+/// cause as the `reason` of a `google.rpc.ErrorInfo` detail, where Google puts machine-readable
+/// causes.
+pub(super) fn error_body(status: StatusCode, code: &str, message: &str) -> Value {
+    json!({"error": {
+        "code": status.as_u16(),
+        "message": message,
+        "status": status_name(status.as_u16()),
+        "details": [{
+            "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+            "reason": code,
+            "domain": "holdfast",
+        }],
+    }})
+}
+
+/// The HTTP status an error event carries for holdfast's cause `code`: 503 where a retry
+/// attaches to the request's next attempt, 500 otherwise.
+fn event_status(code: &str) -> StatusCode {
+    match code {
+        "attempt_abandoned" | "shutting_down" | "store_unavailable" => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// A `data:` chunk that is an error object, `error` first: google-genai raises `APIError` on a
+/// chunk whose JSON starts with `{"error":` (GM-5).
+pub(super) fn error_event(code: &str, message: &str) -> (Option<&'static str>, String) {
+    (
+        None,
+        error_body(event_status(code), code, message).to_string(),
+    )
+}
+
+/// Whether an event reports an error: a non-null `error` member.
+pub(super) fn is_error_event(error: bool) -> bool {
+    error
+}
+
+/// Whether a chunk finishes the answer (GM-3): a candidate with a `finishReason`, or a prompt
+/// feedback with a `blockReason`. The stream is complete when the body then ends cleanly.
+pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Candidate<'a> {
+        #[serde(rename = "finishReason", borrow)]
+        finish_reason: Option<&'a RawValue>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Feedback<'a> {
+        #[serde(rename = "blockReason", borrow)]
+        block_reason: Option<&'a RawValue>,
+    }
+    let set = |v: Option<&RawValue>| v.is_some_and(|v| v.get() != "null" && v.get() != "\"\"");
+    let finished = event.candidates.is_some_and(|raw| {
+        serde_json::from_str::<Vec<Candidate<'_>>>(raw.get())
+            .is_ok_and(|c| c.iter().any(|c| set(c.finish_reason)))
+    });
+    finished
+        || event.prompt_feedback.is_some_and(|raw| {
+            serde_json::from_str::<Feedback<'_>>(raw.get()).is_ok_and(|f| set(f.block_reason))
+        })
+}
+
+/// `usageMetadata` normalised (RD-9, GM-3): the input is the prompt (cached content included)
+/// plus the tool-use prompt; the output is the candidates plus the thoughts.
+pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Raw {
+        prompt_token_count: Option<u64>,
+        candidates_token_count: Option<u64>,
+        cached_content_token_count: Option<u64>,
+        thoughts_token_count: Option<u64>,
+        tool_use_prompt_token_count: Option<u64>,
+    }
+    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
+    let sum = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
+    };
+    let usage = Usage {
+        input_tokens: sum(raw.prompt_token_count, raw.tool_use_prompt_token_count),
+        output_tokens: sum(raw.candidates_token_count, raw.thoughts_token_count),
+        cached_input_tokens: raw.cached_content_token_count,
+        cache_write_tokens: None,
+        reasoning_tokens: raw.thoughts_token_count,
+    };
+    (!usage.is_empty()).then_some(usage)
+}
+
+/// Each chunk's `usageMetadata` is the count so far; the last one is the attempt's.
+pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
+    usage_of(event.usage_metadata?)
+}
+
+/// The text parts of the first candidate, thoughts left out (what the SDKs' `.text` gives).
+pub(super) fn text_of_event(data: &Value) -> Option<String> {
+    let parts = data["candidates"][0]["content"]["parts"].as_array()?;
+    let text: String = parts
+        .iter()
+        .filter(|p| p["thought"] != true)
+        .filter_map(|p| p["text"].as_str())
+        .collect();
+    (!text.is_empty()).then_some(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_string()).expect("raw json")
+    }
+
+    #[test]
+    fn a_chunk_finishes_the_answer_with_a_finish_reason_or_a_block_reason_gm3() {
+        let finished = raw(r#"[{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}]"#);
+        let going = raw(r#"[{"content":{"parts":[{"text":"x"}]}}]"#);
+        let blocked = raw(r#"{"blockReason":"SAFETY"}"#);
+        fn parts<'a>(c: Option<&'a RawValue>, f: Option<&'a RawValue>) -> EventParts<'a> {
+            EventParts {
+                candidates: c,
+                prompt_feedback: f,
+                ..EventParts::default()
+            }
+        }
+        assert!(finishes_answer(&parts(Some(&finished), None)));
+        assert!(!finishes_answer(&parts(Some(&going), None)));
+        assert!(finishes_answer(&parts(None, Some(&blocked))));
+        assert!(!finishes_answer(&parts(None, Some(&raw("{}")))));
+        assert!(!finishes_answer(&parts(None, None)));
+    }
+
+    #[test]
+    fn usage_metadata_is_normalised_rd9_gm3() {
+        let usage = usage_of(&raw(
+            r#"{"promptTokenCount":10,"candidatesTokenCount":5,"cachedContentTokenCount":4,
+                "thoughtsTokenCount":3,"toolUsePromptTokenCount":2,"totalTokenCount":20}"#,
+        ))
+        .expect("usage");
+        assert_eq!(usage.input_tokens, Some(12));
+        assert_eq!(usage.output_tokens, Some(8));
+        assert_eq!(usage.cached_input_tokens, Some(4));
+        assert_eq!(usage.reasoning_tokens, Some(3));
+        assert_eq!(usage.cache_write_tokens, None);
+        assert_eq!(usage_of(&raw("{}")), None);
+    }
+
+    #[test]
+    fn errors_take_googles_shape_with_the_error_member_first_gm5() {
+        let body = error_body(StatusCode::TOO_MANY_REQUESTS, "overloaded", "m");
+        assert_eq!(body["error"]["code"], 429);
+        assert_eq!(body["error"]["status"], "RESOURCE_EXHAUSTED");
+        assert_eq!(body["error"]["details"][0]["reason"], "overloaded");
+        let (name, data) = error_event("shutting_down", "bye");
+        assert_eq!(name, None);
+        assert!(data.starts_with(r#"{"error":"#), "{data}");
+        assert!(data.contains("503"), "{data}");
+    }
+
+    #[test]
+    fn path_models_are_one_safe_segment_gm1() {
+        assert!(is_path_model("gemini-2.5-flash"));
+        assert!(is_path_model("gemini-1.5-pro_001"));
+        for bad in ["", "a/b", "a%2Fb", "a b", "a:b", "é"] {
+            assert!(!is_path_model(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_model_list_pages_by_position() {
+        let models: Vec<Value> = (0..5).map(|i| model_entry(&format!("m{i}"))).collect();
+        let mut query = HashMap::new();
+        query.insert("pageSize".to_string(), "2".to_string());
+        let first = models_page(models.clone(), &query);
+        assert_eq!(first["models"].as_array().map(Vec::len), Some(2));
+        assert_eq!(first["nextPageToken"], "2");
+        query.insert("pageToken".to_string(), "4".to_string());
+        let last = models_page(models, &query);
+        assert_eq!(last["models"][0]["name"], "models/m4");
+        assert!(last.get("nextPageToken").is_none());
+    }
+}

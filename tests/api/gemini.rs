@@ -1,0 +1,712 @@
+//! Google's Gemini API as a provider (GM-1..GM-5), against the mock on SQLite: routes, identity
+//! with the model in the path, truthful stream endings, usage, Google's error shape, and the
+//! calls around the logged routes.
+
+use std::time::Duration;
+
+use holdfast::config::ModelRewrite;
+use holdfast::mock::MockConfig;
+use serde_json::Value;
+
+use crate::helpers::*;
+
+const GENERATE: &str = "/v1beta/models/gemini-2.5-flash:generateContent";
+const STREAM: &str = "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse";
+
+#[tokio::test]
+async fn gemini_generate_content_is_logged_and_a_resend_is_replayed_gm1_id4() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = gemini_body("gemini replay");
+    let first = app.post(GENERATE, body.clone(), &[]).await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(header(&first, "idempotent-replayed"), "false");
+    let id = header(&first, "holdfast-request-id");
+    let answer: Value = first.json().await.unwrap();
+    assert_eq!(answer["candidates"][0]["finishReason"], "STOP");
+
+    let again = app.post(GENERATE, body.clone(), &[]).await;
+    assert_eq!(again.status(), 200);
+    assert_eq!(header(&again, "idempotent-replayed"), "true");
+    assert_eq!(header(&again, "holdfast-request-id"), id);
+    assert_eq!(again.json::<Value>().await.unwrap(), answer);
+    assert_eq!(app.mock.calls(), 1, "the re-send is answered from the log");
+
+    let record = app.record(&id).await;
+    assert_eq!(record["route"], "gemini.v1beta.generate");
+    assert_eq!(record["model"], "gemini-2.5-flash");
+    assert_eq!(record["backend"], "mock-gemini");
+    assert_eq!(record["stream"], false);
+    let recorded = app.mock.recorded();
+    assert_eq!(
+        recorded[0].path, GENERATE,
+        "the path goes upstream as called"
+    );
+    assert_eq!(
+        recorded[0].body,
+        serde_json::from_str::<Value>(&body).unwrap()
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_model_and_version_in_the_path_are_part_of_the_identity_gm1_id3() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = gemini_body("same body");
+    let mut ids = Vec::new();
+    for path in [
+        "/v1beta/models/gemini-2.5-flash:generateContent",
+        "/v1beta/models/gemini-2.5-pro:generateContent",
+        "/v1/models/gemini-2.5-flash:generateContent",
+    ] {
+        let r = app.post(path, body.clone(), &[]).await;
+        assert_eq!(r.status(), 200, "{path}");
+        ids.push(header(&r, "holdfast-request-id"));
+    }
+    assert_ne!(ids[0], ids[1], "same body, other model: another request");
+    assert_ne!(
+        ids[0], ids[2],
+        "same body, other API version: another request"
+    );
+    assert_eq!(app.mock.calls(), 3);
+    assert_eq!(app.record(&ids[2]).await["route"], "gemini.v1.generate");
+    let paths: Vec<String> = app.mock.recorded().into_iter().map(|c| c.path).collect();
+    assert!(paths.contains(&"/v1/models/gemini-2.5-flash:generateContent".to_string()));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn model_rewrites_apply_to_the_path_model_gm1_cli5() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.model_rewrites = vec![ModelRewrite {
+            pattern: "fast".into(),
+            backend: "mock-gemini".into(),
+            model: Some("gemini-2.5-flash-lite".into()),
+        }];
+    })
+    .await;
+    let r = app
+        .post(
+            "/v1beta/models/fast:generateContent",
+            gemini_body("rewritten"),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    assert_eq!(app.record(&id).await["model"], "gemini-2.5-flash-lite");
+    assert_eq!(
+        app.mock.recorded()[0].path,
+        "/v1beta/models/gemini-2.5-flash-lite:generateContent"
+    );
+    // The alias and the model it is rewritten to are one request (ID-3).
+    let direct = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash-lite:generateContent",
+            gemini_body("rewritten"),
+            &[],
+        )
+        .await;
+    assert_eq!(header(&direct, "holdfast-request-id"), id);
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gemini_stream_succeeds_at_finish_reason_and_a_clean_end_and_replays_gm3_rs3() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let body = gemini_body("gemini stream");
+    let r = app.post(STREAM, body.clone(), &[]).await;
+    assert_eq!(r.status(), 200);
+    assert!(header(&r, "content-type").starts_with("text/event-stream"));
+    let id = header(&r, "holdfast-request-id");
+    let (raw, events) = read_events(r).await;
+    assert!(
+        !raw.contains("id:"),
+        "no id lines on a proxied stream (RS-4)"
+    );
+    let last: Value = serde_json::from_str(&events.last().unwrap().data).unwrap();
+    assert_eq!(last["candidates"][0]["finishReason"], "STOP");
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["route"], "gemini.v1beta.stream");
+    assert_eq!(record["stream"], true);
+    assert!(app.mock.recorded()[0].path.ends_with("?alt=sse"));
+
+    // The stream's text is the provider's: the same as the non-stream answer's.
+    let whole: Value = app
+        .post(GENERATE, body.clone(), &[])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let text = whole["candidates"][0]["content"]["parts"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(gemini_text(&events), text);
+
+    let replay = app.post(STREAM, body, &[]).await;
+    assert_eq!(header(&replay, "idempotent-replayed"), "true");
+    let (again, _) = read_events(replay).await;
+    assert_eq!(again, raw, "replayed byte for byte (RS-3)");
+    assert_eq!(app.mock.calls(), 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gemini_stream_that_ends_without_finish_reason_is_interrupted_gm3_lc7() {
+    let app = spawn_app(
+        MockConfig {
+            omit_stream_end: true,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.post(STREAM, gemini_body("no finish"), &[]).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let (_, events) = read_events(r).await;
+    let closing: Value = serde_json::from_str(&events.last().unwrap().data).unwrap();
+    assert!(
+        events.last().unwrap().data.starts_with(r#"{"error":"#),
+        "the SDK raises on a chunk that starts with an error object: {closing}"
+    );
+    assert_eq!(
+        closing["error"]["details"][0]["reason"],
+        "stream_interrupted"
+    );
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "stream_interrupted", "{record}");
+    assert!(
+        record["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("finishReason"),
+        "{record}"
+    );
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_call_without_alt_sse_is_refused_unrecorded_gm1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:streamGenerateContent",
+            gemini_body("json array"),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "holdfast-error"), "unsupported_stream_format");
+    assert_eq!(app.mock.calls(), 0);
+    assert!(records(&app).await.is_empty());
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn gemini_usage_metadata_reaches_the_record_rd9_gm3() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 5,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    for path in [GENERATE, STREAM] {
+        let r = app.post(path, gemini_body("usage"), &[]).await;
+        let id = header(&r, "holdfast-request-id");
+        let _ = r.bytes().await;
+        let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+        let usage = &record["usage"];
+        assert_eq!(usage["output_tokens"], 5, "{path}: {record}");
+        assert!(
+            usage["input_tokens"].as_u64().unwrap() >= 1,
+            "{path}: {record}"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn x_goog_api_key_and_the_key_query_are_namespace_keys_never_forwarded_gm2() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("a", "b");
+    })
+    .await;
+    let refused = app.post(GENERATE, gemini_body("keys"), &[]).await;
+    assert_eq!(refused.status(), 401);
+    let error: Value = refused.json().await.unwrap();
+    assert_eq!(error["error"]["status"], "UNAUTHENTICATED", "{error}");
+    assert_eq!(error["error"]["code"], 401);
+
+    let by_header = app
+        .post(
+            GENERATE,
+            gemini_body("keys"),
+            &[("x-goog-api-key", "key-a")],
+        )
+        .await;
+    assert_eq!(by_header.status(), 200);
+    let id = header(&by_header, "holdfast-request-id");
+    let by_query = app
+        .post(&format!("{GENERATE}?key=key-a"), gemini_body("keys"), &[])
+        .await;
+    assert_eq!(by_query.status(), 200);
+    assert_eq!(
+        header(&by_query, "holdfast-request-id"),
+        id,
+        "one namespace"
+    );
+    let other = app
+        .post(
+            GENERATE,
+            gemini_body("keys"),
+            &[("x-goog-api-key", "key-b")],
+        )
+        .await;
+    assert_ne!(
+        header(&other, "holdfast-request-id"),
+        id,
+        "another namespace"
+    );
+    for call in app.mock.recorded() {
+        assert!(!call.path.contains("key="), "{}", call.path);
+        assert!(
+            call.headers
+                .iter()
+                .all(|(_, v)| v != "key-a" && v != "key-b"),
+            "a client key reached the provider: {:?}",
+            call.headers
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn holdfasts_own_errors_on_gemini_routes_take_googles_shape_gm5_rs6() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let bad = app.post(GENERATE, "not json", &[]).await;
+    assert_eq!(bad.status(), 400);
+    assert_eq!(header(&bad, "holdfast-error"), "invalid_json");
+    let body: Value = bad.json().await.unwrap();
+    assert_eq!(body["error"]["code"], 400);
+    assert_eq!(body["error"]["status"], "INVALID_ARGUMENT");
+    assert_eq!(body["error"]["details"][0]["reason"], "invalid_json");
+
+    let unknown = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:embedContent",
+            gemini_body("x"),
+            &[],
+        )
+        .await;
+    assert_eq!(unknown.status(), 404);
+    let body: Value = unknown.json().await.unwrap();
+    assert_eq!(body["error"]["status"], "NOT_FOUND", "{body}");
+
+    // A path under /v1beta that holdfast does not serve: Google's shape too (IN-1).
+    let fallback = app
+        .http
+        .get(format!("{}/v1beta/files", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fallback.status(), 404);
+    assert_eq!(header(&fallback, "holdfast-error"), "not_found");
+    let body: Value = fallback.json().await.unwrap();
+    assert_eq!(body["error"]["status"], "NOT_FOUND", "{body}");
+
+    let slash = app
+        .post(
+            "/v1beta/models/a%2Fb:generateContent",
+            gemini_body("x"),
+            &[],
+        )
+        .await;
+    assert_eq!(slash.status(), 400);
+    assert_eq!(header(&slash, "holdfast-error"), "invalid_model");
+    assert_eq!(app.mock.calls(), 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_provider_refusal_is_replayed_in_googles_shape_lc6_gm5() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 400,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = app.post(GENERATE, gemini_body("refused"), &[]).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-should-retry"), "false");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["status"], "INVALID_ARGUMENT", "{body}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.model_rewrites = vec![ModelRewrite {
+            pattern: "fast".into(),
+            backend: "mock-gemini".into(),
+            model: Some("gemini-mock-small".into()),
+        }];
+    })
+    .await;
+    let count = app
+        .post(
+            "/v1beta/models/fast:countTokens",
+            gemini_body("count these tokens"),
+            &[],
+        )
+        .await;
+    assert_eq!(count.status(), 200);
+    let count: Value = count.json().await.unwrap();
+    assert!(count["totalTokens"].as_u64().unwrap() >= 1, "{count}");
+    let others = app.mock.other_calls();
+    assert_eq!(
+        others[0].path,
+        "/v1beta/models/gemini-mock-small:countTokens"
+    );
+
+    let list = get_json(&app.http, &format!("{}/v1beta/models", app.base)).await;
+    let names: Vec<&str> = list["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert!(names.contains(&"models/gemini-mock-small"), "{list}");
+    assert!(
+        names.contains(&"models/fast"),
+        "the alias is listed: {list}"
+    );
+
+    // `GET /v1/models` is OpenAI's too: Google's SDKs are told apart by their key header.
+    let v1: Value = app
+        .http
+        .get(format!("{}/v1/models", app.base))
+        .header("x-goog-api-key", "anything")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(v1["models"].is_array(), "{v1}");
+    let openai = get_json(&app.http, &format!("{}/v1/models", app.base)).await;
+    assert_eq!(openai["object"], "list", "{openai}");
+
+    let one = get_json(
+        &app.http,
+        &format!("{}/v1beta/models/gemini-mock-small", app.base),
+    )
+    .await;
+    assert_eq!(one["name"], "models/gemini-mock-small");
+    let missing = app
+        .http
+        .get(format!("{}/v1beta/models/nope", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+
+    assert_eq!(app.mock.calls(), 0, "no model call");
+    assert!(records(&app).await.is_empty(), "nothing recorded");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_storm_of_identical_gemini_calls_costs_one_provider_call_id7() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 300,
+            ..MockConfig::default()
+        },
+        |c| c.max_held_requests = 1_000,
+    )
+    .await;
+    let body = gemini_body("storm");
+    let answers = futures::future::join_all((0..100).map(|_| async {
+        let r = app.post(GENERATE, body.clone(), &[]).await;
+        assert_eq!(r.status(), 200);
+        (
+            header(&r, "holdfast-request-id"),
+            r.json::<Value>().await.unwrap(),
+        )
+    }))
+    .await;
+    assert!(answers.iter().all(|a| a == &answers[0]), "one answer");
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gemini_stream_attached_mid_way_and_read_back_gets_every_event_rs2_rd3() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            chunk_delay_ms: 100,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let body = gemini_body("attach");
+    let mut first = app.post(STREAM, body.clone(), &[]).await;
+    let id = header(&first, "holdfast-request-id");
+    let early = first_events(&mut first, 2).await;
+    let second = app.post(STREAM, body, &[]).await;
+    assert_eq!(header(&second, "idempotent-replayed"), "true");
+    let (_, attached) = read_events(second).await;
+    let (_, rest) = read_events(first).await;
+    let whole: Vec<String> = early.iter().chain(&rest).map(|e| e.data.clone()).collect();
+    let joined: Vec<String> = attached.iter().map(|e| e.data.clone()).collect();
+    assert_eq!(
+        joined, whole,
+        "the attached stream has every event from the first"
+    );
+    assert_eq!(app.mock.calls(), 1);
+
+    // The log replays it with ids, and resumes after a position.
+    let (_, logged) = read_events(get_events(&app.http, &app.base, &id, None).await).await;
+    assert_eq!(logged.last().unwrap().event.as_deref(), Some("end"));
+    let (_, resumed) = read_events(get_events(&app.http, &app.base, &id, Some("3")).await).await;
+    assert_eq!(resumed.len(), logged.len() - 3);
+    assert_eq!(resumed[0].id.as_deref(), Some("4"));
+    app.stop().await;
+}
+
+/// Runs `tests/clients/gemini_sdk.py MODE` against `base` off the runtime and parses the JSON
+/// object it prints.
+async fn gemini_python(mode: &'static str, base: &str) -> Value {
+    require_python(&["google.genai"]);
+    let base = base.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        run_python_args("gemini_sdk.py", &[mode], &[("HOLDFAST_URL", &base)])
+    })
+    .await
+    .unwrap();
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("gemini_sdk.py printed {out}: {e}"))
+}
+
+#[tokio::test]
+async fn google_genai_python_generates_streams_counts_and_lists_through_holdfast_gm1_gm4() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let out = gemini_python("surface", &app.base).await;
+    let text = out["text"].as_str().unwrap();
+    assert!(text.starts_with("mock reply"), "{out}");
+    assert_eq!(out["again"], out["text"], "the re-send is the same answer");
+    assert!(
+        out["stream_text"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply"),
+        "{out}"
+    );
+    assert!(out["total_tokens"].as_u64().unwrap() >= 1, "{out}");
+    let models: Vec<&str> = out["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(models.contains(&"models/gemini-mock-small"), "{out}");
+    assert_eq!(out["one_model"], "models/gemini-mock-small");
+    // Two model calls (the non-stream and the stream); the re-send was replayed.
+    assert_eq!(app.mock.calls(), 2, "{out}");
+    let list = records(&app).await;
+    assert_eq!(
+        list.len(),
+        2,
+        "count_tokens and the model list are not recorded"
+    );
+    let routes: Vec<&str> = list.iter().filter_map(|r| r["route"].as_str()).collect();
+    assert!(routes.contains(&"gemini.v1.generate"), "{routes:?}");
+    assert!(routes.contains(&"gemini.v1.stream"), "{routes:?}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn google_genai_python_stream_text_equals_the_providers_on_v1beta_gm3() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let out = gemini_python("beta", &app.base).await;
+    // The mock's text is a function of the body: ask the provider directly for the stream's.
+    let direct: Value = app
+        .http
+        .post(format!(
+            "{}/v1beta/models/gemini-2.5-flash:generateContent",
+            app.mock.root_url()
+        ))
+        .body(
+            serde_json::json!({"contents": [{"parts": [{"text": "gemini beta stream"}], "role": "user"}]})
+                .to_string(),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        out["stream_text"], direct["candidates"][0]["content"]["parts"][0]["text"],
+        "{out}"
+    );
+    let routes: Vec<String> = records(&app)
+        .await
+        .iter()
+        .filter_map(|r| r["route"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        routes.contains(&"gemini.v1beta.stream".to_string()),
+        "{routes:?}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn google_genai_python_retries_past_its_timeout_attach_to_one_provider_call_rs2_rd9() {
+    // The provider answers after 2.5 s; the SDK gives up after 1 s and, with
+    // HttpRetryOptions(attempts=3), sends the same body again: each lands on the first execution.
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 2_500,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = gemini_python("retry", &app.base).await;
+    assert!(out["error"].is_null(), "the SDK call succeeded: {out}");
+    assert!(out["text"].as_str().unwrap().starts_with("mock reply"));
+    assert_eq!(
+        app.mock.calls(),
+        1,
+        "one provider call for every SDK attempt"
+    );
+    let list = records(&app).await;
+    assert_eq!(list.len(), 1);
+    let id = list[0]["id"].as_str().unwrap().to_string();
+    let record = wait_deliveries_at_least(&app.base, &id, 3).await;
+    assert_eq!(record["attempts"], 1);
+    assert!(record["saved_calls"].as_u64().unwrap() >= 2, "{record}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn google_genai_python_with_retries_costs_only_holdfasts_own_retry_of_a_503_lc5() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 503,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = gemini_python("retry", &app.base).await;
+    assert!(out["error"].is_null(), "the SDK call succeeded: {out}");
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "holdfast's retry of the 503, nothing more"
+    );
+    let list = records(&app).await;
+    assert_eq!(list.len(), 1, "one request");
+    assert_eq!(list[0]["attempts"], 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn google_genai_python_raises_when_the_provider_stream_is_cut_lc7_gm5() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            drop_after_chunks: Some(3),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = gemini_python("interrupted", &app.base).await;
+    assert_eq!(out["error"]["status"], "INTERNAL", "the SDK raised: {out}");
+    assert!(
+        out["error"]["message"].as_str().unwrap().contains("broke"),
+        "{out}"
+    );
+    assert!(
+        !out["text"].as_str().unwrap().is_empty(),
+        "text came first: {out}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn usage_groups_by_provider_and_metrics_carry_it_rd9() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app.post(GENERATE, gemini_body("by provider"), &[]).await;
+    assert_eq!(r.status(), 200);
+    let again = app.post(GENERATE, gemini_body("by provider"), &[]).await;
+    assert_eq!(header(&again, "idempotent-replayed"), "true");
+    assert_eq!(app.chat(&chat_body("by provider")).await.status(), 200);
+    let id = header(&again, "holdfast-request-id");
+    wait_deliveries_at_least(&app.base, &id, 2).await;
+    let usage = get_json(&app.http, &format!("{}/usage?group_by=provider", app.base)).await;
+    assert_eq!(usage["group_by"], "provider");
+    let groups = usage["groups"].as_array().unwrap();
+    let of = |key: &str| {
+        groups
+            .iter()
+            .find(|g| g["key"] == key)
+            .unwrap_or_else(|| panic!("no {key} group: {usage}"))
+    };
+    assert_eq!(of("gemini")["requests"], 1, "{usage}");
+    assert_eq!(of("gemini")["saved_calls"], 1, "{usage}");
+    assert_eq!(of("openai")["requests"], 1, "{usage}");
+    let page = app.metrics_text().await;
+    assert!(
+        metric(
+            &page,
+            "holdfast_upstream_tokens_total",
+            r#"provider="gemini",backend="mock-gemini",kind="output""#
+        ) > 0.0,
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, "holdfast_saved_calls_total", r#"provider="gemini""#),
+        1.0
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_pass_through_path_to_a_gemini_backend_keeps_its_version_decision57() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.passthrough = vec![holdfast::config::Passthrough {
+            path: "/v1beta/files/*".into(),
+            backend: "mock-gemini".into(),
+        }];
+    })
+    .await;
+    let r = app
+        .http
+        .get(format!("{}/v1beta/files/abc", app.base))
+        .send()
+        .await
+        .unwrap();
+    // The mock has no such route: its 404 names the path it was called with.
+    assert_eq!(r.status(), 404);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("GET /v1beta/files/abc"), "{body}");
+    app.stop().await;
+}
