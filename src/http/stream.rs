@@ -7,6 +7,7 @@
 //! subscriber), says only "changed", or stays quiet for [`POLL`], it re-reads the store from its
 //! position, so the store, never the hub, decides what a reader sees.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -88,7 +89,8 @@ impl Position {
 
     /// Offers `chunk`; what to send goes to `out`, in order. `false` when it leaves a gap
     /// that only the store can fill.
-    fn offer(&mut self, chunk: &Chunk, source: Source, out: &mut Vec<Chunk>) -> bool {
+    /// A chunk the store handed over is moved, a hub's is cloned only when it is sent.
+    fn offer(&mut self, chunk: Cow<'_, Chunk>, source: Source, out: &mut Vec<Chunk>) -> bool {
         if source == Source::Ahead && !self.proxied {
             return true;
         }
@@ -117,7 +119,7 @@ impl Position {
                     kind: ChunkKind::Reset,
                     event: None,
                     data: String::new(),
-                    ..chunk.clone()
+                    ..chunk.into_owned()
                 });
             }
             return true;
@@ -131,12 +133,12 @@ impl Position {
             }
         }
         if self.proxied && source == Source::Store && chunk.kind == ChunkKind::Data {
-            self.held = Some(chunk.clone());
+            self.held = Some(chunk.into_owned());
             return true;
         }
         self.sent = chunk.seq;
         self.attempt = chunk.attempt;
-        out.push(chunk.clone());
+        out.push(chunk.into_owned());
         true
     }
 
@@ -167,7 +169,7 @@ pub(super) fn follow(
         let mut out = Vec::new();
         for handed in &early {
             for chunk in &handed.chunks {
-                position.offer(chunk, Source::Ahead, &mut out);
+                position.offer(Cow::Borrowed(chunk), Source::Ahead, &mut out);
             }
         }
         let mut quiet_since = tokio::time::Instant::now();
@@ -175,10 +177,10 @@ pub(super) fn follow(
             // Backlog from the store.
             let page = store.chunks_after(id, position.read_from(), PAGE).await?;
             let full = page.len() as i64 == PAGE;
-            for chunk in &page {
-                position.offer(chunk, Source::Store, &mut out);
+            for chunk in page {
+                position.offer(Cow::Owned(chunk), Source::Store, &mut out);
             }
-            for chunk in out.drain(..) {
+            for chunk in std::mem::take(&mut out) {
                 let last = is_last(&chunk, follow.proxied);
                 quiet_since = tokio::time::Instant::now();
                 yield Followed::Chunk(chunk);
@@ -199,7 +201,7 @@ pub(super) fn follow(
                     event = subscription.recv() => match event {
                         HubEvent::Chunks(chunks) => {
                             for chunk in chunks.iter() {
-                                if !position.offer(chunk, Source::Committed, &mut out) {
+                                if !position.offer(Cow::Borrowed(chunk), Source::Committed, &mut out) {
                                     reread = true;
                                     break;
                                 }
@@ -207,7 +209,7 @@ pub(super) fn follow(
                         }
                         HubEvent::Ahead(handed) => {
                             for chunk in &handed.chunks {
-                                position.offer(chunk, Source::Ahead, &mut out);
+                                position.offer(Cow::Borrowed(chunk), Source::Ahead, &mut out);
                             }
                         }
                         HubEvent::Changed | HubEvent::Settled(_) => reread = true,
@@ -218,7 +220,7 @@ pub(super) fn follow(
                     }
                     () = tokio::time::sleep_until(poll_at) => reread = true,
                 }
-                for chunk in out.drain(..) {
+                for chunk in std::mem::take(&mut out) {
                     let last = is_last(&chunk, follow.proxied);
                     quiet_since = tokio::time::Instant::now();
                     poll_at = quiet_since + POLL;
@@ -408,7 +410,7 @@ mod tests {
     fn offer(position: &mut Position, source: Source, chunks: &[Chunk]) -> Vec<(i64, ChunkKind)> {
         let mut out = Vec::new();
         for chunk in chunks {
-            position.offer(chunk, source, &mut out);
+            position.offer(Cow::Borrowed(chunk), source, &mut out);
         }
         out.iter().map(|c| (c.seq, c.kind)).collect()
     }
@@ -429,7 +431,7 @@ mod tests {
         assert_eq!(reader.read_from(), 3);
         // A chunk after a gap (a lagged subscription) is read again from the store, from 3.
         let mut out = Vec::new();
-        assert!(!reader.offer(&data(6, 1), Source::Committed, &mut out));
+        assert!(!reader.offer(Cow::Owned(data(6, 1)), Source::Committed, &mut out));
         assert!(out.is_empty());
         assert_eq!(reader.read_from(), 3);
     }
@@ -455,10 +457,10 @@ mod tests {
         assert_eq!(reader.read_from(), 2);
         // Handed on after a gap (a lagged subscription): waits for the commit, no re-read.
         let mut out = Vec::new();
-        assert!(reader.offer(&data(5, 1), Source::Ahead, &mut out));
+        assert!(reader.offer(Cow::Owned(data(5, 1)), Source::Ahead, &mut out));
         assert!(out.is_empty());
         // A committed gap is read from the store.
-        assert!(!reader.offer(&data(5, 1), Source::Committed, &mut out));
+        assert!(!reader.offer(Cow::Owned(data(5, 1)), Source::Committed, &mut out));
     }
 
     #[test]
