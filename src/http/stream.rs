@@ -142,6 +142,13 @@ impl Position {
         true
     }
 
+    /// Offers `chunks` in order, stopping at a gap only the store can fill (`false`).
+    fn offer_all(&mut self, chunks: &[Chunk], source: Source, out: &mut Vec<Chunk>) -> bool {
+        chunks
+            .iter()
+            .all(|chunk| self.offer(Cow::Borrowed(chunk), source, out))
+    }
+
     /// Where a store read starts: after what is known committed, so that a reset or an end
     /// stored where a proxied stream went ahead is seen.
     fn read_from(&self) -> i64 {
@@ -168,9 +175,7 @@ pub(super) fn follow(
         };
         let mut out = Vec::new();
         for handed in &early {
-            for chunk in &handed.chunks {
-                position.offer(Cow::Borrowed(chunk), Source::Ahead, &mut out);
-            }
+            position.offer_all(&handed.chunks, Source::Ahead, &mut out);
         }
         let mut quiet_since = tokio::time::Instant::now();
         loop {
@@ -200,17 +205,10 @@ pub(super) fn follow(
                 tokio::select! {
                     event = subscription.recv() => match event {
                         HubEvent::Chunks(chunks) => {
-                            for chunk in chunks.iter() {
-                                if !position.offer(Cow::Borrowed(chunk), Source::Committed, &mut out) {
-                                    reread = true;
-                                    break;
-                                }
-                            }
+                            reread = !position.offer_all(&chunks, Source::Committed, &mut out);
                         }
                         HubEvent::Ahead(handed) => {
-                            for chunk in &handed.chunks {
-                                position.offer(Cow::Borrowed(chunk), Source::Ahead, &mut out);
-                            }
+                            position.offer_all(&handed.chunks, Source::Ahead, &mut out);
                         }
                         HubEvent::Changed | HubEvent::Settled(_) => reread = true,
                     },
@@ -409,9 +407,7 @@ mod tests {
     /// Offers `chunks` from `source`; the seqs and kinds sent.
     fn offer(position: &mut Position, source: Source, chunks: &[Chunk]) -> Vec<(i64, ChunkKind)> {
         let mut out = Vec::new();
-        for chunk in chunks {
-            position.offer(Cow::Borrowed(chunk), source, &mut out);
-        }
+        position.offer_all(chunks, source, &mut out);
         out.iter().map(|c| (c.seq, c.kind)).collect()
     }
 

@@ -87,54 +87,31 @@ impl std::fmt::Debug for SqliteStore {
     }
 }
 
-#[async_trait]
-impl Store for SqliteStore {
-    async fn submit_and_lease(
+impl SqliteStore {
+    /// [`Store::submit_and_lease`], and with `early` [`Store::submit_and_lease_early`]: the
+    /// created request and its lease are sent there once the writer has run the submission,
+    /// before its commit (ID-9).
+    async fn submit_leasing(
         &self,
         new: NewRequest,
         lease: Option<LeaseTo<'_>>,
+        early: Option<tokio::sync::oneshot::Sender<(RequestRecord, Lease)>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
         let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
         // Shared with the write, which may run more than once, and whole again once it has
         // run: the created record is built from it without a copy.
         let new = Arc::new(new);
         let shared = Arc::clone(&new);
-        let (submitted, lease) = self
-            .write(move |conn| {
-                let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
-                    owner,
-                    lease_ms: *lease_ms,
-                });
-                submit_in(conn, &shared, lease)
-            })
-            .await?;
-        let submitted = match submitted {
-            SubmittedIn::Created => {
-                let new = Arc::try_unwrap(new).unwrap_or_else(|new| (*new).clone());
-                Submitted::Created(Box::new(created_record(new, lease.is_some())))
-            }
-            SubmittedIn::Attached(record) => Submitted::Attached(record),
-            SubmittedIn::KeyMismatch { existing } => Submitted::KeyMismatch { existing },
-        };
-        Ok((submitted, lease))
-    }
-
-    async fn submit_and_lease_early(
-        &self,
-        new: NewRequest,
-        lease: Option<LeaseTo<'_>>,
-        early: tokio::sync::oneshot::Sender<(RequestRecord, Lease)>,
-    ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
-        let new = Arc::new(new);
-        let shared = Arc::clone(&new);
-        // The writer thread only passes the lease on; the record is built here.
+        // The writer thread only passes the lease on; the early record is built here.
         let (leased, decided) = tokio::sync::oneshot::channel::<Lease>();
-        let hook: writer::Early<(SubmittedIn, Option<Lease>)> =
-            Box::new(move |(submitted, lease)| {
-                if let (SubmittedIn::Created, Some(lease)) = (submitted, lease) {
-                    let _ = leased.send(lease.clone());
-                }
+        let hook = early
+            .is_some()
+            .then(|| -> writer::Early<(SubmittedIn, Option<Lease>)> {
+                Box::new(move |(submitted, lease)| {
+                    if let (SubmittedIn::Created, Some(lease)) = (submitted, lease) {
+                        let _ = leased.send(lease.clone());
+                    }
+                })
             });
         let write = self.write_hooked(
             move |conn| {
@@ -144,15 +121,18 @@ impl Store for SqliteStore {
                 });
                 submit_in(conn, &shared, lease)
             },
-            Some(hook),
+            hook,
         );
         tokio::pin!(write);
-        let written = tokio::select! {
-            written = &mut write => written,
-            Ok(lease) = decided => {
-                let _ = early.send((created_record((*new).clone(), true), lease));
-                write.await
-            }
+        let written = match early {
+            None => write.await,
+            Some(early) => tokio::select! {
+                written = &mut write => written,
+                Ok(lease) = decided => {
+                    let _ = early.send((created_record((*new).clone(), true), lease));
+                    write.await
+                }
+            },
         };
         let (submitted, lease) = written?;
         let submitted = match submitted {
@@ -164,6 +144,26 @@ impl Store for SqliteStore {
             SubmittedIn::KeyMismatch { existing } => Submitted::KeyMismatch { existing },
         };
         Ok((submitted, lease))
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn submit_and_lease(
+        &self,
+        new: NewRequest,
+        lease: Option<LeaseTo<'_>>,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        self.submit_leasing(new, lease, None).await
+    }
+
+    async fn submit_and_lease_early(
+        &self,
+        new: NewRequest,
+        lease: Option<LeaseTo<'_>>,
+        early: tokio::sync::oneshot::Sender<(RequestRecord, Lease)>,
+    ) -> Result<(Submitted, Option<Lease>), StoreError> {
+        self.submit_leasing(new, lease, Some(early)).await
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
