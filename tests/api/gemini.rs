@@ -576,11 +576,14 @@ async fn google_genai_python_stream_text_equals_the_providers_on_v1beta_gm3() {
 
 #[tokio::test]
 async fn google_genai_python_retries_past_its_timeout_attach_to_one_provider_call_rs2_rd9() {
-    // The provider answers after 2.5 s; the SDK gives up after 1 s and, with
-    // HttpRetryOptions(attempts=3), sends the same body again: each lands on the first execution.
+    // The provider answers after 3.2 s; the SDK gives up after 1 s and, with
+    // HttpRetryOptions(attempts=3, delays 0.2..0.5 s), sends the same body again: each lands on
+    // the first execution. Its second send times out by about 2.5 s and its third starts by
+    // about 3 s, so the third is answered, attached or (started late) replayed. At 2.5 s the
+    // second send's timeout raced the answer; at 4 s all three timed out.
     let app = spawn_app(
         MockConfig {
-            header_delay_ms: 2_500,
+            header_delay_ms: 3_200,
             ..MockConfig::default()
         },
         |_| {},
