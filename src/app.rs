@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::http::{AppState, router};
 use crate::hub::{Hub, HubEvent};
+use crate::otel::{Otel, Traces};
 use crate::store::{self, DynStore, Notification};
 use crate::upstream::Upstreams;
 use crate::worker::WorkerPool;
@@ -28,6 +29,8 @@ pub struct Running {
     workers: JoinHandle<()>,
     /// Cross-node wake-ups ([`crate::store::Store::listen`] and its bridge).
     wakeups: JoinHandle<()>,
+    /// Traces, flushed at shutdown (OT-1).
+    traces: Traces,
 }
 
 /// Opens the store named by `config`, then serves on `listener` and runs workers until
@@ -42,11 +45,13 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     let hub = Hub::new();
     let upstreams = Arc::new(Upstreams::new(&config)?);
     let shutdown = CancellationToken::new();
+    let traces = Otel::start(&config.otel)?;
     let pool = WorkerPool::new(
         store.clone(),
         Arc::clone(&hub),
         Arc::clone(&upstreams),
         Arc::clone(&config),
+        traces.clone(),
     );
     let wakeups = bridge_notifications(&store, Arc::clone(&hub), pool.clone(), &shutdown);
     // Before serving: a retry of a request a stopped process left running attaches to its
@@ -64,6 +69,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         models: Arc::default(),
         held: Arc::default(),
         cut: cut.clone(),
+        traces: traces.clone(),
     };
     let addr = listener.local_addr()?;
     // TCP_NODELAY on every accepted connection: a stream's events are small writes after the
@@ -91,6 +97,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         server,
         workers,
         wakeups,
+        traces,
     })
 }
 
@@ -119,11 +126,16 @@ impl Running {
                 self.server.abort();
             }
         }
+        if let Some(traces) = &self.traces {
+            traces.shutdown(TRACES_FLUSH).await;
+        }
     }
 }
 
 /// How long after the workers stop open connections are left to end on their own (DU-5).
 const CUT_AFTER: Duration = Duration::from_secs(2);
+/// How long the last spans get to reach the collector at shutdown.
+const TRACES_FLUSH: Duration = Duration::from_secs(2);
 /// How long the cut connections get to send their last bytes and close.
 const CLOSE_AFTER_CUT: Duration = Duration::from_millis(500);
 

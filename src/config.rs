@@ -91,6 +91,8 @@ pub struct Config {
     /// Serve the web page at `GET /ui` (docs/ui.md). Default false: `/ui` and its assets
     /// answer 404 like any unknown path. `serve --demo` turns it on.
     pub ui: bool,
+    /// `[otel]`: OpenTelemetry traces (OT-1..OT-6), off by default.
+    pub otel: Otel,
 }
 
 /// One `[[prices]]` entry: USD per million tokens for a backend's models.
@@ -191,6 +193,33 @@ pub struct Workers {
     pub write_retry_secs: u64,
 }
 
+/// `[otel]`: traces exported over OTLP/HTTP (OT-1). The standard `OTEL_*` variables configure
+/// what this does not (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`,
+/// `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+/// `OTEL_TRACES_SAMPLER`); a key set here wins over its variable.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Otel {
+    /// Export traces. Off by default: nothing is built, no span is made.
+    pub enabled: bool,
+    /// The OTLP/HTTP traces URL (e.g. `http://collector:4318/v1/traces`); unset: the `OTEL_*`
+    /// variables', else `http://localhost:4318/v1/traces`.
+    pub endpoint: Option<String>,
+    /// Record prompts and answers on attempt spans (`gen_ai.input.messages`,
+    /// `gen_ai.output.messages`), each cut to `content_max_bytes` (OT-5). Off by default.
+    pub capture_content: bool,
+    /// Most bytes of one captured prompt or answer.
+    pub content_max_bytes: usize,
+    /// Finished spans waiting for export; past it a span is dropped and counted, never waited
+    /// for (OT-1).
+    pub queue_size: usize,
+    /// Most spans in one export.
+    pub batch_size: usize,
+    /// Longest one export may take, in milliseconds, before it is given up and its spans
+    /// counted as dropped.
+    pub export_timeout_ms: u64,
+}
+
 /// `[upstream]`: separate timeouts, no total deadline on a healthy stream (LC-10).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -283,6 +312,21 @@ impl Default for Config {
             inject_stream_usage: false,
             admin_api_keys: Vec::new(),
             ui: false,
+            otel: Otel::default(),
+        }
+    }
+}
+
+impl Default for Otel {
+    fn default() -> Self {
+        Otel {
+            enabled: false,
+            endpoint: None,
+            capture_content: false,
+            content_max_bytes: 8 * 1024,
+            queue_size: 4_096,
+            batch_size: 512,
+            export_timeout_ms: 10_000,
         }
     }
 }
@@ -780,6 +824,10 @@ impl Config {
                 self.upstream.header_timeout_ms,
             ),
             ("upstream.idle_timeout_ms", self.upstream.idle_timeout_ms),
+            ("otel.content_max_bytes", self.otel.content_max_bytes as u64),
+            ("otel.queue_size", self.otel.queue_size as u64),
+            ("otel.batch_size", self.otel.batch_size as u64),
+            ("otel.export_timeout_ms", self.otel.export_timeout_ms),
         ];
         for (key, value) in positive {
             if value == 0 {

@@ -27,6 +27,7 @@
 //!  │               │        │         │
 //!  cli             └────────┴──► hub ─┴──► store ─► provider
 //!                  (http, worker) ─► ledger ─► config ─► provider
+//!                  (app, http, worker) ─► otel ─► store
 //!                                  leaves: canonical, sse, metrics, mock, provider
 //! ```
 //!
@@ -35,10 +36,11 @@
 //!
 //! | module | uses |
 //! |---|---|
-//! | `app` | `config` `http` `hub` `metrics` `store` `upstream` `worker` |
-//! | `http` | `canonical` `config` `hub` `ledger` `metrics` `provider` `sse` `store` `upstream` `worker` |
-//! | `worker` | `config` `hub` `ledger` `metrics` `provider` `sse` `store` `upstream` |
+//! | `app` | `config` `http` `hub` `metrics` `otel` `store` `upstream` `worker` |
+//! | `http` | `canonical` `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` `worker` |
+//! | `worker` | `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` |
 //! | `upstream` | `config` `provider` |
+//! | `otel` | `config` `metrics` `provider` `store` |
 //! | `hub` | `store` |
 //! | `store` | `config` `metrics` `provider` |
 //! | `ledger` | `config` `metrics` `provider` |
@@ -71,6 +73,7 @@
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
 //! - `metrics`: Prometheus metric names and the recorder.
+//! - [`otel`]: OpenTelemetry traces of calls and attempts, exported over OTLP (OT-1..OT-6).
 //! - [`app`]: wiring it all together.
 
 #![forbid(unsafe_code)]
@@ -85,6 +88,7 @@ mod hub;
 mod ledger;
 mod metrics;
 pub mod mock;
+pub mod otel;
 pub mod provider;
 pub mod sse;
 pub mod store;

@@ -20,6 +20,8 @@
 //! | `holdfast_saved_calls_total` | counter | `provider` (the backend's kind), `backend`, `model` |
 //! | `holdfast_saved_tokens_total` | counter | `provider` (the backend's kind), `backend`, `model`, `kind` |
 //! | `holdfast_saved_cost_usd_total` | gauge that only grows | `provider` (the backend's kind), `backend`, `model` |
+//! | `holdfast_otel_spans_exported_total` | counter | — (spans a collector accepted, OT-1) |
+//! | `holdfast_otel_spans_dropped_total` | counter | `reason` = `queue_full` \| `export_failed` (spans lost, never waited for, OT-1) |
 
 use std::sync::OnceLock;
 
@@ -66,6 +68,11 @@ pub(crate) const SAVED_CALLS: &str = "holdfast_saved_calls_total";
 pub(crate) const SAVED_TOKENS: &str = "holdfast_saved_tokens_total";
 /// USD the saved calls would have cost.
 pub(crate) const SAVED_COST_USD: &str = "holdfast_saved_cost_usd_total";
+/// Spans a collector accepted (OT-1).
+pub(crate) const OTEL_SPANS_EXPORTED: &str = "holdfast_otel_spans_exported_total";
+/// Spans lost by `reason`: `queue_full` (the export queue was full when the span ended) or
+/// `export_failed` (the collector refused, failed or did not answer in time), OT-1.
+pub(crate) const OTEL_SPANS_DROPPED: &str = "holdfast_otel_spans_dropped_total";
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -135,6 +142,14 @@ fn describe() {
         "Provider calls by backend and HTTP status (or error)."
     );
     metrics::describe_counter!(ATTEMPTS, "Attempts started by this node, by backend.");
+    metrics::describe_counter!(
+        OTEL_SPANS_EXPORTED,
+        "Trace spans an OTLP collector accepted."
+    );
+    metrics::describe_counter!(
+        OTEL_SPANS_DROPPED,
+        "Trace spans lost, by reason (queue_full, export_failed); export never waits."
+    );
     metrics::describe_counter!(
         RECOVERIES,
         "Attempts re-run because the previous lease expired."

@@ -54,6 +54,8 @@ pub(crate) struct AppState {
     /// every event stream and held call of this node ends then. Without it they would outlive
     /// the shutdown, since each connection runs in a task of its own.
     pub cut: tokio_util::sync::CancellationToken,
+    /// Traces, when `otel.enabled` (OT-2).
+    pub traces: crate::otel::Traces,
 }
 
 /// The router with every route of SPEC §1.

@@ -25,6 +25,7 @@ use crate::canonical::{self, CanonError};
 use crate::config::Config;
 use crate::hub::{Handed, HubEvent, Subscription};
 use crate::metrics as m;
+use crate::otel::{Delivery, ServerSpan};
 use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::{
@@ -59,12 +60,22 @@ pub(super) async fn handle(
         namespace = tracing::field::Empty,
         backend = tracing::field::Empty,
     );
-    match admit_and_answer(&state, route, path_model, &headers, body)
+    // OT-2: the call's server span, when traces are on; a stream's body holds it to its end.
+    let server = state.traces.as_ref().map(|t| t.server(route, &headers));
+    match admit_and_answer(&state, route, path_model, &headers, body, server.as_ref())
         .instrument(span)
         .await
     {
-        Ok(response) => response,
+        Ok(response) => {
+            if let Some(server) = &server {
+                server.responded(response.status().as_u16());
+            }
+            response
+        }
         Err(e) => {
+            if let Some(server) = &server {
+                server.responded(e.status.as_u16());
+            }
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
                 .increment(1);
             // What the client sent wrong, for the operator: one line per refusal, its cause
@@ -78,9 +89,11 @@ pub(super) async fn handle(
             } else if e.status.is_client_error() {
                 // Whose request it was: the key's namespace, read again (refusals only).
                 let namespace = namespace(&state.config, &headers, route.provider()).ok();
+                let trace_id = server.as_ref().and_then(ServerSpan::ids).map(|(t, _)| t);
                 tracing::info!(
                     route = route.name(),
                     namespace = namespace.as_deref(),
+                    trace_id,
                     status = e.status.as_u16(),
                     code = e.code,
                     request_id = e.request_id.as_deref(),
@@ -99,9 +112,10 @@ async fn admit_and_answer(
     path_model: Option<String>,
     headers: &HeaderMap,
     body: Body,
+    server: Option<&ServerSpan>,
 ) -> Result<Response, ApiError> {
-    let admitted = admit(state, route, path_model, headers, body).await?;
-    answer_admitted(state, route, headers, admitted).await
+    let admitted = admit(state, route, path_model, headers, body, server).await?;
+    answer_admitted(state, route, headers, admitted, server).await
 }
 
 /// A call admitted into the log: the request as recorded (new, or the one its claim found),
@@ -162,13 +176,16 @@ async fn admit(
     path_model: Option<String>,
     headers: &HeaderMap,
     body: Body,
+    server: Option<&ServerSpan>,
 ) -> Result<Admitted, ApiError> {
     let shape = route.provider();
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
-    let (new, claim) = new_request(&state.config, route, path_model, headers, &namespace, &body)?;
+    let (mut new, claim) =
+        new_request(&state.config, route, path_model, headers, &namespace, &body)?;
+    new.trace_parent = server.and_then(ServerSpan::traceparent);
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe(new.id);
@@ -204,6 +221,14 @@ async fn admit(
     let span = tracing::Span::current();
     span.record("id", tracing::field::display(record.id));
     span.record("backend", record.backend.as_str());
+    if let Some(server) = server {
+        let delivery = match (replayed, record.status.is_terminal()) {
+            (false, _) => Delivery::New,
+            (true, false) => Delivery::Attached,
+            (true, true) => Delivery::Replayed,
+        };
+        server.admitted(&record, delivery);
+    }
     Ok(Admitted {
         record,
         namespace,
@@ -319,6 +344,7 @@ fn new_request(
         claim_key: claim_key.clone(),
         claim_expires_at: now.saturating_add(ttl_ms),
         now,
+        trace_parent: None,
     };
     let claim = Claim {
         key: claim_key,
@@ -336,6 +362,7 @@ async fn answer_admitted(
     route: Route,
     headers: &HeaderMap,
     admitted: Admitted,
+    server: Option<&ServerSpan>,
 ) -> Result<Response, ApiError> {
     let Admitted {
         record,
@@ -367,10 +394,11 @@ async fn answer_admitted(
             let claim_ref = claim.of(&namespace, &record, &state.config);
             state.workers.remember(&claim_ref, &record);
         }
-        let delivery = Delivery {
+        let delivery = Answering {
             route,
             replayed,
             hide_usage: claim.hide_usage,
+            server: server.cloned(),
         };
         return stream_answer(state, &namespace, record, delivery, held, fresh).await;
     }
@@ -394,14 +422,15 @@ async fn stream_answer(
     state: &AppState,
     namespace: &str,
     record: RequestRecord,
-    delivery: Delivery,
+    delivery: Answering,
     held: HeldSlot,
     fresh: Option<Subscription>,
 ) -> Result<Response, ApiError> {
-    let Delivery {
+    let Answering {
         route,
         replayed,
         hide_usage,
+        server,
     } = delivery;
     let shape = route.provider();
     // Until the current attempt stored or handed on its first event (RS-1, RS-11).
@@ -425,8 +454,9 @@ async fn stream_answer(
     );
     let id = record.id;
     let body = async_stream::stream! {
-        // The slot is held for as long as the stream is.
+        // The slot is held for as long as the stream is, and so is the call's span (OT-2).
         let _held = held;
+        let _server = server;
         let mut items = std::pin::pin!(items);
         while let Some(item) = items.next().await {
             let (bytes, done) = match item {
@@ -457,7 +487,7 @@ async fn stream_answer(
 }
 
 /// How a stream is delivered to this client.
-struct Delivery {
+struct Answering {
     route: Route,
     /// Answered from an execution that already existed (RS-5's `Idempotent-Replayed`).
     replayed: bool,
@@ -465,6 +495,8 @@ struct Delivery {
     /// (`inject_stream_usage`): it is stored and counted, and left out of this client's stream
     /// (decision 40).
     hide_usage: bool,
+    /// The call's server span, ended with the stream (OT-2).
+    server: Option<ServerSpan>,
 }
 
 /// One of the `max_held_requests` slots, released on drop (RS-8).

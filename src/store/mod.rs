@@ -199,6 +199,8 @@ pub struct NewRequest {
     pub claim_expires_at: Millis,
     /// Submission time.
     pub now: Millis,
+    /// The W3C `traceparent` of the call's server span, when traces are on (OT-2).
+    pub trace_parent: Option<String>,
 }
 
 /// Outcome of [`Store::submit`].
@@ -271,6 +273,9 @@ pub struct RequestRecord {
     /// What the attempt that gave its answer reported it cost (the last one that reported
     /// usage): what each saved call would have cost.
     pub usage: Usage,
+    /// The W3C `traceparent` of the call that created it, when traces were on (OT-2): the
+    /// parent of its attempts' spans on any node.
+    pub trace_parent: Option<String>,
 }
 
 #[cfg(test)]
@@ -294,6 +299,7 @@ impl NewRequest {
             claim_key: hex::encode(hash),
             claim_expires_at: now + 600_000,
             now,
+            trace_parent: None,
         }
     }
 }
@@ -329,6 +335,7 @@ impl RequestRecord {
             replayed: 0,
             log_reads: 0,
             usage: Usage::default(),
+            trace_parent: None,
         }
     }
 }

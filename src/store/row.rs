@@ -18,7 +18,7 @@ macro_rules! request_columns {
          response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
          updated_at, finished_at, attached, replayed, log_reads, usage_input_tokens, \
          usage_output_tokens, usage_cached_input_tokens, usage_cache_write_tokens, \
-         usage_reasoning_tokens"
+         usage_reasoning_tokens, trace_parent"
     };
 }
 
@@ -114,6 +114,8 @@ pub(crate) mod col {
     /// The first of the five usage columns (input, output, cached input, cache write,
     /// reasoning).
     pub(crate) const USAGE: usize = 27;
+    /// The request's trace context (OT-2).
+    pub(crate) const TRACE_PARENT: usize = 32;
 }
 
 /// A `requests` row as stored, before its values are checked.
@@ -147,6 +149,7 @@ pub(crate) struct RawRecord {
     pub replayed: i64,
     pub log_reads: i64,
     pub usage: Usage,
+    pub trace_parent: Option<String>,
 }
 
 impl RawRecord {
@@ -197,6 +200,7 @@ impl RawRecord {
             replayed: count(self.replayed, "replayed")?,
             log_reads: count(self.log_reads, "log_reads")?,
             usage: self.usage,
+            trace_parent: self.trace_parent,
         })
     }
 }

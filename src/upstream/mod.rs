@@ -26,6 +26,8 @@ pub(crate) struct Call<'a> {
     pub headers: &'a [(String, String)],
     /// The model as recorded: part of the URL for a route that takes it in the path (GM-1).
     pub model: Option<&'a str>,
+    /// The attempt span's W3C `traceparent`, when traces are on (OT-3).
+    pub traceparent: Option<&'a str>,
 }
 
 /// Why a call produced no usable HTTP response. All of these are transient (LC-5) when they
@@ -186,6 +188,9 @@ impl Upstreams {
         }
         if let Some((name, value)) = key {
             headers.insert(name.clone(), value.clone());
+        }
+        if let Some(traceparent) = call.traceparent.and_then(|v| HeaderValue::from_str(v).ok()) {
+            headers.insert("traceparent", traceparent);
         }
         // Defaults the client did not send (already in `call.headers` for requests admitted
         // by this version, which hashes them; kept for records admitted before).

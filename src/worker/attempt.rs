@@ -15,6 +15,7 @@ use super::stream::StreamRead;
 use crate::hub::HubEvent;
 use crate::ledger;
 use crate::metrics as m;
+use crate::otel::AttemptSpan;
 use crate::provider::{Route, excerpt};
 use crate::store::{
     Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, Millis, Outcome, RequestRecord, StoreError,
@@ -52,7 +53,12 @@ impl From<Outcome> for Ending {
 
 impl WorkerPool {
     /// Runs one attempt: heartbeat beside the provider call, then the fenced outcome write.
-    pub(super) async fn run_attempt(&self, lease: Lease, record: RequestRecord) {
+    pub(super) async fn run_attempt(
+        &self,
+        lease: Lease,
+        record: RequestRecord,
+        mut trace: Option<AttemptSpan>,
+    ) {
         let lost = CancellationToken::new();
         // Renews the lease until the outcome is written; stopped with this function, however
         // it ends. In the attempt's span, so its log lines name the request.
@@ -64,7 +70,7 @@ impl WorkerPool {
         let registration = self.register(lease.id);
         debug!("attempt started");
         let ending = tokio::select! {
-            ending = self.call(&lease, &record) => ending,
+            ending = self.call(&lease, &record, &mut trace) => ending,
             () = lost.cancelled() => None,
             () = registration.abort.cancelled() => None,
             () = self.abandon.cancelled() => {
@@ -75,11 +81,23 @@ impl WorkerPool {
         drop(registration);
         let Some(ending) = ending else {
             info!("attempt ended without an outcome");
+            if let Some(trace) = trace {
+                trace.lost();
+            }
             return;
         };
         log_attempt(&ending.outcome);
         let written = self.write_outcome(&lease, &ending, &lost).await;
         drop(heartbeat);
+        if let Some(mut trace) = trace {
+            if let Some(last) = &ending.last {
+                trace.events(&last.chunks);
+            }
+            match &written {
+                Ok(Some(_)) => trace.end(&ending.outcome),
+                _ => trace.lost(),
+            }
+        }
         match written {
             Ok(Some((chunks, settled))) => {
                 let Ending {
@@ -295,14 +313,21 @@ impl WorkerPool {
 
     /// One provider call, classified into an [`Ending`] (LC-5, LC-6, LC-11). `None` when the
     /// lease was lost on the way.
-    async fn call(&self, lease: &Lease, record: &RequestRecord) -> Option<Ending> {
+    async fn call(
+        &self,
+        lease: &Lease,
+        record: &RequestRecord,
+        trace: &mut Option<AttemptSpan>,
+    ) -> Option<Ending> {
         let route = record.route;
+        let traceparent = trace.as_ref().and_then(AttemptSpan::traceparent);
         let call = Call {
             backend: &record.backend,
             route,
             body: &record.body,
             headers: &record.headers,
             model: record.model.as_deref(),
+            traceparent: traceparent.as_deref(),
         };
         let mut response = match self.upstreams.send(&call).await {
             Ok(r) => r,
@@ -331,7 +356,7 @@ impl WorkerPool {
                 record.last_seq,
                 self.store.ends_streams_in_one_write(),
             );
-            return self.stream(lease, response, read).await;
+            return self.stream(lease, response, read, trace).await;
         }
         let outcome = self
             .classify(lease, route, &mut response, status, request_id)

@@ -27,6 +27,7 @@ use uuid::Uuid;
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
+use crate::otel::{AttemptSpan, Traces};
 use crate::store::{
     DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, StoreError, Submitted, now_ms,
 };
@@ -92,6 +93,8 @@ pub(crate) struct WorkerPool {
     books: Arc<Bookkeeping>,
     /// When the store last failed this node (decision 52).
     health: Arc<StoreHealth>,
+    /// Traces, when `otel.enabled` (OT-3).
+    traces: Traces,
 }
 
 /// A running attempt's entry in [`WorkerPool::running`]; removed on drop.
@@ -116,6 +119,7 @@ impl WorkerPool {
         hub: Arc<Hub>,
         upstreams: Arc<Upstreams>,
         config: Arc<Config>,
+        traces: Traces,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         let chunks =
@@ -135,6 +139,7 @@ impl WorkerPool {
             node: node.into(),
             running: Arc::default(),
             answers: Arc::default(),
+            traces,
         }
     }
 
@@ -348,7 +353,14 @@ impl WorkerPool {
         permit: OwnedSemaphorePermit,
     ) {
         metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone()).increment(1);
-        // Every log line of the attempt names its request.
+        let trace = self.traces.as_ref().map(|traces| {
+            traces.attempt(
+                &record,
+                lease.attempt,
+                backend_address(&self.config, &record),
+            )
+        });
+        // Every log line of the attempt names its request, and its trace when traces are on.
         let span = tracing::info_span!(
             "attempt",
             id = %lease.id,
@@ -356,11 +368,17 @@ impl WorkerPool {
             namespace = %record.namespace,
             route = record.route.name(),
             backend = %record.backend,
+            trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
         );
+        if let Some((trace_id, span_id)) = trace.as_ref().and_then(AttemptSpan::ids) {
+            span.record("trace_id", trace_id.as_str());
+            span.record("span_id", span_id.as_str());
+        }
         let pool = self.clone();
         tokio::spawn(
             async move {
-                pool.run_attempt(lease, record).await;
+                pool.run_attempt(lease, record, trace).await;
                 drop(permit);
             }
             .instrument(span),
@@ -613,6 +631,13 @@ fn hostname() -> String {
         })
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "holdfast".into())
+}
+
+/// `server.address` and `server.port` of the backend that runs `record` (OT-3).
+fn backend_address(config: &Config, record: &RequestRecord) -> Option<(String, u16)> {
+    let backend = config.backends.iter().find(|b| b.name == record.backend)?;
+    let url = reqwest::Url::parse(&backend.base_url).ok()?;
+    Some((url.host_str()?.to_owned(), url.port_or_known_default()?))
 }
 
 #[cfg(test)]

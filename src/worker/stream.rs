@@ -11,6 +11,7 @@ use super::WorkerPool;
 use super::attempt::{Ending, is_event_stream};
 use super::chunks::{AppendError, ChunkWriter, Pending};
 use crate::hub::{Handed, HubEvent};
+use crate::otel::AttemptSpan;
 use crate::provider::Route;
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, Usage};
@@ -478,6 +479,7 @@ impl WorkerPool {
         lease: &Lease,
         mut response: reqwest::Response,
         mut read: StreamRead,
+        trace: &mut Option<AttemptSpan>,
     ) -> Option<Ending> {
         if !read.is_event_stream() {
             let (body, _) = self.upstreams.read_capped(&mut response).await;
@@ -490,6 +492,9 @@ impl WorkerPool {
                 Ok(None) => read.on_body_end(),
                 Err(e) => read.on_read_error(&e),
             };
+            if let (Step::Store { batch, .. }, Some(trace)) = (&step, trace.as_mut()) {
+                trace.events(&batch.chunks);
+            }
             match step {
                 Step::Read => {}
                 Step::End(ending) => break Ok(ending),

@@ -31,5 +31,6 @@ mod store_conformance;
 mod store_errors;
 mod streams;
 mod tenancy;
+mod traces;
 mod ui;
 mod usage;

@@ -265,6 +265,7 @@ fn by_hash_in(namespace: &str, text: &str, now: Millis) -> NewRequest {
         claim_key: hex::encode(hash),
         claim_expires_at: now + WINDOW,
         now,
+        trace_parent: None,
     }
 }
 

@@ -2,7 +2,8 @@
 
 The SDK times out and retries the same body; holdfast must attach the retries to the first
 execution (SPEC RS-2). HOLDFAST_BASE_URL: holdfast's address with /v1; SDK_MAX_RETRIES: the
-client's max_retries (default 6). Prints {"content", "timeouts_seen", "max_retries"} as JSON.
+client's max_retries (default 6); TRACEPARENT, when set, a W3C traceparent every send carries
+(as a traced app's instrumentation would add it). Prints {"content", "timeouts_seen", "max_retries"} as JSON.
 """
 import json
 import os
@@ -34,6 +35,9 @@ client = openai.OpenAI(
     timeout=1.0,
     max_retries=max_retries,
     http_client=httpx.Client(transport=CountingTransport()),
+    default_headers=(
+        {"traceparent": os.environ["TRACEPARENT"]} if os.environ.get("TRACEPARENT") else None
+    ),
 )
 completion = client.chat.completions.create(
     model="gpt-4o-mini",

@@ -102,6 +102,7 @@ pub(super) fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> 
             cache_write_tokens: tokens(row, "usage_cache_write_tokens")?,
             reasoning_tokens: tokens(row, "usage_reasoning_tokens")?,
         },
+        trace_parent: row.try_get("trace_parent")?,
     }
     .into_record()
 }
@@ -159,6 +160,7 @@ pub(super) async fn submit_in(
             .bind(&new.claim_key)
             .bind(new.claim_expires_at)
             .bind(origin)
+            .bind(new.trace_parent.as_deref())
             .fetch_optional(&mut *conn)
             .await?;
         if let Some(row) = row {
@@ -311,7 +313,7 @@ const SUBMIT_ROUNDS: usize = 5;
 /// insert. Parameters: `$1` id, `$2` namespace, `$3` route, `$4` backend, `$5` model, `$6`
 /// stream, `$7` body, `$8` headers, `$9` hash (also the claim's fingerprint), `$10` claim kind,
 /// `$11` now, `$12` lease owner or NULL, `$13` lease expiry or NULL, `$14` claim key, `$15`
-/// claim expiry, `$16` origin. No row: a live claim stood.
+/// claim expiry, `$16` origin, `$17` trace context (OT-2). No row: a live claim stood.
 macro_rules! submit_sql {
     ($notify:literal) => {
         concat!(
@@ -327,10 +329,10 @@ macro_rules! submit_sql {
              created AS (
                  INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
                      hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-                     next_retry_at, created_at, updated_at)
+                     next_retry_at, created_at, updated_at, trace_parent)
                  SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
                      CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
-                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11
+                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11, $17
                  FROM claimed WHERE request_id = $1
                  RETURNING ",
             request_columns!(),
@@ -344,16 +346,17 @@ macro_rules! submit_sql {
 }
 
 /// [`submit_sql!`] for many submissions, one per claim, each element of the arrays one
-/// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin). Each
+/// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin, `$17` the trace contexts). Each
 /// claim's takeover is checked against its own submission's time. Returns the records it
 /// created; a submission missing from them found a live claim.
 pub(super) const SUBMIT_MANY: &str = concat!(
     "WITH s AS (
          SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
              $6::bool[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::bigint[],
-             $12::text[], $13::bigint[], $14::text[], $15::bigint[]) WITH ORDINALITY
+             $12::text[], $13::bigint[], $14::text[], $15::bigint[], $17::text[]) WITH ORDINALITY
          AS s(s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
-             s_hash, s_kind, s_now, s_owner, s_expires, s_claim_key, s_claim_expires, s_ord)),
+             s_hash, s_kind, s_now, s_owner, s_expires, s_claim_key, s_claim_expires,
+             s_trace_parent, s_ord)),
      claimed AS (
          INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
          SELECT s_namespace, s_claim_key, s_kind, s_id, s_hash, s_claim_expires
@@ -368,11 +371,11 @@ pub(super) const SUBMIT_MANY: &str = concat!(
      created AS (
          INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
              hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-             next_retry_at, created_at, updated_at)
+             next_retry_at, created_at, updated_at, trace_parent)
          SELECT s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
              s_hash, s_kind, CASE WHEN s_owner IS NULL THEN 'pending' ELSE 'running' END,
              CASE WHEN s_owner IS NULL THEN 0 ELSE 1 END, s_owner, s_expires, s_now, s_now,
-             s_now
+             s_now, s_trace_parent
          FROM s JOIN claimed ON claimed.request_id = s_id
          RETURNING ",
     request_columns!(),

@@ -49,6 +49,7 @@ pub(super) fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord,
         replayed: row.get(at + col::REPLAYED)?,
         log_reads: row.get(at + col::LOG_READS)?,
         usage: usage_from_row(row, at + col::USAGE)?,
+        trace_parent: row.get(at + col::TRACE_PARENT)?,
     }
     .into_record()
 }
@@ -173,6 +174,7 @@ pub(super) fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
         replayed: 0,
         log_reads: 0,
         usage: Usage::default(),
+        trace_parent: new.trace_parent,
     }
 }
 
@@ -210,7 +212,8 @@ const INSERT_REQUEST_SQL: &str =
 
 /// Stores a request's body and headers, apart from its row: the row is rewritten at every
 /// update, they never change (decision 35).
-const INSERT_BODY_SQL: &str = "INSERT INTO request_bodies (id, body, headers) VALUES (?1, ?2, ?3)";
+const INSERT_BODY_SQL: &str =
+    "INSERT INTO request_bodies (id, body, headers, trace_parent) VALUES (?1, ?2, ?3, ?4)";
 
 /// What [`submit_in`] did: [`Submitted`] without the created record, which is `new` as
 /// inserted ([`created_record`]).
@@ -261,8 +264,12 @@ pub(super) fn submit_in(
             owner,
             expires_at
         ])?;
-        conn.prepare_cached(INSERT_BODY_SQL)?
-            .execute(params![id, new.body, headers])?;
+        conn.prepare_cached(INSERT_BODY_SQL)?.execute(params![
+            id,
+            new.body,
+            headers,
+            new.trace_parent
+        ])?;
         let lease = owner.map(|owner| Lease {
             id: new.id,
             owner: owner.to_string(),

@@ -1,0 +1,1096 @@
+//! Traces: every proxied call and every attempt as an OpenTelemetry span, in the HTTP and GenAI
+//! semantic conventions, exported over OTLP/HTTP (OT-1..OT-6, issue 32).
+//!
+//! Off by default, and then nothing here runs: [`Otel::start`] gives `None`, and an `Option`
+//! test is the whole cost on the request path (OT-1). On:
+//!
+//! - a proxied call is a server span continuing the caller's W3C `traceparent`; a new request
+//!   stores that span's own `traceparent` (OT-2), so whichever node runs an attempt, after any
+//!   restart, puts the attempt's span under the call that created the request;
+//! - an attempt is a client span named `{gen_ai.operation.name} {gen_ai.request.model}`, whose
+//!   span id is derived from (request id, attempt number) ([`attempt_span_id`]): a call answered
+//!   from the log links to the attempt that produced its answer, and an attempt to the one
+//!   before it, without the log storing span ids (OT-3);
+//! - export never waits: a finished span goes into a bounded queue that one task drains in
+//!   batches; a full queue or a failed export drops spans, counts them
+//!   (`holdfast_otel_spans_dropped_total`) and warns once per failure (OT-1).
+//!
+//! Parsing answers for the response's id, model and finish reasons happens only here, and only
+//! when traces are on.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, Status as SpanStatus, TraceContextExt, TraceFlags, TraceId,
+    TraceState, Tracer as _, TracerProvider as _,
+};
+use opentelemetry::{Context, KeyValue, Value};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{
+    IdGenerator, RandomIdGenerator, SdkTracer, SdkTracerProvider, SpanData, SpanExporter as _,
+    SpanProcessor,
+};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use crate::config;
+use crate::metrics as m;
+use crate::provider::{Provider, Route};
+use crate::store::{NewChunk, Outcome, RequestRecord, Status, Usage};
+
+/// How long the exporter waits for more spans to fill a batch once one has arrived.
+const LINGER: Duration = Duration::from_millis(200);
+/// The instrumentation scope of every span.
+const SCOPE: &str = "holdfast";
+
+/// A trace pipeline that could not be built from the configuration.
+#[derive(Debug, thiserror::Error)]
+#[error("traces (`[otel]`): {0}")]
+pub struct OtelError(String);
+
+/// The tracer and what its spans need: built once at start when `otel.enabled`.
+#[derive(Debug)]
+pub struct Otel {
+    tracer: SdkTracer,
+    provider: SdkTracerProvider,
+    /// Most bytes of captured content per attribute, when `capture_content` is on (OT-5).
+    capture: Option<usize>,
+    /// The export task, awaited at shutdown so the last spans leave.
+    export: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// What the process holds: `None` when traces are off.
+pub type Traces = Option<Arc<Otel>>;
+
+impl Otel {
+    /// Builds the pipeline when `config.enabled` (and `OTEL_SDK_DISABLED` is not `true`):
+    /// the OTLP/HTTP protobuf exporter on its own HTTP client, the bounded queue and its export
+    /// task (spawned on the current tokio runtime), the sampler from `OTEL_TRACES_SAMPLER`
+    /// (default: parent-based, always on), the resource from `OTEL_SERVICE_NAME` and
+    /// `OTEL_RESOURCE_ATTRIBUTES` (service name `holdfast` unless they name one).
+    ///
+    /// # Errors
+    /// The endpoint or the exporter's HTTP client could not be built.
+    pub fn start(config: &config::Otel) -> Result<Traces, OtelError> {
+        let disabled =
+            std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+        if !config.enabled || disabled {
+            return Ok(None);
+        }
+        let timeout = Duration::from_millis(config.export_timeout_ms);
+        let client = reqwest::Client::builder()
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .timeout(timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| OtelError(format!("the exporter's HTTP client: {e}")))?;
+        let mut builder = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_http_client(ExportClient(client))
+            .with_protocol(Protocol::HttpBinary)
+            .with_timeout(timeout);
+        if let Some(endpoint) = &config.endpoint {
+            builder = builder.with_endpoint(endpoint.clone());
+        }
+        let mut exporter = builder
+            .build()
+            .map_err(|e| OtelError(format!("the OTLP exporter: {e}")))?;
+        let resource = resource();
+        exporter.set_resource(&resource);
+        let (sender, receiver) = mpsc::channel(config.queue_size);
+        let export = tokio::spawn(export_spans(receiver, exporter, config.batch_size));
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(Queue {
+                sender: Mutex::new(Some(sender)),
+                warned: AtomicBool::new(false),
+            })
+            .with_id_generator(LogIds(RandomIdGenerator::default()))
+            .with_resource(resource)
+            .build();
+        let tracer = provider.tracer(SCOPE);
+        for reason in ["queue_full", "export_failed"] {
+            metrics::counter!(m::OTEL_SPANS_DROPPED, "reason" => reason).increment(0);
+        }
+        metrics::counter!(m::OTEL_SPANS_EXPORTED).increment(0);
+        Ok(Some(Arc::new(Otel {
+            tracer,
+            provider,
+            capture: config.capture_content.then_some(config.content_max_bytes),
+            export: Mutex::new(Some(export)),
+        })))
+    }
+
+    /// Ends the pipeline: spans already finished are exported (for at most `wait`).
+    pub async fn shutdown(&self, wait: Duration) {
+        // Closes the queue: the export task sends what is in it and stops.
+        if let Err(e) = self.provider.shutdown() {
+            tracing::debug!(error = %e, "trace provider shutdown");
+        }
+        let export = self.export.lock().ok().and_then(|mut e| e.take());
+        if let Some(export) = export
+            && tokio::time::timeout(wait, export).await.is_err()
+        {
+            tracing::warn!("traces: the last spans were not exported before shutdown");
+        }
+    }
+
+    /// The server span of one proxied call (OT-2), continuing the caller's `traceparent`.
+    pub fn server(&self, route: Route, headers: &HeaderMap) -> ServerSpan {
+        let parent =
+            TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers));
+        let path = route.router_path();
+        let span = self
+            .tracer
+            .span_builder(format!("POST {path}"))
+            .with_kind(SpanKind::Server)
+            .with_attributes([
+                KeyValue::new("http.request.method", "POST"),
+                KeyValue::new("http.route", path),
+                KeyValue::new("holdfast.route", route.name()),
+            ])
+            .start_with_context(&self.tracer, &parent);
+        ServerSpan {
+            cx: parent.with_span(span),
+        }
+    }
+
+    /// The span of attempt `attempt` of `record` (OT-3): under the call that created the
+    /// request (its stored `traceparent`), linked to the attempt before it.
+    pub fn attempt(
+        &self,
+        record: &RequestRecord,
+        attempt: u32,
+        server: Option<(String, u16)>,
+    ) -> AttemptSpan {
+        let parent = record
+            .trace_parent
+            .as_deref()
+            .map(extract)
+            .unwrap_or_default();
+        let route = record.route;
+        let operation = operation(route);
+        let name = match &record.model {
+            Some(model) => format!("{operation} {model}"),
+            None => operation.to_string(),
+        };
+        let mut attributes = vec![
+            KeyValue::new("gen_ai.operation.name", operation),
+            KeyValue::new("gen_ai.provider.name", provider_name(route.provider())),
+            KeyValue::new("holdfast.request_id", record.id.to_string()),
+            KeyValue::new("holdfast.namespace", record.namespace.clone()),
+            KeyValue::new("holdfast.backend", record.backend.clone()),
+            KeyValue::new("holdfast.route", route.name()),
+            KeyValue::new("holdfast.attempt", i64::from(attempt)),
+            KeyValue::new("holdfast.stream", record.stream),
+        ];
+        if let Some(model) = &record.model {
+            attributes.push(KeyValue::new("gen_ai.request.model", model.clone()));
+        }
+        if let Some((host, port)) = server {
+            attributes.push(KeyValue::new("server.address", host));
+            attributes.push(KeyValue::new("server.port", i64::from(port)));
+        }
+        if let Some(cap) = self.capture {
+            attributes.push(KeyValue::new(
+                "gen_ai.input.messages",
+                capped(input_messages(route, &record.body), cap),
+            ));
+        }
+        let mut builder = self
+            .tracer
+            .span_builder(name)
+            .with_kind(SpanKind::Client)
+            .with_attributes(attributes);
+        if attempt > 1 {
+            builder = builder.with_links(vec![opentelemetry::trace::Link::with_context(
+                attempt_context(record, attempt - 1),
+            )]);
+        }
+        // A request created while traces were off has no stored parent: its attempts are roots
+        // of a trace whose id is derived from the request, so links still find them.
+        let trace = (!parent.span().span_context().is_valid()).then(|| request_trace_id(record.id));
+        let span = with_ids(trace, attempt_span_id(record.id, attempt), || {
+            builder.start_with_context(&self.tracer, &parent)
+        });
+        AttemptSpan {
+            cx: parent.with_span(span),
+            route,
+            started: Instant::now(),
+            events: 0,
+            answer: Answer::default(),
+            capture: self.capture,
+        }
+    }
+}
+
+/// How a proxied call was answered, as its server span says (`holdfast.delivery`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// It created the request: its answer comes from an attempt under this trace.
+    New,
+    /// It joined a request already running (RS-2).
+    Attached,
+    /// It was answered from a finished request in the log (RS-5).
+    Replayed,
+}
+
+/// The server span of one proxied call; it ends when the last holder drops it (a stream's body
+/// holds it to the stream's end).
+#[derive(Debug, Clone)]
+pub struct ServerSpan {
+    cx: Context,
+}
+
+impl ServerSpan {
+    /// This span's W3C `traceparent`, stored with the request it creates (OT-2).
+    pub fn traceparent(&self) -> Option<String> {
+        inject(&self.cx)
+    }
+
+    /// This span's trace id and span id in hex, for log lines (OT-6); `None` when it is not
+    /// sampled.
+    pub fn ids(&self) -> Option<(String, String)> {
+        let span = self.cx.span();
+        let context = span.span_context();
+        context.is_sampled().then(|| {
+            (
+                context.trace_id().to_string(),
+                context.span_id().to_string(),
+            )
+        })
+    }
+
+    /// The call is admitted: its request, and whether it runs or was answered from the log
+    /// (OT-4: a link to the attempt that produced, or produces, the answer).
+    pub fn admitted(&self, record: &RequestRecord, delivery: Delivery) {
+        let span = self.cx.span();
+        span.set_attributes([
+            KeyValue::new("holdfast.request_id", record.id.to_string()),
+            KeyValue::new("holdfast.namespace", record.namespace.clone()),
+            KeyValue::new("holdfast.backend", record.backend.clone()),
+            KeyValue::new(
+                "holdfast.delivery",
+                match delivery {
+                    Delivery::New => "new",
+                    Delivery::Attached => "attached",
+                    Delivery::Replayed => "replayed",
+                },
+            ),
+            KeyValue::new("holdfast.attached", delivery == Delivery::Attached),
+            KeyValue::new("holdfast.replayed", delivery == Delivery::Replayed),
+        ]);
+        if delivery != Delivery::New {
+            // The attempt running now, or the one that gave the answer; a queued request's
+            // next.
+            let attempt = match record.status {
+                Status::Pending => record.attempts + 1,
+                _ => record.attempts.max(1),
+            };
+            span.set_attribute(KeyValue::new(
+                "holdfast.deliveries",
+                i64::from(record.attached + record.replayed + record.log_reads) + 1,
+            ));
+            span.set_attribute(KeyValue::new(
+                "holdfast.saved_calls",
+                i64::from(record.saved_calls_while_running()),
+            ));
+            span.add_link(
+                attempt_context(record, attempt),
+                vec![KeyValue::new("holdfast.link", "answered_by")],
+            );
+        }
+    }
+
+    /// The status code answered (an error status for a 5xx, HTTP conventions).
+    pub fn responded(&self, status: u16) {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status),
+        ));
+        if status >= 500 {
+            span.set_attribute(KeyValue::new("error.type", status.to_string()));
+            span.set_status(SpanStatus::error(""));
+        }
+    }
+}
+
+/// What an attempt's answer showed, for its span's attributes.
+#[derive(Debug, Default)]
+struct Answer {
+    id: Option<String>,
+    model: Option<String>,
+    finish_reasons: Vec<String>,
+    /// The answer's text, captured up to the cap (OT-5).
+    text: String,
+}
+
+/// The span of one attempt; ended by [`AttemptSpan::end`], or when dropped (an attempt that
+/// lost its lease).
+#[derive(Debug)]
+pub struct AttemptSpan {
+    cx: Context,
+    route: Route,
+    started: Instant,
+    events: u64,
+    answer: Answer,
+    capture: Option<usize>,
+}
+
+impl AttemptSpan {
+    /// The `traceparent` the provider call carries: this span's.
+    pub fn traceparent(&self) -> Option<String> {
+        inject(&self.cx)
+    }
+
+    /// This span's trace id and span id in hex, for log lines (OT-6); `None` when it is not
+    /// sampled.
+    pub fn ids(&self) -> Option<(String, String)> {
+        let span = self.cx.span();
+        let context = span.span_context();
+        context.is_sampled().then(|| {
+            (
+                context.trace_id().to_string(),
+                context.span_id().to_string(),
+            )
+        })
+    }
+
+    /// A stream's events handed on: the first one's time (time to first chunk, OT-3), the
+    /// count, and what they say about the answer.
+    pub fn events(&mut self, chunks: &[NewChunk]) {
+        if chunks.is_empty() {
+            return;
+        }
+        if self.events == 0 {
+            let seconds = self.started.elapsed().as_secs_f64();
+            let span = self.cx.span();
+            span.add_event(
+                "gen_ai.first_chunk",
+                vec![KeyValue::new(
+                    "gen_ai.response.time_to_first_chunk",
+                    seconds,
+                )],
+            );
+            span.set_attribute(KeyValue::new(
+                "gen_ai.response.time_to_first_chunk",
+                seconds,
+            ));
+        }
+        self.events += chunks.len() as u64;
+        for chunk in chunks {
+            observe(
+                self.route,
+                chunk.data.as_bytes(),
+                &mut self.answer,
+                self.capture,
+            );
+        }
+    }
+
+    /// The attempt failed transiently and its request is tried again after `backoff_ms`.
+    pub fn retry(&self, backoff_ms: i64) {
+        self.cx.span().add_event(
+            "holdfast.retry",
+            vec![KeyValue::new("holdfast.backoff_ms", backoff_ms)],
+        );
+    }
+
+    /// Ends the span with the attempt's outcome: the answer's id, model, finish reasons,
+    /// usage, or the error's type.
+    pub fn end(mut self, outcome: &Outcome) {
+        if let Outcome::Succeeded { body, .. } = outcome
+            && self.events == 0
+        {
+            observe(self.route, body, &mut self.answer, self.capture);
+        }
+        let span = self.cx.span();
+        let mut attributes = Vec::new();
+        if let Some(id) = self.answer.id {
+            attributes.push(KeyValue::new("gen_ai.response.id", id));
+        }
+        if let Some(model) = self.answer.model {
+            attributes.push(KeyValue::new("gen_ai.response.model", model));
+        }
+        if !self.answer.finish_reasons.is_empty() {
+            let reasons: Vec<opentelemetry::StringValue> = self
+                .answer
+                .finish_reasons
+                .into_iter()
+                .map(Into::into)
+                .collect();
+            attributes.push(KeyValue::new(
+                "gen_ai.response.finish_reasons",
+                Value::Array(reasons.into()),
+            ));
+        }
+        if self.events > 0 {
+            attributes.push(KeyValue::new("holdfast.events", self.events as i64));
+        }
+        if let Some(cap) = self.capture
+            && !self.answer.text.is_empty()
+        {
+            let output = serde_json::json!([{
+                "role": "assistant",
+                "parts": [{"type": "text", "content": self.answer.text}],
+            }]);
+            attributes.push(KeyValue::new(
+                "gen_ai.output.messages",
+                capped(output.to_string(), cap),
+            ));
+        }
+        // `error.type`: the stored error type of a failure; for a transient failure that is
+        // tried again, the provider's status, or `transient` when it gave none.
+        let (usage, error) = match outcome {
+            Outcome::Succeeded { usage, status, .. } => {
+                attributes.push(KeyValue::new("holdfast.status", i64::from(*status)));
+                (usage.as_ref(), None)
+            }
+            Outcome::Failed { usage, error, .. } => {
+                attributes.push(KeyValue::new("error.type", error.kind.as_str()));
+                (usage.as_ref(), Some(error))
+            }
+            Outcome::Retry {
+                error,
+                next_retry_at,
+            } => {
+                span.add_event(
+                    "holdfast.retry",
+                    vec![KeyValue::new(
+                        "holdfast.backoff_ms",
+                        next_retry_at - crate::store::now_ms(),
+                    )],
+                );
+                let kind = error
+                    .status
+                    .map_or_else(|| "transient".into(), |s| s.to_string());
+                attributes.push(KeyValue::new("error.type", kind));
+                (None, Some(error))
+            }
+        };
+        if let Some(usage) = usage {
+            usage_attributes(usage, &mut attributes);
+        }
+        if let Some(error) = error {
+            if let Some(status) = error.status {
+                attributes.push(KeyValue::new("holdfast.status", i64::from(status)));
+            }
+            span.set_status(SpanStatus::error(error.message.clone()));
+        }
+        span.set_attributes(attributes);
+        span.end();
+    }
+
+    /// The attempt ended without an outcome: its lease was lost, or shutdown handed it back.
+    pub fn lost(self) {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new("error.type", "lease_lost"));
+        span.set_status(SpanStatus::error("the attempt ended without an outcome"));
+        span.end();
+    }
+}
+
+/// The GenAI usage attributes of `usage`.
+fn usage_attributes(usage: &Usage, out: &mut Vec<KeyValue>) {
+    let tokens = [
+        ("gen_ai.usage.input_tokens", usage.input_tokens),
+        ("gen_ai.usage.output_tokens", usage.output_tokens),
+        (
+            "gen_ai.usage.cache_read.input_tokens",
+            usage.cached_input_tokens,
+        ),
+        (
+            "gen_ai.usage.cache_creation.input_tokens",
+            usage.cache_write_tokens,
+        ),
+        (
+            "gen_ai.usage.reasoning.output_tokens",
+            usage.reasoning_tokens,
+        ),
+    ];
+    for (key, n) in tokens {
+        if let Some(n) = n.and_then(|n| i64::try_from(n).ok()) {
+            out.push(KeyValue::new(key, n));
+        }
+    }
+}
+
+/// `gen_ai.operation.name` of a route.
+fn operation(route: Route) -> &'static str {
+    match route {
+        Route::OpenaiCompletions => "text_completion",
+        Route::OpenaiEmbeddings => "embeddings",
+        Route::OpenaiChat | Route::OpenaiResponses | Route::AnthropicMessages => "chat",
+        Route::GeminiGenerate
+        | Route::GeminiStream
+        | Route::GeminiV1Generate
+        | Route::GeminiV1Stream => "generate_content",
+        #[cfg(test)]
+        Route::EchoSay => "chat",
+    }
+}
+
+/// `gen_ai.provider.name` of a provider.
+fn provider_name(provider: Provider) -> &'static str {
+    match provider {
+        Provider::Openai => "openai",
+        Provider::Anthropic => "anthropic",
+        Provider::Gemini => "gcp.gemini",
+        #[cfg(test)]
+        Provider::Echo => "echo",
+    }
+}
+
+/// The span id of attempt `attempt` of request `request`: the first 8 bytes of a SHA-256 of
+/// both, the same on every node and after every restart (OT-3).
+pub fn attempt_span_id(request: Uuid, attempt: u32) -> SpanId {
+    let digest = Sha256::new()
+        .chain_update(b"holdfast attempt span\0")
+        .chain_update(request.as_bytes())
+        .chain_update(attempt.to_be_bytes())
+        .finalize();
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&digest[..8]);
+    if id == [0; 8] {
+        id[7] = 1;
+    }
+    SpanId::from_bytes(id)
+}
+
+/// The trace id of a request created while traces were off (no stored `traceparent`).
+fn request_trace_id(request: Uuid) -> TraceId {
+    let digest = Sha256::new()
+        .chain_update(b"holdfast request trace\0")
+        .chain_update(request.as_bytes())
+        .finalize();
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&digest[..16]);
+    if id == [0; 16] {
+        id[15] = 1;
+    }
+    TraceId::from_bytes(id)
+}
+
+/// The span context of attempt `attempt` of `record`, for a link to it.
+fn attempt_context(record: &RequestRecord, attempt: u32) -> SpanContext {
+    let parent = record
+        .trace_parent
+        .as_deref()
+        .map(extract)
+        .unwrap_or_default();
+    let parent = parent.span().span_context().clone();
+    let (trace, flags) = if parent.is_valid() {
+        (parent.trace_id(), parent.trace_flags())
+    } else {
+        (request_trace_id(record.id), TraceFlags::SAMPLED)
+    };
+    SpanContext::new(
+        trace,
+        attempt_span_id(record.id, attempt),
+        flags,
+        true,
+        TraceState::default(),
+    )
+}
+
+/// The context a stored `traceparent` names.
+fn extract(traceparent: &str) -> Context {
+    let carrier = HashMap::from([("traceparent".to_string(), traceparent.to_string())]);
+    TraceContextPropagator::new().extract(&carrier)
+}
+
+/// The `traceparent` of the span in `cx`, when it is valid.
+fn inject(cx: &Context) -> Option<String> {
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(cx, &mut carrier);
+    carrier.remove("traceparent")
+}
+
+thread_local! {
+    /// Ids the next span built on this thread takes ([`with_ids`]).
+    static GIVEN: Cell<(Option<TraceId>, Option<SpanId>)> = const { Cell::new((None, None)) };
+}
+
+/// Runs `build` (which builds one span) with its span id, and its trace id when it starts a
+/// trace, given rather than random.
+fn with_ids<T>(trace: Option<TraceId>, span: SpanId, build: impl FnOnce() -> T) -> T {
+    GIVEN.with(|given| given.set((trace, Some(span))));
+    let built = build();
+    GIVEN.with(|given| given.set((None, None)));
+    built
+}
+
+/// Random ids, except where [`with_ids`] gave them.
+#[derive(Debug)]
+struct LogIds(RandomIdGenerator);
+
+impl IdGenerator for LogIds {
+    fn new_trace_id(&self) -> TraceId {
+        let given = GIVEN.with(|given| {
+            let (trace, span) = given.get();
+            given.set((None, span));
+            trace
+        });
+        given.unwrap_or_else(|| self.0.new_trace_id())
+    }
+
+    fn new_span_id(&self) -> SpanId {
+        let given = GIVEN.with(|given| {
+            let (trace, span) = given.get();
+            given.set((trace, None));
+            span
+        });
+        given.unwrap_or_else(|| self.0.new_span_id())
+    }
+}
+
+/// The process's resource: the SDK's and `OTEL_*`'s, with service name `holdfast` unless the
+/// environment names one.
+fn resource() -> Resource {
+    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|v| !v.is_empty())
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|v| v.contains("service.name="));
+    let builder = Resource::builder();
+    if named {
+        builder.build()
+    } else {
+        builder.with_service_name("holdfast").build()
+    }
+}
+
+/// The span processor: a finished span goes into the bounded queue, or is dropped and counted
+/// when it is full; never waited for (OT-1).
+#[derive(Debug)]
+struct Queue {
+    /// Taken at shutdown, which closes the queue.
+    sender: Mutex<Option<mpsc::Sender<SpanData>>>,
+    warned: AtomicBool,
+}
+
+impl SpanProcessor for Queue {
+    fn on_start(&self, _span: &mut opentelemetry_sdk::trace::Span, _cx: &Context) {}
+
+    fn on_end(&self, span: SpanData) {
+        if !span.span_context.is_sampled() {
+            return;
+        }
+        let sent = match self.sender.lock() {
+            Ok(sender) => sender.as_ref().map(|s| s.try_send(span).is_ok()),
+            Err(_) => None,
+        };
+        if sent == Some(false) {
+            metrics::counter!(m::OTEL_SPANS_DROPPED, "reason" => "queue_full").increment(1);
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "traces: the export queue is full, spans are dropped \
+                     (holdfast_otel_spans_dropped_total; is the collector up?)"
+                );
+            }
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+        if let Ok(mut sender) = self.sender.lock() {
+            sender.take();
+        }
+        Ok(())
+    }
+}
+
+/// Drains the queue in batches of at most `batch_size` into `exporter`, until the queue
+/// closes. A failed export drops its batch (counted, warned about once per failing spell).
+async fn export_spans(
+    mut receiver: mpsc::Receiver<SpanData>,
+    exporter: opentelemetry_otlp::SpanExporter,
+    batch_size: usize,
+) {
+    let mut failing = false;
+    loop {
+        let mut batch = Vec::with_capacity(batch_size);
+        if receiver.recv_many(&mut batch, batch_size).await == 0 {
+            return;
+        }
+        let linger = tokio::time::Instant::now() + LINGER;
+        while batch.len() < batch_size {
+            let more = batch_size - batch.len();
+            match tokio::time::timeout_at(linger, receiver.recv_many(&mut batch, more)).await {
+                Ok(n) if n > 0 => {}
+                _ => break,
+            }
+        }
+        let n = batch.len() as u64;
+        // The exporter's HTTP client times out the call itself (`export_timeout_ms`).
+        match exporter.export(batch).await {
+            Ok(()) => {
+                metrics::counter!(m::OTEL_SPANS_EXPORTED).increment(n);
+                if failing {
+                    tracing::info!("traces: export works again");
+                    failing = false;
+                }
+            }
+            Err(e) => {
+                metrics::counter!(m::OTEL_SPANS_DROPPED, "reason" => "export_failed").increment(n);
+                if !failing {
+                    tracing::warn!(error = %e, "traces: export failed, its spans are dropped (holdfast_otel_spans_dropped_total)");
+                    failing = true;
+                }
+            }
+        }
+    }
+}
+
+/// The exporter's HTTP client: our reqwest, so OTLP needs no second HTTP stack.
+#[derive(Debug)]
+struct ExportClient(reqwest::Client);
+
+#[async_trait::async_trait]
+impl opentelemetry_http::HttpClient for ExportClient {
+    async fn send_bytes(
+        &self,
+        request: axum::http::Request<bytes::Bytes>,
+    ) -> Result<axum::http::Response<bytes::Bytes>, opentelemetry_http::HttpError> {
+        let (parts, body) = request.into_parts();
+        let response = self
+            .0
+            .request(parts.method, parts.uri.to_string())
+            .headers(parts.headers)
+            .body(body)
+            .send()
+            .await?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.bytes().await?;
+        let mut out = axum::http::Response::new(body);
+        *out.status_mut() = status;
+        *out.headers_mut() = headers;
+        Ok(out)
+    }
+}
+
+/// `text` cut to at most `cap` bytes, on a character boundary.
+fn capped(mut text: String, cap: usize) -> String {
+    if text.len() > cap {
+        let mut end = cap;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
+/// The prompt of a request body in the GenAI conventions' message shape (`[{role, parts:
+/// [{type: "text", content}]}]`), text parts only; other parts are named by their type.
+fn input_messages(route: Route, body: &[u8]) -> String {
+    let Ok(body) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return "[]".into();
+    };
+    let mut out = Vec::new();
+    let text_part = |text: &str| serde_json::json!({"type": "text", "content": text});
+    let parts_of = |content: &serde_json::Value| -> Vec<serde_json::Value> {
+        match content {
+            serde_json::Value::String(s) => vec![text_part(s)],
+            serde_json::Value::Array(items) => items
+                .iter()
+                .map(|item| match item.get("text").and_then(|t| t.as_str()) {
+                    Some(text) => text_part(text),
+                    None => serde_json::json!({
+                        "type": item.get("type").and_then(|t| t.as_str()).unwrap_or("other")
+                    }),
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
+    match route.provider() {
+        Provider::Gemini => {
+            if let Some(system) = body.get("systemInstruction").and_then(|s| s.get("parts")) {
+                out.push(serde_json::json!({"role": "system", "parts": parts_of(system)}));
+            }
+            for content in body
+                .get("contents")
+                .and_then(|c| c.as_array())
+                .into_iter()
+                .flatten()
+            {
+                let role = content
+                    .get("role")
+                    .and_then(|r| r.as_str())
+                    .unwrap_or("user");
+                let parts = content.get("parts").map(parts_of).unwrap_or_default();
+                out.push(serde_json::json!({"role": role, "parts": parts}));
+            }
+        }
+        _ => {
+            if let Some(system) = body.get("system") {
+                out.push(serde_json::json!({"role": "system", "parts": parts_of(system)}));
+            }
+            let messages = body
+                .get("messages")
+                .or_else(|| body.get("input"))
+                .or_else(|| body.get("prompt"));
+            match messages {
+                Some(serde_json::Value::Array(messages))
+                    if messages.iter().all(serde_json::Value::is_object) =>
+                {
+                    for message in messages {
+                        let role = message
+                            .get("role")
+                            .and_then(|r| r.as_str())
+                            .unwrap_or("user");
+                        let parts = message.get("content").map(parts_of).unwrap_or_default();
+                        out.push(serde_json::json!({"role": role, "parts": parts}));
+                    }
+                }
+                Some(other) => {
+                    out.push(serde_json::json!({"role": "user", "parts": parts_of(other)}));
+                }
+                None => {}
+            }
+        }
+    }
+    serde_json::Value::Array(out).to_string()
+}
+
+/// Reads what one answer body or stream event says about the answer: its id, model, finish
+/// reasons and (when captured) text. Events that cannot say anything new are not parsed.
+fn observe(route: Route, data: &[u8], answer: &mut Answer, capture: Option<usize>) {
+    let known = answer.id.is_some() && answer.model.is_some();
+    let mentions = |needle: &[u8]| data.windows(needle.len()).any(|w| w == needle);
+    if known
+        && capture.is_none()
+        && !mentions(b"finish_reason")
+        && !mentions(b"stop_reason")
+        && !mentions(b"finishReason")
+        && !mentions(b"\"status\"")
+    {
+        return;
+    }
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
+        return;
+    };
+    // The answer object: the event itself, or the one it wraps (Anthropic's `message_start`,
+    // a Responses event's `response`).
+    let inner = value
+        .get("message")
+        .filter(|m| m.is_object())
+        .or_else(|| value.get("response").filter(|r| r.is_object()))
+        .unwrap_or(&value);
+    let text_of = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_owned);
+    if answer.id.is_none() {
+        answer.id = text_of(inner.get("id")).or_else(|| text_of(inner.get("responseId")));
+    }
+    if answer.model.is_none() {
+        answer.model = text_of(inner.get("model")).or_else(|| text_of(inner.get("modelVersion")));
+    }
+    let mut reasons = Vec::new();
+    for choice in value
+        .get("choices")
+        .or_else(|| value.get("candidates"))
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+    {
+        if let Some(reason) =
+            text_of(choice.get("finish_reason")).or_else(|| text_of(choice.get("finishReason")))
+        {
+            reasons.push(reason);
+        }
+    }
+    if let Some(reason) = text_of(inner.get("stop_reason"))
+        .or_else(|| text_of(value.get("delta").and_then(|d| d.get("stop_reason"))))
+    {
+        reasons.push(reason);
+    }
+    if route == Route::OpenaiResponses
+        && let Some(status) = text_of(inner.get("status"))
+        && status != "in_progress"
+    {
+        reasons.push(status);
+    }
+    if !reasons.is_empty() {
+        answer.finish_reasons = reasons;
+    }
+    if let Some(cap) = capture
+        && answer.text.len() < cap
+    {
+        collect_text(route, &value, &mut answer.text);
+    }
+}
+
+/// Appends the answer text an answer body or stream event carries.
+fn collect_text(route: Route, value: &serde_json::Value, text: &mut String) {
+    let push = |text: &mut String, v: Option<&serde_json::Value>| {
+        if let Some(s) = v.and_then(|v| v.as_str()) {
+            text.push_str(s);
+        }
+    };
+    match route.provider() {
+        Provider::Openai => {
+            for choice in value
+                .get("choices")
+                .and_then(|c| c.as_array())
+                .into_iter()
+                .flatten()
+            {
+                push(text, choice.get("delta").and_then(|d| d.get("content")));
+                push(text, choice.get("message").and_then(|m| m.get("content")));
+                push(text, choice.get("text"));
+            }
+            if value.get("type").and_then(|t| t.as_str()) == Some("response.output_text.delta") {
+                push(text, value.get("delta"));
+            }
+            push(text, value.get("output_text"));
+        }
+        Provider::Anthropic => {
+            push(text, value.get("delta").and_then(|d| d.get("text")));
+            for block in value
+                .get("content")
+                .and_then(|c| c.as_array())
+                .into_iter()
+                .flatten()
+            {
+                push(text, block.get("text"));
+            }
+        }
+        Provider::Gemini => {
+            for candidate in value
+                .get("candidates")
+                .and_then(|c| c.as_array())
+                .into_iter()
+                .flatten()
+            {
+                for part in candidate
+                    .get("content")
+                    .and_then(|c| c.get("parts"))
+                    .and_then(|p| p.as_array())
+                    .into_iter()
+                    .flatten()
+                {
+                    push(text, part.get("text"));
+                }
+            }
+        }
+        #[cfg(test)]
+        Provider::Echo => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_attempts_span_id_is_the_same_for_the_same_request_and_attempt_and_differs_otherwise_ot3()
+    {
+        let a = Uuid::now_v7();
+        let b = Uuid::now_v7();
+        assert_eq!(attempt_span_id(a, 1), attempt_span_id(a, 1));
+        assert_ne!(attempt_span_id(a, 1), attempt_span_id(a, 2));
+        assert_ne!(attempt_span_id(a, 1), attempt_span_id(b, 1));
+        assert_ne!(attempt_span_id(a, 1), SpanId::INVALID);
+    }
+
+    #[test]
+    fn a_stored_traceparent_is_read_back_as_the_same_context_ot2() {
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let cx = extract(tp);
+        assert_eq!(inject(&cx).as_deref(), Some(tp));
+        assert!(extract("garbage").span().span_context().trace_id() == TraceId::INVALID);
+    }
+
+    #[test]
+    fn answers_of_each_provider_give_their_id_model_and_finish_reasons() {
+        let cases: [(Route, &str, &str, &str, &str); 4] = [
+            (
+                Route::OpenaiChat,
+                r#"{"id":"chatcmpl-1","model":"gpt-4o-mini","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}"#,
+                "chatcmpl-1",
+                "gpt-4o-mini",
+                "stop",
+            ),
+            (
+                Route::AnthropicMessages,
+                r#"{"id":"msg_1","type":"message","model":"claude-x","content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn"}"#,
+                "msg_1",
+                "claude-x",
+                "end_turn",
+            ),
+            (
+                Route::GeminiGenerate,
+                r#"{"candidates":[{"content":{"parts":[{"text":"hi"}],"role":"model"},"finishReason":"STOP"}],"modelVersion":"gemini-2.5-flash","responseId":"r1"}"#,
+                "r1",
+                "gemini-2.5-flash",
+                "STOP",
+            ),
+            (
+                Route::OpenaiResponses,
+                r#"{"id":"resp_1","object":"response","model":"gpt-4o","status":"completed","output":[]}"#,
+                "resp_1",
+                "gpt-4o",
+                "completed",
+            ),
+        ];
+        for (route, body, id, model, reason) in cases {
+            let mut answer = Answer::default();
+            observe(route, body.as_bytes(), &mut answer, Some(100));
+            assert_eq!(answer.id.as_deref(), Some(id), "{body}");
+            assert_eq!(answer.model.as_deref(), Some(model), "{body}");
+            assert_eq!(answer.finish_reasons, vec![reason.to_string()], "{body}");
+        }
+    }
+
+    #[test]
+    fn an_anthropic_stream_gives_its_id_from_message_start_and_its_reason_and_text_from_deltas() {
+        let events = [
+            r#"{"type":"message_start","message":{"id":"msg_9","model":"claude-y","content":[],"stop_reason":null}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hel"}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"lo"}}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"output_tokens":2}}"#,
+        ];
+        let mut answer = Answer::default();
+        for event in events {
+            observe(
+                Route::AnthropicMessages,
+                event.as_bytes(),
+                &mut answer,
+                Some(100),
+            );
+        }
+        assert_eq!(answer.id.as_deref(), Some("msg_9"));
+        assert_eq!(answer.model.as_deref(), Some("claude-y"));
+        assert_eq!(answer.finish_reasons, vec!["max_tokens".to_string()]);
+        assert_eq!(answer.text, "Hello");
+    }
+
+    #[test]
+    fn captured_content_is_cut_on_a_character_boundary_ot5() {
+        assert_eq!(capped("héllo".into(), 2), "h");
+        assert_eq!(capped("hello".into(), 10), "hello");
+        let input = input_messages(
+            Route::OpenaiChat,
+            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{}}]}]}"#,
+        );
+        let input: serde_json::Value = serde_json::from_str(&input).unwrap();
+        assert_eq!(input[0]["role"], "system");
+        assert_eq!(input[0]["parts"][0]["content"], "be brief");
+        assert_eq!(input[1]["parts"][0]["content"], "hi");
+        assert_eq!(input[1]["parts"][1]["type"], "image_url");
+    }
+}

@@ -1,0 +1,509 @@
+//! Traces (OT-1..OT-6, issue 32): what holdfast exports over OTLP/HTTP, read back by an
+//! in-suite receiver that decodes the protobuf, span by span.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::routing::post;
+use holdfast::mock::MockConfig;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, any_value};
+use prost::Message;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+
+use crate::helpers::*;
+
+/// One exported span, as the receiver decoded it.
+#[derive(Debug, Clone)]
+struct Span {
+    trace_id: String,
+    span_id: String,
+    parent: String,
+    name: String,
+    /// OTLP `SpanKind`: 2 server, 3 client.
+    kind: i32,
+    attrs: HashMap<String, Value>,
+    events: Vec<(String, HashMap<String, Value>)>,
+    /// (trace id, span id, attributes) of each link.
+    links: Vec<(String, String, HashMap<String, Value>)>,
+    /// OTLP status code: 0 unset, 1 ok, 2 error.
+    status: i32,
+    service: String,
+}
+
+impl Span {
+    fn attr(&self, key: &str) -> &Value {
+        self.attrs.get(key).unwrap_or(&Value::Null)
+    }
+}
+
+fn value(v: Option<&AnyValue>) -> Value {
+    match v.and_then(|v| v.value.as_ref()) {
+        Some(any_value::Value::StringValue(s)) => json!(s),
+        Some(any_value::Value::BoolValue(b)) => json!(b),
+        Some(any_value::Value::IntValue(i)) => json!(i),
+        Some(any_value::Value::DoubleValue(d)) => json!(d),
+        Some(any_value::Value::ArrayValue(a)) => {
+            Value::Array(a.values.iter().map(|v| value(Some(v))).collect())
+        }
+        _ => Value::Null,
+    }
+}
+
+fn attrs(kvs: &[opentelemetry_proto::tonic::common::v1::KeyValue]) -> HashMap<String, Value> {
+    kvs.iter()
+        .map(|kv| (kv.key.clone(), value(kv.value.as_ref())))
+        .collect()
+}
+
+/// An OTLP/HTTP traces receiver on 127.0.0.1:0 that keeps every span it is sent.
+struct Receiver {
+    url: String,
+    spans: Arc<Mutex<Vec<Span>>>,
+    arrived: Arc<Notify>,
+}
+
+impl Receiver {
+    async fn start() -> Receiver {
+        let spans: Arc<Mutex<Vec<Span>>> = Arc::default();
+        let arrived = Arc::new(Notify::new());
+        let (kept, told) = (Arc::clone(&spans), Arc::clone(&arrived));
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            post(move |body: Bytes| {
+                let (kept, told) = (Arc::clone(&kept), Arc::clone(&told));
+                async move {
+                    let request = ExportTraceServiceRequest::decode(body).expect("OTLP protobuf");
+                    let mut decoded = Vec::new();
+                    for resource in request.resource_spans {
+                        let service = resource
+                            .resource
+                            .as_ref()
+                            .map(|r| attrs(&r.attributes))
+                            .and_then(|a| a.get("service.name").cloned())
+                            .and_then(|v| v.as_str().map(str::to_owned))
+                            .unwrap_or_default();
+                        for scope in resource.scope_spans {
+                            for s in scope.spans {
+                                decoded.push(Span {
+                                    trace_id: hex::encode(&s.trace_id),
+                                    span_id: hex::encode(&s.span_id),
+                                    parent: hex::encode(&s.parent_span_id),
+                                    name: s.name.clone(),
+                                    kind: s.kind,
+                                    attrs: attrs(&s.attributes),
+                                    events: s
+                                        .events
+                                        .iter()
+                                        .map(|e| (e.name.clone(), attrs(&e.attributes)))
+                                        .collect(),
+                                    links: s
+                                        .links
+                                        .iter()
+                                        .map(|l| {
+                                            (
+                                                hex::encode(&l.trace_id),
+                                                hex::encode(&l.span_id),
+                                                attrs(&l.attributes),
+                                            )
+                                        })
+                                        .collect(),
+                                    status: s.status.as_ref().map_or(0, |st| st.code),
+                                    service: service.clone(),
+                                });
+                            }
+                        }
+                    }
+                    kept.lock().unwrap().extend(decoded);
+                    told.notify_waiters();
+                    // An empty ExportTraceServiceResponse.
+                    (
+                        [("content-type", "application/x-protobuf")],
+                        Vec::<u8>::new(),
+                    )
+                }
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/traces", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Receiver {
+            url,
+            spans,
+            arrived,
+        }
+    }
+
+    /// The spans received once `done` holds for them (waits for each export; 15 s at most).
+    async fn wait(&self, what: &str, done: impl Fn(&[Span]) -> bool) -> Vec<Span> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let arrived = self.arrived.notified();
+            {
+                let spans = self.spans.lock().unwrap();
+                if done(&spans) {
+                    return spans.clone();
+                }
+            }
+            if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+                panic!(
+                    "never received {what}; got {:#?}",
+                    self.spans.lock().unwrap()
+                );
+            }
+        }
+    }
+}
+
+fn traced(receiver: &Receiver) -> impl FnOnce(&mut holdfast::config::Config) + '_ {
+    |c| {
+        c.otel.enabled = true;
+        c.otel.endpoint = Some(receiver.url.clone());
+    }
+}
+
+fn attempts(spans: &[Span]) -> Vec<&Span> {
+    spans.iter().filter(|s| s.kind == 3).collect()
+}
+
+fn servers(spans: &[Span]) -> Vec<&Span> {
+    spans.iter().filter(|s| s.kind == 2).collect()
+}
+
+#[tokio::test]
+async fn openai_python_retries_past_its_timeout_show_one_trace_one_attempt_and_two_linked_answers_from_the_log_ot2_ot3_ot4()
+ {
+    require_python(&["openai"]);
+    let receiver = Receiver::start().await;
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 3_000,
+            ..MockConfig::default()
+        },
+        traced(&receiver),
+    )
+    .await;
+    let base = format!("{}/v1", app.base);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
+    let out = tokio::task::spawn_blocking(move || {
+        run_python(
+            "openai_timeout_retry.py",
+            &[
+                ("HOLDFAST_BASE_URL", &base),
+                ("SDK_MAX_RETRIES", "2"),
+                ("TRACEPARENT", &traceparent),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let out: Value = serde_json::from_str(out.trim()).expect("driver prints JSON");
+    assert_eq!(
+        out["timeouts_seen"], 2,
+        "the first two sends timed out: {out}"
+    );
+    assert_eq!(app.mock.calls(), 1);
+    let spans = receiver
+        .wait("three server spans and the attempt", |s| {
+            servers(s).len() >= 3 && !attempts(s).is_empty()
+        })
+        .await;
+    // One trace: the SDK's.
+    assert!(spans.iter().all(|s| s.trace_id == trace), "{spans:#?}");
+    assert!(spans.iter().all(|s| s.service == "holdfast"), "{spans:#?}");
+    let attempts = attempts(&spans);
+    assert_eq!(attempts.len(), 1, "exactly one attempt: {spans:#?}");
+    let attempt = attempts[0];
+    assert_eq!(attempt.name, "chat gpt-4o-mini");
+    assert_eq!(attempt.attr("gen_ai.operation.name"), "chat");
+    assert_eq!(attempt.attr("gen_ai.provider.name"), "openai");
+    assert_eq!(attempt.attr("gen_ai.request.model"), "gpt-4o-mini");
+    assert!(
+        attempt.attr("gen_ai.response.id").is_string(),
+        "{attempt:#?}"
+    );
+    assert_eq!(
+        attempt.attr("gen_ai.response.finish_reasons"),
+        &json!(["stop"])
+    );
+    assert!(attempt.attr("gen_ai.usage.input_tokens").as_i64().unwrap() > 0);
+    assert!(attempt.attr("gen_ai.usage.output_tokens").as_i64().unwrap() > 0);
+    assert_eq!(attempt.attr("holdfast.attempt"), 1);
+    assert_eq!(attempt.attr("server.address"), "127.0.0.1");
+    // The attempt sits under the server span of the call that created the request.
+    let servers = servers(&spans);
+    let created = servers
+        .iter()
+        .find(|s| s.attr("holdfast.delivery") == "new")
+        .expect("the first send's span");
+    assert_eq!(attempt.parent, created.span_id);
+    assert_eq!(
+        created.parent, "00f067aa0ba902b7",
+        "the SDK's span is its parent"
+    );
+    // The provider was called with the attempt's traceparent.
+    let sent = &app.mock.recorded()[0];
+    let carried = sent
+        .headers
+        .iter()
+        .find(|(n, _)| n == "traceparent")
+        .map(|(_, v)| v.clone())
+        .expect("the provider call carries traceparent");
+    assert_eq!(carried, format!("00-{trace}-{}-01", attempt.span_id));
+    // The two retries were answered from the log: no attempt of their own, a link to the one.
+    let answered: Vec<_> = servers
+        .iter()
+        .filter(|s| s.attr("holdfast.delivery") != "new")
+        .collect();
+    assert_eq!(answered.len(), 2, "{servers:#?}");
+    for span in answered {
+        assert!(
+            span.attr("holdfast.attached") == true || span.attr("holdfast.replayed") == true,
+            "{span:#?}"
+        );
+        assert_eq!(
+            span.links
+                .iter()
+                .map(|(t, s, _)| (t.as_str(), s.as_str()))
+                .collect::<Vec<_>>(),
+            vec![(trace, attempt.span_id.as_str())],
+            "{span:#?}"
+        );
+        assert_eq!(
+            span.attr("holdfast.request_id"),
+            attempt.attr("holdfast.request_id")
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_anthropic_stream_has_an_attempt_span_with_its_first_chunk_time_finish_reason_and_usage_ot3()
+ {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(
+        MockConfig {
+            chunks: 5,
+            ..MockConfig::default()
+        },
+        traced(&receiver),
+    )
+    .await;
+    let body = json!({
+        "model": "claude-3-5-haiku-latest",
+        "max_tokens": 64,
+        "stream": true,
+        "messages": [{"role": "user", "content": "trace this stream"}],
+    });
+    let response = app
+        .post(
+            "/v1/messages",
+            body.to_string(),
+            &[("anthropic-version", "2023-06-01")],
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let (_, events) = read_events(response).await;
+    let spans = receiver
+        .wait("the attempt and the server span", |s| {
+            attempts(s).len() == 1 && servers(s).len() == 1
+        })
+        .await;
+    let attempt = attempts(&spans)[0];
+    assert_eq!(attempt.name, "chat claude-3-5-haiku-latest");
+    assert_eq!(attempt.attr("gen_ai.provider.name"), "anthropic");
+    assert_eq!(attempt.attr("holdfast.stream"), true);
+    assert!(
+        attempt.attr("gen_ai.response.id").is_string(),
+        "{attempt:#?}"
+    );
+    assert!(
+        attempt
+            .attr("gen_ai.response.finish_reasons")
+            .as_array()
+            .is_some_and(|r| !r.is_empty()),
+        "{attempt:#?}"
+    );
+    assert!(attempt.attr("gen_ai.usage.output_tokens").as_i64().unwrap() > 0);
+    assert_eq!(
+        attempt.attr("holdfast.events").as_u64().unwrap(),
+        events.len() as u64,
+        "{attempt:#?}"
+    );
+    let first = attempt
+        .events
+        .iter()
+        .find(|(name, _)| name == "gen_ai.first_chunk")
+        .expect("a first-chunk event");
+    assert!(
+        first.1["gen_ai.response.time_to_first_chunk"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let server = servers(&spans)[0];
+    assert_eq!(attempt.parent, server.span_id);
+    assert_eq!(server.attr("http.response.status_code"), 200);
+    assert_eq!(server.attr("http.route"), "/v1/messages");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_gemini_stream_has_an_attempt_span_in_the_genai_conventions_ot3() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), traced(&receiver)).await;
+    let response = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse",
+            gemini_body("trace gemini"),
+            &[],
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    read_events(response).await;
+    let spans = receiver
+        .wait("the attempt", |s| attempts(s).len() == 1)
+        .await;
+    let attempt = attempts(&spans)[0];
+    assert_eq!(attempt.name, "generate_content gemini-2.5-flash");
+    assert_eq!(attempt.attr("gen_ai.provider.name"), "gcp.gemini");
+    assert_eq!(
+        attempt.attr("gen_ai.response.finish_reasons"),
+        &json!(["STOP"])
+    );
+    assert!(attempt.attr("gen_ai.usage.input_tokens").as_i64().unwrap() > 0);
+    assert!(
+        attempt
+            .events
+            .iter()
+            .any(|(n, _)| n == "gen_ai.first_chunk")
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_retried_attempt_is_a_second_span_linked_to_the_first_with_the_backoff_as_an_event_ot3() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 503,
+            ..MockConfig::default()
+        },
+        traced(&receiver),
+    )
+    .await;
+    let response = app.chat(&chat_body("retry me")).await;
+    assert_eq!(response.status(), 200);
+    let spans = receiver
+        .wait("two attempts", |s| attempts(s).len() == 2)
+        .await;
+    let mut attempts = attempts(&spans);
+    attempts.sort_by_key(|s| s.attr("holdfast.attempt").as_i64());
+    let (first, second) = (attempts[0], attempts[1]);
+    assert_eq!(first.attr("error.type"), "503");
+    assert_eq!(first.status, 2, "an error status");
+    assert!(
+        first
+            .events
+            .iter()
+            .any(|(n, a)| n == "holdfast.retry" && a.contains_key("holdfast.backoff_ms")),
+        "{first:#?}"
+    );
+    assert_eq!(second.links.len(), 1);
+    assert_eq!(second.links[0].1, first.span_id);
+    assert_eq!(second.parent, first.parent, "both under the call's span");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn with_the_collector_down_calls_are_answered_and_lost_spans_are_counted_ot1() {
+    // A port nothing listens on, and a black hole that accepts and never answers.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let hole = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let keep = Arc::clone(&held);
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = hole.accept().await {
+            keep.lock().unwrap().push(socket);
+        }
+    });
+    for (endpoint, reason) in [
+        (format!("http://{closed}/v1/traces"), "export_failed"),
+        (format!("http://{hole_addr}/v1/traces"), "queue_full"),
+    ] {
+        let app = spawn_app(MockConfig::default(), |c| {
+            c.otel.enabled = true;
+            c.otel.endpoint = Some(endpoint.clone());
+            c.otel.queue_size = 4;
+            c.otel.batch_size = 2;
+            c.otel.export_timeout_ms = 60_000;
+        })
+        .await;
+        for i in 0..20 {
+            let response = app.chat(&chat_body(&format!("collector down {i}"))).await;
+            assert_eq!(
+                response.status(),
+                200,
+                "answered while the collector is down"
+            );
+        }
+        let mut dropped = 0.0;
+        for _ in 0..150 {
+            dropped = metric(
+                &app.metrics_text().await,
+                "holdfast_otel_spans_dropped_total",
+                &format!("reason=\"{reason}\""),
+            );
+            if dropped > 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(dropped > 0.0, "{endpoint}: spans dropped as {reason}");
+        app.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn with_traces_off_no_span_is_made_and_the_provider_gets_no_traceparent_ot1() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        // Off (the default), even with an endpoint named.
+        c.otel.endpoint = Some(receiver.url.clone());
+    })
+    .await;
+    let response = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("untraced"),
+            &[(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )],
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let sent = &app.mock.recorded()[0];
+    assert!(
+        sent.headers.iter().all(|(n, _)| n != "traceparent"),
+        "{:?}",
+        sent.headers
+    );
+    let page = app.metrics_text().await;
+    assert!(
+        !page.contains("holdfast_otel_spans"),
+        "no trace metrics when off"
+    );
+    app.stop().await;
+    assert!(receiver.spans.lock().unwrap().is_empty());
+}
