@@ -640,7 +640,24 @@ impl Config {
         self.check_tenants()?;
         self.check_limits()?;
         self.check_cors()?;
+        self.check_otel()?;
         self.check_database_url()
+    }
+
+    /// `[otel]`: an endpoint, when given, is an http or https URL (OT-1).
+    fn check_otel(&self) -> Result<(), ConfigError> {
+        match &self.otel.endpoint {
+            Some(endpoint) => check_base_url(endpoint).map_err(|why| {
+                invalid(
+                    "otel.endpoint",
+                    format!(
+                        "{endpoint:?} {why}; write the collector's OTLP/HTTP traces URL, e.g. \
+                         http://localhost:4318/v1/traces"
+                    ),
+                )
+            }),
+            None => Ok(()),
+        }
     }
 
     /// `[[backends]]`: at least one, named uniquely, each with a usable base URL.
@@ -980,6 +997,21 @@ mod tests {
         });
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("model_rewrites[0].backend"), "{err}");
+    }
+
+    #[test]
+    fn traces_are_off_by_default_and_an_endpoint_that_is_no_http_url_is_refused_ot1() {
+        let mut c = with_backend();
+        assert!(!c.otel.enabled);
+        assert!(!c.otel.capture_content);
+        c.otel.endpoint = Some("collector:4318".into());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("otel.endpoint"), "{err}");
+        c.otel.endpoint = Some("http://127.0.0.1:4318/v1/traces".into());
+        c.validate().expect("an http URL is fine");
+        c.otel.queue_size = 0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("otel.queue_size"), "{err}");
     }
 
     #[test]

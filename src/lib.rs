@@ -88,7 +88,7 @@ mod hub;
 mod ledger;
 mod metrics;
 pub mod mock;
-pub mod otel;
+mod otel;
 pub mod provider;
 pub mod sse;
 pub mod store;

@@ -56,11 +56,11 @@ const SCOPE: &str = "holdfast";
 /// A trace pipeline that could not be built from the configuration.
 #[derive(Debug, thiserror::Error)]
 #[error("traces (`[otel]`): {0}")]
-pub struct OtelError(String);
+pub(crate) struct OtelError(String);
 
 /// The tracer and what its spans need: built once at start when `otel.enabled`.
 #[derive(Debug)]
-pub struct Otel {
+pub(crate) struct Otel {
     tracer: SdkTracer,
     provider: SdkTracerProvider,
     /// Most bytes of captured content per attribute, when `capture_content` is on (OT-5).
@@ -70,7 +70,7 @@ pub struct Otel {
 }
 
 /// What the process holds: `None` when traces are off.
-pub type Traces = Option<Arc<Otel>>;
+pub(crate) type Traces = Option<Arc<Otel>>;
 
 impl Otel {
     /// Builds the pipeline when `config.enabled` (and `OTEL_SDK_DISABLED` is not `true`):
@@ -81,7 +81,7 @@ impl Otel {
     ///
     /// # Errors
     /// The endpoint or the exporter's HTTP client could not be built.
-    pub fn start(config: &config::Otel) -> Result<Traces, OtelError> {
+    pub(crate) fn start(config: &config::Otel) -> Result<Traces, OtelError> {
         let disabled =
             std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
         if !config.enabled || disabled {
@@ -131,7 +131,7 @@ impl Otel {
     }
 
     /// Ends the pipeline: spans already finished are exported (for at most `wait`).
-    pub async fn shutdown(&self, wait: Duration) {
+    pub(crate) async fn shutdown(&self, wait: Duration) {
         // Closes the queue: the export task sends what is in it and stops.
         if let Err(e) = self.provider.shutdown() {
             tracing::debug!(error = %e, "trace provider shutdown");
@@ -145,7 +145,7 @@ impl Otel {
     }
 
     /// The server span of one proxied call (OT-2), continuing the caller's `traceparent`.
-    pub fn server(&self, route: Route, headers: &HeaderMap) -> ServerSpan {
+    pub(crate) fn server(&self, route: Route, headers: &HeaderMap) -> ServerSpan {
         let parent =
             TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers));
         let path = route.router_path();
@@ -166,7 +166,7 @@ impl Otel {
 
     /// The span of attempt `attempt` of `record` (OT-3): under the call that created the
     /// request (its stored `traceparent`), linked to the attempt before it.
-    pub fn attempt(
+    pub(crate) fn attempt(
         &self,
         record: &RequestRecord,
         attempt: u32,
@@ -235,7 +235,7 @@ impl Otel {
 
 /// How a proxied call was answered, as its server span says (`holdfast.delivery`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Delivery {
+pub(crate) enum Delivery {
     /// It created the request: its answer comes from an attempt under this trace.
     New,
     /// It joined a request already running (RS-2).
@@ -247,19 +247,19 @@ pub enum Delivery {
 /// The server span of one proxied call; it ends when the last holder drops it (a stream's body
 /// holds it to the stream's end).
 #[derive(Debug, Clone)]
-pub struct ServerSpan {
+pub(crate) struct ServerSpan {
     cx: Context,
 }
 
 impl ServerSpan {
     /// This span's W3C `traceparent`, stored with the request it creates (OT-2).
-    pub fn traceparent(&self) -> Option<String> {
+    pub(crate) fn traceparent(&self) -> Option<String> {
         inject(&self.cx)
     }
 
     /// This span's trace id and span id in hex, for log lines (OT-6); `None` when it is not
     /// sampled.
-    pub fn ids(&self) -> Option<(String, String)> {
+    pub(crate) fn ids(&self) -> Option<(String, String)> {
         let span = self.cx.span();
         let context = span.span_context();
         context.is_sampled().then(|| {
@@ -272,7 +272,7 @@ impl ServerSpan {
 
     /// The call is admitted: its request, and whether it runs or was answered from the log
     /// (OT-4: a link to the attempt that produced, or produces, the answer).
-    pub fn admitted(&self, record: &RequestRecord, delivery: Delivery) {
+    pub(crate) fn admitted(&self, record: &RequestRecord, delivery: Delivery) {
         let span = self.cx.span();
         span.set_attributes([
             KeyValue::new("holdfast.request_id", record.id.to_string()),
@@ -312,7 +312,7 @@ impl ServerSpan {
     }
 
     /// The status code answered (an error status for a 5xx, HTTP conventions).
-    pub fn responded(&self, status: u16) {
+    pub(crate) fn responded(&self, status: u16) {
         let span = self.cx.span();
         span.set_attribute(KeyValue::new(
             "http.response.status_code",
@@ -338,7 +338,7 @@ struct Answer {
 /// The span of one attempt; ended by [`AttemptSpan::end`], or when dropped (an attempt that
 /// lost its lease).
 #[derive(Debug)]
-pub struct AttemptSpan {
+pub(crate) struct AttemptSpan {
     cx: Context,
     route: Route,
     started: Instant,
@@ -349,13 +349,13 @@ pub struct AttemptSpan {
 
 impl AttemptSpan {
     /// The `traceparent` the provider call carries: this span's.
-    pub fn traceparent(&self) -> Option<String> {
+    pub(crate) fn traceparent(&self) -> Option<String> {
         inject(&self.cx)
     }
 
     /// This span's trace id and span id in hex, for log lines (OT-6); `None` when it is not
     /// sampled.
-    pub fn ids(&self) -> Option<(String, String)> {
+    pub(crate) fn ids(&self) -> Option<(String, String)> {
         let span = self.cx.span();
         let context = span.span_context();
         context.is_sampled().then(|| {
@@ -368,7 +368,7 @@ impl AttemptSpan {
 
     /// A stream's events handed on: the first one's time (time to first chunk, OT-3), the
     /// count, and what they say about the answer.
-    pub fn events(&mut self, chunks: &[NewChunk]) {
+    pub(crate) fn events(&mut self, chunks: &[NewChunk]) {
         if chunks.is_empty() {
             return;
         }
@@ -398,17 +398,9 @@ impl AttemptSpan {
         }
     }
 
-    /// The attempt failed transiently and its request is tried again after `backoff_ms`.
-    pub fn retry(&self, backoff_ms: i64) {
-        self.cx.span().add_event(
-            "holdfast.retry",
-            vec![KeyValue::new("holdfast.backoff_ms", backoff_ms)],
-        );
-    }
-
     /// Ends the span with the attempt's outcome: the answer's id, model, finish reasons,
     /// usage, or the error's type.
-    pub fn end(mut self, outcome: &Outcome) {
+    pub(crate) fn end(mut self, outcome: &Outcome) {
         if let Outcome::Succeeded { body, .. } = outcome
             && self.events == 0
         {
@@ -492,7 +484,7 @@ impl AttemptSpan {
     }
 
     /// The attempt ended without an outcome: its lease was lost, or shutdown handed it back.
-    pub fn lost(self) {
+    pub(crate) fn lost(self) {
         let span = self.cx.span();
         span.set_attribute(KeyValue::new("error.type", "lease_lost"));
         span.set_status(SpanStatus::error("the attempt ended without an outcome"));
@@ -553,7 +545,7 @@ fn provider_name(provider: Provider) -> &'static str {
 
 /// The span id of attempt `attempt` of request `request`: the first 8 bytes of a SHA-256 of
 /// both, the same on every node and after every restart (OT-3).
-pub fn attempt_span_id(request: Uuid, attempt: u32) -> SpanId {
+pub(crate) fn attempt_span_id(request: Uuid, attempt: u32) -> SpanId {
     let digest = Sha256::new()
         .chain_update(b"holdfast attempt span\0")
         .chain_update(request.as_bytes())

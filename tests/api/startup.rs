@@ -241,7 +241,7 @@ fn child_take(child: &mut std::process::Child) -> std::process::Child {
 }
 
 /// Waits until `path` holds `needle`, at most 10 s; returns the text.
-async fn wait_for_file(path: &std::path::Path, needle: &str) -> String {
+pub(crate) async fn wait_for_file(path: &std::path::Path, needle: &str) -> String {
     let start = std::time::Instant::now();
     loop {
         let text = std::fs::read_to_string(path).unwrap_or_default();

@@ -507,3 +507,66 @@ async fn with_traces_off_no_span_is_made_and_the_provider_gets_no_traceparent_ot
     app.stop().await;
     assert!(receiver.spans.lock().unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn with_traces_on_an_attempts_log_lines_carry_its_trace_and_span_ids_in_both_formats_ot6()
+{
+    let receiver = Receiver::start().await;
+    let mock = start_mock(MockConfig::default()).await;
+    for format in ["text", "json"] {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = format!(
+            r#"log_format = "{format}"
+[otel]
+enabled = true
+endpoint = "{}"
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+"#,
+            receiver.url,
+            mock.base_url()
+        );
+        let node =
+            Process::serve_logged_at_default_level(dir.path(), &toml, free_addr(), &[]).await;
+        let response = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", node.base))
+            .header("content-type", "application/json")
+            .body(chat_body(&format!("logged as {format}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let id = header(&response, "holdfast-request-id");
+        let spans = receiver
+            .wait("the attempt", |s| {
+                attempts(s)
+                    .iter()
+                    .any(|a| a.attr("holdfast.request_id") == id.as_str())
+            })
+            .await;
+        let attempt = attempts(&spans)
+            .into_iter()
+            .find(|a| a.attr("holdfast.request_id") == id.as_str())
+            .unwrap()
+            .clone();
+        let log = crate::startup::wait_for_file(&dir.path().join("holdfast.log"), "request finished")
+            .await;
+        let finished = log
+            .lines()
+            .find(|l| l.contains("request finished") && l.contains(&id))
+            .unwrap_or_else(|| panic!("{format}: no finished line for {id}:\n{log}"));
+        assert!(
+            finished.contains(&attempt.trace_id) && finished.contains(&attempt.span_id),
+            "{format}: the finished line names trace {} and span {}: {finished}",
+            attempt.trace_id,
+            attempt.span_id
+        );
+        if format == "json" {
+            let line: Value = serde_json::from_str(finished).expect("a JSON line");
+            assert_eq!(line["span"]["trace_id"], attempt.trace_id.as_str(), "{line}");
+        }
+    }
+    mock.shutdown().await;
+}
