@@ -69,6 +69,19 @@ impl Cluster {
         cluster
     }
 
+    /// [`Cluster::start`] with traces exported to `endpoint` by every node (OT-1).
+    async fn start_traced(mock: MockConfig, started: usize, endpoint: &str) -> Cluster {
+        let mut cluster = Cluster::start(mock, 0).await;
+        cluster.toml = format!(
+            "{}\n[otel]\nenabled = true\nendpoint = \"{endpoint}\"\n",
+            cluster.toml
+        );
+        for _ in 0..started {
+            cluster.add_node().await;
+        }
+        cluster
+    }
+
     /// Starts one more node; returns its index.
     async fn add_node(&mut self) -> usize {
         let node = Process::serve(self.dir.path(), &self.toml, free_addr()).await;
@@ -737,4 +750,83 @@ async fn sigkilled_node_gemini_stream_resets_and_resumes_on_another_node_lc8_du3
         .await
         .1;
     assert_eq!(log_of(&resumed), log_of(&events[reset..]));
+}
+
+/// The span id attempt `attempt` of request `id` has on every node (OT-3): the first 8 bytes
+/// of a SHA-256 of both.
+fn attempt_span_id(id: &str, attempt: u32) -> String {
+    let id = Uuid::parse_str(id).unwrap();
+    let digest = Sha256::new()
+        .chain_update(b"holdfast attempt span\0")
+        .chain_update(id.as_bytes())
+        .chain_update(attempt.to_be_bytes())
+        .finalize();
+    hex::encode(&digest[..8])
+}
+
+#[tokio::test]
+async fn a_stream_recovered_on_another_node_is_a_second_attempt_span_under_the_same_call_linked_to_the_first_ot2_ot3()
+ {
+    let receiver = crate::traces::Receiver::start().await;
+    let mock = MockConfig {
+        chunks: 60,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    };
+    let mut cluster = Cluster::start_traced(mock, 1, &receiver.url).await;
+    let a = 0;
+    let id = cluster
+        .submit_async(a, &stream_body("trace my recovery"))
+        .await;
+    cluster
+        .wait_record(a, &id, "chunks to flow on node A", |r| {
+            r["last_seq"].as_i64().unwrap_or(0) >= 3
+        })
+        .await;
+    // The call's server span (ended with its 202) reached the receiver from node A.
+    let spans = receiver
+        .wait("node A's server span", |s| {
+            crate::traces::servers(s)
+                .iter()
+                .any(|s| s.attr("holdfast.request_id") == id.as_str())
+        })
+        .await;
+    let call = crate::traces::servers(&spans)
+        .into_iter()
+        .find(|s| s.attr("holdfast.request_id") == id.as_str())
+        .unwrap()
+        .clone();
+    let b = cluster.add_node().await;
+    cluster.nodes[a].kill9();
+    let record = wait_terminal(&cluster.http, cluster.base(b), &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["attempts"], 2, "{record}");
+    let spans = receiver
+        .wait("attempt 2's span from node B", |s| {
+            crate::traces::attempts(s).iter().any(|s| {
+                s.attr("holdfast.request_id") == id.as_str() && s.attr("holdfast.attempt") == 2
+            })
+        })
+        .await;
+    let second = crate::traces::attempts(&spans)
+        .into_iter()
+        .find(|s| s.attr("holdfast.request_id") == id.as_str() && s.attr("holdfast.attempt") == 2)
+        .unwrap();
+    // Node B read the call's trace context from the log: same trace, same parent.
+    assert_eq!(second.trace_id, call.trace_id);
+    assert_eq!(second.parent, call.span_id);
+    assert_eq!(second.span_id, attempt_span_id(&id, 2));
+    // Linked to the abandoned attempt, whose span died with node A: its id is derived, not stored.
+    assert_eq!(
+        second
+            .links
+            .iter()
+            .map(|(t, s, _)| (t.clone(), s.clone()))
+            .collect::<Vec<_>>(),
+        vec![(call.trace_id.clone(), attempt_span_id(&id, 1))]
+    );
+    assert!(
+        second.attr("holdfast.events").as_i64().unwrap_or(0) > 0,
+        "the stream's events: {second:#?}"
+    );
 }

@@ -19,24 +19,24 @@ use crate::helpers::*;
 
 /// One exported span, as the receiver decoded it.
 #[derive(Debug, Clone)]
-struct Span {
-    trace_id: String,
-    span_id: String,
-    parent: String,
-    name: String,
+pub(crate) struct Span {
+    pub(crate) trace_id: String,
+    pub(crate) span_id: String,
+    pub(crate) parent: String,
+    pub(crate) name: String,
     /// OTLP `SpanKind`: 2 server, 3 client.
-    kind: i32,
+    pub(crate) kind: i32,
     attrs: HashMap<String, Value>,
     events: Vec<(String, HashMap<String, Value>)>,
     /// (trace id, span id, attributes) of each link.
-    links: Vec<(String, String, HashMap<String, Value>)>,
+    pub(crate) links: Vec<(String, String, HashMap<String, Value>)>,
     /// OTLP status code: 0 unset, 1 ok, 2 error.
     status: i32,
     service: String,
 }
 
 impl Span {
-    fn attr(&self, key: &str) -> &Value {
+    pub(crate) fn attr(&self, key: &str) -> &Value {
         self.attrs.get(key).unwrap_or(&Value::Null)
     }
 }
@@ -61,14 +61,14 @@ fn attrs(kvs: &[opentelemetry_proto::tonic::common::v1::KeyValue]) -> HashMap<St
 }
 
 /// An OTLP/HTTP traces receiver on 127.0.0.1:0 that keeps every span it is sent.
-struct Receiver {
-    url: String,
+pub(crate) struct Receiver {
+    pub(crate) url: String,
     spans: Arc<Mutex<Vec<Span>>>,
     arrived: Arc<Notify>,
 }
 
 impl Receiver {
-    async fn start() -> Receiver {
+    pub(crate) async fn start() -> Receiver {
         let spans: Arc<Mutex<Vec<Span>>> = Arc::default();
         let arrived = Arc::new(Notify::new());
         let (kept, told) = (Arc::clone(&spans), Arc::clone(&arrived));
@@ -139,7 +139,7 @@ impl Receiver {
     }
 
     /// The spans received once `done` holds for them (waits for each export; 15 s at most).
-    async fn wait(&self, what: &str, done: impl Fn(&[Span]) -> bool) -> Vec<Span> {
+    pub(crate) async fn wait(&self, what: &str, done: impl Fn(&[Span]) -> bool) -> Vec<Span> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         loop {
             let arrived = self.arrived.notified();
@@ -166,11 +166,11 @@ fn traced(receiver: &Receiver) -> impl FnOnce(&mut holdfast::config::Config) + '
     }
 }
 
-fn attempts(spans: &[Span]) -> Vec<&Span> {
+pub(crate) fn attempts(spans: &[Span]) -> Vec<&Span> {
     spans.iter().filter(|s| s.kind == 3).collect()
 }
 
-fn servers(spans: &[Span]) -> Vec<&Span> {
+pub(crate) fn servers(spans: &[Span]) -> Vec<&Span> {
     spans.iter().filter(|s| s.kind == 2).collect()
 }
 
@@ -509,8 +509,7 @@ async fn with_traces_off_no_span_is_made_and_the_provider_gets_no_traceparent_ot
 }
 
 #[tokio::test]
-async fn with_traces_on_an_attempts_log_lines_carry_its_trace_and_span_ids_in_both_formats_ot6()
-{
+async fn with_traces_on_an_attempts_log_lines_carry_its_trace_and_span_ids_in_both_formats_ot6() {
     let receiver = Receiver::start().await;
     let mock = start_mock(MockConfig::default()).await;
     for format in ["text", "json"] {
@@ -551,8 +550,9 @@ base_url = "{}"
             .find(|a| a.attr("holdfast.request_id") == id.as_str())
             .unwrap()
             .clone();
-        let log = crate::startup::wait_for_file(&dir.path().join("holdfast.log"), "request finished")
-            .await;
+        let log =
+            crate::startup::wait_for_file(&dir.path().join("holdfast.log"), "request finished")
+                .await;
         let finished = log
             .lines()
             .find(|l| l.contains("request finished") && l.contains(&id))
@@ -565,8 +565,191 @@ base_url = "{}"
         );
         if format == "json" {
             let line: Value = serde_json::from_str(finished).expect("a JSON line");
-            assert_eq!(line["span"]["trace_id"], attempt.trace_id.as_str(), "{line}");
+            assert_eq!(
+                line["span"]["trace_id"],
+                attempt.trace_id.as_str(),
+                "{line}"
+            );
         }
     }
     mock.shutdown().await;
+}
+
+/// Arize Phoenix (`phoenix serve`) on loopback ports of its own, with its data in `dir`; killed
+/// on drop.
+struct Phoenix {
+    child: std::process::Child,
+    base: String,
+}
+
+impl Drop for Phoenix {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Phoenix {
+    /// Starts it from `.venv-phoenix` (set up by `scripts/test`) and waits for `/healthz` (60 s
+    /// at most): fails naming what is missing when it is not installed.
+    async fn start(dir: &std::path::Path) -> Phoenix {
+        let bin =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-phoenix/bin/phoenix");
+        if !bin.exists() {
+            missing_dependency(
+                "python",
+                "Arize Phoenix (.venv-phoenix/bin/phoenix)",
+                "run scripts/test, which installs tests/clients/phoenix-requirements.txt into .venv-phoenix",
+            );
+        }
+        let (http, grpc) = (free_addr(), free_addr());
+        let child = std::process::Command::new(bin)
+            .arg("serve")
+            .env("PHOENIX_HOST", "127.0.0.1")
+            .env("PHOENIX_PORT", http.port().to_string())
+            .env("PHOENIX_GRPC_PORT", grpc.port().to_string())
+            .env("PHOENIX_WORKING_DIR", dir)
+            .env("PHOENIX_TELEMETRY_ENABLED", "false")
+            .env("PHOENIX_ALLOW_EXTERNAL_RESOURCES", "false")
+            .env("PHOENIX_ALLOWED_SANDBOX_PROVIDERS", "NONE")
+            .stdout(std::fs::File::create(dir.join("phoenix.log")).unwrap())
+            .stderr(std::fs::File::create(dir.join("phoenix.err")).unwrap())
+            .spawn()
+            .expect("start phoenix");
+        let phoenix = Phoenix {
+            child,
+            base: format!("http://{http}"),
+        };
+        let client = reqwest::Client::new();
+        let started = std::time::Instant::now();
+        loop {
+            let up = client
+                .get(format!("{}/healthz", phoenix.base))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200);
+            if up {
+                return phoenix;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "phoenix did not come up: {}",
+                std::fs::read_to_string(dir.join("phoenix.err")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// The spans of `trace` in Phoenix's default project, once `done` holds for them (polls its
+    /// REST API, which has no push; 30 s at most).
+    async fn spans(&self, trace: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let client = reqwest::Client::new();
+        let started = std::time::Instant::now();
+        loop {
+            let page: Value = client
+                .get(format!(
+                    "{}/v1/projects/default/spans?trace_id={trace}&limit=100",
+                    self.base
+                ))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap_or(Value::Null);
+            let spans = page["data"].as_array().cloned().unwrap_or_default();
+            if done(&spans) {
+                return spans;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "phoenix never held the spans; last page: {page}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// A span attribute as Phoenix answers it: flat (`"gen_ai.usage.input_tokens"`) or nested.
+fn phoenix_attr<'a>(span: &'a Value, key: &str) -> &'a Value {
+    let attributes = &span["attributes"];
+    if let Some(v) = attributes.get(key) {
+        return v;
+    }
+    key.split('.').fold(attributes, |v, part| &v[part])
+}
+
+#[tokio::test]
+async fn phoenix_receives_an_openai_python_retry_as_one_trace_with_one_attempt_ot1_ot2_ot3() {
+    require_python(&["openai"]);
+    let dir = tempfile::tempdir().unwrap();
+    let phoenix = Phoenix::start(dir.path()).await;
+    let endpoint = format!("{}/v1/traces", phoenix.base);
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 3_000,
+            ..MockConfig::default()
+        },
+        |c| {
+            c.otel.enabled = true;
+            c.otel.endpoint = Some(endpoint);
+        },
+    )
+    .await;
+    let base = format!("{}/v1", app.base);
+    let trace = "5bf92f3577b34da6a3ce929d0e0e4737";
+    let traceparent = format!("00-{trace}-00f067aa0ba902b8-01");
+    let out = tokio::task::spawn_blocking(move || {
+        run_python(
+            "openai_timeout_retry.py",
+            &[
+                ("HOLDFAST_BASE_URL", &base),
+                ("SDK_MAX_RETRIES", "2"),
+                ("TRACEPARENT", &traceparent),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let out: Value = serde_json::from_str(out.trim()).expect("driver prints JSON");
+    assert_eq!(out["timeouts_seen"], 2, "{out}");
+    assert_eq!(app.mock.calls(), 1);
+    let spans = phoenix.spans(trace, |spans| spans.len() >= 4).await;
+    let calls: Vec<&Value> = spans
+        .iter()
+        .filter(|s| s["name"] == "POST /v1/chat/completions")
+        .collect();
+    let attempts: Vec<&Value> = spans
+        .iter()
+        .filter(|s| s["name"] == "chat gpt-4o-mini")
+        .collect();
+    assert_eq!(calls.len(), 3, "three calls: {spans:#?}");
+    assert_eq!(attempts.len(), 1, "one provider call: {spans:#?}");
+    let attempt = attempts[0];
+    assert_eq!(
+        phoenix_attr(attempt, "gen_ai.provider.name"),
+        "openai",
+        "{attempt:#}"
+    );
+    assert!(
+        phoenix_attr(attempt, "gen_ai.usage.output_tokens")
+            .as_i64()
+            .unwrap_or(0)
+            > 0,
+        "{attempt:#}"
+    );
+    let created = calls
+        .iter()
+        .find(|s| phoenix_attr(s, "holdfast.delivery") == "new")
+        .expect("the call that created the request");
+    assert_eq!(
+        attempt["parent_id"], created["context"]["span_id"],
+        "{spans:#?}"
+    );
+    let answered = calls
+        .iter()
+        .filter(|s| phoenix_attr(s, "holdfast.delivery") != "new")
+        .count();
+    assert_eq!(answered, 2, "two answered from the log: {spans:#?}");
+    app.stop().await;
 }
