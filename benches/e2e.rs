@@ -643,6 +643,23 @@ struct HoldfastSetup {
     label: String,
     database_url: Option<String>,
     synchronous: &'static str,
+    /// OTLP endpoint of `[otel]`, when traces are on (issue 32: a collector that accepts and
+    /// never answers).
+    traces_to: Option<String>,
+}
+
+/// A collector that accepts connections and never answers (and never closes them): where the
+/// dead-collector target exports its traces. Its address.
+async fn black_hole() -> Result<std::net::SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    Ok(addr)
 }
 
 async fn start_holdfast(
@@ -673,8 +690,13 @@ concurrency = 1100
 name = "mock"
 kind = "openai"
 base_url = "{mock_base}/v1"
-"#,
+{otel}"#,
         sync = setup.synchronous,
+        otel = setup
+            .traces_to
+            .as_ref()
+            .map(|endpoint| format!("\n[otel]\nenabled = true\nendpoint = \"{endpoint}\"\n"))
+            .unwrap_or_default(),
     );
     let config_path = run_dir.join("holdfast.toml");
     std::fs::write(&config_path, config)?;
@@ -2225,11 +2247,21 @@ async fn run(options: Options) -> Result<()> {
             label: "holdfast sqlite full".into(),
             database_url: None,
             synchronous: "full",
+            traces_to: None,
         },
         HoldfastSetup {
             label: "holdfast sqlite normal".into(),
             database_url: None,
             synchronous: "normal",
+            traces_to: None,
+        },
+        // Issue 32: traces on, exported to a collector that accepts connections and never
+        // answers; the calls must not notice.
+        HoldfastSetup {
+            label: "holdfast traces dead collector".into(),
+            database_url: None,
+            synchronous: "full",
+            traces_to: Some(format!("http://{}/v1/traces", black_hole().await?)),
         },
     ];
     if let Some(url) = &options.database_url {
@@ -2238,6 +2270,7 @@ async fn run(options: Options) -> Result<()> {
             label: format!("holdfast {scheme}"),
             database_url: Some(url.clone()),
             synchronous: "full",
+            traces_to: None,
         });
     }
     for setup in setups.iter().filter(|s| options.target(&s.label)) {
@@ -2311,6 +2344,7 @@ async fn run(options: Options) -> Result<()> {
             label: format!("holdfast postgres x{CLUSTER_NODES}"),
             database_url: Some(url.clone()),
             synchronous: "full",
+            traces_to: None,
         };
         if options.target(&setup.label) {
             cluster_rows(

@@ -206,7 +206,7 @@ pub struct Otel {
     /// variables', else `http://localhost:4318/v1/traces`.
     pub endpoint: Option<String>,
     /// Record prompts and answers on attempt spans (`gen_ai.input.messages`,
-    /// `gen_ai.output.messages`), each cut to `content_max_bytes` (OT-5). Off by default.
+    /// `gen_ai.output.messages`), their texts cut to `content_max_bytes` each (OT-5). Off by default.
     pub capture_content: bool,
     /// Most bytes of one captured prompt or answer.
     pub content_max_bytes: usize,

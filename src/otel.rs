@@ -203,7 +203,7 @@ impl Otel {
         if let Some(cap) = self.capture {
             attributes.push(KeyValue::new(
                 "gen_ai.input.messages",
-                capped(input_messages(route, &record.body), cap),
+                input_messages(route, &record.body, cap),
             ));
         }
         let mut builder = self
@@ -434,12 +434,9 @@ impl AttemptSpan {
         {
             let output = serde_json::json!([{
                 "role": "assistant",
-                "parts": [{"type": "text", "content": self.answer.text}],
+                "parts": [{"type": "text", "content": capped(self.answer.text, cap)}],
             }]);
-            attributes.push(KeyValue::new(
-                "gen_ai.output.messages",
-                capped(output.to_string(), cap),
-            ));
+            attributes.push(KeyValue::new("gen_ai.output.messages", output.to_string()));
         }
         // `error.type`: the stored error type of a failure; for a transient failure that is
         // tried again, the provider's status, or `transient` when it gave none.
@@ -788,8 +785,9 @@ fn capped(mut text: String, cap: usize) -> String {
 }
 
 /// The prompt of a request body in the GenAI conventions' message shape (`[{role, parts:
-/// [{type: "text", content}]}]`), text parts only; other parts are named by their type.
-fn input_messages(route: Route, body: &[u8]) -> String {
+/// [{type: "text", content}]}]`), text parts only (other parts are named by their type), their
+/// texts cut to `cap` bytes in all.
+fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
     let Ok(body) = serde_json::from_slice::<serde_json::Value>(body) else {
         return "[]".into();
     };
@@ -855,6 +853,17 @@ fn input_messages(route: Route, body: &[u8]) -> String {
                 }
                 None => {}
             }
+        }
+    }
+    let mut budget = cap;
+    for part in out
+        .iter_mut()
+        .filter_map(|m| m.get_mut("parts").and_then(|p| p.as_array_mut()))
+        .flatten()
+    {
+        if let Some(serde_json::Value::String(text)) = part.get_mut("content") {
+            *text = capped(std::mem::take(text), budget);
+            budget -= text.len();
         }
     }
     serde_json::Value::Array(out).to_string()
@@ -1075,10 +1084,12 @@ mod tests {
     fn captured_content_is_cut_on_a_character_boundary_ot5() {
         assert_eq!(capped("héllo".into(), 2), "h");
         assert_eq!(capped("hello".into(), 10), "hello");
-        let input = input_messages(
-            Route::OpenaiChat,
-            br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{}}]}]}"#,
-        );
+        let body = br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{}}]}]}"#;
+        let cut: serde_json::Value =
+            serde_json::from_str(&input_messages(Route::OpenaiChat, body, 5)).unwrap();
+        assert_eq!(cut[0]["parts"][0]["content"], "be br");
+        assert_eq!(cut[1]["parts"][0]["content"], "");
+        let input = input_messages(Route::OpenaiChat, body, 100);
         let input: serde_json::Value = serde_json::from_str(&input).unwrap();
         assert_eq!(input[0]["role"], "system");
         assert_eq!(input[0]["parts"][0]["content"], "be brief");

@@ -753,3 +753,68 @@ async fn phoenix_receives_an_openai_python_retry_as_one_trace_with_one_attempt_o
     assert_eq!(answered, 2, "two answered from the log: {spans:#?}");
     app.stop().await;
 }
+
+#[tokio::test]
+async fn content_is_captured_only_when_asked_cut_to_its_cap_and_keys_never_appear_ot5() {
+    let receiver = Receiver::start().await;
+    let key = "hf-traced-namespace-key-7c1d";
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.otel.enabled = true;
+        c.otel.endpoint = Some(receiver.url.clone());
+        c.otel.capture_content = true;
+        c.otel.content_max_bytes = 64;
+        c.namespaces = vec![holdfast::config::Namespace {
+            name: "team".into(),
+            api_keys: vec![key.into()],
+        }];
+    })
+    .await;
+    let auth = format!("Bearer {key}");
+    let body = json!({
+        "model": "gpt-4o-mini",
+        "stream": true,
+        "messages": [{"role": "user", "content": "capture this prompt"}],
+    });
+    let response = app
+        .post(
+            "/v1/chat/completions",
+            body.to_string(),
+            &[("authorization", &auth)],
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let (_, events) = read_events(response).await;
+    let text = openai_text(&events);
+    let spans = receiver
+        .wait("the attempt", |s| attempts(s).len() == 1)
+        .await;
+    let attempt = attempts(&spans)[0];
+    let input: Value =
+        serde_json::from_str(attempt.attr("gen_ai.input.messages").as_str().unwrap()).unwrap();
+    assert_eq!(
+        input,
+        json!([{"role": "user", "parts": [{"type": "text", "content": "capture this prompt"}]}])
+    );
+    let output: Value =
+        serde_json::from_str(attempt.attr("gen_ai.output.messages").as_str().unwrap()).unwrap();
+    assert_eq!(output[0]["role"], "assistant");
+    let captured = output[0]["parts"][0]["content"].as_str().unwrap();
+    assert!(text.len() > 64, "the answer is longer than the cap: {text}");
+    assert_eq!(captured, &text[..64], "the stream's text, cut to the cap");
+    let everything = format!("{spans:?}");
+    assert!(!everything.contains(key), "the key never appears in a span");
+    app.stop().await;
+
+    // Off by default: no content.
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), traced(&receiver)).await;
+    assert_eq!(app.chat(&chat_body("not captured")).await.status(), 200);
+    let spans = receiver
+        .wait("the attempt", |s| attempts(s).len() == 1)
+        .await;
+    let attempt = attempts(&spans)[0];
+    assert!(attempt.attr("gen_ai.input.messages").is_null());
+    assert!(attempt.attr("gen_ai.output.messages").is_null());
+    assert!(!format!("{spans:?}").contains("not captured"));
+    app.stop().await;
+}
