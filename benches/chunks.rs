@@ -42,6 +42,7 @@ async fn leased_streams(store: &DynStore, n: usize, prompt_bytes: usize) -> Vec<
                 claim_key: hex::encode(hash),
                 claim_expires_at: now_ms() + 600_000,
                 now: now_ms(),
+                callback_url: None,
             })
             .await
             .expect("submit");

@@ -54,6 +54,7 @@ fn request(run: u64, i: usize) -> NewRequest {
         claim_key: hex::encode(hash),
         claim_expires_at: now_ms() + 600_000,
         now: now_ms(),
+        callback_url: None,
     }
 }
 

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::callback::Deliverer;
 use crate::config::Config;
 use crate::http::{AppState, router};
 use crate::hub::{Hub, HubEvent};
@@ -28,6 +29,8 @@ pub struct Running {
     workers: JoinHandle<()>,
     /// Cross-node wake-ups ([`crate::store::Store::listen`] and its bridge).
     wakeups: JoinHandle<()>,
+    /// The callback deliverer (CB-4).
+    callbacks: JoinHandle<()>,
 }
 
 /// Opens the store named by `config`, then serves on `listener` and runs workers until
@@ -53,6 +56,12 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     // recovery, not to the dead attempt (decision 41).
     pool.sweep_at_start().await;
     let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
+    let deliverer = Deliverer::new(
+        store.clone(),
+        Arc::clone(&config),
+        crate::http::callbacks::renderer(store.clone(), Arc::clone(&config)),
+    )?;
+    let callbacks = tokio::spawn(deliverer.run(shutdown.child_token()));
 
     let cut = CancellationToken::new();
     let state = AppState {
@@ -91,6 +100,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         server,
         workers,
         wakeups,
+        callbacks,
     })
 }
 
@@ -104,6 +114,7 @@ impl Running {
         self.shutdown.cancel();
         let _ = self.workers.await;
         let _ = self.wakeups.await;
+        let _ = self.callbacks.await;
         if tokio::time::timeout(CUT_AFTER, &mut self.server)
             .await
             .is_err()

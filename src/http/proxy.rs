@@ -319,6 +319,7 @@ fn new_request(
         claim_key: claim_key.clone(),
         claim_expires_at: now.saturating_add(ttl_ms),
         now,
+        callback_url: super::callbacks::requested(config, headers, namespace, shape)?,
     };
     let claim = Claim {
         key: claim_key,

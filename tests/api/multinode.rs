@@ -488,6 +488,7 @@ fn new_request(text: &str) -> NewRequest {
         claim_key: hash.iter().map(|b| format!("{b:02x}")).collect(),
         claim_expires_at: now + 600_000,
         now,
+        callback_url: None,
     }
 }
 

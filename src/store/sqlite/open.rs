@@ -41,6 +41,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         6,
         include_str!("../../../migrations/sqlite/0006_request_rows_rebuilt.sql"),
     ),
+    (
+        7,
+        include_str!("../../../migrations/sqlite/0007_callbacks.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).

@@ -519,10 +519,16 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
                 Namespace {
                     name: "team-a".into(),
                     api_keys: vec!["key-a".into()],
+                    callback_url: None,
+                    callback_secrets: Vec::new(),
+                    callback_include_body: None,
                 },
                 Namespace {
                     name: "team-b".into(),
                     api_keys: vec!["key-b".into()],
+                    callback_url: None,
+                    callback_secrets: Vec::new(),
+                    callback_include_body: None,
                 },
             ];
         },
