@@ -213,4 +213,24 @@ mod tests {
         assert!(check_url("http://127.0.0.1:9/x", &loopback).is_ok());
         assert!(check_url("http://localhost:9/x", &loopback).is_ok());
     }
+
+    /// CB-5: a name that resolves only to refused addresses is refused at send time, inside
+    /// the client's resolver; the allow-list admits it.
+    #[tokio::test]
+    async fn the_resolver_drops_refused_addresses_after_the_lookup_cb5() {
+        let name = |s: &str| s.parse::<Name>().unwrap();
+        let refused = Guarded(Allow::default()).resolve(name("localhost")).await;
+        let err = refused.err().expect("localhost resolves only to loopback");
+        assert!(err.downcast_ref::<Refused>().is_some(), "{err}");
+        let allowed = Guarded(Allow::new(&["127.0.0.0/8".into(), "::1".into()]))
+            .resolve(name("localhost"))
+            .await
+            .map_err(|e| e.to_string())
+            .expect("allowed");
+        let addrs: Vec<SocketAddr> = allowed.collect();
+        assert!(
+            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback()),
+            "{addrs:?}"
+        );
+    }
 }
