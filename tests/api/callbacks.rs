@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
 use holdfast::config::Config;
 use holdfast::mock::MockConfig;
 use serde_json::Value;
@@ -38,6 +39,8 @@ pub enum Answer {
     Status(u16),
     /// Never answer (until the test ends).
     Hang,
+    /// Answer this status with this body.
+    Body(u16, &'static str),
 }
 
 /// One delivery as the receiver got it.
@@ -87,7 +90,10 @@ impl Receiver {
                 };
                 signal.notify_waiters();
                 match script(n) {
-                    Answer::Status(s) => StatusCode::from_u16(s).unwrap(),
+                    Answer::Status(s) => StatusCode::from_u16(s).unwrap().into_response(),
+                    Answer::Body(s, body) => {
+                        (StatusCode::from_u16(s).unwrap(), body).into_response()
+                    }
                     Answer::Hang => std::future::pending().await,
                 }
             }
@@ -332,7 +338,7 @@ async fn a_receiver_answering_500_three_times_then_200_gets_four_tries_with_grow
 /// CB-4, CB-6: 410 is the receiver refusing for good: one try, failed, listed by
 /// `?callback=failed`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_410_is_tried_once_and_fails_the_callback_which_the_list_shows_cb4_cb6() {
+async fn a_410_is_tried_once_and_fails_the_callback_which_the_list_and_the_cli_show_cb4_cb6() {
     let receiver = Receiver::start(|_| Answer::Status(410)).await;
     let app = spawn_app(MockConfig::default(), callback_config).await;
     let r = chat_with_callback(&app.http, &app.base, &chat_body("gone"), &receiver.url, &[]).await;
@@ -360,6 +366,40 @@ async fn a_410_is_tried_once_and_fails_the_callback_which_the_list_shows_cb4_cb6
         .collect();
     assert_eq!(listed, vec![id.as_str()]);
     assert_eq!(failed["data"][0]["callback"]["state"], "failed");
+    // The CLI shows it too.
+    let (base, shown) = (app.base.clone(), id.clone());
+    let (show, list) = tokio::task::spawn_blocking(move || {
+        let dir = tempfile::tempdir().unwrap();
+        let env = [("HOLDFAST_URL", base.as_str())];
+        (
+            run_holdfast(dir.path(), &["requests", "show", &shown], &env),
+            run_holdfast(
+                dir.path(),
+                &["requests", "list", "--callback", "failed"],
+                &env,
+            ),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(show.0, 0, "{show:?}");
+    let line = show
+        .1
+        .lines()
+        .find(|l| l.starts_with("callback"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("failed after 1 tries, last HTTP 410"),
+        "{}",
+        show.1
+    );
+    assert!(line.contains(&receiver.url), "{line}");
+    assert_eq!(list.0, 0, "{list:?}");
+    assert!(
+        list.1.contains(&id) && !list.1.contains(&plain),
+        "{}",
+        list.1
+    );
     let bad = app
         .http
         .get(format!("{}/requests?callback=lost", app.base))
