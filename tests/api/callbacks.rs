@@ -50,6 +50,8 @@ pub struct Delivery {
     pub timestamp: i64,
     pub signature: String,
     pub body: Value,
+    /// The body as sent (what the signature covers).
+    pub raw: String,
     pub at: Instant,
 }
 
@@ -84,6 +86,7 @@ impl Receiver {
                         timestamp: h("webhook-timestamp").parse().unwrap_or(0),
                         signature: h("webhook-signature"),
                         body: serde_json::from_str(&body).unwrap_or(Value::Null),
+                        raw: body.clone(),
                         at: Instant::now(),
                     });
                     got.len() - 1
@@ -656,4 +659,99 @@ async fn kill9_while_a_callback_is_in_flight_sends_the_same_webhook_id_after_res
     let record = wait_callback(&http, &node.base, &id, "delivered", Duration::from_secs(10)).await;
     assert_eq!(record["callback"]["attempts"], 2, "{record}");
     node.kill9();
+}
+
+/// The `[callbacks]` table of a chaos node's TOML: the old secret, loopback allowed, fast polls
+/// and retries.
+pub fn chaos_callbacks_toml() -> String {
+    format!(
+        "[callbacks]\nsecrets = [\"{OLD_SECRET}\"]\nallow = [\"127.0.0.0/8\"]\n\
+         poll_interval_ms = 50\ntimeout_ms = 2000\nbackoff_initial_ms = 100\n\
+         backoff_max_ms = 1000\n"
+    )
+}
+
+/// A chaos receiver: answers 500 to about one delivery in five, 200 to the rest.
+pub async fn chaos_receiver() -> Receiver {
+    Receiver::start(|n| {
+        if n % 5 == 2 {
+            Answer::Status(500)
+        } else {
+            Answer::Status(200)
+        }
+    })
+    .await
+}
+
+/// What [`check_deliveries`] counted.
+#[derive(Debug, Default)]
+pub struct DeliveryCounts {
+    /// Requests with a callback (every logged one).
+    pub requests: usize,
+    /// Deliveries the receiver got (tries that reached it).
+    pub received: usize,
+    /// Requests whose webhook reached it more than once (a kill, a 500, a lost lease).
+    pub repeated: usize,
+}
+
+/// CB-4 over a chaos run: every logged request at `base` has a callback that ends delivered
+/// (within 90 s), the receiver got its webhook-id, signed with [`OLD_SECRET`], and got none for
+/// a request the log does not hold.
+pub async fn check_deliveries(
+    http: &reqwest::Client,
+    base: &str,
+    receiver: &Receiver,
+) -> DeliveryCounts {
+    use base64::Engine;
+    use hmac::{Hmac, Mac};
+    let start = Instant::now();
+    let records = loop {
+        let records = every_record(http, base).await;
+        let waiting: Vec<&Value> = records
+            .iter()
+            .filter(|r| r["callback"]["state"] != "delivered")
+            .collect();
+        if waiting.is_empty() {
+            break records;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "{} callbacks not delivered after 90 s, e.g. {}",
+            waiting.len(),
+            waiting[0]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let got = receiver.deliveries();
+    let key = holdfast::config::webhook_key(OLD_SECRET).unwrap();
+    for d in &got {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+        mac.update(format!("{}.{}.{}", d.id, d.timestamp, d.raw).as_bytes());
+        let expected =
+            base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+        assert_eq!(d.signature, format!("v1,{expected}"), "signed: {}", d.id);
+    }
+    let mut per_id: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for d in &got {
+        *per_id.entry(d.id.as_str()).or_default() += 1;
+    }
+    let ids: std::collections::HashSet<String> = records
+        .iter()
+        .map(|r| format!("msg_{}", r["id"].as_str().unwrap()))
+        .collect();
+    for record in &records {
+        let id = format!("msg_{}", record["id"].as_str().unwrap());
+        assert!(per_id.contains_key(id.as_str()), "never received: {record}");
+    }
+    for id in per_id.keys() {
+        assert!(
+            ids.contains(*id),
+            "a webhook for a request the log does not hold: {id}"
+        );
+    }
+    DeliveryCounts {
+        requests: records.len(),
+        received: got.len(),
+        repeated: per_id.values().filter(|n| **n > 1).count(),
+    }
 }
