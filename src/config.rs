@@ -1126,6 +1126,86 @@ mod tests {
     }
 
     #[test]
+    fn callback_keys_are_checked_and_a_namespace_overrides_the_defaults_cb1_cb2_cb3() {
+        let refused = |tweak: &dyn Fn(&mut Config), key: &str| {
+            let mut c = with_backend();
+            tweak(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        };
+        refused(
+            &|c| c.callbacks.secrets = vec!["nope".into()],
+            "callbacks.secrets[0]",
+        );
+        refused(
+            &|c| c.callbacks.secrets = vec!["whsec_".into()],
+            "callbacks.secrets[0]",
+        );
+        refused(
+            &|c| c.callbacks.allow = vec!["10.0.0.0/33".into()],
+            "callbacks.allow[0]",
+        );
+        refused(
+            &|c| c.callbacks.url = Some("https://x.example/".into()),
+            "callbacks.url",
+        );
+        refused(
+            &|c| {
+                c.callbacks.secrets = vec!["whsec_AAAA".into()];
+                c.callbacks.url = Some("ftp://x.example/".into());
+            },
+            "callbacks.url",
+        );
+        refused(&|c| c.callbacks.timeout_ms = 0, "callbacks.timeout_ms");
+        refused(
+            &|c| c.callbacks.backoff_initial_ms = c.callbacks.backoff_max_ms + 1,
+            "callbacks.backoff_initial_ms",
+        );
+
+        let mut c = with_backend();
+        c.callbacks.secrets = vec!["whsec_AAAA".into()];
+        c.callbacks.url = Some("https://default.example/".into());
+        c.callbacks.allow = vec!["127.0.0.1".into(), "10.0.0.0/8".into()];
+        c.namespaces = vec![
+            Namespace {
+                name: "a".into(),
+                api_keys: vec!["ka".into()],
+                callback_url: Some("https://a.example/".into()),
+                callback_secrets: vec!["whsec_BBBB".into()],
+                callback_include_body: Some(true),
+            },
+            Namespace {
+                name: "b".into(),
+                api_keys: vec!["kb".into()],
+                callback_url: None,
+                callback_secrets: Vec::new(),
+                callback_include_body: None,
+            },
+        ];
+        c.validate().expect("valid");
+        let a = c.callbacks_of("a");
+        assert_eq!(
+            (a.url, a.secrets, a.include_body),
+            (
+                Some("https://a.example/"),
+                &["whsec_BBBB".to_string()][..],
+                true
+            )
+        );
+        let b = c.callbacks_of("b");
+        assert_eq!(
+            (b.url, b.secrets, b.include_body),
+            (
+                Some("https://default.example/"),
+                &["whsec_AAAA".to_string()][..],
+                false
+            )
+        );
+        assert_eq!(webhook_key("whsec_AAAA"), Some(vec![0, 0, 0]));
+        assert_eq!(webhook_key("AAAA"), None);
+    }
+
+    #[test]
     fn rewrite_pattern_matches_exact_or_prefix() {
         let exact = ModelRewrite {
             pattern: "fast".into(),

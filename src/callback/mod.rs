@@ -304,3 +304,77 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     parts.join(": ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SqliteSynchronous;
+    use crate::store::sqlite::SqliteStore;
+
+    /// A deliverer whose renderer answers a fixed webhook, with `allow` and one secret.
+    async fn deliverer(dir: &std::path::Path, allow: &[&str]) -> Deliverer {
+        let url = format!("sqlite://{}", dir.join("t.db").display());
+        let store: DynStore = Arc::new(
+            SqliteStore::open(&url, SqliteSynchronous::Normal)
+                .await
+                .expect("open"),
+        );
+        let mut config = Config::default();
+        config.callbacks.secrets = vec!["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into()];
+        config.callbacks.allow = allow.iter().map(|a| a.to_string()).collect();
+        config.callbacks.connect_timeout_ms = 500;
+        config.callbacks.timeout_ms = 1_000;
+        let render: Render = Arc::new(|_| {
+            Box::pin(async {
+                Ok(Some(Webhook {
+                    namespace: "default".into(),
+                    body: b"{}".to_vec(),
+                }))
+            })
+        });
+        Deliverer::new(store, Arc::new(config), render).expect("deliverer")
+    }
+
+    fn lease(url: &str) -> CallbackLease {
+        CallbackLease {
+            request_id: Uuid::now_v7(),
+            owner: "t/1".into(),
+            attempt: 1,
+            url: url.into(),
+            finished_at: now_ms(),
+        }
+    }
+
+    /// CB-5: a name that resolves only to internal addresses, and a literal internal address,
+    /// fail the delivery at once (`refused`), without a try; allowed, the same address is tried
+    /// and a refused connection is retried.
+    #[tokio::test]
+    async fn internal_destinations_are_refused_without_a_try_and_not_retried_cb5() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let strict = deliverer(dir.path(), &[]).await;
+        for url in ["http://localhost:9/hook", "http://127.0.0.1:9/hook"] {
+            match strict.try_once(&lease(url)).await {
+                CallbackOutcome::Failed {
+                    status: None,
+                    error,
+                } => {
+                    assert!(error.starts_with("refused"), "{url}: {error}");
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = deliverer(dir.path(), &["127.0.0.0/8", "::1"]).await;
+        // Port 9 (discard) is closed on loopback: a refused connection, tried again.
+        match open.try_once(&lease("http://localhost:9/hook")).await {
+            CallbackOutcome::Retry {
+                status: None,
+                error,
+                ..
+            } => {
+                assert!(error.starts_with("not sent"), "{error}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

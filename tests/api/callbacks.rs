@@ -564,6 +564,69 @@ async fn a_callback_without_a_signing_secret_is_refused_cb2() {
     app.stop().await;
 }
 
+/// CB-1, CB-3: each namespace's own settings: one includes the request and its answer in its
+/// webhooks and signs with its own secret; the other has the defaults (no bodies, both secrets)
+/// and a default URL that serves its requests without the header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_chooses_its_bodies_secrets_and_default_url_cb1_cb3() {
+    let receiver = Receiver::start(|_| Answer::Status(204)).await;
+    let url = receiver.url.clone();
+    let app = spawn_app(MockConfig::default(), move |c| {
+        callback_config(c);
+        c.namespaces = vec![
+            holdfast::config::Namespace {
+                name: "a".into(),
+                api_keys: vec!["key-a".into()],
+                callback_url: None,
+                callback_secrets: vec![NEW_SECRET.into()],
+                callback_include_body: Some(true),
+            },
+            holdfast::config::Namespace {
+                name: "b".into(),
+                api_keys: vec!["key-b".into()],
+                callback_url: Some(url),
+                callback_secrets: Vec::new(),
+                callback_include_body: None,
+            },
+        ];
+    })
+    .await;
+    let bearer = |k: &str| format!("Bearer {k}");
+    let a = chat_with_callback(
+        &app.http,
+        &app.base,
+        &chat_body("with bodies"),
+        &receiver.url,
+        &[("authorization", &bearer("key-a"))],
+    )
+    .await;
+    let a = header(&a, "holdfast-request-id");
+    let b = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("by default"),
+            &[("authorization", &bearer("key-b"))],
+        )
+        .await;
+    let b = header(&b, "holdfast-request-id");
+    let got = receiver.wait_for(2, Duration::from_secs(10)).await;
+    let of = |id: &str| {
+        got.iter()
+            .find(|d| d.id == format!("msg_{id}"))
+            .unwrap_or_else(|| panic!("no webhook of {id}: {got:?}"))
+    };
+    let (da, db) = (of(&a), of(&b));
+    assert_eq!(da.signature.split(' ').count(), 1, "a's own secret only");
+    assert_eq!(db.signature.split(' ').count(), 2, "the default secrets");
+    let data = &da.body["data"];
+    assert!(data["request"]["body"]["messages"].is_array(), "{data}");
+    assert!(data["answer"]["choices"].is_array(), "{data}");
+    assert!(data.get("callback").is_none(), "{data}");
+    assert!(db.body["data"].get("request").is_none() && db.body["data"].get("answer").is_none());
+    assert_eq!(db.body["type"], "request.succeeded");
+    app.stop().await;
+}
+
 /// CB-1: the namespace's default URL serves a request without the header; a duplicate that
 /// attaches while it runs and one replayed after it ended (with other URLs) send no second
 /// webhook: one delivery per request.
