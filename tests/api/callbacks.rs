@@ -154,6 +154,16 @@ pub async fn chat_with_callback(
     req.body(body.to_string()).send().await.expect("POST")
 }
 
+/// Sends chat body `text` to `app` asking for a callback to `url`; asserts the 200 and returns
+/// the request's id.
+pub async fn told(app: &TestApp, text: &str, url: &str) -> String {
+    let r = chat_with_callback(&app.http, &app.base, &chat_body(text), url, &[]).await;
+    assert_eq!(r.status(), 200, "{text}");
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    id
+}
+
 /// Polls request `id`'s record until its callback's state is `state` (every 50 ms, at most
 /// `limit`); the record.
 pub async fn wait_callback(
@@ -281,16 +291,7 @@ async fn python_standardwebhooks_receiver_verifies_every_delivery_and_rejects_ta
 async fn a_receiver_answering_500_three_times_then_200_gets_four_tries_with_growing_delays_cb4() {
     let receiver = Receiver::start(|n| Answer::Status(if n < 3 { 500 } else { 200 })).await;
     let app = spawn_app(MockConfig::default(), callback_config).await;
-    let r = chat_with_callback(
-        &app.http,
-        &app.base,
-        &chat_body("retry me"),
-        &receiver.url,
-        &[],
-    )
-    .await;
-    assert_eq!(r.status(), 200);
-    let id = header(&r, "holdfast-request-id");
+    let id = told(&app, "retry me", &receiver.url).await;
     let got = receiver.wait_for(4, Duration::from_secs(20)).await;
     let record = wait_callback(
         &app.http,
@@ -344,8 +345,7 @@ async fn a_receiver_answering_500_three_times_then_200_gets_four_tries_with_grow
 async fn a_410_is_tried_once_and_fails_the_callback_which_the_list_and_the_cli_show_cb4_cb6() {
     let receiver = Receiver::start(|_| Answer::Status(410)).await;
     let app = spawn_app(MockConfig::default(), callback_config).await;
-    let r = chat_with_callback(&app.http, &app.base, &chat_body("gone"), &receiver.url, &[]).await;
-    let id = header(&r, "holdfast-request-id");
+    let id = told(&app, "gone", &receiver.url).await;
     let plain = header(
         &app.chat(&chat_body("no callback")).await,
         "holdfast-request-id",
@@ -426,15 +426,7 @@ async fn a_receiver_that_never_answers_is_tried_until_the_bound_then_failed_cb4_
         c.callbacks.give_up_after_secs = 2;
     })
     .await;
-    let r = chat_with_callback(
-        &app.http,
-        &app.base,
-        &chat_body("silence"),
-        &receiver.url,
-        &[],
-    )
-    .await;
-    let id = header(&r, "holdfast-request-id");
+    let id = told(&app, "silence", &receiver.url).await;
     let record = wait_callback(&app.http, &app.base, &id, "failed", Duration::from_secs(15)).await;
     let cb = &record["callback"];
     let tries = cb["attempts"].as_u64().unwrap();
@@ -506,16 +498,7 @@ async fn metadata_and_loopback_callbacks_are_refused_unless_the_allow_list_names
         c.callbacks.allow = vec!["127.0.0.1/32".into(), "169.254.169.254".into()];
     })
     .await;
-    let r = chat_with_callback(
-        &app.http,
-        &app.base,
-        &chat_body("allowed"),
-        &receiver.url,
-        &[],
-    )
-    .await;
-    assert_eq!(r.status(), 200);
-    let id = header(&r, "holdfast-request-id");
+    let id = told(&app, "allowed", &receiver.url).await;
     wait_callback(
         &app.http,
         &app.base,
