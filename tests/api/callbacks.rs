@@ -669,7 +669,8 @@ async fn duplicates_that_attach_or_replay_send_no_second_webhook_cb1() {
 }
 
 /// CB-4: kill -9 after the request finished, while the receiver holds the try unanswered: the
-/// restarted process sends the same webhook-id again once the try's lease expires.
+/// restarted process sends the same webhook-id again (on SQLite at once: the dead process's
+/// leases are expired when the store opens, decision 60).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_while_a_callback_is_in_flight_sends_the_same_webhook_id_after_restart_cb4() {
     let receiver = Receiver::start(|n| {
