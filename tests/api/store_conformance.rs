@@ -220,6 +220,7 @@ conformance!(
     nul_characters_in_text_never_fail_a_write_in2,
     a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6,
     racing_callback_leasers_never_share_a_delivery_cb4,
+    a_callback_falls_due_however_its_request_ends_cb4,
 );
 
 // ---------------------------------------------------------------------------------------------
@@ -2867,4 +2868,68 @@ async fn racing_callback_leasers_never_share_a_delivery_cb4(store: DynStore) {
         }
     }
     assert_eq!(seen, ids);
+}
+
+/// CB-4: whatever makes a request terminal makes its callback due in that write: a success, a
+/// refusal, a cancel, the sweep's `lease_expired`, a hand-back of the last attempt; a request
+/// sent back to `pending` (a retry, a recovery) does not.
+async fn a_callback_falls_due_however_its_request_ends_cb4(store: DynStore) {
+    let url = "http://x.example/";
+    let mut ended = Vec::new();
+    let ok = create(&store, with_callback(by_hash("ends ok", T0), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0).await;
+    store.finish(&l, succeeded(), T0 + 1).await.expect("finish");
+    ended.push(ok.id);
+    let no = create(&store, with_callback(by_hash("ends refused", T0 + 2), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 2).await;
+    store.finish(&l, refused(), T0 + 3).await.expect("finish");
+    ended.push(no.id);
+    let cancelled = create(
+        &store,
+        with_callback(by_hash("ends cancelled", T0 + 4), url),
+    )
+    .await;
+    store
+        .cancel(NS, cancelled.id, T0 + 5)
+        .await
+        .expect("cancel");
+    ended.push(cancelled.id);
+    let swept = create(&store, with_callback(by_hash("ends swept", T0 + 6), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 6).await;
+    assert_eq!(l.id, swept.id);
+    let out = store.sweep(T0 + 6 + LEASE_MS + 1, 1).await.expect("sweep");
+    assert_eq!(out.failed, vec![swept.id]);
+    ended.push(swept.id);
+    let handed = create(
+        &store,
+        with_callback(by_hash("ends handed back", T0 + 7), url),
+    )
+    .await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 7).await;
+    assert!(store.release(&l, T0 + 8, 1).await.expect("release"));
+    ended.push(handed.id);
+    // Sent back to pending: not terminal, not due.
+    let retried = create(&store, with_callback(by_hash("retried", T0 + 9), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 9).await;
+    let retry = Outcome::Retry {
+        next_retry_at: T0 + 1_000_000,
+        error: ErrorInfo {
+            kind: ErrorType::AttemptsExhausted,
+            message: "attempt 1 failed".into(),
+            status: Some(503),
+        },
+    };
+    store.finish(&l, retry, T0 + 10).await.expect("finish");
+
+    let mut leased: Vec<Uuid> = store
+        .lease_callbacks("n", T0 + LEASE_MS + 100, 1_000, 50)
+        .await
+        .expect("lease")
+        .iter()
+        .map(|l| l.request_id)
+        .collect();
+    leased.sort();
+    ended.sort();
+    assert_eq!(leased, ended);
+    assert!(!leased.contains(&retried.id));
 }
