@@ -236,12 +236,14 @@ pub(super) async fn get_one(
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
     let view = RecordView::new(&record, &state.config, Some(by_attempt));
-    let mut value = [serde_json::to_value(view).unwrap_or_default()];
-    let record = [record];
-    if let Err(e) = super::callbacks::add_views(&state.store, &record, &mut value).await {
+    let mut value = serde_json::to_value(view).unwrap_or_default();
+    let (one, values) = (
+        std::slice::from_ref(&record),
+        std::slice::from_mut(&mut value),
+    );
+    if let Err(e) = super::callbacks::add_views(&state.store, one, values).await {
         return ApiError::store(shape, &e).into_response();
     }
-    let ([record], [mut value]) = (record, value);
     if !include_body {
         return axum::Json(value).into_response();
     }
