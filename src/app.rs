@@ -39,6 +39,7 @@ pub struct Running {
 /// # Errors
 /// When the store cannot be opened or migrated, or the upstream client cannot be built.
 pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Running> {
+    crate::callback::check_defaults(&config)?;
     let config = Arc::new(config);
     crate::metrics::handle();
     let store = store::open(&config).await?;

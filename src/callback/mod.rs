@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::store::{CallbackLease, CallbackOutcome, DynStore, StoreError, now_ms};
 
 pub(crate) use safety::{Allow, check_url};
@@ -45,6 +45,32 @@ pub(crate) struct Webhook {
 /// Renders request `id`'s webhook; `None` when the request is no longer stored.
 pub(crate) type Render =
     Arc<dyn Fn(Uuid) -> BoxFuture<'static, Result<Option<Webhook>, StoreError>> + Send + Sync>;
+
+/// The configured default callback URLs (`[callbacks] url`, each namespace's `callback_url`)
+/// checked as admission checks a header's (CB-2): a default admission would refuse would make
+/// every call of its namespace a 400, so it stops the start instead, naming its key.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] naming the first refused default.
+pub(crate) fn check_defaults(config: &Config) -> Result<(), ConfigError> {
+    let allow = Allow::new(&config.callbacks.allow);
+    let defaults = std::iter::once(("callbacks.url".to_string(), config.callbacks.url.as_ref()))
+        .chain(config.namespaces.iter().enumerate().map(|(i, n)| {
+            (
+                format!("namespaces[{i}].callback_url"),
+                n.callback_url.as_ref(),
+            )
+        }));
+    for (key, url) in defaults {
+        if let Some(url) = url {
+            check_url(url, &allow).map_err(|e| ConfigError::Invalid {
+                key,
+                message: e.to_string(),
+            })?;
+        }
+    }
+    Ok(())
+}
 
 /// The `webhook-id` of request `id`'s terminal event: the same on every try (CB-3).
 pub(crate) fn webhook_id(id: Uuid) -> String {
