@@ -43,6 +43,7 @@ async fn leased_streams(store: &DynStore, n: usize, prompt_bytes: usize) -> Vec<
                 claim_expires_at: now_ms() + 600_000,
                 now: now_ms(),
                 trace_parent: None,
+                callback_url: None,
             })
             .await
             .expect("submit");

@@ -55,6 +55,7 @@ fn request(run: u64, i: usize) -> NewRequest {
         claim_expires_at: now_ms() + 600_000,
         now: now_ms(),
         trace_parent: None,
+        callback_url: None,
     }
 }
 

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::callback::Deliverer;
 use crate::config::Config;
 use crate::http::{AppState, router};
 use crate::hub::{Hub, HubEvent};
@@ -31,6 +32,8 @@ pub struct Running {
     wakeups: JoinHandle<()>,
     /// Traces, flushed at shutdown (OT-1).
     traces: Traces,
+    /// The callback deliverer (CB-4).
+    callbacks: JoinHandle<()>,
 }
 
 /// Opens the store named by `config`, then serves on `listener` and runs workers until
@@ -39,6 +42,7 @@ pub struct Running {
 /// # Errors
 /// When the store cannot be opened or migrated, or the upstream client cannot be built.
 pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Running> {
+    crate::callback::check_defaults(&config)?;
     let config = Arc::new(config);
     crate::metrics::handle();
     let store = store::open(&config).await?;
@@ -58,6 +62,12 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     // recovery, not to the dead attempt (decision 41).
     pool.sweep_at_start().await;
     let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
+    let deliverer = Deliverer::new(
+        store.clone(),
+        Arc::clone(&config),
+        crate::http::callbacks::renderer(store.clone(), Arc::clone(&config)),
+    )?;
+    let callbacks = tokio::spawn(deliverer.run(shutdown.child_token()));
 
     let cut = CancellationToken::new();
     let state = AppState {
@@ -98,6 +108,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         workers,
         wakeups,
         traces,
+        callbacks,
     })
 }
 
@@ -111,6 +122,7 @@ impl Running {
         self.shutdown.cancel();
         let _ = self.workers.await;
         let _ = self.wakeups.await;
+        let _ = self.callbacks.await;
         if tokio::time::timeout(CUT_AFTER, &mut self.server)
             .await
             .is_err()

@@ -203,6 +203,7 @@ impl Client {
             ),
             ("saved calls", text(&record["saved_calls"])),
             ("saved cost", usd(&record["saved_cost_usd"])),
+            ("callback", callback_line(&record["callback"])),
         ];
         for (name, value) in fields {
             writeln!(out, "{name:<14} {value}").map_err(io)?;
@@ -488,6 +489,30 @@ fn print_table(out: &mut impl Write, head: &[&str], rows: &[Vec<String>]) -> Res
         writeln!(out, "{}", line(row.iter().map(String::as_str).collect())).map_err(io)?;
     }
     Ok(())
+}
+
+/// The `callback` line of `requests show` (CB-6): `-` without one, else its state, tries, last
+/// status or error, next try and URL.
+fn callback_line(callback: &Value) -> String {
+    if callback.is_null() {
+        return "-".into();
+    }
+    let mut line = format!(
+        "{} after {} tries",
+        text(&callback["state"]),
+        text(&callback["attempts"])
+    );
+    if let Some(status) = callback["last_status"].as_u64() {
+        line.push_str(&format!(", last HTTP {status}"));
+    }
+    if let Some(error) = callback["last_error"].as_str() {
+        line.push_str(&format!(" ({error})"));
+    }
+    if let Some(next) = callback["next_try_at"].as_str() {
+        line.push_str(&format!(", next try {next}"));
+    }
+    line.push_str(&format!(" -> {}", text(&callback["url"])));
+    line
 }
 
 #[cfg(test)]

@@ -93,6 +93,81 @@ pub struct Config {
     pub ui: bool,
     /// `[otel]`: OpenTelemetry traces (OT-1..OT-6), off by default.
     pub otel: Otel,
+    /// Signed webhooks when a request finishes (CB-1..CB-6).
+    pub callbacks: Callbacks,
+}
+
+/// `[callbacks]`: the defaults of every namespace's callbacks and how they are delivered
+/// (CB-1..CB-5). A namespace's own `callback_url`, `callback_secrets` and
+/// `callback_include_body` win over `url`, `secrets` and `include_body`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Callbacks {
+    /// Callback URL of requests that send no `Holdfast-Callback-Url` (CB-1). Default none.
+    pub url: Option<String>,
+    /// Signing secrets, `whsec_<base64 key>`; each signs every webhook, so a receiver that
+    /// knows any of them verifies it (rotation). Callbacks are refused without one (CB-2).
+    pub secrets: Vec<String>,
+    /// Whether the webhook's record includes the request and its answer (CB-3).
+    pub include_body: bool,
+    /// Networks (`10.0.0.0/8`, `127.0.0.1/32`) or addresses callbacks may reach although they
+    /// are in a refused range (CB-2, CB-5).
+    pub allow: Vec<String>,
+    /// A try's whole time: connect, send, answer (CB-4), in milliseconds.
+    pub timeout_ms: u64,
+    /// A try's TCP + TLS connect time, in milliseconds (CB-5).
+    pub connect_timeout_ms: u64,
+    /// Delay after the first failed try, doubling per try (CB-4), in milliseconds.
+    pub backoff_initial_ms: u64,
+    /// Longest delay between tries, in milliseconds.
+    pub backoff_max_ms: u64,
+    /// How long after its request finished a delivery is tried, in seconds (CB-4).
+    pub give_up_after_secs: u64,
+    /// How often this node looks for due deliveries, in milliseconds.
+    pub poll_interval_ms: u64,
+    /// Tries in flight at once on this node.
+    pub concurrency: usize,
+}
+
+impl Default for Callbacks {
+    fn default() -> Self {
+        Callbacks {
+            url: None,
+            secrets: Vec::new(),
+            include_body: false,
+            allow: Vec::new(),
+            timeout_ms: 10_000,
+            connect_timeout_ms: 3_000,
+            backoff_initial_ms: 5_000,
+            backoff_max_ms: 3_600_000,
+            give_up_after_secs: 86_400,
+            poll_interval_ms: 1_000,
+            concurrency: 64,
+        }
+    }
+}
+
+/// The key of a Standard Webhooks secret `whsec_<base64>` (CB-3); `None` when it is not one.
+pub fn webhook_key(secret: &str) -> Option<Vec<u8>> {
+    use base64::Engine;
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    const LENIENT: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+    );
+    let key = LENIENT.decode(secret.strip_prefix("whsec_")?).ok()?;
+    (!key.is_empty()).then_some(key)
+}
+
+/// The callback settings of one namespace: its own where it has them, else `[callbacks]`'s.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NamespaceCallbacks<'a> {
+    /// The default URL.
+    pub url: Option<&'a str>,
+    /// The signing secrets.
+    pub secrets: &'a [String],
+    /// Whether bodies go with the record.
+    pub include_body: bool,
 }
 
 /// One `[[prices]]` entry: USD per million tokens for a backend's models.
@@ -282,6 +357,16 @@ pub struct Namespace {
     pub name: String,
     /// Keys clients send as `Authorization: Bearer KEY` or `x-api-key: KEY`.
     pub api_keys: Vec<String>,
+    /// This namespace's default callback URL (CB-1), instead of `[callbacks] url`.
+    #[serde(default)]
+    pub callback_url: Option<String>,
+    /// This namespace's signing secrets (CB-3), instead of `[callbacks] secrets`.
+    #[serde(default)]
+    pub callback_secrets: Vec<String>,
+    /// Whether its webhooks include the request and its answer, instead of `[callbacks]
+    /// include_body`.
+    #[serde(default)]
+    pub callback_include_body: Option<bool>,
 }
 
 impl Default for Config {
@@ -313,6 +398,7 @@ impl Default for Config {
             admin_api_keys: Vec::new(),
             ui: false,
             otel: Otel::default(),
+            callbacks: Callbacks::default(),
         }
     }
 }
@@ -641,6 +727,7 @@ impl Config {
         self.check_limits()?;
         self.check_cors()?;
         self.check_otel()?;
+        self.check_callbacks()?;
         self.check_database_url()
     }
 
@@ -658,6 +745,102 @@ impl Config {
             }),
             None => Ok(()),
         }
+    }
+
+    /// The callback settings of `namespace` (CB-1, CB-3).
+    pub(crate) fn callbacks_of(&self, namespace: &str) -> NamespaceCallbacks<'_> {
+        let own = self.namespaces.iter().find(|n| n.name == namespace);
+        let c = &self.callbacks;
+        NamespaceCallbacks {
+            url: own
+                .and_then(|n| n.callback_url.as_deref())
+                .or(c.url.as_deref()),
+            secrets: match own {
+                Some(n) if !n.callback_secrets.is_empty() => &n.callback_secrets,
+                _ => &c.secrets,
+            },
+            include_body: own
+                .and_then(|n| n.callback_include_body)
+                .unwrap_or(c.include_body),
+        }
+    }
+
+    /// `[callbacks]` and the namespaces' callback keys: secrets that are `whsec_` keys, allowed
+    /// networks that parse, URLs that are http(s) with a secret to sign them, positive times.
+    fn check_callbacks(&self) -> Result<(), ConfigError> {
+        let c = &self.callbacks;
+        let secrets = |key: String, secrets: &[String]| {
+            for (i, s) in secrets.iter().enumerate() {
+                if webhook_key(s).is_none() {
+                    return Err(invalid(
+                        format!("{key}[{i}]"),
+                        "must be whsec_ followed by a non-empty base64 key",
+                    ));
+                }
+            }
+            Ok(())
+        };
+        secrets("callbacks.secrets".into(), &c.secrets)?;
+        for (i, n) in self.namespaces.iter().enumerate() {
+            secrets(
+                format!("namespaces[{i}].callback_secrets"),
+                &n.callback_secrets,
+            )?;
+        }
+        for (i, net) in c.allow.iter().enumerate() {
+            if net.parse::<ipnet::IpNet>().is_err() && net.parse::<std::net::IpAddr>().is_err() {
+                return Err(invalid(
+                    format!("callbacks.allow[{i}]"),
+                    "must be an address or a network such as 127.0.0.1/32 or 10.0.0.0/8",
+                ));
+            }
+        }
+        let urls = std::iter::once(("callbacks.url".to_string(), "default", c.url.as_ref())).chain(
+            self.namespaces.iter().enumerate().map(|(i, n)| {
+                (
+                    format!("namespaces[{i}].callback_url"),
+                    n.name.as_str(),
+                    n.callback_url.as_ref(),
+                )
+            }),
+        );
+        for (key, namespace, url) in urls {
+            let Some(url) = url else { continue };
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid(key, "must be an http:// or https:// URL"));
+            }
+            let secrets = if key == "callbacks.url" {
+                &c.secrets
+            } else {
+                self.callbacks_of(namespace).secrets
+            };
+            if secrets.is_empty() {
+                return Err(invalid(
+                    key,
+                    "needs a signing secret: set [callbacks] secrets (or the namespace's callback_secrets)",
+                ));
+            }
+        }
+        let positive = [
+            ("callbacks.timeout_ms", c.timeout_ms),
+            ("callbacks.connect_timeout_ms", c.connect_timeout_ms),
+            ("callbacks.backoff_initial_ms", c.backoff_initial_ms),
+            ("callbacks.give_up_after_secs", c.give_up_after_secs),
+            ("callbacks.poll_interval_ms", c.poll_interval_ms),
+            ("callbacks.concurrency", c.concurrency as u64),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        if c.backoff_initial_ms > c.backoff_max_ms {
+            return Err(invalid(
+                "callbacks.backoff_initial_ms",
+                "must not exceed callbacks.backoff_max_ms",
+            ));
+        }
+        Ok(())
     }
 
     /// `[[backends]]`: at least one, named uniquely, each with a usable base URL.
@@ -1020,6 +1203,86 @@ mod tests {
         c.workers.lease_secs = 0;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("workers.lease_secs"), "{err}");
+    }
+
+    #[test]
+    fn callback_keys_are_checked_and_a_namespace_overrides_the_defaults_cb1_cb2_cb3() {
+        let refused = |tweak: &dyn Fn(&mut Config), key: &str| {
+            let mut c = with_backend();
+            tweak(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        };
+        refused(
+            &|c| c.callbacks.secrets = vec!["nope".into()],
+            "callbacks.secrets[0]",
+        );
+        refused(
+            &|c| c.callbacks.secrets = vec!["whsec_".into()],
+            "callbacks.secrets[0]",
+        );
+        refused(
+            &|c| c.callbacks.allow = vec!["10.0.0.0/33".into()],
+            "callbacks.allow[0]",
+        );
+        refused(
+            &|c| c.callbacks.url = Some("https://x.example/".into()),
+            "callbacks.url",
+        );
+        refused(
+            &|c| {
+                c.callbacks.secrets = vec!["whsec_AAAA".into()];
+                c.callbacks.url = Some("ftp://x.example/".into());
+            },
+            "callbacks.url",
+        );
+        refused(&|c| c.callbacks.timeout_ms = 0, "callbacks.timeout_ms");
+        refused(
+            &|c| c.callbacks.backoff_initial_ms = c.callbacks.backoff_max_ms + 1,
+            "callbacks.backoff_initial_ms",
+        );
+
+        let mut c = with_backend();
+        c.callbacks.secrets = vec!["whsec_AAAA".into()];
+        c.callbacks.url = Some("https://default.example/".into());
+        c.callbacks.allow = vec!["127.0.0.1".into(), "10.0.0.0/8".into()];
+        c.namespaces = vec![
+            Namespace {
+                name: "a".into(),
+                api_keys: vec!["ka".into()],
+                callback_url: Some("https://a.example/".into()),
+                callback_secrets: vec!["whsec_BBBB".into()],
+                callback_include_body: Some(true),
+            },
+            Namespace {
+                name: "b".into(),
+                api_keys: vec!["kb".into()],
+                callback_url: None,
+                callback_secrets: Vec::new(),
+                callback_include_body: None,
+            },
+        ];
+        c.validate().expect("valid");
+        let a = c.callbacks_of("a");
+        assert_eq!(
+            (a.url, a.secrets, a.include_body),
+            (
+                Some("https://a.example/"),
+                &["whsec_BBBB".to_string()][..],
+                true
+            )
+        );
+        let b = c.callbacks_of("b");
+        assert_eq!(
+            (b.url, b.secrets, b.include_body),
+            (
+                Some("https://default.example/"),
+                &["whsec_AAAA".to_string()][..],
+                false
+            )
+        );
+        assert_eq!(webhook_key("whsec_AAAA"), Some(vec![0, 0, 0]));
+        assert_eq!(webhook_key("AAAA"), None);
     }
 
     #[test]

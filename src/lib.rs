@@ -36,8 +36,9 @@
 //!
 //! | module | uses |
 //! |---|---|
-//! | `app` | `config` `http` `hub` `metrics` `otel` `store` `upstream` `worker` |
-//! | `http` | `canonical` `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` `worker` |
+//! | `app` | `callback` `config` `http` `hub` `metrics` `otel` `store` `upstream` `worker` |
+//! | `http` | `callback` `canonical` `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` `worker` |
+//! | `callback` | `config` `metrics` `store` |
 //! | `worker` | `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` |
 //! | `upstream` | `config` `provider` |
 //! | `otel` | `config` `metrics` `provider` `store` |
@@ -69,6 +70,8 @@
 //! - `upstream`: provider HTTP calls with their three timeouts.
 //! - [`sse`]: the event-stream parser and encoder.
 //! - `ledger`: prices, costs and what deduplication saved (docs/usage.md).
+//! - `callback`: signed webhooks when a request finishes, leased and retried from the log
+//!   (CB-1..CB-6).
 //! - `hub`: in-process fan-out of chunks and settled records to waiting readers.
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
@@ -80,6 +83,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod app;
+mod callback;
 pub mod canonical;
 pub mod cli;
 pub mod config;

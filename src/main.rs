@@ -65,6 +65,8 @@ struct ServerArgs {
     json: bool,
 }
 
+// Parsed once per process: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum RequestsCommand {
     /// List requests, newest first.
@@ -95,6 +97,9 @@ enum RequestsCommand {
         /// Only requests that answered more than one submission.
         #[arg(long)]
         replayed: bool,
+        /// Only requests whose callback is pending, delivered or failed.
+        #[arg(long)]
+        callback: Option<String>,
         /// Admin keys: one namespace.
         #[arg(long)]
         namespace: Option<String>,
@@ -397,6 +402,7 @@ async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(),
             until,
             q,
             replayed,
+            callback,
             namespace,
             limit,
             cursor,
@@ -410,6 +416,7 @@ async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(),
                 ("until", until),
                 ("q", q),
                 ("replayed", replayed.then(|| "true".to_string())),
+                ("callback", callback),
                 ("namespace", namespace),
                 ("limit", limit.map(|l| l.to_string())),
                 ("cursor", cursor),

@@ -22,6 +22,8 @@
 //! | `holdfast_saved_cost_usd_total` | gauge that only grows | `provider` (the backend's kind), `backend`, `model` |
 //! | `holdfast_otel_spans_exported_total` | counter | — (spans a collector accepted, OT-1) |
 //! | `holdfast_otel_spans_dropped_total` | counter | `reason` = `queue_full` \| `export_failed` (spans lost, never waited for, OT-1) |
+//! | `holdfast_callbacks_total` | counter | `outcome` = `delivered` \| `retried` \| `failed` (callback tries, CB-6) |
+//! | `holdfast_callbacks_backlog` | gauge | — (pending callbacks of finished requests, read from the store at scrape time) |
 
 use std::sync::OnceLock;
 
@@ -66,6 +68,10 @@ pub(crate) const COST_USD: &str = "holdfast_cost_usd_total";
 pub(crate) const SAVED_CALLS: &str = "holdfast_saved_calls_total";
 /// Tokens the saved calls would have cost.
 pub(crate) const SAVED_TOKENS: &str = "holdfast_saved_tokens_total";
+/// Callback tries by outcome (CB-6).
+pub(crate) const CALLBACKS: &str = "holdfast_callbacks_total";
+/// Pending callbacks of finished requests (CB-6).
+pub(crate) const CALLBACKS_BACKLOG: &str = "holdfast_callbacks_backlog";
 /// USD the saved calls would have cost.
 pub(crate) const SAVED_COST_USD: &str = "holdfast_saved_cost_usd_total";
 /// Spans a collector accepted (OT-1).

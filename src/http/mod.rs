@@ -2,6 +2,7 @@
 //! (HTTP-3). Handlers are thin: admission and responses live in [`proxy`], reading back in
 //! [`requests`], provider-shaped errors in [`errors`].
 
+pub(crate) mod callbacks;
 mod errors;
 mod gemini;
 pub(crate) mod openapi;

@@ -62,6 +62,9 @@ pub(super) async fn metrics(State(state): State<AppState>) -> Response {
             metrics::gauge!(crate::metrics::QUEUE_DEPTH, "status" => status.as_str()).set(n as f64);
         }
     }
+    if let Ok(Ok(n)) = tokio::time::timeout(DATABASE_WAIT, state.store.callback_backlog()).await {
+        metrics::gauge!(crate::metrics::CALLBACKS_BACKLOG).set(n as f64);
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,

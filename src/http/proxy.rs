@@ -345,6 +345,7 @@ fn new_request(
         claim_expires_at: now.saturating_add(ttl_ms),
         now,
         trace_parent: None,
+        callback_url: super::callbacks::requested(config, headers, namespace, shape)?,
     };
     let claim = Claim {
         key: claim_key,

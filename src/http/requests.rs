@@ -20,7 +20,7 @@ use crate::config::Config;
 use crate::ledger;
 use crate::provider::Provider;
 use crate::provider::Route;
-use crate::store::{ErrorInfo, ListFilter, Millis, RequestRecord, Status, Usage};
+use crate::store::{CallbackState, ErrorInfo, ListFilter, Millis, RequestRecord, Status, Usage};
 
 /// The JSON record of RD-1.
 #[derive(Debug, Serialize)]
@@ -236,14 +236,21 @@ pub(super) async fn get_one(
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
     let view = RecordView::new(&record, &state.config, Some(by_attempt));
-    if !include_body {
-        return axum::Json(view).into_response();
+    let mut value = serde_json::to_value(view).unwrap_or_default();
+    let (one, values) = (
+        std::slice::from_ref(&record),
+        std::slice::from_mut(&mut value),
+    );
+    if let Err(e) = super::callbacks::add_views(&state.store, one, values).await {
+        return ApiError::store(shape, &e).into_response();
     }
-    let bodies = match bodies(&state, &record).await {
+    if !include_body {
+        return axum::Json(value).into_response();
+    }
+    let bodies = match bodies(&state.store, &record).await {
         Ok(bodies) => bodies,
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
-    let mut value = serde_json::to_value(view).unwrap_or_default();
     if let Some(object) = value.as_object_mut() {
         object.insert("request".into(), bodies.0);
         object.insert("answer".into(), bodies.1);
@@ -254,8 +261,8 @@ pub(super) async fn get_one(
 /// The request as sent upstream (`{"headers", "body"}`) and the stored answer: the provider's
 /// JSON body, or for a stream `{"text", "events"}` with the text reassembled from the current
 /// attempt's events.
-async fn bodies(
-    state: &AppState,
+pub(super) async fn bodies(
+    store: &crate::store::DynStore,
     record: &RequestRecord,
 ) -> Result<(serde_json::Value, serde_json::Value), crate::store::StoreError> {
     use serde_json::{Value, json};
@@ -273,7 +280,7 @@ async fn bodies(
     let mut events = 0u64;
     let mut after = record.reset_seq;
     loop {
-        let page = state.store.chunks_after(record.id, after, 512).await?;
+        let page = store.chunks_after(record.id, after, 512).await?;
         let full = page.len() == 512;
         for chunk in &page {
             after = chunk.seq;
@@ -351,8 +358,9 @@ pub(super) async fn cancel(
 }
 
 /// The parameters `GET /requests` knows.
-const LIST_PARAMETERS: [&str; 11] = [
+const LIST_PARAMETERS: [&str; 12] = [
     "status",
+    "callback",
     "route",
     "model",
     "backend",
@@ -392,14 +400,17 @@ pub(super) async fn list(
             let next_cursor = (records.len() as i64 == filter.limit)
                 .then(|| records.last().map(|r| r.id))
                 .flatten();
-            let data: Vec<RecordView> = records
+            let mut data: Vec<serde_json::Value> = records
                 .iter()
                 .map(|r| {
                     let mut view = RecordView::new(r, &state.config, None);
                     view.response = None;
-                    view
+                    serde_json::to_value(view).unwrap_or_default()
                 })
                 .collect();
+            if let Err(e) = super::callbacks::add_views(&state.store, &records, &mut data).await {
+                return ApiError::store(shape, &e).into_response();
+            }
             axum::Json(serde_json::json!({ "data": data, "next_cursor": next_cursor }))
                 .into_response()
         }
@@ -469,6 +480,14 @@ fn list_filter(caller: &Caller, query: &[(String, String)]) -> Result<ListFilter
                     bad_parameter(
                         "route",
                         format!("{value:?} is not one of {}", names.join(", ")),
+                    )
+                })?);
+            }
+            "callback" => {
+                filter.callback = Some(CallbackState::parse(value).ok_or_else(|| {
+                    bad_parameter(
+                        "callback",
+                        format!("{value:?} is not one of pending, delivered, failed"),
                     )
                 })?);
             }

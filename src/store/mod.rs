@@ -12,10 +12,12 @@
 #[macro_use]
 mod row;
 
+mod callback;
 pub mod postgres;
 mod rules;
 pub mod sqlite;
 
+pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackState};
 pub(crate) use rules::holds_outcome;
 pub use rules::{end_data, failure_releases_claim};
 
@@ -201,6 +203,9 @@ pub struct NewRequest {
     pub now: Millis,
     /// The W3C `traceparent` of the call's server span, when traces are on (OT-2).
     pub trace_parent: Option<String>,
+    /// Where to POST the finished record (CB-1), recorded only with a request this submission
+    /// creates.
+    pub callback_url: Option<String>,
 }
 
 /// Outcome of [`Store::submit`].
@@ -300,6 +305,7 @@ impl NewRequest {
             claim_expires_at: now + 600_000,
             now,
             trace_parent: None,
+            callback_url: None,
         }
     }
 }
@@ -385,6 +391,8 @@ pub struct ListFilter {
     pub text: Option<String>,
     /// Only those that answered more than one submission (attached or replayed).
     pub replayed: bool,
+    /// Only those whose callback is in this state (CB-6).
+    pub callback: Option<CallbackState>,
     /// Only ids below this one (the paging cursor).
     pub before: Option<Uuid>,
     /// At most this many.
@@ -982,6 +990,44 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] when the database fails.
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError>;
+
+    /// Leases up to `limit` due callbacks (CB-4): of terminal requests, `next_try_at` passed,
+    /// no live lease (an expired one is taken over). Each gets `attempts + 1` and an owner unique
+    /// to the try, `owner_prefix/<request id>`, until `now + lease_ms`. Oldest due first.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails; nothing was leased then.
+    async fn lease_callbacks(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<CallbackLease>, StoreError>;
+
+    /// Records a try's outcome, fenced on its lease: `false` when the lease was lost (taken
+    /// over after it expired) and nothing was written.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn finish_callback(
+        &self,
+        lease: &CallbackLease,
+        outcome: &CallbackOutcome,
+        now: Millis,
+    ) -> Result<bool, StoreError>;
+
+    /// The callbacks of the requests `ids` that have one, in no particular order (CB-6).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails or a row is unreadable.
+    async fn callbacks(&self, ids: &[Uuid]) -> Result<Vec<Callback>, StoreError>;
+
+    /// Pending callbacks of terminal requests: due, retrying or in flight (CB-6's backlog).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn callback_backlog(&self) -> Result<i64, StoreError>;
 
     /// Number of requests per status (for queue-depth metrics).
     ///

@@ -1,6 +1,7 @@
 //! Chaos: a bounded workload while holdfast is SIGKILLed and restarted at random moments, then
 //! a checker over the invariants of DU-1, ID-4, ID-7, LC-3, LC-8 and RD-4..RD-6. The counts are
-//! printed (run with `--nocapture`) and recorded in docs/reliability.md.
+//! printed (run with `--nocapture`) and recorded in docs/reliability.md. Every submission asks
+//! for a callback: every logged request's webhook must reach the receiver, signed (CB-4).
 //!
 //! The workload ([`Workload`], [`run`]) and the checker ([`check`]) are shared with the cluster
 //! chaos test (`multinode::chaos`), which runs them against three nodes on PostgreSQL while it
@@ -56,6 +57,8 @@ pub struct Workload {
     /// How many of a stream's clients (at most `copies`) also follow its log, each starting on
     /// the node after its client's.
     pub readers_per_stream: usize,
+    /// Every submission asks for a callback to this URL (CB-1, CB-4).
+    pub callback_url: Option<String>,
 }
 
 impl Workload {
@@ -76,7 +79,7 @@ impl Workload {
         i.is_multiple_of(3)
     }
 
-    fn base(&self, node: usize) -> &str {
+    pub fn base(&self, node: usize) -> &str {
         &self.bases[node % self.bases.len()]
     }
 }
@@ -290,12 +293,13 @@ async fn client(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let base = workload.base(i + copy + attempt);
-        let sent = http
+        let mut request = http
             .post(format!("{base}/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(workload.body(i))
-            .send()
-            .await;
+            .header("content-type", "application/json");
+        if let Some(url) = &workload.callback_url {
+            request = request.header("holdfast-callback-url", url);
+        }
+        let sent = request.body(workload.body(i)).send().await;
         let Ok(response) = sent else {
             continue;
         };
@@ -634,7 +638,13 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
-    let toml = fault_test_toml(&db, "", 1, &mock.base_url());
+    let toml = fault_test_toml(
+        &db,
+        &crate::callbacks::chaos_callbacks_toml(),
+        1,
+        &mock.base_url(),
+    );
+    let receiver = crate::callbacks::chaos_receiver().await;
     let addr: SocketAddr = free_addr();
     // Each run of the node logs to a file of its own (a failure prints their warnings).
     let log = |dir: &Path, run: usize| dir.join(format!("holdfast-{run}.log"));
@@ -649,6 +659,7 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
         bases: vec![format!("http://{addr}")],
         stream_errors: &["attempt_abandoned"],
         readers_per_stream: 1,
+        callback_url: Some(receiver.url.clone()),
     };
 
     // The killer: SIGKILL at random moments, restart on the same address at once.
@@ -677,10 +688,13 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
     let kills = killer.await.unwrap();
     let retries = outcome.retries;
     let counts = check(&workload, outcome, &mock).await;
+    let told =
+        crate::callbacks::check_deliveries(&chaos_http(), &format!("http://{addr}"), &receiver)
+            .await;
     println!(
         "chaos: requests={} (logical {LOGICAL} x {COPIES}) kills={kills} logged={} attempts={} \
          recoveries={} resets={} upstream_calls={} client_retries={retries} readers={} \
-         violations=0",
+         callbacks={} webhooks_received={} webhook_ids_repeated={} violations=0",
         counts.sent,
         counts.logged,
         counts.attempts,
@@ -688,6 +702,9 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
         counts.resets,
         counts.provider_calls,
         counts.readers,
+        told.requests,
+        told.received,
+        told.repeated,
     );
     assert_eq!(kills, KILLS);
     drop(node);

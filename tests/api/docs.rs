@@ -156,6 +156,9 @@ fn config_keys() -> BTreeSet<String> {
         namespaces: vec![Namespace {
             name: "n".into(),
             api_keys: vec!["k".into()],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
         }],
         passthrough: vec![Passthrough {
             path: "/v1/moderations".into(),

@@ -576,6 +576,9 @@ pub fn two_namespaces(a: &str, b: &str) -> Vec<holdfast::config::Namespace> {
         .map(|(name, key)| holdfast::config::Namespace {
             name: name.into(),
             api_keys: vec![key.into()],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
         })
         .collect()
 }

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
 mod browser;
+mod callbacks;
 mod chaos;
 mod cli;
 mod clients;

@@ -502,6 +502,7 @@ fn new_request(text: &str) -> NewRequest {
         claim_expires_at: now + 600_000,
         now,
         trace_parent: None,
+        callback_url: None,
     }
 }
 

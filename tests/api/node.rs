@@ -983,3 +983,17 @@ async fn google_genai_node_throws_when_the_provider_stream_is_cut_lc7_gm5() {
     );
     app.stop().await;
 }
+
+/// CB-3: the Node reference library (`standardwebhooks` on npm) verifies every webhook (the
+/// receiver knows only the old secret of a rotation); tampering and an old timestamp fail it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standardwebhooks_node_receiver_verifies_every_delivery_and_rejects_tampering_cb3() {
+    require_node("standardwebhooks");
+    let mut program = tokio::process::Command::new("node");
+    program.arg(clients_dir().join("webhook_receiver.mjs"));
+    crate::callbacks::reference_receiver_verifies_every_delivery(
+        program,
+        crate::callbacks::OLD_SECRET,
+    )
+    .await;
+}

@@ -83,6 +83,18 @@ fn each_invalid_configuration_fails_start_up_with_exit_2_and_one_line_naming_the
             "127.0.0.1:8080",
         ),
         (
+            "a callback secret that is not a whsec_ key",
+            format!("{BACKEND}[callbacks]\nsecrets = [\"hunter2\"]\n"),
+            "callbacks.secrets[0]",
+        ),
+        (
+            "a default callback URL at the metadata address (CB-2)",
+            format!(
+                "{BACKEND}[callbacks]\nsecrets = [\"whsec_AAAA\"]\nurl = \"http://169.254.169.254/x\"\n"
+            ),
+            "callbacks.url",
+        ),
+        (
             "a string that never ends",
             format!("listen = \"127.0.0.1:1\n{BACKEND}"),
             "holdfast.toml: TOML parse error at line 1",

@@ -218,6 +218,9 @@ conformance!(
     prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4,
     counts_and_next_due_follow_the_lifecycle,
     nul_characters_in_text_never_fail_a_write_in2,
+    a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6,
+    racing_callback_leasers_never_share_a_delivery_cb4,
+    a_callback_falls_due_however_its_request_ends_cb4,
 );
 
 // ---------------------------------------------------------------------------------------------
@@ -266,6 +269,7 @@ fn by_hash_in(namespace: &str, text: &str, now: Millis) -> NewRequest {
         claim_expires_at: now + WINDOW,
         now,
         trace_parent: None,
+        callback_url: None,
     }
 }
 
@@ -2593,4 +2597,340 @@ async fn postgres_counts_skip_a_row_another_write_holds_and_report_it_du6() {
     let busy = store.add_counts(&counts[..1]).await.expect("add_counts");
     assert!(busy.is_empty());
     assert_eq!(get(&store, rec.id).await.replayed, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Callbacks (CB-1, CB-4, CB-6)
+// ---------------------------------------------------------------------------------------------
+
+fn with_callback(mut new: NewRequest, url: &str) -> NewRequest {
+    new.callback_url = Some(url.into());
+    new
+}
+
+async fn callback_of(store: &DynStore, id: Uuid) -> holdfast::store::Callback {
+    store
+        .callbacks(&[id])
+        .await
+        .expect("callbacks")
+        .pop()
+        .unwrap_or_else(|| panic!("no callback for {id}"))
+}
+
+async fn listed_by_callback(store: &DynStore, state: holdfast::store::CallbackState) -> Vec<Uuid> {
+    store
+        .list(&holdfast::store::ListFilter {
+            namespace: Some(NS.into()),
+            callback: Some(state),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// CB-1, CB-4, CB-6: recorded with the submission, due only once its request is terminal
+/// (a success and a cancel alike), leased one try at a time, every outcome fenced on its try's
+/// lease; an expired lease is taken over; an attached duplicate records no callback of its own.
+async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6(
+    store: DynStore,
+) {
+    use holdfast::store::{CallbackOutcome, CallbackState};
+    let a = create(
+        &store,
+        with_callback(by_hash("cb a", T0), "http://a.example/hook"),
+    )
+    .await;
+    let b = create(
+        &store,
+        with_callback(by_hash("cb b", T0 + 1), "http://b.example/hook"),
+    )
+    .await;
+    let c = create(&store, by_hash("cb none", T0 + 2)).await;
+    assert!(
+        store
+            .lease_callbacks("n1", T0 + 3, 1_000, 10)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "nothing is due while the requests run"
+    );
+    let cb = callback_of(&store, a.id).await;
+    assert_eq!(
+        (cb.state, cb.attempts, cb.url.as_str()),
+        (CallbackState::Pending, 0, "http://a.example/hook")
+    );
+    assert!(
+        store
+            .callbacks(&[c.id])
+            .await
+            .expect("callbacks")
+            .is_empty()
+    );
+
+    let (lease, _) = lease_at(&store, "node/a", T0 + 4).await;
+    assert_eq!(lease.id, a.id);
+    store
+        .finish(&lease, succeeded(), T0 + 5)
+        .await
+        .expect("finish");
+    store.cancel(NS, b.id, T0 + 6).await.expect("cancel");
+    let (lease, _) = lease_at(&store, "node/a", T0 + 7).await;
+    store
+        .finish(&lease, succeeded(), T0 + 8)
+        .await
+        .expect("finish");
+
+    // A duplicate of the finished request attaches: no callback of its own (CB-1).
+    match store
+        .submit(with_callback(
+            by_hash("cb a", T0 + 9),
+            "http://other.example/",
+        ))
+        .await
+        .expect("submit")
+    {
+        Submitted::Attached(r) => assert_eq!(r.id, a.id),
+        other => panic!("expected Attached, got {other:?}"),
+    }
+    assert_eq!(callback_of(&store, a.id).await.url, "http://a.example/hook");
+
+    let mut leases = store
+        .lease_callbacks("n1", T0 + 10, 1_000, 10)
+        .await
+        .expect("lease");
+    leases.sort_by_key(|l| l.request_id);
+    assert_eq!(
+        leases.iter().map(|l| l.request_id).collect::<Vec<_>>(),
+        vec![a.id, b.id]
+    );
+    assert_eq!(leases[0].finished_at, T0 + 5);
+    assert_eq!(leases[1].finished_at, T0 + 6);
+    assert!(leases.iter().all(|l| l.attempt == 1));
+    assert_eq!(leases[0].owner, format!("n1/{}", a.id));
+    assert!(
+        store
+            .lease_callbacks("n2", T0 + 11, 1_000, 10)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "one try in flight"
+    );
+
+    let (la, lb) = (leases[0].clone(), leases[1].clone());
+    let retry = CallbackOutcome::Retry {
+        next_try_at: T0 + 100,
+        status: Some(500),
+        error: "HTTP 500".into(),
+    };
+    assert!(
+        store
+            .finish_callback(&la, &retry, T0 + 12)
+            .await
+            .expect("finish")
+    );
+    assert!(
+        !store
+            .finish_callback(&la, &retry, T0 + 13)
+            .await
+            .expect("finish"),
+        "fenced on its lease"
+    );
+    let cb = callback_of(&store, a.id).await;
+    assert_eq!(
+        (cb.state, cb.attempts, cb.last_status, cb.next_try_at),
+        (CallbackState::Pending, 1, Some(500), T0 + 100)
+    );
+    assert!(
+        store
+            .lease_callbacks("n1", T0 + 50, 1_000, 10)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "not due yet"
+    );
+
+    // b's lease expired (at T0 + 1010): taken over as try 2, and a is due again.
+    let mut again = store
+        .lease_callbacks("n2", T0 + 1_011, 1_000, 10)
+        .await
+        .expect("lease");
+    again.sort_by_key(|l| l.request_id);
+    assert_eq!(
+        again
+            .iter()
+            .map(|l| (l.request_id, l.attempt))
+            .collect::<Vec<_>>(),
+        vec![(a.id, 2), (b.id, 2)]
+    );
+    let delivered = CallbackOutcome::Delivered { status: 204 };
+    assert!(
+        !store
+            .finish_callback(&lb, &delivered, T0 + 1_012)
+            .await
+            .expect("finish"),
+        "the expired try lost its lease"
+    );
+    assert!(
+        store
+            .finish_callback(&again[1], &delivered, T0 + 1_013)
+            .await
+            .expect("finish")
+    );
+    let gone = CallbackOutcome::Failed {
+        status: Some(410),
+        error: "HTTP 410: gone".into(),
+    };
+    assert!(
+        store
+            .finish_callback(&again[0], &gone, T0 + 1_014)
+            .await
+            .expect("finish")
+    );
+
+    let cb = callback_of(&store, b.id).await;
+    assert_eq!(
+        (cb.state, cb.attempts, cb.last_status, cb.delivered_at),
+        (CallbackState::Delivered, 2, Some(204), Some(T0 + 1_013))
+    );
+    let cb = callback_of(&store, a.id).await;
+    assert_eq!(
+        (cb.state, cb.last_status, cb.last_error.as_deref()),
+        (CallbackState::Failed, Some(410), Some("HTTP 410: gone"))
+    );
+    assert!(
+        store
+            .lease_callbacks("n3", T0 + 999_999, 1_000, 10)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    assert_eq!(store.callback_backlog().await.expect("backlog"), 0);
+    assert_eq!(
+        listed_by_callback(&store, CallbackState::Failed).await,
+        vec![a.id]
+    );
+    assert_eq!(
+        listed_by_callback(&store, CallbackState::Delivered).await,
+        vec![b.id]
+    );
+    assert!(
+        listed_by_callback(&store, CallbackState::Pending)
+            .await
+            .is_empty()
+    );
+
+    // Pruned with its request.
+    assert!(store.prune(T0 + 2_000_000, 100).await.expect("prune") >= 3);
+    assert!(
+        store
+            .callbacks(&[a.id, b.id])
+            .await
+            .expect("callbacks")
+            .is_empty()
+    );
+}
+
+/// CB-4: leasers racing on many due deliveries take each exactly once.
+async fn racing_callback_leasers_never_share_a_delivery_cb4(store: DynStore) {
+    let mut ids = HashSet::new();
+    for i in 0..40 {
+        let r = create(
+            &store,
+            with_callback(by_hash(&format!("race {i}"), T0), "http://x.example/"),
+        )
+        .await;
+        store.cancel(NS, r.id, T0 + 1).await.expect("cancel");
+        ids.insert(r.id);
+    }
+    assert_eq!(store.callback_backlog().await.expect("backlog"), 40);
+    let mut tasks = Vec::new();
+    for n in 0..4 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            for _ in 0..10 {
+                let leases = store
+                    .lease_callbacks(&format!("n{n}"), T0 + 2, 60_000, 3)
+                    .await
+                    .expect("lease");
+                got.extend(leases.into_iter().map(|l| l.request_id));
+            }
+            got
+        }));
+    }
+    let mut seen = HashSet::new();
+    for t in tasks {
+        for id in t.await.expect("task") {
+            assert!(seen.insert(id), "{id} leased twice");
+        }
+    }
+    assert_eq!(seen, ids);
+}
+
+/// CB-4: whatever makes a request terminal makes its callback due in that write: a success, a
+/// refusal, a cancel, the sweep's `lease_expired`, a hand-back of the last attempt; a request
+/// sent back to `pending` (a retry, a recovery) does not.
+async fn a_callback_falls_due_however_its_request_ends_cb4(store: DynStore) {
+    let url = "http://x.example/";
+    let mut ended = Vec::new();
+    let ok = create(&store, with_callback(by_hash("ends ok", T0), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0).await;
+    store.finish(&l, succeeded(), T0 + 1).await.expect("finish");
+    ended.push(ok.id);
+    let no = create(&store, with_callback(by_hash("ends refused", T0 + 2), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 2).await;
+    store.finish(&l, refused(), T0 + 3).await.expect("finish");
+    ended.push(no.id);
+    let cancelled = create(
+        &store,
+        with_callback(by_hash("ends cancelled", T0 + 4), url),
+    )
+    .await;
+    store
+        .cancel(NS, cancelled.id, T0 + 5)
+        .await
+        .expect("cancel");
+    ended.push(cancelled.id);
+    let swept = create(&store, with_callback(by_hash("ends swept", T0 + 6), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 6).await;
+    assert_eq!(l.id, swept.id);
+    let out = store.sweep(T0 + 6 + LEASE_MS + 1, 1).await.expect("sweep");
+    assert_eq!(out.failed, vec![swept.id]);
+    ended.push(swept.id);
+    let handed = create(
+        &store,
+        with_callback(by_hash("ends handed back", T0 + 7), url),
+    )
+    .await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 7).await;
+    assert!(store.release(&l, T0 + 8, 1).await.expect("release"));
+    ended.push(handed.id);
+    // Sent back to pending: not terminal, not due.
+    let retried = create(&store, with_callback(by_hash("retried", T0 + 9), url)).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 9).await;
+    let retry = Outcome::Retry {
+        next_retry_at: T0 + 1_000_000,
+        error: ErrorInfo {
+            kind: ErrorType::AttemptsExhausted,
+            message: "attempt 1 failed".into(),
+            status: Some(503),
+        },
+    };
+    store.finish(&l, retry, T0 + 10).await.expect("finish");
+
+    let mut leased: Vec<Uuid> = store
+        .lease_callbacks("n", T0 + LEASE_MS + 100, 1_000, 50)
+        .await
+        .expect("lease")
+        .iter()
+        .map(|l| l.request_id)
+        .collect();
+    leased.sort();
+    ended.sort();
+    assert_eq!(leased, ended);
+    assert!(!leased.contains(&retried.id));
 }

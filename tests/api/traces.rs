@@ -766,6 +766,9 @@ async fn content_is_captured_only_when_asked_cut_to_its_cap_and_keys_never_appea
         c.namespaces = vec![holdfast::config::Namespace {
             name: "team".into(),
             api_keys: vec![key.into()],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
         }];
     })
     .await;

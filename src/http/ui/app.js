@@ -225,7 +225,7 @@ async function refreshTotals() {
 function listQuery() {
   const form = $('filters').elements;
   const query = new URLSearchParams();
-  for (const name of ['status', 'route', 'model', 'backend', 'q']) {
+  for (const name of ['status', 'route', 'model', 'backend', 'callback', 'q']) {
     const value = form[name].value.trim();
     if (value) query.set(name, value);
   }
@@ -343,6 +343,24 @@ function renderDetail(r) {
       ['cost saved', fmtUsd(r.saved_cost_usd)],
     ]),
   ];
+  if (r.callback) {
+    // Every value is text (the URL and the receiver's answer are the caller's and a stranger's).
+    cards.push(
+      card(
+        'Callback',
+        [
+          ['state', r.callback.state],
+          ['url', r.callback.url],
+          ['tries', String(r.callback.attempts)],
+          ['last status', r.callback.last_status == null ? dash : String(r.callback.last_status)],
+          ['last error', r.callback.last_error ?? dash],
+          ['next try', r.callback.next_try_at ? fmtTime(r.callback.next_try_at) : dash],
+          ['delivered', r.callback.delivered_at ? fmtTime(r.callback.delivered_at) : dash],
+        ],
+        true,
+      ),
+    );
+  }
   if (r.error) {
     cards.unshift(
       card(

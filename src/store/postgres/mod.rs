@@ -70,6 +70,7 @@
 //! provider error body holding NUL bytes never makes a write fail (IN-2). Data chunks are JSON
 //! or `[DONE]` (checked by the worker), which cannot hold a raw NUL.
 
+mod callback;
 mod connection;
 mod sql;
 mod writer;
@@ -94,9 +95,9 @@ use self::sql::{
 use self::writer::{FinishJob, LockKey, SubmitJob, WriteJob};
 use super::rules::{self, Expired};
 use super::{
-    Chunk, ChunkBatch, ChunkKind, Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest,
-    Notification, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept,
-    Usage, UsageGroup, UsageQuery, UsageRow,
+    Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, ChunkKind, Counts, Lease, LeaseTo,
+    ListFilter, Millis, NewRequest, Notification, Outcome, RequestRecord, ResponseRef, Status,
+    Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
 };
 use crate::provider::Route;
 
@@ -606,6 +607,8 @@ impl Store for PostgresStore {
                  AND ($8::text IS NULL OR position(convert_to($8, 'UTF8') IN body) > 0)
                  AND (NOT $9 OR attached + replayed > 0)
                  AND ($10::uuid IS NULL OR id < $10)
+                 AND ($12::text IS NULL OR id IN
+                      (SELECT request_id FROM callbacks WHERE state = $12))
              ORDER BY id DESC LIMIT $11"
         ))
         .bind(&filter.namespace)
@@ -619,6 +622,7 @@ impl Store for PostgresStore {
         .bind(filter.replayed)
         .bind(filter.before)
         .bind(filter.limit.max(0))
+        .bind(filter.callback.map(super::CallbackState::as_str))
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(record_from_row).collect()
@@ -718,6 +722,10 @@ impl Store for PostgresStore {
             .execute(&mut *tx)
             .await?;
         sqlx::query("DELETE FROM response_ids WHERE request_id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM callbacks WHERE request_id = ANY($1)")
             .bind(&ids)
             .execute(&mut *tx)
             .await?;
@@ -840,6 +848,34 @@ impl Store for PostgresStore {
                 })
             })
             .collect()
+    }
+
+    async fn lease_callbacks(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<CallbackLease>, StoreError> {
+        self.lease_callbacks_in(owner_prefix, now, lease_ms, limit)
+            .await
+    }
+
+    async fn finish_callback(
+        &self,
+        lease: &CallbackLease,
+        outcome: &CallbackOutcome,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        self.finish_callback_in(lease, outcome, now).await
+    }
+
+    async fn callbacks(&self, ids: &[Uuid]) -> Result<Vec<Callback>, StoreError> {
+        self.callbacks_in(ids).await
+    }
+
+    async fn callback_backlog(&self) -> Result<i64, StoreError> {
+        self.callback_backlog_in().await
     }
 
     async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {

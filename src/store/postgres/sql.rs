@@ -160,6 +160,7 @@ pub(super) async fn submit_in(
             .bind(&new.claim_key)
             .bind(new.claim_expires_at)
             .bind(origin)
+            .bind(new.callback_url.as_deref())
             .bind(new.trace_parent.as_deref())
             .fetch_optional(&mut *conn)
             .await?;
@@ -313,7 +314,8 @@ const SUBMIT_ROUNDS: usize = 5;
 /// insert. Parameters: `$1` id, `$2` namespace, `$3` route, `$4` backend, `$5` model, `$6`
 /// stream, `$7` body, `$8` headers, `$9` hash (also the claim's fingerprint), `$10` claim kind,
 /// `$11` now, `$12` lease owner or NULL, `$13` lease expiry or NULL, `$14` claim key, `$15`
-/// claim expiry, `$16` origin, `$17` trace context (OT-2). No row: a live claim stood.
+/// claim expiry, `$16` origin, `$17` callback URL or NULL (CB-1), `$18` trace context or NULL
+/// (OT-2). No row: a live claim stood.
 macro_rules! submit_sql {
     ($notify:literal) => {
         concat!(
@@ -332,11 +334,14 @@ macro_rules! submit_sql {
                      next_retry_at, created_at, updated_at, trace_parent)
                  SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
                      CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
-                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11, $17
+                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11, $18
                  FROM claimed WHERE request_id = $1
                  RETURNING ",
             request_columns!(),
-            ")
+            "),
+             called AS (
+                 INSERT INTO callbacks (request_id, url, updated_at)
+                 SELECT id, $17, $11 FROM created WHERE $17::text IS NOT NULL)
              SELECT ",
             request_columns!(),
             $notify,
@@ -346,17 +351,20 @@ macro_rules! submit_sql {
 }
 
 /// [`submit_sql!`] for many submissions, one per claim, each element of the arrays one
-/// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin, `$17` the trace contexts). Each
+/// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin, `$17`
+/// the callback URLs, `$18` the trace contexts). Each
 /// claim's takeover is checked against its own submission's time. Returns the records it
 /// created; a submission missing from them found a live claim.
 pub(super) const SUBMIT_MANY: &str = concat!(
     "WITH s AS (
          SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
              $6::bool[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::bigint[],
-             $12::text[], $13::bigint[], $14::text[], $15::bigint[], $17::text[]) WITH ORDINALITY
+             $12::text[], $13::bigint[], $14::text[], $15::bigint[], $17::text[],
+             $18::text[])
+         WITH ORDINALITY
          AS s(s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
              s_hash, s_kind, s_now, s_owner, s_expires, s_claim_key, s_claim_expires,
-             s_trace_parent, s_ord)),
+             s_callback, s_trace_parent, s_ord)),
      claimed AS (
          INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
          SELECT s_namespace, s_claim_key, s_kind, s_id, s_hash, s_claim_expires
@@ -380,6 +388,10 @@ pub(super) const SUBMIT_MANY: &str = concat!(
          RETURNING ",
     request_columns!(),
     "),
+     called AS (
+         INSERT INTO callbacks (request_id, url, updated_at)
+         SELECT s_id, s_callback, s_now FROM s JOIN created ON created.id = s_id
+         WHERE s_callback IS NOT NULL),
      woken AS (
          SELECT pg_notify('holdfast_work', $16)
          FROM (SELECT 1 FROM created WHERE status = 'pending' LIMIT 1) AS due)

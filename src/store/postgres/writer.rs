@@ -433,6 +433,7 @@ async fn submit_many(
         .bind(&a.claim_keys)
         .bind(&a.claim_expires)
         .bind(&origin)
+        .bind(&a.callbacks)
         .bind(&a.trace_parents)
         .fetch_all(&mut *conn)
         .await;
@@ -478,6 +479,7 @@ struct SubmitArrays {
     expires: Vec<Option<Millis>>,
     claim_keys: Vec<String>,
     claim_expires: Vec<Millis>,
+    callbacks: Vec<Option<String>>,
     trace_parents: Vec<Option<String>>,
 }
 
@@ -500,6 +502,7 @@ impl SubmitArrays {
         self.expires.push(job.expires_at);
         self.claim_keys.push(new.claim_key.clone());
         self.claim_expires.push(new.claim_expires_at);
+        self.callbacks.push(new.callback_url.clone());
         self.trace_parents.push(new.trace_parent.clone());
     }
 }

@@ -36,6 +36,7 @@ macro_rules! record_tables {
     };
 }
 
+mod callback;
 mod open;
 mod sql;
 mod writer;
@@ -55,9 +56,9 @@ use self::sql::{
 };
 use self::writer::WriteJob;
 use super::{
-    Chunk, ChunkBatch, Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Outcome,
-    RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup,
-    UsageQuery, UsageRow,
+    Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, Counts, Lease, LeaseTo,
+    ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError,
+    Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
 };
 use crate::provider::Route;
 
@@ -345,6 +346,8 @@ impl Store for SqliteStore {
                      AND (?8 IS NULL OR instr(body, CAST(?8 AS BLOB)) > 0)
                      AND (?9 = 0 OR attached + replayed > 0)
                      AND (?10 IS NULL OR id < ?10)
+                     AND (?12 IS NULL OR id IN
+                          (SELECT request_id FROM callbacks WHERE state = ?12))
                  ORDER BY id DESC LIMIT ?11"
             ))?;
             let mut rows = stmt.query(params![
@@ -358,7 +361,8 @@ impl Store for SqliteStore {
                 f.text,
                 f.replayed,
                 f.before.map(|b| b.to_string()),
-                f.limit
+                f.limit,
+                f.callback.map(super::CallbackState::as_str)
             ])?;
             let mut records = Vec::new();
             while let Some(row) = rows.next()? {
@@ -485,6 +489,33 @@ impl Store for SqliteStore {
             Ok(out)
         })
         .await
+    }
+
+    async fn lease_callbacks(
+        &self,
+        owner_prefix: &str,
+        now: Millis,
+        lease_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<CallbackLease>, StoreError> {
+        callback::lease(self, owner_prefix, now, lease_ms, limit).await
+    }
+
+    async fn finish_callback(
+        &self,
+        lease: &CallbackLease,
+        outcome: &CallbackOutcome,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        callback::finish(self, lease, outcome, now).await
+    }
+
+    async fn callbacks(&self, ids: &[Uuid]) -> Result<Vec<Callback>, StoreError> {
+        callback::read(self, ids).await
+    }
+
+    async fn callback_backlog(&self) -> Result<i64, StoreError> {
+        callback::backlog(self).await
     }
 
     async fn counts(&self) -> Result<Vec<(Status, i64)>, StoreError> {

@@ -42,8 +42,12 @@ const MIGRATIONS: &[(i64, &str)] = &[
         include_str!("../../../migrations/sqlite/0006_request_rows_rebuilt.sql"),
     ),
     (
-        9,
-        include_str!("../../../migrations/sqlite/0009_trace_parent.sql"),
+        7,
+        include_str!("../../../migrations/sqlite/0007_callbacks.sql"),
+    ),
+    (
+        8,
+        include_str!("../../../migrations/sqlite/0008_trace_parent.sql"),
     ),
 ];
 
@@ -115,6 +119,23 @@ fn expire_orphaned_leases(conn: &Connection) -> Result<(), StoreError> {
             requests = expired,
             "requests left running by a stopped holdfast process: their leases expired now, \
              for the first sweep to recover them"
+        );
+    }
+    Ok(())
+}
+
+/// The callback tries a stopped process left in flight, like [`expire_orphaned_leases`]'s
+/// attempts: their leases are expired now, for the deliverer to send them again at once instead
+/// of a lease later (CB-4, decision 60).
+fn expire_orphaned_callback_tries(conn: &Connection) -> Result<(), StoreError> {
+    let tries = conn.execute(
+        "UPDATE callbacks SET lease_expires_at = 0 WHERE lease_owner IS NOT NULL",
+        [],
+    )?;
+    if tries > 0 {
+        tracing::info!(
+            callbacks = tries,
+            "callback tries left in flight by a stopped holdfast process: sent again now"
         );
     }
     Ok(())
@@ -250,6 +271,7 @@ impl SqliteStore {
                 let lock = lock_database(&path)?;
                 let writer = open_writer(&path, synchronous)?;
                 expire_orphaned_leases(&writer)?;
+                expire_orphaned_callback_tries(&writer)?;
                 let checkpointer = open_writer(&path, synchronous)?;
                 let reader = open_reader(&path)?;
                 Ok((lock, writer, checkpointer, reader))

@@ -270,6 +270,9 @@ pub(super) fn submit_in(
             headers,
             new.trace_parent
         ])?;
+        if let Some(url) = &new.callback_url {
+            super::callback::insert_in(conn, &id, url, new.now)?;
+        }
         let lease = owner.map(|owner| Lease {
             id: new.id,
             owner: owner.to_string(),
@@ -745,6 +748,7 @@ pub(super) fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<
             "DELETE FROM claims WHERE request_id = ?1",
             "DELETE FROM response_ids WHERE request_id = ?1",
             "DELETE FROM attempt_usage WHERE request_id = ?1",
+            "DELETE FROM callbacks WHERE request_id = ?1",
             "DELETE FROM request_bodies WHERE id = ?1",
             "DELETE FROM requests WHERE id = ?1",
         ] {

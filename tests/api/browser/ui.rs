@@ -519,10 +519,16 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
                 Namespace {
                     name: "team-a".into(),
                     api_keys: vec!["key-a".into()],
+                    callback_url: None,
+                    callback_secrets: Vec::new(),
+                    callback_include_body: None,
                 },
                 Namespace {
                     name: "team-b".into(),
                     api_keys: vec!["key-b".into()],
+                    callback_url: None,
+                    callback_secrets: Vec::new(),
+                    callback_include_body: None,
                 },
             ];
         },
@@ -880,5 +886,72 @@ async fn ui_cancel_button_cancels_a_running_request_lc9() {
         errors.is_empty(),
         "the page ran without errors: {errors:#?}"
     );
+    app.stop().await;
+}
+
+/// CB-6: the detail shows a request's callback, its URL and the receiver's answer as text
+/// (both come from outside: the caller and the receiver), and the list filters by its state.
+#[tokio::test]
+async fn ui_shows_a_callback_with_its_url_and_the_receivers_answer_as_text_cb6() {
+    use crate::callbacks::{Answer, Receiver, callback_config, wait_callback};
+    let receiver = Receiver::start(|_| Answer::Body(500, IMG)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.ui = true;
+        callback_config(c);
+        // One try, then a long wait: the page shows it pending with the receiver's answer.
+        c.callbacks.backoff_initial_ms = 600_000;
+        c.callbacks.backoff_max_ms = 600_000;
+    })
+    .await;
+    let url = format!("{}?to={SCRIPT}", receiver.url);
+    let r =
+        crate::callbacks::chat_with_callback(&app.http, &app.base, &chat_body("told"), &url, &[])
+            .await;
+    let id = header(&r, "holdfast-request-id");
+    let plain = header(
+        &app.chat(&chat_body("not told")).await,
+        "holdfast-request-id",
+    );
+    receiver.wait_for(1, WAIT).await;
+    let start = std::time::Instant::now();
+    while get_record(&app.http, &app.base, &id).await["callback"]["attempts"] != 1 {
+        assert!(start.elapsed() < WAIT, "the try was not recorded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_callback(&app.http, &app.base, &id, "pending", WAIT).await;
+
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, HEIGHT).await;
+    page.goto(&format!("{}/ui", app.base)).await;
+    wait_rows(&page, &[&id, &plain], "both requests").await;
+    page.eval(
+        "(() => { const s = document.getElementById('f-callback'); s.value = 'pending'; \
+         s.dispatchEvent(new Event('change', {bubbles: true})); return true; })()",
+    )
+    .await;
+    wait_rows(&page, &[&id], "the request with a pending callback").await;
+    open_detail(&page, &id).await;
+    page.wait_for(
+        "document.querySelector('#cards [data-card=\"Callback\"]') !== null",
+        "the callback card",
+        WAIT,
+    )
+    .await;
+    let shown = page
+        .eval("document.querySelector('#cards [data-card=\"Callback\"]').textContent")
+        .await;
+    let shown = shown.as_str().unwrap();
+    assert!(shown.contains(&url), "the URL as text: {shown}");
+    assert!(
+        shown.contains(IMG) && shown.contains("HTTP 500"),
+        "the answer as text: {shown}"
+    );
+    assert!(shown.contains("pending"), "{shown}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let untouched = "document.title === 'holdfast' && \
+        document.querySelectorAll('img, svg, iframe, object, embed').length === 0 && \
+        document.querySelectorAll('script').length === 1";
+    assert_eq!(page.eval(untouched).await, true, "markup stayed text");
+    assert!(browser.errors().is_empty(), "{:#?}", browser.errors());
     app.stop().await;
 }

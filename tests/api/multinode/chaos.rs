@@ -27,7 +27,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use super::pg_server::PrivatePostgres;
-use crate::chaos::{Workload, check, run_reporting};
+use crate::chaos::{Workload, chaos_http, check, run_reporting};
 use crate::helpers::*;
 
 const NODES: usize = 3;
@@ -129,10 +129,14 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
     let dir = tempfile::tempdir().unwrap();
     let toml = fault_test_toml(
         &pg.url(),
-        "database_pool_size = 6",
+        &format!(
+            "database_pool_size = 6\n{}",
+            crate::callbacks::chaos_callbacks_toml()
+        ),
         LEASE_SECS,
         &mock.base_url(),
     );
+    let receiver = crate::callbacks::chaos_receiver().await;
     let addrs: Vec<_> = (0..NODES).map(|_| free_addr()).collect();
     let mut starts = [0usize; NODES];
     let node_dir = |n: usize, start: usize| {
@@ -179,6 +183,7 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
         bases: addrs.iter().map(|a| format!("http://{a}")).collect(),
         stream_errors: &["attempt_abandoned", "store_unavailable"],
         readers_per_stream: NODES,
+        callback_url: Some(receiver.url.clone()),
     };
     let began = Instant::now();
     let driver = async {
@@ -262,6 +267,12 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
     }
     let (retries, reconnects) = (outcome.retries, outcome.reconnects);
     let counts = check(&workload, outcome, &mock).await;
+    let told = crate::callbacks::check_deliveries(&chaos_http(), workload.base(0), &receiver).await;
+    println!(
+        "cluster_chaos: callbacks={} webhooks_received={} webhook_ids_repeated={} (every one \
+         delivered, signed)",
+        told.requests, told.received, told.repeated
+    );
     println!(
         "cluster_chaos: nodes={NODES} requests={} (logical {} x {NODES}) kills={} \
          pg_restarts_fast={} pg_restarts_immediate={} pauses={} (each {:.1}s, lease {LEASE_SECS}s) \
