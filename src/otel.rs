@@ -260,14 +260,7 @@ impl ServerSpan {
     /// This span's trace id and span id in hex, for log lines (OT-6); `None` when it is not
     /// sampled.
     pub(crate) fn ids(&self) -> Option<(String, String)> {
-        let span = self.cx.span();
-        let context = span.span_context();
-        context.is_sampled().then(|| {
-            (
-                context.trace_id().to_string(),
-                context.span_id().to_string(),
-            )
-        })
+        ids(&self.cx)
     }
 
     /// The call is admitted: its request, and whether it runs or was answered from the log
@@ -356,14 +349,7 @@ impl AttemptSpan {
     /// This span's trace id and span id in hex, for log lines (OT-6); `None` when it is not
     /// sampled.
     pub(crate) fn ids(&self) -> Option<(String, String)> {
-        let span = self.cx.span();
-        let context = span.span_context();
-        context.is_sampled().then(|| {
-            (
-                context.trace_id().to_string(),
-                context.span_id().to_string(),
-            )
-        })
+        ids(&self.cx)
     }
 
     /// A stream's events handed on: the first one's time (time to first chunk, OT-3), the
@@ -590,6 +576,18 @@ fn attempt_context(record: &RequestRecord, attempt: u32) -> SpanContext {
         true,
         TraceState::default(),
     )
+}
+
+/// The trace id and span id in hex of the span in `cx`, when it is sampled.
+fn ids(cx: &Context) -> Option<(String, String)> {
+    let span = cx.span();
+    let context = span.span_context();
+    context.is_sampled().then(|| {
+        (
+            context.trace_id().to_string(),
+            context.span_id().to_string(),
+        )
+    })
 }
 
 /// The context a stored `traceparent` names.

@@ -159,6 +159,26 @@ impl Receiver {
     }
 }
 
+/// Runs openai-python with `timeout=1` and `max_retries=2` against `app`, every send carrying
+/// a `traceparent` of `trace` with parent span `parent`; what the driver prints.
+async fn sdk_retry_in_trace(app: &TestApp, trace: &str, parent: &str) -> Value {
+    let base = format!("{}/v1", app.base);
+    let traceparent = format!("00-{trace}-{parent}-01");
+    let out = tokio::task::spawn_blocking(move || {
+        run_python(
+            "openai_timeout_retry.py",
+            &[
+                ("HOLDFAST_BASE_URL", &base),
+                ("SDK_MAX_RETRIES", "2"),
+                ("TRACEPARENT", &traceparent),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    serde_json::from_str(out.trim()).expect("driver prints JSON")
+}
+
 fn traced(receiver: &Receiver) -> impl FnOnce(&mut holdfast::config::Config) + '_ {
     |c| {
         c.otel.enabled = true;
@@ -187,22 +207,8 @@ async fn openai_python_retries_past_its_timeout_show_one_trace_one_attempt_and_t
         traced(&receiver),
     )
     .await;
-    let base = format!("{}/v1", app.base);
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
-    let out = tokio::task::spawn_blocking(move || {
-        run_python(
-            "openai_timeout_retry.py",
-            &[
-                ("HOLDFAST_BASE_URL", &base),
-                ("SDK_MAX_RETRIES", "2"),
-                ("TRACEPARENT", &traceparent),
-            ],
-        )
-    })
-    .await
-    .unwrap();
-    let out: Value = serde_json::from_str(out.trim()).expect("driver prints JSON");
+    let out = sdk_retry_in_trace(&app, trace, "00f067aa0ba902b7").await;
     assert_eq!(
         out["timeouts_seen"], 2,
         "the first two sends timed out: {out}"
@@ -696,22 +702,8 @@ async fn phoenix_receives_an_openai_python_retry_as_one_trace_with_one_attempt_o
         },
     )
     .await;
-    let base = format!("{}/v1", app.base);
     let trace = "5bf92f3577b34da6a3ce929d0e0e4737";
-    let traceparent = format!("00-{trace}-00f067aa0ba902b8-01");
-    let out = tokio::task::spawn_blocking(move || {
-        run_python(
-            "openai_timeout_retry.py",
-            &[
-                ("HOLDFAST_BASE_URL", &base),
-                ("SDK_MAX_RETRIES", "2"),
-                ("TRACEPARENT", &traceparent),
-            ],
-        )
-    })
-    .await
-    .unwrap();
-    let out: Value = serde_json::from_str(out.trim()).expect("driver prints JSON");
+    let out = sdk_retry_in_trace(&app, trace, "00f067aa0ba902b8").await;
     assert_eq!(out["timeouts_seen"], 2, "{out}");
     assert_eq!(app.mock.calls(), 1);
     let spans = phoenix.spans(trace, |spans| spans.len() >= 4).await;
