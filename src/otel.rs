@@ -867,18 +867,33 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
     serde_json::Value::Array(out).to_string()
 }
 
+/// The members, quoted, that carry a finish reason (or a Responses status).
+const REASON_KEYS: [&[u8]; 4] = [
+    b"\"finish_reason\"",
+    b"\"stop_reason\"",
+    b"\"finishReason\"",
+    b"\"status\"",
+];
+
+/// Whether `data` holds member `key` (quoted) with a string value: `key`, then optional
+/// whitespace, a colon, optional whitespace and a quote.
+fn has_string_value(data: &[u8], key: &[u8]) -> bool {
+    memchr::memmem::find_iter(data, key).any(|at| {
+        let mut rest = data[at + key.len()..]
+            .iter()
+            .skip_while(|b| b.is_ascii_whitespace());
+        rest.next() == Some(&b':') && rest.find(|b| !b.is_ascii_whitespace()) == Some(&b'"')
+    })
+}
+
 /// Reads what one answer body or stream event says about the answer: its id, model, finish
 /// reasons and (when captured) text. Events that cannot say anything new are not parsed.
 fn observe(route: Route, data: &[u8], answer: &mut Answer, capture: Option<usize>) {
+    // Most events of a stream say nothing new once the id and model are known: only those
+    // giving a finish reason a string value are parsed (OpenAI's chunks all carry
+    // `"finish_reason":null` until the last).
     let known = answer.id.is_some() && answer.model.is_some();
-    let mentions = |needle: &[u8]| data.windows(needle.len()).any(|w| w == needle);
-    if known
-        && capture.is_none()
-        && !mentions(b"finish_reason")
-        && !mentions(b"stop_reason")
-        && !mentions(b"finishReason")
-        && !mentions(b"\"status\"")
-    {
+    if known && capture.is_none() && !REASON_KEYS.iter().any(|key| has_string_value(data, key)) {
         return;
     }
     let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
@@ -1076,6 +1091,28 @@ mod tests {
         assert_eq!(answer.model.as_deref(), Some("claude-y"));
         assert_eq!(answer.finish_reasons, vec!["max_tokens".to_string()]);
         assert_eq!(answer.text, "Hello");
+    }
+
+    #[test]
+    fn only_an_event_that_gives_a_reason_a_string_value_is_worth_parsing() {
+        let key = REASON_KEYS[0];
+        assert!(!has_string_value(
+            br#"{"choices":[{"finish_reason":null}]}"#,
+            key
+        ));
+        assert!(has_string_value(
+            br#"{"choices":[{"finish_reason":"stop"}]}"#,
+            key
+        ));
+        assert!(has_string_value(
+            br#"{"choices":[{"finish_reason" :  "length"}]}"#,
+            key
+        ));
+        assert!(!has_string_value(br#"{"text":"finish_reason"}"#, key));
+        assert!(!has_string_value(
+            br#"{"choices":[{"delta":{"content":"hi"}}]}"#,
+            key
+        ));
     }
 
     #[test]
