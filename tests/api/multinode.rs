@@ -831,3 +831,65 @@ async fn a_stream_recovered_on_another_node_is_a_second_attempt_span_under_the_s
         "the stream's events: {second:#?}"
     );
 }
+
+// Multi-threaded: `sigterm_and_wait` blocks its thread, and the receiver must answer node A's
+// last export meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_handed_back_at_shutdown_and_finished_on_another_node_is_two_linked_attempt_spans_ot3_du5()
+ {
+    let receiver = crate::traces::Receiver::start().await;
+    let mock = MockConfig {
+        chunks: 60,
+        chunk_delay_ms: 50,
+        ..MockConfig::default()
+    };
+    let mut cluster = Cluster::start_traced(mock, 0, &receiver.url).await;
+    // Shutdown's grace is short: the running attempt is handed back (DU-5) and ends its span.
+    cluster.toml = format!("shutdown_grace_ms = 200\n{}", cluster.toml);
+    let a = cluster.add_node().await;
+    let id = cluster
+        .submit_async(a, &stream_body("trace my hand-back"))
+        .await;
+    cluster
+        .wait_record(a, &id, "chunks to flow on node A", |r| {
+            r["last_seq"].as_i64().unwrap_or(0) >= 3
+        })
+        .await;
+    let b = cluster.add_node().await;
+    assert!(cluster.nodes[a].sigterm_and_wait(Duration::from_secs(20)));
+    let record = wait_terminal(&cluster.http, cluster.base(b), &id, Duration::from_secs(30)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["attempts"], 2, "{record}");
+    let ours = |s: &crate::traces::Span| s.attr("holdfast.request_id") == id.as_str();
+    let spans = receiver
+        .wait("both attempts' spans", |s| {
+            crate::traces::attempts(s)
+                .iter()
+                .filter(|s| ours(s))
+                .count()
+                == 2
+        })
+        .await;
+    let mut attempts: Vec<_> = crate::traces::attempts(&spans)
+        .into_iter()
+        .filter(|s| ours(s))
+        .collect();
+    attempts.sort_by_key(|s| s.attr("holdfast.attempt").as_i64());
+    let (first, second) = (attempts[0], attempts[1]);
+    assert_eq!(first.span_id, attempt_span_id(&id, 1));
+    assert_eq!(first.attr("error.type"), "lease_lost", "{first:#?}");
+    assert_eq!(second.span_id, attempt_span_id(&id, 2));
+    assert_eq!(
+        (first.trace_id.as_str(), first.parent.as_str()),
+        (second.trace_id.as_str(), second.parent.as_str())
+    );
+    assert_eq!(
+        second
+            .links
+            .iter()
+            .map(|(t, s, _)| (t.clone(), s.clone()))
+            .collect::<Vec<_>>(),
+        vec![(first.trace_id.clone(), first.span_id.clone())],
+        "attempt 2 links to the attempt handed back"
+    );
+}
