@@ -44,6 +44,7 @@ async fn leased_streams(store: &DynStore, n: usize, prompt_bytes: usize) -> Vec<
                 now: now_ms(),
                 trace_parent: None,
                 callback_url: None,
+                replay_of: None,
             })
             .await
             .expect("submit");

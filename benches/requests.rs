@@ -56,6 +56,7 @@ fn request(run: u64, i: usize) -> NewRequest {
         now: now_ms(),
         trace_parent: None,
         callback_url: None,
+        replay_of: None,
     }
 }
 

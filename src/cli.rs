@@ -76,10 +76,25 @@ impl Client {
         path: &str,
         query: &[(String, String)],
     ) -> Result<Value, CliError> {
+        self.json_with(method, path, query, None).await
+    }
+
+    /// [`Client::json`] with a JSON request body.
+    async fn json_with(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        query: &[(String, String)],
+        body: Option<Value>,
+    ) -> Result<Value, CliError> {
         let http = self.http()?;
-        let response = self
-            .request(&http, method, path)
-            .query(query)
+        let mut request = self.request(&http, method, path).query(query);
+        if let Some(body) = body {
+            request = request
+                .header("content-type", "application/json")
+                .body(body.to_string());
+        }
+        let response = request
             .send()
             .await
             .map_err(|e| fail(format!("cannot reach holdfast at {}: {e}", self.url)))?;
@@ -182,14 +197,7 @@ impl Client {
             ),
             ("created", text(&record["created_at"])),
             ("finished", text(&record["finished_at"])),
-            (
-                "tokens in/out",
-                format!(
-                    "{} / {}",
-                    text(&record["usage"]["input_tokens"]),
-                    text(&record["usage"]["output_tokens"])
-                ),
-            ),
+            ("tokens in/out", tokens_in_out(&record)),
             ("cost", usd(&record["cost_usd"])),
             (
                 "deliveries",
@@ -408,6 +416,316 @@ impl Client {
     }
 }
 
+/// `holdfast requests export` (EX-6): what to export and how.
+#[derive(Debug, Clone, Default)]
+pub struct ExportArgs {
+    /// The filters (the query of `GET /requests/export`), passed as they are.
+    pub query: Vec<(String, String)>,
+    /// `records` or `openai-chat`.
+    pub format: String,
+    /// Start after this request id (an earlier export's last cursor).
+    pub after: Option<String>,
+    /// Draw a progress line on stderr (only when it is a terminal).
+    pub progress: bool,
+}
+
+/// How many lines an export wrote and skipped.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportSummary {
+    /// Lines written.
+    pub written: u64,
+    /// `openai-chat`: requests skipped, by reason.
+    pub skipped: std::collections::BTreeMap<String, u64>,
+}
+
+/// Times a cut export is resumed from its cursor before the CLI gives up.
+const EXPORT_RESUMES: u32 = 5;
+
+impl Client {
+    /// `holdfast requests export` (EX-6): streams `GET /requests/export` into `out`, resuming
+    /// from the last cursor when the connection breaks (EX-4), and reports on `report`.
+    ///
+    /// # Errors
+    /// [`CliError`] when the server refuses the query, cannot be reached, or keeps breaking off.
+    pub async fn export(
+        &self,
+        args: &ExportArgs,
+        out: &mut impl Write,
+        report: &mut impl Write,
+    ) -> Result<ExportSummary, CliError> {
+        let http = self.http()?;
+        let openai_chat = args.format == "openai-chat";
+        let mut summary = ExportSummary::default();
+        let mut cursor = args.after.clone();
+        let bar = progress_bar(args.progress);
+        let mut resumes = 0;
+        loop {
+            let mut query = args.query.clone();
+            query.push(("format".into(), args.format.clone()));
+            if let Some(c) = &cursor {
+                query.push(("after".into(), c.clone()));
+            }
+            let response = self
+                .request(&http, reqwest::Method::GET, "/requests/export")
+                .query(&query)
+                .send()
+                .await;
+            let mut response = match response {
+                Ok(r) if r.status().is_success() => r,
+                Ok(r) => {
+                    let status = r.status();
+                    let bytes = r.bytes().await.unwrap_or_default();
+                    return Err(refused(status, &bytes));
+                }
+                Err(e) if resumes < EXPORT_RESUMES && summary.written > 0 => {
+                    resumes += 1;
+                    writeln!(report, "# cannot reach holdfast ({e}); resuming").map_err(io)?;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    continue;
+                }
+                Err(e) => return Err(fail(format!("cannot reach holdfast at {}: {e}", self.url))),
+            };
+            let mut pending: Vec<u8> = Vec::new();
+            let broke = loop {
+                match response.chunk().await {
+                    Ok(Some(bytes)) => {
+                        pending.extend_from_slice(&bytes);
+                        // Only whole lines: a line cut by a broken connection is read again.
+                        let Some(end) = pending.iter().rposition(|b| *b == b'\n') else {
+                            continue;
+                        };
+                        let whole: Vec<u8> = pending.drain(..=end).collect();
+                        for line in whole.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+                            let value: Value = serde_json::from_slice(line)
+                                .map_err(|e| fail(format!("a line that is not JSON: {e}")))?;
+                            write_export_line(out, line, &value, openai_chat, &mut summary)?;
+                            cursor = value["cursor"].as_str().map(str::to_owned).or(cursor);
+                        }
+                        if let Some(bar) = &bar {
+                            bar.set_position(
+                                summary.written + summary.skipped.values().sum::<u64>(),
+                            );
+                        }
+                    }
+                    Ok(None) => break None,
+                    Err(e) => break Some(e),
+                }
+            };
+            match broke {
+                None => break,
+                Some(e) if resumes < EXPORT_RESUMES => {
+                    resumes += 1;
+                    writeln!(
+                        report,
+                        "# the export broke off ({e}); resuming after {}",
+                        cursor.as_deref().unwrap_or("the start")
+                    )
+                    .map_err(io)?;
+                }
+                Some(e) => return Err(fail(format!("the export kept breaking off: {e}"))),
+            }
+        }
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        out.flush().map_err(io)?;
+        let what = if openai_chat { "examples" } else { "records" };
+        writeln!(report, "exported {} {what}", summary.written).map_err(io)?;
+        if openai_chat {
+            let skipped: u64 = summary.skipped.values().sum();
+            writeln!(report, "skipped {skipped} requests").map_err(io)?;
+            for (why, n) in &summary.skipped {
+                writeln!(report, "  {n}: {why}").map_err(io)?;
+            }
+        }
+        Ok(summary)
+    }
+}
+
+impl Client {
+    /// `holdfast requests replay ID [--model M] [--backend B]` (EX-9): replays the request,
+    /// waits up to `patience` for the replay to end, and prints both answers side by side (or
+    /// `{"original", "replay"}` with `json`).
+    ///
+    /// # Errors
+    /// [`CliError`] with the server's message when it refuses (an unknown or foreign id), when
+    /// the replay does not end within `patience`, or — after printing — when it failed.
+    pub async fn replay(
+        &self,
+        id: &str,
+        asked: &[(String, String)],
+        json: bool,
+        patience: Duration,
+        out: &mut impl Write,
+    ) -> Result<(), CliError> {
+        let body: serde_json::Map<String, Value> = asked
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect();
+        let created = self
+            .json_with(
+                reqwest::Method::POST,
+                &format!("/requests/{id}/replay"),
+                &[],
+                Some(Value::Object(body)),
+            )
+            .await?;
+        let new_id = text(&created["id"]);
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let record = self
+                .json(reqwest::Method::GET, &format!("/requests/{new_id}"), &[])
+                .await?;
+            if matches!(record["status"].as_str(), Some("succeeded" | "failed")) {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(fail(format!(
+                    "the replay {new_id} did not end within {patience:?}; follow it with \
+                     `holdfast requests tail {new_id}`"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let with_body = [("include".to_string(), "body".to_string())];
+        let original = self
+            .json(reqwest::Method::GET, &format!("/requests/{id}"), &with_body)
+            .await?;
+        let replay = self
+            .json(
+                reqwest::Method::GET,
+                &format!("/requests/{new_id}"),
+                &with_body,
+            )
+            .await?;
+        if json {
+            print_json(
+                out,
+                &serde_json::json!({"original": original, "replay": replay}),
+            )?;
+        } else {
+            print_side_by_side(out, &original, &replay)?;
+        }
+        match replay["status"].as_str() {
+            Some("succeeded") => Ok(()),
+            _ => Err(fail(format!(
+                "the replay {new_id} failed: {}: {}",
+                text(&replay["error"]["type"]),
+                text(&replay["error"]["message"])
+            ))),
+        }
+    }
+}
+
+/// A record's input and output tokens, `IN / OUT`.
+fn tokens_in_out(record: &Value) -> String {
+    format!(
+        "{} / {}",
+        text(&record["usage"]["input_tokens"]),
+        text(&record["usage"]["output_tokens"])
+    )
+}
+
+/// Column width of the side-by-side view.
+const COLUMN: usize = 38;
+
+/// Two records and their answers' texts in two columns (EX-9).
+fn print_side_by_side(out: &mut impl Write, left: &Value, right: &Value) -> Result<(), CliError> {
+    let facts = |r: &Value| {
+        vec![
+            ("id", text(&r["id"])),
+            ("model", text(&r["model"])),
+            ("backend", text(&r["backend"])),
+            ("status", text(&r["status"])),
+            ("tokens in/out", tokens_in_out(r)),
+            ("cost", usd(&r["cost_usd"])),
+        ]
+    };
+    writeln!(out, "{:<14} {:<COLUMN$} | REPLAY", "", "ORIGINAL").map_err(io)?;
+    for ((name, l), (_, r)) in facts(left).into_iter().zip(facts(right)) {
+        writeln!(out, "{name:<14} {l:<COLUMN$} | {r}").map_err(io)?;
+    }
+    writeln!(out, "{}", "-".repeat(14 + 1 + COLUMN + 3 + COLUMN)).map_err(io)?;
+    let wrap = |r: &Value| wrapped(r["answer_text"].as_str().unwrap_or("-"), COLUMN);
+    let (l, r) = (wrap(left), wrap(right));
+    for i in 0..l.len().max(r.len()) {
+        let a = l.get(i).map_or("", String::as_str);
+        let b = r.get(i).map_or("", String::as_str);
+        writeln!(out, "{:<14} {a:<COLUMN$} | {b}", "").map_err(io)?;
+    }
+    Ok(())
+}
+
+/// `text` cut into lines of at most `width` characters, at spaces where it can be.
+fn wrapped(text: &str, width: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    for paragraph in text.split('\n') {
+        let mut line = String::new();
+        for word in paragraph.split(' ') {
+            let mut word = word.to_string();
+            while word.chars().count() > width {
+                if !line.is_empty() {
+                    lines.push(std::mem::take(&mut line));
+                }
+                let head: String = word.chars().take(width).collect();
+                word = word.chars().skip(width).collect();
+                lines.push(head);
+            }
+            let len = line.chars().count();
+            if len > 0 && len + 1 + word.chars().count() > width {
+                lines.push(std::mem::take(&mut line));
+            }
+            if !line.is_empty() {
+                line.push(' ');
+            }
+            line.push_str(&word);
+        }
+        lines.push(line);
+    }
+    lines
+}
+
+/// Writes one export line: a record line as the server sent it, an example alone.
+fn write_export_line(
+    out: &mut impl Write,
+    line: &[u8],
+    value: &Value,
+    openai_chat: bool,
+    summary: &mut ExportSummary,
+) -> Result<(), CliError> {
+    if !openai_chat {
+        out.write_all(line).map_err(io)?;
+        out.write_all(b"\n").map_err(io)?;
+        summary.written += 1;
+        return Ok(());
+    }
+    if let Some(why) = value["skipped"].as_str() {
+        *summary.skipped.entry(why.to_owned()).or_default() += 1;
+        return Ok(());
+    }
+    serde_json::to_writer(&mut *out, &value["example"])
+        .map_err(|e| fail(format!("cannot write the output: {e}")))?;
+    out.write_all(b"\n").map_err(io)?;
+    summary.written += 1;
+    Ok(())
+}
+
+/// A progress line on stderr (rows, rate), only when stderr is a terminal (EX-6).
+fn progress_bar(wanted: bool) -> Option<indicatif::ProgressBar> {
+    if !wanted || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return None;
+    }
+    let bar =
+        indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{spinner} {pos} rows  {per_sec}  {elapsed}")
+    {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(200));
+    Some(bar)
+}
+
 /// A refusal from holdfast (status `status`, body `body`): its message, and for a 401 where the
 /// CLI's key came from.
 fn refused(status: reqwest::StatusCode, body: &[u8]) -> CliError {
@@ -519,7 +837,14 @@ fn callback_line(callback: &Value) -> String {
 mod tests {
     use serde_json::json;
 
-    use super::usd;
+    use super::{usd, wrapped};
+
+    #[test]
+    fn side_by_side_text_wraps_at_spaces_and_cuts_long_words() {
+        assert_eq!(wrapped("aa bb cc", 5), vec!["aa bb", "cc"]);
+        assert_eq!(wrapped("abcdefgh", 3), vec!["abc", "def", "gh"]);
+        assert_eq!(wrapped("a\nb", 10), vec!["a", "b"]);
+    }
 
     #[test]
     fn costs_print_six_significant_digits_never_a_false_zero() {

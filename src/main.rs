@@ -73,42 +73,30 @@ enum RequestsCommand {
     List {
         #[command(flatten)]
         server: ServerArgs,
-        /// Only this status: pending, running, succeeded, failed.
-        #[arg(long)]
-        status: Option<String>,
-        /// Only this route, e.g. openai.chat.
-        #[arg(long)]
-        route: Option<String>,
-        /// Only this model.
-        #[arg(long)]
-        model: Option<String>,
-        /// Only this backend.
-        #[arg(long)]
-        backend: Option<String>,
-        /// Submitted at or after (RFC 3339).
-        #[arg(long)]
-        since: Option<String>,
-        /// Submitted before (RFC 3339).
-        #[arg(long)]
-        until: Option<String>,
-        /// A substring of the request body.
-        #[arg(long)]
-        q: Option<String>,
-        /// Only requests that answered more than one submission.
-        #[arg(long)]
-        replayed: bool,
-        /// Only requests whose callback is pending, delivered or failed.
-        #[arg(long)]
-        callback: Option<String>,
-        /// Admin keys: one namespace.
-        #[arg(long)]
-        namespace: Option<String>,
+        #[command(flatten)]
+        filters: Filters,
         /// Page size (at most 500).
         #[arg(long)]
         limit: Option<u32>,
         /// Start after this request id (the previous page's last).
         #[arg(long)]
         cursor: Option<String>,
+    },
+    /// Export the log as NDJSON, oldest first (docs/cli.md; SPEC EX-6).
+    Export {
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        filters: Filters,
+        /// records (one JSON record per line) or openai-chat (fine-tuning examples).
+        #[arg(long, default_value = "records", value_parser = ["records", "openai-chat"])]
+        format: String,
+        /// Start after this request id (an earlier export's last cursor).
+        #[arg(long)]
+        after: Option<String>,
+        /// Write to this file instead of stdout.
+        #[arg(short = 'o', long, value_name = "FILE")]
+        output: Option<PathBuf>,
     },
     /// One request: status, attempts, usage, cost, deliveries.
     Show {
@@ -133,6 +121,23 @@ enum RequestsCommand {
         #[arg(long, default_value_t = 60)]
         patience_secs: u64,
     },
+    /// Send a logged request again as a new request, to its model or another, and show both
+    /// answers (SPEC EX-9).
+    Replay {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The request id.
+        id: String,
+        /// Send it to this model (routed as a client's model would be).
+        #[arg(long)]
+        model: Option<String>,
+        /// Send it to this backend.
+        #[arg(long)]
+        backend: Option<String>,
+        /// Give up waiting for the replay's answer after this many seconds.
+        #[arg(long, default_value_t = 600)]
+        wait_secs: u64,
+    },
     /// Cancel a request (LC-9).
     Cancel {
         #[command(flatten)]
@@ -140,6 +145,63 @@ enum RequestsCommand {
         /// The request id.
         id: String,
     },
+}
+
+/// The filters of `GET /requests` (RD-7, EX-8).
+#[derive(Args, Clone)]
+struct Filters {
+    /// Only this status: pending, running, succeeded, failed.
+    #[arg(long)]
+    status: Option<String>,
+    /// Only this route, e.g. openai.chat.
+    #[arg(long)]
+    route: Option<String>,
+    /// Only this model.
+    #[arg(long)]
+    model: Option<String>,
+    /// Only this backend.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Submitted at or after (RFC 3339).
+    #[arg(long)]
+    since: Option<String>,
+    /// Submitted before (RFC 3339).
+    #[arg(long)]
+    until: Option<String>,
+    /// A substring of the request body.
+    #[arg(long)]
+    q: Option<String>,
+    /// Only requests that answered more than one submission.
+    #[arg(long)]
+    replayed: bool,
+    /// Only the replays of this request.
+    #[arg(long)]
+    replay_of: Option<String>,
+    /// Only requests whose callback is pending, delivered or failed.
+    #[arg(long)]
+    callback: Option<String>,
+    /// Admin keys: one namespace.
+    #[arg(long)]
+    namespace: Option<String>,
+}
+
+impl Filters {
+    /// The query parameters.
+    fn query(self) -> Vec<(String, String)> {
+        pairs(&[
+            ("status", self.status),
+            ("route", self.route),
+            ("model", self.model),
+            ("backend", self.backend),
+            ("since", self.since),
+            ("until", self.until),
+            ("q", self.q),
+            ("replayed", self.replayed.then(|| "true".to_string())),
+            ("replay_of", self.replay_of),
+            ("callback", self.callback),
+            ("namespace", self.namespace),
+        ])
+    }
 }
 
 #[derive(Args)]
@@ -394,38 +456,48 @@ async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(),
     let done = match command {
         RequestsCommand::List {
             server,
-            status,
-            route,
-            model,
-            backend,
-            since,
-            until,
-            q,
-            replayed,
-            callback,
-            namespace,
+            filters,
             limit,
             cursor,
         } => {
-            let query = pairs(&[
-                ("status", status),
-                ("route", route),
-                ("model", model),
-                ("backend", backend),
-                ("since", since),
-                ("until", until),
-                ("q", q),
-                ("replayed", replayed.then(|| "true".to_string())),
-                ("callback", callback),
-                ("namespace", namespace),
+            let mut query = filters.query();
+            query.extend(pairs(&[
                 ("limit", limit.map(|l| l.to_string())),
                 ("cursor", cursor),
-            ]);
+            ]));
             let args = holdfast::cli::ListArgs {
                 query,
                 json: server.json,
             };
             client(&server, config)?.list(&args, out).await
+        }
+        RequestsCommand::Export {
+            server,
+            filters,
+            format,
+            after,
+            output,
+        } => {
+            let args = holdfast::cli::ExportArgs {
+                query: filters.query(),
+                format,
+                after,
+                progress: true,
+            };
+            let client = client(&server, config)?;
+            let report = &mut std::io::stderr();
+            match output {
+                Some(path) => {
+                    let file = std::fs::File::create(&path)
+                        .map_err(|e| Stop(1, format!("cannot create {}: {e}", path.display())))?;
+                    let mut file = std::io::BufWriter::new(file);
+                    client.export(&args, &mut file, report).await.map(drop)
+                }
+                None => {
+                    let mut stdout = std::io::BufWriter::new(std::io::stdout().lock());
+                    client.export(&args, &mut stdout, report).await.map(drop)
+                }
+            }
         }
         RequestsCommand::Show { server, id, body } => {
             client(&server, config)?
@@ -443,6 +515,24 @@ async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(),
                     &id,
                     from,
                     std::time::Duration::from_secs(patience_secs),
+                    out,
+                )
+                .await
+        }
+        RequestsCommand::Replay {
+            server,
+            id,
+            model,
+            backend,
+            wait_secs,
+        } => {
+            let asked = pairs(&[("model", model), ("backend", backend)]);
+            client(&server, config)?
+                .replay(
+                    &id,
+                    &asked,
+                    server.json,
+                    std::time::Duration::from_secs(wait_secs),
                     out,
                 )
                 .await

@@ -4,11 +4,13 @@
 
 pub(crate) mod callbacks;
 mod errors;
+mod export;
 mod gemini;
 pub(crate) mod openapi;
 mod ops;
 mod passthrough;
 mod proxy;
+mod replay;
 mod requests;
 mod responses;
 mod stream;
@@ -155,8 +157,10 @@ fn fixed_routes() -> Vec<Served> {
             ("POST", "/v1/responses/{id}/cancel", post(responses::cancel)),
             ("GET", "/usage", get(usage::usage)),
             ("GET", "/requests", get(requests::list)),
+            ("GET", "/requests/export", get(export::export)),
             ("GET", "/requests/{id}", get(requests::get_one)),
             ("POST", "/requests/{id}/cancel", post(requests::cancel)),
+            ("POST", "/requests/{id}/replay", post(replay::replay)),
             ("GET", "/healthz", get(ops::healthz)),
             ("GET", "/readyz", get(ops::readyz)),
             ("GET", "/metrics", get(ops::metrics)),

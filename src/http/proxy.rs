@@ -291,20 +291,7 @@ fn new_request(
         ),
         None => (canonical.bytes, body.to_vec(), canonical.model),
     };
-    let header_refs: Vec<(&str, &str)> = forwarded
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    let hash = match (&model, route.model_in_path()) {
-        (Some(model), true) => canonical::request_hash_with_path_model(
-            route.name(),
-            &backend,
-            &header_refs,
-            &hashed,
-            model,
-        ),
-        _ => canonical::request_hash(route.name(), &backend, &header_refs, &hashed),
-    };
+    let hash = request_hash(route, &backend, &forwarded, &hashed, model.as_deref());
     // After the hash: the identity is the client's body (docs/usage.md).
     // A client that did not ask for the usage chunk must not see one, whether this node asks
     // for it or the node that ran the request did (decision 40). Every delivery of a request
@@ -346,6 +333,7 @@ fn new_request(
         now,
         trace_parent: None,
         callback_url: super::callbacks::requested(config, headers, namespace, shape)?,
+        replay_of: None,
     };
     let claim = Claim {
         key: claim_key,
@@ -354,6 +342,31 @@ fn new_request(
         hide_usage,
     };
     Ok((new, claim))
+}
+
+/// The request hash (ID-3) of a canonical body `hashed` sent on `route` to `backend` with the
+/// forwarded `headers`; a route with the model in its path hashes `model` too (GM-1).
+pub(super) fn request_hash(
+    route: Route,
+    backend: &str,
+    headers: &[(String, String)],
+    hashed: &[u8],
+    model: Option<&str>,
+) -> [u8; 32] {
+    let header_refs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    match model {
+        Some(model) if route.model_in_path() => canonical::request_hash_with_path_model(
+            route.name(),
+            backend,
+            &header_refs,
+            hashed,
+            model,
+        ),
+        _ => canonical::request_hash(route.name(), backend, &header_refs, hashed),
+    }
 }
 
 /// The answer to an admitted call: 202 at once when the client prefers (RS-9), a stream

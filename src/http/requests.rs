@@ -63,6 +63,8 @@ pub(super) struct RecordView {
     saved_tokens: Usage,
     /// `saved_tokens` at the configured price.
     saved_cost_usd: Option<f64>,
+    /// The request this one replays (EX-8), or `null`.
+    replay_of: Option<Uuid>,
 }
 
 /// One attempt's reported usage.
@@ -101,7 +103,7 @@ pub(super) fn rfc3339(ms: Millis) -> String {
 }
 
 /// The provider body as embedded JSON, or as a JSON string when it is not JSON.
-fn body_json(body: &[u8]) -> Option<Box<RawValue>> {
+pub(super) fn body_json(body: &[u8]) -> Option<Box<RawValue>> {
     std::str::from_utf8(body)
         .ok()
         .and_then(|s| RawValue::from_string(s.to_owned()).ok())
@@ -166,6 +168,7 @@ impl RecordView {
             saved_calls,
             saved_tokens: saved,
             saved_cost_usd: price.and_then(|p| ledger::cost(p, &saved)),
+            replay_of: r.replay_of,
         }
     }
 }
@@ -251,9 +254,15 @@ pub(super) async fn get_one(
         Ok(bodies) => bodies,
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
+    // The answer's text, for people and `holdfast requests replay` (EX-9).
+    let text = match (&bodies.1["text"], record.stream) {
+        (serde_json::Value::String(text), true) => Some(text.clone()),
+        _ => record.route.answer_text(&bodies.1),
+    };
     if let Some(object) = value.as_object_mut() {
         object.insert("request".into(), bodies.0);
         object.insert("answer".into(), bodies.1);
+        object.insert("answer_text".into(), serde_json::json!(text));
     }
     axum::Json(value).into_response()
 }
@@ -308,7 +317,7 @@ pub(super) async fn bodies(
 /// # Errors
 /// 401 for an unknown key (when namespaces are configured); 404 for a malformed id, which can
 /// name no request, and for one the caller may not see.
-async fn addressed(
+pub(super) async fn addressed(
     state: &AppState,
     presented: Option<&[u8]>,
     id: &str,
@@ -358,7 +367,7 @@ pub(super) async fn cancel(
 }
 
 /// The parameters `GET /requests` knows.
-const LIST_PARAMETERS: [&str; 12] = [
+const LIST_PARAMETERS: [&str; 13] = [
     "status",
     "callback",
     "route",
@@ -368,6 +377,7 @@ const LIST_PARAMETERS: [&str; 12] = [
     "until",
     "q",
     "replayed",
+    "replay_of",
     "cursor",
     "limit",
     "namespace",
@@ -458,7 +468,10 @@ pub(super) fn time_parameter(name: &str, value: &str) -> Result<Millis, ApiError
 }
 
 /// The store filter of a `GET /requests` query.
-fn list_filter(caller: &Caller, query: &[(String, String)]) -> Result<ListFilter, ApiError> {
+pub(super) fn list_filter(
+    caller: &Caller,
+    query: &[(String, String)],
+) -> Result<ListFilter, ApiError> {
     let mut filter = ListFilter {
         limit: 50,
         ..ListFilter::default()
@@ -503,6 +516,12 @@ fn list_filter(caller: &Caller, query: &[(String, String)]) -> Result<ListFilter
                     "false" => false,
                     _ => return Err(bad_parameter("replayed", "must be true or false")),
                 }
+            }
+            "replay_of" => {
+                filter.replay_of = Some(
+                    Uuid::parse_str(value)
+                        .map_err(|_| bad_parameter("replay_of", "must be a request id"))?,
+                );
             }
             "cursor" => {
                 filter.before = Some(

@@ -72,9 +72,30 @@ fn group(value: &str) -> Result<UsageGroup, ApiError> {
     }
 }
 
+/// An hour and a day, in milliseconds.
+const HOUR_MS: i64 = 3_600_000;
+const DAY_MS: i64 = 86_400_000;
+
+/// The bucket width a `bucket` value names (EX-10).
+fn bucket_of(value: &str) -> Result<i64, ApiError> {
+    match value {
+        "hour" => Ok(HOUR_MS),
+        "day" => Ok(DAY_MS),
+        _ => Err(bad_parameter(
+            "bucket",
+            format!("{value:?} is not one of hour, day"),
+        )),
+    }
+}
+
+fn bucket_name(ms: Option<i64>) -> &'static str {
+    if ms == Some(HOUR_MS) { "hour" } else { "day" }
+}
+
 /// `GET /usage?since=&until=&group_by=model|backend|namespace|day|provider[&namespace=]`: requests
 /// submitted in `[since, until)` (RFC 3339; default the last 30 days up to now), grouped, with
 /// totals. A namespace key sees its namespace; an admin key every namespace, or `namespace=`'s.
+/// `bucket=hour|day` adds `buckets`, the groups per UTC hour or day (EX-10, decision 65).
 pub(super) async fn usage(
     State(state): State<AppState>,
     Query(query): Query<Vec<(String, String)>>,
@@ -90,18 +111,20 @@ pub(super) async fn usage(
     let mut until = now + 1;
     let mut group_by = UsageGroup::Model;
     let mut namespace = None;
+    let mut bucket_ms = None;
     for (name, value) in &query {
         let parsed: Result<(), ApiError> = match name.as_str() {
             "since" => time_parameter("since", value).map(|t| since = t),
             "until" => time_parameter("until", value).map(|t| until = t),
             "group_by" => group(value).map(|g| group_by = g),
+            "bucket" => bucket_of(value).map(|b| bucket_ms = Some(b)),
             "namespace" => {
                 namespace = Some(value.clone());
                 Ok(())
             }
             other => Err(bad_parameter(
                 other,
-                "unknown parameter; known: since, until, group_by, namespace",
+                "unknown parameter; known: since, until, group_by, bucket, namespace",
             )),
         };
         if let Err(e) = parsed {
@@ -119,6 +142,7 @@ pub(super) async fn usage(
         since,
         until,
         group_by,
+        bucket_ms,
     };
     let rows = match state.store.usage(&store_query).await {
         Ok(rows) => rows,
@@ -126,6 +150,7 @@ pub(super) async fn usage(
     };
     let mut groups: BTreeMap<String, Ledger> = BTreeMap::new();
     let mut totals = Ledger::default();
+    let mut buckets: BTreeMap<i64, BTreeMap<String, Ledger>> = BTreeMap::new();
     for row in &rows {
         let price = ledger::price(&state.config, &row.backend, row.model.as_deref());
         let cost = price.and_then(|p| ledger::cost(p, &row.usage));
@@ -135,12 +160,20 @@ pub(super) async fn usage(
             .or_default()
             .add(row, cost, saved_cost);
         totals.add(row, cost, saved_cost);
+        if let Some(start) = row.bucket {
+            buckets
+                .entry(start)
+                .or_default()
+                .entry(row.key.clone())
+                .or_default()
+                .add(row, cost, saved_cost);
+        }
     }
     let groups: Vec<Group> = groups
         .into_iter()
         .map(|(key, ledger)| Group { key, ledger })
         .collect();
-    axum::Json(serde_json::json!({
+    let mut answer = serde_json::json!({
         "since": super::requests::rfc3339(since),
         "until": super::requests::rfc3339(until),
         "group_by": match group_by {
@@ -153,6 +186,23 @@ pub(super) async fn usage(
         "namespace": store_query.namespace,
         "groups": groups,
         "totals": totals,
-    }))
-    .into_response()
+    });
+    if bucket_ms.is_some()
+        && let Some(object) = answer.as_object_mut()
+    {
+        // EX-10: the non-empty buckets, oldest first, each with its groups.
+        let buckets: Vec<serde_json::Value> = buckets
+            .into_iter()
+            .map(|(start, groups)| {
+                let groups: Vec<Group> = groups
+                    .into_iter()
+                    .map(|(key, ledger)| Group { key, ledger })
+                    .collect();
+                serde_json::json!({"start": super::requests::rfc3339(start), "groups": groups})
+            })
+            .collect();
+        object.insert("bucket".into(), serde_json::json!(bucket_name(bucket_ms)));
+        object.insert("buckets".into(), serde_json::Value::Array(buckets));
+    }
+    axum::Json(answer).into_response()
 }

@@ -11,6 +11,7 @@
 //! "How to add a provider").
 
 mod anthropic;
+mod dataset;
 #[cfg(test)]
 mod echo;
 mod events;
@@ -716,6 +717,41 @@ impl Route {
             #[cfg(test)]
             Provider::Echo => echo::text_of_event(data),
         }
+    }
+
+    /// A stream's data events (their `data`, in order) reassembled into the answer this route
+    /// gives without streaming (EX-3); `None` when they hold none.
+    pub(crate) fn assemble_stream<'a>(
+        self,
+        events: impl IntoIterator<Item = &'a str>,
+    ) -> Option<Value> {
+        match self.provider() {
+            Provider::Openai => dataset::openai_assemble(self, events),
+            Provider::Anthropic => dataset::anthropic_assemble(events),
+            Provider::Gemini => dataset::gemini_assemble(events),
+            #[cfg(test)]
+            Provider::Echo => None,
+        }
+    }
+
+    /// The text of a non-stream answer of this route (EX-9); `None` for a route without text.
+    pub(crate) fn answer_text(self, answer: &Value) -> Option<String> {
+        match self.provider() {
+            Provider::Openai => dataset::openai_text(self, answer),
+            Provider::Anthropic => dataset::anthropic_text(answer),
+            Provider::Gemini => dataset::gemini_text(answer),
+            #[cfg(test)]
+            Provider::Echo => answer["say"].as_str().map(str::to_owned),
+        }
+    }
+
+    /// The request `body` of this route with its final `answer` as an OpenAI chat fine-tuning
+    /// example (EX-5), or why it cannot be one.
+    ///
+    /// # Errors
+    /// The reason, for the export's `skipped`.
+    pub(crate) fn openai_chat_example(self, body: &Value, answer: &Value) -> Result<Value, String> {
+        dataset::example(self, body, answer)
     }
 
     /// Top-level members of a non-stream answer that make it this route's result: a 2xx JSON

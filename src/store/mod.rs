@@ -206,6 +206,8 @@ pub struct NewRequest {
     /// Where to POST the finished record (CB-1), recorded only with a request this submission
     /// creates.
     pub callback_url: Option<String>,
+    /// The request this one replays (EX-7), `None` for a client's call.
+    pub replay_of: Option<Uuid>,
 }
 
 /// Outcome of [`Store::submit`].
@@ -281,6 +283,8 @@ pub struct RequestRecord {
     /// The W3C `traceparent` of the call that created it, when traces were on (OT-2): the
     /// parent of its attempts' spans on any node.
     pub trace_parent: Option<String>,
+    /// The request this one replays (EX-8).
+    pub replay_of: Option<Uuid>,
 }
 
 #[cfg(test)]
@@ -306,6 +310,7 @@ impl NewRequest {
             now,
             trace_parent: None,
             callback_url: None,
+            replay_of: None,
         }
     }
 }
@@ -342,6 +347,7 @@ impl RequestRecord {
             log_reads: 0,
             usage: Usage::default(),
             trace_parent: None,
+            replay_of: None,
         }
     }
 }
@@ -395,6 +401,12 @@ pub struct ListFilter {
     pub callback: Option<CallbackState>,
     /// Only ids below this one (the paging cursor).
     pub before: Option<Uuid>,
+    /// Only ids above this one (an export's cursor, EX-4).
+    pub after: Option<Uuid>,
+    /// Oldest first instead of newest first (an export, EX-1).
+    pub oldest_first: bool,
+    /// Only the replays of this request (EX-8).
+    pub replay_of: Option<Uuid>,
     /// At most this many.
     pub limit: i64,
 }
@@ -425,6 +437,9 @@ pub struct UsageQuery {
     pub until: Millis,
     /// The grouping.
     pub group_by: UsageGroup,
+    /// Also by time: buckets of this many milliseconds since the epoch (an hour, a UTC day;
+    /// EX-10); `None`: the whole window.
+    pub bucket_ms: Option<Millis>,
 }
 
 /// One group of `Store::usage`, split by (backend, model) so prices can apply.
@@ -453,6 +468,8 @@ pub struct UsageRow {
     /// Tokens the saved calls would have cost: per request, saved calls times the usage of its
     /// answering (last) attempt.
     pub saved: Usage,
+    /// The start of the time bucket (EX-10), when the query asked for buckets.
+    pub bucket: Option<Millis>,
 }
 
 /// What a stored chunk is (SPEC §0 "chunk", RD-5, RD-6).
@@ -930,6 +947,16 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] when the database fails.
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RequestRecord>, StoreError>;
+
+    /// The data chunks of each `(id, after)` in `wanted` with `seq > after`, in order, each
+    /// request's in one entry: an export's streamed answers of a page in one call (EX-4).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn data_chunks_of(
+        &self,
+        wanted: &[(Uuid, i64)],
+    ) -> Result<Vec<(Uuid, Vec<Chunk>)>, StoreError>;
 
     /// Reads request `id` whatever its namespace (for admin keys).
     ///

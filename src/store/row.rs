@@ -18,7 +18,7 @@ macro_rules! request_columns {
          response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
          updated_at, finished_at, attached, replayed, log_reads, usage_input_tokens, \
          usage_output_tokens, usage_cached_input_tokens, usage_cache_write_tokens, \
-         usage_reasoning_tokens, trace_parent"
+         usage_reasoning_tokens, trace_parent, replay_of"
     };
 }
 
@@ -116,6 +116,8 @@ pub(crate) mod col {
     pub(crate) const USAGE: usize = 27;
     /// The request's trace context (OT-2).
     pub(crate) const TRACE_PARENT: usize = 32;
+    /// The request this one replays (EX-8).
+    pub(crate) const REPLAY_OF: usize = 33;
 }
 
 /// A `requests` row as stored, before its values are checked.
@@ -150,6 +152,7 @@ pub(crate) struct RawRecord {
     pub log_reads: i64,
     pub usage: Usage,
     pub trace_parent: Option<String>,
+    pub replay_of: Option<Uuid>,
 }
 
 impl RawRecord {
@@ -201,6 +204,7 @@ impl RawRecord {
             log_reads: count(self.log_reads, "log_reads")?,
             usage: self.usage,
             trace_parent: self.trace_parent,
+            replay_of: self.replay_of,
         })
     }
 }

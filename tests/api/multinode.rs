@@ -503,6 +503,7 @@ fn new_request(text: &str) -> NewRequest {
         now,
         trace_parent: None,
         callback_url: None,
+        replay_of: None,
     }
 }
 

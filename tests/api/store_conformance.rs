@@ -213,6 +213,10 @@ conformance!(
     cancel_fails_pending_and_running_requests_lc9,
     cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9,
     list_is_newest_first_with_status_filter_and_cursor_rd7,
+    export_pages_oldest_first_after_a_cursor_and_lists_replays_ex1_ex4_ex8,
+    data_chunks_of_reads_each_requests_events_after_its_seq_in_one_call_ex4,
+    usage_buckets_split_the_window_by_hour_ex10,
+    every_list_filter_narrows_to_what_it_names_in_both_orders_rd7_ex1,
     release_hands_back_without_counting_a_recovery_du5,
     a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_maximum_du5,
     prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4,
@@ -270,6 +274,7 @@ fn by_hash_in(namespace: &str, text: &str, now: Millis) -> NewRequest {
         now,
         trace_parent: None,
         callback_url: None,
+        replay_of: None,
     }
 }
 
@@ -2022,6 +2027,259 @@ async fn cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9(store: D
             .expect("cancel")
             .is_none()
     );
+}
+
+async fn export_pages_oldest_first_after_a_cursor_and_lists_replays_ex1_ex4_ex8(store: DynStore) {
+    let mut ids = Vec::new();
+    for i in 0..7 {
+        ids.push(create(&store, by_hash(&format!("x{i}"), T0 + i)).await.id);
+    }
+    create(&store, by_hash_in("team-b", "elsewhere", T0)).await;
+    let replay = NewRequest {
+        replay_of: Some(ids[2]),
+        ..by_key("replay-1", "x2", T0 + 20)
+    };
+    let replay = create(&store, replay).await;
+    assert_eq!(replay.replay_of, Some(ids[2]));
+    assert_eq!(get(&store, replay.id).await.replay_of, Some(ids[2]));
+    assert_eq!(get(&store, ids[2]).await.replay_of, None);
+    ids.push(replay.id);
+
+    // Oldest first, pages of 3 after each page's last id: each request once, in order.
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let page = store
+            .list(&holdfast::store::ListFilter {
+                namespace: Some(NS.to_string()),
+                oldest_first: true,
+                after,
+                limit: 3,
+                ..Default::default()
+            })
+            .await
+            .expect("page");
+        seen.extend(page.iter().map(|r| r.id));
+        if page.len() < 3 {
+            break;
+        }
+        after = page.last().map(|r| r.id);
+    }
+    assert_eq!(seen, ids);
+
+    let replays = store
+        .list(&holdfast::store::ListFilter {
+            namespace: Some(NS.to_string()),
+            replay_of: Some(ids[2]),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .expect("replays");
+    assert_eq!(
+        replays.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![replay.id]
+    );
+    let elsewhere = store
+        .list(&holdfast::store::ListFilter {
+            namespace: Some("team-b".to_string()),
+            replay_of: Some(ids[2]),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .expect("other namespace");
+    assert!(elsewhere.is_empty());
+}
+
+async fn data_chunks_of_reads_each_requests_events_after_its_seq_in_one_call_ex4(store: DynStore) {
+    let a = create(&store, by_hash("chunks a", T0)).await;
+    let b = create(&store, by_hash("chunks b", T0 + 1)).await;
+    let quiet = create(&store, by_hash("chunks none", T0 + 2)).await;
+    let (lease_a, _) = lease_at(&store, "node/a", T0 + 5).await;
+    let (lease_b, _) = lease_at(&store, "node/b", T0 + 5).await;
+    assert_eq!((lease_a.id, lease_b.id), (a.id, b.id));
+    append(&store, &lease_a, new_chunks("a", 4))
+        .await
+        .expect("a");
+    append(&store, &lease_b, new_chunks("b", 3))
+        .await
+        .expect("b");
+    store
+        .finish(&lease_b, succeeded(), T0 + 6)
+        .await
+        .expect("finish b");
+    let got = store
+        .data_chunks_of(&[(b.id, 1), (quiet.id, 0), (a.id, 0)])
+        .await
+        .expect("chunks of");
+    let seqs: Vec<(Uuid, Vec<i64>)> = got
+        .iter()
+        .map(|(id, chunks)| (*id, chunks.iter().map(|c| c.seq).collect()))
+        .collect();
+    // In the order asked; data only (b's `end` chunk is left out); after each one's seq.
+    assert_eq!(
+        seqs,
+        vec![
+            (b.id, vec![2, 3]),
+            (quiet.id, vec![]),
+            (a.id, vec![1, 2, 3, 4])
+        ]
+    );
+    assert!(
+        got.iter()
+            .flat_map(|(_, c)| c)
+            .all(|c| c.kind == ChunkKind::Data)
+    );
+}
+
+async fn usage_buckets_split_the_window_by_hour_ex10(store: DynStore) {
+    const HOUR: Millis = 3_600_000;
+    for (i, at) in [T0, T0 + 1_000, T0 + 2 * HOUR].into_iter().enumerate() {
+        create(&store, by_hash(&format!("u{i}"), at)).await;
+    }
+    let query = |bucket_ms| holdfast::store::UsageQuery {
+        namespace: Some(NS.to_string()),
+        since: T0 - HOUR,
+        until: T0 + 3 * HOUR,
+        group_by: holdfast::store::UsageGroup::Model,
+        bucket_ms,
+    };
+    let rows = store.usage(&query(Some(HOUR))).await.expect("usage");
+    let got: Vec<(Option<Millis>, u64)> = rows.iter().map(|r| (r.bucket, r.requests)).collect();
+    let start = |t: Millis| Some(t / HOUR * HOUR);
+    assert_eq!(got, vec![(start(T0), 2), (start(T0 + 2 * HOUR), 1)]);
+    let whole = store.usage(&query(None)).await.expect("usage");
+    assert_eq!(
+        whole
+            .iter()
+            .map(|r| (r.bucket, r.requests))
+            .collect::<Vec<_>>(),
+        vec![(None, 3)]
+    );
+}
+
+async fn every_list_filter_narrows_to_what_it_names_in_both_orders_rd7_ex1(store: DynStore) {
+    let plain = create(&store, by_hash("filter plain", T0)).await;
+    let other = create(
+        &store,
+        NewRequest {
+            model: Some("m2".into()),
+            backend: "b2".into(),
+            route: Route::AnthropicMessages,
+            ..by_hash("filter other needle", T0 + 1_000)
+        },
+    )
+    .await;
+    let late = create(&store, by_hash("filter late", T0 + 5_000)).await;
+    store
+        .add_counts(&[holdfast::store::Counts {
+            id: late.id,
+            attached: 1,
+            replayed: 0,
+            log_reads: 0,
+        }])
+        .await
+        .expect("counts");
+    let (lease, _) = lease_at(&store, "node/a", T0 + 6_000).await;
+    assert_eq!(lease.id, plain.id);
+    for oldest_first in [false, true] {
+        let ids = |filter: holdfast::store::ListFilter| {
+            let store = &store;
+            async move {
+                let mut got: Vec<Uuid> = store
+                    .list(&holdfast::store::ListFilter {
+                        namespace: Some(NS.to_string()),
+                        oldest_first,
+                        limit: 10,
+                        ..filter
+                    })
+                    .await
+                    .expect("list")
+                    .iter()
+                    .map(|r| r.id)
+                    .collect();
+                got.sort();
+                got
+            }
+        };
+        let f = holdfast::store::ListFilter::default;
+        use holdfast::store::ListFilter as F;
+        assert_eq!(
+            ids(F {
+                model: Some("m2".into()),
+                ..f()
+            })
+            .await,
+            vec![other.id]
+        );
+        assert_eq!(
+            ids(F {
+                backend: Some("b2".into()),
+                ..f()
+            })
+            .await,
+            vec![other.id]
+        );
+        assert_eq!(
+            ids(F {
+                route: Some(Route::AnthropicMessages),
+                ..f()
+            })
+            .await,
+            vec![other.id]
+        );
+        assert_eq!(
+            ids(F {
+                status: Some(Status::Running),
+                ..f()
+            })
+            .await,
+            vec![plain.id]
+        );
+        assert_eq!(
+            ids(F {
+                since: Some(T0 + 1_000),
+                until: Some(T0 + 5_000),
+                ..f()
+            })
+            .await,
+            vec![other.id]
+        );
+        assert_eq!(
+            ids(F {
+                text: Some("needle".into()),
+                ..f()
+            })
+            .await,
+            vec![other.id]
+        );
+        assert_eq!(
+            ids(F {
+                replayed: true,
+                ..f()
+            })
+            .await,
+            vec![late.id]
+        );
+        assert_eq!(
+            ids(F {
+                before: Some(late.id),
+                ..f()
+            })
+            .await,
+            vec![plain.id, other.id]
+        );
+        assert_eq!(
+            ids(F {
+                after: Some(plain.id),
+                ..f()
+            })
+            .await,
+            vec![other.id, late.id]
+        );
+        assert_eq!(ids(f()).await.len(), 3);
+    }
 }
 
 async fn list_is_newest_first_with_status_filter_and_cursor_rd7(store: DynStore) {

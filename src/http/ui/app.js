@@ -134,7 +134,7 @@ function card(title, pairs, wide) {
 // Views
 // ---------------------------------------------------------------------------------------------
 
-const view = { name: 'list', id: null, record: null, cursors: [], nextCursor: null };
+const view = { name: 'list', id: null, record: null, cursors: [], nextCursor: null, replaysOf: null };
 let polling = false;
 
 function show(name) {
@@ -169,7 +169,7 @@ async function refresh() {
   try {
     await refreshTotals();
     if (view.name === 'detail') await refreshDetail();
-    else await refreshList();
+    else await Promise.all([refreshList(), refreshCharts()]);
     banner('');
     show(view.name);
   } catch (e) {
@@ -189,6 +189,8 @@ function route() {
   stopLive();
   clearBodies();
   if (match) {
+    view.replaysOf = null;
+    $('replays').hidden = true;
     view.name = 'detail';
     view.id = decodeURIComponent(match[1]);
     view.record = null;
@@ -217,6 +219,105 @@ async function refreshTotals() {
     ...items.map(([name, label, text, value]) =>
       h('div', { 'data-total': name, 'data-value': JSON.stringify(value) }, h('dt', null, label), h('dd', null, text)),
     ),
+  );
+}
+
+// --- charts: GET /usage?bucket= (EX-10) ------------------------------------------------------
+// Inline SVG built with DOM calls: every colour and size is an attribute (the CSP allows no
+// inline style), every label a text node.
+
+const SVG_NS = 'http://www.w3.org/2000/svg';
+const PALETTE = ['#1f5fbf', '#1b7f3b', '#b25e09', '#8e3fb5', '#b42318', '#0f7b8a', '#6b7280', '#c2410c'];
+const CHARTS = [
+  ['calls', 'calls', (l) => l.requests, fmtCount],
+  ['saved', 'saved calls', (l) => l.saved_calls, fmtCount],
+  ['tokens', 'tokens in + out', (l) => tokenSum(l.usage) ?? 0, fmtCount],
+  ['cost', 'cost', (l) => l.cost_usd ?? 0, fmtUsd],
+];
+
+/** An SVG element: attributes set as attributes, children as text nodes. */
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, String(value));
+  for (const child of children) node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  return node;
+}
+
+function swatch(colour) {
+  return svg('svg', { viewBox: '0 0 10 10', 'aria-hidden': 'true' }, svg('rect', { width: 10, height: 10, fill: colour }));
+}
+
+function bucketLabel(t, bucket) {
+  const d = new Date(t);
+  return bucket === 'hour'
+    ? d.toLocaleString(undefined, { month: 'short', day: 'numeric', hour: '2-digit', minute: '2-digit' })
+    : d.toLocaleDateString(undefined, { month: 'short', day: 'numeric' });
+}
+
+async function refreshCharts() {
+  const days = Number($('c-window').value);
+  const bucket = $('c-bucket').value;
+  const by = $('c-by').value;
+  const step = bucket === 'hour' ? 3600e3 : 86400e3;
+  const now = Date.now();
+  const first = Math.floor((now - days * 86400e3) / step) * step;
+  const query = new URLSearchParams({ bucket, group_by: by, since: new Date(first).toISOString() });
+  const usage = await api(`/usage?${query}`);
+  if (view.name !== 'list') return;
+  const starts = [];
+  for (let t = first; t <= now; t += step) starts.push(t);
+  const byStart = new Map(usage.buckets.map((b) => [Date.parse(b.start), b.groups]));
+  const keys = [...new Set(usage.buckets.flatMap((b) => b.groups.map((g) => g.key)))].sort();
+  const colour = (key) => PALETTE[keys.indexOf(key) % PALETTE.length];
+  const ctx = { starts, byStart, colour, bucket };
+  $('chart-grid').replaceChildren(...CHARTS.map(([name, title, value, fmt]) => chart(ctx, name, title, value, fmt)));
+  $('chart-legend').replaceChildren(
+    ...keys.map((key) => h('li', { 'data-key': key }, swatch(colour(key)), key || `(no ${by})`)),
+  );
+  $('charts').setAttribute('data-buckets', String(usage.buckets.length));
+}
+
+/** One stacked bar chart: a bar per bucket, a segment per group. */
+function chart({ starts, byStart, colour, bucket }, name, title, value, fmt) {
+  const [W, H, top] = [300, 100, 4];
+  const totals = starts.map((t) => (byStart.get(t) || []).reduce((sum, g) => sum + value(g), 0));
+  const max = Math.max(0, ...totals);
+  const total = totals.reduce((a, b) => a + b, 0);
+  const bar = W / starts.length;
+  const plot = svg('svg', {
+    viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: 'none', role: 'img', 'aria-label': `${title} per ${bucket}`,
+  });
+  plot.append(svg('line', { x1: 0, x2: W, y1: H - 0.5, y2: H - 0.5, stroke: '#d9dee7', 'stroke-width': 1 }));
+  starts.forEach((t, i) => {
+    let y = H;
+    for (const g of byStart.get(t) || []) {
+      const v = value(g);
+      if (!v || !max) continue;
+      const height = (v / max) * (H - top);
+      y -= height;
+      plot.append(
+        svg(
+          'rect',
+          {
+            x: i * bar + bar * 0.1, y, width: Math.max(bar * 0.8, 0.5), height, fill: colour(g.key),
+            'data-key': g.key, 'data-value': v, 'data-start': new Date(t).toISOString(),
+          },
+          svg('title', null, `${g.key || dash} ${bucketLabel(t, bucket)}: ${fmt(v)}`),
+        ),
+      );
+    }
+  });
+  const rows = starts
+    .map((t, i) => [t, totals[i]])
+    .filter(([, v]) => v)
+    .map(([t, v]) => h('tr', null, h('td', null, bucketLabel(t, bucket)), h('td', { class: 'num' }, fmt(v))));
+  return h(
+    'div',
+    { class: 'chart', 'data-chart': name, 'data-total': JSON.stringify(total), 'data-bars': String(plot.querySelectorAll('rect').length) },
+    h('h3', null, `${title} `, h('span', { class: 'total' }, fmt(total))),
+    plot,
+    h('div', { class: 'muted total' }, `${bucketLabel(starts[0], bucket)} \u2013 ${bucketLabel(starts[starts.length - 1], bucket)}`),
+    h('details', null, h('summary', null, 'numbers'), h('table', null, h('tbody', null, rows))),
   );
 }
 
@@ -317,6 +418,7 @@ function renderDetail(r) {
       ['provider status', r.response ? String(r.response.status) : dash],
       ['provider request id', r.upstream_request_id ?? dash],
       ['stored events', String(r.last_seq)],
+      ...(r.replay_of ? [['replay of', h('a', { href: detailHref(r.replay_of) }, r.replay_of)]] : []),
     ]),
     card('Timings', [
       ['submitted', fmtTime(r.created_at)],
@@ -375,6 +477,34 @@ function renderDetail(r) {
     );
   }
   $('cards').replaceChildren(...cards);
+  if (view.replaysOf !== r.id) {
+    view.replaysOf = r.id;
+    refreshReplays(r).catch((e) => {
+      if (!(e instanceof Stale)) banner(`could not read the replays: ${e.message}`);
+    });
+  }
+}
+
+/** The record's replays (EX-8) beside it: model, status, tokens, cost and answer of each. */
+async function refreshReplays(r) {
+  $('replays').hidden = true;
+  const page = await api(`/requests?replay_of=${encodeURIComponent(r.id)}&limit=10`);
+  if (!view.record || view.record.id !== r.id || page.data.length === 0) return;
+  const all = [r, ...page.data.slice().reverse()];
+  const full = await Promise.all(all.map((x) => api(`/requests/${encodeURIComponent(x.id)}?include=body`)));
+  if (!view.record || view.record.id !== r.id) return;
+  const line = (name, cell, cls) => h('tr', null, h('th', null, name), ...full.map((x) => h('td', { class: cls }, cell(x))));
+  $('replay-table').tBodies[0].replaceChildren(
+    line('', (x) => (x.id === r.id ? 'this request' : h('a', { href: detailHref(x.id), 'data-replay': x.id }, `replay ${x.id.slice(-8)}`))),
+    line('model', (x) => x.model ?? dash),
+    line('backend', (x) => x.backend),
+    line('status', (x) => statusBadge(x.status)),
+    line('tokens in / out', (x) => fmtInOut(x.usage)),
+    line('cost', (x) => fmtUsd(x.cost_usd)),
+    line('answer', (x) => x.answer_text ?? dash, 'answer'),
+  );
+  $('replays').setAttribute('data-replays', String(page.data.length));
+  $('replays').hidden = false;
 }
 
 async function cancelRequest() {
@@ -705,6 +835,9 @@ function start() {
     refresh();
   });
   $('newest').addEventListener('click', applyFilters);
+  $('chart-form').addEventListener('change', () => refreshCharts().catch((e) => {
+    if (!(e instanceof Stale)) banner(`could not read the usage: ${e.message}`);
+  }));
   $('cancel').addEventListener('click', cancelRequest);
   $('watch').addEventListener('click', startLive);
   $('show-body').addEventListener('click', toggleBodies);

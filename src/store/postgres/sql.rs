@@ -103,6 +103,7 @@ pub(super) fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> 
             reasoning_tokens: tokens(row, "usage_reasoning_tokens")?,
         },
         trace_parent: row.try_get("trace_parent")?,
+        replay_of: row.try_get("replay_of")?,
     }
     .into_record()
 }
@@ -162,6 +163,7 @@ pub(super) async fn submit_in(
             .bind(origin)
             .bind(new.callback_url.as_deref())
             .bind(new.trace_parent.as_deref())
+            .bind(new.replay_of)
             .fetch_optional(&mut *conn)
             .await?;
         if let Some(row) = row {
@@ -315,7 +317,7 @@ const SUBMIT_ROUNDS: usize = 5;
 /// stream, `$7` body, `$8` headers, `$9` hash (also the claim's fingerprint), `$10` claim kind,
 /// `$11` now, `$12` lease owner or NULL, `$13` lease expiry or NULL, `$14` claim key, `$15`
 /// claim expiry, `$16` origin, `$17` callback URL or NULL (CB-1), `$18` trace context or NULL
-/// (OT-2). No row: a live claim stood.
+/// (OT-2), `$19` the request it replays or NULL (EX-8). No row: a live claim stood.
 macro_rules! submit_sql {
     ($notify:literal) => {
         concat!(
@@ -331,10 +333,11 @@ macro_rules! submit_sql {
              created AS (
                  INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
                      hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-                     next_retry_at, created_at, updated_at, trace_parent)
+                     next_retry_at, created_at, updated_at, trace_parent, replay_of)
                  SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
                      CASE WHEN $12::text IS NULL THEN 'pending' ELSE 'running' END,
-                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11, $18
+                     CASE WHEN $12::text IS NULL THEN 0 ELSE 1 END, $12, $13, $11, $11, $11, $18,
+                     $19::uuid
                  FROM claimed WHERE request_id = $1
                  RETURNING ",
             request_columns!(),
@@ -352,7 +355,7 @@ macro_rules! submit_sql {
 
 /// [`submit_sql!`] for many submissions, one per claim, each element of the arrays one
 /// submission (the parameters of [`submit_sql!`] in the same order, `$16` the origin, `$17`
-/// the callback URLs, `$18` the trace contexts). Each
+/// the callback URLs, `$18` the trace contexts, `$19` the requests replayed). Each
 /// claim's takeover is checked against its own submission's time. Returns the records it
 /// created; a submission missing from them found a live claim.
 pub(super) const SUBMIT_MANY: &str = concat!(
@@ -360,11 +363,11 @@ pub(super) const SUBMIT_MANY: &str = concat!(
          SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
              $6::bool[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::bigint[],
              $12::text[], $13::bigint[], $14::text[], $15::bigint[], $17::text[],
-             $18::text[])
+             $18::text[], $19::uuid[])
          WITH ORDINALITY
          AS s(s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
              s_hash, s_kind, s_now, s_owner, s_expires, s_claim_key, s_claim_expires,
-             s_callback, s_trace_parent, s_ord)),
+             s_callback, s_trace_parent, s_replay_of, s_ord)),
      claimed AS (
          INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
          SELECT s_namespace, s_claim_key, s_kind, s_id, s_hash, s_claim_expires
@@ -379,11 +382,11 @@ pub(super) const SUBMIT_MANY: &str = concat!(
      created AS (
          INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
              hash, claim_kind, status, attempts, lease_owner, lease_expires_at,
-             next_retry_at, created_at, updated_at, trace_parent)
+             next_retry_at, created_at, updated_at, trace_parent, replay_of)
          SELECT s_id, s_namespace, s_route, s_backend, s_model, s_stream, s_body, s_headers,
              s_hash, s_kind, CASE WHEN s_owner IS NULL THEN 'pending' ELSE 'running' END,
              CASE WHEN s_owner IS NULL THEN 0 ELSE 1 END, s_owner, s_expires, s_now, s_now,
-             s_now, s_trace_parent
+             s_now, s_trace_parent, s_replay_of
          FROM s JOIN claimed ON claimed.request_id = s_id
          RETURNING ",
     request_columns!(),
@@ -833,7 +836,8 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         SUM(u.reasoning_tokens)::bigint,
         SUM(r.saved * a.input_tokens)::bigint, SUM(r.saved * a.output_tokens)::bigint,
         SUM(r.saved * a.cached_input_tokens)::bigint,
-        SUM(r.saved * a.cache_write_tokens)::bigint, SUM(r.saved * a.reasoning_tokens)::bigint
+        SUM(r.saved * a.cache_write_tokens)::bigint, SUM(r.saved * a.reasoning_tokens)::bigint,
+        (r.created_at / $4::bigint) * $4::bigint AS bucket
     FROM (SELECT *, GREATEST(1 + attached + replayed - GREATEST(attempts, 1), 0) AS saved
           FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
@@ -844,8 +848,8 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
                FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
     LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
     WHERE ($1::text IS NULL OR r.namespace = $1) AND r.created_at >= $2 AND r.created_at < $3
-    GROUP BY 1, r.backend, r.model
-    ORDER BY 1, r.backend, r.model";
+    GROUP BY 1, r.backend, r.model, 20
+    ORDER BY 20, 1, r.backend, r.model";
 
 /// `claim_kind` of request `id` as stored.
 pub(super) fn claim_of(id: Uuid, s: &str) -> Result<ClaimKind, StoreError> {

@@ -435,6 +435,7 @@ async fn submit_many(
         .bind(&origin)
         .bind(&a.callbacks)
         .bind(&a.trace_parents)
+        .bind(&a.replay_ofs)
         .fetch_all(&mut *conn)
         .await;
     let Ok(rows) = rows else { return false };
@@ -481,6 +482,7 @@ struct SubmitArrays {
     claim_expires: Vec<Millis>,
     callbacks: Vec<Option<String>>,
     trace_parents: Vec<Option<String>>,
+    replay_ofs: Vec<Option<Uuid>>,
 }
 
 impl SubmitArrays {
@@ -504,6 +506,7 @@ impl SubmitArrays {
         self.claim_expires.push(new.claim_expires_at);
         self.callbacks.push(new.callback_url.clone());
         self.trace_parents.push(new.trace_parent.clone());
+        self.replay_ofs.push(new.replay_of);
     }
 }
 

@@ -37,6 +37,40 @@ macro_rules! record_tables {
 }
 
 mod callback;
+/// The filter of `GET /requests` and of an export (RD-7, EX-1, EX-8), after `SELECT columns
+/// FROM tables`.
+macro_rules! list_where {
+    () => {
+        " WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
+             AND (?3 IS NULL OR route = ?3) AND (?4 IS NULL OR model = ?4)
+             AND (?5 IS NULL OR backend = ?5) AND (?6 IS NULL OR created_at >= ?6)
+             AND (?7 IS NULL OR created_at < ?7)
+             AND (?8 IS NULL OR instr(body, CAST(?8 AS BLOB)) > 0)
+             AND (?9 = 0 OR attached + replayed > 0)
+             AND (?10 IS NULL OR id < ?10)
+             AND (?12 IS NULL OR id IN (SELECT request_id FROM callbacks WHERE state = ?12))
+             AND (?13 IS NULL OR id > ?13) AND (?14 IS NULL OR replay_of = ?14)"
+    };
+}
+
+/// `GET /requests`: newest first.
+const LIST_SQL: &str = concat!(
+    "SELECT ",
+    request_columns!(),
+    record_tables!(),
+    list_where!(),
+    " ORDER BY id DESC LIMIT ?11"
+);
+
+/// An export: oldest first (EX-1).
+const LIST_OLDEST_FIRST_SQL: &str = concat!(
+    "SELECT ",
+    request_columns!(),
+    record_tables!(),
+    list_where!(),
+    " ORDER BY id ASC LIMIT ?11"
+);
+
 mod open;
 mod sql;
 mod writer;
@@ -335,21 +369,13 @@ impl Store for SqliteStore {
     async fn list(&self, filter: &ListFilter) -> Result<Vec<RequestRecord>, StoreError> {
         let f = filter.clone();
         self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(concat!(
-                "SELECT ",
-                request_columns!(),
-                record_tables!(),
-                " WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
-                     AND (?3 IS NULL OR route = ?3) AND (?4 IS NULL OR model = ?4)
-                     AND (?5 IS NULL OR backend = ?5) AND (?6 IS NULL OR created_at >= ?6)
-                     AND (?7 IS NULL OR created_at < ?7)
-                     AND (?8 IS NULL OR instr(body, CAST(?8 AS BLOB)) > 0)
-                     AND (?9 = 0 OR attached + replayed > 0)
-                     AND (?10 IS NULL OR id < ?10)
-                     AND (?12 IS NULL OR id IN
-                          (SELECT request_id FROM callbacks WHERE state = ?12))
-                 ORDER BY id DESC LIMIT ?11"
-            ))?;
+            // Two statements, so each walks the id index in its own direction (EX-1).
+            let sql = if f.oldest_first {
+                LIST_OLDEST_FIRST_SQL
+            } else {
+                LIST_SQL
+            };
+            let mut stmt = conn.prepare_cached(sql)?;
             let mut rows = stmt.query(params![
                 f.namespace,
                 f.status.map(Status::as_str),
@@ -362,13 +388,40 @@ impl Store for SqliteStore {
                 f.replayed,
                 f.before.map(|b| b.to_string()),
                 f.limit,
-                f.callback.map(super::CallbackState::as_str)
+                f.callback.map(super::CallbackState::as_str),
+                f.after.map(|a| a.to_string()),
+                f.replay_of.map(|r| r.to_string()),
             ])?;
             let mut records = Vec::new();
             while let Some(row) = rows.next()? {
                 records.push(record_from_row(row, 0)?);
             }
             Ok(records)
+        })
+        .await
+    }
+
+    async fn data_chunks_of(
+        &self,
+        wanted: &[(Uuid, i64)],
+    ) -> Result<Vec<(Uuid, Vec<Chunk>)>, StoreError> {
+        let wanted = wanted.to_vec();
+        // One read job for the page: the statements run back to back on one connection.
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT seq, attempt, kind, event, data FROM chunks
+                 WHERE request_id = ?1 AND seq > ?2 AND kind = 'data' ORDER BY seq",
+            )?;
+            let mut out = Vec::with_capacity(wanted.len());
+            for (id, after) in wanted {
+                let mut rows = stmt.query(params![id.to_string(), after])?;
+                let mut chunks = Vec::new();
+                while let Some(row) = rows.next()? {
+                    chunks.push(chunk_from_row(row)?);
+                }
+                out.push((id, chunks));
+            }
+            Ok(out)
         })
         .await
     }
@@ -466,7 +519,12 @@ impl Store for SqliteStore {
             };
             let sql = format!("{}{key}{}", USAGE_SQL_HEAD, USAGE_SQL_TAIL);
             let mut stmt = conn.prepare_cached(&sql)?;
-            let mut rows = stmt.query(params![query.namespace, query.since, query.until])?;
+            let mut rows = stmt.query(params![
+                query.namespace,
+                query.since,
+                query.until,
+                query.bucket_ms
+            ])?;
             let mut out = Vec::new();
             while let Some(row) = rows.next()? {
                 let count = |i: usize| -> Result<u64, StoreError> {
@@ -484,6 +542,7 @@ impl Store for SqliteStore {
                     saved_calls: count(8)?,
                     usage: usage_from_row(row, 9)?,
                     saved: usage_from_row(row, 14)?,
+                    bucket: row.get(19)?,
                 });
             }
             Ok(out)

@@ -49,6 +49,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         8,
         include_str!("../../../migrations/sqlite/0008_trace_parent.sql"),
     ),
+    (
+        9,
+        include_str!("../../../migrations/sqlite/0009_replay_of.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).

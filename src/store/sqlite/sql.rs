@@ -50,6 +50,11 @@ pub(super) fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord,
         log_reads: row.get(at + col::LOG_READS)?,
         usage: usage_from_row(row, at + col::USAGE)?,
         trace_parent: row.get(at + col::TRACE_PARENT)?,
+        replay_of: row
+            .get::<_, Option<String>>(at + col::REPLAY_OF)?
+            .as_deref()
+            .map(parse_id)
+            .transpose()?,
     }
     .into_record()
 }
@@ -175,6 +180,7 @@ pub(super) fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
         log_reads: 0,
         usage: Usage::default(),
         trace_parent: new.trace_parent,
+        replay_of: new.replay_of,
     }
 }
 
@@ -213,7 +219,8 @@ const INSERT_REQUEST_SQL: &str =
 /// Stores a request's body and headers, apart from its row: the row is rewritten at every
 /// update, they never change (decision 35).
 const INSERT_BODY_SQL: &str =
-    "INSERT INTO request_bodies (id, body, headers, trace_parent) VALUES (?1, ?2, ?3, ?4)";
+    "INSERT INTO request_bodies (id, body, headers, trace_parent, replay_of)
+     VALUES (?1, ?2, ?3, ?4, ?5)";
 
 /// What [`submit_in`] did: [`Submitted`] without the created record, which is `new` as
 /// inserted ([`created_record`]).
@@ -268,7 +275,8 @@ pub(super) fn submit_in(
             id,
             new.body,
             headers,
-            new.trace_parent
+            new.trace_parent,
+            new.replay_of.map(|r| r.to_string())
         ])?;
         if let Some(url) = &new.callback_url {
             super::callback::insert_in(conn, &id, url, new.now)?;
@@ -623,7 +631,7 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         SUM(u.cache_write_tokens), SUM(u.reasoning_tokens),
         SUM(r.saved * a.input_tokens), SUM(r.saved * a.output_tokens),
         SUM(r.saved * a.cached_input_tokens), SUM(r.saved * a.cache_write_tokens),
-        SUM(r.saved * a.reasoning_tokens)
+        SUM(r.saved * a.reasoning_tokens), (r.created_at / ?4) * ?4 AS bucket
     FROM (SELECT *, MAX(1 + attached + replayed - MAX(attempts, 1), 0) AS saved
           FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
@@ -634,8 +642,8 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
                FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
     LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
     WHERE (?1 IS NULL OR r.namespace = ?1) AND r.created_at >= ?2 AND r.created_at < ?3
-    GROUP BY key, r.backend, r.model
-    ORDER BY key, r.backend, r.model";
+    GROUP BY key, r.backend, r.model, bucket
+    ORDER BY bucket, key, r.backend, r.model";
 
 /// [`Store::cancel`] inside the writer's transaction.
 pub(super) fn cancel_in(

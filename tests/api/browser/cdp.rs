@@ -186,6 +186,17 @@ impl Browser {
         page
     }
 
+    /// Every URL a page with [`Page::record_network`] on asked for so far, in order (the
+    /// DevTools `Network.requestWillBeSent` events).
+    pub fn requested_urls(&self) -> Vec<String> {
+        let events = self.events.lock().unwrap();
+        events
+            .iter()
+            .filter(|e| e["method"] == "Network.requestWillBeSent")
+            .filter_map(|e| e["params"]["request"]["url"].as_str().map(str::to_string))
+            .collect()
+    }
+
     /// Uncaught exceptions and console errors so far, and Content-Security-Policy violations
     /// (which Chromium reports as log entries and console errors), as readable lines.
     pub fn errors(&self) -> Vec<String> {
@@ -230,6 +241,11 @@ impl Page<'_> {
             json!({"width": width, "height": height, "deviceScaleFactor": 1, "mobile": false}),
         )
         .await;
+    }
+
+    /// Records every request the page makes from now on ([`Browser::requested_urls`]).
+    pub async fn record_network(&self) {
+        self.call("Network.enable", json!({})).await;
     }
 
     /// Navigates to `url` and waits until its document has loaded.

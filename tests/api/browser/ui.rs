@@ -428,8 +428,11 @@ async fn ui_renders_markup_in_prompts_answers_and_streams_as_text() {
     wait_rows(&page, &[&chat_id, &stream_id], "both requests").await;
 
     // Nothing from the log became an element, and nothing ran.
+    // The page's own SVG is the usage charts' (EX-10): bars and legend swatches, nothing else.
     let untouched = "document.title === 'holdfast' && \
-        document.querySelectorAll('img, svg, iframe, object, embed').length === 0 && \
+        document.querySelectorAll('img, iframe, object, embed').length === 0 && \
+        [...document.querySelectorAll('svg')].every(s => s.closest('#chart-grid, #chart-legend')) && \
+        [...document.querySelectorAll('#chart-legend li')].every(li => li.querySelectorAll('svg').length === 1) && \
         document.querySelectorAll('script').length === 1 && \
         ![...document.querySelectorAll('*')].some(e => [...e.attributes].some(a => a.name.startsWith('on')))";
     let check = |what: &'static str| {
@@ -948,10 +951,152 @@ async fn ui_shows_a_callback_with_its_url_and_the_receivers_answer_as_text_cb6()
     );
     assert!(shown.contains("pending"), "{shown}");
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // The page's own SVG is the usage charts' (EX-10), nothing else.
     let untouched = "document.title === 'holdfast' && \
-        document.querySelectorAll('img, svg, iframe, object, embed').length === 0 && \
+        document.querySelectorAll('img, iframe, object, embed').length === 0 && \
+        [...document.querySelectorAll('svg')].every(s => s.closest('#chart-grid, #chart-legend')) && \
         document.querySelectorAll('script').length === 1";
     assert_eq!(page.eval(untouched).await, true, "markup stayed text");
     assert!(browser.errors().is_empty(), "{:#?}", browser.errors());
+    app.stop().await;
+}
+
+/// EX-10, EX-8: the usage charts drawn from `GET /usage?bucket=` equal its numbers, regroup by
+/// backend, and a record shows its replays' answers beside its own; the page asks nothing of
+/// any other origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_to_another_origin_ex10()
+ {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.ui = true;
+        c.prices = vec![Price {
+            backend: "mock-openai".into(),
+            model: "gpt-4o-mini".into(),
+            input_per_mtok: 0.15,
+            output_per_mtok: 0.6,
+            cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
+        }];
+    })
+    .await;
+    let mut first = String::new();
+    for (i, model) in ["gpt-4o-mini", "gpt-4o-mini", "mock-large"]
+        .iter()
+        .enumerate()
+    {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": format!("chart {i}")}]});
+        let r = app.chat(&body.to_string()).await;
+        if i == 0 {
+            first = header(&r, "holdfast-request-id");
+        }
+        let _ = r.bytes().await.unwrap();
+    }
+    let replay = app
+        .http
+        .post(format!("{}/requests/{first}/replay", app.base))
+        .header("content-type", "application/json")
+        .body(r#"{"model":"mock-large"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 201);
+    let replay: Value = replay.json().await.unwrap();
+    wait_terminal(&app.http, &app.base, replay["id"].as_str().unwrap(), WAIT).await;
+
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, 900).await;
+    page.record_network().await;
+    page.goto(&format!("{}/ui", app.base)).await;
+    page.wait_for(
+        "Number(document.getElementById('charts').dataset.buckets || 0) >= 1 && \
+         document.querySelector('[data-chart=\"calls\"]')?.dataset.total === '4'",
+        "the calls chart with the four requests",
+        WAIT,
+    )
+    .await;
+    let usage: Value = get_json(&app.http, &format!("{}/usage", app.base)).await;
+    let usage = &usage["totals"];
+    let drawn = |name: &str| {
+        format!("Number(document.querySelector('[data-chart=\"{name}\"]').dataset.total)")
+    };
+    assert_eq!(page.eval(&drawn("calls")).await, json!(4));
+    assert_eq!(page.eval(&drawn("tokens")).await.as_f64(), {
+        let u = &usage["usage"];
+        Some((u["input_tokens"].as_u64().unwrap() + u["output_tokens"].as_u64().unwrap()) as f64)
+    });
+    let cost = page.eval(&drawn("cost")).await.as_f64().unwrap();
+    assert!(
+        (cost - usage["cost_usd"].as_f64().unwrap()).abs() < 1e-12,
+        "{cost} {usage}"
+    );
+    // One bar segment per model in today's bucket, coloured as the legend says.
+    let models = page
+        .eval("[...document.querySelectorAll('[data-chart=\"calls\"] rect')].map(r => r.dataset.key).sort()")
+        .await;
+    assert_eq!(models, json!(["gpt-4o-mini", "mock-large"]));
+    let legend = page
+        .eval("[...document.querySelectorAll('#chart-legend li')].map(l => l.textContent)")
+        .await;
+    assert_eq!(legend, json!(["gpt-4o-mini", "mock-large"]));
+    shoot(&page, "charts.png").await;
+    // By backend, per hour.
+    page.eval(
+        "document.getElementById('c-by').value = 'backend'; \
+         document.getElementById('c-bucket').value = 'hour'; \
+         document.getElementById('chart-form').dispatchEvent(new Event('change'))",
+    )
+    .await;
+    page.wait_for(
+        "[...document.querySelectorAll('#chart-legend li')].map(l => l.textContent).join() === 'mock-openai'",
+        "the legend by backend",
+        WAIT,
+    )
+    .await;
+    assert_eq!(page.eval(&drawn("calls")).await, json!(4));
+
+    // The original shows its replay side by side.
+    page.eval(&format!("location.hash = '#/r/{first}'")).await;
+    page.wait_for(
+        "document.getElementById('replays').dataset.replays === '1' && \
+         !document.getElementById('replays').hidden",
+        "the replays of the record",
+        WAIT,
+    )
+    .await;
+    let table = text_of(&page, "replay-table").await;
+    assert!(table.contains("mock reply to gpt-4o-mini:"), "{table}");
+    assert!(table.contains("mock reply to mock-large:"), "{table}");
+    shoot(&page, "replays.png").await;
+    // The replay names its original.
+    let id = replay["id"].as_str().unwrap();
+    page.eval(&format!("location.hash = '#/r/{id}'")).await;
+    page.wait_for(
+        &format!("document.getElementById('cards').textContent.includes('{first}')"),
+        "the replay's link to its original",
+        WAIT,
+    )
+    .await;
+
+    let urls = browser.requested_urls();
+    assert!(
+        urls.iter().any(|u| u.contains("/usage?bucket=")),
+        "{urls:#?}"
+    );
+    // Chromium's own `data:` icons (the date inputs') leave nothing; every network request
+    // goes to holdfast.
+    let foreign: Vec<&String> = urls
+        .iter()
+        .filter(|u| !u.starts_with("data:"))
+        .filter(|u| !u.starts_with(&format!("{}/", app.base)))
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "requests to another origin: {foreign:#?}"
+    );
+    let errors = browser.errors();
+    assert!(
+        errors.is_empty(),
+        "the page ran without errors: {errors:#?}"
+    );
     app.stop().await;
 }

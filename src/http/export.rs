@@ -1,0 +1,232 @@
+//! `GET /requests/export`: the log as NDJSON, oldest first, one line per request, paged from
+//! the store by a keyset cursor and streamed page by page (EX-1..EX-5, decision 62).
+
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::AppState;
+use super::errors::ApiError;
+use super::requests::{RecordView, bad_parameter, body_json, list_filter};
+use crate::provider::Provider;
+use crate::store::{ListFilter, RequestRecord, Status, StoreError};
+
+/// Requests read from the store per page (decision 62).
+const PAGE: i64 = 200;
+
+/// What each line holds (EX-2, EX-5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Records,
+    OpenaiChat,
+}
+
+/// `GET /requests/export` (EX-1): RD-7's filters plus `after`, `limit` and `format`.
+pub(super) async fn export(
+    State(state): State<AppState>,
+    Query(query): Query<Vec<(String, String)>>,
+    headers: HeaderMap,
+) -> Response {
+    let shape = Provider::Openai;
+    let caller = match super::caller(&state.config, &headers, shape) {
+        Ok(caller) => caller,
+        Err(e) => return e.into_response(),
+    };
+    let (filter, format, limit) = match parse(&caller, query) {
+        Ok(parsed) => parsed,
+        Err(e) => return e.into_response(),
+    };
+    // The first page before the answer's head: a store that cannot be read is a 503, not an
+    // empty export.
+    let first = match page(&state, &filter, format, limit).await {
+        Ok(first) => first,
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
+    let body = async_stream::stream! {
+        let mut filter = filter;
+        let mut left = limit;
+        let mut next = Some(first);
+        while let Some(Page { bytes, count, last }) = next.take() {
+            left = left.map(|l| l.saturating_sub(count as u64));
+            yield Ok::<Bytes, std::io::Error>(bytes);
+            let more = count as i64 == filter.limit && left != Some(0);
+            if let (true, Some(last)) = (more, last) {
+                filter.after = Some(last);
+                match page(&state, &filter, format, left).await {
+                    Ok(p) => next = Some(p),
+                    Err(e) => {
+                        // The body ends without its last chunk: the client sees an error, not
+                        // a short export (EX-4).
+                        tracing::warn!(error = %e, "export: reading the log failed");
+                        yield Err(std::io::Error::other(e.to_string()));
+                    }
+                }
+            }
+        }
+    };
+    let mut response = Body::from_stream(body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-ndjson"),
+    );
+    response
+}
+
+/// The export's query: the list filter (RD-7's parameters), the format and the line limit.
+fn parse(
+    caller: &super::Caller,
+    query: Vec<(String, String)>,
+) -> Result<(ListFilter, Format, Option<u64>), ApiError> {
+    let mut rest = Vec::with_capacity(query.len());
+    let (mut format, mut limit, mut after) = (Format::Records, None, None);
+    for (name, value) in query {
+        match name.as_str() {
+            "format" => {
+                format = match value.as_str() {
+                    "records" => Format::Records,
+                    "openai-chat" => Format::OpenaiChat,
+                    _ => return Err(bad_parameter("format", "must be records or openai-chat")),
+                }
+            }
+            "limit" => {
+                limit = Some(
+                    value
+                        .parse::<u64>()
+                        .map_err(|_| bad_parameter("limit", "must be a non-negative integer"))?,
+                );
+            }
+            "after" => {
+                after = Some(
+                    Uuid::parse_str(&value)
+                        .map_err(|_| bad_parameter("after", "must be a request id (a cursor)"))?,
+                );
+            }
+            "cursor" => {
+                return Err(bad_parameter(
+                    "cursor",
+                    "an export resumes with after=<the last line's cursor>",
+                ));
+            }
+            _ => rest.push((name, value)),
+        }
+    }
+    let mut filter = list_filter(caller, &rest)?;
+    filter.oldest_first = true;
+    filter.after = after;
+    filter.limit = PAGE;
+    Ok((filter, format, limit))
+}
+
+/// One page of lines.
+struct Page {
+    bytes: Bytes,
+    /// Requests in it.
+    count: usize,
+    /// Its last request's id: the next page's `after`.
+    last: Option<Uuid>,
+}
+
+/// Reads the page `filter` selects (at most `left` requests) and writes its lines.
+async fn page(
+    state: &AppState,
+    filter: &ListFilter,
+    format: Format,
+    left: Option<u64>,
+) -> Result<Page, StoreError> {
+    let mut filter = filter.clone();
+    if let Some(left) = left {
+        filter.limit = filter.limit.min(i64::try_from(left).unwrap_or(i64::MAX));
+    }
+    let records = if filter.limit == 0 {
+        Vec::new()
+    } else {
+        state.store.list(&filter).await?
+    };
+    // The page's streamed answers in one store call (decision 62).
+    let streamed: Vec<(Uuid, i64)> = records
+        .iter()
+        .filter(|r| r.stream && r.status == Status::Succeeded)
+        .map(|r| (r.id, r.reset_seq))
+        .collect();
+    let mut chunks = if streamed.is_empty() {
+        Vec::new()
+    } else {
+        state.store.data_chunks_of(&streamed).await?
+    }
+    .into_iter();
+    let mut out = Vec::with_capacity(records.len() * 512);
+    for record in &records {
+        let events = if record.stream && record.status == Status::Succeeded {
+            chunks.next().map(|(_, c)| c).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let answer = answer(record, &events);
+        let line = match format {
+            Format::Records => json!({
+                "cursor": record.id,
+                "record": RecordView::new(record, &state.config, None),
+                "request": {
+                    "headers": record.headers.iter().map(|(n, v)| json!([n, v])).collect::<Vec<_>>(),
+                    "body": body_json(&record.body),
+                },
+                "answer": answer,
+            }),
+            Format::OpenaiChat => match example(record, &answer) {
+                Ok(example) => json!({"cursor": record.id, "id": record.id, "example": example}),
+                Err(why) => json!({"cursor": record.id, "id": record.id, "skipped": why}),
+            },
+        };
+        if serde_json::to_writer(&mut out, &line).is_ok() {
+            out.push(b'\n');
+        }
+    }
+    Ok(Page {
+        bytes: Bytes::from(out),
+        count: records.len(),
+        last: records.last().map(|r| r.id),
+    })
+}
+
+/// EX-2: the final answer of a succeeded request in its non-stream shape; `null` otherwise.
+fn answer(record: &RequestRecord, events: &[crate::store::Chunk]) -> Value {
+    if record.status != Status::Succeeded {
+        return Value::Null;
+    }
+    if !record.stream {
+        return record
+            .response_body
+            .as_deref()
+            .and_then(|b| serde_json::from_slice(b).ok())
+            .unwrap_or(Value::Null);
+    }
+    record
+        .route
+        .assemble_stream(events.iter().map(|c| c.data.as_str()))
+        .unwrap_or_else(|| {
+            // EX-3: a route whose events cannot be reassembled: the text, as `include=body`.
+            let text: String = events
+                .iter()
+                .filter_map(|c| {
+                    let data: Value = serde_json::from_str(&c.data).ok()?;
+                    let kind = c.event.as_deref().or(data["type"].as_str());
+                    record.route.text_of_event(kind, &data)
+                })
+                .collect();
+            json!({"text": text, "events": events.len()})
+        })
+}
+
+/// EX-5: the request and its answer as a fine-tuning example, or why not.
+fn example(record: &RequestRecord, answer: &Value) -> Result<Value, String> {
+    if record.status != Status::Succeeded {
+        return Err(format!("the request {}", record.status.as_str()));
+    }
+    let body: Value = serde_json::from_slice(&record.body)
+        .map_err(|_| "a request body that is not JSON".to_string())?;
+    record.route.openai_chat_example(&body, answer)
+}

@@ -1,0 +1,188 @@
+//! `POST /requests/{id}/replay`: a stored request sent again as a new request, linked to the
+//! original by `replay_of` (EX-7, EX-8, decision 64).
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::errors::ApiError;
+use super::proxy::{choose_backend, request_hash};
+use super::requests::{RecordView, addressed, bad_parameter};
+use super::{AppState, presented_key};
+use crate::canonical;
+use crate::provider::Provider;
+use crate::store::{ClaimKind, NewRequest, RequestRecord, Submitted, now_ms};
+
+/// What the caller asked to change: the model, the backend (both optional).
+struct Asked {
+    model: Option<String>,
+    backend: Option<String>,
+}
+
+/// The JSON body: `{}`, `{"model"}`, `{"backend"}` or both; no body at all is `{}`.
+fn asked(body: &[u8]) -> Result<Asked, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Asked {
+            model: None,
+            backend: None,
+        });
+    }
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| bad_parameter("body", format!("not JSON: {e}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| bad_parameter("body", "must be a JSON object"))?;
+    let text = |name: &str| -> Result<Option<String>, ApiError> {
+        match object.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+            Some(_) => Err(bad_parameter(name, "must be a non-empty string")),
+        }
+    };
+    if let Some(other) = object.keys().find(|k| *k != "model" && *k != "backend") {
+        return Err(bad_parameter(
+            other,
+            "unknown member; known: model, backend",
+        ));
+    }
+    Ok(Asked {
+        model: text("model")?,
+        backend: text("backend")?,
+    })
+}
+
+/// `POST /requests/{id}/replay` (EX-7): 201 with the new record while it runs.
+pub(super) async fn replay(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match replay_of(&state, &headers, &id, &body).await {
+        Ok(record) => {
+            let mut response = (
+                StatusCode::CREATED,
+                axum::Json(RecordView::new(&record, &state.config, None)),
+            )
+                .into_response();
+            if let Ok(v) = HeaderValue::from_str(&format!("/requests/{}", record.id)) {
+                response.headers_mut().insert(header::LOCATION, v);
+            }
+            if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
+                response.headers_mut().insert("holdfast-request-id", v);
+            }
+            response
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn replay_of(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: &str,
+    body: &[u8],
+) -> Result<RequestRecord, ApiError> {
+    let shape = Provider::Openai;
+    let original = addressed(state, presented_key(headers), id).await?;
+    let asked = asked(body)?;
+    let new = new_request(state, &original, asked)?;
+    match state.workers.admit(new).await {
+        Ok(Submitted::Created(record)) => Ok(*record),
+        // A claim key no send can form (decision 64): neither can happen.
+        Ok(Submitted::Attached(_) | Submitted::KeyMismatch { .. }) => Err(ApiError::new(
+            shape,
+            StatusCode::CONFLICT,
+            "replay_conflict",
+            "the replay's claim was taken; send it again",
+        )),
+        Err(e) => Err(ApiError::store(shape, &e)),
+    }
+}
+
+/// The replay of `original` as a new request (EX-7, decision 64).
+fn new_request(
+    state: &AppState,
+    original: &RequestRecord,
+    asked: Asked,
+) -> Result<NewRequest, ApiError> {
+    let config = &state.config;
+    let route = original.route;
+    let (backend, model) = match (asked.backend, asked.model) {
+        (None, None) => (original.backend.clone(), original.model.clone()),
+        (Some(backend), model) => {
+            if !config
+                .backend(&backend)
+                .is_some_and(|b| b.kind == route.provider())
+            {
+                return Err(bad_parameter(
+                    "backend",
+                    format!(
+                        "{backend:?} is not a configured backend serving {}",
+                        route.name()
+                    ),
+                ));
+            }
+            (backend, model.or_else(|| original.model.clone()))
+        }
+        (None, Some(model)) => {
+            let (backend, upstream) =
+                choose_backend(config, route, Some(&model)).ok_or_else(|| {
+                    bad_parameter(
+                        "model",
+                        format!("no backend serves {} for {model:?}", route.name()),
+                    )
+                })?;
+            (backend, Some(upstream.unwrap_or(model)))
+        }
+    };
+    let canonical = canonical::canonicalize(&original.body)
+        .map_err(|e| bad_parameter("id", format!("the stored body cannot be read: {e:?}")))?;
+    // ID-3b: only the model string changes, in place; a path's model is not in the body.
+    let (body, hashed) = match (&model, &canonical.model_span, route.model_in_path()) {
+        (Some(model), Some(span), false) if canonical.model.as_deref() != Some(model) => (
+            canonical::rewrite_model(&original.body, span.clone(), model),
+            canonical.with_model(model),
+        ),
+        (Some(model), None, false) if original.model.as_deref() != Some(model) => {
+            return Err(bad_parameter(
+                "model",
+                "the stored body names no model to replace",
+            ));
+        }
+        _ => (original.body.clone(), canonical.bytes.clone()),
+    };
+    let hash = request_hash(
+        route,
+        &backend,
+        &original.headers,
+        &hashed,
+        model.as_deref(),
+    );
+    let id = Uuid::now_v7();
+    let now = now_ms();
+    let window = i64::try_from(config.dedupe_window_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+    Ok(NewRequest {
+        id,
+        namespace: original.namespace.clone(),
+        route,
+        backend,
+        model,
+        stream: original.stream,
+        body,
+        headers: original.headers.clone(),
+        hash,
+        // A claim of its own that no client send can form (decision 64).
+        claim: ClaimKind::Key,
+        claim_key: format!("replay {id}"),
+        claim_expires_at: now.saturating_add(window),
+        now,
+        // Not the original's: that call's trace and callback are its own (OT-2, CB-1).
+        trace_parent: None,
+        callback_url: None,
+        replay_of: Some(original.id),
+    })
+}

@@ -1,0 +1,845 @@
+//! The log as a dataset (issue 34): a stream's stored events reassembled into the answer its
+//! provider gives without streaming (EX-3), the text of an answer, and a request with its
+//! answer as an OpenAI chat fine-tuning example (EX-5, decision 63). One function per
+//! provider; `Route` dispatches to them (`mod.rs`).
+
+use std::collections::BTreeMap;
+
+use serde_json::{Map, Value, json};
+
+use super::Route;
+
+/// Appends the string `piece` (if it is one) to the string member `key` of `object`, creating it.
+fn append(object: &mut Map<String, Value>, key: &str, piece: &Value) {
+    let Some(piece) = piece.as_str() else { return };
+    match object.get_mut(key) {
+        Some(Value::String(s)) => s.push_str(piece),
+        _ => {
+            object.insert(key.to_owned(), Value::String(piece.to_owned()));
+        }
+    }
+}
+
+/// Copies `data[key]` into `into[key]` when it is set (not absent, not null).
+fn keep(into: &mut Map<String, Value>, data: &Value, key: &str) {
+    if let Some(v) = data.get(key).filter(|v| !v.is_null()) {
+        into.insert(key.to_owned(), v.clone());
+    }
+}
+
+/// Parses each event's data; `[DONE]` and non-objects are skipped.
+fn objects<'a>(events: impl IntoIterator<Item = &'a str>) -> impl Iterator<Item = Value> {
+    events
+        .into_iter()
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .filter(Value::is_object)
+}
+
+// ------------------------------------------------------------------------------------------
+// OpenAI
+// ------------------------------------------------------------------------------------------
+
+/// One chat choice being put together.
+#[derive(Default)]
+struct ChatChoice {
+    message: Map<String, Value>,
+    /// Tool calls by their `index`.
+    tool_calls: BTreeMap<u64, Map<String, Value>>,
+    finish_reason: Value,
+}
+
+/// EX-3 for OpenAI's routes: chat into a `chat.completion`, completions into a
+/// `text_completion`, Responses into its final event's `response`. Embeddings never stream.
+pub(super) fn openai_assemble<'a>(
+    route: Route,
+    events: impl IntoIterator<Item = &'a str>,
+) -> Option<Value> {
+    match route {
+        Route::OpenaiResponses => {
+            // Every `response.*` lifecycle event carries the whole object; the last is final.
+            objects(events)
+                .filter_map(|mut e| e.get_mut("response").map(Value::take))
+                .filter(Value::is_object)
+                .last()
+        }
+        Route::OpenaiCompletions => Some(openai_completions(events)),
+        _ => Some(openai_chat(events)),
+    }
+}
+
+fn openai_chat<'a>(events: impl IntoIterator<Item = &'a str>) -> Value {
+    let mut top = Map::new();
+    let mut choices: BTreeMap<u64, ChatChoice> = BTreeMap::new();
+    for event in objects(events) {
+        for key in [
+            "id",
+            "created",
+            "model",
+            "system_fingerprint",
+            "service_tier",
+            "usage",
+        ] {
+            keep(&mut top, &event, key);
+        }
+        for choice in event["choices"].as_array().into_iter().flatten() {
+            let acc = choices
+                .entry(choice["index"].as_u64().unwrap_or(0))
+                .or_default();
+            let delta = &choice["delta"];
+            append(&mut acc.message, "content", &delta["content"]);
+            append(&mut acc.message, "refusal", &delta["refusal"]);
+            for call in delta["tool_calls"].as_array().into_iter().flatten() {
+                let c = acc
+                    .tool_calls
+                    .entry(call["index"].as_u64().unwrap_or(0))
+                    .or_default();
+                keep(c, call, "id");
+                keep(c, call, "type");
+                let function = c
+                    .entry("function")
+                    .or_insert_with(|| json!({}))
+                    .as_object_mut();
+                if let Some(function) = function {
+                    keep(function, &call["function"], "name");
+                    append(function, "arguments", &call["function"]["arguments"]);
+                }
+            }
+            if !choice["finish_reason"].is_null() {
+                acc.finish_reason = choice["finish_reason"].clone();
+            }
+        }
+    }
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .map(|(index, c)| {
+            let mut message = Map::new();
+            message.insert("role".into(), json!("assistant"));
+            message.insert(
+                "content".into(),
+                c.message.get("content").cloned().unwrap_or(Value::Null),
+            );
+            message.insert(
+                "refusal".into(),
+                c.message.get("refusal").cloned().unwrap_or(Value::Null),
+            );
+            if !c.tool_calls.is_empty() {
+                let calls: Vec<Value> = c
+                    .tool_calls
+                    .into_values()
+                    .map(|mut call| {
+                        call.entry("type").or_insert_with(|| json!("function"));
+                        Value::Object(call)
+                    })
+                    .collect();
+                message.insert("tool_calls".into(), Value::Array(calls));
+            }
+            json!({
+                "index": index,
+                "message": message,
+                "logprobs": null,
+                "finish_reason": c.finish_reason,
+            })
+        })
+        .collect();
+    top.insert("object".into(), json!("chat.completion"));
+    top.insert("choices".into(), Value::Array(choices));
+    Value::Object(top)
+}
+
+fn openai_completions<'a>(events: impl IntoIterator<Item = &'a str>) -> Value {
+    let mut top = Map::new();
+    let mut choices: BTreeMap<u64, (Map<String, Value>, Value)> = BTreeMap::new();
+    for event in objects(events) {
+        for key in ["id", "created", "model", "system_fingerprint", "usage"] {
+            keep(&mut top, &event, key);
+        }
+        for choice in event["choices"].as_array().into_iter().flatten() {
+            let (text, finish) = choices
+                .entry(choice["index"].as_u64().unwrap_or(0))
+                .or_default();
+            append(text, "text", &choice["text"]);
+            if !choice["finish_reason"].is_null() {
+                *finish = choice["finish_reason"].clone();
+            }
+        }
+    }
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .map(|(index, (text, finish))| {
+            json!({
+                "index": index,
+                "text": text.get("text").cloned().unwrap_or(json!("")),
+                "logprobs": null,
+                "finish_reason": finish,
+            })
+        })
+        .collect();
+    top.insert("object".into(), json!("text_completion"));
+    top.insert("choices".into(), Value::Array(choices));
+    Value::Object(top)
+}
+
+/// The text of an OpenAI answer: chat's first choice's content, completions' text, Responses'
+/// output text.
+pub(super) fn openai_text(route: Route, answer: &Value) -> Option<String> {
+    match route {
+        Route::OpenaiResponses => {
+            let text: String = answer["output"]
+                .as_array()?
+                .iter()
+                .flat_map(|item| item["content"].as_array().into_iter().flatten())
+                .filter(|part| part["type"] == "output_text")
+                .filter_map(|part| part["text"].as_str())
+                .collect();
+            Some(text)
+        }
+        Route::OpenaiCompletions => answer["choices"][0]["text"].as_str().map(str::to_owned),
+        Route::OpenaiEmbeddings => None,
+        _ => match &answer["choices"][0]["message"]["content"] {
+            Value::String(s) => Some(s.clone()),
+            Value::Array(parts) => Some(text_parts(parts)),
+            _ => Some(String::new()),
+        },
+    }
+}
+
+/// The text of OpenAI content parts (`{"type":"text","text"}`), joined.
+fn text_parts(parts: &[Value]) -> String {
+    parts.iter().filter_map(|p| p["text"].as_str()).collect()
+}
+
+// ------------------------------------------------------------------------------------------
+// Anthropic
+// ------------------------------------------------------------------------------------------
+
+/// EX-3 for Anthropic: `message_start`'s message, its content blocks filled in by their deltas
+/// (a tool's input parsed from the concatenated `partial_json`), the `message_delta`'s stop
+/// reason and usage merged.
+pub(super) fn anthropic_assemble<'a>(events: impl IntoIterator<Item = &'a str>) -> Option<Value> {
+    let mut message: Option<Map<String, Value>> = None;
+    let mut blocks: BTreeMap<u64, Map<String, Value>> = BTreeMap::new();
+    let mut partial: BTreeMap<u64, String> = BTreeMap::new();
+    for event in objects(events) {
+        let index = event["index"].as_u64().unwrap_or(0);
+        match event["type"].as_str() {
+            Some("message_start") => message = event["message"].as_object().cloned(),
+            Some("content_block_start") => {
+                if let Some(block) = event["content_block"].as_object() {
+                    blocks.insert(index, block.clone());
+                }
+            }
+            Some("content_block_delta") => {
+                let block = blocks.entry(index).or_default();
+                let delta = &event["delta"];
+                match delta["type"].as_str() {
+                    Some("text_delta") => append(block, "text", &delta["text"]),
+                    Some("thinking_delta") => append(block, "thinking", &delta["thinking"]),
+                    Some("signature_delta") => keep(block, delta, "signature"),
+                    Some("input_json_delta") => {
+                        if let Some(piece) = delta["partial_json"].as_str() {
+                            partial.entry(index).or_default().push_str(piece);
+                        }
+                    }
+                    Some("citations_delta") => {
+                        let list = block.entry("citations").or_insert_with(|| json!([]));
+                        if let Some(list) = list.as_array_mut() {
+                            list.push(delta["citation"].clone());
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Some("message_delta") => {
+                if let Some(m) = message.as_mut() {
+                    for key in ["stop_reason", "stop_sequence"] {
+                        if let Some(v) = event["delta"].get(key) {
+                            m.insert(key.to_owned(), v.clone());
+                        }
+                    }
+                    if let Some(usage) = event["usage"].as_object() {
+                        let into = m.entry("usage").or_insert_with(|| json!({}));
+                        if let Some(into) = into.as_object_mut() {
+                            for (k, v) in usage {
+                                if !v.is_null() {
+                                    into.insert(k.clone(), v.clone());
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut message = message?;
+    let content: Vec<Value> = blocks
+        .into_iter()
+        .map(|(index, mut block)| {
+            if let Some(json) = partial.remove(&index) {
+                let input = if json.trim().is_empty() {
+                    json!({})
+                } else {
+                    serde_json::from_str(&json).unwrap_or(Value::String(json))
+                };
+                block.insert("input".into(), input);
+            }
+            Value::Object(block)
+        })
+        .collect();
+    message.insert("content".into(), Value::Array(content));
+    Some(Value::Object(message))
+}
+
+/// The text of an Anthropic message: its text blocks, joined.
+pub(super) fn anthropic_text(answer: &Value) -> Option<String> {
+    let blocks = answer["content"].as_array()?;
+    Some(
+        blocks
+            .iter()
+            .filter(|b| b["type"] == "text")
+            .filter_map(|b| b["text"].as_str())
+            .collect(),
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// Gemini
+// ------------------------------------------------------------------------------------------
+
+/// One Gemini candidate being put together: its members but `content`, its parts, its role.
+type GeminiCandidate = (Map<String, Value>, Vec<Value>, Value);
+
+/// EX-3 for Gemini: the chunks as one `GenerateContentResponse`: each candidate's parts in
+/// order, adjacent text parts (of the same `thought` kind) joined, its last `finishReason` and
+/// other members; the last `usageMetadata`, `modelVersion`, `responseId`, any
+/// `promptFeedback`.
+pub(super) fn gemini_assemble<'a>(events: impl IntoIterator<Item = &'a str>) -> Option<Value> {
+    let mut top = Map::new();
+    let mut candidates: BTreeMap<u64, GeminiCandidate> = BTreeMap::new();
+    let mut any = false;
+    for event in objects(events) {
+        any = true;
+        for key in [
+            "usageMetadata",
+            "modelVersion",
+            "responseId",
+            "promptFeedback",
+        ] {
+            keep(&mut top, &event, key);
+        }
+        for (position, candidate) in event["candidates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let index = candidate["index"].as_u64().unwrap_or(position as u64);
+            let (members, parts, role) = candidates.entry(index).or_default();
+            if let Some(object) = candidate.as_object() {
+                for (k, v) in object {
+                    if k != "content" {
+                        members.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+            if !candidate["content"]["role"].is_null() {
+                *role = candidate["content"]["role"].clone();
+            }
+            for part in candidate["content"]["parts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let joins = |last: &Value| {
+                    last.as_object().is_some_and(|l| {
+                        l.len() <= 2 && l.get("text").is_some_and(Value::is_string)
+                    }) && part.as_object().is_some_and(|p| {
+                        p.len() <= 2 && p.get("text").is_some_and(Value::is_string)
+                    }) && last["thought"] == part["thought"]
+                };
+                match parts.last_mut() {
+                    Some(last) if joins(last) => {
+                        if let Some(last) = last.as_object_mut() {
+                            append(last, "text", &part["text"]);
+                        }
+                    }
+                    _ => parts.push(part.clone()),
+                }
+            }
+        }
+    }
+    if !any {
+        return None;
+    }
+    let candidates: Vec<Value> = candidates
+        .into_values()
+        .map(|(mut members, parts, role)| {
+            let role = if role.is_null() { json!("model") } else { role };
+            members.insert("content".into(), json!({"role": role, "parts": parts}));
+            Value::Object(members)
+        })
+        .collect();
+    top.insert("candidates".into(), Value::Array(candidates));
+    Some(Value::Object(top))
+}
+
+/// The text of a Gemini answer: the first candidate's non-thought text parts.
+pub(super) fn gemini_text(answer: &Value) -> Option<String> {
+    let parts = answer["candidates"][0]["content"]["parts"].as_array();
+    Some(
+        parts
+            .into_iter()
+            .flatten()
+            .filter(|p| p["thought"] != true)
+            .filter_map(|p| p["text"].as_str())
+            .collect(),
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// OpenAI chat fine-tuning examples (EX-5, decision 63)
+// ------------------------------------------------------------------------------------------
+
+/// Why a request is not an example.
+pub(crate) type Skip = String;
+
+/// A message's content as a string: a string as it is, text parts joined; an image, audio or
+/// file part cannot be carried (decision 63).
+fn openai_content(content: &Value) -> Result<Value, Skip> {
+    match content {
+        Value::Null => Ok(Value::Null),
+        Value::String(_) => Ok(content.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                match part["type"].as_str() {
+                    Some("text") => text.push_str(part["text"].as_str().unwrap_or("")),
+                    other => {
+                        return Err(format!(
+                            "a content part of type {} (only text can be carried)",
+                            other.unwrap_or("?")
+                        ));
+                    }
+                }
+            }
+            Ok(Value::String(text))
+        }
+        _ => Err("a message content that is neither text nor parts".into()),
+    }
+}
+
+/// OpenAI chat's `tools`, function tools only.
+fn openai_tools(tools: &Value) -> Result<Option<Value>, Skip> {
+    let Some(list) = tools.as_array() else {
+        return Ok(None);
+    };
+    for tool in list {
+        if tool["type"] != "function" {
+            return Err(format!(
+                "a tool of type {} (only function tools can be carried)",
+                tool["type"]
+            ));
+        }
+    }
+    Ok((!list.is_empty()).then(|| tools.clone()))
+}
+
+/// The example of an OpenAI chat request and its answer.
+fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
+    let mut messages = Vec::new();
+    for m in body["messages"].as_array().ok_or("no messages")? {
+        let role = match m["role"].as_str() {
+            Some("developer" | "system") => "system",
+            Some(role @ ("user" | "assistant" | "tool")) => role,
+            Some(other) => return Err(format!("a message of role {other}")),
+            None => return Err("a message without a role".into()),
+        };
+        let mut out = Map::new();
+        out.insert("role".into(), json!(role));
+        out.insert("content".into(), openai_content(&m["content"])?);
+        for key in ["name", "tool_calls", "tool_call_id"] {
+            keep(&mut out, m, key);
+        }
+        if role == "assistant" && out["content"].is_null() && !out.contains_key("tool_calls") {
+            return Err("an assistant message with neither content nor tool calls".into());
+        }
+        messages.push(Value::Object(out));
+    }
+    let answer = &answer["choices"][0]["message"];
+    let mut reply = Map::new();
+    reply.insert("role".into(), json!("assistant"));
+    reply.insert("content".into(), openai_content(&answer["content"])?);
+    keep(&mut reply, answer, "tool_calls");
+    messages.push(Value::Object(reply));
+    Ok(with_tools(messages, openai_tools(&body["tools"])?))
+}
+
+fn with_tools(messages: Vec<Value>, tools: Option<Value>) -> Value {
+    let mut example = json!({ "messages": messages });
+    if let Some(tools) = tools {
+        example["tools"] = tools;
+    }
+    example
+}
+
+/// Anthropic content (a string, or blocks) as OpenAI messages of `role`: text joined into one
+/// message, `tool_use` as its `tool_calls`, `tool_result` as `tool` messages before it.
+fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
+    if let Some(text) = content.as_str() {
+        return Ok(vec![json!({"role": role, "content": text})]);
+    }
+    let blocks = content
+        .as_array()
+        .ok_or("a message content that is neither text nor blocks")?;
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    let mut out = Vec::new();
+    for block in blocks {
+        match block["type"].as_str() {
+            Some("text") => text.push_str(block["text"].as_str().unwrap_or("")),
+            // No place for reasoning in the format (decision 63).
+            Some("thinking" | "redacted_thinking") => {}
+            Some("tool_use") => calls.push(json!({
+                "id": block["id"],
+                "type": "function",
+                "function": {
+                    "name": block["name"],
+                    "arguments": serde_json::to_string(&block["input"]).unwrap_or_default(),
+                },
+            })),
+            Some("tool_result") => {
+                let result = match &block["content"] {
+                    Value::String(s) => s.clone(),
+                    Value::Null => String::new(),
+                    Value::Array(parts) => {
+                        for p in parts {
+                            if p["type"] != "text" {
+                                return Err(format!(
+                                    "a tool result part of type {}",
+                                    p["type"].as_str().unwrap_or("?")
+                                ));
+                            }
+                        }
+                        text_parts(parts)
+                    }
+                    _ => return Err("a tool result that is neither text nor parts".into()),
+                };
+                out.push(json!({
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": result,
+                }));
+            }
+            other => {
+                return Err(format!(
+                    "a content block of type {} (only text and tools can be carried)",
+                    other.unwrap_or("?")
+                ));
+            }
+        }
+    }
+    if !text.is_empty() || !calls.is_empty() {
+        let mut message = json!({"role": role, "content": if text.is_empty() { Value::Null } else { json!(text) }});
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        out.push(message);
+    }
+    Ok(out)
+}
+
+/// The example of an Anthropic messages request and its answer.
+fn anthropic_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
+    let mut messages = Vec::new();
+    match &body["system"] {
+        Value::Null => {}
+        Value::String(s) => messages.push(json!({"role": "system", "content": s})),
+        Value::Array(parts) => {
+            messages.push(json!({"role": "system", "content": text_parts(parts)}));
+        }
+        _ => return Err("a system prompt that is neither text nor blocks".into()),
+    }
+    for m in body["messages"].as_array().ok_or("no messages")? {
+        let role = match m["role"].as_str() {
+            Some(role @ ("user" | "assistant")) => role,
+            other => return Err(format!("a message of role {}", other.unwrap_or("?"))),
+        };
+        messages.extend(anthropic_blocks(role, &m["content"])?);
+    }
+    let reply = anthropic_blocks("assistant", &answer["content"])?;
+    if reply.is_empty() {
+        return Err("an answer without text or tool calls".into());
+    }
+    messages.extend(reply);
+    let tools = match body["tools"].as_array() {
+        None => None,
+        Some(list) => {
+            let mut out = Vec::new();
+            for tool in list {
+                if tool.get("input_schema").is_none() {
+                    return Err(format!(
+                        "a server tool {} (only custom tools can be carried)",
+                        tool["type"].as_str().unwrap_or("?")
+                    ));
+                }
+                out.push(json!({"type": "function", "function": {
+                    "name": tool["name"],
+                    "description": tool.get("description").cloned().unwrap_or(json!("")),
+                    "parameters": tool["input_schema"],
+                }}));
+            }
+            (!out.is_empty()).then_some(Value::Array(out))
+        }
+    };
+    Ok(with_tools(messages, tools))
+}
+
+/// Gemini parts as OpenAI messages of `role`; `calls` numbers the made-up call ids (Gemini has
+/// none, decision 63) and `pending` holds the ids of calls not yet answered, by name.
+fn gemini_parts(
+    role: &str,
+    parts: &Value,
+    calls: &mut u64,
+    pending: &mut Vec<(String, String)>,
+) -> Result<Vec<Value>, Skip> {
+    let mut text = String::new();
+    let mut tool_calls = Vec::new();
+    let mut out = Vec::new();
+    for part in parts.as_array().ok_or("content without parts")? {
+        if part["thought"] == true {
+            continue;
+        }
+        if let Some(t) = part["text"].as_str() {
+            text.push_str(t);
+        } else if let Some(call) = part.get("functionCall") {
+            *calls += 1;
+            let id = format!("call_{calls}");
+            let name = call["name"].as_str().unwrap_or("").to_owned();
+            pending.push((name.clone(), id.clone()));
+            tool_calls.push(json!({
+                "id": id,
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": serde_json::to_string(&call["args"]).unwrap_or_default(),
+                },
+            }));
+        } else if let Some(response) = part.get("functionResponse") {
+            let name = response["name"].as_str().unwrap_or("");
+            let at = pending.iter().position(|(n, _)| n == name);
+            let id = at.map_or_else(|| format!("call_{name}"), |at| pending.remove(at).1);
+            out.push(json!({
+                "role": "tool",
+                "tool_call_id": id,
+                "content": serde_json::to_string(&response["response"]).unwrap_or_default(),
+            }));
+        } else {
+            let kind = part
+                .as_object()
+                .and_then(|p| p.keys().find(|k| *k != "thought").cloned())
+                .unwrap_or_default();
+            return Err(format!(
+                "a part of kind {kind} (only text and functions can be carried)"
+            ));
+        }
+    }
+    if !text.is_empty() || !tool_calls.is_empty() {
+        let mut message = json!({"role": role, "content": if text.is_empty() { Value::Null } else { json!(text) }});
+        if !tool_calls.is_empty() {
+            message["tool_calls"] = Value::Array(tool_calls);
+        }
+        out.push(message);
+    }
+    Ok(out)
+}
+
+/// The example of a Gemini request and its answer.
+fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
+    let mut messages = Vec::new();
+    let (mut calls, mut pending) = (0u64, Vec::new());
+    if let Some(parts) = body["systemInstruction"].get("parts") {
+        let text: String = parts
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["text"].as_str())
+            .collect();
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    let contents = match &body["contents"] {
+        Value::Array(list) => list.clone(),
+        Value::Object(_) => vec![body["contents"].clone()],
+        _ => return Err("no contents".into()),
+    };
+    for content in &contents {
+        let role = match content["role"].as_str() {
+            Some("model") => "assistant",
+            Some("user") | None => "user",
+            Some(other) => return Err(format!("a content of role {other}")),
+        };
+        messages.extend(gemini_parts(
+            role,
+            &content["parts"],
+            &mut calls,
+            &mut pending,
+        )?);
+    }
+    let reply = gemini_parts(
+        "assistant",
+        &answer["candidates"][0]["content"]["parts"],
+        &mut calls,
+        &mut pending,
+    )?;
+    if reply.is_empty() {
+        return Err("an answer without text or function calls".into());
+    }
+    messages.extend(reply);
+    let mut tools = Vec::new();
+    for tool in body["tools"].as_array().into_iter().flatten() {
+        let Some(declarations) = tool["functionDeclarations"].as_array() else {
+            return Err("a tool other than function declarations".into());
+        };
+        for d in declarations {
+            let mut function = json!({"name": d["name"]});
+            keep(function.as_object_mut().ok_or("?")?, d, "description");
+            if let Some(p) = d
+                .get("parameters")
+                .or_else(|| d.get("parametersJsonSchema"))
+            {
+                function["parameters"] = p.clone();
+            }
+            tools.push(json!({"type": "function", "function": function}));
+        }
+    }
+    Ok(with_tools(
+        messages,
+        (!tools.is_empty()).then_some(Value::Array(tools)),
+    ))
+}
+
+/// EX-5 for a route: the request `body` with its final `answer` as an example, or why not.
+pub(super) fn example(route: Route, body: &Value, answer: &Value) -> Result<Value, Skip> {
+    match route {
+        Route::OpenaiChat => openai_chat_example(body, answer),
+        Route::AnthropicMessages => anthropic_example(body, answer),
+        Route::GeminiGenerate
+        | Route::GeminiStream
+        | Route::GeminiV1Generate
+        | Route::GeminiV1Stream => gemini_example(body, answer),
+        Route::OpenaiResponses => {
+            Err("a Responses request (its input does not map to one conversation)".into())
+        }
+        Route::OpenaiCompletions | Route::OpenaiEmbeddings => {
+            Err(format!("route {} is not a chat route", route.name()))
+        }
+        #[cfg(test)]
+        Route::EchoSay => Err("route echo.say is not a chat route".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_chat_stream_reassembles_text_and_tool_calls_ex3() {
+        let events = [
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\""}}]}}]}"#,
+            r#"{"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":":1}"}}]},"finish_reason":"tool_calls"}]}"#,
+            r#"{"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}"#,
+            "[DONE]",
+        ];
+        let answer = openai_assemble(Route::OpenaiChat, events).unwrap();
+        assert_eq!(answer["object"], "chat.completion");
+        let message = &answer["choices"][0]["message"];
+        assert_eq!(message["content"], "Hello");
+        assert_eq!(
+            message["tool_calls"][0]["function"]["arguments"],
+            r#"{"a":1}"#
+        );
+        assert_eq!(message["tool_calls"][0]["id"], "call_1");
+        assert_eq!(answer["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(answer["usage"]["completion_tokens"], 2);
+        assert_eq!(openai_text(Route::OpenaiChat, &answer).unwrap(), "Hello");
+    }
+
+    #[test]
+    fn anthropic_stream_reassembles_blocks_tool_input_and_stop_reason_ex3() {
+        let events = [
+            r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","model":"claude","content":[],"stop_reason":null,"usage":{"input_tokens":5,"output_tokens":1}}}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi "}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"there"}}"#,
+            r#"{"type":"content_block_stop","index":0}"#,
+            r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"tu_1","name":"f","input":{}}}"#,
+            r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"x\":"}}"#,
+            r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"2}"}}"#,
+            r#"{"type":"content_block_stop","index":1}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"tool_use","stop_sequence":null},"usage":{"output_tokens":9}}"#,
+            r#"{"type":"message_stop"}"#,
+        ];
+        let answer = anthropic_assemble(events).unwrap();
+        assert_eq!(answer["content"][0]["text"], "Hi there");
+        assert_eq!(answer["content"][1]["input"], json!({"x": 2}));
+        assert_eq!(answer["stop_reason"], "tool_use");
+        assert_eq!(
+            answer["usage"],
+            json!({"input_tokens": 5, "output_tokens": 9})
+        );
+        assert_eq!(anthropic_text(&answer).unwrap(), "Hi there");
+        let body = json!({"system": "be brief", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]});
+        let ex = example(Route::AnthropicMessages, &body, &answer).unwrap();
+        assert_eq!(
+            ex["messages"][0],
+            json!({"role": "system", "content": "be brief"})
+        );
+        assert_eq!(ex["messages"][2]["content"], "Hi there");
+        assert_eq!(
+            ex["messages"][2]["tool_calls"][0]["function"]["arguments"],
+            r#"{"x":2}"#
+        );
+        assert_eq!(ex["tools"][0]["function"]["name"], "f");
+    }
+
+    #[test]
+    fn gemini_stream_joins_adjacent_text_parts_and_keeps_the_last_usage_ex3() {
+        let events = [
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"a"}]},"index":0}],"usageMetadata":{"promptTokenCount":1}}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"b"}]},"finishReason":"STOP","index":0}],"usageMetadata":{"promptTokenCount":1,"candidatesTokenCount":2},"modelVersion":"g"}"#,
+        ];
+        let answer = gemini_assemble(events).unwrap();
+        assert_eq!(
+            answer["candidates"][0]["content"]["parts"],
+            json!([{"text": "ab"}])
+        );
+        assert_eq!(answer["candidates"][0]["finishReason"], "STOP");
+        assert_eq!(answer["usageMetadata"]["candidatesTokenCount"], 2);
+        assert_eq!(gemini_text(&answer).unwrap(), "ab");
+    }
+
+    #[test]
+    fn an_image_part_skips_the_request_and_developer_becomes_system_ex5() {
+        let answer = json!({"choices": [{"message": {"role": "assistant", "content": "ok"}}]});
+        let body = json!({"messages": [
+            {"role": "developer", "content": "rules"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
+        let ex = example(Route::OpenaiChat, &body, &answer).unwrap();
+        assert_eq!(ex["messages"][0]["role"], "system");
+        assert_eq!(ex["messages"][1]["content"], "ab");
+        assert_eq!(
+            ex["messages"][2],
+            json!({"role": "assistant", "content": "ok"})
+        );
+        let image = json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:..."}}]}]});
+        assert!(
+            example(Route::OpenaiChat, &image, &answer)
+                .unwrap_err()
+                .contains("image_url")
+        );
+        assert!(example(Route::OpenaiEmbeddings, &body, &answer).is_err());
+    }
+}

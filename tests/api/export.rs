@@ -1,0 +1,430 @@
+//! The log as a dataset (issue 34): `GET /requests/export` (EX-1..EX-5), its cursor, its
+//! namespace scope, and `holdfast requests export` with the `openai-chat` format checked by a
+//! Python validator of OpenAI's fine-tuning format (EX-6).
+
+use std::collections::HashSet;
+
+use futures::StreamExt;
+use holdfast::mock::MockConfig;
+use serde_json::{Value, json};
+
+use crate::helpers::*;
+
+/// The lines of an NDJSON body.
+fn lines(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("line {l:?}: {e}")))
+        .collect()
+}
+
+async fn export(app: &TestApp, query: &str, key: Option<&str>) -> (u16, String) {
+    let mut req = app
+        .http
+        .get(format!("{}/requests/export?{query}", app.base));
+    if let Some(key) = key {
+        req = req.bearer_auth(key);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    if status == 200 {
+        assert_eq!(header(&r, "content-type"), "application/x-ndjson");
+    }
+    (status, r.text().await.unwrap())
+}
+
+/// Sends `body` to `path` (with `key`), reads the whole answer; the request id.
+async fn send(app: &TestApp, path: &str, body: Value, key: Option<&str>) -> String {
+    let auth = key.map(|key| format!("Bearer {key}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    let r = app.post(path, body.to_string(), &headers).await;
+    assert!(r.status().is_success(), "{}", r.status());
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await.unwrap();
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_is_oldest_first_with_each_answer_and_a_cut_export_resumes_exactly_once_ex1_ex2_ex4()
+{
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    // More than one page (200) of requests, some streamed.
+    let mut ids = Vec::new();
+    for batch in 0..9 {
+        let sends = (0..50).map(|i| {
+            let n = batch * 50 + i;
+            let stream = n % 7 == 0;
+            let body = json!({"model": "gpt-4o-mini", "stream": stream,
+                "messages": [{"role": "user", "content": format!("export {n}")}]});
+            let app = &app;
+            async move { send(app, "/v1/chat/completions", body, None).await }
+        });
+        ids.extend(futures::future::join_all(sends).await);
+    }
+    let mut sorted = ids.clone();
+    sorted.sort();
+
+    let (status, body) = export(&app, "", None).await;
+    assert_eq!(status, 200, "{body}");
+    let all = lines(&body);
+    let cursors: Vec<String> = all
+        .iter()
+        .map(|l| l["cursor"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        cursors, sorted,
+        "every request once, oldest first (EX-1, EX-4)"
+    );
+    for line in &all {
+        assert_eq!(line["cursor"], line["record"]["id"]);
+        assert_eq!(line["record"]["status"], "succeeded");
+        let asked = line["request"]["body"]["messages"][0]["content"]
+            .as_str()
+            .unwrap();
+        let answer = &line["answer"];
+        // A streamed answer is reassembled into the non-stream shape (EX-3); the mock's stream
+        // pieces concatenate to the non-stream text of the same body.
+        assert_eq!(answer["object"], "chat.completion", "{line}");
+        let text = answer["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(
+            text.starts_with("mock reply to gpt-4o-mini:"),
+            "{asked}: {text}"
+        );
+        if line["record"]["stream"] == false {
+            assert!(line["record"]["usage"]["output_tokens"].as_u64().unwrap() > 0);
+        }
+    }
+    // Cut the connection after some lines, resume after the last whole line's cursor.
+    let mut got: Vec<String> = Vec::new();
+    let r = app
+        .http
+        .get(format!("{}/requests/export", app.base))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = r.bytes_stream();
+    let mut buffer = Vec::new();
+    while got.len() < 150 {
+        let bytes = stream.next().await.expect("more bytes").unwrap();
+        buffer.extend_from_slice(&bytes);
+        while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buffer.drain(..=end).collect();
+            let v: Value = serde_json::from_slice(&line).unwrap();
+            got.push(v["cursor"].as_str().unwrap().to_string());
+        }
+    }
+    drop(stream); // the connection is cut mid-export
+    let last = got.last().unwrap().clone();
+    let (_, rest) = export(&app, &format!("after={last}"), None).await;
+    got.extend(
+        lines(&rest)
+            .iter()
+            .map(|l| l["cursor"].as_str().unwrap().to_string()),
+    );
+    assert!(
+        got == sorted,
+        "the cut export and its resumption: every request exactly once ({} lines, {} requests)",
+        got.len(),
+        sorted.len()
+    );
+
+    // A streamed request's reassembled answer equals what the same body answers without a
+    // stream.
+    let streamed = all.iter().find(|l| l["record"]["stream"] == true).unwrap();
+    let mut plain_body = streamed["request"]["body"].clone();
+    plain_body["stream"] = json!(false);
+    let r = app.chat(&plain_body.to_string()).await;
+    let plain: Value = r.json().await.unwrap();
+    assert_eq!(
+        streamed["answer"]["choices"][0]["message"]["content"],
+        plain["choices"][0]["message"]["content"]
+    );
+    assert_eq!(streamed["answer"]["choices"][0]["finish_reason"], "stop");
+
+    // `limit` bounds the lines; filters are RD-7's; a bad parameter is 400 naming it.
+    let (_, some) = export(&app, "limit=3&status=succeeded", None).await;
+    assert_eq!(lines(&some).len(), 3);
+    let (_, streams) = export(&app, "q=export%2014%22", None).await;
+    assert_eq!(lines(&streams).len(), 1);
+    for (query, name) in [
+        ("cursor=x", "cursor"),
+        ("after=nope", "after"),
+        ("format=csv", "format"),
+        ("status=done", "status"),
+        ("colour=red", "colour"),
+    ] {
+        let (status, body) = export(&app, query, None).await;
+        assert_eq!(status, 400, "{query}: {body}");
+        assert!(body.contains(name), "{query}: {body}");
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_key_exports_only_its_namespace_and_an_admin_key_every_one_ex1() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("team-a", "team-b");
+        c.admin_api_keys = vec!["admin".into()];
+    })
+    .await;
+    let mut a = HashSet::new();
+    let mut b = HashSet::new();
+    for i in 0..3 {
+        a.insert(
+            send(
+                &app,
+                "/v1/chat/completions",
+                json!({"model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": format!("same {i}")}]}),
+                Some("key-a"),
+            )
+            .await,
+        );
+        b.insert(
+            send(
+                &app,
+                "/v1/chat/completions",
+                json!({"model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": format!("same {i}")}]}),
+                Some("key-b"),
+            )
+            .await,
+        );
+    }
+    let ids = |body: &str| -> HashSet<String> {
+        lines(body)
+            .iter()
+            .map(|l| l["cursor"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (_, of_a) = export(&app, "", Some("key-a")).await;
+    assert_eq!(ids(&of_a), a);
+    let (_, of_b) = export(&app, "format=openai-chat", Some("key-b")).await;
+    assert_eq!(ids(&of_b), b);
+    // A cursor of another namespace's request shows nothing of it either.
+    let b_first = b.iter().min().unwrap();
+    let (_, after_b) = export(&app, &format!("after={b_first}"), Some("key-a")).await;
+    assert!(ids(&after_b).is_subset(&a));
+    let (_, all) = export(&app, "", Some("admin")).await;
+    assert_eq!(ids(&all), a.union(&b).cloned().collect());
+    let (_, only_b) = export(&app, "namespace=team-b", Some("admin")).await;
+    assert_eq!(ids(&only_b), b);
+    let (status, body) = export(&app, "namespace=team-b", Some("key-a")).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, _) = export(&app, "", None).await;
+    assert_eq!(status, 401);
+    let (status, _) = export(&app, "", Some("wrong")).await;
+    assert_eq!(status, 401);
+    app.stop().await;
+}
+
+/// The concatenated text of an Anthropic stream's `text_delta` events.
+fn anthropic_stream_text(events: &[holdfast::sse::SseEvent]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(&e.data).ok())
+        .filter(|d| d["type"] == "content_block_delta" && d["delta"]["type"] == "text_delta")
+        .map(|d| d["delta"]["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_chat_export_passes_a_python_fine_tuning_format_check_with_whole_streamed_answers_python_ex5_ex6()
+ {
+    require_python(&["json"]);
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    // By id: UUID v7 strings sort as the export orders its lines.
+    let mut expected = std::collections::BTreeMap::new();
+    // A streamed OpenAI chat call with an earlier tool call in its conversation.
+    let chat = json!({"model": "gpt-4o-mini", "stream": true, "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 C"},
+        {"role": "user", "content": [{"type": "text", "text": "and tomorrow?"}]}],
+        "tools": [{"type": "function", "function": {"name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]});
+    let r = app.chat(&chat.to_string()).await;
+    let id = header(&r, "holdfast-request-id");
+    let (_, events) = read_events(r).await;
+    expected.insert(id, json!(openai_text(&events)));
+    // A streamed Anthropic call with a system prompt and a tool round in its history.
+    let messages = json!({"model": "claude-mock-small", "max_tokens": 64, "stream": true,
+        "system": "answer in one line",
+        "messages": [
+            {"role": "user", "content": "look it up"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
+                {"type": "tool_use", "id": "tu_1", "name": "lookup", "input": {"q": "x"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1",
+                "content": "found"}]}],
+        "tools": [{"name": "lookup", "description": "find", "input_schema": {"type": "object"}}]});
+    let r = app.post("/v1/messages", messages.to_string(), &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    let (_, events) = read_events(r).await;
+    expected.insert(id, json!(anthropic_stream_text(&events)));
+    // A non-stream Gemini call.
+    let r = app
+        .post(
+            "/v1beta/models/gemini-mock:generateContent",
+            json!({"contents": [{"role": "user", "parts": [{"text": "hi gemini"}]}]}).to_string(),
+            &[],
+        )
+        .await;
+    let id = header(&r, "holdfast-request-id");
+    let answer: Value = r.json().await.unwrap();
+    expected.insert(
+        id,
+        answer["candidates"][0]["content"]["parts"][0]["text"].clone(),
+    );
+    // Skipped: an image in the prompt, and a completions call.
+    send(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": "gpt-4o-mini", "messages": [{"role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+        None,
+    )
+    .await;
+    send(
+        &app,
+        "/v1/completions",
+        json!({"model": "gpt-4o-mini", "prompt": "x"}),
+        None,
+    )
+    .await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("train.jsonl");
+    let (code, out, err) = run_holdfast(
+        dir.path(),
+        &[
+            "requests",
+            "export",
+            "--format",
+            "openai-chat",
+            "-o",
+            file.to_str().unwrap(),
+        ],
+        &[("HOLDFAST_URL", &app.base)],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("exported 3 examples"), "{err}");
+    assert!(err.contains("skipped 2 requests"), "{err}");
+    assert!(
+        err.contains("image_url") && err.contains("openai.completions"),
+        "{err}"
+    );
+    assert!(
+        !err.contains('\r') && !err.contains("rows"),
+        "no progress bar when piped: {err}"
+    );
+
+    // The lines are in request order, like the expected answers' ids (UUID v7, sorted).
+    let texts: Vec<Value> = expected.values().cloned().collect();
+    let expected_file = dir.path().join("expected.json");
+    std::fs::write(&expected_file, serde_json::to_string(&texts).unwrap()).unwrap();
+    let report = run_python_args(
+        "finetune_format.py",
+        &[file.to_str().unwrap(), expected_file.to_str().unwrap()],
+        &[],
+    );
+    assert!(report.contains("3 examples ok"), "{report}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_export_writes_records_to_stdout_and_refuses_a_wrong_key_cli_ex6() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("team-a", "team-b");
+    })
+    .await;
+    let mine = send(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "cli export"}]}),
+        Some("key-a"),
+    )
+    .await;
+    send(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "cli export"}]}),
+        Some("key-b"),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        ("HOLDFAST_URL", app.base.as_str()),
+        ("HOLDFAST_API_KEY", "key-a"),
+    ];
+    let (code, out, err) = run_holdfast(dir.path(), &["requests", "export"], &env);
+    assert_eq!(code, 0, "{err}");
+    let got = lines(&out);
+    assert_eq!(got.len(), 1, "{out}");
+    assert_eq!(got[0]["cursor"], mine.as_str());
+    assert!(err.contains("exported 1 records"), "{err}");
+    let (code, out, _) = run_holdfast(dir.path(), &["requests", "export", "--after", &mine], &env);
+    assert_eq!((code, out.as_str()), (0, ""));
+    let bad = [
+        ("HOLDFAST_URL", app.base.as_str()),
+        ("HOLDFAST_API_KEY", "nope"),
+    ];
+    let (code, _, err) = run_holdfast(dir.path(), &["requests", "export"], &bad);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("401"), "{err}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn usage_answers_hour_and_day_buckets_with_their_groups_and_refuses_another_bucket_ex10() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    for (i, model) in ["gpt-4o-mini", "gpt-4o-mini", "mock-large"]
+        .iter()
+        .enumerate()
+    {
+        send(
+            &app,
+            "/v1/chat/completions",
+            json!({"model": model,
+            "messages": [{"role": "user", "content": format!("bucket {i}")}]}),
+            None,
+        )
+        .await;
+    }
+    for bucket in ["hour", "day"] {
+        let usage = get_json(&app.http, &format!("{}/usage?bucket={bucket}", app.base)).await;
+        assert_eq!(usage["bucket"], bucket);
+        let buckets = usage["buckets"].as_array().unwrap();
+        // All three were sent just now: one bucket (or two across an hour's turn).
+        assert!(!buckets.is_empty() && buckets.len() <= 2, "{usage}");
+        let sum = |model: &str| -> u64 {
+            buckets
+                .iter()
+                .flat_map(|b| b["groups"].as_array().unwrap())
+                .filter(|g| g["key"] == model)
+                .map(|g| g["requests"].as_u64().unwrap())
+                .sum()
+        };
+        assert_eq!((sum("gpt-4o-mini"), sum("mock-large")), (2, 1), "{usage}");
+        let start = chrono::DateTime::parse_from_rfc3339(buckets[0]["start"].as_str().unwrap())
+            .unwrap()
+            .timestamp();
+        let width = if bucket == "hour" { 3600 } else { 86_400 };
+        assert_eq!(start % width, 0, "a UTC {bucket}'s start: {usage}");
+        assert_eq!(usage["totals"]["requests"], 3);
+    }
+    let plain = get_json(&app.http, &format!("{}/usage", app.base)).await;
+    assert!(plain.get("buckets").is_none(), "{plain}");
+    let r = app
+        .http
+        .get(format!("{}/usage?bucket=week", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("bucket"));
+    app.stop().await;
+}

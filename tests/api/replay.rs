@@ -1,0 +1,211 @@
+//! Replaying a logged call (issue 34): `POST /requests/{id}/replay` and `holdfast requests
+//! replay` against the mock (EX-7..EX-9), and namespace isolation.
+
+use holdfast::mock::MockConfig;
+use serde_json::{Value, json};
+
+use crate::helpers::*;
+
+async fn send(app: &TestApp, body: Value, key: Option<&str>) -> String {
+    let auth = key.map(|key| format!("Bearer {key}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    let r = app
+        .post("/v1/chat/completions", body.to_string(), &headers)
+        .await;
+    assert!(r.status().is_success(), "{}", r.status());
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await.unwrap();
+    id
+}
+
+async fn replay_api(app: &TestApp, id: &str, body: &str, key: Option<&str>) -> (u16, Value) {
+    let mut req = app
+        .http
+        .post(format!("{}/requests/{id}/replay", app.base))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    if let Some(key) = key {
+        req = req.bearer_auth(key);
+    }
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn replays_of(app: &TestApp, id: &str, key: Option<&str>) -> Vec<Value> {
+    let mut req = app
+        .http
+        .get(format!("{}/requests?replay_of={id}", app.base));
+    if let Some(key) = key {
+        req = req.bearer_auth(key);
+    }
+    let list: Value = req.send().await.unwrap().json().await.unwrap();
+    list["data"].as_array().unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_with_another_model_calls_the_provider_again_links_the_new_request_and_shows_both_answers_ex7_ex8_ex9()
+ {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.prices = vec![holdfast::config::Price {
+            backend: "mock-openai".into(),
+            model: "gpt-4o-mini".into(),
+            input_per_mtok: 0.15,
+            output_per_mtok: 0.6,
+            cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
+        }];
+    })
+    .await;
+    let body = json!({"model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "replay me"}]});
+    let original = send(&app, body.clone(), None).await;
+    let calls = app.mock.calls();
+
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("HOLDFAST_URL", app.base.as_str())];
+    let (code, out, err) = run_holdfast(
+        dir.path(),
+        &["requests", "replay", &original, "--model", "mock-large"],
+        &env,
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        app.mock.calls(),
+        calls + 1,
+        "a replay calls the provider (EX-7)"
+    );
+    assert!(out.contains("ORIGINAL") && out.contains("REPLAY"), "{out}");
+    assert!(out.contains("mock reply to gpt-4o-mini:"), "{out}");
+    assert!(out.contains("mock reply to mock-large:"), "{out}");
+    assert!(out.contains('$'), "the original's cost: {out}");
+
+    let replays = replays_of(&app, &original, None).await;
+    assert_eq!(replays.len(), 1);
+    let replay = &replays[0];
+    assert_eq!(replay["replay_of"], original.as_str());
+    assert_eq!(replay["model"], "mock-large");
+    assert_eq!(replay["status"], "succeeded");
+    assert!(out.contains(replay["id"].as_str().unwrap()), "{out}");
+    assert_eq!(app.record(&original).await["replay_of"], Value::Null);
+    // The body went out again with only its model changed (ID-3b).
+    let shown: Value = app
+        .http
+        .get(format!(
+            "{}/requests/{}?include=body",
+            app.base,
+            replay["id"].as_str().unwrap()
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(shown["request"]["body"]["messages"], body["messages"]);
+    assert_eq!(shown["request"]["body"]["model"], "mock-large");
+
+    // Same model again, a streamed original, `--json`: another provider call even though the
+    // original's claim lives (its identity is new), the stream reassembled for the texts.
+    let streamed = send(
+        &app,
+        json!({"model": "gpt-4o-mini", "stream": true,
+            "messages": [{"role": "user", "content": "replay my stream"}]}),
+        None,
+    )
+    .await;
+    let calls = app.mock.calls();
+    let (code, out, err) = run_holdfast(
+        dir.path(),
+        &["requests", "replay", &streamed, "--json"],
+        &env,
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(app.mock.calls(), calls + 1);
+    let both: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(both["original"]["id"], streamed.as_str());
+    assert_eq!(both["replay"]["replay_of"], streamed.as_str());
+    assert_eq!(both["replay"]["stream"], true);
+    assert_eq!(
+        both["original"]["answer_text"],
+        both["replay"]["answer_text"]
+    );
+    assert!(
+        both["replay"]["answer_text"]
+            .as_str()
+            .unwrap()
+            .starts_with("mock reply to gpt-4o-mini:")
+    );
+
+    // What the API refuses, naming it.
+    for (body, name) in [
+        (r#"{"backend":"nope"}"#, "backend"),
+        (r#"{"backend":"mock-anthropic"}"#, "backend"),
+        (r#"{"colour":"red"}"#, "colour"),
+        (r#"{"model":5}"#, "model"),
+        ("[1]", "body"),
+    ] {
+        let (status, answer) = replay_api(&app, &original, body, None).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(
+            answer["error"]["message"].as_str().unwrap().contains(name),
+            "{body}: {answer}"
+        );
+    }
+    let (status, answer) = replay_api(&app, &original, r#"{"backend":"mock-openai"}"#, None).await;
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(answer["backend"], "mock-openai");
+    assert_eq!(answer["replay_of"], original.as_str());
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_key_replays_only_its_own_requests_and_an_unknown_or_foreign_id_exits_1_ex7_ex9()
+ {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("team-a", "team-b");
+        c.admin_api_keys = vec!["admin".into()];
+    })
+    .await;
+    let of_a = send(
+        &app,
+        json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "mine"}]}),
+        Some("key-a"),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let as_b = [
+        ("HOLDFAST_URL", app.base.as_str()),
+        ("HOLDFAST_API_KEY", "key-b"),
+    ];
+    let calls = app.mock.calls();
+    let (code, out, err) = run_holdfast(dir.path(), &["requests", "replay", &of_a], &as_b);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("404") && err.contains(&format!("no request {of_a}")),
+        "{err}"
+    );
+    let unknown = uuid::Uuid::now_v7().to_string();
+    let as_a = [
+        ("HOLDFAST_URL", app.base.as_str()),
+        ("HOLDFAST_API_KEY", "key-a"),
+    ];
+    let (code, _, err) = run_holdfast(dir.path(), &["requests", "replay", &unknown], &as_a);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("404") && err.contains(&unknown), "{err}");
+    assert_eq!(app.mock.calls(), calls, "nothing was sent");
+    let (status, _) = replay_api(&app, &of_a, "{}", Some("key-b")).await;
+    assert_eq!(status, 404);
+    let (status, _) = replay_api(&app, "not-an-id", "{}", Some("key-a")).await;
+    assert_eq!(status, 404);
+
+    // An admin replays it into its own namespace: team-a sees the replay, team-b does not.
+    let (status, replay) = replay_api(&app, &of_a, "{}", Some("admin")).await;
+    assert_eq!(status, 201, "{replay}");
+    assert_eq!(replays_of(&app, &of_a, Some("key-a")).await.len(), 1);
+    assert!(replays_of(&app, &of_a, Some("key-b")).await.is_empty());
+    // Its own key replays it too.
+    let (code, out, err) = run_holdfast(dir.path(), &["requests", "replay", &of_a], &as_a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(replays_of(&app, &of_a, Some("key-a")).await.len(), 2);
+    app.stop().await;
+}
