@@ -648,6 +648,24 @@ struct HoldfastSetup {
     traces_to: Option<String>,
 }
 
+/// A collector that accepts every OTLP/HTTP export at once (an empty
+/// `ExportTraceServiceResponse`), reading and dropping what it is sent: where the
+/// live-collector target exports its traces. Its address.
+async fn collector_sink() -> Result<std::net::SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(|_body: axum::body::Bytes| async {
+            ([("content-type", "application/x-protobuf")], Vec::<u8>::new())
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(addr)
+}
+
 /// A collector that accepts connections and never answers (and never closes them): where the
 /// dead-collector target exports its traces. Its address.
 async fn black_hole() -> Result<std::net::SocketAddr> {
@@ -2255,8 +2273,15 @@ async fn run(options: Options) -> Result<()> {
             synchronous: "normal",
             traces_to: None,
         },
-        // Issue 32: traces on, exported to a collector that accepts connections and never
-        // answers; the calls must not notice.
+        // Issue 32: traces on, exported to a collector that accepts every export at once, and
+        // to one that accepts connections and never answers; the calls must not notice the
+        // difference.
+        HoldfastSetup {
+            label: "holdfast traces live collector".into(),
+            database_url: None,
+            synchronous: "full",
+            traces_to: Some(format!("http://{}/v1/traces", collector_sink().await?)),
+        },
         HoldfastSetup {
             label: "holdfast traces dead collector".into(),
             database_url: None,
