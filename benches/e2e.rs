@@ -657,7 +657,10 @@ async fn collector_sink() -> Result<std::net::SocketAddr> {
     let app = axum::Router::new().route(
         "/v1/traces",
         axum::routing::post(|_body: axum::body::Bytes| async {
-            ([("content-type", "application/x-protobuf")], Vec::<u8>::new())
+            (
+                [("content-type", "application/x-protobuf")],
+                Vec::<u8>::new(),
+            )
         }),
     );
     tokio::spawn(async move {
