@@ -69,17 +69,28 @@ impl Cluster {
         cluster
     }
 
-    /// [`Cluster::start`] with traces exported to `endpoint` by every node (OT-1).
-    async fn start_traced(mock: MockConfig, started: usize, endpoint: &str) -> Cluster {
+    /// A traced cluster (OT-1: every node exports to `endpoint`, `top` put before its
+    /// configuration's tables) whose node A (index 0) streams `text`, 60 events 50 ms apart:
+    /// the cluster and the request's id, once A has stored a few events.
+    async fn traced_stream_on_node_a(endpoint: &str, top: &str, text: &str) -> (Cluster, String) {
+        let mock = MockConfig {
+            chunks: 60,
+            chunk_delay_ms: 50,
+            ..MockConfig::default()
+        };
         let mut cluster = Cluster::start(mock, 0).await;
         cluster.toml = format!(
-            "{}\n[otel]\nenabled = true\nendpoint = \"{endpoint}\"\n",
+            "{top}\n{}\n[otel]\nenabled = true\nendpoint = \"{endpoint}\"\n",
             cluster.toml
         );
-        for _ in 0..started {
-            cluster.add_node().await;
-        }
+        let a = cluster.add_node().await;
+        let id = cluster.submit_async(a, &stream_body(text)).await;
         cluster
+            .wait_record(a, &id, "chunks to flow on node A", |r| {
+                r["last_seq"].as_i64().unwrap_or(0) >= 3
+            })
+            .await;
+        (cluster, id)
     }
 
     /// Starts one more node; returns its index.
@@ -770,21 +781,9 @@ fn attempt_span_id(id: &str, attempt: u32) -> String {
 async fn a_stream_recovered_on_another_node_is_a_second_attempt_span_under_the_same_call_linked_to_the_first_ot2_ot3()
  {
     let receiver = crate::traces::Receiver::start().await;
-    let mock = MockConfig {
-        chunks: 60,
-        chunk_delay_ms: 50,
-        ..MockConfig::default()
-    };
-    let mut cluster = Cluster::start_traced(mock, 1, &receiver.url).await;
+    let (mut cluster, id) =
+        Cluster::traced_stream_on_node_a(&receiver.url, "", "trace my recovery").await;
     let a = 0;
-    let id = cluster
-        .submit_async(a, &stream_body("trace my recovery"))
-        .await;
-    cluster
-        .wait_record(a, &id, "chunks to flow on node A", |r| {
-            r["last_seq"].as_i64().unwrap_or(0) >= 3
-        })
-        .await;
     // The call's server span (ended with its 202) reached the receiver from node A.
     let spans = receiver
         .wait("node A's server span", |s| {
@@ -839,23 +838,14 @@ async fn a_stream_recovered_on_another_node_is_a_second_attempt_span_under_the_s
 async fn a_stream_handed_back_at_shutdown_and_finished_on_another_node_is_two_linked_attempt_spans_ot3_du5()
  {
     let receiver = crate::traces::Receiver::start().await;
-    let mock = MockConfig {
-        chunks: 60,
-        chunk_delay_ms: 50,
-        ..MockConfig::default()
-    };
-    let mut cluster = Cluster::start_traced(mock, 0, &receiver.url).await;
     // Shutdown's grace is short: the running attempt is handed back (DU-5) and ends its span.
-    cluster.toml = format!("shutdown_grace_ms = 200\n{}", cluster.toml);
-    let a = cluster.add_node().await;
-    let id = cluster
-        .submit_async(a, &stream_body("trace my hand-back"))
-        .await;
-    cluster
-        .wait_record(a, &id, "chunks to flow on node A", |r| {
-            r["last_seq"].as_i64().unwrap_or(0) >= 3
-        })
-        .await;
+    let (mut cluster, id) = Cluster::traced_stream_on_node_a(
+        &receiver.url,
+        "shutdown_grace_ms = 200",
+        "trace my hand-back",
+    )
+    .await;
+    let a = 0;
     let b = cluster.add_node().await;
     assert!(cluster.nodes[a].sigterm_and_wait(Duration::from_secs(20)));
     let record = wait_terminal(&cluster.http, cluster.base(b), &id, Duration::from_secs(30)).await;
