@@ -151,11 +151,12 @@ fn options() -> Result<Options> {
             "--rows" => rows = list(args.next().context("--rows needs a value")?),
             "--profile" => profile = Some("fp"),
             "--profile-dwarf" => profile = Some("dwarf,32768"),
+            "--profile-switches" => profile = Some("switches"),
             other if other.starts_with('-') => bail!(
                 "unknown option {other}; options: --quick, --database-url URL \
                  (or HOLDFAST_BENCH_DATABASE_URL), --targets A,B (substrings of target names: \
                  direct, nginx, full, normal, ...), --rows A,B (nonstream, replay, stream, storm, \
-                 streams, paced, prompts), --profile or --profile-dwarf (perf record each holdfast process)"
+                 streams, paced, prompts), --profile, --profile-dwarf or --profile-switches (perf record each holdfast process)"
             ),
             // A positional filter from `cargo bench -- NAME`: nothing to filter here.
             _ => {}
@@ -367,22 +368,21 @@ fn start_profile(options: &Options, pid: u32, out_dir: &Path, name: &str) -> Res
         .collect();
     let data = out_dir.join(format!("{file}.perf.data"));
     let mut cmd = Command::new("perf");
-    let (frequency, call_graph) = if call_graph == "fp" {
-        ("999", call_graph)
-    } else {
-        ("299", call_graph)
+    // What is sampled: CPU time, or (`--profile-switches`) every time a thread leaves its CPU,
+    // with the stack that made it: why the proxy's threads hand off to each other.
+    let (event, frequency, call_graph) = match call_graph {
+        "fp" => ("cpu-clock", "999", "fp"),
+        "switches" => ("sched:sched_switch", "1", "dwarf,16384"),
+        dwarf => ("cpu-clock", "299", dwarf),
     };
-    cmd.args([
-        "record",
-        "-F",
-        frequency,
-        "--call-graph",
-        call_graph,
-        "-p",
-        &pid.to_string(),
-        "-o",
-    ])
-    .arg(&data);
+    cmd.args(["record", "-e", event]);
+    if event == "cpu-clock" {
+        cmd.args(["-F", frequency]);
+    } else {
+        cmd.args(["-c", frequency]);
+    }
+    cmd.args(["--call-graph", call_graph, "-p", &pid.to_string(), "-o"])
+        .arg(&data);
     let child = spawn("perf", cmd, &out_dir.join(format!("{file}.perf.log")))?;
     println!("  profiling pid {pid} into {}", data.display());
     Ok(Some(child))

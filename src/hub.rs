@@ -25,8 +25,12 @@ pub(crate) enum HubEvent {
     Chunks(Arc<Vec<Chunk>>),
     /// An attempt handed these data chunks to the chunk writer: not yet committed, and maybe
     /// never (RS-11). Only a proxied stream takes them; every positioned reader waits for
-    /// [`HubEvent::Chunks`] (RD-4).
+    /// [`HubEvent::Logged`] (RD-4).
     Ahead(Arc<Handed>),
+    /// Chunks handed on ahead of the log ([`HubEvent::Ahead`]) are now committed, in seq
+    /// order. A reader treats them as [`HubEvent::Chunks`]; only those that may lack them are
+    /// woken for them ([`Hub::subscribe_to_new`]).
+    Logged(Arc<Vec<Chunk>>),
     /// This node's worker recorded an attempt's outcome: the record as that committed write
     /// left it, so a waiter can answer without reading it back. Anyone else treats it as
     /// [`HubEvent::Changed`].
@@ -45,7 +49,17 @@ pub(crate) struct Handed {
 /// Per-request broadcast channels, created on first subscription and dropped with the last.
 #[derive(Debug, Default)]
 pub(crate) struct Hub {
-    channels: Mutex<HashMap<Uuid, broadcast::Sender<HubEvent>>>,
+    channels: Mutex<HashMap<Uuid, Channel>>,
+}
+
+/// One request's channel.
+#[derive(Debug)]
+struct Channel {
+    tx: broadcast::Sender<HubEvent>,
+    /// Subscriptions that take [`HubEvent::Logged`]: while there are none it is not sent, so
+    /// that a stream's own submitter, which took every event ahead, is not woken again for
+    /// each commit (issue 30).
+    log_readers: usize,
 }
 
 /// A reader's subscription to one request; unsubscribes on drop.
@@ -54,6 +68,10 @@ pub(crate) struct Subscription {
     hub: Arc<Hub>,
     id: Uuid,
     rx: broadcast::Receiver<HubEvent>,
+    /// Taken before the request existed: it has received every event of it.
+    from_creation: bool,
+    /// Counted in the channel's `log_readers`.
+    reads_log: bool,
 }
 
 /// Events a request's channel holds for its slowest reader. A reader further behind gets
@@ -68,26 +86,45 @@ impl Hub {
         Arc::new(Hub::default())
     }
 
-    /// Subscribes to events of request `id`.
+    /// Subscribes to every event of request `id`.
     pub(crate) fn subscribe(self: &Arc<Self>, id: Uuid) -> Subscription {
+        self.subscribe_as(id, false)
+    }
+
+    /// Subscribes to request `id` before it exists, so that no event of it can be missed: such
+    /// a subscription is not woken for [`HubEvent::Logged`] (it took those chunks ahead, or
+    /// reads them with the request's outcome) until it lags behind the channel.
+    pub(crate) fn subscribe_to_new(self: &Arc<Self>, id: Uuid) -> Subscription {
+        self.subscribe_as(id, true)
+    }
+
+    fn subscribe_as(self: &Arc<Self>, id: Uuid, from_creation: bool) -> Subscription {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        let rx = channels
-            .entry(id)
-            .or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
-            .subscribe();
+        let channel = channels.entry(id).or_insert_with(|| Channel {
+            tx: broadcast::channel(CHANNEL_CAPACITY).0,
+            log_readers: 0,
+        });
+        let reads_log = !from_creation;
+        channel.log_readers += usize::from(reads_log);
         Subscription {
             hub: Arc::clone(self),
             id,
-            rx,
+            rx: channel.tx.subscribe(),
+            from_creation,
+            reads_log,
         }
     }
 
-    /// Publishes `event` to the subscribers of `id`, if there are any.
+    /// Publishes `event` to the subscribers of `id`, if there are any (for
+    /// [`HubEvent::Logged`], any that take it).
     pub(crate) fn publish(&self, id: Uuid, event: HubEvent) {
         let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = channels.get(&id) {
+        if let Some(channel) = channels.get(&id) {
+            if matches!(event, HubEvent::Logged(_)) && channel.log_readers == 0 {
+                return;
+            }
             // No receivers left is not an error: the last one is about to unsubscribe.
-            let _ = tx.send(event);
+            let _ = channel.tx.send(event);
         }
     }
 
@@ -109,24 +146,44 @@ impl Hub {
 
 impl Subscription {
     /// Waits for the next event. A lagged receiver gets [`HubEvent::Changed`], which makes the
-    /// reader re-read the store; a closed channel never happens while this subscription lives.
+    /// reader re-read the store, and from then on takes [`HubEvent::Logged`] too: events it
+    /// missed may be waiting for their commit. A closed channel never happens while this
+    /// subscription lives.
     pub(crate) async fn recv(&mut self) -> HubEvent {
         match self.rx.recv().await {
             Ok(event) => event,
-            Err(broadcast::error::RecvError::Lagged(_)) => HubEvent::Changed,
+            Err(broadcast::error::RecvError::Lagged(_)) => {
+                self.from_creation = false;
+                if !self.reads_log {
+                    self.reads_log = true;
+                    let mut channels = self.hub.channels.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(channel) = channels.get_mut(&self.id) {
+                        channel.log_readers += 1;
+                    }
+                }
+                HubEvent::Changed
+            }
             Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
         }
+    }
+
+    /// Whether this subscription was taken before its request existed and has received every
+    /// event of it since ([`Hub::subscribe_to_new`]): what the store holds of the request, it
+    /// has been told.
+    pub(crate) fn saw_every_event(&self) -> bool {
+        self.from_creation
     }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
         let mut channels = self.hub.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(channel) = channels.get_mut(&self.id) else {
+            return;
+        };
+        channel.log_readers -= usize::from(self.reads_log);
         // Our own receiver is still alive here, so "1" means nobody else listens.
-        if channels
-            .get(&self.id)
-            .is_some_and(|tx| tx.receiver_count() <= 1)
-        {
+        if channel.tx.receiver_count() <= 1 {
             channels.remove(&self.id);
         }
     }
@@ -147,6 +204,40 @@ mod tests {
         drop(b);
         assert_eq!(hub.len(), 1);
         drop(a);
+        assert!(hub.is_empty());
+    }
+
+    /// Issue 30: a subscription taken before its request existed is not woken for chunks it
+    /// took ahead of the log; any other subscriber is, and a lagged one from then on.
+    #[tokio::test]
+    async fn logged_chunks_wake_only_subscribers_that_may_lack_them_rs11() {
+        let hub = Hub::new();
+        let id = Uuid::now_v7();
+        let logged = || HubEvent::Logged(Arc::new(Vec::new()));
+        let mut fresh = hub.subscribe_to_new(id);
+        assert!(fresh.saw_every_event());
+        hub.publish(id, logged());
+        hub.publish(id, HubEvent::Changed);
+        assert_eq!(fresh.recv().await, HubEvent::Changed, "Logged was not sent");
+        let mut reader = hub.subscribe(id);
+        assert!(!reader.saw_every_event());
+        hub.publish(id, logged());
+        assert_eq!(reader.recv().await, logged());
+        assert_eq!(fresh.recv().await, logged(), "one channel: sent to all");
+        drop(reader);
+        hub.publish(id, logged());
+        hub.publish(id, HubEvent::Changed);
+        assert_eq!(fresh.recv().await, HubEvent::Changed, "not sent again");
+        // Lagging behind the channel: events may be waiting for their commit.
+        for _ in 0..=CHANNEL_CAPACITY {
+            hub.publish(id, HubEvent::Changed);
+        }
+        assert_eq!(fresh.recv().await, HubEvent::Changed);
+        assert!(!fresh.saw_every_event());
+        while fresh.rx.try_recv().is_ok() {}
+        hub.publish(id, logged());
+        assert_eq!(fresh.recv().await, logged(), "taken after a lag");
+        drop(fresh);
         assert!(hub.is_empty());
     }
 }

@@ -188,7 +188,7 @@ async fn admit(
     new.trace_parent = server.and_then(ServerSpan::traceparent);
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
-    let early = state.hub.subscribe(new.id);
+    let early = state.hub.subscribe_to_new(new.id);
     let submitted = state.workers.admit(new).await;
     let (record, replayed, fresh) = match submitted {
         Ok(Submitted::Created(record)) => {
@@ -820,7 +820,7 @@ async fn wait(
                 }
                 // Not committed: nothing a re-read would find.
                 HubEvent::Ahead(_) => read = false,
-                HubEvent::Changed | HubEvent::Chunks(_) => {}
+                HubEvent::Changed | HubEvent::Chunks(_) | HubEvent::Logged(_) => {}
             },
             () = tokio::time::sleep(WAIT_POLL) => {}
             // Shutdown (DU-5): this node's workers handed the request back; another node's

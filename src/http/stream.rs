@@ -177,10 +177,18 @@ pub(super) fn follow(
         for handed in &early {
             position.offer_all(&handed.chunks, Source::Ahead, &mut out);
         }
+        // A subscription taken before the request existed, which brought its first events:
+        // the store holds nothing of it that the hub has not told, so the first read is
+        // skipped (one store read less per new stream, issue 30).
+        let mut told_everything = subscription.saw_every_event() && !early.is_empty();
         let mut quiet_since = tokio::time::Instant::now();
         loop {
             // Backlog from the store.
-            let page = store.chunks_after(id, position.read_from(), PAGE).await?;
+            let page = if std::mem::take(&mut told_everything) {
+                Vec::new()
+            } else {
+                store.chunks_after(id, position.read_from(), PAGE).await?
+            };
             let full = page.len() as i64 == PAGE;
             for chunk in page {
                 position.offer(Cow::Owned(chunk), Source::Store, &mut out);
@@ -204,7 +212,7 @@ pub(super) fn follow(
                 let mut reread = false;
                 tokio::select! {
                     event = subscription.recv() => match event {
-                        HubEvent::Chunks(chunks) => {
+                        HubEvent::Chunks(chunks) | HubEvent::Logged(chunks) => {
                             reread = !position.offer_all(&chunks, Source::Committed, &mut out);
                         }
                         HubEvent::Ahead(handed) => {

@@ -18,7 +18,7 @@ mod rules;
 pub mod sqlite;
 
 pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackState};
-pub(crate) use rules::holds_outcome;
+pub(crate) use rules::{end_chunk, holds_outcome};
 pub use rules::{end_data, failure_releases_claim};
 
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Lifecycle decisions both adapters make the same way (SPEC LC-4, LC-6, LC-8, LC-9, ID-6,
 //! RD-5, RD-6). Each adapter runs only the SQL; what to write is decided here, once.
 
-use super::{ClaimKind, ErrorInfo, ErrorType, Outcome, RequestRecord, Status};
+use super::{Chunk, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Outcome, RequestRecord, Status};
 
 /// `error.message` of a request whose last lease expired with no attempts left (LC-4).
 pub(crate) const LEASE_EXPIRED_MESSAGE: &str =
@@ -42,6 +42,19 @@ pub(crate) fn settle(status: Status, error: Option<&ErrorInfo>, claim: ClaimKind
 /// The `data` of an `end` chunk: `{"status","error"}` (RD-5).
 pub fn end_data(status: Status, error: Option<&ErrorInfo>) -> String {
     serde_json::json!({ "status": status, "error": error }).to_string()
+}
+
+/// The `end` chunk that the write which made `settled` terminal stored with it, as both stores
+/// write it: at the record's last seq, as its last attempt's, with [`end_data`] of the record
+/// as it reads back (RD-5). `None` while the record is not terminal.
+pub(crate) fn end_chunk(settled: &RequestRecord) -> Option<Chunk> {
+    settled.status.is_terminal().then(|| Chunk {
+        seq: settled.last_seq,
+        attempt: settled.attempts,
+        kind: ChunkKind::End,
+        event: None,
+        data: end_data(settled.status, settled.error.as_ref()),
+    })
 }
 
 /// The `reset` chunk that separates an abandoned attempt from the next one (LC-8, RD-6):

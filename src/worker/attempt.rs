@@ -214,7 +214,20 @@ impl WorkerPool {
 
     /// Announces a written outcome: its chunks and the settled request to readers, its usage
     /// and saved calls to the ledger, and a wake-up for the retry it schedules.
-    fn settle(&self, lease: &Lease, outcome: &Outcome, chunks: Vec<Chunk>, settled: RequestRecord) {
+    fn settle(
+        &self,
+        lease: &Lease,
+        outcome: &Outcome,
+        mut chunks: Vec<Chunk>,
+        settled: RequestRecord,
+    ) {
+        // A stream's last events go out with its `end`, which the same commit stored: its
+        // readers finish without reading the log back (issue 30).
+        if !chunks.is_empty()
+            && let Some(end) = crate::store::end_chunk(&settled)
+        {
+            chunks.push(end);
+        }
         if !chunks.is_empty() {
             self.hub
                 .publish(lease.id, HubEvent::Chunks(Arc::new(chunks)));

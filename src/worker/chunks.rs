@@ -310,7 +310,7 @@ async fn run(
                     let _ = match chunks {
                         Some(chunks) if publish => {
                             let id = batch.lease.id;
-                            hub.publish(id, HubEvent::Chunks(Arc::new(chunks)));
+                            hub.publish(id, HubEvent::Logged(Arc::new(chunks)));
                             ack.send(Ok(Some(Vec::new())))
                         }
                         chunks => ack.send(Ok(chunks)),
