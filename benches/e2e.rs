@@ -543,8 +543,13 @@ async fn start_floor(
     Ok((child, base))
 }
 
+/// The holdfast binary under test: this build's, or `HOLDFAST_BENCH_BIN` (an A/B run against
+/// another build, each row read beside the other in one run).
 fn holdfast_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_holdfast"))
+    std::env::var_os("HOLDFAST_BENCH_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_holdfast")),
+        PathBuf::from,
+    )
 }
 
 async fn start_mock(client: &reqwest::Client, dir: &Path) -> Result<(Child, String)> {
@@ -2017,6 +2022,10 @@ async fn plain_proxy_rows(
     if options.row("paced") {
         paced_row(results, name, base, mock, nonce, counts).await?;
     }
+    if options.row("streams") {
+        // No log to read the stored chunks from, no /metrics: the client-side measures only.
+        many_streams_row(results, name, base, nonce, counts, None).await?;
+    }
     Ok(())
 }
 
@@ -2079,6 +2088,16 @@ fn derived(results: &mut Results, proxies: &[String]) {
                 (
                     "non-stream c=64 proxy CPU per request",
                     "CPU per request − floor",
+                    "ms",
+                ),
+                (
+                    "1k streams wall time",
+                    "1k streams wall time / floor",
+                    "ratio",
+                ),
+                (
+                    "stream c=64 first event p50",
+                    "stream c=64 first event p50 − floor",
                     "ms",
                 ),
             ] {

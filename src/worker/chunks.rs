@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::retry::{WriteRetry, is_transient};
@@ -56,6 +56,9 @@ const MAX_HOLD: Duration = Duration::from_millis(2);
 #[derive(Clone, Debug)]
 pub struct ChunkWriter {
     queue: mpsc::UnboundedSender<Queued>,
+    /// Ends a hold: someone waits on the next commit. Batches handed on during a hold only
+    /// queue up, without waking the writer for each (issue 30).
+    urgent: Arc<Notify>,
 }
 
 /// A batch handed to the writer by [`ChunkWriter::hand_on`], until it is committed.
@@ -131,8 +134,9 @@ impl ChunkWriter {
     /// [`ChunkWriter::spawn`] over anything that appends chunks (a test's scripted store).
     fn spawn_over(store: impl Appends, hub: Arc<Hub>, retry_for: Duration) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, hub, rx, retry_for));
-        ChunkWriter { queue }
+        let urgent = Arc::new(Notify::new());
+        tokio::spawn(run(store, hub, rx, Arc::clone(&urgent), retry_for));
+        ChunkWriter { queue, urgent }
     }
 
     /// Stores `batch` (in a shared transaction with whatever else is queued) and returns the
@@ -149,6 +153,7 @@ impl ChunkWriter {
                 publish: false,
             })
             .map_err(|_| AppendError::Stopped)?;
+        self.urgent.notify_one();
         answer(done.await)
     }
 
@@ -179,6 +184,7 @@ impl ChunkWriter {
     /// is about to wait for what it handed on.
     pub(super) fn flush(&self) {
         let _ = self.queue.send(Queued::Flush);
+        self.urgent.notify_one();
     }
 }
 
@@ -232,6 +238,7 @@ async fn run(
     store: impl Appends,
     hub: Arc<Hub>,
     mut rx: mpsc::UnboundedReceiver<Queued>,
+    urgent: Arc<Notify>,
     retry_for: Duration,
 ) {
     let mut batches = Vec::new();
@@ -252,11 +259,19 @@ async fn run(
         }
         // Only handed-on batches wait, and only positioned readers wait on them: hold the
         // commit open a little for more, so that a commit carries many events (issue 30).
-        let hold_until = tokio::time::Instant::now() + last_commit.min(MAX_HOLD);
-        while !awaited && !batches.is_empty() && batches.len() < MAX_BATCHES_PER_COMMIT {
-            match tokio::time::timeout_at(hold_until, rx.recv()).await {
-                Ok(Some(queued)) => awaited |= take(queued, &mut batches, &mut acks),
-                Ok(None) | Err(_) => break,
+        // What is handed on meanwhile queues up without waking the writer; an awaited append
+        // or a flush ends the hold.
+        if !awaited && !batches.is_empty() && batches.len() < MAX_BATCHES_PER_COMMIT {
+            let hold = last_commit.min(MAX_HOLD);
+            tokio::select! {
+                () = tokio::time::sleep(hold) => {}
+                () = urgent.notified() => {}
+            }
+            while batches.len() < MAX_BATCHES_PER_COMMIT {
+                match rx.try_recv() {
+                    Ok(queued) => take(queued, &mut batches, &mut acks),
+                    Err(_) => break,
+                };
             }
         }
         if batches.is_empty() {
@@ -333,8 +348,6 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
-
-    use tokio::sync::Notify;
 
     use super::*;
     use crate::store::{Lease, NewChunk};
