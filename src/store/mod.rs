@@ -18,8 +18,8 @@ mod rules;
 pub mod sqlite;
 
 pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackState};
-pub(crate) use rules::{end_chunk, holds_outcome};
-pub use rules::{end_data, failure_releases_claim};
+pub(crate) use rules::holds_outcome;
+pub use rules::{end_chunk, end_data, failure_releases_claim};
 
 use std::sync::Arc;
 use std::time::Duration;

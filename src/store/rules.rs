@@ -47,7 +47,7 @@ pub fn end_data(status: Status, error: Option<&ErrorInfo>) -> String {
 /// The `end` chunk that the write which made `settled` terminal stored with it, as both stores
 /// write it: at the record's last seq, as its last attempt's, with [`end_data`] of the record
 /// as it reads back (RD-5). `None` while the record is not terminal.
-pub(crate) fn end_chunk(settled: &RequestRecord) -> Option<Chunk> {
+pub fn end_chunk(settled: &RequestRecord) -> Option<Chunk> {
     settled.status.is_terminal().then(|| Chunk {
         seq: settled.last_seq,
         attempt: settled.attempts,

@@ -21,7 +21,8 @@ use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, LeaseTo,
-    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage, end_data,
+    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage, end_chunk,
+    end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -420,6 +421,13 @@ async fn assert_single_end(store: &DynStore, record: &RequestRecord) {
     assert_eq!(end.seq, record.last_seq, "end is at last_seq");
     assert_eq!(end.event, None);
     assert_eq!(end.data, end_data(record.status, record.error.as_ref()));
+    // What the worker hands a stream's readers with its last batch instead of their reading
+    // the log back (issue 30): the stored chunk, field for field.
+    assert_eq!(
+        Some(end),
+        end_chunk(record).as_ref(),
+        "end_chunk of the record"
+    );
     let seqs: Vec<i64> = chunks.iter().map(|c| c.seq).collect();
     let expected: Vec<i64> = (1..=record.last_seq).collect();
     assert_eq!(seqs, expected, "seqs are 1..=last_seq without gaps");
