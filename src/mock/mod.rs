@@ -160,6 +160,8 @@ pub struct RecordedCall {
     pub body: Value,
     /// 1-based call number since the last reset.
     pub n: u64,
+    /// When the call arrived, in Unix milliseconds (the clock request records use).
+    pub at_ms: i64,
 }
 
 /// How many calls [`MockServer::recorded`] keeps.
@@ -385,6 +387,7 @@ impl Shared {
 #[derive(Clone)]
 struct RawCall {
     n: u64,
+    at_ms: i64,
     path: String,
     /// `name \0 value \0` for each header, in arrival order.
     headers: Vec<u8>,
@@ -404,8 +407,12 @@ impl RawCall {
             flat.extend_from_slice(value.as_bytes());
             flat.push(0);
         }
+        let at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         RawCall {
             n,
+            at_ms,
             path: uri
                 .path_and_query()
                 .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
@@ -428,6 +435,7 @@ impl RawCall {
             headers,
             body: serde_json::from_slice(&self.body).unwrap_or(Value::Null),
             n: self.n,
+            at_ms: self.at_ms,
         }
     }
 }

@@ -59,6 +59,10 @@ pub struct Workload {
     pub readers_per_stream: usize,
     /// Every submission asks for a callback to this URL (CB-1, CB-4).
     pub callback_url: Option<String>,
+    /// A provider call may start before its submission's commit (ID-9, SQLite): a kill in
+    /// between leaves a call for a request the log never held, made before the request that
+    /// the body's retry created. Not on PostgreSQL, where the claim commits before the call.
+    pub early_start: bool,
 }
 
 impl Workload {
@@ -109,10 +113,10 @@ pub struct Outcome {
 }
 
 /// The provider calls the mock recorded, collected while the workload runs: by call number,
-/// the content of the call's first message.
+/// the content of the call's first message and when the call arrived (Unix ms).
 #[derive(Debug, Default)]
 struct ProviderCalls {
-    by_number: std::collections::BTreeMap<u64, String>,
+    by_number: std::collections::BTreeMap<u64, (String, i64)>,
     /// Whether a collection found calls gone that were never collected (then per-body call
     /// counts are not known, only the total).
     missed: bool,
@@ -130,7 +134,7 @@ impl ProviderCalls {
                 .as_str()
                 .unwrap_or_default()
                 .to_string();
-            self.by_number.insert(call.n, content);
+            self.by_number.insert(call.n, (content, call.at_ms));
         }
     }
 }
@@ -392,13 +396,13 @@ async fn log_reader(
 
 /// The numbers of the provider calls with `content` made after call `after`.
 fn calls_after(
-    by_number: &std::collections::BTreeMap<u64, String>,
+    by_number: &std::collections::BTreeMap<u64, (String, i64)>,
     after: u64,
     content: &str,
 ) -> Vec<u64> {
     by_number
         .range(after + 1..)
-        .filter(|(_, c)| c.as_str() == content)
+        .filter(|(_, (c, _))| c.as_str() == content)
         .map(|(n, _)| *n)
         .collect()
 }
@@ -416,6 +420,9 @@ pub struct Counts {
     pub resets: u64,
     /// Provider calls the mock answered.
     pub provider_calls: u64,
+    /// Of them, calls for a body made before its request existed: submissions a kill cut off
+    /// between their early start and their commit (ID-9).
+    pub orphan_calls: u64,
     /// Log readers and the events they read.
     pub readers: usize,
     pub reader_events: usize,
@@ -463,20 +470,18 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
             println!("chaos: request no client learned of: {record}");
         }
     }
-    assert!(
-        counts.provider_calls <= counts.attempts,
-        "each attempt called the provider at most once: {} calls, {} attempts",
-        counts.provider_calls,
-        counts.attempts
-    );
 
     // Per body.
     let mut calls = outcome.calls;
     calls.collect(mock);
     let per_body_calls = !calls.missed;
-    let mut calls_by_content: HashMap<String, u64> = HashMap::new();
-    for content in calls.by_number.values() {
-        *calls_by_content.entry(content.clone()).or_default() += 1;
+    // Each body's calls, by arrival time.
+    let mut calls_by_content: HashMap<String, Vec<i64>> = HashMap::new();
+    for (content, at_ms) in calls.by_number.values() {
+        calls_by_content
+            .entry(content.clone())
+            .or_default()
+            .push(*at_ms);
     }
     let calls_by_number = calls.by_number;
     let mut final_texts: Vec<(usize, String, String)> = Vec::new();
@@ -495,14 +500,29 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
             "every accepted request ends terminal: {record}"
         );
         let attempts = record["attempts"].as_u64().unwrap();
-        let calls = calls_by_content
+        let created_at = chrono::DateTime::parse_from_rfc3339(
+            record["created_at"].as_str().expect("created_at"),
+        )
+        .expect("created_at is RFC 3339")
+        .timestamp_millis();
+        let arrivals = calls_by_content
             .get(&workload.content(i))
-            .copied()
-            .unwrap_or(0);
+            .map_or(&[][..], Vec::as_slice);
+        // Calls that arrived before the request existed were made for a submission the log
+        // never held: allowed only where an attempt may start before its commit (ID-9).
+        let orphans = arrivals.iter().filter(|&&at| at < created_at).count() as u64;
+        let calls = arrivals.len() as u64 - orphans;
         if per_body_calls {
             assert!(
+                orphans == 0 || workload.early_start,
+                "body {i}: {orphans} upstream calls before its request {id} was created \
+                 ({record})"
+            );
+            counts.orphan_calls += orphans;
+            assert!(
                 calls >= 1 && calls <= attempts,
-                "body {i}: {calls} upstream calls for {attempts} attempts"
+                "body {i}: {calls} upstream calls for {attempts} attempts (and {orphans} calls \
+                 before its request existed)"
             );
             // RS-12: once a client held the complete answer, the request never ran again.
             let answered_at = outcome.answered[&i];
@@ -617,6 +637,14 @@ pub async fn check(workload: &Workload, outcome: Outcome, mock: &MockServer) -> 
             "body {i} ({id}): the stored stream after its last reset is the provider's answer"
         );
     }
+    assert!(
+        counts.provider_calls <= counts.attempts + counts.orphan_calls,
+        "each attempt called the provider at most once: {} calls, {} attempts, {} calls for \
+         submissions a kill cut off before their commit (ID-9)",
+        counts.provider_calls,
+        counts.attempts,
+        counts.orphan_calls
+    );
     if !per_body_calls {
         println!(
             "chaos: the mock dropped calls before they were collected: {} provider calls checked \
@@ -660,6 +688,7 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
         stream_errors: &["attempt_abandoned"],
         readers_per_stream: 1,
         callback_url: Some(receiver.url.clone()),
+        early_start: true,
     };
 
     // The killer: SIGKILL at random moments, restart on the same address at once.
@@ -693,14 +722,16 @@ async fn chaos_sigkill_restarts_keep_every_invariant_du1() {
             .await;
     println!(
         "chaos: requests={} (logical {LOGICAL} x {COPIES}) kills={kills} logged={} attempts={} \
-         recoveries={} resets={} upstream_calls={} client_retries={retries} readers={} \
-         callbacks={} webhooks_received={} webhook_ids_repeated={} violations=0",
+         recoveries={} resets={} upstream_calls={} calls_cut_off_before_commit={} \
+         client_retries={retries} readers={} callbacks={} webhooks_received={} \
+         webhook_ids_repeated={} violations=0",
         counts.sent,
         counts.logged,
         counts.attempts,
         counts.recoveries,
         counts.resets,
         counts.provider_calls,
+        counts.orphan_calls,
         counts.readers,
         told.requests,
         told.received,

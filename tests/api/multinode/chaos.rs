@@ -184,6 +184,7 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
         stream_errors: &["attempt_abandoned", "store_unavailable"],
         readers_per_stream: NODES,
         callback_url: Some(receiver.url.clone()),
+        early_start: false,
     };
     let began = Instant::now();
     let driver = async {
