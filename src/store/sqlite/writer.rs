@@ -72,6 +72,9 @@ pub(super) trait WriteJob: Send {
     /// Runs the write inside the group's transaction, replacing what an earlier run of it
     /// returned. `false`: it failed, roll it back.
     fn run(&mut self, conn: &Connection) -> bool;
+    /// Tells the hook the last run's result, if it succeeded, once (ID-9): called after every
+    /// job of the group has run, right before the commit.
+    fn tell_early(&mut self);
     /// Answers the caller once the group is settled; `commit` is the group commit's failure.
     fn reply(self: Box<Self>, commit: Result<(), &str>);
     /// Drops the hook that would be told the result before the commit (ID-9).
@@ -96,13 +99,16 @@ where
         self.result = None;
         let result = (self.run)(conn);
         let keep = result.is_ok();
-        if let Ok(value) = &result
+        self.result = Some(result);
+        keep
+    }
+
+    fn tell_early(&mut self) {
+        if let Some(Ok(value)) = &self.result
             && let Some(early) = self.early.take()
         {
             early(value);
         }
-        self.result = Some(result);
-        keep
     }
 
     fn tell_only_when_durable(&mut self) {
@@ -248,6 +254,10 @@ fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Co
                 return Ok(Some(i));
             }
         }
+        // Only now, with the whole group run, may an attempt start ahead of the commit (ID-9):
+        // the window in which a kill leaves a provider call for a submission that is never
+        // stored is the commit's own write, not the rest of the group's statements.
+        tell_early(group);
         exec("COMMIT").map(|()| None)
     };
     let failed = match one_pass() {
@@ -271,6 +281,8 @@ fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Co
             }
             exec("RELEASE job")?;
         }
+        // The failed job's last run failed: its hook is not told.
+        tell_early(group);
         exec("COMMIT")
     };
     without_it()
@@ -279,6 +291,13 @@ fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Co
             rollback();
             e.to_string()
         })
+}
+
+/// Tells each job's hook what its run returned (ID-9), once the group has run whole.
+fn tell_early(group: &mut [Box<dyn WriteJob>]) {
+    for job in group {
+        std::panic::catch_unwind(AssertUnwindSafe(|| job.tell_early())).ok();
+    }
 }
 
 /// The checkpoint thread: copies committed WAL frames into the database file every
@@ -370,19 +389,26 @@ mod tests {
     }
 
     /// ID-9: the hook is told a job's result inside the open transaction (another connection
-    /// does not see the row yet), once, on its first successful run, even when the group is
-    /// run again without a failed job; the job's caller is answered after the commit.
+    /// does not see the row yet), once, after every job of its group has run (not when its own
+    /// job ran), even when the group is run again without a failed job; the job's caller is
+    /// answered after the commit.
     #[test]
-    fn a_hooked_job_is_told_its_result_before_the_commit_once_id9() {
+    fn a_hooked_job_is_told_its_result_after_its_group_ran_and_before_the_commit_once_id9() {
         let (dir, conn) = scratch();
         // What the hook was told, and what a reader saw then.
         type Told = Vec<(i64, Vec<i64>)>;
         let seen: Arc<std::sync::Mutex<Told>> = Arc::default();
         let told = Arc::clone(&seen);
         let path = dir.path().join("t.db");
-        let hook: Box<dyn FnOnce(&i64) + Send> = Box::new(move |n| {
-            let reader = Connection::open(&path).expect("reader");
-            told.lock().unwrap().push((*n, stored(&reader)));
+        // The order of the group's runs and the hook's telling.
+        let order: Arc<std::sync::Mutex<Vec<&str>>> = Arc::default();
+        let hook: Box<dyn FnOnce(&i64) + Send> = Box::new({
+            let order = Arc::clone(&order);
+            move |n| {
+                let reader = Connection::open(&path).expect("reader");
+                told.lock().unwrap().push((*n, stored(&reader)));
+                order.lock().unwrap().push("told 7");
+            }
         });
         let (reply, answer) = oneshot::channel();
         let hooked = Job {
@@ -395,16 +421,27 @@ mod tests {
             conn.execute("INSERT INTO t (n) VALUES (8)", [])?;
             Err(StoreError::Unavailable("this write fails".into()))
         });
-        let (committed, answers) = run_group(
-            &conn,
-            vec![(Box::new(hooked), answer), failing, job(insert(9))],
-        );
+        let last = job({
+            let order = Arc::clone(&order);
+            let mut insert = insert(9);
+            move |conn| {
+                order.lock().unwrap().push("ran 9");
+                insert(conn)
+            }
+        });
+        let (committed, answers) =
+            run_group(&conn, vec![(Box::new(hooked), answer), failing, last]);
         assert_eq!(committed, Ok(Committed::WithoutTheFailedJob));
         assert!(matches!(answers[..], [Ok(7), Err(_), Ok(9)]), "{answers:?}");
         assert_eq!(
             *seen.lock().unwrap(),
             vec![(7, vec![])],
             "told once, before anything was committed"
+        );
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["ran 9", "told 7"],
+            "told after the whole group ran (the first pass stopped at the failed job)"
         );
         assert_eq!(stored(&conn), vec![7, 9]);
     }
