@@ -33,11 +33,10 @@ impl SqliteStore {
         self.write_hooked(f, None).await
     }
 
-    /// [`SqliteStore::write`], calling `early` with what the job's first successful run
-    /// returned, before its group commits: for a caller that may act ahead of the commit and
-    /// waits for it before it answers anyone (ID-9). A later run of the job (its group rolled
-    /// back for another job's failure) answers the caller as usual, and so does a commit that
-    /// fails.
+    /// [`SqliteStore::write`], calling `early` with what the job returned once its whole group
+    /// has run, right before the group commits: for a caller that may act ahead of the commit
+    /// and waits for it before it answers anyone (ID-9). The job's caller is answered after the
+    /// commit as usual, also when the commit fails.
     pub(super) async fn write_hooked<T, F>(
         &self,
         f: F,
@@ -64,7 +63,7 @@ impl SqliteStore {
     }
 }
 
-/// What a job's first successful run is told to, before its commit (ID-9).
+/// Told a job's successful result once its group has run, before the commit (ID-9).
 pub(super) type Early<T> = Box<dyn FnOnce(&T) + Send>;
 
 /// One write of the group commit, type-erased for the writer's queue.
@@ -86,7 +85,7 @@ struct Job<T, F> {
     /// The last run's result; `None` before the first and after a panic.
     result: Option<Result<T, StoreError>>,
     reply: oneshot::Sender<Result<T, StoreError>>,
-    /// Told the first successful run's result, before the commit ([`SqliteStore::write_hooked`]).
+    /// Told the result of the run that commits, before the commit ([`SqliteStore::write_hooked`]).
     early: Option<Early<T>>,
 }
 
