@@ -68,9 +68,9 @@ pub(crate) struct Subscription {
     hub: Arc<Hub>,
     id: Uuid,
     rx: broadcast::Receiver<HubEvent>,
-    /// Taken before the request existed: it has received every event of it.
-    from_creation: bool,
-    /// Counted in the channel's `log_readers`.
+    /// Counted in the channel's `log_readers`: taken on a request that existed already, or
+    /// lagged since. Otherwise it was taken before the request existed and has received every
+    /// event of it.
     reads_log: bool,
 }
 
@@ -110,7 +110,6 @@ impl Hub {
             hub: Arc::clone(self),
             id,
             rx: channel.tx.subscribe(),
-            from_creation,
             reads_log,
         }
     }
@@ -153,7 +152,6 @@ impl Subscription {
         match self.rx.recv().await {
             Ok(event) => event,
             Err(broadcast::error::RecvError::Lagged(_)) => {
-                self.from_creation = false;
                 if !self.reads_log {
                     self.reads_log = true;
                     let mut channels = self.hub.channels.lock().unwrap_or_else(|e| e.into_inner());
@@ -171,7 +169,7 @@ impl Subscription {
     /// event of it since ([`Hub::subscribe_to_new`]): what the store holds of the request, it
     /// has been told.
     pub(crate) fn saw_every_event(&self) -> bool {
-        self.from_creation
+        !self.reads_log
     }
 }
 
