@@ -784,6 +784,8 @@ struct StreamRow {
     cpu_per_event: &'static str,
     /// Context switches of the proxy's threads per event received.
     switches_per_event: &'static str,
+    /// The row's proxy CPU split by thread, per event.
+    threads: ThreadRows,
     errors: &'static str,
 }
 
@@ -802,6 +804,11 @@ const SHORT_PROMPTS: StreamRow = StreamRow {
     cpu_per_stream: "stream c=64 proxy CPU per stream",
     cpu_per_event: "stream c=64 proxy CPU per event",
     switches_per_event: "stream c=64 proxy context switches per event",
+    threads: ThreadRows {
+        writer_cpu: "stream c=64 store writer CPU per event",
+        runtime_cpu: "stream c=64 runtime CPU per event",
+        writer_writes: "stream c=64 store writer write calls per event",
+    },
     errors: "stream c=64 errors",
 };
 
@@ -820,6 +827,11 @@ const LONG_PROMPTS: StreamRow = StreamRow {
     cpu_per_stream: "20 KB prompts c=64 proxy CPU per stream",
     cpu_per_event: "20 KB prompts c=64 proxy CPU per event",
     switches_per_event: "20 KB prompts c=64 proxy context switches per event",
+    threads: ThreadRows {
+        writer_cpu: "20 KB prompts c=64 store writer CPU per event",
+        runtime_cpu: "20 KB prompts c=64 runtime CPU per event",
+        writer_writes: "20 KB prompts c=64 store writer write calls per event",
+    },
     errors: "20 KB prompts c=64 errors",
 };
 
@@ -1154,6 +1166,123 @@ fn cpu_of(pids: &[u32]) -> Option<f64> {
     sum_over(pids, tree_cpu_secs)
 }
 
+/// One thread's CPU seconds and write calls so far (`/proc/<pid>/task/<tid>/stat` and `io`).
+struct ThreadTime {
+    comm: String,
+    cpu: f64,
+    /// `syscw`: calls of `write`, `pwrite`, `writev` and the like. For the SQLite writer, two
+    /// per WAL frame (its header and its page) and one per wake-up of the runtime.
+    writes: u64,
+}
+
+/// Every thread of `pids` (not of their child processes), by thread id.
+fn thread_times(pids: &[u32]) -> BTreeMap<u32, ThreadTime> {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let mut threads = BTreeMap::new();
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let Some(tid) = task
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let read = |name: &str| std::fs::read_to_string(task.path().join(name)).ok();
+            let (Some(comm), Some(stat)) = (read("comm"), read("stat")) else {
+                continue;
+            };
+            let Some(rest) = stat.rfind(')').map(|at| &stat[at + 2..]) else {
+                continue;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let ticks: f64 = [11, 12]
+                .iter()
+                .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<f64>().ok()))
+                .sum();
+            let writes = read("io")
+                .and_then(|io| status_field(&io, "syscw:"))
+                .unwrap_or(0);
+            threads.insert(
+                tid,
+                ThreadTime {
+                    comm: comm.trim().to_string(),
+                    cpu: ticks / hz,
+                    writes,
+                },
+            );
+        }
+    }
+    threads
+}
+
+/// Names of the rows that split a row's proxy CPU by thread (holdfast only).
+struct ThreadRows {
+    /// The SQLite writer thread's CPU ([`holdfast::store::sqlite::WRITER_THREAD`]).
+    writer_cpu: &'static str,
+    /// The tokio worker threads' CPU.
+    runtime_cpu: &'static str,
+    /// The SQLite writer thread's write calls.
+    writer_writes: &'static str,
+}
+
+/// Adds the [`ThreadRows`] of one row: what the threads alive at its end spent since `before`
+/// (a thread that started during the row counts from zero), per `per` requests or events, in
+/// microseconds. Nothing for a target without a SQLite writer thread.
+fn add_thread_rows(
+    results: &mut Results,
+    rows: &ThreadRows,
+    target: &str,
+    before: &BTreeMap<u32, ThreadTime>,
+    after: &BTreeMap<u32, ThreadTime>,
+    per: usize,
+) {
+    let (mut writer_cpu, mut runtime_cpu, mut writer_writes, mut writer_seen) =
+        (0.0, 0.0, 0, false);
+    for (tid, now) in after {
+        let (cpu, writes) = match before.get(tid) {
+            Some(then) => (now.cpu - then.cpu, now.writes.saturating_sub(then.writes)),
+            None => (now.cpu, now.writes),
+        };
+        if now.comm == holdfast::store::sqlite::WRITER_THREAD {
+            writer_seen = true;
+            writer_cpu += cpu;
+            writer_writes += writes;
+        } else if now.comm.starts_with("tokio-rt-worker") {
+            runtime_cpu += cpu;
+        }
+    }
+    if !writer_seen {
+        return;
+    }
+    let per = per.max(1) as f64;
+    results.add_n(
+        rows.writer_cpu,
+        target,
+        "us",
+        writer_cpu * 1e6 / per,
+        Some(per as usize),
+    );
+    results.add_n(
+        rows.runtime_cpu,
+        target,
+        "us",
+        runtime_cpu * 1e6 / per,
+        Some(per as usize),
+    );
+    results.add_n(
+        rows.writer_writes,
+        target,
+        "calls",
+        writer_writes as f64 / per,
+        Some(per as usize),
+    );
+}
+
 /// Values of unlabelled series on holdfast's `/metrics` (0 for one not exported yet); `None`
 /// when the target has no `/metrics` (no proxy, nginx).
 async fn metric_values(client: &reqwest::Client, base: &str, names: &[&str]) -> Option<Vec<f64>> {
@@ -1278,6 +1407,7 @@ async fn nonstream_rows(
     let writer_before = metric_values(client, base, &WRITER_SERIES).await;
     let cpu_before = cpu_of(pids);
     let switches_before = switches_of(pids);
+    let threads_before = thread_times(pids);
     let t = concurrent(
         client,
         &urls,
@@ -1286,7 +1416,20 @@ async fn nonstream_rows(
         counts.throughput,
     )
     .await;
+    let threads_after = thread_times(pids);
     let writer_after = metric_values(client, base, &WRITER_SERIES).await;
+    add_thread_rows(
+        results,
+        &ThreadRows {
+            writer_cpu: "non-stream c=64 store writer CPU per request",
+            runtime_cpu: "non-stream c=64 runtime CPU per request",
+            writer_writes: "non-stream c=64 store writer write calls per request",
+        },
+        target,
+        &threads_before,
+        &threads_after,
+        t.done,
+    );
     writer_rows(
         results,
         &[
@@ -1406,6 +1549,7 @@ async fn stream_throughput_row(
     let writer_before = metric_values(&client, base, &WRITER_SERIES).await;
     let cpu_before = cpu_of(pids);
     let switches_before = switches_of(pids);
+    let threads_before = thread_times(pids);
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..THROUGHPUT_CONCURRENCY {
@@ -1440,6 +1584,7 @@ async fn stream_throughput_row(
     let elapsed = start.elapsed();
     let cpu = cpu_before.zip(cpu_of(pids)).map(|(a, b)| b - a);
     let switches = switches_before.zip(switches_of(pids)).map(|(a, b)| b - a);
+    let threads_after = thread_times(pids);
     let writer_after = metric_values(&client, base, &WRITER_SERIES).await;
     if let Some(e) = errors.first() {
         eprintln!("  {} stream errors; first: {e}", errors.len());
@@ -1472,6 +1617,14 @@ async fn stream_throughput_row(
             Some(events),
         );
     }
+    add_thread_rows(
+        results,
+        &row.threads,
+        target,
+        &threads_before,
+        &threads_after,
+        events,
+    );
     if let Some(switches) = switches {
         results.add_n(
             row.switches_per_event,

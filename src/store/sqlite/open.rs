@@ -15,6 +15,8 @@ use crate::store::StoreError;
 
 /// Reads running at once, and read connections kept open.
 const MAX_READERS: usize = 8;
+/// The writer thread's name (15 bytes at most: Linux cuts longer ones).
+pub const WRITER_THREAD: &str = "sqlite-writer";
 /// How long a connection waits for a lock held by another process before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -292,8 +294,11 @@ impl SqliteStore {
         // hard limit ([`bound_wal`]).
         let rounds = Arc::new(Mutex::new(()));
         let writer_rounds = Arc::clone(&rounds);
+        // Thread names are what `top -H`, `perf` and `/proc/<pid>/task/*/comm` show, cut to 15
+        // bytes: these two fit, so the writer's CPU can be told from the checkpointer's (the e2e
+        // bench splits a row's CPU by them).
         std::thread::Builder::new()
-            .name("holdfast-sqlite-writer".into())
+            .name(WRITER_THREAD.into())
             .spawn(move || {
                 // Held until the last write is done.
                 let _lock = lock;
@@ -302,7 +307,7 @@ impl SqliteStore {
             .map_err(|e| StoreError::Unavailable(format!("starting the writer thread: {e}")))?;
         let (stop, stopped) = std::sync::mpsc::channel();
         std::thread::Builder::new()
-            .name("holdfast-sqlite-checkpoint".into())
+            .name("wal-checkpoint".into())
             .spawn(move || checkpoint_loop(checkpointer, stopped, &rounds))
             .map_err(|e| StoreError::Unavailable(format!("starting the checkpoint thread: {e}")))?;
         Ok(SqliteStore {
