@@ -3,8 +3,9 @@
 //! through the SQLite group-commit writer, as workers make them (issue 17; docs/benchmarks.md).
 //!
 //! `cargo bench --bench requests` prints requests per second and the process's CPU per request
-//! for SQLite `full` and `normal`. `-- --count N` changes the number of requests (default
-//! 20,000); under `valgrind --tool=callgrind` a small count gives repeatable instruction counts
+//! for SQLite `full` and `normal`, and the writer thread's share of it. `-- --count N` changes
+//! the number of requests (default 20,000), `-- --in-flight N` how many run at once (default
+//! 64: at 2, a commit holds about as few writes as a stream row's do); under `valgrind --tool=callgrind` a small count gives repeatable instruction counts
 //! per statement.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -18,8 +19,6 @@ use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
     ClaimKind, DynStore, LeaseTo, NewRequest, Outcome, Submitted, Usage, now_ms,
 };
-
-const IN_FLIGHT: usize = 64;
 
 /// A chat request body of the size the e2e bench sends, unique per `i`.
 fn body(run: u64, i: usize) -> Vec<u8> {
@@ -93,9 +92,35 @@ async fn one(store: &DynStore, run: u64, i: usize) {
     assert!(record.is_some(), "the lease is held");
 }
 
+/// CPU seconds so far of each SQLite writer thread of this process, by thread id (each store
+/// opened has one).
+fn writer_cpu_secs() -> std::collections::BTreeMap<String, f64> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Default::default();
+    };
+    tasks
+        .flatten()
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|comm| comm.trim() == holdfast::store::sqlite::WRITER_THREAD)
+        })
+        .filter_map(|task| {
+            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+            Some((
+                task.file_name().to_string_lossy().into_owned(),
+                stat_cpu_secs(&stat),
+            ))
+        })
+        .collect()
+}
+
 /// The process's user + system CPU seconds so far.
 fn cpu_secs() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    stat_cpu_secs(&std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat"))
+}
+
+/// User + system CPU seconds in a `/proc/.../stat` line.
+fn stat_cpu_secs(stat: &str) -> f64 {
     // Fields after the command name: state is field 3, utime 14, stime 15.
     let rest = &stat[stat.rfind(')').expect("comm") + 2..];
     let fields: Vec<&str> = rest.split(' ').collect();
@@ -106,11 +131,16 @@ fn cpu_secs() -> f64 {
 }
 
 fn main() {
-    let mut count = 20_000usize;
+    let (mut count, mut in_flight) = (20_000usize, 64usize);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         if arg == "--count" {
             count = args.next().and_then(|n| n.parse().ok()).expect("--count N");
+        } else if arg == "--in-flight" {
+            in_flight = args
+                .next()
+                .and_then(|n| n.parse().ok())
+                .expect("--in-flight N");
         }
     }
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
@@ -124,12 +154,12 @@ fn main() {
             let store: DynStore = Arc::new(SqliteStore::open(&url, sync).await.expect("open"));
             let run = now_ms() as u64;
             // Warm-up: the statements prepared, the tables' first pages allocated.
-            for i in 0..IN_FLIGHT {
+            for i in 0..in_flight {
                 one(&store, run, count + i).await;
             }
             let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            let (started, cpu) = (Instant::now(), cpu_secs());
-            let tasks: Vec<_> = (0..IN_FLIGHT)
+            let (started, cpu, writer) = (Instant::now(), cpu_secs(), writer_cpu_secs());
+            let tasks: Vec<_> = (0..in_flight)
                 .map(|_| {
                     let (store, next) = (Arc::clone(&store), Arc::clone(&next));
                     tokio::spawn(async move {
@@ -147,10 +177,16 @@ fn main() {
                 task.await.expect("task");
             }
             let (wall, cpu) = (started.elapsed().as_secs_f64(), cpu_secs() - cpu);
+            // The writer threads alive now, from what each had spent before (a new one: 0).
+            let writer: f64 = writer_cpu_secs()
+                .iter()
+                .map(|(tid, now)| now - writer.get(tid).copied().unwrap_or(0.0))
+                .sum();
             println!(
-                "sqlite {label}: {count} requests at {IN_FLIGHT} in flight: {:.0} requests/s, {:.1} µs CPU per request",
+                "sqlite {label}: {count} requests at {in_flight} in flight: {:.0} requests/s, {:.1} µs CPU per request, {:.1} of it on the writer thread",
                 count as f64 / wall,
-                cpu * 1e6 / count as f64
+                cpu * 1e6 / count as f64,
+                writer * 1e6 / count as f64
             );
         });
     }
