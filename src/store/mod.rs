@@ -891,6 +891,19 @@ pub trait Store: Send + Sync + 'static {
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError>;
 
+    /// [`Store::append_chunks`] for batches that only positioned readers wait on (handed on
+    /// ahead of the log, RS-11): the store may hold their commit open briefly for more writes
+    /// (DU-7). By default they are appended at once.
+    ///
+    /// # Errors
+    /// As [`Store::append_chunks`].
+    async fn append_chunks_unawaited(
+        &self,
+        batches: &[ChunkBatch],
+    ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        self.append_chunks(batches).await
+    }
+
     /// A stream's last batch and its attempt's outcome in one transaction: `last` appended as
     /// [`Store::append_chunks`] would, then `outcome` recorded as [`Store::finish_read`] would,
     /// so the final events, the outcome and the `end` chunk become durable with one commit

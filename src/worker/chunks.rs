@@ -8,8 +8,9 @@
 //! ([`ChunkWriter::hand_on`]): the attempt shows them to its proxied streams at once and reads on
 //! while the writer commits them, within a bounded window (RS-11); the writer publishes them to
 //! positioned readers once committed (RD-4). While nobody waits on a commit but those readers,
-//! the writer holds it open briefly for more ([`MAX_HOLD`]); an attempt that waits for what it
-//! handed on asks for the commit at once ([`ChunkWriter::flush`]). A stream's last batch, which
+//! the writer holds it open briefly for more ([`MAX_HOLD`]), and tells the store so, which may
+//! hold it again with other writes (DU-7); an attempt that waits for what it handed on asks for
+//! the commit at once ([`ChunkWriter::flush`]). A stream's last batch, which
 //! ends it, is appended and waited for ([`ChunkWriter::append`]) and published only with the
 //! outcome (RS-12). A commit that fails is tried again for `write_retry_secs` ([`WriteRetry`],
 //! decisions 37, 52) before its batches are failed.
@@ -190,9 +191,12 @@ impl ChunkWriter {
 
 /// What the writer needs of a store: [`Store::append_chunks`](crate::store::Store::append_chunks).
 trait Appends: Send + Sync + 'static {
+    /// Appends `batches` in one commit; `awaited`: someone waits on it besides positioned
+    /// readers (else the store may hold the commit for more, DU-7).
     fn append_chunks<'a>(
         &'a self,
         batches: &'a [ChunkBatch],
+        awaited: bool,
     ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>>;
 }
 
@@ -200,8 +204,13 @@ impl Appends for DynStore {
     fn append_chunks<'a>(
         &'a self,
         batches: &'a [ChunkBatch],
+        awaited: bool,
     ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>> {
-        self.as_ref().append_chunks(batches)
+        if awaited {
+            self.as_ref().append_chunks(batches)
+        } else {
+            self.as_ref().append_chunks_unawaited(batches)
+        }
     }
 }
 
@@ -209,9 +218,10 @@ impl Appends for DynStore {
 async fn append_timed(
     store: &impl Appends,
     batches: &[ChunkBatch],
+    awaited: bool,
 ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
     let started = std::time::Instant::now();
-    let result = store.append_chunks(batches).await;
+    let result = store.append_chunks(batches, awaited).await;
     if result.is_ok() {
         metrics::histogram!(m::CHUNK_COMMIT_SECONDS).record(started.elapsed().as_secs_f64());
     }
@@ -269,7 +279,7 @@ async fn run(
             }
             while batches.len() < MAX_BATCHES_PER_COMMIT {
                 match rx.try_recv() {
-                    Ok(queued) => take(queued, &mut batches, &mut acks),
+                    Ok(queued) => awaited |= take(queued, &mut batches, &mut acks),
                     Err(_) => break,
                 };
             }
@@ -278,7 +288,7 @@ async fn run(
             continue;
         }
         let started = tokio::time::Instant::now();
-        let mut result = append_timed(&store, &batches).await;
+        let mut result = append_timed(&store, &batches, awaited).await;
         if let Err(e) = &result
             && is_transient(e)
         {
@@ -302,7 +312,8 @@ async fn run(
                 }
                 tries += 1;
                 metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "chunks").increment(1);
-                result = append_timed(&store, &batches).await;
+                // A retry commits at once: these batches have waited a failure already.
+                result = append_timed(&store, &batches, true).await;
                 match &result {
                     Ok(_) => break,
                     Err(e) if is_transient(e) => {
@@ -357,6 +368,8 @@ mod tests {
     struct Scripted {
         fail: Box<dyn Fn(usize) -> Option<StoreError> + Send + Sync>,
         calls: Mutex<Vec<usize>>,
+        /// Whether each call was awaited (else the store may hold it, DU-7).
+        awaited: Mutex<Vec<bool>>,
         called: Notify,
         took: Duration,
     }
@@ -365,8 +378,10 @@ mod tests {
         fn append_chunks<'a>(
             &'a self,
             batches: &'a [ChunkBatch],
+            awaited: bool,
         ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>> {
             Box::pin(async move {
+                self.awaited.lock().unwrap().push(awaited);
                 let n = {
                     let mut calls = self.calls.lock().unwrap();
                     calls.push(batches.len());
@@ -388,6 +403,7 @@ mod tests {
         Arc::new(Scripted {
             fail: Box::new(fail),
             calls: Mutex::default(),
+            awaited: Mutex::default(),
             called: Notify::new(),
             took: Duration::ZERO,
         })
@@ -397,10 +413,11 @@ mod tests {
     /// last one took (at most MAX_HOLD) and takes what arrives meanwhile; an attempt that
     /// waits (a flush) or an appended batch that ends a stream is committed at once.
     #[tokio::test(start_paused = true)]
-    async fn a_commit_nobody_waits_on_is_held_open_for_more_and_a_flush_ends_the_hold() {
+    async fn a_commit_nobody_waits_on_is_held_open_for_more_and_a_flush_ends_the_hold_du7() {
         let store = Arc::new(Scripted {
             fail: Box::new(|_| None),
             calls: Mutex::default(),
+            awaited: Mutex::default(),
             called: Notify::new(),
             took: Duration::from_millis(1),
         });
@@ -430,6 +447,12 @@ mod tests {
         writer.append(batch("g")).await.unwrap();
         f.stored().await.unwrap();
         assert_eq!(calls(&store), vec![1, 2, 1, 1, 2]);
+        // DU-7: the store is told which commits only positioned readers wait on (it may hold
+        // those): not the flushed one, nor the one with an appended batch.
+        assert_eq!(
+            *store.awaited.lock().unwrap(),
+            vec![false, false, true, false, true]
+        );
     }
 
     fn calls(store: &Scripted) -> Vec<usize> {

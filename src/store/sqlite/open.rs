@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
-use tokio::sync::mpsc;
 
 use super::writer::{checkpoint_loop, write_loop};
 use super::{Inner, SqliteStore};
@@ -289,7 +288,7 @@ impl SqliteStore {
         let mut wal = path.clone().into_os_string();
         wal.push("-wal");
         let wal = PathBuf::from(wal);
-        let (jobs, queue) = mpsc::unbounded_channel();
+        let (jobs, queue) = std::sync::mpsc::channel();
         // One checkpoint round at a time: the checkpoint thread's, or the writer's at the WAL's
         // hard limit ([`bound_wal`]).
         let rounds = Arc::new(Mutex::new(()));

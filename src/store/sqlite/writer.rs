@@ -3,10 +3,11 @@
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::SqliteStore;
 use crate::store::StoreError;
@@ -19,6 +20,10 @@ const MAX_JOBS_PER_COMMIT: usize = 1024;
 const WAL_HARD_LIMIT: u64 = 48 << 20;
 /// How often the background thread checkpoints the WAL into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+/// Longest time the writer holds a group of jobs that may wait (a stream's ending) open for
+/// more before it commits it (DU-7); at most the last commit's duration, so a fast disk holds
+/// briefly.
+const MAX_HOLD: Duration = Duration::from_millis(2);
 
 impl SqliteStore {
     /// Runs `f` as one job of the writer's next group commit and returns its result once that
@@ -30,7 +35,17 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.write_hooked(f, None).await
+        self.enqueue(f, None, false).await
+    }
+
+    /// [`SqliteStore::write`] for a caller that accepts its commit being held open briefly for
+    /// more jobs while other writes are arriving (DU-7: a stream's ending).
+    pub(super) async fn write_may_wait<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+    {
+        self.enqueue(f, None, true).await
     }
 
     /// [`SqliteStore::write`], calling `early` with what the job returned once its whole group
@@ -46,12 +61,26 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
+        self.enqueue(f, early, false).await
+    }
+
+    async fn enqueue<T, F>(
+        &self,
+        f: F,
+        early: Option<Early<T>>,
+        may_wait: bool,
+    ) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+    {
         let (reply, answer) = oneshot::channel();
         let job = Job {
             run: f,
             result: None,
             reply,
             early,
+            may_wait,
         };
         self.inner
             .jobs
@@ -78,6 +107,8 @@ pub(super) trait WriteJob: Send {
     fn reply(self: Box<Self>, commit: Result<(), &str>);
     /// Drops the hook that would be told the result before the commit (ID-9).
     fn tell_only_when_durable(&mut self);
+    /// Whether its caller accepts its commit being held open for more (DU-7).
+    fn may_wait(&self) -> bool;
 }
 
 struct Job<T, F> {
@@ -87,6 +118,8 @@ struct Job<T, F> {
     reply: oneshot::Sender<Result<T, StoreError>>,
     /// Told the result of the run that commits, before the commit ([`SqliteStore::write_hooked`]).
     early: Option<Early<T>>,
+    /// Its commit may be held open for more ([`SqliteStore::write_may_wait`], DU-7).
+    may_wait: bool,
 }
 
 impl<T, F> WriteJob for Job<T, F>
@@ -114,12 +147,17 @@ where
         self.early = None;
     }
 
+    fn may_wait(&self) -> bool {
+        self.may_wait
+    }
+
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
         let Job {
             run,
             result,
             reply,
             early,
+            may_wait: _,
         } = *self;
         drop(early);
         // What the write captured goes first, so its caller gets back sole ownership of what it
@@ -145,7 +183,7 @@ where
 /// commit that left the WAL file (`wal`) over [`WAL_HARD_LIMIT`] it checkpoints the WAL itself.
 pub(super) fn write_loop(
     conn: Connection,
-    mut queue: mpsc::UnboundedReceiver<Box<dyn WriteJob>>,
+    queue: Receiver<Box<dyn WriteJob>>,
     wal: PathBuf,
     rounds: &Mutex<()>,
 ) {
@@ -153,24 +191,25 @@ pub(super) fn write_loop(
     // After a failed commit (a full disk), no job is acted on before its commit until one
     // succeeds again: a failing disk costs at most one group's early provider calls (ID-9).
     let mut failing = false;
-    while let Some(job) = queue.blocking_recv() {
+    // How long the last commit took: what DU-7's hold may add.
+    let mut last_commit = Duration::ZERO;
+    while let Ok(job) = queue.recv() {
         group.push(job);
-        while group.len() < MAX_JOBS_PER_COMMIT {
-            match queue.try_recv() {
-                Ok(job) => group.push(job),
-                Err(_) => break,
-            }
-        }
+        take_queued(&queue, &mut group);
+        // DU-7: a group of nothing but jobs that may wait is held open for more, since a
+        // commit costs nearly the same whatever it holds (docs/benchmarks.md).
+        hold(&queue, &mut group, last_commit.min(MAX_HOLD));
         if failing {
             for job in &mut group {
                 job.tell_only_when_durable();
             }
         }
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let jobs = group.len();
         let committed = commit_group(&conn, &mut group);
+        last_commit = started.elapsed();
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_SECONDS)
-            .record(started.elapsed().as_secs_f64());
+            .record(last_commit.as_secs_f64());
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_JOBS).record(jobs as f64);
         match &committed {
             Err(e) => {
@@ -187,6 +226,34 @@ pub(super) fn write_loop(
             job.reply(commit);
         }
         bound_wal(&conn, &wal, rounds);
+    }
+}
+
+/// Adds what is queued now to `group`, up to [`MAX_JOBS_PER_COMMIT`].
+fn take_queued(queue: &Receiver<Box<dyn WriteJob>>, group: &mut Vec<Box<dyn WriteJob>>) {
+    while group.len() < MAX_JOBS_PER_COMMIT {
+        match queue.try_recv() {
+            Ok(job) => group.push(job),
+            Err(_) => break,
+        }
+    }
+}
+
+/// DU-7: while every job of `group` may wait, waits up to `hold` for more jobs and adds them;
+/// returns as soon as one that may not wait joins, the group is full, or the queue closes.
+fn hold(queue: &Receiver<Box<dyn WriteJob>>, group: &mut Vec<Box<dyn WriteJob>>, hold: Duration) {
+    let until = Instant::now() + hold;
+    while group.len() < MAX_JOBS_PER_COMMIT && group.iter().all(|job| job.may_wait()) {
+        let Some(left) = until.checked_duration_since(Instant::now()) else {
+            return;
+        };
+        match queue.recv_timeout(left) {
+            Ok(job) => {
+                group.push(job);
+                take_queued(queue, group);
+            }
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return,
+        }
     }
 }
 
@@ -341,6 +408,7 @@ mod tests {
             result: None,
             reply,
             early: None,
+            may_wait: false,
         };
         (Box::new(job), answer)
     }
@@ -415,6 +483,7 @@ mod tests {
             result: None,
             reply,
             early: Some(hook),
+            may_wait: false,
         };
         let failing = job(|conn| {
             conn.execute("INSERT INTO t (n) VALUES (8)", [])?;
@@ -624,5 +693,69 @@ mod tests {
             wal < 64 << 20,
             "the WAL grew to {wal} bytes over {written} requests (database: {main} bytes)"
         );
+    }
+
+    /// A job for [`hold`] that may wait (DU-7) or may not, and the receiver of its answer.
+    fn held(n: i64, may_wait: bool) -> (Box<dyn WriteJob>, Answer) {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            run: insert(n),
+            result: None,
+            reply,
+            early: None,
+            may_wait,
+        };
+        (Box::new(job), answer)
+    }
+
+    /// DU-7: a group of jobs that may wait takes what arrives during the hold, and stops holding
+    /// as soon as a job that may not wait (a submission, an outcome) joins it; a group holding
+    /// such a job is not held at all, and neither is one whose queue has closed.
+    #[test]
+    fn a_group_that_may_wait_takes_what_arrives_and_a_job_that_may_not_ends_the_hold_du7() {
+        // What arrives during the hold joins, and the one that may not wait ends it, long
+        // before the hold would (two minutes).
+        let (jobs, queue) = std::sync::mpsc::channel();
+        let (first, _a) = held(1, true);
+        let mut group = vec![first];
+        let (second, _b) = held(2, true);
+        let (third, _c) = held(3, false);
+        let sender = std::thread::spawn(move || {
+            jobs.send(second).expect("send");
+            jobs.send(third).expect("send");
+            jobs
+        });
+        let started = Instant::now();
+        hold(&queue, &mut group, Duration::from_secs(120));
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job that may not wait ended the hold"
+        );
+        assert_eq!(
+            group.len(),
+            3,
+            "both jobs that arrived joined the held group"
+        );
+        assert!(!group[2].may_wait());
+        // Queued for the next case.
+        let jobs = sender.join().expect("sender");
+        let (fourth, _d) = held(4, true);
+        jobs.send(fourth).expect("send");
+
+        // A group holding a job that may not wait is committed at once: the queued job that
+        // may wait stays queued for the next group.
+        let mut group = vec![held(5, false).0];
+        hold(&queue, &mut group, Duration::from_secs(3600));
+        assert_eq!(group.len(), 1);
+        assert!(queue.try_recv().is_ok(), "the fourth job is still queued");
+
+        // With nothing arriving, the hold ends when its time is up; with the queue closed, at
+        // once.
+        let mut group = vec![held(6, true).0];
+        hold(&queue, &mut group, Duration::ZERO);
+        assert_eq!(group.len(), 1);
+        drop(jobs);
+        hold(&queue, &mut group, Duration::from_secs(3600));
+        assert_eq!(group.len(), 1);
     }
 }
