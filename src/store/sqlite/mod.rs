@@ -183,6 +183,25 @@ impl SqliteStore {
         };
         Ok((submitted, lease))
     }
+
+    /// [`Store::append_chunks`] as one job; with `may_wait` its commit may be held open for
+    /// more writes (DU-7: only positioned readers wait on these batches).
+    async fn append(
+        &self,
+        batches: &[ChunkBatch],
+        may_wait: bool,
+    ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
+        if batches.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batches = batches.to_vec();
+        let job = move |conn: &rusqlite::Connection| append_in(conn, &batches);
+        if may_wait {
+            self.write_may_wait(job).await
+        } else {
+            self.write(job).await
+        }
+    }
 }
 
 #[async_trait]
@@ -302,24 +321,14 @@ impl Store for SqliteStore {
         &self,
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
-        if batches.is_empty() {
-            return Ok(Vec::new());
-        }
-        let batches = batches.to_vec();
-        self.write(move |conn| append_in(conn, &batches)).await
+        self.append(batches, false).await
     }
 
     async fn append_chunks_unawaited(
         &self,
         batches: &[ChunkBatch],
     ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
-        if batches.is_empty() {
-            return Ok(Vec::new());
-        }
-        let batches = batches.to_vec();
-        // Only positioned readers wait on these: the commit may be held for more (DU-7).
-        self.write_may_wait(move |conn| append_in(conn, &batches))
-            .await
+        self.append(batches, true).await
     }
 
     fn ends_streams_in_one_write(&self) -> bool {
