@@ -20,9 +20,9 @@ const MAX_JOBS_PER_COMMIT: usize = 1024;
 const WAL_HARD_LIMIT: u64 = 48 << 20;
 /// How often the background thread checkpoints the WAL into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
-/// Longest time the writer holds a group of jobs that may wait (a stream's ending) open for
-/// more before it commits it (DU-7); at most the last commit's duration, so a fast disk holds
-/// briefly.
+/// Longest time the writer holds a group of jobs that may wait (chunks handed on ahead of the
+/// log, a stream's ending) open for more before it commits it (DU-7); at most the last
+/// commit's duration, so a fast disk holds briefly.
 const MAX_HOLD: Duration = Duration::from_millis(2);
 
 impl SqliteStore {
@@ -39,7 +39,7 @@ impl SqliteStore {
     }
 
     /// [`SqliteStore::write`] for a caller that accepts its commit being held open briefly for
-    /// more jobs while other writes are arriving (DU-7: a stream's ending).
+    /// more jobs (DU-7: chunks only positioned readers wait on, a stream's ending).
     pub(super) async fn write_may_wait<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
