@@ -407,12 +407,9 @@ impl RawCall {
             flat.extend_from_slice(value.as_bytes());
             flat.push(0);
         }
-        let at_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         RawCall {
             n,
-            at_ms,
+            at_ms: crate::store::now_ms(),
             path: uri
                 .path_and_query()
                 .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),

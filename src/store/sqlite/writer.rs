@@ -3,7 +3,7 @@
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
@@ -239,10 +239,14 @@ fn take_queued(queue: &Receiver<Box<dyn WriteJob>>, group: &mut Vec<Box<dyn Writ
     }
 }
 
-/// DU-7: while every job of `group` may wait, waits up to `hold` for more jobs and adds them;
-/// returns as soon as one that may not wait joins, the group is full, or the queue closes.
-fn hold(queue: &Receiver<Box<dyn WriteJob>>, group: &mut Vec<Box<dyn WriteJob>>, hold: Duration) {
-    let until = Instant::now() + hold;
+/// DU-7: while every job of `group` may wait, waits up to `longest` for more jobs and adds
+/// them; returns as soon as one that may not wait joins, the group is full, or the queue closes.
+fn hold(
+    queue: &Receiver<Box<dyn WriteJob>>,
+    group: &mut Vec<Box<dyn WriteJob>>,
+    longest: Duration,
+) {
+    let until = Instant::now() + longest;
     while group.len() < MAX_JOBS_PER_COMMIT && group.iter().all(|job| job.may_wait()) {
         let Some(left) = until.checked_duration_since(Instant::now()) else {
             return;
@@ -252,7 +256,8 @@ fn hold(queue: &Receiver<Box<dyn WriteJob>>, group: &mut Vec<Box<dyn WriteJob>>,
                 group.push(job);
                 take_queued(queue, group);
             }
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return,
+            // Time is up, or every sender is gone: commit what is here.
+            Err(_) => return,
         }
     }
 }
