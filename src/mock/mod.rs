@@ -407,9 +407,14 @@ impl RawCall {
             flat.extend_from_slice(value.as_bytes());
             flat.push(0);
         }
+        // The mock stands alone (the dependency rule in lib.rs): its own clock, in the Unix
+        // milliseconds request records use.
+        let at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         RawCall {
             n,
-            at_ms: crate::store::now_ms(),
+            at_ms,
             path: uri
                 .path_and_query()
                 .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned()),
