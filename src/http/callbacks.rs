@@ -113,6 +113,23 @@ pub(super) fn view(callback: Option<&Callback>, record: &RequestRecord) -> Value
     })
 }
 
+/// The record JSON of `view` (made from `record`) with its `callback` member (CB-6): what every
+/// answer that carries "the record" shows, as `GET /requests/{id}` does.
+pub(super) async fn record_value(
+    store: &DynStore,
+    record: &RequestRecord,
+    view: RecordView,
+) -> Result<Value, crate::store::StoreError> {
+    let mut value = serde_json::to_value(view).unwrap_or_default();
+    add_views(
+        store,
+        std::slice::from_ref(record),
+        std::slice::from_mut(&mut value),
+    )
+    .await?;
+    Ok(value)
+}
+
 /// Adds the `callback` member to each record JSON of `values` (objects with an `id`), reading
 /// the callbacks of `records` at once.
 pub(super) async fn add_views(

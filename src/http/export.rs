@@ -158,6 +158,18 @@ async fn page(
         state.store.data_chunks_of(&streamed).await?
     }
     .into_iter();
+    // Each record as a list shows it, with its callback (EX-2, CB-6): the page's in one store
+    // call.
+    let mut views: Vec<Value> = Vec::new();
+    if format == Format::Records {
+        views = records
+            .iter()
+            .map(|r| serde_json::to_value(RecordView::new(r, &state.config, None)))
+            .map(Result::unwrap_or_default)
+            .collect();
+        super::callbacks::add_views(&state.store, &records, &mut views).await?;
+    }
+    let mut views = views.into_iter();
     let mut out = Vec::with_capacity(records.len() * 512);
     for record in &records {
         let events = if record.stream && record.status == Status::Succeeded {
@@ -169,7 +181,7 @@ async fn page(
         let line = match format {
             Format::Records => json!({
                 "cursor": record.id,
-                "record": RecordView::new(record, &state.config, None),
+                "record": views.next().unwrap_or_default(),
                 "request": {
                     "headers": record.headers.iter().map(|(n, v)| json!([n, v])).collect::<Vec<_>>(),
                     "body": body_json(&record.body),

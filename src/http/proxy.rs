@@ -387,11 +387,12 @@ async fn answer_admitted(
         claim,
     } = admitted;
     if prefers_async(headers) {
-        let mut response = (
-            StatusCode::ACCEPTED,
-            axum::Json(requests::RecordView::new(&record, &state.config, None)),
-        )
-            .into_response();
+        // The record as `GET /requests/{id}` shows it, with its callback (CB-6).
+        let view = requests::RecordView::new(&record, &state.config, None);
+        let value = super::callbacks::record_value(&state.store, &record, view)
+            .await
+            .map_err(|e| ApiError::store(route.provider(), &e))?;
+        let mut response = (StatusCode::ACCEPTED, axum::Json(value)).into_response();
         let location = format!("/requests/{}", record.id);
         if let Ok(v) = HeaderValue::from_str(&location) {
             response.headers_mut().insert(header::LOCATION, v);

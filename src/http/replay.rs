@@ -61,23 +61,24 @@ pub(super) async fn replay(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    match replay_of(&state, &headers, &id, &body).await {
-        Ok(record) => {
-            let mut response = (
-                StatusCode::CREATED,
-                axum::Json(RecordView::new(&record, &state.config, None)),
-            )
-                .into_response();
-            if let Ok(v) = HeaderValue::from_str(&format!("/requests/{}", record.id)) {
-                response.headers_mut().insert(header::LOCATION, v);
-            }
-            if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
-                response.headers_mut().insert("holdfast-request-id", v);
-            }
-            response
-        }
-        Err(e) => e.into_response(),
+    let record = match replay_of(&state, &headers, &id, &body).await {
+        Ok(record) => record,
+        Err(e) => return e.into_response(),
+    };
+    // The record as `GET /requests/{id}` shows it, with its callback (CB-6).
+    let view = RecordView::new(&record, &state.config, None);
+    let value = match super::callbacks::record_value(&state.store, &record, view).await {
+        Ok(value) => value,
+        Err(e) => return ApiError::store(Provider::Openai, &e).into_response(),
+    };
+    let mut response = (StatusCode::CREATED, axum::Json(value)).into_response();
+    if let Ok(v) = HeaderValue::from_str(&format!("/requests/{}", record.id)) {
+        response.headers_mut().insert(header::LOCATION, v);
     }
+    if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
+        response.headers_mut().insert("holdfast-request-id", v);
+    }
+    response
 }
 
 async fn replay_of(

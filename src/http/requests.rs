@@ -239,14 +239,10 @@ pub(super) async fn get_one(
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
     let view = RecordView::new(&record, &state.config, Some(by_attempt));
-    let mut value = serde_json::to_value(view).unwrap_or_default();
-    let (one, values) = (
-        std::slice::from_ref(&record),
-        std::slice::from_mut(&mut value),
-    );
-    if let Err(e) = super::callbacks::add_views(&state.store, one, values).await {
-        return ApiError::store(shape, &e).into_response();
-    }
+    let mut value = match super::callbacks::record_value(&state.store, &record, view).await {
+        Ok(value) => value,
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
     if !include_body {
         return axum::Json(value).into_response();
     }
@@ -357,11 +353,15 @@ pub(super) async fn cancel(
         Ok(None) => return not_found(),
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
-    // The full record, as `GET /requests/{id}` shows it: every attempt's usage summed.
-    match state.store.attempt_usage(record.id).await {
-        Ok(by_attempt) => {
-            axum::Json(RecordView::new(&record, &state.config, Some(by_attempt))).into_response()
-        }
+    // The full record, as `GET /requests/{id}` shows it: every attempt's usage summed, and its
+    // callback (CB-6).
+    let by_attempt = match state.store.attempt_usage(record.id).await {
+        Ok(by_attempt) => by_attempt,
+        Err(e) => return ApiError::store(shape, &e).into_response(),
+    };
+    let view = RecordView::new(&record, &state.config, Some(by_attempt));
+    match super::callbacks::record_value(&state.store, &record, view).await {
+        Ok(value) => axum::Json(value).into_response(),
         Err(e) => ApiError::store(shape, &e).into_response(),
     }
 }

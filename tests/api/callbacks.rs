@@ -802,3 +802,92 @@ pub async fn check_deliveries(
         repeated: per_id.values().filter(|n| **n > 1).count(),
     }
 }
+
+/// CB-6: every answer that carries the record shows its `callback` member, as `GET
+/// /requests/{id}` does: the 202 of `Prefer: respond-async` (RS-9), the record a cancel answers
+/// (LC-9), the new record of a replay (EX-7) and the records of an export (EX-2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_that_carries_the_record_shows_its_callback_cb6() {
+    let receiver = Receiver::start(|_| Answer::Status(204)).await;
+    let app = spawn_app(MockConfig::default(), callback_config).await;
+    let url = receiver.url.as_str();
+    let r = chat_with_callback(
+        &app.http,
+        &app.base,
+        &chat_body("recorded now, told later"),
+        url,
+        &[("prefer", "respond-async")],
+    )
+    .await;
+    assert_eq!(r.status(), 202);
+    let accepted: Value = r.json().await.expect("the 202's record");
+    assert_eq!(accepted["callback"]["url"], url, "RS-9: {accepted}");
+    let id = accepted["id"].as_str().expect("id").to_string();
+    wait_callback(
+        &app.http,
+        &app.base,
+        &id,
+        "delivered",
+        Duration::from_secs(10),
+    )
+    .await;
+
+    let cancelled: Value = app
+        .http
+        .post(format!("{}/requests/{id}/cancel", app.base))
+        .send()
+        .await
+        .expect("cancel")
+        .json()
+        .await
+        .expect("the cancel's record");
+    assert_eq!(cancelled["callback"]["url"], url, "LC-9: {cancelled}");
+    assert_eq!(
+        cancelled["callback"]["state"], "delivered",
+        "LC-9: {cancelled}"
+    );
+
+    let r = app
+        .http
+        .post(format!("{}/requests/{id}/replay", app.base))
+        .send()
+        .await
+        .expect("replay");
+    assert_eq!(r.status(), 201);
+    let replayed: Value = r.json().await.expect("the replay's record");
+    assert!(
+        replayed.get("callback").is_some_and(Value::is_null),
+        "EX-7: a replay asks for no callback, and says so: {replayed}"
+    );
+
+    let export = app
+        .http
+        .get(format!("{}/requests/export", app.base))
+        .send()
+        .await
+        .expect("export")
+        .text()
+        .await
+        .expect("export body");
+    let lines: Vec<Value> = export
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("an NDJSON line"))
+        .collect();
+    let exported = |id: &Value| {
+        lines
+            .iter()
+            .find(|l| l["record"]["id"] == *id)
+            .unwrap_or_else(|| panic!("{id} not exported: {export}"))
+    };
+    let original = exported(&accepted["id"]);
+    assert_eq!(
+        original["record"]["callback"]["url"], url,
+        "EX-2: {original}"
+    );
+    let replay = exported(&replayed["id"]);
+    assert!(
+        replay["record"].get("callback").is_some_and(Value::is_null),
+        "EX-2: {replay}"
+    );
+    app.stop().await;
+}
