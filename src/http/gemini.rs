@@ -60,6 +60,18 @@ pub(super) async fn call(
     proxy::handle(State(state), route, Some(model.to_owned()), headers, body).await
 }
 
+/// Whether the `/models/` path segment `call` names a method served here with `POST`
+/// (`generateContent`, `streamGenerateContent`, `countTokens`): another method on it is 405,
+/// not a lookup of a model so named (IN-1; a model in the path has no colon, GM-1).
+pub(super) fn is_post_call(call: &str) -> bool {
+    call.rsplit_once(':').is_some_and(|(_, method)| {
+        method == "countTokens"
+            || Route::ALL
+                .into_iter()
+                .any(|r| r.model_in_path() && Route::of_method(r.router_path(), method).is_some())
+    })
+}
+
 /// `GET /v1beta/models`: the merged model list in Gemini's shape.
 pub(super) async fn models(
     State(state): State<AppState>,

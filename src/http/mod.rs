@@ -261,11 +261,32 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
 }
 
 async fn not_found(uri: Uri) -> Response {
-    ApiError::not_found(
-        Provider::for_path(uri.path()),
-        format!("holdfast has no route {}", uri.path()),
-    )
-    .into_response()
+    let path = uri.path();
+    // An SDK pointed at the wrong prefix is told what to change, in the shape it reads (IN-1):
+    // a `base_url` ending in `/v1` for an SDK that adds it itself doubles the version.
+    let doubled = path
+        .strip_prefix("/v1")
+        .filter(|rest| rest.starts_with("/v1/") || rest.starts_with("/v1beta/"));
+    let (shape, hint) = match doubled {
+        Some(rest) => (
+            Provider::for_path(rest),
+            ": its version comes twice; take `/v1` off the SDK's base_url",
+        ),
+        None if lacks_v1(path) => (
+            Provider::Openai,
+            ": OpenAI SDKs take a base_url ending in `/v1`",
+        ),
+        None => (Provider::for_path(path), ""),
+    };
+    ApiError::not_found(shape, format!("holdfast has no route {path}{hint}")).into_response()
+}
+
+/// Whether `path` is an OpenAI route's path without its `/v1` (an OpenAI SDK's `base_url`
+/// without it).
+fn lacks_v1(path: &str) -> bool {
+    Route::ALL.into_iter().any(|r| {
+        r.provider() == Provider::Openai && r.client_path().strip_prefix("/v1") == Some(path)
+    })
 }
 
 async fn method_not_allowed(uri: Uri) -> Response {
@@ -308,11 +329,18 @@ fn key_among<'a>(presented: &[u8], keys: impl Iterator<Item = &'a String>) -> bo
 }
 
 fn unauthorized(shape: Provider) -> ApiError {
+    // Named the way the caller's SDK sends it: google-genai uses `x-goog-api-key` (GM-2).
+    let how = match shape {
+        Provider::Gemini => {
+            "`x-goog-api-key: KEY` (google-genai's `api_key`), `?key=KEY`, `Authorization: Bearer KEY` or `x-api-key: KEY`"
+        }
+        _ => "`Authorization: Bearer KEY` or `x-api-key: KEY`",
+    };
     ApiError::new(
         shape,
         StatusCode::UNAUTHORIZED,
         "invalid_api_key",
-        "missing or unknown API key: send a holdfast namespace key as `Authorization: Bearer KEY` or `x-api-key: KEY`",
+        format!("missing or unknown API key: send a holdfast namespace key as {how}"),
     )
 }
 

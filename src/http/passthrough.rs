@@ -85,6 +85,10 @@ pub(super) async fn model(
     uri: Uri,
     mut headers: HeaderMap,
 ) -> Response {
+    // `GET /v1beta/models/{model}:generateContent` is a call with the wrong method.
+    if super::gemini::is_post_call(&model) {
+        return super::method_not_allowed(uri).await;
+    }
     super::gemini::key_from_query(&uri, &mut headers);
     let provider = if uri.path().starts_with("/v1beta/") {
         Provider::Gemini

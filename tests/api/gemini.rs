@@ -243,6 +243,11 @@ async fn x_goog_api_key_and_the_key_query_are_namespace_keys_never_forwarded_gm2
     let error: Value = refused.json().await.unwrap();
     assert_eq!(error["error"]["status"], "UNAUTHENTICATED", "{error}");
     assert_eq!(error["error"]["code"], 401);
+    let message = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("x-goog-api-key") && message.contains("?key="),
+        "the 401 names the ways google-genai sends a key: {message}"
+    );
 
     let by_header = app
         .post(
@@ -330,6 +335,29 @@ async fn holdfasts_own_errors_on_gemini_routes_take_googles_shape_gm5_rs6() {
         .await;
     assert_eq!(slash.status(), 400);
     assert_eq!(header(&slash, "holdfast-error"), "invalid_model");
+
+    // A call's path with another method is 405 in Google's shape, on both versions, not a
+    // lookup of a model named `...:generateContent` (IN-1).
+    for path in [
+        GENERATE.to_string(),
+        "/v1/models/gemini-2.5-flash:streamGenerateContent?alt=sse".into(),
+        "/v1beta/models/gemini-2.5-flash:countTokens".into(),
+    ] {
+        let get = app
+            .http
+            .get(format!("{}{path}", app.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(get.status(), 405, "GET {path}");
+        assert_eq!(
+            header(&get, "holdfast-error"),
+            "method_not_allowed",
+            "GET {path}"
+        );
+        let body: Value = get.json().await.unwrap();
+        assert_eq!(body["error"]["code"], 405, "{body}");
+    }
     assert_eq!(app.mock.calls(), 0);
     app.stop().await;
 }

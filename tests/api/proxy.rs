@@ -303,6 +303,60 @@ async fn oversized_body_gets_413_unknown_route_404_wrong_method_405_in1() {
     app.stop().await;
 }
 
+/// IN-1: an SDK pointed at the wrong prefix gets a 404 it can read (its provider's shape) that
+/// says what to change: a version given twice (Anthropic's or Google's SDK with a base_url
+/// ending in `/v1`), or an OpenAI route without its `/v1`.
+#[tokio::test]
+async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let anthropic = app.post("/v1/v1/messages", "{}", &[]).await;
+    assert_eq!(anthropic.status(), 404);
+    let body: serde_json::Value = anthropic.json().await.unwrap();
+    assert_eq!(body["type"], "error", "Anthropic's shape: {body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("take `/v1` off"), "{message}");
+
+    let google = app
+        .post(
+            "/v1/v1beta/models/gemini-2.5-flash:generateContent",
+            "{}",
+            &[],
+        )
+        .await;
+    assert_eq!(google.status(), 404);
+    let body: serde_json::Value = google.json().await.unwrap();
+    assert_eq!(
+        body["error"]["status"], "NOT_FOUND",
+        "Google's shape: {body}"
+    );
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("take `/v1` off")),
+        "{body}"
+    );
+
+    let openai = app.post("/chat/completions", chat_body("no v1"), &[]).await;
+    assert_eq!(openai.status(), 404);
+    let body: serde_json::Value = openai.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "not_found", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("ending in `/v1`")),
+        "{body}"
+    );
+
+    let plain = app.post("/v1/nope", "{}", &[]).await;
+    let body: serde_json::Value = plain.json().await.unwrap();
+    assert_eq!(
+        body["error"]["message"], "holdfast has no route /v1/nope",
+        "no hint where none fits"
+    );
+    assert_eq!(count_requests(&app).await, 0);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn respond_async_answers_202_with_location_and_runs_anyway_rs9() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
