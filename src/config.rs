@@ -1098,6 +1098,40 @@ pub fn sqlite_path(url: &str) -> Result<std::path::PathBuf, String> {
     Ok(std::path::PathBuf::from(path))
 }
 
+/// What is doubtful about backend `b`'s `base_url`, if anything: a provider's root with no path
+/// for a kind whose routes' version is part of the `base_url` (`https://api.openai.com`, which
+/// would be asked for `/chat/completions`), or a version at the end of a `gemini` one, whose
+/// clients' paths carry their own (decision 57). Start-up logs it; the configuration still
+/// loads, since an OpenAI-compatible server may serve any path.
+pub fn doubtful_base_url(b: &Backend) -> Option<String> {
+    let parsed = reqwest::Url::parse(&b.base_url).ok()?;
+    let path = parsed.path().trim_end_matches('/');
+    match b.kind {
+        Provider::Gemini => {
+            let last = path.rsplit('/').next().unwrap_or_default();
+            let versioned =
+                last.starts_with('v') && last[1..].starts_with(|c: char| c.is_ascii_digit());
+            versioned.then(|| {
+                format!(
+                    "backend {:?}: base_url {} ends in a version, and the client's path adds its own                      (`/v1beta/models/...`): write the root, e.g. https://generativelanguage.googleapis.com",
+                    b.name, b.base_url
+                )
+            })
+        }
+        _ if path.is_empty() => Some(format!(
+            "backend {:?}: base_url {} has no version prefix, so a call goes to {}{}: write it              with its version, e.g. https://api.openai.com/v1 or https://api.anthropic.com/v1",
+            b.name,
+            b.base_url,
+            b.base_url.trim_end_matches('/'),
+            match b.kind {
+                Provider::Anthropic => "/messages",
+                _ => "/chat/completions",
+            }
+        )),
+        _ => None,
+    }
+}
+
 /// Why `url` cannot be a backend's `base_url`: not a URL, a scheme other than http or https, or
 /// no host.
 fn check_base_url(url: &str) -> Result<(), String> {
@@ -1127,6 +1161,58 @@ mod tests {
                 api_key_env: None,
             }],
             ..Config::default()
+        }
+    }
+
+    /// Start-up warns about a provider's root with no version for OpenAI and Anthropic, and a
+    /// version at the end of a Gemini `base_url` (decision 57); every documented form passes.
+    #[test]
+    fn a_base_url_missing_its_version_or_a_gemini_one_with_a_version_is_doubtful() {
+        let doubt = |kind: Provider, base_url: &str| {
+            doubtful_base_url(&Backend {
+                name: "b".into(),
+                kind,
+                base_url: base_url.into(),
+                api_key_env: None,
+            })
+        };
+        for (kind, url) in [
+            (Provider::Openai, "https://api.openai.com"),
+            (Provider::Openai, "https://api.openai.com/"),
+            (Provider::Anthropic, "https://api.anthropic.com"),
+            (
+                Provider::Gemini,
+                "https://generativelanguage.googleapis.com/v1beta",
+            ),
+            (
+                Provider::Gemini,
+                "https://generativelanguage.googleapis.com/v1/",
+            ),
+        ] {
+            let why = doubt(kind, url).unwrap_or_else(|| panic!("{url} passed"));
+            assert!(why.contains(url), "{why}");
+        }
+        let openai = doubt(Provider::Openai, "https://api.openai.com").unwrap();
+        assert!(
+            openai.contains("https://api.openai.com/chat/completions"),
+            "{openai}"
+        );
+        for (kind, url) in [
+            (Provider::Openai, "https://api.openai.com/v1"),
+            (
+                Provider::Openai,
+                "https://generativelanguage.googleapis.com/v1beta/openai",
+            ),
+            (Provider::Openai, "http://127.0.0.1:8000/v1/"),
+            (Provider::Anthropic, "https://api.anthropic.com/v1"),
+            (
+                Provider::Gemini,
+                "https://generativelanguage.googleapis.com",
+            ),
+            (Provider::Gemini, "http://127.0.0.1:9000/"),
+            (Provider::Gemini, "https://proxy.example/google/vertex"),
+        ] {
+            assert_eq!(doubt(kind, url), None, "{url}");
         }
     }
 

@@ -606,6 +606,13 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
             "ignoring {name}: it names no configuration key (docs/configuration.md)"
         );
     }
+    for doubt in config
+        .backends
+        .iter()
+        .filter_map(holdfast::config::doubtful_base_url)
+    {
+        tracing::warn!("{doubt}");
+    }
     let listener = TcpListener::bind(config.listen).await.map_err(|e| {
         Stop(
             1,
