@@ -1113,13 +1113,13 @@ pub fn doubtful_base_url(b: &Backend) -> Option<String> {
                 last.starts_with('v') && last[1..].starts_with(|c: char| c.is_ascii_digit());
             versioned.then(|| {
                 format!(
-                    "backend {:?}: base_url {} ends in a version, and the client's path adds its own                      (`/v1beta/models/...`): write the root, e.g. https://generativelanguage.googleapis.com",
+                    "backend {:?}: base_url {} ends in a version, and the client's path adds its own (`/v1beta/models/...`): write the root, e.g. https://generativelanguage.googleapis.com",
                     b.name, b.base_url
                 )
             })
         }
         _ if path.is_empty() => Some(format!(
-            "backend {:?}: base_url {} has no version prefix, so a call goes to {}{}: write it              with its version, e.g. https://api.openai.com/v1 or https://api.anthropic.com/v1",
+            "backend {:?}: base_url {} has no version prefix, so a call goes to {}{}: write it with its version, e.g. https://api.openai.com/v1 or https://api.anthropic.com/v1",
             b.name,
             b.base_url,
             b.base_url.trim_end_matches('/'),
@@ -1191,6 +1191,7 @@ mod tests {
         ] {
             let why = doubt(kind, url).unwrap_or_else(|| panic!("{url} passed"));
             assert!(why.contains(url), "{why}");
+            assert!(!why.contains("  "), "one line of prose: {why}");
         }
         let openai = doubt(Provider::Openai, "https://api.openai.com").unwrap();
         assert!(
