@@ -1118,16 +1118,19 @@ pub fn doubtful_base_url(b: &Backend) -> Option<String> {
                 )
             })
         }
-        _ if path.is_empty() => Some(format!(
-            "backend {:?}: base_url {} has no version prefix, so a call goes to {}{}: write it with its version, e.g. https://api.openai.com/v1 or https://api.anthropic.com/v1",
-            b.name,
-            b.base_url,
-            b.base_url.trim_end_matches('/'),
-            match b.kind {
-                Provider::Anthropic => "/messages",
-                _ => "/chat/completions",
-            }
-        )),
+        _ if path.is_empty() => {
+            let (route, example) = match b.kind {
+                Provider::Anthropic => ("/messages", "https://api.anthropic.com/v1"),
+                _ => ("/chat/completions", "https://api.openai.com/v1"),
+            };
+            Some(format!(
+                "backend {:?}: base_url {} has no version prefix, so a call goes to {}{route}: \
+                 write it with its version, e.g. {example}",
+                b.name,
+                b.base_url,
+                b.base_url.trim_end_matches('/'),
+            ))
+        }
         _ => None,
     }
 }
