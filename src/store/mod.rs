@@ -44,6 +44,45 @@ pub fn now_ms() -> Millis {
 /// A shared store handle.
 pub type DynStore = Arc<dyn Store>;
 
+/// The record of a request just inserted by [`Store::submit`], as a store's column defaults make
+/// it: pending and due now, or `leased` (running its first attempt); no chunks.
+pub(crate) fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
+    RequestRecord {
+        id: new.id,
+        namespace: new.namespace,
+        route: new.route,
+        backend: new.backend,
+        model: new.model,
+        stream: new.stream,
+        body: new.body,
+        headers: new.headers,
+        claim: new.claim,
+        status: if leased {
+            Status::Running
+        } else {
+            Status::Pending
+        },
+        attempts: u32::from(leased),
+        recoveries: 0,
+        next_retry_at: new.now,
+        error: None,
+        response_status: None,
+        response_body: None,
+        upstream_request_id: None,
+        last_seq: 0,
+        reset_seq: 0,
+        created_at: new.now,
+        updated_at: new.now,
+        finished_at: None,
+        attached: 0,
+        replayed: 0,
+        log_reads: 0,
+        usage: Usage::default(),
+        trace_parent: new.trace_parent,
+        replay_of: new.replay_of,
+    }
+}
+
 /// Lifecycle status (LC-1). The database enforces the same set with a CHECK constraint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -580,6 +619,9 @@ pub struct Lease {
     pub attempt: u32,
 }
 
+/// What [`Store::submit_and_lease_started`] calls with the lease of the request it created.
+pub type Started = Box<dyn FnOnce(Lease) + Send>;
+
 /// The lease [`Store::submit_and_lease`] takes on a request it creates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseTo<'a> {
@@ -766,22 +808,24 @@ pub trait Store: Send + Sync + 'static {
         lease: Option<LeaseTo<'_>>,
     ) -> Result<(Submitted, Option<Lease>), StoreError>;
 
-    /// [`Store::submit_and_lease`], sending the created request and its lease to `early` as
-    /// soon as this store has decided them, before they are durable, where one process alone
-    /// arbitrates claims (SQLite; ID-9): the provider call may start then. The result is still
-    /// answered once durable, and nothing may be answered to a client before. Other stores
-    /// never send to `early`.
+    /// [`Store::submit_and_lease`], calling `started` with the lease of the request it created
+    /// (never for one it attached to) as soon as it has decided it, where one process alone
+    /// arbitrates claims (SQLite; ID-9): before the commit, so that the provider call need not
+    /// wait for it, or, after a failed commit, once the request is durable. So it is called
+    /// whenever the answer is [`Submitted::Created`] with a lease, also when the caller is gone
+    /// by then. It runs on the store's own thread and must only hand the attempt on. Other
+    /// stores decide only at the commit and never call it; their caller starts the attempt.
     ///
     /// # Errors
-    /// As [`Store::submit_and_lease`]; after an early send, a failed commit recorded nothing,
-    /// and the lease it sent is not held.
-    async fn submit_and_lease_early(
+    /// As [`Store::submit_and_lease`]; after a call ahead of the commit, a failed commit
+    /// recorded nothing, and the lease it gave is not held.
+    async fn submit_and_lease_started(
         &self,
         new: NewRequest,
         lease: Option<LeaseTo<'_>>,
-        early: tokio::sync::oneshot::Sender<(RequestRecord, Lease)>,
+        started: Started,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        drop(early);
+        drop(started);
         self.submit_and_lease(new, lease).await
     }
 

@@ -29,7 +29,8 @@ use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
 use crate::otel::{AttemptSpan, Traces};
 use crate::store::{
-    DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, StoreError, Submitted, now_ms,
+    DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Started, StoreError, Submitted,
+    now_ms,
 };
 use crate::upstream::Upstreams;
 pub(crate) use answers::ClaimRef;
@@ -95,6 +96,8 @@ pub(crate) struct WorkerPool {
     health: Arc<StoreHealth>,
     /// Traces, when `otel.enabled` (OT-3).
     traces: Traces,
+    /// The runtime attempts run on, for the threads outside it that start them.
+    runtime: tokio::runtime::Handle,
 }
 
 /// A running attempt's entry in [`WorkerPool::running`]; removed on drop.
@@ -140,6 +143,7 @@ impl WorkerPool {
             running: Arc::default(),
             answers: Arc::default(),
             traces,
+            runtime: tokio::runtime::Handle::current(),
         }
     }
 
@@ -153,10 +157,12 @@ impl WorkerPool {
     /// starts here, saving the dispatcher's round trip (decision 20); otherwise the dispatcher
     /// is woken to lease it. A submission that attaches to an existing request starts nothing.
     ///
-    /// Runs as a task of its own, so a client that goes away while the write waits in the
-    /// queue cannot strand what the write commits: a request leased to an attempt that never
-    /// starts would only move again when its lease expired, as a recovery that never happened
-    /// (LC-9: a client disconnecting never cancels or delays execution).
+    /// A client that goes away while its submission waits for the store strands nothing the
+    /// write commits (LC-9: a client disconnecting never cancels or delays execution): a
+    /// request leased to an attempt that never started would only move again when its lease
+    /// expired, as a recovery that never happened. On SQLite the store itself starts the
+    /// attempt ([`WorkerPool::admit_here`]); on PostgreSQL the admission runs as a task of its
+    /// own ([`WorkerPool::admit_in_task`]).
     ///
     /// # Errors
     /// [`StoreError`] when the request could not be recorded; nothing was then.
@@ -169,6 +175,58 @@ impl WorkerPool {
             self.count_delivery(&mut record);
             return Ok(Submitted::Attached(Box::new(record)));
         }
+        match self.admission_limit() {
+            None => self.admit_here(new).await,
+            Some(limit) => self.admit_in_task(new, limit).await,
+        }
+    }
+
+    /// Admission where one process arbitrates claims (SQLite): the store calls back with the
+    /// lease as soon as it has decided the submission, before its commit, or once it is durable
+    /// ([`Store::submit_and_lease_started`](crate::store::Store::submit_and_lease_started)), and
+    /// the attempt starts from there, from the store's writer thread. So the provider call need
+    /// not wait for the commit (ID-9), the answer still does, and the wait needs no task of its
+    /// own: one task and two hand-offs fewer per request (issue 30).
+    async fn admit_here(&self, new: NewRequest) -> Result<Submitted, StoreError> {
+        let permit = self.try_permit();
+        let owner = permit.as_ref().map(|_| self.lease_owner());
+        let lease = owner.as_deref().map(|owner| LeaseTo {
+            owner,
+            lease_ms: self.lease_ms(),
+        });
+        let started = permit.map(|permit| -> Started {
+            // The attempt's copy of the request, made here rather than on the writer's thread.
+            let record = crate::store::created_record(new.clone(), true);
+            let pool = self.clone();
+            Box::new(move |lease| pool.spawn_attempt(lease, record, permit))
+        });
+        let (mut submitted, lease) = match started {
+            Some(started) => {
+                self.store
+                    .submit_and_lease_started(new, lease, started)
+                    .await?
+            }
+            None => self.store.submit_and_lease(new, lease).await?,
+        };
+        match &mut submitted {
+            // Leased: the store has started its attempt.
+            Submitted::Created(_) if lease.is_none() => self.wake(),
+            Submitted::Attached(record) => self.count_delivery(record),
+            Submitted::Created(_) | Submitted::KeyMismatch { .. } => {}
+        }
+        Ok(submitted)
+    }
+
+    /// Admission on PostgreSQL, where the claim's commit arbitrates between nodes and comes
+    /// before the call: a task of its own, which starts the attempt once the submission is
+    /// durable even if its client has gone. A database that does not answer within `limit`
+    /// refuses the call, retryable (RS-10); the task goes on, and a retry attaches to what it
+    /// records after all.
+    async fn admit_in_task(
+        &self,
+        new: NewRequest,
+        limit: Duration,
+    ) -> Result<Submitted, StoreError> {
         let pool = self.clone();
         let admission = tokio::spawn(async move {
             let permit = pool.try_permit();
@@ -177,22 +235,7 @@ impl WorkerPool {
                 owner,
                 lease_ms: pool.lease_ms(),
             });
-            let (early, decided) = tokio::sync::oneshot::channel();
-            let submit = pool.store.submit_and_lease_early(new, lease, early);
-            tokio::pin!(submit);
-            let mut permit = permit;
-            let submitted = tokio::select! {
-                submitted = &mut submit => submitted,
-                // Decided, not yet durable (SQLite): the provider call need not wait for the
-                // commit; the answer does, since this returns only once it is durable (ID-9).
-                Ok((record, lease)) = decided => {
-                    if let Some(permit) = permit.take() {
-                        pool.spawn_attempt(lease, record, permit);
-                    }
-                    submit.await
-                }
-            };
-            let (mut submitted, lease) = submitted?;
+            let (mut submitted, lease) = pool.store.submit_and_lease(new, lease).await?;
             match (&mut submitted, lease, permit) {
                 (Submitted::Created(record), Some(lease), Some(permit)) => {
                     pool.spawn_attempt(lease, (**record).clone(), permit);
@@ -203,20 +246,14 @@ impl WorkerPool {
             }
             Ok(submitted)
         });
-        let joined = match self.admission_limit() {
-            None => admission.await,
-            // RS-10: a database that does not answer in time refuses the call, retryable; the
-            // admission task goes on, and a retry attaches to what it records after all.
-            Some(limit) => match tokio::time::timeout(limit, admission).await {
-                Ok(joined) => joined,
-                Err(_) => {
-                    return Err(StoreError::Unavailable(format!(
-                        "the database did not record the request within database_timeout_ms \
-                         ({} ms)",
-                        limit.as_millis()
-                    )));
-                }
-            },
+        let joined = match tokio::time::timeout(limit, admission).await {
+            Ok(joined) => joined,
+            Err(_) => {
+                return Err(StoreError::Unavailable(format!(
+                    "the database did not record the request within database_timeout_ms ({} ms)",
+                    limit.as_millis()
+                )));
+            }
         };
         joined.unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
     }
@@ -345,13 +382,26 @@ impl WorkerPool {
         i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
     }
 
-    /// Runs the attempt `lease` holds, keeping `permit` until it ends.
+    /// Runs the attempt `lease` holds, keeping `permit` until it ends, as a task of its own.
+    /// Callable from any thread (the SQLite writer's starts attempts, see
+    /// [`WorkerPool::admit_here`]): it only spawns, and the attempt's span and trace are made in
+    /// the task.
     pub(crate) fn spawn_attempt(
         &self,
         lease: Lease,
         record: RequestRecord,
         permit: OwnedSemaphorePermit,
     ) {
+        let pool = self.clone();
+        self.runtime.spawn(async move {
+            pool.attempt(lease, record).await;
+            drop(permit);
+        });
+    }
+
+    /// Runs the attempt `lease` holds, in a span that names its request (and its trace, when
+    /// traces are on).
+    async fn attempt(&self, lease: Lease, record: RequestRecord) {
         metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone()).increment(1);
         let trace = self.traces.as_ref().map(|traces| {
             traces.attempt(
@@ -375,14 +425,9 @@ impl WorkerPool {
             span.record("trace_id", trace_id.as_str());
             span.record("span_id", span_id.as_str());
         }
-        let pool = self.clone();
-        tokio::spawn(
-            async move {
-                pool.run_attempt(lease, record, trace).await;
-                drop(permit);
-            }
-            .instrument(span),
-        );
+        self.run_attempt(lease, record, trace)
+            .instrument(span)
+            .await;
     }
 
     /// Runs the dispatcher and the sweeper until `shutdown` is cancelled, then waits for

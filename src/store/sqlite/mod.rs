@@ -87,14 +87,14 @@ use uuid::Uuid;
 use self::open::ReadPool;
 use self::sql::{
     SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in, chunk_from_row, corrupt,
-    created_record, due_ids, fetch, finish_in, lease_in, parse_id, prune_in, record_from_row,
-    release_in, submit_in, sweep_in, usage_from_row,
+    due_ids, fetch, finish_in, lease_in, parse_id, prune_in, record_from_row, release_in,
+    submit_in, sweep_in, usage_from_row,
 };
 use self::writer::WriteJob;
 use super::{
     Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, Counts, Lease, LeaseTo,
-    ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef, Status, Store, StoreError,
-    Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
+    ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef, Started, Status, Store,
+    StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow, created_record,
 };
 use crate::provider::Route;
 
@@ -126,53 +126,39 @@ impl std::fmt::Debug for SqliteStore {
 }
 
 impl SqliteStore {
-    /// [`Store::submit_and_lease`], and with `early` [`Store::submit_and_lease_early`]: the
-    /// created request and its lease are sent there once the writer has run the submission,
-    /// before its commit (ID-9).
+    /// [`Store::submit_and_lease`], and with `started` [`Store::submit_and_lease_started`]: it
+    /// is called with the lease once the writer has run the submission, before its commit, or
+    /// after a failed commit once the submission is durable (ID-9).
     async fn submit_leasing(
         &self,
         new: NewRequest,
         lease: Option<LeaseTo<'_>>,
-        early: Option<tokio::sync::oneshot::Sender<(RequestRecord, Lease)>>,
+        started: Option<Started>,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
         let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
         // Shared with the write, which may run more than once, and whole again once it has
         // run: the created record is built from it without a copy.
         let new = Arc::new(new);
         let shared = Arc::clone(&new);
-        // The writer thread only passes the lease on; the early record is built here.
-        let (leased, decided) = tokio::sync::oneshot::channel::<Lease>();
-        let hook = early
-            .is_some()
-            .then(|| -> writer::Early<(SubmittedIn, Option<Lease>)> {
-                Box::new(move |(submitted, lease)| {
-                    if let (SubmittedIn::Created, Some(lease)) = (submitted, lease) {
-                        let _ = leased.send(lease.clone());
-                    }
-                })
-            });
-        let write = self.write_hooked(
-            move |conn| {
-                let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
-                    owner,
-                    lease_ms: *lease_ms,
-                });
-                submit_in(conn, &shared, lease)
-            },
-            hook,
-        );
-        tokio::pin!(write);
-        let written = match early {
-            None => write.await,
-            Some(early) => tokio::select! {
-                written = &mut write => written,
-                Ok(lease) = decided => {
-                    let _ = early.send((created_record((*new).clone(), true), lease));
-                    write.await
+        let hook = started.map(|started| -> writer::Early<(SubmittedIn, Option<Lease>)> {
+            Box::new(move |(submitted, lease)| {
+                if let (SubmittedIn::Created, Some(lease)) = (submitted, lease) {
+                    started(lease.clone());
                 }
-            },
-        };
-        let (submitted, lease) = written?;
+            })
+        });
+        let (submitted, lease) = self
+            .write_hooked(
+                move |conn| {
+                    let lease = lease.as_ref().map(|(owner, lease_ms)| LeaseTo {
+                        owner,
+                        lease_ms: *lease_ms,
+                    });
+                    submit_in(conn, &shared, lease)
+                },
+                hook,
+            )
+            .await?;
         let submitted = match submitted {
             SubmittedIn::Created => {
                 let new = Arc::try_unwrap(new).unwrap_or_else(|new| (*new).clone());
@@ -214,13 +200,13 @@ impl Store for SqliteStore {
         self.submit_leasing(new, lease, None).await
     }
 
-    async fn submit_and_lease_early(
+    async fn submit_and_lease_started(
         &self,
         new: NewRequest,
         lease: Option<LeaseTo<'_>>,
-        early: tokio::sync::oneshot::Sender<(RequestRecord, Lease)>,
+        started: Started,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        self.submit_leasing(new, lease, Some(early)).await
+        self.submit_leasing(new, lease, Some(started)).await
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {

@@ -145,45 +145,6 @@ fn insert_control(
     Ok(())
 }
 
-/// The record of a request just inserted by [`Store::submit`], as the row's column defaults
-/// make it: pending and due now, or `leased` (running its first attempt); no chunks.
-pub(super) fn created_record(new: NewRequest, leased: bool) -> RequestRecord {
-    RequestRecord {
-        id: new.id,
-        namespace: new.namespace,
-        route: new.route,
-        backend: new.backend,
-        model: new.model,
-        stream: new.stream,
-        body: new.body,
-        headers: new.headers,
-        claim: new.claim,
-        status: if leased {
-            Status::Running
-        } else {
-            Status::Pending
-        },
-        attempts: u32::from(leased),
-        recoveries: 0,
-        next_retry_at: new.now,
-        error: None,
-        response_status: None,
-        response_body: None,
-        upstream_request_id: None,
-        last_seq: 0,
-        reset_seq: 0,
-        created_at: new.now,
-        updated_at: new.now,
-        finished_at: None,
-        attached: 0,
-        replayed: 0,
-        log_reads: 0,
-        usage: Usage::default(),
-        trace_parent: new.trace_parent,
-        replay_of: new.replay_of,
-    }
-}
-
 pub(super) fn chunk_from_row(row: &Row<'_>) -> Result<Chunk, StoreError> {
     let kind: String = row.get(2)?;
     Ok(Chunk {
@@ -223,7 +184,7 @@ const INSERT_BODY_SQL: &str =
      VALUES (?1, ?2, ?3, ?4, ?5)";
 
 /// What [`submit_in`] did: [`Submitted`] without the created record, which is `new` as
-/// inserted ([`created_record`]).
+/// inserted ([`created_record`](crate::store::created_record)).
 pub(super) enum SubmittedIn {
     Created,
     Attached(Box<RequestRecord>),

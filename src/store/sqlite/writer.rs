@@ -50,8 +50,9 @@ impl SqliteStore {
 
     /// [`SqliteStore::write`], calling `early` with what the job returned once its whole group
     /// has run, right before the group commits: for a caller that may act ahead of the commit
-    /// and waits for it before it answers anyone (ID-9). The job's caller is answered after the
-    /// commit as usual, also when the commit fails.
+    /// and waits for it before it answers anyone (ID-9). After a failed commit it is called only
+    /// once the job is durable, right before its caller is answered. The job's caller is
+    /// answered after the commit as usual, also when the commit fails.
     pub(super) async fn write_hooked<T, F>(
         &self,
         f: F,
@@ -80,6 +81,7 @@ impl SqliteStore {
             result: None,
             reply,
             early,
+            early_when_durable: false,
             may_wait,
         };
         self.inner
@@ -105,7 +107,7 @@ pub(super) trait WriteJob: Send {
     fn tell_early(&mut self);
     /// Answers the caller once the group is settled; `commit` is the group commit's failure.
     fn reply(self: Box<Self>, commit: Result<(), &str>);
-    /// Drops the hook that would be told the result before the commit (ID-9).
+    /// Holds the hook back until the commit is durable: it is told then, not before (ID-9).
     fn tell_only_when_durable(&mut self);
     /// Whether its caller accepts its commit being held open for more (DU-7).
     fn may_wait(&self) -> bool;
@@ -118,6 +120,8 @@ struct Job<T, F> {
     reply: oneshot::Sender<Result<T, StoreError>>,
     /// Told the result of the run that commits, before the commit ([`SqliteStore::write_hooked`]).
     early: Option<Early<T>>,
+    /// The hook is told only once the commit is durable ([`WriteJob::tell_only_when_durable`]).
+    early_when_durable: bool,
     /// Its commit may be held open for more ([`SqliteStore::write_may_wait`], DU-7).
     may_wait: bool,
 }
@@ -136,7 +140,8 @@ where
     }
 
     fn tell_early(&mut self) {
-        if let Some(Ok(value)) = &self.result
+        if !self.early_when_durable
+            && let Some(Ok(value)) = &self.result
             && let Some(early) = self.early.take()
         {
             early(value);
@@ -144,7 +149,7 @@ where
     }
 
     fn tell_only_when_durable(&mut self) {
-        self.early = None;
+        self.early_when_durable = true;
     }
 
     fn may_wait(&self) -> bool {
@@ -157,9 +162,14 @@ where
             result,
             reply,
             early,
+            early_when_durable: _,
             may_wait: _,
         } = *self;
-        drop(early);
+        // A hook not told before the commit (held back, or its job's group failed first) is
+        // told now that the job is durable.
+        if let (Some(early), Some(Ok(value)), Ok(())) = (early, &result, commit) {
+            std::panic::catch_unwind(AssertUnwindSafe(|| early(value))).ok();
+        }
         // What the write captured goes first, so its caller gets back sole ownership of what it
         // shared with it.
         drop(run);
@@ -413,6 +423,7 @@ mod tests {
             result: None,
             reply,
             early: None,
+            early_when_durable: false,
             may_wait: false,
         };
         (Box::new(job), answer)
@@ -488,6 +499,7 @@ mod tests {
             result: None,
             reply,
             early: Some(hook),
+            early_when_durable: false,
             may_wait: false,
         };
         let failing = job(|conn| {
@@ -517,6 +529,61 @@ mod tests {
             "told after the whole group ran (the first pass stopped at the failed job)"
         );
         assert_eq!(stored(&conn), vec![7, 9]);
+    }
+
+    /// After a failed commit (a full disk) no job is acted on before its commit, but its hook
+    /// is still told once the job is durable: an attempt its caller relies on the store to
+    /// start (SQLite's admission) starts then, even if the caller is gone (ID-9).
+    #[test]
+    fn a_hook_held_back_after_a_failed_commit_is_told_once_the_job_is_durable_id9() {
+        let (dir, conn) = scratch();
+        let path = dir.path().join("t.db");
+        // What the hook was told, and what a reader saw then.
+        type Told = Vec<(i64, Vec<i64>)>;
+        let seen: Arc<std::sync::Mutex<Told>> = Arc::default();
+        let told = Arc::clone(&seen);
+        let hook: Box<dyn FnOnce(&i64) + Send> = Box::new(move |n| {
+            let reader = Connection::open(&path).expect("reader");
+            told.lock().unwrap().push((*n, stored(&reader)));
+        });
+        let (reply, answer) = oneshot::channel();
+        let mut hooked = Job {
+            run: insert(7),
+            result: None,
+            reply,
+            early: Some(hook),
+            early_when_durable: false,
+            may_wait: false,
+        };
+        hooked.tell_only_when_durable();
+        let (committed, answers) = run_group(&conn, vec![(Box::new(hooked), answer)]);
+        assert_eq!(committed, Ok(Committed::InOnePass));
+        assert!(matches!(answers[..], [Ok(7)]), "{answers:?}");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(7, vec![7])],
+            "told once, with its write committed"
+        );
+
+        // A commit that fails tells nothing.
+        let (reply, mut answer) = oneshot::channel();
+        let told = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&told);
+        let hook: Box<dyn FnOnce(&i64) + Send> =
+            Box::new(move |_| flag.store(true, std::sync::atomic::Ordering::SeqCst));
+        let mut failed = Job {
+            run: insert(8),
+            result: None,
+            reply,
+            early: Some(hook),
+            early_when_durable: false,
+            may_wait: false,
+        };
+        failed.tell_only_when_durable();
+        assert!(failed.run(&conn));
+        Box::new(failed).reply(Err("disk full"));
+        assert!(answer.try_recv().expect("answered").is_err());
+        assert!(!told.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[test]
@@ -708,6 +775,7 @@ mod tests {
             result: None,
             reply,
             early: None,
+            early_when_durable: false,
             may_wait,
         };
         (Box::new(job), answer)
