@@ -1,7 +1,8 @@
-//! Real JavaScript clients against holdfast (tests/clients/*.mjs): the official OpenAI Node SDK
-//! on the proxied routes, and a WHATWG-faithful `EventSource` on the log stream. Both need
-//! `npm ci --prefix tests/clients` (`scripts/test` runs it); without it they fail, naming what
-//! is missing (`HOLDFAST_TEST_SKIP=node` opts out of them).
+//! Real JavaScript clients against holdfast (tests/clients/*.mjs): the official OpenAI and
+//! Anthropic Node SDKs, @google/genai and the Vercel AI SDK (with its OpenAI and Anthropic
+//! providers) on the proxied routes, and a WHATWG-faithful `EventSource` on the log stream. All
+//! need `npm ci --prefix tests/clients` (`scripts/test` runs it); without it they fail, naming
+//! what is missing (`HOLDFAST_TEST_SKIP=node` opts out of them).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -889,6 +890,438 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
     let all = records(&app).await;
     assert_eq!(all.len(), 1, "one request: {all:?}");
     wait_deliveries_at_least(&app.base, all[0]["id"].as_str().unwrap(), 2).await;
+    app.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Anthropic's Node SDK (@anthropic-ai/sdk) and the Vercel AI SDK's @ai-sdk/anthropic on
+// /v1/messages
+
+/// The model the Anthropic drivers ask for; the mock's reply names it.
+const CLAUDE: &str = "claude-sonnet-4-5";
+
+/// Runs the @anthropic-ai/sdk driver (tests/clients/anthropic_node.mjs) in `mode` against `app`.
+async fn anthropic_node(app: &TestApp, mode: &str) -> Value {
+    run_node(
+        "anthropic_node.mjs",
+        &[mode],
+        &[("HOLDFAST_URL", &app.base)],
+    )
+    .await
+}
+
+/// The mock's reply text for [`CLAUDE`] starts so.
+fn is_claude_reply(text: &Value) -> bool {
+    text.as_str()
+        .is_some_and(|t| t.starts_with(&format!("mock reply to {CLAUDE}: ")))
+}
+
+/// The event types @anthropic-ai/sdk yields for a complete mock stream of `chunks` pieces (it
+/// consumes `ping` itself).
+fn anthropic_stream_types(chunks: usize) -> Vec<String> {
+    let mut types = vec!["message_start", "content_block_start"];
+    types.extend(std::iter::repeat_n("content_block_delta", chunks));
+    types.extend(["content_block_stop", "message_delta", "message_stop"]);
+    types.into_iter().map(String::from).collect()
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("an array: {v}"))
+        .iter()
+        .map(|s| {
+            s.as_str()
+                .unwrap_or_else(|| panic!("a string: {s}"))
+                .to_string()
+        })
+        .collect()
+}
+
+/// RS-3, RS-5 with Anthropic's Node SDK: `messages.create` through holdfast gets the provider's
+/// message (text, stop reason, usage) and its `request-id` (the SDK's `_request_id`); the same
+/// call again is answered from the log with the same message, without a provider call; the log
+/// holds one request, with the usage the SDK was told.
+#[tokio::test]
+async fn anthropic_node_repeat_messages_create_is_answered_from_the_log_rs3_rs5() {
+    require_node("@anthropic-ai/sdk");
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let out = anthropic_node(&app, "create").await;
+    let calls = out["calls"].as_array().unwrap();
+    let (first, second) = (&calls[0], &calls[1]);
+    assert_eq!(first["status"], 200, "{out}");
+    assert_eq!(first["type"], "message", "{out}");
+    assert_eq!(first["role"], "assistant");
+    assert_eq!(first["model"], CLAUDE);
+    assert!(is_claude_reply(&first["text"]), "{out}");
+    assert_eq!(first["stop_reason"], "end_turn");
+    assert_eq!(
+        first["usage"]["output_tokens"], 8,
+        "the mock's 8 pieces: {out}"
+    );
+    assert!(
+        first["usage"]["input_tokens"].as_u64().unwrap() >= 1,
+        "{out}"
+    );
+    assert_eq!(first["replayed"], "false", "{out}");
+    let upstream = first["upstream_request_id"].as_str().unwrap();
+    assert!(upstream.starts_with("req_mock_"), "RS-5: {out}");
+    assert_eq!(
+        first["sdk_request_id"], upstream,
+        "the SDK reads Anthropic's request-id: {out}"
+    );
+
+    assert_eq!(second["replayed"], "true", "RS-5: {out}");
+    assert_eq!(second["request_id"], first["request_id"], "one request");
+    assert_eq!(
+        second["upstream_request_id"], upstream,
+        "RS-5: the provider's request id of the execution: {out}"
+    );
+    for field in ["id", "text", "stop_reason", "usage", "model"] {
+        assert_eq!(second[field], first[field], "RS-3: {field}: {out}");
+    }
+    assert_eq!(out["bodies"][0], out["bodies"][1], "the same bytes twice");
+    assert_eq!(
+        out["idempotency_keys"],
+        serde_json::json!([null, null]),
+        "@anthropic-ai/sdk sends no Idempotency-Key, so identity is the body hash (ID-4)"
+    );
+    assert_eq!(app.mock.calls(), 1, "the repeat did not call the provider");
+
+    let recorded = app.mock.recorded();
+    assert_eq!(recorded[0].path, "/v1/messages", "{recorded:?}");
+    let sent = out["anthropic_versions"][0].as_str().unwrap();
+    assert!(
+        recorded[0]
+            .headers
+            .iter()
+            .any(|(k, v)| k == "anthropic-version" && v == sent),
+        "ID-3a: the SDK's anthropic-version {sent} went upstream: {:?}",
+        recorded[0].headers
+    );
+    let list = records(&app).await;
+    assert_eq!(list.len(), 1, "one request in the log: {list:?}");
+    let id = list[0]["id"].as_str().unwrap();
+    assert_eq!(id, first["request_id"]);
+    let record = wait_deliveries_at_least(&app.base, id, 2).await;
+    assert_eq!(record["route"], "anthropic.messages", "{record}");
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["stream"], false, "{record}");
+    assert_eq!(record["upstream_request_id"], upstream, "{record}");
+    assert_eq!(
+        record["usage"]["input_tokens"], first["usage"]["input_tokens"],
+        "RD-9: the ledger counts what the SDK was told: {record}"
+    );
+    assert_eq!(
+        record["usage"]["output_tokens"],
+        first["usage"]["output_tokens"]
+    );
+    assert_eq!(
+        record["response"]["body"]["content"][0]["text"], first["text"],
+        "{record}"
+    );
+    app.stop().await;
+}
+
+/// RS-4, RS-3 with Anthropic's Node SDK: `messages.create({stream: true})` yields the provider's
+/// events in order from `message_start` to `message_stop` (keep-alive comments between slow
+/// events do not disturb its SSE decoder); the `messages.stream()` helper sending the same
+/// request is answered from the log: one `text` event per piece in order, each snapshot the one
+/// before plus its delta, `finalMessage()` the whole message, `end` after it, no error.
+#[tokio::test]
+async fn anthropic_node_stream_helper_and_raw_events_get_the_whole_answer_in_order_rs3_rs4() {
+    require_node("@anthropic-ai/sdk");
+    let app = spawn_app(
+        MockConfig {
+            chunks: 6,
+            chunk_delay_ms: 60,
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 25,
+    )
+    .await;
+    let out = anthropic_node(&app, "stream").await;
+    let non_stream = &out["non_stream"];
+    assert!(is_claude_reply(&non_stream["text"]), "{out}");
+
+    let raw = &out["raw"];
+    assert!(raw["error"].is_null(), "{out}");
+    assert_eq!(
+        strings(&raw["types"]),
+        anthropic_stream_types(6),
+        "RS-4: every provider event in order, through message_stop: {out}"
+    );
+    assert_eq!(
+        raw["text"], non_stream["text"],
+        "the deltas reassemble the text: {out}"
+    );
+    assert_eq!(raw["replayed"], "false", "{out}");
+    assert!(
+        raw["upstream_request_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("req_mock_"),
+        "RS-5: {out}"
+    );
+
+    let helper = &out["helper"];
+    assert!(helper["error"].is_null(), "{out}");
+    let deltas = strings(&helper["deltas"]);
+    assert_eq!(deltas.len(), 6, "one text event per piece: {out}");
+    assert_eq!(
+        deltas.concat(),
+        raw["text"].as_str().unwrap(),
+        "in order: {out}"
+    );
+    assert_eq!(helper["snapshots_grow"], true, "{out}");
+    assert_eq!(
+        strings(&helper["lifecycle"]),
+        ["connect", "message", "finalMessage", "end"],
+        "ended cleanly: {out}"
+    );
+    let fin = &helper["final"];
+    assert_eq!(fin["text"], raw["text"], "finalMessage(): {out}");
+    assert_eq!(fin["stop_reason"], "end_turn");
+    assert_eq!(fin["usage"]["output_tokens"], 6, "{out}");
+    assert_eq!(
+        fin["usage"]["input_tokens"],
+        non_stream["usage"]["input_tokens"]
+    );
+    assert_eq!(
+        helper["replayed"], "true",
+        "RS-3: the helper's request is the raw stream's (key order and the helper's own \
+         headers do not count, ID-1, ID-3a): {out}"
+    );
+    assert_eq!(helper["request_id"], raw["request_id"]);
+    assert_eq!(
+        helper["sdk_request_id"], raw["upstream_request_id"],
+        "{out}"
+    );
+
+    assert_eq!(
+        non_stream["replayed"], "false",
+        "stream is part of the body"
+    );
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "one stream execution and one non-stream; the helper replayed"
+    );
+    let id = raw["request_id"].as_str().unwrap();
+    let record = app.record(id).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+    assert_eq!(record["stream"], true);
+    assert_eq!(record["usage"]["output_tokens"], 6, "{record}");
+    app.stop().await;
+}
+
+/// LC-7, RS-4 with Anthropic's Node SDK: a provider stream that does not reach `message_stop` —
+/// cut mid-stream, ended cleanly after a few deltas, or missing only `message_stop` — ends with
+/// holdfast's error event, so iterating `messages.create({stream: true})` throws `APIError` and
+/// the `messages.stream()` helper rejects `finalMessage()` (its `error` event fires, no
+/// `message`): the SDK never hands the truncated text over as a finished answer. Each send is its
+/// own failed request (`stream_interrupted`), one provider call each.
+#[tokio::test]
+async fn anthropic_node_raises_when_the_provider_stream_does_not_finish_lc7_rs4() {
+    require_node("@anthropic-ai/sdk");
+    let cases = [
+        (
+            "connection cut after 3 deltas",
+            MockConfig {
+                drop_after_chunks: Some(3),
+                ..MockConfig::default()
+            },
+        ),
+        (
+            "body ended cleanly after 3 deltas",
+            MockConfig {
+                end_after_chunks: Some(3),
+                ..MockConfig::default()
+            },
+        ),
+        (
+            "every event but message_stop",
+            MockConfig {
+                omit_stream_end: true,
+                ..MockConfig::default()
+            },
+        ),
+    ];
+    for (name, mock) in cases {
+        let app = spawn_app(mock, |_| {}).await;
+        let out = anthropic_node(&app, "broken").await;
+        for (how, run) in [("raw events", &out["raw"]), ("helper", &out["helper"])] {
+            let error = &run["error"];
+            assert_eq!(
+                error["api_error"], true,
+                "{name}, {how}: the SDK raised its APIError: {out}"
+            );
+            assert_eq!(error["class"], "APIError", "{name}, {how}: {out}");
+            assert_eq!(error["type"], "api_error", "RS-4: {name}, {how}: {out}");
+        }
+        let raw = &out["raw"];
+        assert!(
+            is_claude_reply(&raw["text"]),
+            "{name}: the deltas before the end arrived: {out}"
+        );
+        let types = strings(&raw["types"]);
+        assert_eq!(types[0], "message_start", "{name}: {out}");
+        assert!(
+            !types.iter().any(|t| t == "message_stop"),
+            "{name}: no message_stop was made up: {out}"
+        );
+        let helper = &out["helper"];
+        assert!(helper["final"].is_null(), "{name}: {out}");
+        assert!(
+            !strings(&helper["deltas"]).is_empty(),
+            "{name}: text events came first: {out}"
+        );
+        assert_eq!(
+            strings(&helper["lifecycle"]),
+            ["connect", "error", "end"],
+            "{name}: no message, no finalMessage: {out}"
+        );
+        assert_eq!(app.mock.calls(), 2, "{name}: one provider call per send");
+        let list = records(&app).await;
+        assert_eq!(list.len(), 2, "{name}: {list:?}");
+        for record in &list {
+            let id = record["id"].as_str().unwrap();
+            let record = wait_terminal(&app.http, &app.base, id, Duration::from_secs(10)).await;
+            assert_eq!(record["status"], "failed", "{name}: {record}");
+            assert_eq!(
+                record["error"]["type"], "stream_interrupted",
+                "LC-7: {name}: {record}"
+            );
+            let message = record["error"]["message"].as_str().unwrap();
+            for run in [raw, helper] {
+                if run["request_id"] == record["id"] {
+                    assert!(
+                        run["error"]["message"].as_str().unwrap().contains(message),
+                        "{name}: the SDK's error carries holdfast's message: {out} {record}"
+                    );
+                }
+            }
+        }
+        app.stop().await;
+    }
+}
+
+/// The Vercel AI SDK with `@ai-sdk/anthropic` (`createAnthropic({baseURL})`) on holdfast:
+/// `generateText` gets the message's text, finish reason and usage, and the same call again is
+/// answered from the log (RS-3, RS-5); `streamText` gets every piece in order and a clean
+/// `stop` finish (RS-4), and its repeat replays the stored events.
+#[tokio::test]
+async fn vercel_ai_sdk_anthropic_generate_text_and_stream_text_through_holdfast_rs3_rs4() {
+    require_node("ai");
+    require_node("@ai-sdk/anthropic");
+    let app = spawn_app(
+        MockConfig {
+            chunks: 5,
+            chunk_delay_ms: 20,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = anthropic_node(&app, "aisdk").await;
+    let generate = out["generate"].as_array().unwrap();
+    let text = &generate[0]["text"];
+    assert!(is_claude_reply(text), "{out}");
+    assert_eq!(generate[0]["finish_reason"], "stop", "{out}");
+    assert_eq!(generate[0]["replayed"], "false", "{out}");
+    assert_eq!(generate[1]["replayed"], "true", "RS-5: {out}");
+    assert_eq!(generate[1]["request_id"], generate[0]["request_id"]);
+    assert_eq!(generate[1]["text"], *text, "RS-3: {out}");
+    assert_eq!(generate[1]["usage"], generate[0]["usage"], "{out}");
+    assert_eq!(generate[0]["usage"]["outputTokens"], 5, "{out}");
+    let id = generate[0]["request_id"].as_str().unwrap();
+    let record = wait_deliveries_at_least(&app.base, id, 2).await;
+    assert_eq!(record["route"], "anthropic.messages", "{record}");
+    assert_eq!(
+        record["usage"]["input_tokens"], generate[0]["usage"]["inputTokens"],
+        "RD-9: {record}"
+    );
+
+    let streams = out["streams"].as_array().unwrap();
+    for (i, s) in streams.iter().enumerate() {
+        assert!(s["error"].is_null(), "stream {i}: {out}");
+        assert!(s["thrown"].is_null(), "stream {i}: {out}");
+        assert_eq!(s["finish_reason"], "stop", "stream {i}: {out}");
+        assert_eq!(
+            s["text"], *text,
+            "stream {i}: the pieces make the text: {out}"
+        );
+        assert_eq!(
+            strings(&s["deltas"]).concat(),
+            text.as_str().unwrap(),
+            "stream {i}: in order: {out}"
+        );
+        assert_eq!(s["usage"]["outputTokens"], 5, "stream {i}: {out}");
+    }
+    assert_eq!(streams[0]["replayed"], "false", "{out}");
+    assert_eq!(streams[1]["replayed"], "true", "RS-3: {out}");
+    assert_eq!(streams[1]["request_id"], streams[0]["request_id"]);
+    assert_eq!(streams[1]["deltas"], streams[0]["deltas"], "{out}");
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "one generate and one stream execution; the repeats replayed"
+    );
+    let recorded = app.mock.recorded();
+    assert!(
+        recorded.iter().all(|c| c.path == "/v1/messages"),
+        "{recorded:?}"
+    );
+    app.stop().await;
+}
+
+/// LC-7 with the Vercel AI SDK's `@ai-sdk/anthropic`: `streamText` against a provider stream
+/// cut mid-way gets holdfast's error event as an error (its `onError`, holdfast's message) and
+/// finishes with `error`, not `stop`. (The AI SDK raises nothing here by design: `result.text`
+/// resolves to the text so far, so an application must look at `onError` or `finishReason`.)
+#[tokio::test]
+async fn vercel_ai_sdk_anthropic_stream_text_reports_a_cut_stream_as_an_error_lc7() {
+    require_node("ai");
+    require_node("@ai-sdk/anthropic");
+    let app = spawn_app(
+        MockConfig {
+            chunks: 8,
+            drop_after_chunks: Some(3),
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let out = anthropic_node(&app, "aisdk-broken").await;
+    let s = &out["stream"];
+    assert_eq!(
+        s["error"]["type"], "api_error",
+        "RS-4: onError got the error event: {out}"
+    );
+    assert_eq!(s["finish_reason"], "error", "not a finished answer: {out}");
+    assert!(
+        strings(&s["deltas"])
+            .concat()
+            .starts_with(&format!("mock reply to {CLAUDE}: ")),
+        "the text before the cut arrived: {out}"
+    );
+    assert_eq!(app.mock.calls(), 1, "maxRetries: 0, one send");
+    let list = records(&app).await;
+    assert_eq!(list.len(), 1, "{list:?}");
+    let id = list[0]["id"].as_str().unwrap();
+    assert_eq!(s["request_id"], id, "{out}");
+    let record = wait_terminal(&app.http, &app.base, id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed", "{record}");
+    assert_eq!(
+        record["error"]["type"], "stream_interrupted",
+        "LC-7: {record}"
+    );
+    assert!(
+        s["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(record["error"]["message"].as_str().unwrap()),
+        "holdfast's message reached the caller: {out} {record}"
+    );
     app.stop().await;
 }
 
