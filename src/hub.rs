@@ -79,6 +79,10 @@ pub(crate) struct Subscription {
 /// request (streamed or not) gets a channel while someone waits on it, allocated and zeroed at
 /// subscription, so the capacity is also a per-request cost (docs/benchmarks-history.md).
 const CHANNEL_CAPACITY: usize = 128;
+/// [`CHANNEL_CAPACITY`] for a channel its request's submitter opens for a non-stream request,
+/// which carries a few events (its outcome, a cancel); one opened later for a reader of its
+/// log, which has no chunks but its `end`, holds as few (issue 30).
+const ANSWER_CHANNEL_CAPACITY: usize = 8;
 
 impl Hub {
     /// A new, empty hub.
@@ -88,20 +92,31 @@ impl Hub {
 
     /// Subscribes to every event of request `id`.
     pub(crate) fn subscribe(self: &Arc<Self>, id: Uuid) -> Subscription {
-        self.subscribe_as(id, false)
+        self.subscribe_as(id, false, CHANNEL_CAPACITY)
     }
 
     /// Subscribes to request `id` before it exists, so that no event of it can be missed: such
     /// a subscription is not woken for [`HubEvent::Logged`] (it took those chunks ahead, or
-    /// reads them with the request's outcome) until it lags behind the channel.
-    pub(crate) fn subscribe_to_new(self: &Arc<Self>, id: Uuid) -> Subscription {
-        self.subscribe_as(id, true)
+    /// reads them with the request's outcome) until it lags behind the channel. `stream` says
+    /// whether the request streams: the channel of one that does not holds fewer events.
+    pub(crate) fn subscribe_to_new(self: &Arc<Self>, id: Uuid, stream: bool) -> Subscription {
+        let capacity = if stream {
+            CHANNEL_CAPACITY
+        } else {
+            ANSWER_CHANNEL_CAPACITY
+        };
+        self.subscribe_as(id, true, capacity)
     }
 
-    fn subscribe_as(self: &Arc<Self>, id: Uuid, from_creation: bool) -> Subscription {
+    fn subscribe_as(
+        self: &Arc<Self>,
+        id: Uuid,
+        from_creation: bool,
+        capacity: usize,
+    ) -> Subscription {
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
         let channel = channels.entry(id).or_insert_with(|| Channel {
-            tx: broadcast::channel(CHANNEL_CAPACITY).0,
+            tx: broadcast::channel(capacity).0,
             log_readers: 0,
         });
         let reads_log = !from_creation;
@@ -212,7 +227,7 @@ mod tests {
         let hub = Hub::new();
         let id = Uuid::now_v7();
         let logged = || HubEvent::Logged(Arc::new(Vec::new()));
-        let mut fresh = hub.subscribe_to_new(id);
+        let mut fresh = hub.subscribe_to_new(id, true);
         assert!(fresh.saw_every_event());
         hub.publish(id, logged());
         hub.publish(id, HubEvent::Changed);

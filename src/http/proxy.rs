@@ -188,7 +188,7 @@ async fn admit(
     new.trace_parent = server.and_then(ServerSpan::traceparent);
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
-    let early = state.hub.subscribe_to_new(new.id);
+    let early = state.hub.subscribe_to_new(new.id, new.stream);
     let submitted = state.workers.admit(new).await;
     let (record, replayed, fresh) = match submitted {
         Ok(Submitted::Created(record)) => {
@@ -407,7 +407,9 @@ async fn answer_admitted(
     if record.stream {
         if record.status.is_terminal() {
             let claim_ref = claim.of(&namespace, &record, &state.config);
-            state.workers.remember(&claim_ref, &record);
+            state
+                .workers
+                .remember(&claim_ref, &Arc::new(record.clone()));
         }
         let delivery = Answering {
             route,
@@ -763,14 +765,15 @@ async fn wait_for(
     shape: Provider,
     fresh: Option<Subscription>,
     ready: impl Fn(&RequestRecord) -> bool,
-) -> Result<RequestRecord, ApiError> {
+) -> Result<Arc<RequestRecord>, ApiError> {
     let (record, _) = wait(state, namespace, record, shape, fresh, false, ready).await?;
     Ok(record)
 }
 
 /// [`wait_for`], and with `take_ahead` also until the attempt hands on its first events
 /// (RS-11): then the record as admitted (with the provider's request id those events came
-/// with), the subscription that received them, and the events.
+/// with), the subscription that received them, and the events. The record is shared: one this
+/// node's worker settled is the very one it published (issue 30).
 async fn wait(
     state: &AppState,
     namespace: &str,
@@ -779,9 +782,9 @@ async fn wait(
     fresh: Option<Subscription>,
     take_ahead: bool,
     ready: impl Fn(&RequestRecord) -> bool,
-) -> Result<(RequestRecord, Option<Start>), ApiError> {
+) -> Result<(Arc<RequestRecord>, Option<Start>), ApiError> {
     if ready(&record) {
-        return Ok((record, None));
+        return Ok((Arc::new(record), None));
     }
     let (mut subscription, mut read) = match fresh {
         Some(subscription) => (subscription, false),
@@ -790,7 +793,7 @@ async fn wait(
     loop {
         if read {
             match state.store.get(namespace, record.id).await {
-                Ok(Some(r)) if ready(&r) => return Ok((r, None)),
+                Ok(Some(r)) if ready(&r) => return Ok((Arc::new(r), None)),
                 Ok(Some(_)) => {}
                 Ok(None) => {
                     return Err(
@@ -810,14 +813,14 @@ async fn wait(
         tokio::select! {
             event = subscription.recv() => match event {
                 // This node's worker settled it and handed over the record it wrote.
-                HubEvent::Settled(settled) if ready(&settled) => return Ok(((*settled).clone(), None)),
+                HubEvent::Settled(settled) if ready(&settled) => return Ok((settled, None)),
                 HubEvent::Settled(_) => read = false,
                 HubEvent::Ahead(handed) if take_ahead => {
                     let mut record = record;
                     if record.upstream_request_id.is_none() {
                         record.upstream_request_id.clone_from(&handed.upstream_request_id);
                     }
-                    return Ok((record, Some((subscription, vec![handed]))));
+                    return Ok((Arc::new(record), Some((subscription, vec![handed]))));
                 }
                 // Not committed: nothing a re-read would find.
                 HubEvent::Ahead(_) => read = false,

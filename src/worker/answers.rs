@@ -10,7 +10,7 @@
 //! of the records it holds; the oldest go first.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::store::{Millis, RequestRecord, Status};
 
@@ -30,7 +30,11 @@ pub(crate) struct ClaimRef<'a> {
 }
 
 struct Entry {
-    record: RequestRecord,
+    /// The settled record the answer was made from, shared, not copied (issue 30).
+    record: Arc<RequestRecord>,
+    /// Replays answered from this entry: the record's `replayed` count plus these is the
+    /// store's.
+    replays: u32,
     fingerprint: [u8; 32],
     expires_at: Millis,
     bytes: usize,
@@ -74,15 +78,16 @@ impl RecentAnswers {
         if &entry.fingerprint != fingerprint {
             return None;
         }
-        // The caller counts this delivery on its copy; the kept record counts it too, so
-        // the next replay sees every earlier one.
-        let record = entry.record.clone();
-        entry.record.replayed += 1;
+        // The caller counts this delivery on its copy; the entry counts it too, so the next
+        // replay sees every earlier one.
+        let mut record = (*entry.record).clone();
+        record.replayed += entry.replays;
+        entry.replays += 1;
         Some(record)
     }
 
     /// Keeps `record` for duplicates of `claim` when it succeeded.
-    pub(crate) fn remember(&self, claim: &ClaimRef<'_>, record: &RequestRecord) {
+    pub(crate) fn remember(&self, claim: &ClaimRef<'_>, record: &Arc<RequestRecord>) {
         if record.status != Status::Succeeded {
             return;
         }
@@ -103,7 +108,8 @@ impl RecentAnswers {
         let serial = inner.serial;
         let key = (claim.namespace.to_owned(), claim.claim_key.to_owned());
         let entry = Entry {
-            record: record.clone(),
+            record: Arc::clone(record),
+            replays: 0,
             fingerprint: claim.fingerprint,
             expires_at: claim.expires_at,
             bytes,
@@ -130,8 +136,8 @@ impl RecentAnswers {
 mod tests {
     use super::*;
 
-    fn record(status: Status) -> RequestRecord {
-        RequestRecord::example(status)
+    fn record(status: Status) -> Arc<RequestRecord> {
+        Arc::new(RequestRecord::example(status))
     }
 
     fn claim(key: &str, fingerprint: u8, expires_at: Millis) -> ClaimRef<'_> {
@@ -179,8 +185,9 @@ mod tests {
     #[test]
     fn the_oldest_answers_go_first_beyond_the_byte_bound() {
         let answers = RecentAnswers::default();
-        let mut big = record(Status::Succeeded);
+        let mut big = RequestRecord::example(Status::Succeeded);
         big.response_body = Some(vec![b'x'; MAX_RECORD_BYTES - 4096]);
+        let big = Arc::new(big);
         let n = MAX_BYTES / (MAX_RECORD_BYTES - 2048) + 2;
         for i in 0..n {
             answers.remember(&claim(&i.to_string(), 1, 100), &big);

@@ -266,7 +266,7 @@ impl WorkerPool {
 
     /// Keeps `record`, the answer to a submission holding `claim`, for the claim's duplicates
     /// when it succeeded ([`RecentAnswers`]).
-    pub(crate) fn remember(&self, claim: &ClaimRef<'_>, record: &RequestRecord) {
+    pub(crate) fn remember(&self, claim: &ClaimRef<'_>, record: &Arc<RequestRecord>) {
         self.answers.remember(claim, record);
     }
 
