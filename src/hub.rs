@@ -80,8 +80,8 @@ pub(crate) struct Subscription {
 /// subscription, so the capacity is also a per-request cost (docs/benchmarks-history.md).
 const CHANNEL_CAPACITY: usize = 128;
 /// [`CHANNEL_CAPACITY`] for a channel its request's submitter opens for a non-stream request,
-/// which carries a few events (its outcome, a cancel); one opened later for a reader of its
-/// log, which has no chunks but its `end`, holds as few (issue 30).
+/// which carries a few events (its outcome, a cancel; issue 30). A later reader shares it while
+/// it lives: a non-stream request's log has no chunk but its `end`.
 const ANSWER_CHANNEL_CAPACITY: usize = 8;
 
 impl Hub {

@@ -813,8 +813,9 @@ pub trait Store: Send + Sync + 'static {
     /// arbitrates claims (SQLite; ID-9): before the commit, so that the provider call need not
     /// wait for it, or, after a failed commit, once the request is durable. So it is called
     /// whenever the answer is [`Submitted::Created`] with a lease, also when the caller is gone
-    /// by then. It runs on the store's own thread and must only hand the attempt on. Other
-    /// stores decide only at the commit and never call it; their caller starts the attempt.
+    /// by then. It runs on the store's own thread and must only hand the attempt on. A store
+    /// that decides only at the commit (PostgreSQL) calls it once the answer is durable, from
+    /// the caller's own future.
     ///
     /// # Errors
     /// As [`Store::submit_and_lease`]; after a call ahead of the commit, a failed commit
@@ -825,8 +826,11 @@ pub trait Store: Send + Sync + 'static {
         lease: Option<LeaseTo<'_>>,
         started: Started,
     ) -> Result<(Submitted, Option<Lease>), StoreError> {
-        drop(started);
-        self.submit_and_lease(new, lease).await
+        let (submitted, lease) = self.submit_and_lease(new, lease).await?;
+        if let (Submitted::Created(_), Some(lease)) = (&submitted, &lease) {
+            started(lease.clone());
+        }
+        Ok((submitted, lease))
     }
 
     /// [`Store::submit_and_lease`] without a lease: the dispatcher leases the request.

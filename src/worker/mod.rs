@@ -175,61 +175,59 @@ impl WorkerPool {
             self.count_delivery(&mut record);
             return Ok(Submitted::Attached(Box::new(record)));
         }
-        match self.admission_limit() {
-            None => self.admit_here(new).await,
-            Some(limit) => self.admit_in_task(new, limit).await,
+        let permit = self.try_permit();
+        match (self.admission_limit(), permit) {
+            (None, Some(permit)) => self.admit_here(new, permit).await,
+            (limit, permit) => self.admit_in_task(new, permit, limit).await,
         }
     }
 
-    /// Admission where one process arbitrates claims (SQLite): the store calls back with the
-    /// lease as soon as it has decided the submission, before its commit, or once it is durable
+    /// Admission where one process arbitrates claims (SQLite) and a worker is free: the store
+    /// calls back with the lease as soon as it has decided the submission, before its commit,
+    /// or once it is durable
     /// ([`Store::submit_and_lease_started`](crate::store::Store::submit_and_lease_started)), and
     /// the attempt starts from there, from the store's writer thread. So the provider call need
     /// not wait for the commit (ID-9), the answer still does, and the wait needs no task of its
     /// own: one task and two hand-offs fewer per request (issue 30).
-    async fn admit_here(&self, new: NewRequest) -> Result<Submitted, StoreError> {
-        let permit = self.try_permit();
-        let owner = permit.as_ref().map(|_| self.lease_owner());
-        let lease = owner.as_deref().map(|owner| LeaseTo {
-            owner,
+    async fn admit_here(
+        &self,
+        new: NewRequest,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<Submitted, StoreError> {
+        let owner = self.lease_owner();
+        let lease = LeaseTo {
+            owner: &owner,
             lease_ms: self.lease_ms(),
-        });
-        let started = permit.map(|permit| -> Started {
-            // The attempt's copy of the request, made here rather than on the writer's thread.
-            let record = crate::store::created_record(new.clone(), true);
-            let pool = self.clone();
-            Box::new(move |lease| pool.spawn_attempt(lease, record, permit))
-        });
-        let (mut submitted, lease) = match started {
-            Some(started) => {
-                self.store
-                    .submit_and_lease_started(new, lease, started)
-                    .await?
-            }
-            None => self.store.submit_and_lease(new, lease).await?,
         };
-        match &mut submitted {
-            // Leased: the store has started its attempt.
-            Submitted::Created(_) if lease.is_none() => self.wake(),
-            Submitted::Attached(record) => self.count_delivery(record),
-            Submitted::Created(_) | Submitted::KeyMismatch { .. } => {}
+        // The attempt's copy of the request, made here rather than on the writer's thread.
+        let record = crate::store::created_record(new.clone(), true);
+        let pool = self.clone();
+        let started: Started = Box::new(move |lease| pool.spawn_attempt(lease, record, permit));
+        let (mut submitted, _) = self
+            .store
+            .submit_and_lease_started(new, Some(lease), started)
+            .await?;
+        // Created: leased, and the store has started its attempt.
+        if let Submitted::Attached(record) = &mut submitted {
+            self.count_delivery(record);
         }
         Ok(submitted)
     }
 
-    /// Admission on PostgreSQL, where the claim's commit arbitrates between nodes and comes
-    /// before the call: a task of its own, which starts the attempt once the submission is
-    /// durable even if its client has gone. A database that does not answer within `limit`
-    /// refuses the call, retryable (RS-10); the task goes on, and a retry attaches to what it
-    /// records after all.
+    /// Admission as a task of its own, which starts the attempt (or wakes the dispatcher) once
+    /// the submission is durable, even if its client has gone: on PostgreSQL, where the claim's
+    /// commit arbitrates between nodes and comes before the call, and on SQLite when no worker
+    /// is free (the dispatcher leases the request, and must hear of it). A database that does
+    /// not answer within `limit` refuses the call, retryable (RS-10); the task goes on, and a
+    /// retry attaches to what it records after all.
     async fn admit_in_task(
         &self,
         new: NewRequest,
-        limit: Duration,
+        permit: Option<OwnedSemaphorePermit>,
+        limit: Option<Duration>,
     ) -> Result<Submitted, StoreError> {
         let pool = self.clone();
         let admission = tokio::spawn(async move {
-            let permit = pool.try_permit();
             let owner = permit.as_ref().map(|_| pool.lease_owner());
             let lease = owner.as_deref().map(|owner| LeaseTo {
                 owner,
@@ -246,14 +244,18 @@ impl WorkerPool {
             }
             Ok(submitted)
         });
-        let joined = match tokio::time::timeout(limit, admission).await {
-            Ok(joined) => joined,
-            Err(_) => {
-                return Err(StoreError::Unavailable(format!(
-                    "the database did not record the request within database_timeout_ms ({} ms)",
-                    limit.as_millis()
-                )));
-            }
+        let joined = match limit {
+            None => admission.await,
+            Some(limit) => match tokio::time::timeout(limit, admission).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    return Err(StoreError::Unavailable(format!(
+                        "the database did not record the request within database_timeout_ms \
+                         ({} ms)",
+                        limit.as_millis()
+                    )));
+                }
+            },
         };
         joined.unwrap_or_else(|e| Err(StoreError::Unavailable(format!("admission task: {e}"))))
     }
