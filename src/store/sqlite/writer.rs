@@ -429,6 +429,20 @@ mod tests {
         (Box::new(job), answer)
     }
 
+    /// A job inserting `n` whose early hook is `hook` (ID-9), and its caller's answer.
+    fn hooked_job(n: i64, hook: Early<i64>) -> (Box<dyn WriteJob>, Answer) {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            run: insert(n),
+            result: None,
+            reply,
+            early: Some(hook),
+            early_when_durable: false,
+            may_wait: false,
+        };
+        (Box::new(job), answer)
+    }
+
     fn insert(n: i64) -> impl FnMut(&Connection) -> Result<i64, StoreError> + Send + 'static {
         move |conn| {
             conn.execute("INSERT INTO t (n) VALUES (?1)", params![n])?;
@@ -493,15 +507,7 @@ mod tests {
                 order.lock().unwrap().push("told 7");
             }
         });
-        let (reply, answer) = oneshot::channel();
-        let hooked = Job {
-            run: insert(7),
-            result: None,
-            reply,
-            early: Some(hook),
-            early_when_durable: false,
-            may_wait: false,
-        };
+        let (hooked, answer) = hooked_job(7, hook);
         let failing = job(|conn| {
             conn.execute("INSERT INTO t (n) VALUES (8)", [])?;
             Err(StoreError::Unavailable("this write fails".into()))
@@ -514,8 +520,7 @@ mod tests {
                 insert(conn)
             }
         });
-        let (committed, answers) =
-            run_group(&conn, vec![(Box::new(hooked), answer), failing, last]);
+        let (committed, answers) = run_group(&conn, vec![(hooked, answer), failing, last]);
         assert_eq!(committed, Ok(Committed::WithoutTheFailedJob));
         assert!(matches!(answers[..], [Ok(7), Err(_), Ok(9)]), "{answers:?}");
         assert_eq!(
@@ -546,17 +551,9 @@ mod tests {
             let reader = Connection::open(&path).expect("reader");
             told.lock().unwrap().push((*n, stored(&reader)));
         });
-        let (reply, answer) = oneshot::channel();
-        let mut hooked = Job {
-            run: insert(7),
-            result: None,
-            reply,
-            early: Some(hook),
-            early_when_durable: false,
-            may_wait: false,
-        };
+        let (mut hooked, answer) = hooked_job(7, hook);
         hooked.tell_only_when_durable();
-        let (committed, answers) = run_group(&conn, vec![(Box::new(hooked), answer)]);
+        let (committed, answers) = run_group(&conn, vec![(hooked, answer)]);
         assert_eq!(committed, Ok(Committed::InOnePass));
         assert!(matches!(answers[..], [Ok(7)]), "{answers:?}");
         assert_eq!(
@@ -566,22 +563,14 @@ mod tests {
         );
 
         // A commit that fails tells nothing.
-        let (reply, mut answer) = oneshot::channel();
         let told = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = Arc::clone(&told);
         let hook: Box<dyn FnOnce(&i64) + Send> =
             Box::new(move |_| flag.store(true, std::sync::atomic::Ordering::SeqCst));
-        let mut failed = Job {
-            run: insert(8),
-            result: None,
-            reply,
-            early: Some(hook),
-            early_when_durable: false,
-            may_wait: false,
-        };
+        let (mut failed, mut answer) = hooked_job(8, hook);
         failed.tell_only_when_durable();
         assert!(failed.run(&conn));
-        Box::new(failed).reply(Err("disk full"));
+        failed.reply(Err("disk full"));
         assert!(answer.try_recv().expect("answered").is_err());
         assert!(!told.load(std::sync::atomic::Ordering::SeqCst));
     }
