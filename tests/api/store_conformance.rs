@@ -183,6 +183,7 @@ conformance!(
     submit_and_lease_leases_only_what_it_creates_lc2_id7,
     body_hash_claims_are_per_namespace_id4,
     expired_claim_is_taken_over_by_a_new_request_id4,
+    a_claim_lives_past_its_window_while_its_request_runs_id4,
     keyed_claim_with_another_fingerprint_is_key_mismatch_id5,
     racing_identical_submits_create_exactly_one_request_id7,
     racing_takeovers_of_an_expired_claim_create_exactly_one_request_id7,
@@ -490,8 +491,21 @@ async fn body_hash_claims_are_per_namespace_id4(store: DynStore) {
     assert_eq!(again.id, b.id);
 }
 
+/// Runs request `id` (the only one due) to success at `now`.
+async fn run_to_success(store: &DynStore, id: Uuid, now: Millis) {
+    let (lease, leased) = lease_at(store, "node/a", now).await;
+    assert_eq!(leased.id, id);
+    assert!(
+        store
+            .finish(&lease, succeeded(), now)
+            .await
+            .expect("finish")
+    );
+}
+
 async fn expired_claim_is_taken_over_by_a_new_request_id4(store: DynStore) {
     let first = create(&store, by_hash("hello", T0)).await;
+    run_to_success(&store, first.id, T0 + 1).await;
     // The window is counted from the claimed request's submission; at its end it is over.
     let second = create(&store, by_hash("hello", T0 + WINDOW)).await;
     assert_ne!(second.id, first.id);
@@ -499,7 +513,34 @@ async fn expired_claim_is_taken_over_by_a_new_request_id4(store: DynStore) {
     let third = attach(&store, by_hash("hello", T0 + WINDOW + 1)).await;
     assert_eq!(third.id, second.id);
     // The old request is still there, untouched.
-    assert_eq!(get(&store, first.id).await.status, Status::Pending);
+    assert_eq!(get(&store, first.id).await.status, Status::Succeeded);
+}
+
+/// ID-4: a claim lives past its window while its request has not finished, so an SDK's retry
+/// after a client-side timeout, sent while the provider call still runs, attaches to that call
+/// instead of paying for a second one; once the request has finished, the window decides.
+async fn a_claim_lives_past_its_window_while_its_request_runs_id4(store: DynStore) {
+    let first = create(&store, by_hash("long call", T0)).await;
+    // Pending (due, or waiting out a backoff) past the window: still the same request.
+    let again = attach(&store, by_hash("long call", T0 + WINDOW + 1)).await;
+    assert_eq!(again.id, first.id);
+    // Running past the window: the same.
+    let (lease, _) = lease_at(&store, "node/a", T0 + WINDOW + 2).await;
+    let again = attach(&store, by_hash("long call", T0 + 2 * WINDOW)).await;
+    assert_eq!(again.id, first.id);
+    // Keyed claims too, past the key's lifetime.
+    let keyed = create(&store, by_key("k-long", "body", T0)).await;
+    let again = attach(&store, by_key("k-long", "body", T0 + KEY_TTL + 1)).await;
+    assert_eq!(again.id, keyed.id);
+    // Finished: the window counted from the submission is over, and the next send is new.
+    assert!(
+        store
+            .finish(&lease, succeeded(), T0 + 2 * WINDOW + 1)
+            .await
+            .expect("finish")
+    );
+    let next = create(&store, by_hash("long call", T0 + 2 * WINDOW + 2)).await;
+    assert_ne!(next.id, first.id);
 }
 
 async fn keyed_claim_with_another_fingerprint_is_key_mismatch_id5(store: DynStore) {
@@ -524,7 +565,15 @@ async fn keyed_claim_with_another_fingerprint_is_key_mismatch_id5(store: DynStor
     // The body hash is only a fingerprint under a key: no body-hash claim was made.
     let plain = create(&store, by_hash("body A", T0 + 4)).await;
     assert_ne!(plain.id, first.id);
-    // After the key's lifetime another body may take it.
+    // After the key's lifetime another body may take it, once its request has finished.
+    let (lease, leased) = lease_at(&store, "node/a", T0 + 5).await;
+    assert_eq!(leased.id, first.id);
+    assert!(
+        store
+            .finish(&lease, succeeded(), T0 + 5)
+            .await
+            .expect("finish")
+    );
     let later = create(&store, by_key("k-1", "body B", T0 + KEY_TTL)).await;
     assert_ne!(later.id, first.id);
 }
@@ -581,6 +630,7 @@ async fn racing_identical_submits_create_exactly_one_request_id7(store: DynStore
 
 async fn racing_takeovers_of_an_expired_claim_create_exactly_one_request_id7(store: DynStore) {
     let old = create(&store, by_hash("race", T0)).await;
+    run_to_success(&store, old.id, T0 + 1).await;
     let now = T0 + WINDOW + 5;
     let results = race_submits(&store, 50, |_| by_hash("race", now)).await;
     let (created, attached) = created_and_attached(&results);

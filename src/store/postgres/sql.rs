@@ -329,6 +329,9 @@ macro_rules! submit_sql {
                      kind = EXCLUDED.kind, request_id = EXCLUDED.request_id,
                      fingerprint = EXCLUDED.fingerprint, expires_at = EXCLUDED.expires_at
                  WHERE claims.expires_at <= $11
+                     AND NOT EXISTS (SELECT 1 FROM requests
+                                     WHERE requests.id = claims.request_id
+                                         AND requests.finished_at IS NULL)
                  RETURNING request_id),
              created AS (
                  INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,
@@ -378,6 +381,9 @@ pub(super) const SUBMIT_MANY: &str = concat!(
          WHERE claims.expires_at <= (SELECT s_now FROM s
                                      WHERE s_namespace = EXCLUDED.namespace
                                          AND s_claim_key = EXCLUDED.claim_key)
+             AND NOT EXISTS (SELECT 1 FROM requests
+                             WHERE requests.id = claims.request_id
+                                 AND requests.finished_at IS NULL)
          RETURNING request_id),
      created AS (
          INSERT INTO requests (id, namespace, route, backend, model, stream, body, headers,

@@ -160,14 +160,18 @@ pub(super) fn parse_id(s: &str) -> Result<Uuid, StoreError> {
     Uuid::parse_str(s).map_err(|e| corrupt(format!("id {s:?}: {e}")))
 }
 
-/// Inserts a claim, takes over an expired one, or leaves a live one untouched (ID-7).
+/// Inserts a claim, takes over an expired one, or leaves a live one untouched (ID-7). A claim
+/// whose request has not finished lives past its expiry (ID-4): an SDK's retry after a timeout
+/// while the call still runs attaches to it rather than paying for a second call.
 const CLAIM_SQL: &str =
     "INSERT INTO claims (namespace, claim_key, kind, request_id, fingerprint, expires_at)
      VALUES (?1, ?2, ?3, ?4, ?5, ?6)
      ON CONFLICT (namespace, claim_key) DO UPDATE SET
          kind = excluded.kind, request_id = excluded.request_id,
          fingerprint = excluded.fingerprint, expires_at = excluded.expires_at
-     WHERE claims.expires_at <= ?7";
+     WHERE claims.expires_at <= ?7
+         AND NOT EXISTS (SELECT 1 FROM requests
+                         WHERE requests.id = claims.request_id AND requests.finished_at IS NULL)";
 
 /// Inserts a request, pending, or running its first attempt when `?10` (the lease owner) is set.
 const INSERT_REQUEST_SQL: &str =
