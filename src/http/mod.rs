@@ -263,20 +263,23 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
 async fn not_found(uri: Uri) -> Response {
     let path = uri.path();
     // An SDK pointed at the wrong prefix is told what to change, in the shape it reads (IN-1):
-    // a `base_url` ending in `/v1` for an SDK that adds it itself doubles the version.
-    let doubled = path
-        .strip_prefix("/v1")
-        .filter(|rest| rest.starts_with("/v1/") || rest.starts_with("/v1beta/"));
+    // a `base_url` ending in a version (`/v1`, or Gemini's `/v1beta`) for an SDK that adds one
+    // itself doubles the version.
+    let doubled = ["/v1", "/v1beta"].into_iter().find_map(|version| {
+        path.strip_prefix(version)
+            .filter(|rest| rest.starts_with("/v1/") || rest.starts_with("/v1beta/"))
+            .map(|rest| (version, rest))
+    });
     let (shape, hint) = match doubled {
-        Some(rest) => (
+        Some((version, rest)) => (
             Provider::for_path(rest),
-            ": its version comes twice; take `/v1` off the SDK's base_url",
+            format!(": its version comes twice; take `{version}` off the SDK's base_url"),
         ),
         None if lacks_v1(path) => (
             Provider::Openai,
-            ": OpenAI SDKs take a base_url ending in `/v1`",
+            ": OpenAI SDKs take a base_url ending in `/v1`".to_string(),
         ),
-        None => (Provider::for_path(path), ""),
+        None => (Provider::for_path(path), String::new()),
     };
     ApiError::not_found(shape, format!("holdfast has no route {path}{hint}")).into_response()
 }

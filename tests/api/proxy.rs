@@ -336,6 +336,26 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
         "{body}"
     );
 
+    // google-genai with a base_url ending in `/v1beta` (its own version comes after it).
+    for path in [
+        "/v1beta/v1beta/models/gemini-2.5-flash:generateContent",
+        "/v1beta/v1/models/gemini-2.5-flash:streamGenerateContent",
+    ] {
+        let google = app.post(path, "{}", &[]).await;
+        assert_eq!(google.status(), 404);
+        let body: serde_json::Value = google.json().await.unwrap();
+        assert_eq!(
+            body["error"]["status"], "NOT_FOUND",
+            "Google's shape: {body}"
+        );
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("take `/v1beta` off")),
+            "{body}"
+        );
+    }
+
     let openai = app.post("/chat/completions", chat_body("no v1"), &[]).await;
     assert_eq!(openai.status(), 404);
     let body: serde_json::Value = openai.json().await.unwrap();
