@@ -22,7 +22,8 @@
 //! # Locking notes
 //!
 //! - **Claim** (ID-7): `INSERT ... ON CONFLICT (namespace, claim_key) DO UPDATE ... WHERE
-//!   claims.expires_at <= now RETURNING`. A submission racing an uncommitted insert of the same
+//!   claims.expires_at <= now AND` its request has finished (ID-4, decision 71) `RETURNING`.
+//!   A submission racing an uncommitted insert of the same
 //!   claim waits for it; once it commits, the condition is evaluated against the committed row
 //!   (live, so no update and no row returned) and the loser attaches. PostgreSQL locks the
 //!   conflicting row even when the `DO UPDATE` condition is false, so the claim cannot change
