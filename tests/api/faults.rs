@@ -107,6 +107,22 @@ fn rows() -> Vec<Row> {
             attempts: 1,
             calls: 1,
         },
+        // LC-10: the idle limit is per gap, not a deadline: a stream longer than it whose
+        // pieces come more often than it runs to its end.
+        Row {
+            name: "stream longer than idle_timeout_ms with shorter gaps",
+            mock: MockConfig {
+                chunks: 8,
+                chunk_delay_ms: 100,
+                ..MockConfig::default()
+            },
+            tweak: |c| c.upstream.idle_timeout_ms = 300,
+            stream: true,
+            status: "succeeded",
+            error: None,
+            attempts: 1,
+            calls: 1,
+        },
         Row {
             name: "malformed SSE",
             mock: MockConfig {
