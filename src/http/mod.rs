@@ -264,7 +264,7 @@ async fn not_found(uri: Uri) -> Response {
     let path = uri.path();
     // An SDK pointed at the wrong prefix is told what to change, in the shape it reads (IN-1):
     // a `base_url` ending in a version (`/v1`, or Gemini's `/v1beta`) for an SDK that adds one
-    // itself doubles the version.
+    // itself doubles the version; google-genai set to `v1alpha` asks for a version not served.
     let doubled = ["/v1", "/v1beta"].into_iter().find_map(|version| {
         path.strip_prefix(version)
             .filter(|rest| rest.starts_with("/v1/") || rest.starts_with("/v1beta/"))
@@ -278,6 +278,10 @@ async fn not_found(uri: Uri) -> Response {
         None if lacks_v1(path) => (
             Provider::Openai,
             ": OpenAI SDKs take a base_url ending in `/v1`".to_string(),
+        ),
+        None if path.starts_with("/v1alpha/") => (
+            Provider::Gemini,
+            ": holdfast serves Google's `v1beta` API, the SDK's default `api_version`".to_string(),
         ),
         None => (Provider::for_path(path), String::new()),
     };

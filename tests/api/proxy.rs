@@ -305,7 +305,7 @@ async fn oversized_body_gets_413_unknown_route_404_wrong_method_405_in1() {
 
 /// IN-1: an SDK pointed at the wrong prefix gets a 404 it can read (its provider's shape) that
 /// says what to change: a version given twice (Anthropic's or Google's SDK with a base_url
-/// ending in `/v1`), or an OpenAI route without its `/v1`.
+/// ending in `/v1`), an OpenAI route without its `/v1`, or Google's `v1alpha`.
 #[tokio::test]
 async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
@@ -343,6 +343,27 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
             "{body}"
         );
     }
+
+    // google-genai with `api_version="v1alpha"`.
+    let alpha = app
+        .post(
+            "/v1alpha/models/gemini-2.5-flash:generateContent",
+            "{}",
+            &[],
+        )
+        .await;
+    assert_eq!(alpha.status(), 404);
+    let body: serde_json::Value = alpha.json().await.unwrap();
+    assert_eq!(
+        body["error"]["status"], "NOT_FOUND",
+        "Google's shape: {body}"
+    );
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("`v1beta`")),
+        "{body}"
+    );
 
     let openai = app.post("/chat/completions", chat_body("no v1"), &[]).await;
     assert_eq!(openai.status(), 404);
