@@ -348,6 +348,7 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
     // acknowledged, and must finish once space returns.
     let mut accepted_while_full = Vec::new();
     let mut refused: Vec<usize> = Vec::new();
+    let calls_before_probes = mock.calls();
     for i in 0..MAX_PROBES {
         let r = post(probe_body(i), true).await.unwrap();
         if r.status() == 202 {
@@ -368,6 +369,17 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
         refused.len(),
         REFUSALS,
         "{MAX_PROBES} probes on a full disk and not {REFUSALS} refusals: {refused:?}"
+    );
+    // ID-8, ID-9: a refused call reaches no provider, except those of the one group whose
+    // commit failed first (their attempts started before it); after it, no attempt starts
+    // before its commit until a submission commits again. The probes go one at a time, so that
+    // group held one probe; the ones accepted (into space SQLite held) made their call too.
+    let probe_calls = mock.calls() - calls_before_probes;
+    assert!(
+        probe_calls <= accepted_while_full.len() as u64 + 1,
+        "{probe_calls} provider calls for {REFUSALS} refused and {} accepted probes: refused \
+         calls reached the provider",
+        accepted_while_full.len()
     );
     // Reads go on while the disk is full: health, a record, a replay from the log.
     assert!(node.running(), "the process stays up");

@@ -111,6 +111,9 @@ pub(super) trait WriteJob: Send {
     fn tell_only_when_durable(&mut self);
     /// Whether its caller accepts its commit being held open for more (DU-7).
     fn may_wait(&self) -> bool;
+    /// Whether its last run succeeded and its hook waits to be told: a submission held back
+    /// until its commit is durable (ID-9).
+    fn hook_waits(&self) -> bool;
 }
 
 struct Job<T, F> {
@@ -156,6 +159,10 @@ where
         self.may_wait
     }
 
+    fn hook_waits(&self) -> bool {
+        self.early.is_some() && matches!(self.result, Some(Ok(_)))
+    }
+
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
         let Job {
             run,
@@ -198,9 +205,7 @@ pub(super) fn write_loop(
     rounds: &Mutex<()>,
 ) {
     let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
-    // After a failed commit (a full disk), no job is acted on before its commit until one
-    // succeeds again: a failing disk costs at most one group's early provider calls (ID-9).
-    let mut failing = false;
+    let mut early = EarlyStarts::default();
     // How long the last commit took: what DU-7's hold may add.
     let mut last_commit = Duration::ZERO;
     while let Ok(job) = queue.recv() {
@@ -209,11 +214,7 @@ pub(super) fn write_loop(
         // DU-7: a group of nothing but jobs that may wait is held open for more, since a
         // commit costs nearly the same whatever it holds (docs/benchmarks.md).
         hold(&queue, &mut group, last_commit.min(MAX_HOLD));
-        if failing {
-            for job in &mut group {
-                job.tell_only_when_durable();
-            }
-        }
+        early.hold_back(&mut group);
         let started = Instant::now();
         let jobs = group.len();
         let committed = commit_group(&conn, &mut group);
@@ -230,12 +231,44 @@ pub(super) fn write_loop(
             }
             Ok(Committed::InOnePass) => {}
         }
-        failing = committed.is_err();
+        early.after_commit(committed.is_ok(), &group);
         let commit = committed.as_ref().map(|_| ()).map_err(String::as_str);
         for job in group.drain(..) {
             job.reply(commit);
         }
         bound_wal(&conn, &wal, rounds);
+    }
+}
+
+/// Whether a submission's hook may be told before its commit (ID-9). After a failed commit (a
+/// full disk) no hook is told before its job is durable until a commit holding a submission
+/// succeeds again: a failing disk costs at most one group's early provider calls, not one per
+/// refused call. A commit of other writes proves nothing — on a full disk, an abandoned
+/// attempt's fenced outcome, which finds its lease gone and writes no row, commits — so it
+/// leaves the state as it was (a new user's test on a full disk found every refused call, and
+/// every SDK retry of it, calling the provider).
+#[derive(Debug, Default)]
+struct EarlyStarts {
+    failing: bool,
+}
+
+impl EarlyStarts {
+    /// Marks every job of `group` to be told only once durable, while commits fail.
+    fn hold_back(&self, group: &mut [Box<dyn WriteJob>]) {
+        if self.failing {
+            for job in group {
+                job.tell_only_when_durable();
+            }
+        }
+    }
+
+    /// Learns from the commit of `group`, before its jobs are answered.
+    fn after_commit(&mut self, committed: bool, group: &[Box<dyn WriteJob>]) {
+        if !committed {
+            self.failing = true;
+        } else if group.iter().any(|job| job.hook_waits()) {
+            self.failing = false;
+        }
     }
 }
 
@@ -573,6 +606,62 @@ mod tests {
         failed.reply(Err("disk full"));
         assert!(answer.try_recv().expect("answered").is_err());
         assert!(!told.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    /// ID-9: after a failed commit, hooks wait for their commit until a commit holding a
+    /// submission (a hooked job that succeeded) is durable; a commit of other writes alone (an
+    /// abandoned attempt's outcome that wrote nothing commits on a full disk) does not end that.
+    #[test]
+    fn after_a_failed_commit_hooks_wait_until_a_submission_commits_not_any_write_id9() {
+        let (_dir, conn) = scratch();
+        let mut early = EarlyStarts::default();
+        let told = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let hooked = |n: i64| {
+            let told = Arc::clone(&told);
+            hooked_job(
+                n,
+                Box::new(move |_| {
+                    told.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }),
+            )
+            .0
+        };
+        // Whether a hooked job of the next group is told before its commit.
+        let told_early = |early: &EarlyStarts, conn: &Connection| {
+            let before = told.load(std::sync::atomic::Ordering::SeqCst);
+            let mut group = vec![hooked(1)];
+            early.hold_back(&mut group);
+            assert!(group[0].run(conn));
+            group[0].tell_early();
+            told.load(std::sync::atomic::Ordering::SeqCst) > before
+        };
+        assert!(told_early(&early, &conn), "before any failure");
+
+        early.after_commit(false, &[]);
+        assert!(!told_early(&early, &conn), "after a failed commit");
+        // A commit of a plain write (no hook) succeeds: still held back.
+        let (mut plain, _answer) = job(insert(2));
+        assert!(plain.run(&conn));
+        early.after_commit(true, &[plain]);
+        assert!(
+            !told_early(&early, &conn),
+            "after a commit without a submission"
+        );
+        // A submission whose own run failed does not count either.
+        let (mut refused, _answer) = hooked_job(3, Box::new(|_| {}));
+        refused.tell_only_when_durable();
+        let _ = refused.run(&Connection::open_in_memory().expect("conn"));
+        early.after_commit(true, &[refused]);
+        assert!(
+            !told_early(&early, &conn),
+            "after a submission that failed alone"
+        );
+        // A submission held back commits: early starts resume.
+        let (mut submission, _answer) = hooked_job(4, Box::new(|_| {}));
+        submission.tell_only_when_durable();
+        assert!(submission.run(&conn));
+        early.after_commit(true, &[submission]);
+        assert!(told_early(&early, &conn), "after a submission's commit");
     }
 
     #[test]
