@@ -104,6 +104,10 @@ pub(super) fn owns_path(path: &str) -> bool {
     path.starts_with("/v1beta/") || (path.starts_with("/v1/models/") && path.contains(':'))
 }
 
+/// A proxied Gemini stream's keep-alive (RS-4): a blank line, which google-genai for Python
+/// skips; it parses any other line that does not start with `data: ` as JSON, comments too.
+pub(super) const STREAM_KEEPALIVE: &[u8] = b"\n";
+
 /// `x-goog-api-key: KEY`.
 pub(super) fn auth_header(key: &str) -> (&'static str, String) {
     (KEY_HEADER, key.to_string())

@@ -293,6 +293,20 @@ impl Provider {
         }
     }
 
+    /// What fills a silence in a proxied stream of this provider's shape (RS-4): an SSE
+    /// comment, or for Google's routes a blank line, since google-genai for Python reads every
+    /// line that does not start with `data: ` as JSON and raises on a comment. A blank line
+    /// between events is no event to any SSE reader.
+    pub(crate) fn stream_keepalive(self) -> &'static [u8] {
+        const COMMENT: &[u8] = b": keep-alive\n\n";
+        match self {
+            Provider::Openai | Provider::Anthropic => COMMENT,
+            Provider::Gemini => gemini::STREAM_KEEPALIVE,
+            #[cfg(test)]
+            Provider::Echo => COMMENT,
+        }
+    }
+
     /// Whether a stream event reports an error (LC-7). `event` is its `event:` name, `kind`
     /// the `type` member of its data, `error` whether its data has a non-null `error` member.
     pub(crate) fn is_error_event(

@@ -153,6 +153,39 @@ async fn a_gemini_stream_succeeds_at_finish_reason_and_a_clean_end_and_replays_g
     app.stop().await;
 }
 
+/// RS-4, decision 73: a silence in a proxied Gemini stream is filled with blank lines, not SSE
+/// comments (google-genai for Python parses a comment line as JSON); other providers' streams
+/// keep `: keep-alive` comments.
+#[tokio::test]
+async fn silences_in_a_gemini_stream_are_filled_with_blank_lines_not_comments_rs4() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 4,
+            stall_after_chunks: Some((2, 600)),
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 100,
+    )
+    .await;
+    let r = app.post(STREAM, gemini_body("a quiet gemini"), &[]).await;
+    assert_eq!(r.status(), 200);
+    let (raw, events) = read_events(r).await;
+    assert!(!raw.contains(": keep-alive"), "no comment lines: {raw:?}");
+    assert!(
+        raw.contains("\n\n\n"),
+        "a blank line filled the silence: {raw:?}"
+    );
+    let last: Value = serde_json::from_str(&events.last().unwrap().data).unwrap();
+    assert_eq!(last["candidates"][0]["finishReason"], "STOP");
+
+    let r = app
+        .post("/v1/chat/completions", stream_body("a quiet chat"), &[])
+        .await;
+    let (raw, _) = read_events(r).await;
+    assert!(raw.contains(": keep-alive\n\n"), "{raw:?}");
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_gemini_stream_that_ends_without_finish_reason_is_interrupted_gm3_lc7() {
     let app = spawn_app(
@@ -679,6 +712,29 @@ async fn google_genai_python_raises_when_the_provider_stream_is_cut_lc7_gm5() {
         !out["text"].as_str().unwrap().is_empty(),
         "text came first: {out}"
     );
+    app.stop().await;
+}
+
+/// RS-4, decision 73: google-genai for Python reads a Gemini stream with silences longer than
+/// `sse_keepalive_ms` to its end (it raised on the `: keep-alive` comments that filled them).
+#[tokio::test]
+async fn google_genai_python_reads_a_stream_with_silences_to_its_end_rs4() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 4,
+            stall_after_chunks: Some((2, 500)),
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 50,
+    )
+    .await;
+    let out = gemini_python("quiet", &app.base).await;
+    assert!(out.get("error").is_none(), "the SDK raised: {out}");
+    assert!(
+        out["text"].as_str().unwrap().starts_with("mock reply"),
+        "{out}"
+    );
+    assert_eq!(app.mock.calls(), 1);
     app.stop().await;
 }
 

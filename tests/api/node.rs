@@ -1333,7 +1333,15 @@ async fn gemini_node(app: &TestApp, mode: &str) -> Value {
 
 #[tokio::test]
 async fn google_genai_node_generates_streams_counts_and_lists_through_holdfast_gm1_gm4() {
-    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    // Blank-line keep-alives between slow chunks (RS-4) must not confuse the SDK either.
+    let app = spawn_app(
+        MockConfig {
+            chunk_delay_ms: 60,
+            ..MockConfig::default()
+        },
+        |c| c.sse_keepalive_ms = 25,
+    )
+    .await;
     let out = gemini_node(&app, "surface").await;
     let text = out["text"].as_str().unwrap();
     assert!(text.starts_with("mock reply"), "{out}");

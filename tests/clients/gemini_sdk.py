@@ -10,6 +10,8 @@ Usage: gemini_sdk.py MODE, HOLDFAST_URL set to holdfast's address (no version: t
 - retry: generate_content with HttpRetryOptions(attempts=3) and a 1 s timeout (the test makes
   the provider slower than that, or fail once). Prints the text, or the error it raised.
 - interrupted: generate_content_stream, collecting the text until the SDK raises.
+- quiet: generate_content_stream of a stream with silences (the test pauses the provider):
+  the text, or the error the SDK raised.
 """
 import json
 import os
@@ -70,6 +72,14 @@ elif mode == "interrupted":
             out["text"] += chunk.text or ""
     except errors.APIError as e:
         out["error"] = {"code": e.code, "status": e.status, "message": e.message}
+elif mode == "quiet":
+    c = client()
+    out["text"] = ""
+    try:
+        for chunk in c.models.generate_content_stream(model=MODEL, contents="gemini quiet"):
+            out["text"] += chunk.text or ""
+    except Exception as e:  # the test reports it
+        out["error"] = f"{type(e).__name__}: {e}"
 else:
     sys.exit(f"unknown mode {mode}")
 print(json.dumps(out))
