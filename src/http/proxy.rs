@@ -903,19 +903,23 @@ fn set_identity_headers(
     config: &Config,
 ) {
     let headers = response.headers_mut();
-    // While the claim lives, a re-send lands here (ID-4, ID-5); say until when.
+    // While the claim lives, a re-send lands here (ID-4, ID-5); say until when. A finished
+    // request's claim lives until its window ends: once it has (a call longer than the window),
+    // a re-send is a new request, and nothing is said.
     let released = record.status == Status::Failed
         && record
             .error
             .as_ref()
             .is_some_and(|e| failure_releases_claim(record.claim, e.kind));
-    if !released {
-        let ttl_secs = match record.claim {
-            ClaimKind::BodyHash => config.dedupe_window_secs,
-            ClaimKind::Key => config.idempotency_key_ttl_secs,
-        };
-        let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-        let expires = requests::rfc3339(record.created_at.saturating_add(ttl_ms));
+    let ttl_secs = match record.claim {
+        ClaimKind::BodyHash => config.dedupe_window_secs,
+        ClaimKind::Key => config.idempotency_key_ttl_secs,
+    };
+    let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+    let expires_at = record.created_at.saturating_add(ttl_ms);
+    let lapsed = record.status.is_terminal() && expires_at <= now_ms();
+    if !released && !lapsed {
+        let expires = requests::rfc3339(expires_at);
         if let Ok(v) = HeaderValue::from_str(&expires) {
             headers.insert("holdfast-claim-expires-at", v);
         }

@@ -185,6 +185,37 @@ async fn two_aliases_rewriting_to_one_model_make_one_upstream_call_with_the_rewr
     app.stop().await;
 }
 
+/// RS-5, ID-4: a call that finishes after its claim's window has passed is answered without
+/// `Holdfast-Claim-Expires-At` (the time is past: a re-send is a new request), and a re-send
+/// is indeed a new request.
+#[tokio::test]
+async fn an_answer_after_its_window_names_no_claim_expiry_rs5_id4() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 1_200,
+            ..MockConfig::default()
+        },
+        |c| c.dedupe_window_secs = 1,
+    )
+    .await;
+    let body = chat_body("longer than its window");
+    let first = app.post("/v1/chat/completions", body.clone(), &[]).await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        header(&first, "holdfast-claim-expires-at"),
+        "",
+        "no expiry in the past"
+    );
+    let again = app.post("/v1/chat/completions", body, &[]).await;
+    assert_eq!(header(&again, "idempotent-replayed"), "false");
+    assert_ne!(
+        header(&again, "holdfast-request-id"),
+        header(&first, "holdfast-request-id"),
+        "a re-send after the window is a new request"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn idempotency_keys_replay_refuse_reuse_and_split_id5() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
