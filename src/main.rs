@@ -40,7 +40,7 @@ struct Cli {
 enum Command {
     /// Run the API and the workers.
     Serve(ServeArgs),
-    /// Run a fake OpenAI + Anthropic provider for tests, demos and benchmarks.
+    /// Run a fake OpenAI + Anthropic + Gemini provider for tests, demos and benchmarks.
     MockUpstream(MockArgs),
     /// Read the request log of a running holdfast (any node of a cluster).
     #[command(subcommand)]
