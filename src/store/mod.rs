@@ -412,6 +412,16 @@ impl RequestRecord {
     pub(crate) fn saved_calls_while_running(&self) -> u32 {
         (1 + self.attached).saturating_sub(self.attempts.max(1))
     }
+
+    /// The saved calls of `added` attachments whose count reached the store after the request
+    /// finished, when `before` had: what [`RequestRecord::saved_calls_while_running`] would
+    /// have grown by had they come before (RD-9).
+    pub(crate) fn saved_calls_of_late_attachments(&self, before: u32, added: u32) -> u32 {
+        let attempts = self.attempts.max(1);
+        (1 + before + added)
+            .saturating_sub(attempts)
+            .saturating_sub((1 + before).saturating_sub(attempts))
+    }
 }
 
 /// Which requests [`Store::list`] returns. Every `None` matches everything.
@@ -680,6 +690,16 @@ pub struct Counts {
     pub replayed: u32,
     /// Readers of its log as an event stream.
     pub log_reads: u32,
+}
+
+/// What [`Store::add_counts`] did besides adding.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddedCounts {
+    /// Requests whose rows other writes held (PostgreSQL): nothing was added to them.
+    pub busy: Vec<Uuid>,
+    /// Requests already finished when attachments were added to them, each with its
+    /// `attached` count before this write.
+    pub late: Vec<(Uuid, u32)>,
 }
 
 /// Where a provider's answer id was recorded ([`Store::find_response`]).
@@ -1067,11 +1087,14 @@ pub trait Store: Send + Sync + 'static {
     /// even when nothing can be written, and counting never delays other work. `counts` is
     /// sorted by id, the order rows are locked in. A request no longer stored is skipped.
     /// Answers the ids whose rows other writes held at that moment (PostgreSQL skips them
-    /// rather than wait): their counts were not added, to be tried again.
+    /// rather than wait): their counts were not added, to be tried again; and the requests
+    /// that had already finished when attachments were added to them, with their attachments
+    /// before: the attempt that finished one counted only those as saved calls (RD-9), so
+    /// these are counted by the caller.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails; nothing was added then.
-    async fn add_counts(&self, counts: &[Counts]) -> Result<Vec<Uuid>, StoreError>;
+    async fn add_counts(&self, counts: &[Counts]) -> Result<AddedCounts, StoreError>;
 
     /// The usage ledger of the requests `query` selects, one row per (group, backend, model).
     ///
@@ -1270,6 +1293,20 @@ mod tests {
 
     /// docs/usage.md: deliveries beyond the attempts, at least one attempt subtracted, so a
     /// request cancelled before it ran saved only its duplicates' calls.
+    #[test]
+    fn late_attachments_save_what_they_add_beyond_the_attempts_rd9() {
+        let mut r = RequestRecord::example(Status::Succeeded);
+        r.attempts = 1;
+        assert_eq!(r.saved_calls_of_late_attachments(0, 3), 3);
+        assert_eq!(r.saved_calls_of_late_attachments(2, 3), 3);
+        r.attempts = 3;
+        // Two attempts spent what the first two attachments seemed to save.
+        assert_eq!(r.saved_calls_of_late_attachments(0, 3), 1);
+        assert_eq!(r.saved_calls_of_late_attachments(1, 3), 2);
+        assert_eq!(r.saved_calls_of_late_attachments(5, 3), 3);
+        assert_eq!(r.saved_calls_of_late_attachments(0, 0), 0);
+    }
+
     #[test]
     fn saved_calls_are_deliveries_beyond_the_attempts_never_the_first_submission_rd9() {
         let mut r = RequestRecord::example(Status::Failed);

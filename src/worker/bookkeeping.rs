@@ -10,6 +10,11 @@
 //! tried again after a pause, so a database back from an outage still gets every count. On
 //! PostgreSQL a row another write holds is skipped rather than waited for, and its counts go
 //! into the next write: counting never waits on, nor deadlocks with, the work it counts.
+//!
+//! An attachment is a saved call once its request has finished (RD-9): the attempt that
+//! finishes it counts those its row holds then, and a write here that adds attachments to a
+//! request already finished counts those itself ([`AddedCounts::late`]), so a burst of
+//! duplicates answered as the request finishes is counted whichever commit comes first.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,7 +26,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 use uuid::Uuid;
 
-use crate::store::{Counts, DynStore};
+use crate::config::Config;
+use crate::store::{AddedCounts, Counts, DynStore, RequestRecord};
 
 /// Requests with counts not yet written, at most: past it, counts of further requests are
 /// dropped (and warned about once per failing period) rather than grow memory without bound
@@ -55,12 +61,17 @@ pub(crate) struct Bookkeeping {
     warned_full: AtomicBool,
     /// Cancelled when the pool stops: the task ends ([`Bookkeeping::close`] writes what is left).
     closed: CancellationToken,
+    /// Prices and backends, for the saved calls of late attachments; `None` in unit tests.
+    config: Option<Arc<Config>>,
 }
 
 impl Bookkeeping {
     /// A tally and its writer task over `store`.
-    pub(crate) fn spawn(store: DynStore) -> Arc<Bookkeeping> {
-        let books = Arc::new(Bookkeeping::default());
+    pub(crate) fn spawn(store: DynStore, config: Arc<Config>) -> Arc<Bookkeeping> {
+        let books = Arc::new(Bookkeeping {
+            config: Some(config),
+            ..Bookkeeping::default()
+        });
         tokio::spawn(Arc::clone(&books).write_loop(store));
         books
     }
@@ -141,11 +152,13 @@ impl Bookkeeping {
             return Written::All;
         }
         match store.add_counts(&counts).await {
-            Ok(busy) if busy.is_empty() => {
+            Ok(AddedCounts { busy, late }) if busy.is_empty() => {
                 self.warned_full.store(false, Ordering::Relaxed);
+                self.count_late(store, &counts, &late).await;
                 Written::All
             }
-            Ok(busy) => {
+            Ok(AddedCounts { busy, late }) => {
+                self.count_late(store, &counts, &late).await;
                 self.warned_full.store(false, Ordering::Relaxed);
                 self.restore(
                     counts
@@ -160,6 +173,22 @@ impl Bookkeeping {
                 self.restore(counts);
                 Written::Failed
             }
+        }
+    }
+
+    /// Counts the saved calls of attachments added to requests that had already finished
+    /// (`late`, each with its attachments before), which the attempt that finished them could
+    /// not count (RD-9).
+    async fn count_late(&self, store: &DynStore, counts: &[Counts], late: &[(Uuid, u32)]) {
+        let Some(config) = &self.config else { return };
+        for (record, saved) in late_savings(store, counts, late).await {
+            crate::ledger::count_saved(
+                config,
+                &record.backend,
+                record.model.as_deref(),
+                u64::from(saved),
+                &record.usage,
+            );
         }
     }
 
@@ -190,9 +219,91 @@ impl Bookkeeping {
     }
 }
 
+/// The requests of late attachments ([`AddedCounts::late`]) and the calls those saved.
+async fn late_savings(
+    store: &DynStore,
+    counts: &[Counts],
+    late: &[(Uuid, u32)],
+) -> Vec<(RequestRecord, u32)> {
+    let mut saved = Vec::new();
+    for &(id, before) in late {
+        let Some(added) = counts.iter().find(|c| c.id == id).map(|c| c.attached) else {
+            continue;
+        };
+        match store.get_any(id).await {
+            Ok(Some(record)) => {
+                let calls = record.saved_calls_of_late_attachments(before, added);
+                saved.push((record, calls));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                warn!(request = %id, error = %e, "could not read a request to count its saved calls");
+            }
+        }
+    }
+    saved
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// RD-9, DU-6: attachments whose count is written after their request finished are saved
+    /// calls, counted by that write (the attempt that finished it saw none of them).
+    #[tokio::test]
+    async fn attachments_written_after_their_request_finished_are_saved_calls_rd9_du6() {
+        use crate::config::SqliteSynchronous;
+        use crate::store::sqlite::SqliteStore;
+        use crate::store::{LeaseTo, NewRequest, Outcome, Submitted};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("t.db").display());
+        let store: DynStore = Arc::new(
+            SqliteStore::open(&url, SqliteSynchronous::Normal)
+                .await
+                .expect("open"),
+        );
+        let lease_to = LeaseTo {
+            owner: "test/1",
+            lease_ms: 60_000,
+        };
+        let (Submitted::Created(created), Some(lease)) = store
+            .submit_and_lease(NewRequest::example(1, 1_000), Some(lease_to))
+            .await
+            .expect("submit")
+        else {
+            panic!("a new, leased request");
+        };
+        let books = Bookkeeping::default();
+        books.delivery(created.id, false);
+        let counts = books.take();
+        let added = store.add_counts(&counts).await.expect("add");
+        assert!(
+            late_savings(&store, &counts, &added.late).await.is_empty(),
+            "written while it ran: the attempt that finishes it counts it"
+        );
+        let outcome = Outcome::Succeeded {
+            status: 200,
+            body: b"{}".to_vec(),
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        };
+        assert!(store.finish(&lease, outcome, 2_000).await.expect("finish"));
+        for _ in 0..3 {
+            books.delivery(created.id, false);
+        }
+        books.delivery(created.id, true);
+        let counts = books.take();
+        let added = store.add_counts(&counts).await.expect("add");
+        let saved = late_savings(&store, &counts, &added.late).await;
+        assert_eq!(saved.len(), 1);
+        assert_eq!(saved[0].0.id, created.id);
+        assert_eq!(
+            saved[0].1, 3,
+            "three attachments after the outcome, one attempt"
+        );
+    }
 
     #[test]
     fn counts_of_a_request_add_up_and_a_failed_write_puts_them_back_du6() {

@@ -132,7 +132,7 @@ impl WorkerPool {
             stopping: CancellationToken::new(),
             abandon: CancellationToken::new(),
             chunks,
-            books: Bookkeeping::spawn(store.clone()),
+            books: Bookkeeping::spawn(store.clone(), Arc::clone(&config)),
             health: Arc::new(StoreHealth::new(is_postgres(&config))),
             store,
             hub,

@@ -227,6 +227,7 @@ conformance!(
     a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6,
     racing_callback_leasers_never_share_a_delivery_cb4,
     a_callback_falls_due_however_its_request_ends_cb4,
+    attachments_added_after_a_request_finished_are_reported_late_rd9_du6,
 );
 
 // ---------------------------------------------------------------------------------------------
@@ -492,6 +493,30 @@ async fn body_hash_claims_are_per_namespace_id4(store: DynStore) {
 }
 
 /// Runs request `id` (the only one due) to success at `now`.
+/// RD-9, DU-6: counts added while a request runs are added and nothing more; attachments added
+/// after it finished are added and reported late, with the attachments it had before them
+/// (the attempt that finished it counted only those as saved calls); replays and log reads
+/// alone are not.
+async fn attachments_added_after_a_request_finished_are_reported_late_rd9_du6(store: DynStore) {
+    let rec = create(&store, by_hash("counted late", T0)).await;
+    let count = |attached, replayed| holdfast::store::Counts {
+        id: rec.id,
+        attached,
+        replayed,
+        log_reads: 0,
+    };
+    let added = store.add_counts(&[count(2, 0)]).await.expect("add_counts");
+    assert_eq!(added, holdfast::store::AddedCounts::default(), "it runs");
+    run_to_success(&store, rec.id, T0 + 1).await;
+    let added = store.add_counts(&[count(3, 1)]).await.expect("add_counts");
+    assert!(added.busy.is_empty());
+    assert_eq!(added.late, [(rec.id, 2)], "finished before these three");
+    let added = store.add_counts(&[count(0, 4)]).await.expect("add_counts");
+    assert!(added.late.is_empty(), "replays only: {added:?}");
+    let stored = get(&store, rec.id).await;
+    assert_eq!((stored.attached, stored.replayed), (5, 5));
+}
+
 async fn run_to_success(store: &DynStore, id: Uuid, now: Millis) {
     let (lease, leased) = lease_at(store, "node/a", now).await;
     assert_eq!(leased.id, id);
@@ -2904,14 +2929,14 @@ async fn postgres_counts_skip_a_row_another_write_holds_and_report_it_du6() {
         .expect("counting does not wait for the held row")
         .expect("add_counts");
     assert_eq!(
-        busy,
+        busy.busy,
         [rec.id],
         "the held row is reported, the unknown one is not"
     );
     assert_eq!(get(&store, rec.id).await.replayed, 0);
     sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
     let busy = store.add_counts(&counts[..1]).await.expect("add_counts");
-    assert!(busy.is_empty());
+    assert!(busy.busy.is_empty());
     assert_eq!(get(&store, rec.id).await.replayed, 2);
 }
 

@@ -2,7 +2,7 @@
 //! deduplication saved, in the record, `/usage` and `/metrics`. Tests that drive Python have
 //! `python` in their name.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use holdfast::config::Price;
 use holdfast::mock::MockConfig;
@@ -422,6 +422,70 @@ async fn usage_survives_a_restart_groups_every_way_and_stays_in_its_namespace() 
     }
     drop(node);
     mock.shutdown().await;
+}
+
+/// RD-9, DU-6: a burst of identical calls against a fast provider saves every call but the
+/// first in `holdfast_saved_calls_total`, whether a duplicate's count reaches the database
+/// before its request's outcome (counted by the attempt that finishes it) or after (counted by
+/// the write that adds it). A new user's test saw the metric grow by 2 to 18 for 19 saved.
+#[tokio::test]
+async fn a_burst_of_identical_calls_counts_every_saved_call_in_the_metric_rd9_du6() {
+    const ROUNDS: usize = 20;
+    const BURST: usize = 20;
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.prices = vec![price("mock-openai", "gpt-4o-*")];
+    })
+    .await;
+    let labels = r#"backend="mock-openai",model="gpt-4o-mini""#;
+    for round in 0..ROUNDS {
+        let body = chat_body(&format!("burst {round}"));
+        let calls: Vec<_> = (0..BURST)
+            .map(|_| {
+                let (http, url, body) = (
+                    app.http.clone(),
+                    format!("{}/v1/chat/completions", app.base),
+                    body.clone(),
+                );
+                tokio::spawn(async move {
+                    let r = http
+                        .post(url)
+                        .header("content-type", "application/json")
+                        .body(body)
+                        .send()
+                        .await
+                        .unwrap();
+                    let id = header(&r, "holdfast-request-id");
+                    assert_eq!(r.status(), 200);
+                    id
+                })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for call in calls {
+            ids.push(call.await.unwrap());
+        }
+        ids.dedup();
+        assert_eq!(ids.len(), 1, "one request per burst");
+        wait_deliveries(&app.base, &ids[0], None, BURST as u64).await;
+        let record = get_record(&app.http, &app.base, &ids[0]).await;
+        assert_eq!(record["saved_calls"], BURST as u64 - 1, "{record}");
+        // The metric, counted by whichever write came second, a moment after the record's.
+        let want = ((round + 1) * (BURST - 1)) as f64;
+        let start = Instant::now();
+        loop {
+            let page = app.metrics_text().await;
+            let got = metric(&page, "holdfast_saved_calls_total", labels);
+            if got == want {
+                break;
+            }
+            assert!(
+                got < want && start.elapsed() < Duration::from_secs(10),
+                "round {round}: holdfast_saved_calls_total is {got}, the records say {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    app.stop().await;
 }
 
 /// `holdfast_saved_calls_total` counts an attachment when its request finishes, not when it

@@ -96,9 +96,10 @@ use self::sql::{
 use self::writer::{FinishJob, LockKey, SubmitJob, WriteJob};
 use super::rules::{self, Expired};
 use super::{
-    Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, ChunkKind, Counts, Lease, LeaseTo,
-    ListFilter, Millis, NewRequest, Notification, Outcome, RequestRecord, ResponseRef, Status,
-    Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
+    AddedCounts, Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, ChunkKind, Counts,
+    Lease, LeaseTo, ListFilter, Millis, NewRequest, Notification, Outcome, RequestRecord,
+    ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery,
+    UsageRow,
 };
 
 pub(crate) use self::connection::{latest_schema, schema_version};
@@ -840,7 +841,7 @@ impl Store for PostgresStore {
             .collect()
     }
 
-    async fn add_counts(&self, counts: &[Counts]) -> Result<Vec<Uuid>, StoreError> {
+    async fn add_counts(&self, counts: &[Counts]) -> Result<AddedCounts, StoreError> {
         // On the query pool, autocommit: never queued behind or ahead of the writers' groups.
         // Rows another write holds are skipped, not waited for (so counting can neither delay
         // nor deadlock with real work) and reported back, unless the request is gone.
@@ -851,7 +852,10 @@ impl Store for PostgresStore {
                 .map(|c| i32::try_from(f(c)).unwrap_or(i32::MAX))
                 .collect()
         };
-        let busy = sqlx::query_scalar(
+        // Each row answered is busy (`before` NULL), or finished before its attachments were
+        // added (the row lock orders this update after the outcome's commit, whose
+        // `finished_at` it then reads), with its `attached` before them.
+        let rows: Vec<(Uuid, Option<i32>)> = sqlx::query_as(
             "WITH c AS (SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::int[])
                           AS c(id, attached, replayed, log_reads)),
                   locked AS MATERIALIZED (SELECT r.id FROM requests r JOIN c ON c.id = r.id
@@ -861,10 +865,13 @@ impl Store for PostgresStore {
                                log_reads = r.log_reads + c.log_reads
                            FROM c JOIN locked ON locked.id = c.id
                            WHERE r.id = c.id
-                           RETURNING r.id)
-             SELECT c.id FROM c
+                           RETURNING r.id, r.finished_at IS NOT NULL AND c.attached > 0 AS late,
+                               r.attached - c.attached AS before)
+             SELECT c.id, NULL::int FROM c
              WHERE c.id NOT IN (SELECT id FROM done)
-               AND EXISTS (SELECT 1 FROM requests r WHERE r.id = c.id)",
+               AND EXISTS (SELECT 1 FROM requests r WHERE r.id = c.id)
+             UNION ALL
+             SELECT id, before FROM done WHERE late",
         )
         .bind(&ids)
         .bind(column(|c| c.attached))
@@ -872,7 +879,14 @@ impl Store for PostgresStore {
         .bind(column(|c| c.log_reads))
         .fetch_all(&self.pool)
         .await?;
-        Ok(busy)
+        let mut added = AddedCounts::default();
+        for (id, before) in rows {
+            match before {
+                None => added.busy.push(id),
+                Some(before) => added.late.push((id, u32::try_from(before).unwrap_or(0))),
+            }
+        }
+        Ok(added)
     }
 
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {

@@ -92,9 +92,9 @@ use self::sql::{
 };
 use self::writer::WriteJob;
 use super::{
-    Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, Counts, Lease, LeaseTo,
-    ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef, Started, Status, Store,
-    StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow, created_record,
+    AddedCounts, Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, Counts, Lease,
+    LeaseTo, ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef, Started, Status,
+    Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow, created_record,
 };
 use crate::provider::Route;
 
@@ -497,24 +497,33 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn add_counts(&self, counts: &[Counts]) -> Result<Vec<Uuid>, StoreError> {
+    async fn add_counts(&self, counts: &[Counts]) -> Result<AddedCounts, StoreError> {
         let counts: Arc<[Counts]> = counts.into();
         self.write(move |conn| {
+            // The request's `finished_at` as this update finds it: set, its outcome committed
+            // before, without these attachments.
             let mut stmt = conn.prepare_cached(
                 "UPDATE requests SET attached = attached + ?2, replayed = replayed + ?3,
                      log_reads = log_reads + ?4
-                 WHERE id = ?1",
+                 WHERE id = ?1
+                 RETURNING finished_at IS NOT NULL, attached - ?2",
             )?;
-            for c in counts.iter() {
-                stmt.execute(params![
-                    c.id.to_string(),
-                    c.attached,
-                    c.replayed,
-                    c.log_reads
-                ])?;
-            }
             // The one writer holds every row: none is ever busy.
-            Ok(Vec::new())
+            let mut added = AddedCounts::default();
+            for c in counts.iter() {
+                let found = stmt
+                    .query_row(
+                        params![c.id.to_string(), c.attached, c.replayed, c.log_reads],
+                        |r| Ok((r.get::<_, bool>(0)?, r.get::<_, u32>(1)?)),
+                    )
+                    .optional()?;
+                if let Some((true, before)) = found
+                    && c.attached > 0
+                {
+                    added.late.push((c.id, before));
+                }
+            }
+            Ok(added)
         })
         .await
     }
