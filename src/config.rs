@@ -50,7 +50,8 @@ pub struct Config {
     pub max_response_bytes: usize,
     /// How long terminal requests and their chunks are kept, in seconds (DU-4).
     pub retention_secs: u64,
-    /// Interval of SSE keep-alive comments on idle streams, in milliseconds (RD-2).
+    /// Interval of SSE keep-alives on idle streams (comments; blank lines on Google's routes),
+    /// in milliseconds (RD-2, RS-4).
     pub sse_keepalive_ms: u64,
     /// Origins allowed to call holdfast from a browser (CORS), e.g. `["https://app.example"]`,
     /// or `["*"]` for any. Empty (the default): no CORS headers, so only same-origin pages and

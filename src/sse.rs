@@ -355,6 +355,9 @@ pub fn encode(id: Option<u64>, event: Option<&str>, data: &str) -> Bytes {
     buf.freeze()
 }
 
+/// The keep-alive comment of an idle stream (RD-2, RS-4).
+pub const KEEPALIVE_COMMENT: &[u8] = b": keep-alive\n\n";
+
 /// Encodes a comment (a keep-alive): `: <text>` per line of `text`, then a blank line. Parsers
 /// ignore it; the blank line dispatches nothing because [`encode`] leaves no event open.
 pub fn comment(text: &str) -> Bytes {

@@ -311,7 +311,7 @@ pub(super) fn provider_error(shape: Provider, code: &str, message: &str) -> Byte
 /// name (or `reset` / `end` for control chunks), and its data.
 pub(super) fn log_bytes(item: &Followed) -> Bytes {
     match item {
-        Followed::KeepAlive => sse::comment("keep-alive"),
+        Followed::KeepAlive => Bytes::from_static(sse::KEEPALIVE_COMMENT),
         Followed::Chunk(chunk) => {
             let event = match chunk.kind {
                 ChunkKind::Data => chunk.event.as_deref(),

@@ -298,12 +298,12 @@ impl Provider {
     /// line that does not start with `data: ` as JSON and raises on a comment. A blank line
     /// between events is no event to any SSE reader.
     pub(crate) fn stream_keepalive(self) -> &'static [u8] {
-        const COMMENT: &[u8] = b": keep-alive\n\n";
+        use crate::sse::KEEPALIVE_COMMENT;
         match self {
-            Provider::Openai | Provider::Anthropic => COMMENT,
+            Provider::Openai | Provider::Anthropic => KEEPALIVE_COMMENT,
             Provider::Gemini => gemini::STREAM_KEEPALIVE,
             #[cfg(test)]
-            Provider::Echo => COMMENT,
+            Provider::Echo => KEEPALIVE_COMMENT,
         }
     }
 

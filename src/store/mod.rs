@@ -1291,8 +1291,8 @@ pub fn redact_url(url: &str) -> String {
 mod tests {
     use super::{RequestRecord, Status, redact_url};
 
-    /// docs/usage.md: deliveries beyond the attempts, at least one attempt subtracted, so a
-    /// request cancelled before it ran saved only its duplicates' calls.
+    /// RD-9, decision 74: attachments counted after their request finished save what they add
+    /// beyond the attempts, never what the attempts spent.
     #[test]
     fn late_attachments_save_what_they_add_beyond_the_attempts_rd9() {
         let mut r = RequestRecord::example(Status::Succeeded);
@@ -1307,6 +1307,8 @@ mod tests {
         assert_eq!(r.saved_calls_of_late_attachments(0, 0), 0);
     }
 
+    /// docs/usage.md: deliveries beyond the attempts, at least one attempt subtracted, so a
+    /// request cancelled before it ran saved only its duplicates' calls.
     #[test]
     fn saved_calls_are_deliveries_beyond_the_attempts_never_the_first_submission_rd9() {
         let mut r = RequestRecord::example(Status::Failed);

@@ -27,7 +27,7 @@ use tracing::warn;
 use uuid::Uuid;
 
 use crate::config::Config;
-use crate::store::{AddedCounts, Counts, DynStore, RequestRecord};
+use crate::store::{AddedCounts, Counts, DynStore, ErrorType, RequestRecord};
 
 /// Requests with counts not yet written, at most: past it, counts of further requests are
 /// dropped (and warned about once per failing period) rather than grow memory without bound
@@ -231,6 +231,13 @@ async fn late_savings(
             continue;
         };
         match store.get_any(id).await {
+            // A request the sweep failed stays out of the counter, as its attachments that
+            // came in time do (docs/usage.md).
+            Ok(Some(record))
+                if record
+                    .error
+                    .as_ref()
+                    .is_some_and(|e| e.kind == ErrorType::LeaseExpired) => {}
             Ok(Some(record)) => {
                 let calls = record.saved_calls_of_late_attachments(before, added);
                 saved.push((record, calls));

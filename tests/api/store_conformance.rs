@@ -492,7 +492,6 @@ async fn body_hash_claims_are_per_namespace_id4(store: DynStore) {
     assert_eq!(again.id, b.id);
 }
 
-/// Runs request `id` (the only one due) to success at `now`.
 /// RD-9, DU-6: counts added while a request runs are added and nothing more; attachments added
 /// after it finished are added and reported late, with the attachments it had before them
 /// (the attempt that finished it counted only those as saved calls); replays and log reads
@@ -517,6 +516,7 @@ async fn attachments_added_after_a_request_finished_are_reported_late_rd9_du6(st
     assert_eq!((stored.attached, stored.replayed), (5, 5));
 }
 
+/// Runs request `id` (the only one due) to success at `now`.
 async fn run_to_success(store: &DynStore, id: Uuid, now: Millis) {
     let (lease, leased) = lease_at(store, "node/a", now).await;
     assert_eq!(leased.id, id);
@@ -2904,9 +2904,12 @@ async fn postgres_counts_skip_a_row_another_write_holds_and_report_it_du6() {
     let t = postgres_store().await;
     let store = t.store.clone();
     let rec = create(&store, by_hash("counted", T0)).await;
+    // Finished, so the attachment below is late (decision 74): reported once, when it is added.
+    run_to_success(&store, rec.id, T0 + 1).await;
     let counts = [
         holdfast::store::Counts {
             id: rec.id,
+            attached: 1,
             replayed: 2,
             ..Default::default()
         },
@@ -2924,20 +2927,23 @@ async fn postgres_counts_skip_a_row_another_write_holds_and_report_it_du6() {
         .execute(&mut holder)
         .await
         .unwrap();
-    let busy = tokio::time::timeout(Duration::from_secs(5), store.add_counts(&counts))
+    let added = tokio::time::timeout(Duration::from_secs(5), store.add_counts(&counts))
         .await
         .expect("counting does not wait for the held row")
         .expect("add_counts");
     assert_eq!(
-        busy.busy,
+        added.busy,
         [rec.id],
         "the held row is reported, the unknown one is not"
     );
+    assert!(added.late.is_empty(), "nothing was added: {added:?}");
     assert_eq!(get(&store, rec.id).await.replayed, 0);
     sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
-    let busy = store.add_counts(&counts[..1]).await.expect("add_counts");
-    assert!(busy.busy.is_empty());
-    assert_eq!(get(&store, rec.id).await.replayed, 2);
+    let added = store.add_counts(&counts[..1]).await.expect("add_counts");
+    assert!(added.busy.is_empty());
+    assert_eq!(added.late, [(rec.id, 0)], "the retry adds it, late, once");
+    let stored = get(&store, rec.id).await;
+    assert_eq!((stored.attached, stored.replayed), (1, 2));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -500,28 +500,32 @@ impl Store for SqliteStore {
     async fn add_counts(&self, counts: &[Counts]) -> Result<AddedCounts, StoreError> {
         let counts: Arc<[Counts]> = counts.into();
         self.write(move |conn| {
-            // The request's `finished_at` as this update finds it: set, its outcome committed
-            // before, without these attachments.
-            let mut stmt = conn.prepare_cached(
-                "UPDATE requests SET attached = attached + ?2, replayed = replayed + ?3,
-                     log_reads = log_reads + ?4
-                 WHERE id = ?1
-                 RETURNING finished_at IS NOT NULL, attached - ?2",
-            )?;
+            const ADD_SQL: &str = "UPDATE requests SET attached = attached + ?2,
+                     replayed = replayed + ?3, log_reads = log_reads + ?4
+                 WHERE id = ?1";
+            // Where attachments are added, the request's `finished_at` as this job finds it:
+            // set, its outcome committed before, without them. Read, not returned by the
+            // update: a `RETURNING` costs SQLite a temporary b-tree per statement.
+            const FINISHED_SQL: &str =
+                "SELECT attached FROM requests WHERE id = ?1 AND finished_at IS NOT NULL";
             // The one writer holds every row: none is ever busy.
             let mut added = AddedCounts::default();
             for c in counts.iter() {
-                let found = stmt
-                    .query_row(
-                        params![c.id.to_string(), c.attached, c.replayed, c.log_reads],
-                        |r| Ok((r.get::<_, bool>(0)?, r.get::<_, u32>(1)?)),
-                    )
-                    .optional()?;
-                if let Some((true, before)) = found
-                    && c.attached > 0
+                let id = c.id.to_string();
+                if c.attached > 0
+                    && let Some(before) = conn
+                        .prepare_cached(FINISHED_SQL)?
+                        .query_row(params![id], |r| r.get::<_, u32>(0))
+                        .optional()?
                 {
                     added.late.push((c.id, before));
                 }
+                conn.prepare_cached(ADD_SQL)?.execute(params![
+                    id,
+                    c.attached,
+                    c.replayed,
+                    c.log_reads
+                ])?;
             }
             Ok(added)
         })

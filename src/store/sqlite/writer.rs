@@ -83,6 +83,7 @@ impl SqliteStore {
             early,
             early_when_durable: false,
             may_wait,
+            wrote: false,
         };
         self.inner
             .jobs
@@ -111,8 +112,9 @@ pub(super) trait WriteJob: Send {
     fn tell_only_when_durable(&mut self);
     /// Whether its caller accepts its commit being held open for more (DU-7).
     fn may_wait(&self) -> bool;
-    /// Whether its last run succeeded and its hook waits to be told: a submission held back
-    /// until its commit is durable (ID-9).
+    /// Whether its last run succeeded, stored something, and its hook waits to be told: a
+    /// submission that recorded a request, held back until its commit is durable (ID-9). One
+    /// that attached to a request wrote nothing, and commits on a full disk too.
     fn hook_waits(&self) -> bool;
 }
 
@@ -127,6 +129,8 @@ struct Job<T, F> {
     early_when_durable: bool,
     /// Its commit may be held open for more ([`SqliteStore::write_may_wait`], DU-7).
     may_wait: bool,
+    /// Whether its last run changed a row.
+    wrote: bool,
 }
 
 impl<T, F> WriteJob for Job<T, F>
@@ -136,7 +140,9 @@ where
 {
     fn run(&mut self, conn: &Connection) -> bool {
         self.result = None;
+        let before = conn.total_changes();
         let result = (self.run)(conn);
+        self.wrote = conn.total_changes() > before;
         let keep = result.is_ok();
         self.result = Some(result);
         keep
@@ -160,7 +166,7 @@ where
     }
 
     fn hook_waits(&self) -> bool {
-        self.early.is_some() && matches!(self.result, Some(Ok(_)))
+        self.early.is_some() && self.wrote && matches!(self.result, Some(Ok(_)))
     }
 
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
@@ -171,6 +177,7 @@ where
             early,
             early_when_durable: _,
             may_wait: _,
+            wrote: _,
         } = *self;
         // A hook not told before the commit (held back, or its job's group failed first) is
         // told now that the job is durable.
@@ -242,7 +249,7 @@ pub(super) fn write_loop(
 
 /// Whether a submission's hook may be told before its commit (ID-9). After a failed commit (a
 /// full disk) no hook is told before its job is durable until a commit holding a submission
-/// succeeds again: a failing disk costs at most one group's early provider calls, not one per
+/// that stored a request succeeds again: a failing disk costs at most one group's early provider calls, not one per
 /// refused call. A commit of other writes proves nothing — on a full disk, an abandoned
 /// attempt's fenced outcome, which finds its lease gone and writes no row, commits — so it
 /// leaves the state as it was (a new user's test on a full disk found every refused call, and
@@ -458,6 +465,7 @@ mod tests {
             early: None,
             early_when_durable: false,
             may_wait: false,
+            wrote: false,
         };
         (Box::new(job), answer)
     }
@@ -472,6 +480,7 @@ mod tests {
             early: Some(hook),
             early_when_durable: false,
             may_wait: false,
+            wrote: false,
         };
         (Box::new(job), answer)
     }
@@ -655,6 +664,24 @@ mod tests {
         assert!(
             !told_early(&early, &conn),
             "after a submission that failed alone"
+        );
+        // Nor one that wrote nothing (a duplicate that attached commits on a full disk).
+        let (reply, _answer) = oneshot::channel();
+        let mut attached: Box<dyn WriteJob> = Box::new(Job {
+            run: |_: &Connection| Ok(5_i64),
+            result: None,
+            reply,
+            early: Some(Box::new(|_: &i64| {}) as Early<i64>),
+            early_when_durable: false,
+            may_wait: false,
+            wrote: false,
+        });
+        attached.tell_only_when_durable();
+        assert!(attached.run(&conn));
+        early.after_commit(true, &[attached]);
+        assert!(
+            !told_early(&early, &conn),
+            "after a submission that stored nothing"
         );
         // A submission held back commits: early starts resume.
         let (mut submission, _answer) = hooked_job(4, Box::new(|_| {}));
@@ -855,6 +882,7 @@ mod tests {
             early: None,
             early_when_durable: false,
             may_wait,
+            wrote: false,
         };
         (Box::new(job), answer)
     }
