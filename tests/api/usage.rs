@@ -439,31 +439,17 @@ async fn a_burst_of_identical_calls_counts_every_saved_call_in_the_metric_rd9_du
     let labels = r#"backend="mock-openai",model="gpt-4o-mini""#;
     for round in 0..ROUNDS {
         let body = chat_body(&format!("burst {round}"));
-        let calls: Vec<_> = (0..BURST)
-            .map(|_| {
-                let (http, url, body) = (
-                    app.http.clone(),
-                    format!("{}/v1/chat/completions", app.base),
-                    body.clone(),
-                );
-                tokio::spawn(async move {
-                    let r = http
-                        .post(url)
-                        .header("content-type", "application/json")
-                        .body(body)
-                        .send()
-                        .await
-                        .unwrap();
-                    let id = header(&r, "holdfast-request-id");
-                    assert_eq!(r.status(), 200);
-                    id
-                })
+        let answers = futures::future::join_all(
+            (0..BURST).map(|_| app.post("/v1/chat/completions", body.clone(), &[])),
+        )
+        .await;
+        let mut ids: Vec<String> = answers
+            .iter()
+            .map(|r| {
+                assert_eq!(r.status(), 200);
+                header(r, "holdfast-request-id")
             })
             .collect();
-        let mut ids = Vec::new();
-        for call in calls {
-            ids.push(call.await.unwrap());
-        }
         ids.dedup();
         assert_eq!(ids.len(), 1, "one request per burst");
         wait_deliveries(&app.base, &ids[0], None, BURST as u64).await;
