@@ -269,7 +269,10 @@ struct EndError {
 /// caller ends the connection. Returns the bytes and whether the stream is over.
 pub(super) fn provider_bytes(item: &Followed, shape: Provider) -> (Bytes, bool) {
     match item {
-        Followed::KeepAlive => (Bytes::from_static(shape.stream_keepalive()), false),
+        Followed::KeepAlive => (
+            Bytes::from_static(shape.stream_keepalive().unwrap_or(sse::KEEPALIVE_COMMENT)),
+            false,
+        ),
         Followed::Chunk(chunk) => match chunk.kind {
             ChunkKind::Data => (
                 sse::encode(None, chunk.event.as_deref(), &chunk.data),

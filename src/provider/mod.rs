@@ -293,17 +293,16 @@ impl Provider {
         }
     }
 
-    /// What fills a silence in a proxied stream of this provider's shape (RS-4): an SSE
-    /// comment, or for Google's routes a blank line, since google-genai for Python reads every
-    /// line that does not start with `data: ` as JSON and raises on a comment. A blank line
-    /// between events is no event to any SSE reader.
-    pub(crate) fn stream_keepalive(self) -> &'static [u8] {
-        use crate::sse::KEEPALIVE_COMMENT;
+    /// What fills a silence in a proxied stream of this provider's shape instead of an SSE
+    /// comment, when its SDKs need something else (RS-4): for Google's routes a blank line,
+    /// since google-genai for Python reads every line that does not start with `data: ` as
+    /// JSON and raises on a comment. A blank line between events is no event to any SSE reader.
+    pub(crate) fn stream_keepalive(self) -> Option<&'static [u8]> {
         match self {
-            Provider::Openai | Provider::Anthropic => KEEPALIVE_COMMENT,
-            Provider::Gemini => gemini::STREAM_KEEPALIVE,
+            Provider::Openai | Provider::Anthropic => None,
+            Provider::Gemini => Some(gemini::STREAM_KEEPALIVE),
             #[cfg(test)]
-            Provider::Echo => KEEPALIVE_COMMENT,
+            Provider::Echo => None,
         }
     }
 
