@@ -33,6 +33,22 @@ def client(**options):
 
 
 out = {}
+
+
+def read_stream(contents):
+    """Collects a generate_content_stream's text into out until its end or until the SDK
+    raises, and what it raised."""
+    c = client()  # held: a client collected mid-stream closes its connection
+    out["text"] = ""
+    try:
+        for chunk in c.models.generate_content_stream(model=MODEL, contents=contents):
+            out["text"] += chunk.text or ""
+    except errors.APIError as e:
+        out["error"] = {"code": e.code, "status": e.status, "message": e.message}
+    except Exception as e:  # the test reports it
+        out["error"] = f"{type(e).__name__}: {e}"
+
+
 if mode == "surface":
     c = client()
     out["text"] = c.models.generate_content(model=MODEL, contents="gemini through holdfast").text
@@ -65,21 +81,9 @@ elif mode == "retry":
     except Exception as e:  # the test reports it
         out["error"] = f"{type(e).__name__}: {e}"
 elif mode == "interrupted":
-    c = client()
-    out["text"] = ""
-    try:
-        for chunk in c.models.generate_content_stream(model=MODEL, contents="gemini cut"):
-            out["text"] += chunk.text or ""
-    except errors.APIError as e:
-        out["error"] = {"code": e.code, "status": e.status, "message": e.message}
+    read_stream("gemini cut")
 elif mode == "quiet":
-    c = client()
-    out["text"] = ""
-    try:
-        for chunk in c.models.generate_content_stream(model=MODEL, contents="gemini quiet"):
-            out["text"] += chunk.text or ""
-    except Exception as e:  # the test reports it
-        out["error"] = f"{type(e).__name__}: {e}"
+    read_stream("gemini quiet")
 else:
     sys.exit(f"unknown mode {mode}")
 print(json.dumps(out))

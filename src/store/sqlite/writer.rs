@@ -648,26 +648,33 @@ mod tests {
 
         early.after_commit(false, &[]);
         assert!(!told_early(&early, &conn), "after a failed commit");
+        // `job`, held back, run on `on` and committed; whether its run succeeded.
+        let commit = |early: &mut EarlyStarts, mut job: Box<dyn WriteJob>, on: &Connection| {
+            job.tell_only_when_durable();
+            let ran = job.run(on);
+            early.after_commit(true, &[job]);
+            ran
+        };
         // A commit of a plain write (no hook) succeeds: still held back.
-        let (mut plain, _answer) = job(insert(2));
-        assert!(plain.run(&conn));
-        early.after_commit(true, &[plain]);
+        assert!(commit(&mut early, job(insert(2)).0, &conn));
         assert!(
             !told_early(&early, &conn),
             "after a commit without a submission"
         );
         // A submission whose own run failed does not count either.
-        let (mut refused, _answer) = hooked_job(3, Box::new(|_| {}));
-        refused.tell_only_when_durable();
-        let _ = refused.run(&Connection::open_in_memory().expect("conn"));
-        early.after_commit(true, &[refused]);
+        let elsewhere = Connection::open_in_memory().expect("conn");
+        assert!(!commit(
+            &mut early,
+            hooked_job(3, Box::new(|_| {})).0,
+            &elsewhere
+        ));
         assert!(
             !told_early(&early, &conn),
             "after a submission that failed alone"
         );
         // Nor one that wrote nothing (a duplicate that attached commits on a full disk).
         let (reply, _answer) = oneshot::channel();
-        let mut attached: Box<dyn WriteJob> = Box::new(Job {
+        let attached: Box<dyn WriteJob> = Box::new(Job {
             run: |_: &Connection| Ok(5_i64),
             result: None,
             reply,
@@ -676,18 +683,13 @@ mod tests {
             may_wait: false,
             wrote: false,
         });
-        attached.tell_only_when_durable();
-        assert!(attached.run(&conn));
-        early.after_commit(true, &[attached]);
+        assert!(commit(&mut early, attached, &conn));
         assert!(
             !told_early(&early, &conn),
             "after a submission that stored nothing"
         );
         // A submission held back commits: early starts resume.
-        let (mut submission, _answer) = hooked_job(4, Box::new(|_| {}));
-        submission.tell_only_when_durable();
-        assert!(submission.run(&conn));
-        early.after_commit(true, &[submission]);
+        assert!(commit(&mut early, hooked_job(4, Box::new(|_| {})).0, &conn));
         assert!(told_early(&early, &conn), "after a submission's commit");
     }
 
