@@ -1,6 +1,8 @@
 //! Google's Gemini routes (GM-1, GM-4). The router cannot match `{model}:generateContent` in
 //! one path segment, so every `POST /{version}/models/{call}` comes here and is dispatched by
-//! the method after the colon: `generateContent` and `streamGenerateContent` to the proxied
+//! the method after the last colon (a `POST` on `/v1/models/{id}` without one of Google's
+//! methods is OpenAI's model lookup with a wrong method, IN-1): `generateContent` and
+//! `streamGenerateContent` to the proxied
 //! route of that method ([`proxy::handle`], the model taken from the path), `countTokens`
 //! forwarded unlogged to the backend the model routes to. `GET /v1beta/models` is the merged
 //! model list ([`passthrough::models_of`]); one model is [`passthrough::model`].
@@ -27,6 +29,12 @@ pub(super) async fn call(
     mut headers: HeaderMap,
     body: Body,
 ) -> Response {
+    // `/v1/models/{id}` is OpenAI's too: a `POST` there without one of Google's methods after
+    // the last colon (an OpenAI fine-tuned model id has colons of its own) is a wrong method
+    // on OpenAI's model lookup, not a Gemini call (IN-1).
+    if Provider::for_path(uri.path()) != SHAPE {
+        return super::method_not_allowed(uri).await;
+    }
     let Some((model, method)) = call.rsplit_once(':') else {
         return no_route(&uri);
     };

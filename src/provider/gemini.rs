@@ -98,10 +98,38 @@ pub(super) fn owns_call(headers: &HeaderMap) -> bool {
     headers.contains_key(KEY_HEADER)
 }
 
+/// The methods Google's API calls on a model, `models/{model}:{method}` (v1beta's and v1's).
+/// A Gemini model name has no colon (GM-1), so the method is what follows the last one; an
+/// OpenAI fine-tuned model id has colons of its own (`ft:gpt-4o-mini-2024-07-18:my-org::abc123`)
+/// and ends in none of these (IN-1, decision 75).
+const MODEL_METHODS: [&str; 16] = [
+    "generateContent",
+    "streamGenerateContent",
+    "countTokens",
+    "embedContent",
+    "batchEmbedContents",
+    "batchGenerateContent",
+    "asyncBatchEmbedContent",
+    "predict",
+    "predictLongRunning",
+    "generateAnswer",
+    "generateMessage",
+    "countMessageTokens",
+    "generateText",
+    "countTextTokens",
+    "embedText",
+    "batchEmbedText",
+];
+
 /// Paths whose clients are Google's SDKs: everything under `/v1beta`, and `/v1/models/...`
-/// calls with a method suffix.
+/// calls whose suffix after the last colon is one of Google's model methods (IN-1). Any other
+/// `/v1/models/{id}` is OpenAI's (or Anthropic's, told apart by headers), colons and all.
 pub(super) fn owns_path(path: &str) -> bool {
-    path.starts_with("/v1beta/") || (path.starts_with("/v1/models/") && path.contains(':'))
+    path.starts_with("/v1beta/")
+        || path
+            .strip_prefix("/v1/models/")
+            .and_then(|call| call.rsplit_once(':'))
+            .is_some_and(|(_, method)| MODEL_METHODS.contains(&method))
 }
 
 /// A proxied Gemini stream's keep-alive (RS-4): a blank line, which google-genai for Python

@@ -373,6 +373,87 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
     app.stop().await;
 }
 
+/// IN-1, GM-4: an OpenAI fine-tuned model id has colons (`ft:<base>:<org>::<id>`), and
+/// `/v1/models/{id}` is a path OpenAI's and Google's SDKs share. Only one of Google's model
+/// methods after the last colon makes it Google's: the OpenAI SDK's `models.retrieve` of a
+/// fine-tuned model is answered like any other OpenAI model lookup, and a wrong method on it
+/// gets OpenAI's error shape, while Gemini's `/v1/models/{model}:generateContent` stays
+/// Google's.
+#[tokio::test]
+async fn an_openai_fine_tuned_model_id_with_colons_is_an_openai_model_lookup_not_a_gemini_call_in1_gm4()
+ {
+    let ft = "ft:gpt-4o-mini-2024-07-18:my-org::abc123";
+    let app = spawn_app(MockConfig::default(), |c| {
+        // An exact alias is listed with the OpenAI backends' models (HTTP-4).
+        c.model_rewrites = vec![holdfast::config::ModelRewrite {
+            pattern: ft.into(),
+            backend: "mock-openai".into(),
+            model: None,
+        }];
+    })
+    .await;
+    let call = |method: &str, path: &str| {
+        app.http
+            .request(method.parse().unwrap(), format!("{}{path}", app.base))
+            .bearer_auth("sk-openai-sdk")
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+    };
+
+    let found = call("GET", &format!("/v1/models/{ft}")).await.unwrap();
+    assert_eq!(found.status(), 200);
+    let found: serde_json::Value = found.json().await.unwrap();
+    assert_eq!(found["id"], ft, "{found}");
+    assert_eq!(found["object"], "model", "OpenAI's model object: {found}");
+
+    // A wrong method on it is OpenAI's 405, as on a model id without colons.
+    for method in ["DELETE", "POST"] {
+        for path in [format!("/v1/models/{ft}"), "/v1/models/gpt-4o-mini".into()] {
+            let r = call(method, &path).await.unwrap();
+            assert_eq!(r.status(), 405, "{method} {path}");
+            assert_eq!(header(&r, "holdfast-error"), "method_not_allowed");
+            let body: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(
+                body["error"]["type"], "invalid_request_error",
+                "OpenAI's shape for {method} {path}: {body}"
+            );
+            assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
+        }
+    }
+
+    // Google's calls on the same prefix are still Google's.
+    let gemini = app
+        .post(
+            "/v1/models/gemini-2.5-flash:generateContent",
+            gemini_body("still gemini"),
+            &[],
+        )
+        .await;
+    assert_eq!(gemini.status(), 200);
+    let gemini: serde_json::Value = gemini.json().await.unwrap();
+    assert!(gemini["candidates"].is_array(), "{gemini}");
+    for (method, path) in [
+        ("DELETE", "/v1/models/gemini-2.5-flash:generateContent"),
+        ("POST", "/v1/models/gemini-2.5-flash:embedContent"),
+    ] {
+        let r = call(method, path).await.unwrap();
+        let status = r.status();
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert!(status == 405 || status == 404, "{method} {path}: {status}");
+        assert!(
+            body["error"]["status"].is_string(),
+            "Google's shape for {method} {path}: {body}"
+        );
+    }
+    assert_eq!(
+        count_requests(&app).await,
+        1,
+        "only the Gemini call is recorded"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn respond_async_answers_202_with_location_and_runs_anyway_rs9() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
