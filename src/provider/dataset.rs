@@ -403,17 +403,31 @@ pub(super) fn gemini_text(answer: &Value) -> Option<String> {
 /// Why a request is not an example.
 pub(crate) type Skip = String;
 
-/// A message's content as a string: a string as it is, text parts joined; an image, audio or
-/// file part cannot be carried (decision 63).
+/// What goes between two text blocks (or parts) of one message when they become one string:
+/// they are separate texts to the model, and run together they would read as one
+/// (`"You are terse." + "Be kind."` is not `"You are terse.Be kind."`; decision 63).
+const BLOCK_SEPARATOR: &str = "\n";
+
+/// `texts` as one string, [`BLOCK_SEPARATOR`] between two of them; empty ones are left out.
+fn join_blocks<'a>(texts: impl IntoIterator<Item = &'a str>) -> String {
+    texts
+        .into_iter()
+        .filter(|t| !t.is_empty())
+        .collect::<Vec<_>>()
+        .join(BLOCK_SEPARATOR)
+}
+
+/// A message's content as a string: a string as it is, text parts joined ([`join_blocks`]);
+/// an image, audio or file part cannot be carried (decision 63).
 fn openai_content(content: &Value) -> Result<Value, Skip> {
     match content {
         Value::Null => Ok(Value::Null),
         Value::String(_) => Ok(content.clone()),
         Value::Array(parts) => {
-            let mut text = String::new();
+            let mut texts = Vec::new();
             for part in parts {
                 match part["type"].as_str() {
-                    Some("text") => text.push_str(part["text"].as_str().unwrap_or("")),
+                    Some("text") => texts.push(part["text"].as_str().unwrap_or("")),
                     other => {
                         return Err(format!(
                             "a content part of type {} (only text can be carried)",
@@ -422,7 +436,7 @@ fn openai_content(content: &Value) -> Result<Value, Skip> {
                     }
                 }
             }
-            Ok(Value::String(text))
+            Ok(Value::String(join_blocks(texts)))
         }
         _ => Err("a message content that is neither text nor parts".into()),
     }
@@ -483,7 +497,8 @@ fn with_tools(messages: Vec<Value>, tools: Option<Value>) -> Value {
 }
 
 /// Anthropic content (a string, or blocks) as OpenAI messages of `role`: text joined into one
-/// message, `tool_use` as its `tool_calls`, `tool_result` as `tool` messages before it.
+/// message ([`join_blocks`]), `tool_use` as its `tool_calls`, `tool_result` as `tool` messages
+/// before it.
 fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
     if let Some(text) = content.as_str() {
         return Ok(vec![json!({"role": role, "content": text})]);
@@ -491,12 +506,12 @@ fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
     let blocks = content
         .as_array()
         .ok_or("a message content that is neither text nor blocks")?;
-    let mut text = String::new();
+    let mut texts = Vec::new();
     let mut calls = Vec::new();
     let mut out = Vec::new();
     for block in blocks {
         match block["type"].as_str() {
-            Some("text") => text.push_str(block["text"].as_str().unwrap_or("")),
+            Some("text") => texts.push(block["text"].as_str().unwrap_or("")),
             // No place for reasoning in the format (decision 63).
             Some("thinking" | "redacted_thinking") => {}
             Some("tool_use") => calls.push(json!({
@@ -520,7 +535,7 @@ fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
                                 ));
                             }
                         }
-                        text_parts(parts)
+                        join_blocks(parts.iter().filter_map(|p| p["text"].as_str()))
                     }
                     _ => return Err("a tool result that is neither text nor parts".into()),
                 };
@@ -538,6 +553,7 @@ fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
             }
         }
     }
+    let text = join_blocks(texts);
     if !text.is_empty() || !calls.is_empty() {
         let mut message = json!({"role": role, "content": if text.is_empty() { Value::Null } else { json!(text) }});
         if !calls.is_empty() {
@@ -554,8 +570,9 @@ fn anthropic_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     match &body["system"] {
         Value::Null => {}
         Value::String(s) => messages.push(json!({"role": "system", "content": s})),
-        Value::Array(parts) => {
-            messages.push(json!({"role": "system", "content": text_parts(parts)}));
+        Value::Array(blocks) => {
+            let text = join_blocks(blocks.iter().filter_map(|b| b["text"].as_str()));
+            messages.push(json!({"role": "system", "content": text}));
         }
         _ => return Err("a system prompt that is neither text nor blocks".into()),
     }
@@ -602,7 +619,7 @@ fn gemini_parts(
     calls: &mut u64,
     pending: &mut Vec<(String, String)>,
 ) -> Result<Vec<Value>, Skip> {
-    let mut text = String::new();
+    let mut texts = Vec::new();
     let mut tool_calls = Vec::new();
     let mut out = Vec::new();
     for part in parts.as_array().ok_or("content without parts")? {
@@ -610,7 +627,7 @@ fn gemini_parts(
             continue;
         }
         if let Some(t) = part["text"].as_str() {
-            text.push_str(t);
+            texts.push(t);
         } else if let Some(call) = part.get("functionCall") {
             *calls += 1;
             let id = format!("call_{calls}");
@@ -643,6 +660,7 @@ fn gemini_parts(
             ));
         }
     }
+    let text = join_blocks(texts);
     if !text.is_empty() || !tool_calls.is_empty() {
         let mut message = json!({"role": role, "content": if text.is_empty() { Value::Null } else { json!(text) }});
         if !tool_calls.is_empty() {
@@ -658,12 +676,13 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     let mut messages = Vec::new();
     let (mut calls, mut pending) = (0u64, Vec::new());
     if let Some(parts) = body["systemInstruction"].get("parts") {
-        let text: String = parts
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|p| p["text"].as_str())
-            .collect();
+        let text = join_blocks(
+            parts
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p["text"].as_str()),
+        );
         messages.push(json!({"role": "system", "content": text}));
     }
     let contents = match &body["contents"] {
@@ -828,7 +847,7 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
         let ex = example(Route::OpenaiChat, &body, &answer).unwrap();
         assert_eq!(ex["messages"][0]["role"], "system");
-        assert_eq!(ex["messages"][1]["content"], "ab");
+        assert_eq!(ex["messages"][1]["content"], "a\nb");
         assert_eq!(
             ex["messages"][2],
             json!({"role": "assistant", "content": "ok"})

@@ -220,6 +220,83 @@ async fn a_namespace_key_exports_only_its_namespace_and_an_admin_key_every_one_e
     app.stop().await;
 }
 
+/// EX-5, decision 63: a fine-tuning example says what the model saw, so the text blocks of one
+/// message (Anthropic's `system` and content blocks, OpenAI's content parts, Gemini's parts and
+/// `systemInstruction`, a tool result's parts) become one string with a newline between two,
+/// never run together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_chat_export_joins_a_messages_text_blocks_with_a_newline_ex5() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let anthropic = send(
+        &app,
+        "/v1/messages",
+        json!({"model": "claude-mock-small", "max_tokens": 64,
+            "system": [{"type": "text", "text": "You are terse."},
+                       {"type": "text", "text": "Second system block."}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Look it up."},
+                    {"type": "text", "text": "Then answer."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
+                    {"type": "tool_use", "id": "tu_1", "name": "lookup", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1",
+                    "content": [{"type": "text", "text": "row 1"}, {"type": "text", "text": "row 2"}]}]}],
+            "tools": [{"name": "lookup", "input_schema": {"type": "object"}}]}),
+        None,
+    )
+    .await;
+    let openai = send(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": "gpt-4o-mini", "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "You are terse."},
+                {"type": "text", "text": "Second system block."}]},
+            {"role": "user", "content": [{"type": "text", "text": "first part"},
+                {"type": "text", "text": ""}, {"type": "text", "text": "second part"}]}]}),
+        None,
+    )
+    .await;
+    let gemini = send(
+        &app,
+        "/v1beta/models/gemini-mock:generateContent",
+        json!({"systemInstruction": {"parts": [{"text": "You are terse."},
+                {"text": "Second system block."}]},
+            "contents": [{"role": "user", "parts": [{"text": "one"}, {"text": "two"}]}]}),
+        None,
+    )
+    .await;
+
+    let (status, body) = export(&app, "format=openai-chat", None).await;
+    assert_eq!(status, 200, "{body}");
+    let examples: std::collections::HashMap<String, Value> = lines(&body)
+        .into_iter()
+        .map(|l| (l["id"].as_str().unwrap().to_string(), l["example"].clone()))
+        .collect();
+    let messages = |id: &str| examples[id]["messages"].clone();
+    let system = json!({"role": "system", "content": "You are terse.\nSecond system block."});
+
+    let a = messages(&anthropic);
+    assert_eq!(a[0], system, "{a}");
+    assert_eq!(a[1]["content"], "Look it up.\nThen answer.", "{a}");
+    assert_eq!(a[2]["content"], "Looking.", "{a}");
+    assert_eq!(
+        a[3],
+        json!({"role": "tool", "tool_call_id": "tu_1", "content": "row 1\nrow 2"}),
+        "{a}"
+    );
+
+    let o = messages(&openai);
+    assert_eq!(o[0], system, "{o}");
+    assert_eq!(
+        o[1]["content"], "first part\nsecond part",
+        "an empty part adds no line: {o}"
+    );
+
+    let g = messages(&gemini);
+    assert_eq!(g[0], system, "{g}");
+    assert_eq!(g[1], json!({"role": "user", "content": "one\ntwo"}), "{g}");
+    app.stop().await;
+}
+
 /// The concatenated text of an Anthropic stream's `text_delta` events.
 fn anthropic_stream_text(events: &[holdfast::sse::SseEvent]) -> String {
     events
