@@ -9,10 +9,18 @@
 //!   running attempts are recovered by the others while it sleeps, and what it writes when it
 //!   wakes is fenced off (LC-3).
 //!
+//! A kill or a pause is aimed at a node that holds a running attempt: at its moment the driver
+//! reads the running requests' lease owners (`<host>-<pid>/...`) from the database and takes
+//! the scheduled node if it holds one, else the node holding the most, waiting (at most
+//! [`HIT_WAIT`], polling the database) while none holds any. A node picked at random often
+//! runs nothing at that moment (a request runs on the one node that recorded it), and a fault
+//! that hits nothing tests nothing.
+//!
 //! After the faults stop, the shared checker (`crate::chaos::check`) asserts every request
 //! terminal, one request per body, provider calls ≤ attempts, resets ≤ recoveries and every
 //! reader's sequence consecutive and equal to the stored log; this test adds that no node died
-//! of a fault it was not given. Counts are printed (`--no-capture`).
+//! of a fault it was not given, and that a request a killed or paused node was running was
+//! recovered (LC-4): the faults hit running attempts. Counts are printed (`--no-capture`).
 //!
 //! The CI form (about 25 s) runs 2 kills, 2 database restarts (one of each mode) and 1 pause;
 //! `CHAOS_LONG=1` runs the long form (12 kills, 8 restarts, 6 pauses over ~3 minutes of
@@ -25,6 +33,8 @@ use holdfast::mock::MockConfig;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
 
 use super::pg_server::PrivatePostgres;
 use crate::chaos::{Workload, chaos_http, check, run_reporting};
@@ -34,6 +44,9 @@ const NODES: usize = 3;
 const LEASE_SECS: u64 = 2;
 /// A paused node sleeps this long: past its lease, so the others recover its attempts.
 const PAUSE: Duration = Duration::from_millis(LEASE_SECS * 1000 + 1500);
+/// How long a kill or a pause waits for a node to hold a running attempt before it goes ahead
+/// on the scheduled node anyway (the workload may be over; the final check then fails).
+const HIT_WAIT: Duration = Duration::from_secs(10);
 
 /// The size of a run.
 struct Plan {
@@ -97,7 +110,75 @@ struct Driven {
     pg_down_max: Duration,
     /// Longest time from a SIGKILL to the restarted node answering `/healthz`.
     node_down_max: Duration,
+    /// The requests the killed or paused nodes were running when their fault hit.
+    hit: Vec<String>,
     log: Vec<String>,
+}
+
+/// The requests each node's process (`pids`, by node) runs now: `running`, with a lease that
+/// has not expired, whose owner (`<host>-<pid>/<uuid>`, `WorkerPool::lease_owner`) is that
+/// process. `None` when the database cannot be read.
+async fn running_by_node(conn: &mut PgConnection, pids: &[u32]) -> Option<Vec<Vec<String>>> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT id::text, lease_owner FROM requests
+         WHERE status = 'running' AND lease_expires_at > $1",
+    )
+    .bind(now_ms)
+    .fetch_all(conn)
+    .await
+    .ok()?;
+    let mut held = vec![Vec::new(); pids.len()];
+    for (id, owner) in rows {
+        let pid = owner
+            .split_once('/')
+            .and_then(|(node, _)| node.rsplit_once('-'))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok());
+        if let Some(n) = pids.iter().position(|p| Some(*p) == pid) {
+            held[n].push(id);
+        }
+    }
+    Some(held)
+}
+
+/// The node a kill or a pause scheduled for `scheduled` is aimed at, and the requests it runs:
+/// `scheduled` if it runs one, else the node running the most. While no node runs anything it
+/// polls the database every 20 ms, for at most [`HIT_WAIT`]; then it is `scheduled`, running
+/// nothing.
+async fn aim(db_url: &str, nodes: &[Process], scheduled: usize) -> (usize, Vec<String>) {
+    let pids: Vec<u32> = nodes.iter().map(|n| n.child.id()).collect();
+    let deadline = Instant::now() + HIT_WAIT;
+    let mut conn = None;
+    while Instant::now() < deadline {
+        if conn.is_none() {
+            conn = tokio::time::timeout(Duration::from_secs(2), PgConnection::connect(db_url))
+                .await
+                .ok()
+                .and_then(Result::ok);
+        }
+        let read = match conn.as_mut() {
+            Some(c) => running_by_node(c, &pids).await,
+            None => None,
+        };
+        if read.is_none() {
+            // Connect again at the next try.
+            conn = None;
+        }
+        if let Some(mut held) = read {
+            if !held[scheduled].is_empty() {
+                return (scheduled, std::mem::take(&mut held[scheduled]));
+            }
+            if let Some(n) = (0..held.len()).max_by_key(|n| held[*n].len())
+                && !held[n].is_empty()
+            {
+                return (n, std::mem::take(&mut held[n]));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (scheduled, Vec::new())
 }
 
 /// Sends `signal` to `node`'s process.
@@ -119,6 +200,7 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
     let mut rng = StdRng::seed_from_u64(seed);
 
     let mut pg = PrivatePostgres::create().await;
+    let db_url = pg.url();
     let mock = start_mock(MockConfig {
         chunks: 10,
         chunk_delay_ms: 60,
@@ -191,10 +273,13 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
         let mut driven = Driven::default();
         for (fault, gap) in faults.iter().zip(&gaps) {
             // A fault is a moment: the gap before it is the schedule, not a wait for state.
+            // A kill or a pause then waits (bounded) for a node running an attempt, and hits it.
             tokio::time::sleep(Duration::from_millis(*gap)).await;
             let at = began.elapsed().as_secs_f64();
             match *fault {
-                Fault::Kill(n) => {
+                Fault::Kill(scheduled) => {
+                    let (n, held) = aim(&db_url, &nodes, scheduled).await;
+                    let at = began.elapsed().as_secs_f64();
                     let down = Instant::now();
                     nodes[n].kill9();
                     starts[n] += 1;
@@ -203,9 +288,11 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
                     driven.kills += 1;
                     driven.node_down_max = driven.node_down_max.max(down.elapsed());
                     driven.log.push(format!(
-                        "{at:.1}s kill node {n} (back in {:.2}s)",
+                        "{at:.1}s kill node {n} running {} attempts (back in {:.2}s)",
+                        held.len(),
                         down.elapsed().as_secs_f64()
                     ));
+                    driven.hit.extend(held);
                 }
                 Fault::RestartPostgres { immediate, down_ms } => {
                     let down = Instant::now();
@@ -230,16 +317,20 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
                         down.elapsed().as_secs_f64()
                     ));
                 }
-                Fault::Pause(n) => {
+                Fault::Pause(scheduled) => {
+                    let (n, held) = aim(&db_url, &nodes, scheduled).await;
+                    let at = began.elapsed().as_secs_f64();
                     signal(&nodes[n], libc::SIGSTOP);
                     // The pause is a duration by design: longer than the lease.
                     tokio::time::sleep(PAUSE).await;
                     signal(&nodes[n], libc::SIGCONT);
                     driven.pauses += 1;
                     driven.log.push(format!(
-                        "{at:.1}s pause node {n} for {:.1}s",
+                        "{at:.1}s pause node {n} running {} attempts for {:.1}s",
+                        held.len(),
                         PAUSE.as_secs_f64()
                     ));
+                    driven.hit.extend(held);
                 }
             }
         }
@@ -301,9 +392,26 @@ async fn cluster_chaos_node_kills_pauses_and_postgres_restarts_keep_every_invari
         faults_over.as_secs_f64(),
         counts.settled.as_secs_f64(),
     );
+    // The faults hit running attempts (else the run tested nothing): a request that a killed or
+    // paused node was running when its fault struck was recovered by a sweep (LC-4). One of
+    // them may have finished between the driver's read and the signal, not all of them.
+    let mut conn = PgConnection::connect(&db_url)
+        .await
+        .expect("connect to the test's database");
+    let recovered: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM requests WHERE id::text = ANY($1) AND recoveries >= 1",
+    )
+    .bind(&driven.hit)
+    .fetch_one(&mut conn)
+    .await
+    .expect("count the hit requests recovered");
     assert!(
-        counts.recoveries >= 1,
-        "the faults hit running attempts (else the workload is too thin to test anything)"
+        recovered >= 1,
+        "the faults hit running attempts: {recovered} of the {} requests the killed or paused \
+         nodes were running were recovered, {} recoveries in all (else the workload is too \
+         thin to test anything)",
+        driven.hit.len(),
+        counts.recoveries
     );
     drop(nodes);
     drop(pg);
