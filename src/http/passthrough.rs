@@ -78,7 +78,10 @@ pub(super) async fn models_of(
 
 /// `GET /v1/models/{model}` (and Gemini's `/v1beta/models/{model}`): the entry of the merged
 /// list ([`models_of`]) whose id is `model` (Gemini's `models/` prefix optional), in the
-/// caller's provider's shape, or 404. Not recorded.
+/// caller's provider's shape; else the same lookup forwarded to the backend the model routes
+/// to (CLI-5), the rewritten model in its path, and its answer relayed (GM-4, decision 76): a
+/// provider may serve a model its list does not name, and a list is up to a minute old. 404
+/// when no backend serves the caller's provider. Not recorded.
 pub(super) async fn model(
     State(state): State<AppState>,
     axum::extract::Path(model): axum::extract::Path<String>,
@@ -103,12 +106,51 @@ pub(super) async fn model(
         .await
         .into_iter()
         .find(|m| provider.model_id(m) == Some(wanted));
-    match found {
-        Some(entry) => axum::Json(entry).into_response(),
-        None => {
-            ApiError::not_found(provider, format!("model {wanted:?} is not found")).into_response()
+    if let Some(entry) = found {
+        return axum::Json(entry).into_response();
+    }
+    let not_found =
+        || ApiError::not_found(provider, format!("model {wanted:?} is not found")).into_response();
+    // A segment of dots would be read as a relative path, whatever its encoding.
+    if wanted.bytes().all(|b| b == b'.') {
+        return not_found();
+    }
+    let Some((backend, rewritten)) = Route::ALL
+        .into_iter()
+        .find(|r| r.provider() == provider)
+        .and_then(|route| super::proxy::choose_backend(&state.config, route, Some(wanted)))
+    else {
+        return not_found();
+    };
+    let model = rewritten.as_deref().unwrap_or(wanted);
+    let path = provider.model_path(&path_segment(model));
+    let forwarded = client_headers(&headers, provider);
+    relay(
+        &state,
+        &backend,
+        provider,
+        Method::GET,
+        &path,
+        forwarded,
+        Bytes::new(),
+    )
+    .await
+}
+
+/// `segment` as one path segment: RFC 3986's unreserved bytes, `:` and `@` as they are (an
+/// OpenAI fine-tuned model id keeps its colons), every other byte percent-encoded (a `/` in an
+/// OpenAI-compatible server's model id, `meta-llama/Llama-3-8B`, included).
+fn path_segment(segment: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(segment.len());
+    for b in segment.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b':' | b'@') {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
         }
     }
+    out
 }
 
 /// Every model of `provider`'s backends (each list kept for a minute; a backend that fails is

@@ -1,5 +1,5 @@
-//! Gemini shapes: `generateContent` (non-stream), `streamGenerateContent?alt=sse` chunks, the
-//! model list, `countTokens`, and Google's error body.
+//! Gemini shapes: `generateContent` (non-stream), `streamGenerateContent?alt=sse` chunks, a
+//! model of the list, `countTokens`, and Google's error body.
 //!
 //! Field names follow google-genai's REST types (`GenerateContentResponse`, `Candidate`,
 //! `UsageMetadata`, `ListModelsResponse`). Streams end without a final event: the last chunk
@@ -96,19 +96,14 @@ pub(crate) fn generate_stream(r: &Reply<'_>, pieces: &[String]) -> StreamParts {
     }
 }
 
-/// `GET /v1beta/models`: `{"models": [...]}`, one page.
-pub(crate) fn models_json(models: &[&str]) -> Value {
-    let models: Vec<Value> = models
-        .iter()
-        .map(|id| {
-            json!({
-                "name": format!("models/{id}"),
-                "displayName": id,
-                "supportedGenerationMethods": ["generateContent", "countTokens"],
-            })
-        })
-        .collect();
-    json!({"models": models})
+/// One `Model` of `GET /v1beta/models` (`{"models": [...]}`, one page) and of
+/// `GET /v1beta/models/{id}`.
+pub(crate) fn model_json(id: &str) -> Value {
+    json!({
+        "name": format!("models/{id}"),
+        "displayName": id,
+        "supportedGenerationMethods": ["generateContent", "countTokens"],
+    })
 }
 
 /// `countTokens`: `{"totalTokens": N}`.

@@ -561,8 +561,8 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/embeddings", model(Route::Embeddings))
         .route("/v1/responses", model(Route::Responses))
         .route("/v1/messages", model(Route::Messages))
-        .route("/v1beta/models/{call}", post(gemini_call))
-        .route("/v1/models/{call}", post(gemini_call))
+        .route("/v1beta/models/{call}", post(gemini_call).get(get_model))
+        .route("/v1/models/{call}", post(gemini_call).get(get_model))
         .route("/v1beta/models", get(list_models))
         .route("/v1/models", get(list_models))
         .route("/v1/messages/count_tokens", post(count_tokens))
@@ -894,39 +894,71 @@ async fn not_found(method: Method, uri: Uri) -> Response {
 /// The models the mock lists, in both providers' shapes.
 const MOCK_MODELS: [&str; 3] = ["mock-small", "mock-large", "gpt-4o-mini"];
 
-/// `GET /v1/models`: Anthropic's list shape when `anthropic-version` is sent, else OpenAI's.
-/// Recorded with the other calls that are not model calls; not counted.
+/// Whose shape a model-list call takes: Google's under `/v1beta` or with `x-goog-api-key`,
+/// Anthropic's with `anthropic-version`, else OpenAI's.
+fn models_shape(uri: &Uri, headers: &HeaderMap) -> Provider {
+    if uri.path().starts_with("/v1beta") || headers.contains_key("x-goog-api-key") {
+        Provider::Gemini
+    } else if headers.contains_key("anthropic-version") {
+        Provider::Anthropic
+    } else {
+        Provider::OpenAi
+    }
+}
+
+/// One model's entry in `shape`'s list shape.
+fn model_entry(shape: Provider, id: &str, display: &str) -> Value {
+    match shape {
+        Provider::Gemini => gemini::model_json(id),
+        Provider::Anthropic => json!({"type": "model", "id": id, "display_name": display,
+                                      "created_at": "2025-01-01T00:00:00Z"}),
+        Provider::OpenAi => {
+            json!({"id": id, "object": "model", "created": 1_700_000_000, "owned_by": "mock"})
+        }
+    }
+}
+
+/// `GET /v1/models` (and `/v1beta/models`): [`MOCK_MODELS`] in the shape [`models_shape`]
+/// picks, Gemini's and Anthropic's names prefixed. Recorded with the other calls that are not
+/// model calls; not counted.
 async fn list_models(State(shared): State<Arc<Shared>>, uri: Uri, headers: HeaderMap) -> Response {
     shared.record_other(RawCall::new(0, &uri, &headers, b""));
-    if uri.path().starts_with("/v1beta") || headers.contains_key("x-goog-api-key") {
-        let ids: Vec<String> = MOCK_MODELS
-            .iter()
-            .map(|id| format!("gemini-{id}"))
-            .collect();
-        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        return axum::Json(gemini::models_json(&ids)).into_response();
-    }
-    if headers.contains_key("anthropic-version") {
-        let data: Vec<Value> = MOCK_MODELS
-            .iter()
-            .map(|id| {
-                json!({"type": "model", "id": format!("claude-{id}"), "display_name": id,
-                       "created_at": "2025-01-01T00:00:00Z"})
-            })
-            .collect();
-        let (first, last) = (data[0]["id"].clone(), data[data.len() - 1]["id"].clone());
-        return axum::Json(
-            json!({"data": data, "has_more": false, "first_id": first, "last_id": last}),
-        )
-        .into_response();
-    }
+    let shape = models_shape(&uri, &headers);
     let data: Vec<Value> = MOCK_MODELS
         .iter()
-        .map(
-            |id| json!({"id": id, "object": "model", "created": 1_700_000_000, "owned_by": "mock"}),
-        )
+        .map(|id| {
+            let name = match shape {
+                Provider::Gemini => format!("gemini-{id}"),
+                Provider::Anthropic => format!("claude-{id}"),
+                Provider::OpenAi => (*id).to_string(),
+            };
+            model_entry(shape, &name, id)
+        })
         .collect();
-    axum::Json(json!({"object": "list", "data": data})).into_response()
+    let body = match shape {
+        Provider::Gemini => json!({"models": data}),
+        Provider::Anthropic => {
+            let (first, last) = (data[0]["id"].clone(), data[data.len() - 1]["id"].clone());
+            json!({"data": data, "has_more": false, "first_id": first, "last_id": last})
+        }
+        Provider::OpenAi => json!({"object": "list", "data": data}),
+    };
+    axum::Json(body).into_response()
+}
+
+/// `GET /{v1beta,v1}/models/{model}`: that model's entry in the shape of the list
+/// ([`models_shape`]), whatever its name, as a model call answers any model (the list names
+/// only [`MOCK_MODELS`]; google-genai's `models.get`, openai's `models.retrieve`). Gemini's
+/// `models/` prefix is optional. Recorded with the other calls; not counted.
+async fn get_model(
+    State(shared): State<Arc<Shared>>,
+    Path(model): Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    shared.record_other(RawCall::new(0, &uri, &headers, b""));
+    let id = model.strip_prefix("models/").unwrap_or(&model);
+    axum::Json(model_entry(models_shape(&uri, &headers), id, id)).into_response()
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, N from the body as the mock counts

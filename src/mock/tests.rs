@@ -468,6 +468,52 @@ async fn call_counter_counts_model_calls_only() {
     server.shutdown().await;
 }
 
+/// CLI-3: a model call answers any model name, so a lookup of one model does too, in the
+/// list's shape (google-genai's `models.get`, openai's `models.retrieve`, anthropic's
+/// `models.retrieve`), though the list names only the mock's own models.
+#[tokio::test]
+async fn a_model_lookup_answers_any_name_in_the_callers_shape() {
+    let server = start(MockConfig::default()).await;
+    let base = format!("http://{}", server.addr());
+    let get = |path: &str, header: Option<(&str, &str)>| {
+        let mut req = client().get(format!("{base}{path}"));
+        if let Some((name, value)) = header {
+            req = req.header(name, value);
+        }
+        async move {
+            let resp = req.send().await.expect("get model");
+            assert_eq!(resp.status(), 200);
+            resp.json::<Value>().await.expect("json")
+        }
+    };
+    for (path, header) in [
+        ("/v1beta/models/gemini-2.0-flash", None),
+        ("/v1beta/models/models%2Fgemini-2.0-flash", None),
+        ("/v1/models/gemini-2.0-flash", Some(("x-goog-api-key", "k"))),
+    ] {
+        let m = get(path, header).await;
+        assert_eq!(m["name"], "models/gemini-2.0-flash", "{path}: {m}");
+        assert!(m["supportedGenerationMethods"].is_array(), "{m}");
+    }
+    let m = get("/v1/models/ft:gpt-4o-mini-2024-07-18:my-org::abc123", None).await;
+    assert_eq!(m["id"], "ft:gpt-4o-mini-2024-07-18:my-org::abc123");
+    assert_eq!(m["object"], "model");
+    let m = get(
+        "/v1/models/claude-sonnet-4-5",
+        Some(("anthropic-version", "2023-06-01")),
+    )
+    .await;
+    assert_eq!(m["type"], "model");
+    assert_eq!(m["id"], "claude-sonnet-4-5");
+    assert_eq!(server.calls(), 0, "not a model call");
+    assert_eq!(
+        server.other_calls().len(),
+        5,
+        "recorded with the other calls"
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn recorded_calls_keep_path_headers_and_body() {
     let server = start(MockConfig::default()).await;

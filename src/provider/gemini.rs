@@ -149,6 +149,12 @@ pub(super) fn models_page_path(after: Option<&str>) -> String {
     }
 }
 
+/// One model's entry, from `v1beta` as the list is ([`models_page_path`]): the same `Model`
+/// whichever version the client called.
+pub(super) fn model_path(segment: &str) -> String {
+    format!("/v1beta/models/{segment}")
+}
+
 /// The page's `nextPageToken`, when it has a non-empty one.
 pub(super) fn next_models_page(page: &Value) -> Option<String> {
     page["nextPageToken"]

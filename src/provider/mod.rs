@@ -200,6 +200,19 @@ impl Provider {
         }
     }
 
+    /// The upstream path of one model's entry, `segment` being its id as an encoded path
+    /// segment (GM-4's lookup of a model the merged list lacks, decision 76). Gemini's is read
+    /// from the version its list is read from.
+    pub(crate) fn model_path(self, segment: &str) -> String {
+        match self {
+            Provider::Openai => format!("{}/{segment}", openai::MODELS_PATH),
+            Provider::Anthropic => format!("/models/{segment}"),
+            Provider::Gemini => gemini::model_path(segment),
+            #[cfg(test)]
+            Provider::Echo => format!("/models/{segment}"),
+        }
+    }
+
     /// Where a fetched page of the model list says the next one starts, when there is one.
     pub(crate) fn next_models_page(self, page: &Value) -> Option<String> {
         match self {

@@ -474,16 +474,143 @@ async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4
     )
     .await;
     assert_eq!(one["name"], "models/gemini-mock-small");
-    let missing = app
+
+    assert_eq!(app.mock.calls(), 0, "no model call");
+    assert!(records(&app).await.is_empty(), "nothing recorded");
+    app.stop().await;
+}
+
+/// GM-4, decision 76: a model the merged list lacks is looked up at the backend it routes to
+/// (CLI-5), the rewritten model in the path, with the backend's key and not the client's, and
+/// its answer relayed: google-genai's `models.get` of a model the provider serves but does not
+/// list (the mock generates for any name and lists three), the OpenAI SDK's `models.retrieve`
+/// of a fine-tuned model newer than the cached list, Anthropic's of an alias. Nothing recorded.
+#[tokio::test]
+async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_routes_to_gm4_http4() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("team-a", "team-b");
+        c.model_rewrites = vec![ModelRewrite {
+            pattern: "fast-*".into(),
+            backend: "mock-gemini".into(),
+            model: Some("gemini-2.5-flash".into()),
+        }];
+    })
+    .await;
+    let get = |path: &str, headers: &[(&str, &str)]| {
+        let mut req = app.http.get(format!("{}{path}", app.base));
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let path = path.to_string();
+        async move {
+            let r = req.send().await.unwrap();
+            let status = r.status();
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(status, 200, "GET {path}: {body}");
+            body
+        }
+    };
+    let google = [("x-goog-api-key", "key-a")];
+    for (path, upstream, name) in [
+        (
+            "/v1beta/models/gemini-2.0-flash",
+            "/v1beta/models/gemini-2.0-flash",
+            "models/gemini-2.0-flash",
+        ),
+        // From the version the list is read from, whichever the client called.
+        (
+            "/v1/models/gemini-2.0-flash",
+            "/v1beta/models/gemini-2.0-flash",
+            "models/gemini-2.0-flash",
+        ),
+        (
+            "/v1beta/models/fast-one",
+            "/v1beta/models/gemini-2.5-flash",
+            "models/gemini-2.5-flash",
+        ),
+    ] {
+        let model = get(path, &google).await;
+        assert_eq!(model["name"], name, "{path}: {model}");
+        let call = app.mock.other_calls().pop().unwrap();
+        assert_eq!(call.path, upstream);
+        assert!(
+            call.headers.iter().all(|(_, v)| v != "key-a"),
+            "the client's key stays here: {:?}",
+            call.headers
+        );
+    }
+
+    let ft = "ft:gpt-4o-mini-2024-07-18:my-org::made-a-second-ago";
+    let openai = get(
+        &format!("/v1/models/{ft}"),
+        &[("authorization", "Bearer key-a")],
+    )
+    .await;
+    assert_eq!(openai["id"], ft, "{openai}");
+    assert_eq!(
+        app.mock.other_calls().pop().unwrap().path,
+        format!("/v1/models/{ft}")
+    );
+    let anthropic = get(
+        "/v1/models/claude-sonnet-4-5",
+        &[("x-api-key", "key-a"), ("anthropic-version", "2023-06-01")],
+    )
+    .await;
+    assert_eq!(anthropic["type"], "model", "{anthropic}");
+    assert_eq!(anthropic["id"], "claude-sonnet-4-5", "{anthropic}");
+
+    // Still a namespace key first (CLI-5), and no upstream call without one.
+    let before = app.mock.other_calls().len();
+    let refused = app
+        .http
+        .get(format!("{}/v1beta/models/gemini-2.0-flash", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+    assert_eq!(app.mock.other_calls().len(), before);
+    assert_eq!(app.mock.calls(), 0, "no model call");
+    let list: Value = app
+        .http
+        .get(format!("{}/requests", app.base))
+        .bearer_auth("key-a")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["data"], serde_json::json!([]), "nothing recorded");
+    app.stop().await;
+}
+
+/// GM-4: the backend's own "no such model" reaches the SDK as the backend said it.
+#[tokio::test]
+async fn a_backends_404_for_an_unknown_model_is_relayed_gm4() {
+    let body =
+        r#"{"error":{"code":404,"message":"models/nope is not found","status":"NOT_FOUND"}}"#;
+    let provider = RawProvider::start(
+        format!(
+            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes(),
+    )
+    .await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        use_backend_url(c, &provider.base_url());
+    })
+    .await;
+    let r = app
         .http
         .get(format!("{}/v1beta/models/nope", app.base))
         .send()
         .await
         .unwrap();
-    assert_eq!(missing.status(), 404);
-
-    assert_eq!(app.mock.calls(), 0, "no model call");
-    assert!(records(&app).await.is_empty(), "nothing recorded");
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.text().await.unwrap(), body);
+    // One call for the list (which failed, so it is skipped), one for the model.
+    assert_eq!(provider.calls(), 2);
     app.stop().await;
 }
 

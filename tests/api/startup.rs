@@ -338,6 +338,82 @@ async fn the_demo_banner_describes_the_configuration_a_file_adds_cli2() {
     assert!(banner.contains("authorization: Bearer"), "{banner}");
 }
 
+/// CLI-2, CLI-3, GM-4: the demo's mock generates for any model name, and google-genai's
+/// `client.models.get(model=...)` of one it does not list (`gemini-2.0-flash`) is answered
+/// too, in Google's shape, as are OpenAI's and Anthropic's lookups.
+#[tokio::test]
+async fn the_demo_answers_a_model_lookup_for_any_model_it_generates_for_cli2_cli3_gm4() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = free_addr();
+    let mut command = std::process::Command::new(holdfast_bin());
+    command
+        .args(["serve", "--demo", "--listen", &addr.to_string()])
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HOLDFAST_") {
+            command.env_remove(k);
+        }
+    }
+    // Killed on drop, however the test ends.
+    let mut demo = Process {
+        child: command.spawn().unwrap(),
+        base: format!("http://{addr}"),
+        log: None,
+        show_log_on_failure: false,
+    };
+    demo.wait_healthy().await;
+    let http = reqwest::Client::new();
+    let generate = http
+        .post(format!(
+            "{}/v1beta/models/gemini-2.0-flash:generateContent",
+            demo.base
+        ))
+        .header("x-goog-api-key", "unused-in-demo")
+        .header("content-type", "application/json")
+        .body(gemini_body("hello"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(generate.status(), 200);
+    // As google-genai sends `models.get` (the SDK's key header; v1beta, or v1).
+    for version in ["v1beta", "v1"] {
+        let model = http
+            .get(format!("{}/{version}/models/gemini-2.0-flash", demo.base))
+            .header("x-goog-api-key", "unused-in-demo")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(model.status(), 200, "{version}");
+        let model: serde_json::Value = model.json().await.unwrap();
+        assert_eq!(model["name"], "models/gemini-2.0-flash", "{model}");
+    }
+    let openai: serde_json::Value = http
+        .get(format!("{}/v1/models/gpt-4.1-mini", demo.base))
+        .bearer_auth("unused-in-demo")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(openai["id"], "gpt-4.1-mini", "{openai}");
+    let anthropic: serde_json::Value = http
+        .get(format!("{}/v1/models/claude-sonnet-4-5", demo.base))
+        .header("x-api-key", "unused-in-demo")
+        .header("anthropic-version", "2023-06-01")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(anthropic["id"], "claude-sonnet-4-5", "{anthropic}");
+    assert_eq!(anthropic["type"], "model", "{anthropic}");
+}
+
 /// CLI-1: a `database_url` that names no file is refused with the configuration, before the
 /// port is bound — on a taken port too, where binding first answered "address in use".
 #[test]
