@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::callback::Deliverer;
 use crate::config::Config;
-use crate::http::{AppState, router};
+use crate::http::{AppState, Shared, router};
 use crate::hub::{Hub, HubEvent};
 use crate::otel::{Otel, Traces};
 use crate::store::{self, DynStore, Notification};
@@ -24,7 +24,7 @@ pub struct Running {
     /// Where the HTTP API listens.
     pub addr: SocketAddr,
     shutdown: CancellationToken,
-    /// Ends what the HTTP server still holds after the workers stop ([`AppState::cut`], DU-5).
+    /// Ends what the HTTP server still holds after the workers stop ([`Shared::cut`], DU-5).
     cut: CancellationToken,
     server: JoinHandle<()>,
     workers: JoinHandle<()>,
@@ -70,7 +70,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     let callbacks = tokio::spawn(deliverer.run(shutdown.child_token()));
 
     let cut = CancellationToken::new();
-    let state = AppState {
+    let state = AppState::new(Shared {
         config,
         store,
         hub,
@@ -80,7 +80,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         held: Arc::default(),
         cut: cut.clone(),
         traces: traces.clone(),
-    };
+    });
     let addr = listener.local_addr()?;
     // TCP_NODELAY on every accepted connection: a stream's events are small writes after the
     // headers, and with Nagle each one would wait for the client's delayed ACK whenever the

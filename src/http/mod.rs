@@ -36,9 +36,28 @@ use crate::upstream::Upstreams;
 use crate::worker::WorkerPool;
 use errors::ApiError;
 
-/// Shared state of every handler.
+/// Shared state of every handler: a handle, cloned for every call (axum's `State`), so it is
+/// one shared allocation and a clone is one reference count rather than one per field (issue
+/// 30; as [`WorkerPool`]).
 #[derive(Clone)]
-pub(crate) struct AppState {
+pub(crate) struct AppState(Arc<Shared>);
+
+impl AppState {
+    pub(crate) fn new(shared: Shared) -> AppState {
+        AppState(Arc::new(shared))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// What every handler shares ([`AppState`]).
+pub(crate) struct Shared {
     /// Validated configuration.
     pub config: Arc<Config>,
     /// The durable log.

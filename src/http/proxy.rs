@@ -754,7 +754,7 @@ fn prefers_async(headers: &HeaderMap) -> bool {
 
 /// Holds until `ready` holds for the record (RS-1, RS-2): subscribe first, then re-read the
 /// record after every wake-up and at least every [`WAIT_POLL`]. At the shutdown cut
-/// ([`AppState::cut`]) it gives up with 503 `shutting_down` (DU-5).
+/// ([`Shared::cut`](super::Shared::cut)) it gives up with 503 `shutting_down` (DU-5).
 ///
 /// `fresh` is a subscription taken before `record` was created (and `record` is the state at
 /// creation): nothing can have changed unseen, so the first re-read is skipped.
