@@ -45,8 +45,9 @@ enum Queued {
         /// them back: a batch handed on ahead of the log (RS-11).
         publish: bool,
     },
-    /// An attempt waits for what it handed on: commit what is queued now.
-    Flush,
+    /// An attempt waits for what it handed on: commit what is queued now. With an ack, it is
+    /// told once that commit is settled ([`ChunkWriter::settle_handed_on`]).
+    Flush(Option<oneshot::Sender<()>>),
 }
 
 /// Longest time the writer holds a commit open for more batches while nobody waits on it
@@ -184,8 +185,21 @@ impl ChunkWriter {
     /// Asks the writer to commit what is queued without holding it open for more: an attempt
     /// is about to wait for what it handed on.
     pub(super) fn flush(&self) {
-        let _ = self.queue.send(Queued::Flush);
+        let _ = self.queue.send(Queued::Flush(None));
         self.urgent.notify_one();
+    }
+
+    /// Commits what is queued now and returns once that commit is settled (stored, or failed
+    /// for good): every batch handed on before the call has then been tried. A cancel waits for
+    /// it, so that the usage its attempt's streams have already shown is stored before the
+    /// cancel fences the attempt out (LC-9, RD-9). Returns at once when the writer is gone.
+    pub(super) async fn settle_handed_on(&self) {
+        let (ack, settled) = oneshot::channel();
+        if self.queue.send(Queued::Flush(Some(ack))).is_err() {
+            return;
+        }
+        self.urgent.notify_one();
+        let _ = settled.await;
     }
 }
 
@@ -228,8 +242,13 @@ async fn append_timed(
     result
 }
 
-/// Adds `queued` to the group; whether someone waits on its commit.
-fn take(queued: Queued, batches: &mut Vec<ChunkBatch>, acks: &mut Vec<(Ack, bool)>) -> bool {
+/// Adds `queued` to the group (a flush's ack to `flushes`); whether someone waits on its commit.
+fn take(
+    queued: Queued,
+    batches: &mut Vec<ChunkBatch>,
+    acks: &mut Vec<(Ack, bool)>,
+    flushes: &mut Vec<oneshot::Sender<()>>,
+) -> bool {
     match queued {
         Queued::Batch {
             batch,
@@ -240,7 +259,10 @@ fn take(queued: Queued, batches: &mut Vec<ChunkBatch>, acks: &mut Vec<(Ack, bool
             acks.push((ack, publish));
             !publish
         }
-        Queued::Flush => true,
+        Queued::Flush(ack) => {
+            flushes.extend(ack);
+            true
+        }
     }
 }
 
@@ -253,6 +275,9 @@ async fn run(
 ) {
     let mut batches = Vec::new();
     let mut acks = Vec::new();
+    // Told once the group they joined is settled; dropped (which tells them too) at the end of
+    // each round.
+    let mut flushes = Vec::new();
     // Set while commits fail: one window from the first failure covers every group that
     // fails meanwhile, so no stream waits longer than that window for the database.
     let mut failing: Option<WriteRetry> = None;
@@ -260,10 +285,10 @@ async fn run(
     let mut last_commit = Duration::ZERO;
     while let Some(queued) = rx.recv().await {
         // Whether someone waits on this commit: an appended batch, or a flush.
-        let mut awaited = take(queued, &mut batches, &mut acks);
+        let mut awaited = take(queued, &mut batches, &mut acks, &mut flushes);
         while batches.len() < MAX_BATCHES_PER_COMMIT {
             match rx.try_recv() {
-                Ok(queued) => awaited |= take(queued, &mut batches, &mut acks),
+                Ok(queued) => awaited |= take(queued, &mut batches, &mut acks, &mut flushes),
                 Err(_) => break,
             }
         }
@@ -279,12 +304,13 @@ async fn run(
             }
             while batches.len() < MAX_BATCHES_PER_COMMIT {
                 match rx.try_recv() {
-                    Ok(queued) => awaited |= take(queued, &mut batches, &mut acks),
+                    Ok(queued) => awaited |= take(queued, &mut batches, &mut acks, &mut flushes),
                     Err(_) => break,
                 };
             }
         }
         if batches.is_empty() {
+            flushes.clear();
             continue;
         }
         let started = tokio::time::Instant::now();
@@ -353,6 +379,7 @@ async fn run(
             }
         }
         batches.clear();
+        flushes.clear();
     }
 }
 
@@ -453,6 +480,51 @@ mod tests {
             *store.awaited.lock().unwrap(),
             vec![false, false, true, false, true]
         );
+    }
+
+    /// LC-9, RD-9: a cancel waits until what its attempt handed on is committed. Batches
+    /// handed on during a held commit are committed before `settle_handed_on` returns, in the
+    /// one commit it asks for at once; a later batch is not waited for.
+    #[tokio::test(start_paused = true)]
+    async fn settling_what_was_handed_on_commits_it_at_once_and_returns_after_that_commit_lc9_rd9()
+    {
+        let store = Arc::new(Scripted {
+            fail: Box::new(|_| None),
+            calls: Mutex::default(),
+            awaited: Mutex::default(),
+            called: Notify::new(),
+            took: Duration::from_millis(5),
+        });
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
+        // A first commit, so that the next one is held open (for as long as this one took).
+        writer.hand_on(batch("a")).unwrap().stored().await.unwrap();
+        let mut b = writer.hand_on(batch("b")).unwrap();
+        let mut c = writer.hand_on(batch("c")).unwrap();
+        let started = tokio::time::Instant::now();
+        writer.settle_handed_on().await;
+        assert_eq!(
+            calls(&store),
+            vec![1, 2],
+            "b and c in one commit, asked for at once"
+        );
+        assert!(
+            matches!(b.try_stored(), Some(Ok(()))),
+            "b is committed when it returns"
+        );
+        assert!(
+            matches!(c.try_stored(), Some(Ok(()))),
+            "c is committed when it returns"
+        );
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(5),
+            "the commit's own time, no hold before it"
+        );
+        assert_eq!(*store.awaited.lock().unwrap(), vec![false, true]);
+        // With nothing handed on, it returns without a commit.
+        writer.settle_handed_on().await;
+        assert_eq!(calls(&store), vec![1, 2]);
     }
 
     fn calls(store: &Scripted) -> Vec<usize> {

@@ -44,6 +44,8 @@ const PRUNE_EVERY: Duration = Duration::from_secs(60);
 const PRUNE_BATCH: i64 = 500;
 /// Most requests leased by one store call.
 const LEASE_BATCH: usize = 256;
+/// Longest a cancel waits for the chunks its attempt handed on to be committed (LC-9).
+const CANCEL_SETTLES_FOR: Duration = Duration::from_secs(2);
 
 /// How long a failed write of an attempt is tried again (decision 37, decision 52):
 /// `workers.write_retry_secs`, at least one lease length.
@@ -324,6 +326,18 @@ impl WorkerPool {
         namespace: &str,
         id: Uuid,
     ) -> Result<Option<RequestRecord>, StoreError> {
+        // An attempt running here shows its streams' events before they are committed (RS-11):
+        // what it handed on is committed first, so that the usage those events reported, which
+        // the provider bills, is stored before the cancel fences the attempt out (RD-9). Bounded:
+        // a store that fails does not hold the cancel for its retry window.
+        let runs_here = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&id);
+        if runs_here {
+            let _ = tokio::time::timeout(CANCEL_SETTLES_FOR, self.chunks.settle_handed_on()).await;
+        }
         let now = now_ms();
         let record = self.store.cancel(namespace, id, now).await?;
         // Finished by this call (an already terminal request comes back unchanged; one an

@@ -563,6 +563,10 @@ async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_
     let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"cancel me once billed"}]}"#;
     let mut r = app.post("/v1/messages", body, &[]).await;
     let id = header(&r, "holdfast-request-id");
+    // The client may see these events before they are committed (RS-11): the cancel commits
+    // what the attempt handed on before it fences the attempt out (LC-9, RD-9). Without that
+    // the input tokens were lost when the cancel's commit came first (seen once in a loaded
+    // full-suite run; the chunk writer's unit test pins the wait).
     first_events(&mut r, 3).await;
     let cancelled = post_json(&app.http, &format!("{}/requests/{id}/cancel", app.base)).await;
     assert_eq!(cancelled["error"]["type"], "cancelled", "{cancelled}");
