@@ -366,8 +366,8 @@ pub(super) async fn cancel(
     }
 }
 
-/// The parameters `GET /requests` knows.
-const LIST_PARAMETERS: [&str; 13] = [
+/// The parameters `GET /requests` knows, named by its unknown-parameter error (RD-7).
+pub(super) const LIST_PARAMETERS: [&str; 13] = [
     "status",
     "callback",
     "route",
@@ -401,7 +401,7 @@ pub(super) async fn list(
         Ok(caller) => caller,
         Err(e) => return e.into_response(),
     };
-    let filter = match list_filter(&caller, &query) {
+    let filter = match list_filter(&caller, &query, &LIST_PARAMETERS) {
         Ok(filter) => filter,
         Err(e) => return e.into_response(),
     };
@@ -467,10 +467,13 @@ pub(super) fn time_parameter(name: &str, value: &str) -> Result<Millis, ApiError
         })
 }
 
-/// The store filter of a `GET /requests` query.
+/// The store filter of a `GET /requests` query. An unknown parameter's error lists `known`:
+/// the parameters of the route being answered (`GET /requests/export` takes these filters
+/// but pages and formats with parameters of its own, EX-1).
 pub(super) fn list_filter(
     caller: &Caller,
     query: &[(String, String)],
+    known: &[&str],
 ) -> Result<ListFilter, ApiError> {
     let mut filter = ListFilter {
         limit: 50,
@@ -540,7 +543,7 @@ pub(super) fn list_filter(
             other => {
                 return Err(bad_parameter(
                     other,
-                    format!("unknown parameter; known: {}", LIST_PARAMETERS.join(", ")),
+                    format!("unknown parameter; known: {}", known.join(", ")),
                 ));
             }
         }

@@ -162,6 +162,36 @@ async fn export_is_oldest_first_with_each_answer_and_a_cut_export_resumes_exactl
     app.stop().await;
 }
 
+/// EX-1: an unknown parameter's 400 lists the export's own parameters — its `after`, `limit`
+/// and `format` included, not the list's `cursor`, which it refuses — and every one it lists
+/// is one the export takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_export_parameter_lists_the_exports_own_parameters_ex1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let (status, body) = export(&app, "bogus=1", None).await;
+    assert_eq!(status, 400, "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["error"]["code"], "invalid_parameter", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    let known: Vec<&str> = message
+        .strip_prefix("bogus: unknown parameter; known: ")
+        .unwrap_or_else(|| panic!("{message}"))
+        .split(", ")
+        .collect();
+    for own in ["after", "limit", "format", "namespace", "status", "q"] {
+        assert!(known.contains(&own), "{own} missing: {message}");
+    }
+    assert!(!known.contains(&"cursor"), "{message}");
+    for name in known {
+        let (_, body) = export(&app, &format!("{name}=x"), None).await;
+        assert!(
+            !body.contains("unknown parameter"),
+            "{name} is listed but refused as unknown: {body}"
+        );
+    }
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_namespace_key_exports_only_its_namespace_and_an_admin_key_every_one_ex1() {
     let app = spawn_app(MockConfig::default(), |c| {
