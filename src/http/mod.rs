@@ -300,7 +300,9 @@ async fn not_found(uri: Uri) -> Response {
         ),
         None if path.starts_with("/v1alpha/") => (
             Provider::Gemini,
-            ": holdfast serves Google's `v1beta` API, the SDK's default `api_version`".to_string(),
+            ": holdfast serves Google's `v1beta` and `v1` APIs; set the SDK's `api_version` to one \
+             of them"
+                .to_string(),
         ),
         None => (Provider::for_path(path), String::new()),
     };

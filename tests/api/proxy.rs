@@ -334,7 +334,7 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
         ),
         (
             "/v1alpha/models/gemini-2.5-flash:generateContent",
-            "serves Google's `v1beta` API",
+            "holdfast serves Google's `v1beta` and `v1` APIs",
         ),
     ] {
         let google = app.post(path, "{}", &[]).await;
