@@ -229,7 +229,8 @@ async function refreshTotals() {
 const SVG_NS = 'http://www.w3.org/2000/svg';
 const PALETTE = ['#1f5fbf', '#1b7f3b', '#b25e09', '#8e3fb5', '#b42318', '#0f7b8a', '#6b7280', '#c2410c'];
 const CHARTS = [
-  ['calls', 'calls', (l) => l.requests, fmtCount],
+  // Upstream calls, as the header names them: the provider calls paid for, beside those saved.
+  ['calls', 'upstream calls', (l) => l.upstream_calls, fmtCount],
   ['saved', 'saved calls', (l) => l.saved_calls, fmtCount],
   ['tokens', 'tokens in + out', (l) => tokenSum(l.usage) ?? 0, fmtCount],
   ['cost', 'cost', (l) => l.cost_usd ?? 0, fmtUsd],

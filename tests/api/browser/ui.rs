@@ -961,13 +961,19 @@ async fn ui_shows_a_callback_with_its_url_and_the_receivers_answer_as_text_cb6()
     app.stop().await;
 }
 
-/// EX-10, EX-8: the usage charts drawn from `GET /usage?bucket=` equal its numbers, regroup by
-/// backend, and a record shows its replays' answers beside its own; the page asks nothing of
-/// any other origin.
+/// EX-10, EX-8: the usage charts drawn from `GET /usage?bucket=` equal its numbers — the
+/// calls chart its upstream calls, as its title says, not its requests (one request here is
+/// retried once) — regroup by backend, and a record shows its replays' answers beside its own;
+/// the page asks nothing of any other origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_to_another_origin_ex10()
  {
-    let app = spawn_app(MockConfig::default(), |c| {
+    // The first call fails with a 500: the first request takes two upstream calls.
+    let mock = MockConfig {
+        fail_first: 1,
+        ..MockConfig::default()
+    };
+    let app = spawn_app(mock, |c| {
         c.ui = true;
         c.prices = vec![Price {
             backend: "mock-openai".into(),
@@ -1009,17 +1015,29 @@ async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_
     page.goto(&format!("{}/ui", app.base)).await;
     page.wait_for(
         "Number(document.getElementById('charts').dataset.buckets || 0) >= 1 && \
-         document.querySelector('[data-chart=\"calls\"]')?.dataset.total === '4'",
-        "the calls chart with the four requests",
+         document.querySelector('[data-chart=\"calls\"]')?.dataset.total === '5'",
+        "the calls chart with the five upstream calls of the four requests",
         WAIT,
     )
     .await;
     let usage: Value = get_json(&app.http, &format!("{}/usage", app.base)).await;
     let usage = &usage["totals"];
+    assert_eq!(
+        (&usage["requests"], &usage["upstream_calls"]),
+        (&json!(4), &json!(5))
+    );
     let drawn = |name: &str| {
         format!("Number(document.querySelector('[data-chart=\"{name}\"]').dataset.total)")
     };
-    assert_eq!(page.eval(&drawn("calls")).await, json!(4));
+    assert_eq!(page.eval(&drawn("calls")).await, usage["upstream_calls"]);
+    let title = page
+        .eval("document.querySelector('[data-chart=\"calls\"] h3').firstChild.textContent")
+        .await;
+    assert_eq!(
+        title,
+        json!("upstream calls "),
+        "the chart says what it counts"
+    );
     assert_eq!(page.eval(&drawn("tokens")).await.as_f64(), {
         let u = &usage["usage"];
         Some((u["input_tokens"].as_u64().unwrap() + u["output_tokens"].as_u64().unwrap()) as f64)
@@ -1052,7 +1070,7 @@ async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_
         WAIT,
     )
     .await;
-    assert_eq!(page.eval(&drawn("calls")).await, json!(4));
+    assert_eq!(page.eval(&drawn("calls")).await, json!(5));
 
     // The original shows its replay side by side.
     page.eval(&format!("location.hash = '#/r/{first}'")).await;
