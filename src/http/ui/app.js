@@ -126,6 +126,14 @@ function defs(pairs) {
   return h('dl', null, pairs.flatMap(([term, value]) => [h('dt', null, term), h('dd', null, value)]));
 }
 
+/**
+ * An identifier shown in a card (a model, an id, a URL): one long token that may break at any
+ * character, and only there, where it would run out of its card (`.token` in app.css).
+ */
+function token(value) {
+  return value === null || value === undefined ? dash : h('span', { class: 'token' }, value);
+}
+
 function card(title, pairs, wide) {
   return h('div', { class: wide ? 'card wide' : 'card', 'data-card': title }, h('h3', null, title), defs(pairs));
 }
@@ -410,16 +418,16 @@ function renderDetail(r) {
     card('Request', [
       ['status', statusBadge(r.status)],
       ['route', r.route],
-      ['model', r.model ?? dash],
+      ['model', token(r.model)],
       ['backend', r.backend],
       ['stream', r.stream ? 'yes' : 'no'],
       ['attempts', String(r.attempts)],
       ['recoveries', String(r.recoveries)],
       ['next retry', r.next_retry_at ? fmtTime(r.next_retry_at) : dash],
       ['provider status', r.response ? String(r.response.status) : dash],
-      ['provider request id', r.upstream_request_id ?? dash],
+      ['provider request id', token(r.upstream_request_id)],
       ['stored events', String(r.last_seq)],
-      ...(r.replay_of ? [['replay of', h('a', { href: detailHref(r.replay_of) }, r.replay_of)]] : []),
+      ...(r.replay_of ? [['replay of', h('a', { href: detailHref(r.replay_of), class: 'token' }, r.replay_of)]] : []),
     ]),
     card('Timings', [
       ['submitted', fmtTime(r.created_at)],
@@ -453,7 +461,7 @@ function renderDetail(r) {
         'Callback',
         [
           ['state', r.callback.state],
-          ['url', r.callback.url],
+          ['url', token(r.callback.url)],
           ['tries', String(r.callback.attempts)],
           ['last status', r.callback.last_status == null ? dash : String(r.callback.last_status)],
           ['last error', r.callback.last_error ?? dash],

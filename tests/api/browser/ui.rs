@@ -1118,3 +1118,79 @@ async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_
     );
     app.stop().await;
 }
+
+/// The detail cards break a line inside a token only where it would overflow: at a 1300 px
+/// window (and others), no ordinary word of theirs (`succeeded`, `openai.chat`, a label) is
+/// split across two lines, and a long one (an OpenAI fine-tuned model id, a provider request
+/// id, a request id) wraps inside its card instead of running out of it (docs/ui.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_card() {
+    let app = spawn_app(MockConfig::default(), |c| c.ui = true).await;
+    let model = "ft:gpt-4o-mini-2024-07-18:my-org:custom-suffix:abc123def456";
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "cards"}]});
+    let r = app.chat(&body.to_string()).await;
+    assert_eq!(r.status(), 200);
+    let original = header(&r, "holdfast-request-id");
+    let replay = app
+        .http
+        .post(format!("{}/requests/{original}/replay", app.base))
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 201);
+    let replay: Value = replay.json().await.unwrap();
+    let replay = replay["id"].as_str().unwrap().to_string();
+    wait_terminal(&app.http, &app.base, &replay, WAIT).await;
+
+    // Every word up to 24 characters: the ranges of the lines it lies on (one when whole).
+    let split_words = "(() => { const split = []; \
+        const walk = document.createTreeWalker(document.getElementById('cards'), NodeFilter.SHOW_TEXT); \
+        for (let node; (node = walk.nextNode()); ) { \
+          for (const m of node.data.matchAll(/\\S+/g)) { \
+            if (m[0].length > 24) continue; \
+            const range = document.createRange(); \
+            range.setStart(node, m.index); range.setEnd(node, m.index + m[0].length); \
+            const lines = new Set([...range.getClientRects()].filter(r => r.width > 0) \
+              .map(r => Math.round(r.bottom))); \
+            if (lines.size > 1) split.push(m[0]); } } \
+        return split; })()";
+    // Every value's right edge within its card's.
+    let overflowing = "[...document.querySelectorAll('#cards .card dd')].filter(dd => \
+        dd.getBoundingClientRect().right > dd.closest('.card').getBoundingClientRect().right + 0.5 \
+        || dd.scrollWidth > dd.clientWidth + 1).map(dd => dd.textContent)";
+
+    let browser = Browser::launch();
+    let page = browser.new_page(1300, 900).await;
+    page.goto(&format!("{}/ui#/r/{replay}", app.base)).await;
+    page.wait_for(
+        &format!(
+            "!document.getElementById('detail').hidden && \
+             document.querySelector('#cards [data-card=\"Request\"]')?.textContent.includes('{original}') && \
+             document.querySelector('#cards [data-card=\"Request\"]').textContent.includes('succeeded')"
+        ),
+        "the replay's detail, naming its original",
+        WAIT,
+    )
+    .await;
+    for width in [1300, 1100, 900, 600, 400] {
+        page.resize(width, 900).await;
+        page.eval("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+            .await;
+        shoot(&page, &format!("cards-{width}.png")).await;
+        assert_eq!(
+            page.eval(split_words).await,
+            json!([]),
+            "words split across lines at {width} px"
+        );
+        assert_eq!(
+            page.eval(overflowing).await,
+            json!([]),
+            "values running out of their card at {width} px"
+        );
+    }
+    let errors = browser.errors();
+    assert!(errors.is_empty(), "{errors:#?}");
+    app.stop().await;
+}
