@@ -671,6 +671,73 @@ fn gemini_parts(
     Ok(out)
 }
 
+/// Google's integer bounds, which its JSON writes as strings (`"maxItems": "5"`, int64).
+const GEMINI_INT64_KEYWORDS: [&str; 6] = [
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "minProperties",
+    "maxProperties",
+];
+
+/// A Gemini `Schema` (a subset of OpenAPI 3.0's schema, with Google's upper-case `Type` names:
+/// `STRING`, `NUMBER`, `INTEGER`, `BOOLEAN`, `ARRAY`, `OBJECT`, `NULL`) as the JSON Schema an
+/// OpenAI function's `parameters` holds (EX-5, decision 63): each `type` lower-cased
+/// (`TYPE_UNSPECIFIED` left out), `nullable: true` as a `"null"` type (and a `null` among an
+/// `enum`'s values), an integer bound written as a string as a number; through every
+/// sub-schema (`properties`' values, `items`, `anyOf`), never through data (`enum`, `default`,
+/// `example`). Other keywords pass as they are. A declaration's `parametersJsonSchema` is JSON
+/// Schema already and is not read with this.
+fn gemini_json_schema(schema: &Value) -> Value {
+    let Value::Object(map) = schema else {
+        return schema.clone();
+    };
+    let mut out = Map::new();
+    for (key, value) in map {
+        let value = match (key.as_str(), value) {
+            ("type", Value::String(t)) if t == "TYPE_UNSPECIFIED" => continue,
+            ("type", Value::String(t)) => Value::String(t.to_ascii_lowercase()),
+            ("nullable", _) => continue,
+            ("properties", Value::Object(properties)) => Value::Object(
+                properties
+                    .iter()
+                    .map(|(name, s)| (name.clone(), gemini_json_schema(s)))
+                    .collect(),
+            ),
+            ("items", items) => gemini_json_schema(items),
+            ("anyOf", Value::Array(list)) => {
+                Value::Array(list.iter().map(gemini_json_schema).collect())
+            }
+            (k, Value::String(n)) if GEMINI_INT64_KEYWORDS.contains(&k) => n
+                .parse::<u64>()
+                .map_or_else(|_| value.clone(), |n| json!(n)),
+            _ => value.clone(),
+        };
+        out.insert(key.clone(), value);
+    }
+    if map.get("nullable") == Some(&Value::Bool(true)) {
+        match out.get_mut("type") {
+            Some(Value::String(t)) if t != "null" => {
+                let t = std::mem::take(t);
+                out.insert("type".into(), json!([t, "null"]));
+            }
+            None => {
+                if let Some(Value::Array(any_of)) = out.get_mut("anyOf") {
+                    any_of.push(json!({"type": "null"}));
+                }
+            }
+            _ => {}
+        }
+        if let Some(Value::Array(values)) = out.get_mut("enum")
+            && !values.contains(&Value::Null)
+        {
+            values.push(Value::Null);
+        }
+    }
+    Value::Object(out)
+}
+
 /// The example of a Gemini request and its answer.
 fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     let mut messages = Vec::new();
@@ -721,10 +788,9 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         for d in declarations {
             let mut function = json!({"name": d["name"]});
             keep(function.as_object_mut().ok_or("?")?, d, "description");
-            if let Some(p) = d
-                .get("parameters")
-                .or_else(|| d.get("parametersJsonSchema"))
-            {
+            if let Some(p) = d.get("parameters") {
+                function["parameters"] = gemini_json_schema(p);
+            } else if let Some(p) = d.get("parametersJsonSchema") {
                 function["parameters"] = p.clone();
             }
             tools.push(json!({"type": "function", "function": function}));
@@ -837,6 +903,61 @@ mod tests {
         assert_eq!(answer["candidates"][0]["finishReason"], "STOP");
         assert_eq!(answer["usageMetadata"]["candidatesTokenCount"], 2);
         assert_eq!(gemini_text(&answer).unwrap(), "ab");
+    }
+
+    /// EX-5, decision 63: a Gemini function declaration's `parameters` is Google's Schema
+    /// (upper-case types, `nullable`, int64 bounds as strings); the example's `tools` carry it
+    /// as JSON Schema, at every depth, and a `parametersJsonSchema` as it came.
+    #[test]
+    fn a_gemini_declarations_schema_becomes_json_schema_in_the_openai_chat_example_ex5() {
+        let answer = json!({"candidates": [{"content": {"role": "model",
+            "parts": [{"text": "ok"}]}, "finishReason": "STOP"}]});
+        let parameters = json!({
+            "type": "OBJECT",
+            "properties": {
+                "city": {"type": "STRING", "description": "a city"},
+                "type": {"type": "STRING", "enum": ["STRING", "NUMBER"], "nullable": true},
+                "days": {"type": "ARRAY", "maxItems": "7",
+                    "items": {"type": "INTEGER", "format": "int32"}},
+                "where": {"anyOf": [{"type": "NUMBER"}, {"type": "BOOLEAN"}], "nullable": true},
+                "nothing": {"type": "NULL"},
+                "any": {"type": "TYPE_UNSPECIFIED", "default": "OBJECT"},
+                "deep": {"type": "OBJECT", "properties": {"flag": {"type": "BOOLEAN"}}}
+            },
+            "required": ["city"]
+        });
+        let schema = json!({"type": "object", "properties": {"x": {"type": "STRING"}}});
+        let body = json!({
+            "contents": [{"role": "user", "parts": [{"text": "weather?"}]}],
+            "tools": [{"functionDeclarations": [
+                {"name": "weather", "description": "the weather", "parameters": parameters},
+                {"name": "raw", "parametersJsonSchema": schema}
+            ]}]
+        });
+        let ex = example(Route::GeminiGenerate, &body, &answer).unwrap();
+        assert_eq!(
+            ex["tools"][0],
+            json!({"type": "function", "function": {"name": "weather",
+                "description": "the weather", "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "a city"},
+                    "type": {"type": ["string", "null"], "enum": ["STRING", "NUMBER", null]},
+                    "days": {"type": "array", "maxItems": 7,
+                        "items": {"type": "integer", "format": "int32"}},
+                    "where": {"anyOf": [{"type": "number"}, {"type": "boolean"},
+                        {"type": "null"}]},
+                    "nothing": {"type": "null"},
+                    "any": {"default": "OBJECT"},
+                    "deep": {"type": "object", "properties": {"flag": {"type": "boolean"}}}
+                },
+                "required": ["city"]
+            }}})
+        );
+        assert_eq!(
+            ex["tools"][1]["function"]["parameters"], schema,
+            "parametersJsonSchema is JSON Schema already"
+        );
     }
 
     #[test]
