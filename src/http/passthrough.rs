@@ -64,7 +64,8 @@ pub(super) async fn models(
 /// (GM-4 for Gemini's).
 ///
 /// # Errors
-/// 401 `invalid_api_key` as [`namespace`].
+/// 401 `invalid_api_key` as [`namespace`]; 400 `invalid_page_token` for a Gemini `pageToken`
+/// holdfast did not issue (GM-4).
 pub(super) async fn models_of(
     state: &AppState,
     provider: Provider,
@@ -73,7 +74,10 @@ pub(super) async fn models_of(
 ) -> Result<axum::Json<Value>, ApiError> {
     namespace(&state.config, headers, provider)?;
     let models = merged_models(state, provider).await;
-    Ok(axum::Json(provider.models_answer(models, query)))
+    provider
+        .models_answer(models, query)
+        .map(axum::Json)
+        .map_err(|why| ApiError::bad_request(provider, "invalid_page_token", why))
 }
 
 /// `GET /v1/models/{model}` (and Gemini's `/v1beta/models/{model}`): the entry of the merged

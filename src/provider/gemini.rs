@@ -184,25 +184,43 @@ pub(super) fn model_entry(id: &str) -> Value {
 }
 
 /// One page of the list shape: `pageSize` (default 50, at most 1000) from `pageToken` (the
-/// position, as holdfast writes it), with `nextPageToken` while more follow.
-pub(super) fn models_page(models: Vec<Value>, query: &HashMap<String, String>) -> Value {
+/// position, as holdfast writes it; empty or absent: the first page), with `nextPageToken`
+/// while more follow.
+///
+/// # Errors
+/// The message of a 400 for a `pageToken` that is not a position holdfast writes: Google
+/// refuses a token it did not issue with `INVALID_ARGUMENT` rather than start over (GM-4). A
+/// position past the end (the list shrank since the token was issued) is an empty last page.
+pub(super) fn models_page(
+    models: Vec<Value>,
+    query: &HashMap<String, String>,
+) -> Result<Value, String> {
     let size = query
         .get("pageSize")
         .and_then(|s| s.parse::<usize>().ok())
         .filter(|s| *s > 0)
         .unwrap_or(50)
         .min(1000);
-    let start = query
-        .get("pageToken")
-        .and_then(|t| t.parse::<usize>().ok())
-        .unwrap_or(0)
-        .min(models.len());
+    let start = match query.get("pageToken").map(String::as_str) {
+        None | Some("") => 0,
+        Some(token) => token
+            .parse::<usize>()
+            .ok()
+            .filter(|_| token.bytes().all(|b| b.is_ascii_digit()))
+            .ok_or_else(|| {
+                format!(
+                    "pageToken {token:?} is not a page token holdfast issued: pass a \
+                     nextPageToken of this list, or none for the first page"
+                )
+            })?
+            .min(models.len()),
+    };
     let end = (start + size).min(models.len());
     let mut page = json!({"models": models[start..end].to_vec()});
     if end < models.len() {
         page["nextPageToken"] = Value::String(end.to_string());
     }
-    page
+    Ok(page)
 }
 
 /// Google's canonical status name for an HTTP status (`google.rpc.Code`).
@@ -399,12 +417,24 @@ mod tests {
         let models: Vec<Value> = (0..5).map(|i| model_entry(&format!("m{i}"))).collect();
         let mut query = HashMap::new();
         query.insert("pageSize".to_string(), "2".to_string());
-        let first = models_page(models.clone(), &query);
+        let first = models_page(models.clone(), &query).unwrap();
         assert_eq!(first["models"].as_array().map(Vec::len), Some(2));
         assert_eq!(first["nextPageToken"], "2");
         query.insert("pageToken".to_string(), "4".to_string());
-        let last = models_page(models, &query);
+        let last = models_page(models.clone(), &query).unwrap();
         assert_eq!(last["models"][0]["name"], "models/m4");
         assert!(last.get("nextPageToken").is_none());
+        // GM-4: a token holdfast did not issue is refused, not read as the first page.
+        for bad in ["garbage", "-1", "+2", "2.0", " 2"] {
+            query.insert("pageToken".to_string(), bad.to_string());
+            let refused = models_page(models.clone(), &query).unwrap_err();
+            assert!(refused.contains("pageToken"), "{bad:?}: {refused}");
+        }
+        query.insert("pageToken".to_string(), String::new());
+        let again = models_page(models, &query).unwrap();
+        assert_eq!(
+            again["models"][0]["name"], "models/m0",
+            "an empty token: the first page"
+        );
     }
 }

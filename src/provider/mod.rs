@@ -257,17 +257,21 @@ impl Provider {
 
     /// The answer to a model-list call: `models` in this provider's list shape, paged as the
     /// call's `query` asks when the provider pages.
+    ///
+    /// # Errors
+    /// The message of a 400 `invalid_page_token` when the provider refuses the page asked for
+    /// (Gemini's `pageToken` that holdfast did not issue, GM-4).
     pub(crate) fn models_answer(
         self,
         models: Vec<Value>,
         query: &HashMap<String, String>,
-    ) -> Value {
+    ) -> Result<Value, String> {
         match self {
-            Provider::Openai => openai::models_answer(models),
-            Provider::Anthropic => anthropic::models_page(models, query),
+            Provider::Openai => Ok(openai::models_answer(models)),
+            Provider::Anthropic => Ok(anthropic::models_page(models, query)),
             Provider::Gemini => gemini::models_page(models, query),
             #[cfg(test)]
-            Provider::Echo => echo::models_answer(models),
+            Provider::Echo => Ok(echo::models_answer(models)),
         }
     }
 

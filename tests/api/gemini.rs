@@ -480,6 +480,64 @@ async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4
     app.stop().await;
 }
 
+/// GM-4, GM-5: the Gemini model list pages by `pageSize` and the `nextPageToken` holdfast
+/// wrote, and a `pageToken` it did not issue is refused with 400 `INVALID_ARGUMENT` in Google's
+/// shape, as Google refuses one, instead of silently starting over at the first page — on
+/// `/v1beta/models` and on `/v1/models` called with `x-goog-api-key`.
+#[tokio::test]
+async fn a_model_list_page_token_holdfast_did_not_issue_is_a_400_in_googles_shape_gm4_gm5() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let first = get_json(&app.http, &format!("{}/v1beta/models?pageSize=1", app.base)).await;
+    assert_eq!(first["models"].as_array().map(Vec::len), Some(1), "{first}");
+    let token = first["nextPageToken"]
+        .as_str()
+        .expect("more pages")
+        .to_string();
+    let second = get_json(
+        &app.http,
+        &format!("{}/v1beta/models?pageSize=1&pageToken={token}", app.base),
+    )
+    .await;
+    assert_eq!(
+        second["models"].as_array().map(Vec::len),
+        Some(1),
+        "{second}"
+    );
+    assert_ne!(second["models"][0], first["models"][0], "the next page");
+
+    for (path, key) in [
+        ("/v1beta/models?pageSize=1&pageToken=garbage", None),
+        ("/v1beta/models?pageToken=-1", None),
+        ("/v1/models?pageSize=1&pageToken=garbage", Some("any")),
+    ] {
+        let mut request = app.http.get(format!("{}{path}", app.base));
+        if let Some(key) = key {
+            request = request.header("x-goog-api-key", key);
+        }
+        let r = request.send().await.unwrap();
+        assert_eq!(r.status(), 400, "{path}");
+        assert_eq!(header(&r, "holdfast-error"), "invalid_page_token", "{path}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], 400, "{path}: {body}");
+        assert_eq!(
+            body["error"]["status"], "INVALID_ARGUMENT",
+            "{path}: {body}"
+        );
+        assert_eq!(
+            body["error"]["details"][0]["reason"], "invalid_page_token",
+            "{path}: {body}"
+        );
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("pageToken")),
+            "{path}: {body}"
+        );
+    }
+    assert!(records(&app).await.is_empty(), "nothing recorded");
+    app.stop().await;
+}
+
 /// GM-4, decision 76: a model the merged list lacks is looked up at the backend it routes to
 /// (CLI-5), the rewritten model in the path, with the backend's key and not the client's, and
 /// its answer relayed: google-genai's `models.get` of a model the provider serves but does not
