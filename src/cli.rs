@@ -438,6 +438,15 @@ pub struct ExportSummary {
     pub skipped: std::collections::BTreeMap<String, u64>,
 }
 
+/// `n` and the noun, singular for one: `1 example`, `0 examples`, `3 examples`.
+fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 /// Times a cut export is resumed from its cursor before the CLI gives up.
 const EXPORT_RESUMES: u32 = 5;
 
@@ -529,11 +538,11 @@ impl Client {
             bar.finish_and_clear();
         }
         out.flush().map_err(io)?;
-        let what = if openai_chat { "examples" } else { "records" };
-        writeln!(report, "exported {} {what}", summary.written).map_err(io)?;
+        let what = if openai_chat { "example" } else { "record" };
+        writeln!(report, "exported {}", counted(summary.written, what)).map_err(io)?;
         if openai_chat {
             let skipped: u64 = summary.skipped.values().sum();
-            writeln!(report, "skipped {skipped} requests").map_err(io)?;
+            writeln!(report, "skipped {}", counted(skipped, "request")).map_err(io)?;
             for (why, n) in &summary.skipped {
                 writeln!(report, "  {n}: {why}").map_err(io)?;
             }

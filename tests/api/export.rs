@@ -443,7 +443,8 @@ async fn the_openai_chat_export_passes_a_python_fine_tuning_format_check_with_wh
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_export_writes_records_to_stdout_and_refuses_a_wrong_key_cli_ex6() {
+async fn requests_export_writes_records_to_stdout_counts_them_in_words_and_refuses_a_wrong_key_cli_ex6()
+ {
     let app = spawn_app(MockConfig::default(), |c| {
         c.namespaces = two_namespaces("team-a", "team-b");
     })
@@ -474,9 +475,20 @@ async fn requests_export_writes_records_to_stdout_and_refuses_a_wrong_key_cli_ex
     let got = lines(&out);
     assert_eq!(got.len(), 1, "{out}");
     assert_eq!(got[0]["cursor"], mine.as_str());
-    assert!(err.contains("exported 1 records"), "{err}");
-    let (code, out, _) = run_holdfast(dir.path(), &["requests", "export", "--after", &mine], &env);
+    // EX-6: the report counts in words, singular for one.
+    assert!(err.contains("exported 1 record\n"), "{err}");
+    let (code, _, err) = run_holdfast(
+        dir.path(),
+        &["requests", "export", "--format", "openai-chat"],
+        &env,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("exported 1 example\n"), "{err}");
+    assert!(err.contains("skipped 0 requests\n"), "{err}");
+    let (code, out, err) =
+        run_holdfast(dir.path(), &["requests", "export", "--after", &mine], &env);
     assert_eq!((code, out.as_str()), (0, ""));
+    assert!(err.contains("exported 0 records\n"), "{err}");
     let bad = [
         ("HOLDFAST_URL", app.base.as_str()),
         ("HOLDFAST_API_KEY", "nope"),
