@@ -115,8 +115,7 @@ pub(super) async fn model(
     }
     let not_found =
         || ApiError::not_found(provider, format!("model {wanted:?} is not found")).into_response();
-    // A segment of dots would be read as a relative path, whatever its encoding.
-    if wanted.bytes().all(|b| b == b'.') {
+    if !forwardable_model_id(provider, wanted) {
         return not_found();
     }
     let Some((backend, rewritten)) = Route::ALL
@@ -139,6 +138,18 @@ pub(super) async fn model(
         Bytes::new(),
     )
     .await
+}
+
+/// Whether a model id a lookup names may go upstream in a path (decision 76): at most 256
+/// bytes, no control byte, no `.` or `..` between slashes (a path a server that decodes `%2F`
+/// would read as a relative one, with the backend's key), and for Google a model name as GM-1
+/// spells it. Anything else no provider serves: 404 without a call.
+fn forwardable_model_id(provider: Provider, id: &str) -> bool {
+    let plain = !id.is_empty()
+        && id.len() <= 256
+        && !id.bytes().any(|b| b.is_ascii_control())
+        && id.split('/').all(|part| part != "." && part != "..");
+    plain && (provider != Provider::Gemini || Route::is_path_model(id))
 }
 
 /// `segment` as one path segment: RFC 3986's unreserved bytes, `:` and `@` as they are (an
@@ -387,4 +398,63 @@ pub(super) async fn relay(
     *out.status_mut() = status;
     out.headers_mut().extend(kept);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Decision 76: a looked-up model id goes upstream as one path segment; a fine-tuned id
+    /// keeps its colons, a `/` and every byte a URL would read otherwise are encoded.
+    #[test]
+    fn a_model_id_goes_upstream_as_one_path_segment_gm4() {
+        assert_eq!(
+            path_segment("ft:gpt-4o-mini-2024-07-18:my-org::abc123"),
+            "ft:gpt-4o-mini-2024-07-18:my-org::abc123"
+        );
+        assert_eq!(
+            path_segment("meta-llama/Llama-3-8B"),
+            "meta-llama%2FLlama-3-8B"
+        );
+        assert_eq!(path_segment("a?b#c%d e"), "a%3Fb%23c%25d%20e");
+        assert_eq!(path_segment("x@y.z~_"), "x@y.z~_");
+        assert_eq!(path_segment("modèle"), "mod%C3%A8le");
+    }
+
+    /// Decision 76: what no provider serves is 404 without a call: an empty, overlong or
+    /// control-byte id, a `.` or `..` between slashes (a server that decodes `%2F` reads it as
+    /// a relative path, with the backend's key), and for Google a name outside GM-1's.
+    #[test]
+    fn a_model_id_that_could_reach_another_path_is_not_forwarded_gm4() {
+        for id in [
+            "gpt-4o-mini",
+            "ft:gpt-4o-mini:org::abc",
+            "meta-llama/Llama-3-8B",
+            "accounts/fireworks/models/llama-v3",
+            "..a",
+            "v1.5",
+        ] {
+            assert!(forwardable_model_id(Provider::Openai, id), "{id}");
+        }
+        let long = "m".repeat(257);
+        for id in [
+            "",
+            ".",
+            "..",
+            "a/../../x",
+            "../admin",
+            "a/./b",
+            "a/..",
+            "tab\there",
+            "new\nline",
+            long.as_str(),
+        ] {
+            assert!(!forwardable_model_id(Provider::Openai, id), "{id:?}");
+            assert!(!forwardable_model_id(Provider::Anthropic, id), "{id:?}");
+        }
+        assert!(forwardable_model_id(Provider::Gemini, "gemini-2.0-flash"));
+        for id in ["gemini/../x", "gemini 2", "gemini:x", "ft:gemini"] {
+            assert!(!forwardable_model_id(Provider::Gemini, id), "{id}");
+        }
+    }
 }

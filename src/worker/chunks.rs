@@ -502,10 +502,19 @@ mod tests {
         let mut b = writer.hand_on(batch("b")).unwrap();
         let mut c = writer.hand_on(batch("c")).unwrap();
         let started = tokio::time::Instant::now();
-        writer.settle_handed_on().await;
+        let settle = writer.settle_handed_on();
+        tokio::pin!(settle);
+        // Once that commit has begun, a batch handed on is left for the next one.
+        tokio::select! {
+            () = &mut settle => panic!("settled before its commit began"),
+            () = store.called.notified() => {}
+        }
+        let mut d = writer.hand_on(batch("d")).unwrap();
+        settle.await;
+        assert!(d.try_stored().is_none(), "d is not waited for");
         assert_eq!(
-            calls(&store),
-            vec![1, 2],
+            calls(&store)[..2],
+            [1, 2],
             "b and c in one commit, asked for at once"
         );
         assert!(
@@ -521,10 +530,13 @@ mod tests {
             Duration::from_millis(5),
             "the commit's own time, no hold before it"
         );
-        assert_eq!(*store.awaited.lock().unwrap(), vec![false, true]);
+        // Only the commit asked for is awaited; d's may be held again.
+        assert_eq!(*store.awaited.lock().unwrap(), vec![false, true, false]);
+        d.stored().await.unwrap();
+        assert_eq!(calls(&store), vec![1, 2, 1]);
         // With nothing handed on, it returns without a commit.
         writer.settle_handed_on().await;
-        assert_eq!(calls(&store), vec![1, 2]);
+        assert_eq!(calls(&store), vec![1, 2, 1]);
     }
 
     fn calls(store: &Scripted) -> Vec<usize> {

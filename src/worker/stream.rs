@@ -521,12 +521,14 @@ impl WorkerPool {
                         upstream_request_id: batch.upstream_request_id.clone(),
                     };
                     read.on_stored(&handed.chunks);
-                    self.hub
-                        .publish(lease.id, HubEvent::Ahead(Arc::new(handed)));
+                    // Queued for its commit before anyone sees it: a cancel that waits for what
+                    // was handed on (LC-9) cannot fall between the two.
                     let pending = match self.chunks.hand_on(batch) {
                         Ok(pending) => pending,
                         Err(e) => break Err(e),
                     };
+                    self.hub
+                        .publish(lease.id, HubEvent::Ahead(Arc::new(handed)));
                     window.push(pending);
                     if let Err(e) = window.make_room(&self.chunks).await {
                         break Err(e);
