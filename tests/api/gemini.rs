@@ -543,19 +543,58 @@ async fn a_model_list_page_token_holdfast_did_not_issue_is_a_400_in_googles_shap
 /// its answer relayed: google-genai's `models.get` of a model the provider serves but does not
 /// list (the mock generates for any name and lists three), the OpenAI SDK's `models.retrieve`
 /// of a fine-tuned model newer than the cached list, Anthropic's of an alias. Nothing recorded.
+/// A process of its own: each backend's key is read from the variable its `api_key_env` names.
 #[tokio::test]
 async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_routes_to_gm4_http4() {
-    let app = spawn_app(MockConfig::default(), |c| {
-        c.namespaces = two_namespaces("team-a", "team-b");
-        c.model_rewrites = vec![ModelRewrite {
-            pattern: "fast-*".into(),
-            backend: "mock-gemini".into(),
-            model: Some("gemini-2.5-flash".into()),
-        }];
-    })
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        r#"database_url = "sqlite://{db}"
+[[backends]]
+name = "mock-openai"
+kind = "openai"
+base_url = "{base}"
+api_key_env = "HF_TEST_OPENAI_KEY"
+[[backends]]
+name = "mock-anthropic"
+kind = "anthropic"
+base_url = "{base}"
+api_key_env = "HF_TEST_ANTHROPIC_KEY"
+[[backends]]
+name = "mock-gemini"
+kind = "gemini"
+base_url = "{root}"
+api_key_env = "HF_TEST_GEMINI_KEY"
+[[namespaces]]
+name = "team-a"
+api_keys = ["key-a"]
+[[namespaces]]
+name = "team-b"
+api_keys = ["key-b"]
+[[model_rewrites]]
+match = "fast-*"
+backend = "mock-gemini"
+model = "gemini-2.5-flash"
+"#,
+        db = dir.path().join("holdfast.db").display(),
+        base = mock.base_url(),
+        root = mock.root_url(),
+    );
+    let mut node = Process::serve_logged(
+        dir.path(),
+        &toml,
+        free_addr(),
+        &[
+            ("HF_TEST_OPENAI_KEY", "sk-openai-backend"),
+            ("HF_TEST_ANTHROPIC_KEY", "sk-ant-backend"),
+            ("HF_TEST_GEMINI_KEY", "goog-backend"),
+        ],
+    )
     .await;
+    node.show_log_on_failure = true;
+    let http = reqwest::Client::new();
     let get = |path: &str, headers: &[(&str, &str)]| {
-        let mut req = app.http.get(format!("{}{path}", app.base));
+        let mut req = http.get(format!("{}{path}", node.base));
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
@@ -567,6 +606,23 @@ async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_rout
             assert_eq!(status, 200, "GET {path}: {body}");
             body
         }
+    };
+    // The lookup that reached `upstream` (the merged list's own calls come before it) carries
+    // the backend's key in its provider's header.
+    let lookup_carries_the_backends_key = |upstream: &str, key: (&str, &str)| {
+        let call = mock
+            .other_calls()
+            .into_iter()
+            .rfind(|call| call.path == upstream)
+            .unwrap_or_else(|| panic!("no upstream call to {upstream}"));
+        assert!(
+            call.headers
+                .iter()
+                .any(|(name, value)| name == key.0 && value == key.1),
+            "{upstream}: the backend's {} header: {:?}",
+            key.0,
+            call.headers
+        );
     };
     let google = [("x-goog-api-key", "key-a")];
     for (path, upstream, name) in [
@@ -589,13 +645,8 @@ async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_rout
     ] {
         let model = get(path, &google).await;
         assert_eq!(model["name"], name, "{path}: {model}");
-        let call = app.mock.other_calls().pop().unwrap();
-        assert_eq!(call.path, upstream);
-        assert!(
-            call.headers.iter().all(|(_, v)| v != "key-a"),
-            "the client's key stays here: {:?}",
-            call.headers
-        );
+        assert_eq!(mock.other_calls().pop().unwrap().path, upstream, "{path}");
+        lookup_carries_the_backends_key(upstream, ("x-goog-api-key", "goog-backend"));
     }
 
     let ft = "ft:gpt-4o-mini-2024-07-18:my-org::made-a-second-ago";
@@ -605,10 +656,9 @@ async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_rout
     )
     .await;
     assert_eq!(openai["id"], ft, "{openai}");
-    assert_eq!(
-        app.mock.other_calls().pop().unwrap().path,
-        format!("/v1/models/{ft}")
-    );
+    let upstream = format!("/v1/models/{ft}");
+    assert_eq!(mock.other_calls().pop().unwrap().path, upstream);
+    lookup_carries_the_backends_key(&upstream, ("authorization", "Bearer sk-openai-backend"));
     let anthropic = get(
         "/v1/models/claude-sonnet-4-5",
         &[("x-api-key", "key-a"), ("anthropic-version", "2023-06-01")],
@@ -616,21 +666,39 @@ async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_rout
     .await;
     assert_eq!(anthropic["type"], "model", "{anthropic}");
     assert_eq!(anthropic["id"], "claude-sonnet-4-5", "{anthropic}");
+    assert_eq!(
+        mock.other_calls().pop().unwrap().path,
+        "/v1/models/claude-sonnet-4-5"
+    );
+    lookup_carries_the_backends_key(
+        "/v1/models/claude-sonnet-4-5",
+        ("x-api-key", "sk-ant-backend"),
+    );
+    // The client's key stays here: in no header of any upstream call (lookups and the merged
+    // list's reads), not even inside another value (`Bearer key-a`).
+    let calls = mock.other_calls();
+    assert!(calls.len() >= 5, "{calls:?}");
+    for call in &calls {
+        assert!(
+            call.headers.iter().all(|(_, v)| !v.contains("key-a")),
+            "{}: the client's key went upstream: {:?}",
+            call.path,
+            call.headers
+        );
+    }
 
     // Still a namespace key first (CLI-5), and no upstream call without one.
-    let before = app.mock.other_calls().len();
-    let refused = app
-        .http
-        .get(format!("{}/v1beta/models/gemini-2.0-flash", app.base))
+    let before = mock.other_calls().len();
+    let refused = http
+        .get(format!("{}/v1beta/models/gemini-2.0-flash", node.base))
         .send()
         .await
         .unwrap();
     assert_eq!(refused.status(), 401);
-    assert_eq!(app.mock.other_calls().len(), before);
-    assert_eq!(app.mock.calls(), 0, "no model call");
-    let list: Value = app
-        .http
-        .get(format!("{}/requests", app.base))
+    assert_eq!(mock.other_calls().len(), before);
+    assert_eq!(mock.calls(), 0, "no model call");
+    let list: Value = http
+        .get(format!("{}/requests", node.base))
         .bearer_auth("key-a")
         .send()
         .await
@@ -639,7 +707,8 @@ async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_rout
         .await
         .unwrap();
     assert_eq!(list["data"], serde_json::json!([]), "nothing recorded");
-    app.stop().await;
+    drop(node);
+    mock.shutdown().await;
 }
 
 /// GM-4: the backend's own "no such model" reaches the SDK as the backend said it.
