@@ -403,23 +403,35 @@ pub(super) fn gemini_text(answer: &Value) -> Option<String> {
 /// Why a request is not an example.
 pub(crate) type Skip = String;
 
-/// What goes between two text blocks (or parts) of one message when they become one string:
-/// they are separate texts to the model, and run together they would read as one
-/// (`"You are terse." + "Be kind."` is not `"You are terse.Be kind."`; decision 63).
-const BLOCK_SEPARATOR: &str = "\n";
+/// What goes between two text blocks (or parts) of one message when they become one string
+/// (decision 63).
+#[derive(Clone, Copy)]
+enum Join {
+    /// A message of the request: a newline. They are separate texts to the model, and run
+    /// together they would read as one (`"You are terse." + "Be kind."` is not
+    /// `"You are terse.Be kind."`).
+    Request,
+    /// The answer: nothing. A streamed answer's adjacent texts are joined with nothing (EX-3),
+    /// so the same answer, streamed or not, is the same example.
+    Answer,
+}
 
-/// `texts` as one string, [`BLOCK_SEPARATOR`] between two of them; empty ones are left out.
-fn join_blocks<'a>(texts: impl IntoIterator<Item = &'a str>) -> String {
+/// `texts` as one string, `join`'s separator between two of them; empty ones are left out.
+fn join_blocks<'a>(texts: impl IntoIterator<Item = &'a str>, join: Join) -> String {
+    let separator = match join {
+        Join::Request => "\n",
+        Join::Answer => "",
+    };
     texts
         .into_iter()
         .filter(|t| !t.is_empty())
         .collect::<Vec<_>>()
-        .join(BLOCK_SEPARATOR)
+        .join(separator)
 }
 
 /// A message's content as a string: a string as it is, text parts joined ([`join_blocks`]);
 /// an image, audio or file part cannot be carried (decision 63).
-fn openai_content(content: &Value) -> Result<Value, Skip> {
+fn openai_content(content: &Value, join: Join) -> Result<Value, Skip> {
     match content {
         Value::Null => Ok(Value::Null),
         Value::String(_) => Ok(content.clone()),
@@ -436,7 +448,7 @@ fn openai_content(content: &Value) -> Result<Value, Skip> {
                     }
                 }
             }
-            Ok(Value::String(join_blocks(texts)))
+            Ok(Value::String(join_blocks(texts, join)))
         }
         _ => Err("a message content that is neither text nor parts".into()),
     }
@@ -470,7 +482,10 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         };
         let mut out = Map::new();
         out.insert("role".into(), json!(role));
-        out.insert("content".into(), openai_content(&m["content"])?);
+        out.insert(
+            "content".into(),
+            openai_content(&m["content"], Join::Request)?,
+        );
         for key in ["name", "tool_calls", "tool_call_id"] {
             keep(&mut out, m, key);
         }
@@ -482,7 +497,10 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     let answer = &answer["choices"][0]["message"];
     let mut reply = Map::new();
     reply.insert("role".into(), json!("assistant"));
-    reply.insert("content".into(), openai_content(&answer["content"])?);
+    reply.insert(
+        "content".into(),
+        openai_content(&answer["content"], Join::Answer)?,
+    );
     keep(&mut reply, answer, "tool_calls");
     messages.push(Value::Object(reply));
     Ok(with_tools(messages, openai_tools(&body["tools"])?))
@@ -499,7 +517,7 @@ fn with_tools(messages: Vec<Value>, tools: Option<Value>) -> Value {
 /// Anthropic content (a string, or blocks) as OpenAI messages of `role`: text joined into one
 /// message ([`join_blocks`]), `tool_use` as its `tool_calls`, `tool_result` as `tool` messages
 /// before it.
-fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
+fn anthropic_blocks(role: &str, content: &Value, join: Join) -> Result<Vec<Value>, Skip> {
     if let Some(text) = content.as_str() {
         return Ok(vec![json!({"role": role, "content": text})]);
     }
@@ -535,7 +553,7 @@ fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
                                 ));
                             }
                         }
-                        join_blocks(parts.iter().filter_map(|p| p["text"].as_str()))
+                        join_blocks(parts.iter().filter_map(|p| p["text"].as_str()), join)
                     }
                     _ => return Err("a tool result that is neither text nor parts".into()),
                 };
@@ -553,7 +571,7 @@ fn anthropic_blocks(role: &str, content: &Value) -> Result<Vec<Value>, Skip> {
             }
         }
     }
-    let text = join_blocks(texts);
+    let text = join_blocks(texts, join);
     if !text.is_empty() || !calls.is_empty() {
         let mut message = json!({"role": role, "content": if text.is_empty() { Value::Null } else { json!(text) }});
         if !calls.is_empty() {
@@ -571,7 +589,10 @@ fn anthropic_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         Value::Null => {}
         Value::String(s) => messages.push(json!({"role": "system", "content": s})),
         Value::Array(blocks) => {
-            let text = join_blocks(blocks.iter().filter_map(|b| b["text"].as_str()));
+            let text = join_blocks(
+                blocks.iter().filter_map(|b| b["text"].as_str()),
+                Join::Request,
+            );
             messages.push(json!({"role": "system", "content": text}));
         }
         _ => return Err("a system prompt that is neither text nor blocks".into()),
@@ -581,9 +602,9 @@ fn anthropic_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
             Some(role @ ("user" | "assistant")) => role,
             other => return Err(format!("a message of role {}", other.unwrap_or("?"))),
         };
-        messages.extend(anthropic_blocks(role, &m["content"])?);
+        messages.extend(anthropic_blocks(role, &m["content"], Join::Request)?);
     }
-    let reply = anthropic_blocks("assistant", &answer["content"])?;
+    let reply = anthropic_blocks("assistant", &answer["content"], Join::Answer)?;
     if reply.is_empty() {
         return Err("an answer without text or tool calls".into());
     }
@@ -611,11 +632,13 @@ fn anthropic_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     Ok(with_tools(messages, tools))
 }
 
-/// Gemini parts as OpenAI messages of `role`; `calls` numbers the made-up call ids (Gemini has
-/// none, decision 63) and `pending` holds the ids of calls not yet answered, by name.
+/// Gemini parts as OpenAI messages of `role`, their texts joined as `join` says; `calls`
+/// numbers the made-up call ids (Gemini has none, decision 63) and `pending` holds the ids of
+/// calls not yet answered, by name.
 fn gemini_parts(
     role: &str,
     parts: &Value,
+    join: Join,
     calls: &mut u64,
     pending: &mut Vec<(String, String)>,
 ) -> Result<Vec<Value>, Skip> {
@@ -660,7 +683,7 @@ fn gemini_parts(
             ));
         }
     }
-    let text = join_blocks(texts);
+    let text = join_blocks(texts, join);
     if !text.is_empty() || !tool_calls.is_empty() {
         let mut message = json!({"role": role, "content": if text.is_empty() { Value::Null } else { json!(text) }});
         if !tool_calls.is_empty() {
@@ -749,6 +772,7 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
                 .into_iter()
                 .flatten()
                 .filter_map(|p| p["text"].as_str()),
+            Join::Request,
         );
         messages.push(json!({"role": "system", "content": text}));
     }
@@ -766,6 +790,7 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         messages.extend(gemini_parts(
             role,
             &content["parts"],
+            Join::Request,
             &mut calls,
             &mut pending,
         )?);
@@ -773,6 +798,7 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     let reply = gemini_parts(
         "assistant",
         &answer["candidates"][0]["content"]["parts"],
+        Join::Answer,
         &mut calls,
         &mut pending,
     )?;
@@ -981,5 +1007,43 @@ mod tests {
                 .contains("image_url")
         );
         assert!(example(Route::OpenaiEmbeddings, &body, &answer).is_err());
+    }
+
+    /// Decision 63: a request's text blocks are joined with a newline, the answer's with
+    /// nothing, as EX-3 joins a streamed answer's texts: a non-stream answer in several text
+    /// parts is exported as the same answer streamed is.
+    #[test]
+    fn an_answers_text_blocks_are_joined_with_nothing_a_requests_with_a_newline_ex5() {
+        let gemini =
+            json!({"contents": [{"role": "user", "parts": [{"text": "a"}, {"text": "b"}]}]});
+        let parts = json!({"candidates": [{"content": {"role": "model", "parts": [
+            {"text": "Hello, "}, {"text": "wor"}, {"text": "ld."}]}}]});
+        let ex = example(Route::GeminiGenerate, &gemini, &parts).unwrap();
+        assert_eq!(ex["messages"][0]["content"], "a\nb");
+        assert_eq!(ex["messages"][1]["content"], "Hello, world.");
+        let streamed = gemini_assemble([
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"Hello, "}]}}]}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"wor"},{"text":"ld."}]}}]}"#,
+        ])
+        .unwrap();
+        assert_eq!(
+            example(Route::GeminiStream, &gemini, &streamed).unwrap(),
+            ex,
+            "streamed or not, one example"
+        );
+
+        let anthropic = json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
+        let blocks = json!({"content": [{"type": "text", "text": "Hello, "},
+            {"type": "text", "text": "world."}]});
+        let ex = example(Route::AnthropicMessages, &anthropic, &blocks).unwrap();
+        assert_eq!(ex["messages"][0]["content"], "a\nb");
+        assert_eq!(ex["messages"][1]["content"], "Hello, world.");
+
+        let openai = json!({"messages": [{"role": "user", "content": "hi"}]});
+        let answer = json!({"choices": [{"message": {"role": "assistant", "content": [
+            {"type": "text", "text": "Hello, "}, {"type": "text", "text": "world."}]}}]});
+        let ex = example(Route::OpenaiChat, &openai, &answer).unwrap();
+        assert_eq!(ex["messages"][1]["content"], "Hello, world.");
     }
 }

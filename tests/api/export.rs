@@ -251,12 +251,36 @@ async fn a_namespace_key_exports_only_its_namespace_and_an_admin_key_every_one_e
 }
 
 /// EX-5, decision 63: a fine-tuning example says what the model saw, so the text blocks of one
-/// message (Anthropic's `system` and content blocks, OpenAI's content parts, Gemini's parts and
-/// `systemInstruction`, a tool result's parts) become one string with a newline between two,
-/// never run together.
+/// message of the request (Anthropic's `system` and content blocks, OpenAI's content parts,
+/// Gemini's parts and `systemInstruction`, a tool result's parts) become one string with a
+/// newline between two, never run together. The answer's text parts are joined with nothing,
+/// as a streamed answer's are (EX-3): a non-stream answer in several parts (Anthropic's and
+/// Gemini's here, from providers that answer so) gains no newline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_openai_chat_export_joins_a_messages_text_blocks_with_a_newline_ex5() {
-    let app = spawn_app(MockConfig::default(), |_| {}).await;
+async fn the_openai_chat_export_joins_a_requests_text_blocks_with_a_newline_and_an_answers_with_nothing_ex5()
+ {
+    let answer_in_parts = |body: Value| async move {
+        RawProvider::start(raw_200("application/json", &body.to_string(), false)).await
+    };
+    let anthropic_provider = answer_in_parts(json!({"id": "msg_1", "type": "message",
+        "role": "assistant", "model": "claude-mock-small",
+        "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world."}],
+        "stop_reason": "end_turn", "usage": {"input_tokens": 3, "output_tokens": 2}}))
+    .await;
+    let gemini_provider = answer_in_parts(json!({"candidates": [{"content": {"role": "model",
+        "parts": [{"text": "Hello, "}, {"text": "wor"}, {"text": "ld."}]}, "finishReason": "STOP"}],
+        "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 3, "totalTokenCount": 6}}))
+    .await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        for b in &mut c.backends {
+            match b.name.as_str() {
+                "mock-anthropic" => b.base_url = anthropic_provider.base_url(),
+                "mock-gemini" => b.base_url = format!("http://{}", gemini_provider.addr),
+                _ => {}
+            }
+        }
+    })
+    .await;
     let anthropic = send(
         &app,
         "/v1/messages",
@@ -324,6 +348,15 @@ async fn the_openai_chat_export_joins_a_messages_text_blocks_with_a_newline_ex5(
     let g = messages(&gemini);
     assert_eq!(g[0], system, "{g}");
     assert_eq!(g[1], json!({"role": "user", "content": "one\ntwo"}), "{g}");
+
+    // The answers, in parts, run together as streamed.
+    let hello = json!({"role": "assistant", "content": "Hello, world."});
+    assert_eq!(a.as_array().unwrap().last(), Some(&hello), "{a}");
+    assert_eq!(g.as_array().unwrap().last(), Some(&hello), "{g}");
+    assert_eq!(
+        (anthropic_provider.calls(), gemini_provider.calls()),
+        (1, 1)
+    );
     app.stop().await;
 }
 
