@@ -18,24 +18,9 @@ use crate::store::{ListFilter, RequestRecord, Status, StoreError};
 /// Requests read from the store per page (decision 62).
 const PAGE: i64 = 200;
 
-/// The parameters the export knows, named by its unknown-parameter error (EX-1): RD-7's
-/// filters, then its own paging and format; not the list's `cursor`, which it refuses.
-const EXPORT_PARAMETERS: [&str; 14] = [
-    "status",
-    "callback",
-    "route",
-    "model",
-    "backend",
-    "since",
-    "until",
-    "q",
-    "replayed",
-    "replay_of",
-    "after",
-    "limit",
-    "format",
-    "namespace",
-];
+/// The export's own parameters beside RD-7's filters, named with them by its unknown-parameter
+/// error (EX-1): its paging and format; not the list's `cursor`, which it refuses.
+const EXPORT_PARAMETERS: [&str; 3] = ["after", "limit", "format"];
 
 /// What each line holds (EX-2, EX-5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -366,8 +366,10 @@ pub(super) async fn cancel(
     }
 }
 
-/// The parameters `GET /requests` knows, named by its unknown-parameter error (RD-7).
-pub(super) const LIST_PARAMETERS: [&str; 13] = [
+/// RD-7's filters, which `GET /requests` and its export (EX-1) both take: each route's
+/// unknown-parameter error names these, then the route's own ([`LIST_PARAMETERS`], the
+/// export's).
+const FILTER_PARAMETERS: [&str; 11] = [
     "status",
     "callback",
     "route",
@@ -378,10 +380,11 @@ pub(super) const LIST_PARAMETERS: [&str; 13] = [
     "q",
     "replayed",
     "replay_of",
-    "cursor",
-    "limit",
     "namespace",
 ];
+
+/// `GET /requests`'s own parameters beside RD-7's filters: its page.
+const LIST_PARAMETERS: [&str; 2] = ["cursor", "limit"];
 
 /// `GET /requests` (RD-7): the caller's namespace's requests (an admin key's: every
 /// namespace's, or `namespace=`'s), newest first, filtered by `status`, `route`, `model`,
@@ -467,13 +470,13 @@ pub(super) fn time_parameter(name: &str, value: &str) -> Result<Millis, ApiError
         })
 }
 
-/// The store filter of a `GET /requests` query. An unknown parameter's error lists `known`:
-/// the parameters of the route being answered (`GET /requests/export` takes these filters
-/// but pages and formats with parameters of its own, EX-1).
+/// The store filter of a `GET /requests` query. An unknown parameter's error lists RD-7's
+/// filters and `own`, what the route being answered takes beside them (`GET /requests/export`
+/// pages and formats with parameters of its own, EX-1).
 pub(super) fn list_filter(
     caller: &Caller,
     query: &[(String, String)],
-    known: &[&str],
+    own: &[&str],
 ) -> Result<ListFilter, ApiError> {
     let mut filter = ListFilter {
         limit: 50,
@@ -543,7 +546,15 @@ pub(super) fn list_filter(
             other => {
                 return Err(bad_parameter(
                     other,
-                    format!("unknown parameter; known: {}", known.join(", ")),
+                    format!(
+                        "unknown parameter; known: {}",
+                        FILTER_PARAMETERS
+                            .iter()
+                            .chain(own)
+                            .copied()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
                 ));
             }
         }
