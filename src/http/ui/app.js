@@ -127,8 +127,9 @@ function defs(pairs) {
 }
 
 /**
- * An identifier shown in a card (a model, an id, a URL): one long token that may break at any
- * character, and only there, where it would run out of its card (`.token` in app.css).
+ * An identifier shown in a card (a model, an id, a URL), or free text that may hold one (an
+ * error message): a long token in it may break at any character, and only there, where it
+ * would run out of its card (`.token` in app.css). A text node, never markup.
  */
 function token(value) {
   return value === null || value === undefined ? dash : h('span', { class: 'token' }, value);
@@ -456,6 +457,8 @@ function renderDetail(r) {
   ];
   if (r.callback) {
     // Every value is text (the URL and the receiver's answer are the caller's and a stranger's).
+    // The last error is free text that may hold a long URL: a token, so it breaks inside its
+    // card rather than widening it.
     cards.push(
       card(
         'Callback',
@@ -464,7 +467,7 @@ function renderDetail(r) {
           ['url', token(r.callback.url)],
           ['tries', String(r.callback.attempts)],
           ['last status', r.callback.last_status == null ? dash : String(r.callback.last_status)],
-          ['last error', r.callback.last_error ?? dash],
+          ['last error', token(r.callback.last_error)],
           ['next try', r.callback.next_try_at ? fmtTime(r.callback.next_try_at) : dash],
           ['delivered', r.callback.delivered_at ? fmtTime(r.callback.delivered_at) : dash],
         ],
@@ -473,12 +476,13 @@ function renderDetail(r) {
     );
   }
   if (r.error) {
+    // The message is free text (the provider's own may quote a long URL): a token, as above.
     cards.unshift(
       card(
         'Error',
         [
           ['type', r.error.type],
-          ['message', r.error.message],
+          ['message', token(r.error.message)],
           ...(r.error.status ? [['provider status', String(r.error.status)]] : []),
         ],
         true,

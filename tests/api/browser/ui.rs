@@ -1122,10 +1122,35 @@ async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_
 /// The detail cards break a line inside a token only where it would overflow: at a 1300 px
 /// window (and others), no ordinary word of theirs (`succeeded`, `openai.chat`, a label) is
 /// split across two lines, and a long one (an OpenAI fine-tuned model id, a provider request
-/// id, a request id) wraps inside its card instead of running out of it (docs/ui.md).
+/// id, a request id, a long URL in a failed request's error message) wraps inside its card
+/// instead of running out of it (docs/ui.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_card() {
-    let app = spawn_app(MockConfig::default(), |c| c.ui = true).await;
+    // The Anthropic backend fails every call with a 500 quoting a 150-character URL, which
+    // the request's error message quotes in turn (one attempt: no retry).
+    let url = format!(
+        "https://storage.example.com/{}.png",
+        "a1b2c3d4e5".repeat(12)
+    );
+    let failure = format!("upstream timed out fetching {url}");
+    let failing = RawProvider::start(
+        format!(
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{failure}",
+            failure.len()
+        )
+        .into_bytes(),
+    )
+    .await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.ui = true;
+        c.workers.max_attempts = 1;
+        for b in &mut c.backends {
+            if b.name == "mock-anthropic" {
+                b.base_url = failing.base_url();
+            }
+        }
+    })
+    .await;
     let model = "ft:gpt-4o-mini-2024-07-18:my-org:custom-suffix:abc123def456";
     let body = json!({"model": model, "messages": [{"role": "user", "content": "cards"}]});
     let r = app.chat(&body.to_string()).await;
@@ -1143,6 +1168,24 @@ async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_car
     let replay: Value = replay.json().await.unwrap();
     let replay = replay["id"].as_str().unwrap().to_string();
     wait_terminal(&app.http, &app.base, &replay, WAIT).await;
+    let r = app
+        .post(
+            "/v1/messages",
+            json!({"model": "claude-mock-small", "max_tokens": 16,
+                "messages": [{"role": "user", "content": "refused"}]})
+            .to_string(),
+            &[("anthropic-version", "2023-06-01")],
+        )
+        .await;
+    assert_eq!(r.status(), 502);
+    let failed = header(&r, "holdfast-request-id");
+    let record = wait_terminal(&app.http, &app.base, &failed, WAIT).await;
+    assert!(
+        record["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&url)),
+        "the message quotes the URL: {record}"
+    );
 
     // Every word up to 24 characters: the ranges of the lines it lies on (one when whole).
     let split_words = "(() => { const split = []; \
@@ -1163,32 +1206,50 @@ async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_car
 
     let browser = Browser::launch();
     let page = browser.new_page(1300, 900).await;
-    page.goto(&format!("{}/ui#/r/{replay}", app.base)).await;
-    page.wait_for(
-        &format!(
-            "!document.getElementById('detail').hidden && \
-             document.querySelector('#cards [data-card=\"Request\"]')?.textContent.includes('{original}') && \
-             document.querySelector('#cards [data-card=\"Request\"]').textContent.includes('succeeded')"
+    let shown = [
+        (
+            replay.as_str(),
+            format!(
+                "document.querySelector('#cards [data-card=\"Request\"]')?.textContent.includes('{original}') && \
+                 document.querySelector('#cards [data-card=\"Request\"]').textContent.includes('succeeded')"
+            ),
+            "the replay's detail, naming its original",
+            "cards",
         ),
-        "the replay's detail, naming its original",
-        WAIT,
-    )
-    .await;
-    for width in [1300, 1100, 900, 600, 400] {
-        page.resize(width, 900).await;
-        page.eval("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-            .await;
-        shoot(&page, &format!("cards-{width}.png")).await;
-        assert_eq!(
-            page.eval(split_words).await,
-            json!([]),
-            "words split across lines at {width} px"
-        );
-        assert_eq!(
-            page.eval(overflowing).await,
-            json!([]),
-            "values running out of their card at {width} px"
-        );
+        (
+            failed.as_str(),
+            format!(
+                "document.querySelector('#cards [data-card=\"Error\"]')?.textContent.includes('{url}')"
+            ),
+            "the failed request's detail, its error quoting the URL",
+            "error-cards",
+        ),
+    ];
+    for (id, ready, what, shot) in shown {
+        page.resize(1300, 900).await;
+        page.goto(&format!("{}/ui#/r/{id}", app.base)).await;
+        page.wait_for(
+            &format!("!document.getElementById('detail').hidden && {ready}"),
+            what,
+            WAIT,
+        )
+        .await;
+        for width in [1300, 1100, 900, 600, 400] {
+            page.resize(width, 900).await;
+            page.eval("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+                .await;
+            shoot(&page, &format!("{shot}-{width}.png")).await;
+            assert_eq!(
+                page.eval(split_words).await,
+                json!([]),
+                "{what}: words split across lines at {width} px"
+            );
+            assert_eq!(
+                page.eval(overflowing).await,
+                json!([]),
+                "{what}: values running out of their card at {width} px"
+            );
+        }
     }
     let errors = browser.errors();
     assert!(errors.is_empty(), "{errors:#?}");
