@@ -424,6 +424,14 @@ mod tests {
         }
     }
 
+    /// A store whose appends all succeed, each taking `took`.
+    fn taking(took: Duration) -> Arc<Scripted> {
+        Arc::new(Scripted {
+            took,
+            ..Arc::into_inner(scripted(|_| None)).expect("not shared yet")
+        })
+    }
+
     fn scripted(
         fail: impl Fn(usize) -> Option<StoreError> + Send + Sync + 'static,
     ) -> Arc<Scripted> {
@@ -441,13 +449,7 @@ mod tests {
     /// waits (a flush) or an appended batch that ends a stream is committed at once.
     #[tokio::test(start_paused = true)]
     async fn a_commit_nobody_waits_on_is_held_open_for_more_and_a_flush_ends_the_hold_du7() {
-        let store = Arc::new(Scripted {
-            fail: Box::new(|_| None),
-            calls: Mutex::default(),
-            awaited: Mutex::default(),
-            called: Notify::new(),
-            took: Duration::from_millis(1),
-        });
+        let store = taking(Duration::from_millis(1));
         let writer =
             ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
         let gap = Duration::from_micros(500);
@@ -488,13 +490,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn settling_what_was_handed_on_commits_it_at_once_and_returns_after_that_commit_lc9_rd9()
     {
-        let store = Arc::new(Scripted {
-            fail: Box::new(|_| None),
-            calls: Mutex::default(),
-            awaited: Mutex::default(),
-            called: Notify::new(),
-            took: Duration::from_millis(5),
-        });
+        let store = taking(Duration::from_millis(5));
         let writer =
             ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
         // A first commit, so that the next one is held open (for as long as this one took).
