@@ -334,17 +334,11 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SqliteSynchronous;
-    use crate::store::sqlite::SqliteStore;
+    use crate::store::sqlite::scratch;
 
     /// A deliverer whose renderer answers a fixed webhook, with `allow` and one secret.
     async fn deliverer(dir: &std::path::Path, allow: &[&str]) -> Deliverer {
-        let url = format!("sqlite://{}", dir.join("t.db").display());
-        let store: DynStore = Arc::new(
-            SqliteStore::open(&url, SqliteSynchronous::Normal)
-                .await
-                .expect("open"),
-        );
+        let store: DynStore = Arc::new(scratch(dir).await);
         let mut config = Config::default();
         config.callbacks.secrets = vec!["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into()];
         config.callbacks.allow = allow.iter().map(|a| a.to_string()).collect();

@@ -385,7 +385,6 @@ mod tests {
     use futures::StreamExt;
 
     use super::*;
-    use crate::config::SqliteSynchronous;
 
     fn data(seq: i64, attempt: u32) -> Chunk {
         Chunk {
@@ -529,7 +528,7 @@ mod tests {
         assert_eq!(read, vec![(2, ChunkKind::Reset)]);
     }
 
-    use crate::store::sqlite::SqliteStore;
+    use crate::store::sqlite::scratch;
     use crate::store::{ChunkBatch, NewChunk, NewRequest, now_ms};
 
     /// A reader re-reads the store at least every POLL without a chunk, however often its
@@ -538,12 +537,7 @@ mod tests {
     #[tokio::test]
     async fn a_reader_whose_keepalives_are_frequent_still_polls_the_store_for_chunks_rd4() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        let store: DynStore = Arc::new(
-            SqliteStore::open(&url, SqliteSynchronous::Normal)
-                .await
-                .expect("open"),
-        );
+        let store: DynStore = Arc::new(scratch(dir.path()).await);
         let now = now_ms();
         let request = NewRequest {
             stream: true,

@@ -259,17 +259,11 @@ mod tests {
     /// calls, counted by that write (the attempt that finished it saw none of them).
     #[tokio::test]
     async fn attachments_written_after_their_request_finished_are_saved_calls_rd9_du6() {
-        use crate::config::SqliteSynchronous;
-        use crate::store::sqlite::SqliteStore;
+        use crate::store::sqlite::scratch;
         use crate::store::{LeaseTo, NewRequest, Outcome, Submitted};
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        let store: DynStore = Arc::new(
-            SqliteStore::open(&url, SqliteSynchronous::Normal)
-                .await
-                .expect("open"),
-        );
+        let store: DynStore = Arc::new(scratch(dir.path()).await);
         let lease_to = LeaseTo {
             owner: "test/1",
             lease_ms: 60_000,

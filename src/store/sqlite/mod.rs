@@ -640,6 +640,15 @@ impl Store for SqliteStore {
     }
 }
 
+/// A store in `dir` (file `t.db`, `synchronous = NORMAL`), for unit tests.
+#[cfg(test)]
+pub(crate) async fn scratch(dir: &std::path::Path) -> SqliteStore {
+    let url = format!("sqlite://{}", dir.join("t.db").display());
+    SqliteStore::open(&url, crate::config::SqliteSynchronous::Normal)
+        .await
+        .expect("open")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -671,10 +680,7 @@ mod tests {
     async fn created_record_matches_the_row_lease_many_takes_each_due_request_once_and_one_commit_fences_each_batch_lc2_lc3()
      {
         let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        let store = SqliteStore::open(&url, SqliteSynchronous::Normal)
-            .await
-            .expect("open");
+        let store = scratch(dir.path()).await;
         let now = 1_000_000;
         let mut ids = Vec::new();
         for i in 0..3 {

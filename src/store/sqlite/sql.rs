@@ -773,18 +773,14 @@ pub(super) fn due_ids(
 
 #[cfg(test)]
 mod tests {
-    use super::super::SqliteStore;
+    use super::super::scratch;
     use super::super::tests::ephemeral_tables;
     use super::*;
-    use crate::config::SqliteSynchronous;
 
     #[tokio::test]
     async fn a_requests_writes_and_a_streams_appends_build_no_temporary_btree() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        SqliteStore::open(&url, SqliteSynchronous::Normal)
-            .await
-            .expect("open");
+        scratch(dir.path()).await;
         let conn = Connection::open(dir.path().join("t.db")).expect("open");
         for sql in [
             CLAIM_SQL,
