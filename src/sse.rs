@@ -198,7 +198,7 @@ impl SseParser {
                 rest = tail;
             }
         }
-        while let Some(end) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+        while let Some(end) = memchr::memchr2(b'\n', b'\r', rest) {
             let (body, tail) = rest.split_at(end);
             rest = match tail {
                 [b'\r', b'\n', tail @ ..] => tail,
@@ -309,7 +309,7 @@ fn stream_lines(text: &str) -> impl Iterator<Item = &str> {
     let mut rest = Some(text);
     std::iter::from_fn(move || {
         let text = rest?;
-        match text.find(['\r', '\n']) {
+        match memchr::memchr2(b'\r', b'\n', text.as_bytes()) {
             Some(end) => {
                 let tail = &text[end..];
                 let skip = if tail.starts_with("\r\n") { 2 } else { 1 };
@@ -330,7 +330,7 @@ fn stream_lines(text: &str) -> impl Iterator<Item = &str> {
 /// no CR: a stream cannot carry CR, so CRLF and lone CR in `data` arrive as LF. `event` is cut at its
 /// first CR or LF, which would otherwise inject fields.
 pub fn encode(id: Option<u64>, event: Option<&str>, data: &str) -> Bytes {
-    let lines = data.bytes().filter(|&b| b == b'\n' || b == b'\r').count() + 1;
+    let lines = memchr::memchr2_iter(b'\n', b'\r', data.as_bytes()).count() + 1;
     let event = event
         .map(|name| name.split(['\r', '\n']).next().unwrap_or(""))
         .filter(|name| !name.is_empty());

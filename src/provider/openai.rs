@@ -1,6 +1,9 @@
 //! OpenAI and OpenAI-compatible servers: chat completions, completions, embeddings, Responses.
 
+use std::sync::LazyLock;
+
 use axum::http::StatusCode;
+use memchr::memmem;
 use serde_json::{Value, json};
 
 use serde_json::value::RawValue;
@@ -195,7 +198,9 @@ pub(super) fn text_of_event(route: Route, kind: Option<&str>, data: &Value) -> O
 /// `choices` an empty array and `usage` set. Scans for the empty `choices` before parsing, so
 /// the other events of a stream cost a substring search.
 pub(super) fn is_usage_chunk(data: &str) -> bool {
-    let Some(at) = data.find("\"choices\"") else {
+    static CHOICES: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"choices\""));
+    let Some(at) = CHOICES.find(data.as_bytes()) else {
         return false;
     };
     let rest = data[at + "\"choices\"".len()..].trim_start();
