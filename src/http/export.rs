@@ -214,10 +214,11 @@ fn answer(record: &RequestRecord, events: &[crate::store::Chunk]) -> Value {
         return Value::Null;
     }
     if !record.stream {
+        // As the record shows it: a body a `Value` cannot hold is a string, not `null` (IN-2).
         return record
             .response_body
             .as_deref()
-            .and_then(|b| serde_json::from_slice(b).ok())
+            .and_then(|b| serde_json::to_value(body_json(b)).ok())
             .unwrap_or(Value::Null);
     }
     record
@@ -243,6 +244,6 @@ fn example(record: &RequestRecord, answer: &Value) -> Result<Value, String> {
         return Err(format!("the request {}", record.status.as_str()));
     }
     let body: Value = serde_json::from_slice(&record.body)
-        .map_err(|_| "a request body that is not JSON".to_string())?;
+        .map_err(|e| format!("a request body this export cannot read: {e}"))?;
     record.route.openai_chat_example(&body, answer)
 }

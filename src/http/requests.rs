@@ -102,12 +102,62 @@ pub(super) fn rfc3339(ms: Millis) -> String {
         .to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
-/// The provider body as embedded JSON, or as a JSON string when it is not JSON.
+/// The provider body as embedded JSON, or as a JSON string when it is not JSON or holds a
+/// number beyond a double's range (`1e400`: valid JSON, admitted by ID-1, but a
+/// `serde_json::Value`, which every record answer is made into, cannot hold it; IN-2).
 pub(super) fn body_json(body: &[u8]) -> Option<Box<RawValue>> {
     std::str::from_utf8(body)
         .ok()
+        .filter(|s| serde_json::from_str::<Representable>(s).is_ok())
         .and_then(|s| RawValue::from_string(s.to_owned()).ok())
         .or_else(|| serde_json::value::to_raw_value(&String::from_utf8_lossy(body)).ok())
+}
+
+/// A JSON document that a `serde_json::Value` can hold: every number within a double's range.
+/// Checked without building the value (record lists carry their answers' bodies).
+struct Representable;
+
+impl<'de> serde::Deserialize<'de> for Representable {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Representable)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Representable {
+    type Value = Representable;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self, E> {
+        Ok(Representable)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self, E> {
+        Ok(Representable)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self, E> {
+        Ok(Representable)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self, E> {
+        Ok(Representable)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self, E> {
+        Ok(Representable)
+    }
+    fn visit_unit<E>(self) -> Result<Self, E> {
+        Ok(Representable)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self, A::Error> {
+        while seq.next_element::<Representable>()?.is_some() {}
+        Ok(Representable)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self, A::Error> {
+        while map
+            .next_entry::<serde::de::IgnoredAny, Representable>()?
+            .is_some()
+        {}
+        Ok(Representable)
+    }
 }
 
 impl RecordView {

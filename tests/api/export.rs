@@ -582,3 +582,64 @@ async fn usage_answers_hour_and_day_buckets_with_their_groups_and_refuses_anothe
     assert!(r.text().await.unwrap().contains("bucket"));
     app.stop().await;
 }
+
+/// IN-2, EX-2, RD-1: a number beyond a double's range (`1e400`) is valid JSON, so the request
+/// that sends one is recorded, and a provider may answer one. The record still reads back as
+/// itself, with `?include=body`, and in the export (its body then a JSON string of the exact
+/// bytes): before, the export and `include=body` panicked on it (every resume of the export
+/// stopping at the same line) and `GET /requests/{id}` answered `null`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_number_beyond_a_doubles_range_neither_breaks_the_export_nor_hides_the_record_in2_ex2_rd1()
+ {
+    let answer = r#"{"id":"chatcmpl-big","object":"chat.completion","model":"gpt-4o-mini","choices":[{"index":0,"message":{"role":"assistant","content":"big"},"finish_reason":"stop","logprob":-1e400}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    let provider = RawProvider::start(raw_200("application/json", answer, false)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        use_backend_url(c, &provider.base_url())
+    })
+    .await;
+    let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"big numbers"}],"seed_hint":1e400}"#;
+    let r = app.chat(body).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    assert_eq!(
+        r.text().await.unwrap(),
+        answer,
+        "the answer goes back as it came"
+    );
+
+    let record = app.record(&id).await;
+    assert_eq!(record["id"], id.as_str(), "GET /requests/{{id}}: {record}");
+    assert_eq!(record["status"], "succeeded");
+    let shown = record["response"]["body"].as_str().unwrap_or_default();
+    assert!(shown.contains("-1e400"), "{record}");
+
+    let r = app
+        .http
+        .get(format!("{}/requests/{id}?include=body", app.base))
+        .send()
+        .await
+        .expect("include=body answers");
+    assert_eq!(r.status(), 200);
+    let full: Value = r.json().await.unwrap();
+    assert_eq!(full["id"], id.as_str());
+    assert_eq!(
+        full["request"]["body"], body,
+        "the body as sent, as a string"
+    );
+    assert_eq!(full["answer"], answer);
+
+    // One more request after it: the export goes past the line.
+    app.chat(&chat_body("after the big one"))
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    let (status, text) = export(&app, "", None).await;
+    assert_eq!(status, 200);
+    let lines = lines(&text);
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!(lines[0]["cursor"], id.as_str());
+    assert_eq!(lines[0]["record"]["id"], id.as_str());
+    assert_eq!(lines[0]["request"]["body"], body);
+    assert_eq!(lines[0]["answer"], answer);
+}
