@@ -660,6 +660,23 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
     {
         return StatusCode::NO_CONTENT.into_response();
     }
+    // RD-3: no reader can have seen a chunk past `last_seq` (positioned readers see committed
+    // chunks only, RD-4); following from there would skip every later chunk, the `end`
+    // included, and never close.
+    if let Some(p) = position
+        && p > record.last_seq
+    {
+        return ApiError::bad_request(
+            Provider::Openai,
+            "invalid_last_event_id",
+            format!(
+                "Last-Event-ID / last_event_id {p} is past this request's last event ({}): \
+                 no reader has seen it; resume from a seq this request sent",
+                record.last_seq
+            ),
+        )
+        .into_response();
+    }
     let after = match position {
         None => record.reset_seq,
         Some(p) if p < record.reset_seq => record.reset_seq - 1,

@@ -209,6 +209,51 @@ async fn resume_from_every_position_returns_exactly_the_rest_rd3_rd5() {
     app.stop().await;
 }
 
+/// RD-3, RD-5: a position past the last event of a request that is still running is one no
+/// reader can have seen (positioned readers see committed chunks only, RD-4): it is refused
+/// with 400 `invalid_last_event_id`. Before, the stream stayed open skipping every chunk at or
+/// below the position, the `end` included, and never closed, even after the request ended.
+/// At the request's last event, the reader follows it to its `end`.
+#[tokio::test]
+async fn a_position_past_a_running_requests_last_event_is_refused_not_left_open_forever_rd3_rd5() {
+    let app = spawn_app(
+        MockConfig {
+            chunks: 10,
+            chunk_delay_ms: 200,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let id = submit_async(&app.http, &app.base, stream_body("past the end")).await;
+    let record = app.record(&id).await;
+    assert!(
+        matches!(record["status"].as_str(), Some("pending" | "running")),
+        "{record}"
+    );
+    let last = record["last_seq"].as_i64().unwrap();
+    let past = last + 50;
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        get_events(&app.http, &app.base, &id, Some(&past.to_string())),
+    )
+    .await
+    .expect("answered at once");
+    assert_eq!(r.status(), 400, "Last-Event-ID {past} past {last}");
+    assert_eq!(header(&r, "holdfast-error"), "invalid_last_event_id");
+    // At the last event, the stream follows the request to its end and closes.
+    let r = get_events(&app.http, &app.base, &id, Some(&last.to_string())).await;
+    assert_eq!(r.status(), 200);
+    let (_, rest) = tokio::time::timeout(Duration::from_secs(10), read_events(r))
+        .await
+        .expect("the stream closes after its end");
+    assert_eq!(rest.last().unwrap().event.as_deref(), Some("end"));
+    // Ended, the same position past the end is RD-5's 204.
+    let r = get_events(&app.http, &app.base, &id, Some(&past.to_string())).await;
+    assert_eq!(r.status(), 204);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn provider_drop_after_five_chunks_fails_stream_interrupted_and_a_resend_starts_anew_lc7() {
     let app = spawn_app(
