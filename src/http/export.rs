@@ -15,8 +15,24 @@ use super::requests::{RecordView, bad_parameter, body_json, list_filter};
 use crate::provider::Provider;
 use crate::store::{ListFilter, RequestRecord, Status, StoreError};
 
-/// Requests read from the store per page (decision 62).
+/// Most requests read from the store per page (decision 62).
 const PAGE: i64 = 200;
+
+/// Requests in the first page, before the width of the log's lines is known (decision 80).
+const FIRST_PAGE: i64 = 8;
+
+/// What a page's lines should come to: each page's records, bodies and lines are in memory at
+/// once, so a page of wide lines (long prompts, up to `max_body_bytes` each) holds fewer
+/// requests (decision 80).
+const PAGE_BYTES: usize = 8 << 20;
+
+/// How many requests the page after one whose widest line was `widest` bytes reads: as many
+/// such lines as fit in [`PAGE_BYTES`], at least one, at most [`PAGE`].
+fn page_len_after(widest: usize) -> i64 {
+    i64::try_from(PAGE_BYTES / widest.max(1))
+        .unwrap_or(PAGE)
+        .clamp(1, PAGE)
+}
 
 /// The export's own parameters beside RD-7's filters, named with them by its unknown-parameter
 /// error (EX-1): its paging and format; not the list's `cursor`, which it refuses.
@@ -54,12 +70,13 @@ pub(super) async fn export(
         let mut filter = filter;
         let mut left = limit;
         let mut next = Some(first);
-        while let Some(Page { bytes, count, last }) = next.take() {
+        while let Some(Page { bytes, count, last, full, widest }) = next.take() {
             left = left.map(|l| l.saturating_sub(count as u64));
             yield Ok::<Bytes, std::io::Error>(bytes);
-            let more = count as i64 == filter.limit && left != Some(0);
+            let more = full && left != Some(0);
             if let (true, Some(last)) = (more, last) {
                 filter.after = Some(last);
+                filter.limit = page_len_after(widest);
                 match page(&state, &filter, format, left).await {
                     Ok(p) => next = Some(p),
                     Err(e) => {
@@ -121,7 +138,7 @@ fn parse(
     let mut filter = list_filter(caller, &rest, &EXPORT_PARAMETERS)?;
     filter.oldest_first = true;
     filter.after = after;
-    filter.limit = PAGE;
+    filter.limit = FIRST_PAGE;
     Ok((filter, format, limit))
 }
 
@@ -132,6 +149,10 @@ struct Page {
     count: usize,
     /// Its last request's id: the next page's `after`.
     last: Option<Uuid>,
+    /// Whether it held as many requests as it asked for: more may follow.
+    full: bool,
+    /// Its widest line's bytes, which size the next page.
+    widest: usize,
 }
 
 /// Reads the page `filter` selects (at most `left` requests) and writes its lines.
@@ -175,7 +196,9 @@ async fn page(
     }
     let mut views = views.into_iter();
     let mut out = Vec::with_capacity(records.len() * 512);
+    let mut widest = 0;
     for record in &records {
+        let start = out.len();
         let events = if record.stream && record.status == Status::Succeeded {
             chunks.next().map(|(_, c)| c).unwrap_or_default()
         } else {
@@ -200,11 +223,16 @@ async fn page(
         if serde_json::to_writer(&mut out, &line).is_ok() {
             out.push(b'\n');
         }
+        // The record as read counts too: an `openai-chat` line that skips a request is short.
+        let read = record.body.len() + record.response_body.as_ref().map_or(0, Vec::len);
+        widest = widest.max(read.max(out.len() - start));
     }
     Ok(Page {
+        full: records.len() as i64 == filter.limit,
         bytes: Bytes::from(out),
         count: records.len(),
         last: records.last().map(|r| r.id),
+        widest,
     })
 }
 

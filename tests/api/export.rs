@@ -643,3 +643,65 @@ async fn a_number_beyond_a_doubles_range_neither_breaks_the_export_nor_hides_the
     assert_eq!(lines[0]["request"]["body"], body);
     assert_eq!(lines[0]["answer"], answer);
 }
+
+/// EX-4, decision 80: an export's memory is bounded by its page, and a page of wide requests
+/// (long prompts; a body may be `max_body_bytes`, 32 MiB) holds fewer of them. Before, every
+/// page read 200 requests whatever their size, each held at once as its record, its body and
+/// its line: exporting a log of 1 MiB prompts grew the process by about three times 200 MiB,
+/// and one of 32 MiB bodies by gigabytes. The export still yields every request once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_of_wide_requests_reads_them_in_pages_its_memory_holds_ex4() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    const WIDE: usize = 1 << 20;
+    const N: usize = 100;
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let prompt = format!("wide {i} {}", "w".repeat(WIDE));
+        let r = app.chat(&chat_body(&prompt)).await;
+        assert_eq!(r.status(), 200);
+        ids.push(header(&r, "holdfast-request-id"));
+        r.bytes().await.unwrap();
+    }
+    let pid = std::process::id();
+    let before = rss_kib(pid);
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(before));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (peak, done) = (peak.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                peak.fetch_max(rss_kib(pid), std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        })
+    };
+    // Read line by line, as a client writing a file does, so the test holds one line at a time.
+    let r = app
+        .http
+        .get(format!("{}/requests/export", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = r.bytes_stream();
+    let (mut pending, mut cursors) = (Vec::new(), Vec::new());
+    while let Some(piece) = body.next().await {
+        pending.extend_from_slice(&piece.unwrap());
+        while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let value: Value = serde_json::from_slice(&line).unwrap();
+            cursors.push(value["cursor"].as_str().unwrap().to_string());
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    sampler.join().unwrap();
+    assert_eq!(cursors, ids, "every request once, oldest first");
+    let grew_mib = peak
+        .load(std::sync::atomic::Ordering::SeqCst)
+        .saturating_sub(before)
+        / 1024;
+    assert!(
+        grew_mib < 96,
+        "the export grew the process by {grew_mib} MiB for {N} requests of 1 MiB"
+    );
+}
