@@ -891,3 +891,36 @@ async fn every_answer_that_carries_the_record_shows_its_callback_cb6() {
     );
     app.stop().await;
 }
+
+/// CB-3, CB-4, decision 78: a webhook carrying the bodies of a request that holds a number
+/// beyond a double's range (`1e400`, valid JSON, recorded) is delivered on its first try, the
+/// body as a JSON string of its bytes. Before, rendering it panicked the try, which recorded no
+/// outcome: the delivery was leased again at each lease expiry, forever, never giving up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_with_bodies_holding_a_number_beyond_a_doubles_range_is_delivered_cb3_cb4() {
+    let receiver = Receiver::start(|_| Answer::Status(200)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        callback_config(c);
+        c.callbacks.include_body = true;
+    })
+    .await;
+    let body =
+        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"huge"}],"hint":1e400}"#;
+    let r = chat_with_callback(&app.http, &app.base, body, &receiver.url, &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    let record = wait_callback(
+        &app.http,
+        &app.base,
+        &id,
+        "delivered",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(record["callback"]["attempts"], 1, "{record}");
+    let got = receiver.wait_for(1, Duration::from_secs(5)).await;
+    assert_eq!(got[0].id, format!("msg_{id}"));
+    assert_eq!(got[0].body["data"]["id"], id.as_str());
+    assert_eq!(got[0].body["data"]["request"]["body"], body);
+    app.stop().await;
+}
