@@ -390,7 +390,25 @@ pub struct Usage {
     pub reasoning_tokens: Option<u64>,
 }
 
+/// Most tokens of one kind an answer is taken to report: 2^32, hundreds of times any model's
+/// context. A count above it comes from a broken or hostile provider and is kept as not
+/// reported (RD-9, decision 81): the ledger's sums in the database are 64-bit integers, which
+/// two counts near 2^63 overflowed, failing `GET /usage` for good.
+pub const MAX_REPORTED_TOKENS: u64 = 1 << 32;
+
 impl Usage {
+    /// `self` without the counts above [`MAX_REPORTED_TOKENS`] (RD-9).
+    pub fn plausible(self) -> Usage {
+        let keep = |n: Option<u64>| n.filter(|n| *n <= MAX_REPORTED_TOKENS);
+        Usage {
+            input_tokens: keep(self.input_tokens),
+            output_tokens: keep(self.output_tokens),
+            cached_input_tokens: keep(self.cached_input_tokens),
+            cache_write_tokens: keep(self.cache_write_tokens),
+            reasoning_tokens: keep(self.reasoning_tokens),
+        }
+    }
+
     /// Whether the provider reported nothing.
     pub fn is_empty(&self) -> bool {
         *self == Usage::default()
@@ -704,6 +722,7 @@ impl Route {
             #[cfg(test)]
             Provider::Echo => echo::usage_of_event(event),
         }
+        .map(Usage::plausible)
     }
 
     /// What a non-stream answer reports it cost.
@@ -715,6 +734,7 @@ impl Route {
             #[cfg(test)]
             Provider::Echo => echo::usage_of(body.usage?),
         }
+        .map(Usage::plausible)
     }
 
     /// The top-level `stream_options` member (as `"name":value` text) a stream request of this

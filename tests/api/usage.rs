@@ -593,3 +593,45 @@ async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_
     drop(r);
     app.stop().await;
 }
+
+/// RD-9, IN-2, decision 81: a provider reporting a token count no answer can have (near 2^63,
+/// a broken or hostile OpenAI-compatible server) gets it kept as not reported; what else it
+/// reported stays. Before, two such answers overflowed the ledger's 64-bit sums in the
+/// database and `GET /usage` answered 503 `store_unavailable` ("could not reach its database")
+/// from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_count_no_answer_can_have_is_not_reported_and_usage_still_answers_rd9_in2() {
+    let answer = r#"{"id":"chatcmpl-x","object":"chat.completion","model":"gpt-4o-mini","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9223372036854775000,"completion_tokens":3,"total_tokens":9223372036854775003}}"#;
+    let provider = RawProvider::start(raw_200("application/json", answer, false)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        use_backend_url(c, &provider.base_url())
+    })
+    .await;
+    let mut ids = Vec::new();
+    for text in ["absurd one", "absurd two"] {
+        let r = app.chat(&chat_body(text)).await;
+        assert_eq!(r.status(), 200);
+        ids.push(header(&r, "holdfast-request-id"));
+        r.bytes().await.unwrap();
+    }
+    // A replay from the log: a saved call, whose tokens the ledger multiplies.
+    app.chat(&chat_body("absurd one"))
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    for id in &ids {
+        let record = app.record(id).await;
+        assert_eq!(record["usage"]["input_tokens"], Value::Null, "{record}");
+        assert_eq!(record["usage"]["output_tokens"], 3, "{record}");
+    }
+    let r = app
+        .http
+        .get(format!("{}/usage?group_by=model", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let usage: Value = r.json().await.unwrap();
+    assert_eq!(usage["totals"]["usage"]["output_tokens"], 6, "{usage}");
+}
