@@ -1061,11 +1061,17 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<bool, StoreError>;
 
     /// Deletes at most `limit` terminal requests that finished before `before`, with their
-    /// chunks and claims (DU-4). Returns how many were deleted.
+    /// chunks and claims, except those whose webhook delivery is still pending and that finished
+    /// at or after `pending_callback_before` (DU-4, decision 82). Returns how many were deleted.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails.
-    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError>;
+    async fn prune(
+        &self,
+        before: Millis,
+        pending_callback_before: Millis,
+        limit: i64,
+    ) -> Result<u64, StoreError>;
 
     /// Which request, namespace and attempt a provider's answer id belongs to, in any
     /// namespace (the caller checks it); `None` for an id holdfast never recorded.

@@ -629,14 +629,20 @@ impl WorkerPool {
         }
     }
 
-    /// Deletes terminal requests older than `retention_secs`, in rounds of [`PRUNE_BATCH`]
-    /// (DU-4). Running on every node at once is harmless.
+    /// Deletes terminal requests older than `retention_secs`, in rounds of [`PRUNE_BATCH`]; one
+    /// whose webhook delivery is still pending only `give_up_after_secs` later (DU-4, decision
+    /// 82). Running on every node at once is harmless.
     async fn prune(&self) {
-        let retention =
-            i64::try_from(self.config.retention_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-        let before = now_ms().saturating_sub(retention);
+        let ms = |secs: u64| i64::try_from(secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        let before = now_ms().saturating_sub(ms(self.config.retention_secs));
+        let pending_callback_before =
+            before.saturating_sub(ms(self.config.callbacks.give_up_after_secs));
         loop {
-            match self.store.prune(before, PRUNE_BATCH).await {
+            match self
+                .store
+                .prune(before, pending_callback_before, PRUNE_BATCH)
+                .await
+            {
                 Ok(n) if n > 0 => info!(pruned = n, "pruned requests past retention"),
                 Ok(_) => return,
                 Err(e) => {

@@ -222,6 +222,7 @@ conformance!(
     release_hands_back_without_counting_a_recovery_du5,
     a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_maximum_du5,
     prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4,
+    prune_keeps_a_request_whose_webhook_delivery_is_pending_until_no_try_is_left_du4_cb4,
     counts_and_next_due_follow_the_lifecycle,
     nul_characters_in_text_never_fail_a_write_in2,
     a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6,
@@ -2566,9 +2567,25 @@ async fn prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4(store
         .await
         .expect("finish");
 
-    assert_eq!(store.prune(T0 + 1_000, 1).await.expect("prune"), 1, "limit");
-    assert_eq!(store.prune(T0 + 1_000, 100).await.expect("prune"), 1);
-    assert_eq!(store.prune(T0 + 1_000, 100).await.expect("prune"), 0);
+    assert_eq!(
+        store.prune(T0 + 1_000, T0 + 1_000, 1).await.expect("prune"),
+        1,
+        "limit"
+    );
+    assert_eq!(
+        store
+            .prune(T0 + 1_000, T0 + 1_000, 100)
+            .await
+            .expect("prune"),
+        1
+    );
+    assert_eq!(
+        store
+            .prune(T0 + 1_000, T0 + 1_000, 100)
+            .await
+            .expect("prune"),
+        0
+    );
 
     for id in [ok.id, refusal.id] {
         assert!(store.get(NS, id).await.expect("get").is_none());
@@ -2592,6 +2609,84 @@ async fn prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4(store
         all_chunks(&store, late.id).await.len(),
         1,
         "late keeps its end"
+    );
+}
+
+/// DU-4, CB-4, decision 82: past its retention a request whose webhook delivery is still
+/// pending stays until `pending_callback_before`; one delivered, or with no webhook, goes.
+async fn prune_keeps_a_request_whose_webhook_delivery_is_pending_until_no_try_is_left_du4_cb4(
+    store: DynStore,
+) {
+    use holdfast::store::CallbackOutcome;
+    let retried = create(
+        &store,
+        with_callback(by_hash("prune retried", T0), "http://a.example/hook"),
+    )
+    .await;
+    let delivered = create(
+        &store,
+        with_callback(by_hash("prune delivered", T0 + 1), "http://b.example/hook"),
+    )
+    .await;
+    let plain = create(&store, by_hash("prune plain", T0 + 2)).await;
+    for at in [T0 + 3, T0 + 4, T0 + 5] {
+        let (lease, _) = lease_at(&store, "node/a", at).await;
+        store
+            .finish(&lease, succeeded(), at + 1)
+            .await
+            .expect("finish");
+    }
+    let mut leases = store
+        .lease_callbacks("n1", T0 + 10, 1_000, 10)
+        .await
+        .expect("lease");
+    leases.sort_by_key(|l| l.request_id);
+    assert_eq!(leases.len(), 2);
+    let retry = CallbackOutcome::Retry {
+        next_try_at: T0 + 5_000,
+        status: Some(503),
+        error: "HTTP 503".into(),
+    };
+    assert!(
+        store
+            .finish_callback(&leases[0], &retry, T0 + 11)
+            .await
+            .expect("finish")
+    );
+    let ok = CallbackOutcome::Delivered { status: 200 };
+    assert!(
+        store
+            .finish_callback(&leases[1], &ok, T0 + 11)
+            .await
+            .expect("finish")
+    );
+
+    // Past retention, but the retried delivery may still be tried: its request stays.
+    assert_eq!(
+        store.prune(T0 + 1_000, T0, 100).await.expect("prune"),
+        2,
+        "the delivered and the plain request go"
+    );
+    for id in [delivered.id, plain.id] {
+        assert!(store.get(NS, id).await.expect("get").is_none());
+    }
+    assert!(store.get(NS, retried.id).await.expect("get").is_some());
+    assert_eq!(callback_of(&store, retried.id).await.attempts, 1);
+    // Once no try can be left, it goes too.
+    assert_eq!(
+        store
+            .prune(T0 + 1_000, T0 + 1_000, 100)
+            .await
+            .expect("prune"),
+        1
+    );
+    assert!(store.get(NS, retried.id).await.expect("get").is_none());
+    assert!(
+        store
+            .callbacks(&[retried.id])
+            .await
+            .expect("callbacks")
+            .is_empty()
     );
 }
 
@@ -3171,7 +3266,13 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     );
 
     // Pruned with its request.
-    assert!(store.prune(T0 + 2_000_000, 100).await.expect("prune") >= 3);
+    assert!(
+        store
+            .prune(T0 + 2_000_000, T0 + 2_000_000, 100)
+            .await
+            .expect("prune")
+            >= 3
+    );
     assert!(
         store
             .callbacks(&[a.id, b.id])

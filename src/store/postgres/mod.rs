@@ -761,17 +761,25 @@ impl Store for PostgresStore {
         Ok(true)
     }
 
-    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {
+    async fn prune(
+        &self,
+        before: Millis,
+        pending_callback_before: Millis,
+        limit: i64,
+    ) -> Result<u64, StoreError> {
         let mut tx = self.pool.begin().await?;
         // SKIP LOCKED: pruners on several nodes split the work instead of deleting one row twice.
         let ids: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM requests
              WHERE finished_at IS NOT NULL AND finished_at < $1
+               AND (finished_at < $3 OR NOT EXISTS (SELECT 1 FROM callbacks
+                    WHERE callbacks.request_id = requests.id AND callbacks.state = 'pending'))
              ORDER BY finished_at LIMIT $2
              FOR UPDATE SKIP LOCKED",
         )
         .bind(before)
         .bind(limit.max(0))
+        .bind(pending_callback_before)
         .fetch_all(&mut *tx)
         .await?;
         if ids.is_empty() {

@@ -453,8 +453,14 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn prune(&self, before: Millis, limit: i64) -> Result<u64, StoreError> {
-        self.write(move |conn| prune_in(conn, before, limit)).await
+    async fn prune(
+        &self,
+        before: Millis,
+        pending_callback_before: Millis,
+        limit: i64,
+    ) -> Result<u64, StoreError> {
+        self.write(move |conn| prune_in(conn, before, pending_callback_before, limit))
+            .await
     }
 
     async fn find_response(&self, response_id: &str) -> Result<Option<ResponseRef>, StoreError> {

@@ -706,14 +706,23 @@ pub(super) fn release_in(
 }
 
 /// [`Store::prune`] inside the writer's transaction.
-pub(super) fn prune_in(conn: &Connection, before: Millis, limit: i64) -> Result<u64, StoreError> {
+pub(super) fn prune_in(
+    conn: &Connection,
+    before: Millis,
+    pending_callback_before: Millis,
+    limit: i64,
+) -> Result<u64, StoreError> {
     let ids: Vec<String> = conn
         .prepare_cached(
             "SELECT id FROM requests
              WHERE finished_at IS NOT NULL AND finished_at < ?1
+               AND (finished_at < ?3 OR NOT EXISTS (SELECT 1 FROM callbacks
+                    WHERE callbacks.request_id = requests.id AND callbacks.state = 'pending'))
              ORDER BY finished_at LIMIT ?2",
         )?
-        .query_map(params![before, limit], |r| r.get(0))?
+        .query_map(params![before, limit, pending_callback_before], |r| {
+            r.get(0)
+        })?
         .collect::<Result<_, _>>()?;
     for id in &ids {
         for sql in [
