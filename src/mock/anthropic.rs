@@ -119,7 +119,9 @@ struct TextDelta<'a> {
 }
 
 /// `message_start`, `content_block_start`, `ping`, one `content_block_delta` (`text_delta`) per
-/// piece, `content_block_stop`, `message_delta` (stop reason, output tokens), `message_stop`.
+/// piece, `content_block_stop`, `message_delta` (stop reason, and the usage so far: input and
+/// output tokens, cumulative, as the API reports them; langchain-anthropic reads a stream's usage
+/// from this event alone), `message_stop`.
 pub(crate) fn message_stream(r: &Reply<'_>, pieces: &[String]) -> StreamParts {
     let head = vec![
         named_event(
@@ -162,7 +164,7 @@ pub(crate) fn message_stream(r: &Reply<'_>, pieces: &[String]) -> StreamParts {
             &json!({
                 "type": "message_delta",
                 "delta": {"stop_reason": "end_turn", "stop_sequence": null},
-                "usage": {"output_tokens": r.output_tokens},
+                "usage": {"input_tokens": r.input_tokens, "output_tokens": r.output_tokens},
             }),
         ),
         named_event("message_stop", &json!({"type": "message_stop"})),

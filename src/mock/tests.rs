@@ -382,6 +382,29 @@ async fn messages_non_stream_and_stream_follow_anthropic_events() {
     server.shutdown().await;
 }
 
+/// Anthropic documents a stream's `message_delta` usage as cumulative, input included, and
+/// langchain-anthropic takes a streamed answer's usage from that event alone: without
+/// `input_tokens` there, a streamed call through the demo reported 0 input tokens (CLI-3).
+#[tokio::test]
+async fn a_messages_streams_message_delta_reports_the_whole_usage_as_the_api_does() {
+    let server = start(MockConfig::default()).await;
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 64,
+        "messages": [{"role": "user", "content": "count me"}]});
+    let (_, plain) = post_json(&server, "/messages", &body).await;
+    let events = stream_events(&server, "/messages", &with_stream(body)).await;
+    let delta = events
+        .iter()
+        .map(data_json)
+        .find(|d| d["type"] == "message_delta")
+        .expect("a message_delta");
+    assert_eq!(delta["usage"], plain["usage"], "{delta}");
+    assert!(
+        delta["usage"]["input_tokens"].as_u64().unwrap() > 0,
+        "{delta}"
+    );
+    server.shutdown().await;
+}
+
 // ---- determinism ----
 
 #[tokio::test]
