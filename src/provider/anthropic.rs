@@ -158,8 +158,13 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
 }
 
 /// `message_start` carries the message's usage (the input, and the first output count);
-/// `message_delta` the output so far, cumulative. Only its `output_tokens` is taken: the input
-/// was final at `message_start`.
+/// `message_delta` the usage so far, cumulative (Anthropic's documented semantics, which the
+/// SDKs apply by overwriting): its output, and the input and prompt-cache counts, which grow
+/// past `message_start`'s when server tools (web search, code execution) run within the turn.
+/// The input replaces `message_start`'s only when the delta reports all three of
+/// `input_tokens`, `cache_creation_input_tokens` and `cache_read_input_tokens`: the normalised
+/// input is their sum, and a delta that leaves one out cannot be normalised without guessing
+/// (RD-9, decision 83).
 pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
     match event.kind {
         Some("message_start") => {
@@ -175,12 +180,25 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
             #[derive(serde::Deserialize)]
             struct Delta {
                 output_tokens: Option<u64>,
+                input_tokens: Option<u64>,
+                cache_creation_input_tokens: Option<u64>,
+                cache_read_input_tokens: Option<u64>,
             }
             let delta: Delta = serde_json::from_str(event.usage?.get()).ok()?;
-            Some(Usage {
+            let mut usage = Usage {
                 output_tokens: Some(delta.output_tokens?),
                 ..Usage::default()
-            })
+            };
+            if let (Some(input), Some(write), Some(read)) = (
+                delta.input_tokens,
+                delta.cache_creation_input_tokens,
+                delta.cache_read_input_tokens,
+            ) {
+                usage.input_tokens = Some(input.saturating_add(write).saturating_add(read));
+                usage.cache_write_tokens = Some(write);
+                usage.cached_input_tokens = Some(read);
+            }
+            Some(usage)
         }
         _ => None,
     }

@@ -414,6 +414,73 @@ mod tests {
         assert!(!ends(messages, None, "[DONE]"));
     }
 
+    /// What a stream's events report, each replacing the last field by field, as an attempt
+    /// keeps it ([`Usage::update`]).
+    fn stream_usage(route: Route, events: &[(&str, &str)]) -> Usage {
+        let mut usage = Usage::default();
+        for (name, data) in events {
+            let seen = route
+                .inspect_event(Some(name), data)
+                .expect("a valid event");
+            if let Some(later) = seen.usage {
+                usage.update(later);
+            }
+        }
+        usage
+    }
+
+    /// Anthropic documents a `message_delta`'s usage as cumulative, input and prompt-cache
+    /// counts included; they grow past `message_start`'s when server tools run within the turn
+    /// (a web search reads its results as input), and the SDKs and langchain-anthropic take
+    /// the delta's. The ledger took only its output, so such a stream's input was billed short.
+    #[test]
+    fn a_messages_streams_usage_takes_the_cumulative_input_and_cache_counts_of_message_delta_rd9() {
+        let messages = Route::AnthropicMessages;
+        let start = (
+            "message_start",
+            r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":2679,"cache_creation_input_tokens":0,"cache_read_input_tokens":1000,"output_tokens":3}}}"#,
+        );
+        let stop = ("message_stop", r#"{"type":"message_stop"}"#);
+        let delta = |usage: &str| {
+            format!(
+                r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn","stop_sequence":null}},"usage":{usage}}}"#
+            )
+        };
+        // After a server tool ran: every count cumulative, input grown.
+        let grown = delta(
+            r#"{"input_tokens":10682,"cache_creation_input_tokens":12,"cache_read_input_tokens":1000,"output_tokens":510,"server_tool_use":{"web_search_requests":1}}"#,
+        );
+        assert_eq!(
+            stream_usage(messages, &[start, ("message_delta", &grown), stop]),
+            Usage {
+                input_tokens: Some(10682 + 12 + 1000),
+                output_tokens: Some(510),
+                cached_input_tokens: Some(1000),
+                cache_write_tokens: Some(12),
+                reasoning_tokens: None,
+            }
+        );
+        // A delta with only its output (older API versions, some gateways), or without one of
+        // the cache counts, cannot be normalised: message_start's input stands.
+        for usage in [
+            r#"{"output_tokens":510}"#,
+            r#"{"input_tokens":10682,"output_tokens":510}"#,
+        ] {
+            let only = delta(usage);
+            assert_eq!(
+                stream_usage(messages, &[start, ("message_delta", &only), stop]),
+                Usage {
+                    input_tokens: Some(2679 + 1000),
+                    output_tokens: Some(510),
+                    cached_input_tokens: Some(1000),
+                    cache_write_tokens: Some(0),
+                    reasoning_tokens: None,
+                },
+                "{usage}"
+            );
+        }
+    }
+
     /// [`Route::check_answer`]'s verdict and the answer's id, without the usage.
     fn answer_id(route: Route, body: &[u8]) -> Result<Option<String>, String> {
         route.check_answer(body).map(|(id, _)| id)
