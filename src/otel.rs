@@ -808,7 +808,11 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
     };
     match route.provider() {
         Provider::Gemini => {
-            if let Some(system) = body.get("systemInstruction").and_then(|s| s.get("parts")) {
+            // Google's parser takes the proto field name too (decision 84).
+            let system = body
+                .get("systemInstruction")
+                .or_else(|| body.get("system_instruction"));
+            if let Some(system) = system.and_then(|s| s.get("parts")) {
                 out.push(serde_json::json!({"role": "system", "parts": parts_of(system)}));
             }
             for content in body
@@ -1130,5 +1134,21 @@ mod tests {
         assert_eq!(input[0]["parts"][0]["content"], "be brief");
         assert_eq!(input[1]["parts"][0]["content"], "hi");
         assert_eq!(input[1]["parts"][1]["type"], "image_url");
+    }
+
+    /// Google's JSON parser takes `system_instruction` as well as `systemInstruction`, and its
+    /// REST examples write the first: the captured prompt keeps it (decision 84).
+    #[test]
+    fn a_gemini_prompts_system_instruction_is_captured_under_either_of_its_names_ot5() {
+        for name in ["systemInstruction", "system_instruction"] {
+            let body = format!(
+                r#"{{"{name}":{{"parts":[{{"text":"be brief"}}]}},"contents":[{{"role":"user","parts":[{{"text":"hi"}}]}}]}}"#
+            );
+            let input = input_messages(Route::GeminiGenerate, body.as_bytes(), 100);
+            let input: serde_json::Value = serde_json::from_str(&input).unwrap();
+            assert_eq!(input[0]["role"], "system", "{name}: {input}");
+            assert_eq!(input[0]["parts"][0]["content"], "be brief", "{name}");
+            assert_eq!(input[1]["parts"][0]["content"], "hi", "{name}");
+        }
     }
 }

@@ -651,7 +651,7 @@ fn gemini_parts(
         }
         if let Some(t) = part["text"].as_str() {
             texts.push(t);
-        } else if let Some(call) = part.get("functionCall") {
+        } else if let Some(call) = gemini_member(part, "functionCall") {
             *calls += 1;
             let id = format!("call_{calls}");
             let name = call["name"].as_str().unwrap_or("").to_owned();
@@ -664,7 +664,7 @@ fn gemini_parts(
                     "arguments": serde_json::to_string(&call["args"]).unwrap_or_default(),
                 },
             }));
-        } else if let Some(response) = part.get("functionResponse") {
+        } else if let Some(response) = gemini_member(part, "functionResponse") {
             let name = response["name"].as_str().unwrap_or("");
             let at = pending.iter().position(|(n, _)| n == name);
             let id = at.map_or_else(|| format!("call_{name}"), |at| pending.remove(at).1);
@@ -694,6 +694,36 @@ fn gemini_parts(
     Ok(out)
 }
 
+/// A member of a Gemini request object by its JSON name (`functionDeclarations`), else by its
+/// proto field name (`function_declarations`): Google's JSON parser takes both, its REST
+/// examples write the second, and google-genai for Python passes a declaration given as a dict
+/// on as it is (pydantic-ai's `GoogleModel` sends `parameters_json_schema`; decision 84).
+fn gemini_member<'a>(object: &'a Value, json_name: &str) -> Option<&'a Value> {
+    object.get(json_name).or_else(|| {
+        let mut proto_name = String::with_capacity(json_name.len() + 4);
+        for c in json_name.chars() {
+            if c.is_ascii_uppercase() {
+                proto_name.push('_');
+            }
+            proto_name.push(c.to_ascii_lowercase());
+        }
+        object.get(proto_name)
+    })
+}
+
+/// The `Schema` keywords [`gemini_json_schema`] reads whose proto field names differ from
+/// their JSON names, which are JSON Schema's: a schema written with the proto names (decision
+/// 79) gets JSON Schema's.
+const GEMINI_PROTO_KEYWORDS: [(&str, &str); 7] = [
+    ("any_of", "anyOf"),
+    ("min_items", "minItems"),
+    ("max_items", "maxItems"),
+    ("min_length", "minLength"),
+    ("max_length", "maxLength"),
+    ("min_properties", "minProperties"),
+    ("max_properties", "maxProperties"),
+];
+
 /// Google's integer bounds, which its JSON writes as strings (`"maxItems": "5"`, int64).
 const GEMINI_INT64_KEYWORDS: [&str; 6] = [
     "minItems",
@@ -710,15 +740,20 @@ const GEMINI_INT64_KEYWORDS: [&str; 6] = [
 /// (`TYPE_UNSPECIFIED` left out), `nullable: true` as a `"null"` type (and a `null` among an
 /// `enum`'s values), an integer bound written as a string as a number; through every
 /// sub-schema (`properties`' values, `items`, `anyOf`), never through data (`enum`, `default`,
-/// `example`). Other keywords pass as they are. A declaration's `parametersJsonSchema` is JSON
-/// Schema already and is not read with this.
+/// `example`). Those keywords written with their proto field names (`any_of`, `max_items`)
+/// take their JSON names. Other keywords pass as they are. A declaration's
+/// `parametersJsonSchema` is JSON Schema already and is not read with this.
 fn gemini_json_schema(schema: &Value) -> Value {
     let Value::Object(map) = schema else {
         return schema.clone();
     };
     let mut out = Map::new();
     for (key, value) in map {
-        let value = match (key.as_str(), value) {
+        let key = GEMINI_PROTO_KEYWORDS
+            .iter()
+            .find(|(proto, _)| proto == key)
+            .map_or(key.as_str(), |(_, json)| json);
+        let value = match (key, value) {
             ("type", Value::String(t)) if t == "TYPE_UNSPECIFIED" => continue,
             ("type", Value::String(t)) => Value::String(t.to_ascii_lowercase()),
             ("nullable", _) => continue,
@@ -737,7 +772,7 @@ fn gemini_json_schema(schema: &Value) -> Value {
                 .map_or_else(|_| value.clone(), |n| json!(n)),
             _ => value.clone(),
         };
-        out.insert(key.clone(), value);
+        out.insert(key.to_owned(), value);
     }
     if map.get("nullable") == Some(&Value::Bool(true)) {
         match out.get_mut("type") {
@@ -765,7 +800,7 @@ fn gemini_json_schema(schema: &Value) -> Value {
 fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     let mut messages = Vec::new();
     let (mut calls, mut pending) = (0u64, Vec::new());
-    if let Some(parts) = body["systemInstruction"].get("parts") {
+    if let Some(parts) = gemini_member(body, "systemInstruction").and_then(|s| s.get("parts")) {
         let text = join_blocks(
             parts
                 .as_array()
@@ -808,7 +843,9 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     messages.extend(reply);
     let mut tools = Vec::new();
     for tool in body["tools"].as_array().into_iter().flatten() {
-        let Some(declarations) = tool["functionDeclarations"].as_array() else {
+        let Some(declarations) =
+            gemini_member(tool, "functionDeclarations").and_then(Value::as_array)
+        else {
             return Err("a tool other than function declarations".into());
         };
         for d in declarations {
@@ -816,7 +853,7 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
             keep(function.as_object_mut().ok_or("?")?, d, "description");
             if let Some(p) = d.get("parameters") {
                 function["parameters"] = gemini_json_schema(p);
-            } else if let Some(p) = d.get("parametersJsonSchema") {
+            } else if let Some(p) = gemini_member(d, "parametersJsonSchema") {
                 function["parameters"] = p.clone();
             }
             tools.push(json!({"type": "function", "function": function}));
@@ -934,6 +971,70 @@ mod tests {
     /// EX-5, decision 63: a Gemini function declaration's `parameters` is Google's Schema
     /// (upper-case types, `nullable`, int64 bounds as strings); the example's `tools` carry it
     /// as JSON Schema, at every depth, and a `parametersJsonSchema` as it came.
+    /// Google's JSON parser takes a request's members under their proto field names too
+    /// (`system_instruction`, `function_declarations`), its REST examples write them so, and
+    /// google-genai for Python passes a declaration given as a dict on as it is: pydantic-ai's
+    /// `GoogleModel` sends `parameters_json_schema`. Such a request is the same example as its
+    /// JSON-named twin; the export used to drop its system prompt and its tools' parameters,
+    /// and skip its function calls as parts it could not carry (decision 84).
+    #[test]
+    fn a_gemini_request_written_with_proto_field_names_exports_as_its_json_named_twin_ex5() {
+        let answer = json!({"candidates": [{"content": {"role": "model",
+            "parts": [{"text": "It is sunny."}]}, "finishReason": "STOP"}]});
+        let json_named = json!({
+            "systemInstruction": {"parts": [{"text": "Be brief."}]},
+            "contents": [
+                {"role": "user", "parts": [{"text": "weather in Paris?"}]},
+                {"role": "model", "parts": [{"functionCall": {"name": "lookup", "args": {"q": "Paris"}},
+                    "thoughtSignature": "c2ln"}]},
+                {"role": "user", "parts": [{"functionResponse": {"name": "lookup",
+                    "response": {"return_value": "sunny"}}}]}
+            ],
+            "tools": [{"functionDeclarations": [
+                {"name": "lookup", "description": "look something up", "parametersJsonSchema":
+                    {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}},
+                {"name": "days", "parameters": {"type": "OBJECT", "properties": {"n": {
+                    "anyOf": [{"type": "INTEGER"}, {"type": "STRING"}]},
+                    "list": {"type": "ARRAY", "maxItems": "7", "items": {"type": "STRING"}}}}}
+            ]}]
+        });
+        let proto_named = json!({
+            "system_instruction": {"parts": [{"text": "Be brief."}]},
+            "contents": [
+                {"role": "user", "parts": [{"text": "weather in Paris?"}]},
+                {"role": "model", "parts": [{"function_call": {"name": "lookup", "args": {"q": "Paris"}},
+                    "thought_signature": "c2ln"}]},
+                {"role": "user", "parts": [{"function_response": {"name": "lookup",
+                    "response": {"return_value": "sunny"}}}]}
+            ],
+            "tools": [{"function_declarations": [
+                {"name": "lookup", "description": "look something up", "parameters_json_schema":
+                    {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}},
+                {"name": "days", "parameters": {"type": "OBJECT", "properties": {"n": {
+                    "any_of": [{"type": "INTEGER"}, {"type": "STRING"}]},
+                    "list": {"type": "ARRAY", "max_items": "7", "items": {"type": "STRING"}}}}}
+            ]}]
+        });
+        let want = example(Route::GeminiGenerate, &json_named, &answer).unwrap();
+        assert_eq!(
+            want["messages"][0],
+            json!({"role": "system", "content": "Be brief."})
+        );
+        assert_eq!(
+            want["tools"][0]["function"]["parameters"],
+            json_named["tools"][0]["functionDeclarations"][0]["parametersJsonSchema"]
+        );
+        assert_eq!(
+            want["tools"][1]["function"]["parameters"]["properties"],
+            json!({"n": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                "list": {"type": "array", "maxItems": 7, "items": {"type": "string"}}})
+        );
+        assert_eq!(
+            example(Route::GeminiGenerate, &proto_named, &answer),
+            Ok(want)
+        );
+    }
+
     #[test]
     fn a_gemini_declarations_schema_becomes_json_schema_in_the_openai_chat_example_ex5() {
         let answer = json!({"candidates": [{"content": {"role": "model",
