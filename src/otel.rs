@@ -830,7 +830,8 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
             }
         }
         _ => {
-            if let Some(system) = body.get("system") {
+            // Anthropic's `system`, the Responses API's `instructions`.
+            if let Some(system) = body.get("system").or_else(|| body.get("instructions")) {
                 out.push(serde_json::json!({"role": "system", "parts": parts_of(system)}));
             }
             let messages = body
@@ -842,11 +843,20 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
                     if messages.iter().all(serde_json::Value::is_object) =>
                 {
                     for message in messages {
-                        let role = message
-                            .get("role")
-                            .and_then(|r| r.as_str())
-                            .unwrap_or("user");
-                        let parts = message.get("content").map(parts_of).unwrap_or_default();
+                        let kind = message.get("type").and_then(|t| t.as_str());
+                        let role = match (message.get("role").and_then(|r| r.as_str()), kind) {
+                            (Some(role), _) => role,
+                            // A Responses item without a role: a tool's output, or what the
+                            // model produced (a function call, reasoning, ...).
+                            (None, Some(kind)) if kind.ends_with("_output") => "tool",
+                            (None, Some(kind)) if kind != "message" => "assistant",
+                            (None, _) => "user",
+                        };
+                        let parts = match (message.get("content"), kind) {
+                            (Some(content), _) => parts_of(content),
+                            (None, Some(kind)) => vec![serde_json::json!({"type": kind})],
+                            (None, None) => Vec::new(),
+                        };
                         out.push(serde_json::json!({"role": role, "parts": parts}));
                     }
                 }
@@ -1134,6 +1144,26 @@ mod tests {
         assert_eq!(input[0]["parts"][0]["content"], "be brief");
         assert_eq!(input[1]["parts"][0]["content"], "hi");
         assert_eq!(input[1]["parts"][1]["type"], "image_url");
+    }
+
+    /// The OpenAI Agents SDK sends every Responses call its agent's `instructions` and, after a
+    /// tool ran, the call and its output as items without a role: the instructions are the
+    /// prompt's system message, as Anthropic's `system` is, and each item is named by its type
+    /// under the role that produced it, not shown as an empty user message.
+    #[test]
+    fn a_responses_prompts_instructions_and_tool_items_are_captured_ot5() {
+        let body = br#"{"include":[],"input":[{"content":"weather in Paris?","role":"user"},{"arguments":"{\"city\": \"Paris\"}","call_id":"call_1","name":"get_weather","type":"function_call","id":"fc_1","status":"completed"},{"call_id":"call_1","output":"sunny in Paris","type":"function_call_output"}],"instructions":"be brief","model":"gpt-4o-mini","tools":[]}"#;
+        let input = input_messages(Route::OpenaiResponses, body, 100);
+        let input: serde_json::Value = serde_json::from_str(&input).unwrap();
+        assert_eq!(
+            input,
+            serde_json::json!([
+                {"role": "system", "parts": [{"type": "text", "content": "be brief"}]},
+                {"role": "user", "parts": [{"type": "text", "content": "weather in Paris?"}]},
+                {"role": "assistant", "parts": [{"type": "function_call"}]},
+                {"role": "tool", "parts": [{"type": "function_call_output"}]}
+            ])
+        );
     }
 
     /// Google's JSON parser takes `system_instruction` as well as `systemInstruction`, and its
