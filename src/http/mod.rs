@@ -283,7 +283,8 @@ async fn not_found(uri: Uri) -> Response {
     let path = uri.path();
     // An SDK pointed at the wrong prefix is told what to change, in the shape it reads (IN-1):
     // a `base_url` ending in a version (`/v1`, or Gemini's `/v1beta`) for an SDK that adds one
-    // itself doubles the version; google-genai set to `v1alpha` asks for a version not served.
+    // itself doubles the version; a Gemini call without one comes from a client whose base URL
+    // should carry it; google-genai set to `v1alpha` asks for a version not served.
     let doubled = ["/v1", "/v1beta"].into_iter().find_map(|version| {
         path.strip_prefix(version)
             .filter(|rest| rest.starts_with("/v1/") || rest.starts_with("/v1beta/"))
@@ -297,6 +298,12 @@ async fn not_found(uri: Uri) -> Response {
         None if lacks_v1(path) => (
             Provider::Openai,
             ": OpenAI SDKs take a base_url ending in `/v1`".to_string(),
+        ),
+        None if Provider::is_gemini_call_without_version(path) => (
+            Provider::Gemini,
+            ": clients that put no API version in the path (the Vercel AI SDK's \
+             `@ai-sdk/google`) take a base URL ending in `/v1beta`"
+                .to_string(),
         ),
         None if path.starts_with("/v1alpha/") => (
             Provider::Gemini,

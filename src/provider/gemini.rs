@@ -132,6 +132,15 @@ pub(super) fn owns_path(path: &str) -> bool {
             .is_some_and(|(_, method)| MODEL_METHODS.contains(&method))
 }
 
+/// A Gemini model call without its version (`/models/{model}:generateContent`): a client whose
+/// base URL carries the version (the Vercel AI SDK's `@ai-sdk/google`) given holdfast's address
+/// alone, as Google's own SDKs take it (IN-1).
+pub(super) fn lacks_version(path: &str) -> bool {
+    path.strip_prefix("/models/")
+        .and_then(|call| call.rsplit_once(':'))
+        .is_some_and(|(_, method)| MODEL_METHODS.contains(&method))
+}
+
 /// A proxied Gemini stream's keep-alive (RS-4): a blank line, which google-genai for Python
 /// skips; it parses any other line that does not start with `data: ` as JSON, comments too.
 pub(super) const STREAM_KEEPALIVE: &[u8] = b"\n";

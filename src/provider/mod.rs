@@ -110,6 +110,12 @@ impl Provider {
         }
     }
 
+    /// Whether `path` is a Gemini model call without its version (`/models/{model}:...`), a
+    /// client that expects its base URL to carry it (IN-1).
+    pub(crate) fn is_gemini_call_without_version(path: &str) -> bool {
+        gemini::lacks_version(path)
+    }
+
     /// The header that carries the backend's key, and its value for `key` (ID-3a, IN-3).
     pub(crate) fn auth_header(self, key: &str) -> (&'static str, String) {
         match self {

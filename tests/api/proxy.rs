@@ -305,7 +305,9 @@ async fn oversized_body_gets_413_unknown_route_404_wrong_method_405_in1() {
 
 /// IN-1: an SDK pointed at the wrong prefix gets a 404 it can read (its provider's shape) that
 /// says what to change: a version given twice (Anthropic's or Google's SDK with a base_url
-/// ending in `/v1`), an OpenAI route without its `/v1`, or Google's `v1alpha`.
+/// ending in `/v1`), an OpenAI route without its `/v1`, a Gemini call without a version (the
+/// Vercel AI SDK's `@ai-sdk/google` given holdfast's address alone, as Google's own SDKs take
+/// it; with OpenAI's shape it showed only "Not Found"), or Google's `v1alpha`.
 #[tokio::test]
 async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
@@ -335,6 +337,14 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
         (
             "/v1alpha/models/gemini-2.5-flash:generateContent",
             "holdfast serves Google's `v1beta` and `v1` APIs",
+        ),
+        (
+            "/models/gemini-2.5-flash:generateContent",
+            "take a base URL ending in `/v1beta`",
+        ),
+        (
+            "/models/gemini-2.5-flash:streamGenerateContent?alt=sse",
+            "take a base URL ending in `/v1beta`",
         ),
     ] {
         let google = app.post(path, "{}", &[]).await;
