@@ -112,13 +112,27 @@ fn new_request(
 ) -> Result<NewRequest, ApiError> {
     let config = &state.config;
     let route = original.route;
+    let serves_route = |name: &str| {
+        config
+            .backend(name)
+            .is_some_and(|b| b.kind == route.provider())
+    };
     let (backend, model) = match (asked.backend, asked.model) {
+        // The original's backend may have been removed or renamed since (decision 86).
+        (None, None) if !serves_route(&original.backend) => {
+            return Err(bad_parameter(
+                "backend",
+                format!(
+                    "the original's backend {:?} is no longer a configured backend serving {}; \
+                     name a `backend` or a `model` to replay it with",
+                    original.backend,
+                    route.name()
+                ),
+            ));
+        }
         (None, None) => (original.backend.clone(), original.model.clone()),
         (Some(backend), model) => {
-            if !config
-                .backend(&backend)
-                .is_some_and(|b| b.kind == route.provider())
-            {
+            if !serves_route(&backend) {
                 return Err(bad_parameter(
                     "backend",
                     format!(

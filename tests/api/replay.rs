@@ -209,3 +209,90 @@ async fn a_namespace_key_replays_only_its_own_requests_and_an_unknown_or_foreign
     assert_eq!(replays_of(&app, &of_a, Some("key-a")).await.len(), 2);
     app.stop().await;
 }
+
+/// EX-7, decision 86: a replay that names neither a model nor a backend goes to the original's
+/// backend; once a restart has removed that backend it is refused with a 400 naming it, and
+/// nothing is recorded or sent, instead of a record whose attempts fail without a provider
+/// call. Naming a model routes it as a new call would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7() {
+    use holdfast::config::{Backend, ModelRewrite};
+    use holdfast::provider::Provider;
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let start = |retired: bool| {
+        let mut config = test_config(&mock, dir.path());
+        if retired {
+            config.backends.push(Backend {
+                name: "retired".into(),
+                kind: Provider::Openai,
+                base_url: mock.base_url(),
+                api_key_env: None,
+            });
+            config.model_rewrites = vec![ModelRewrite {
+                pattern: "gpt-4o-mini".into(),
+                backend: "retired".into(),
+                model: None,
+            }];
+        }
+        config.validate().expect("valid");
+        async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            holdfast::app::start(config, listener).await.expect("start")
+        }
+    };
+    // A client per run: a kept-alive connection would keep the first run's store, and the
+    // lock on its file, alive past its shutdown.
+    let http = reqwest::Client::new();
+    let running = start(true).await;
+    let base = format!("http://{}", running.addr);
+    let r = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(chat_body("replay after the backend went"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    assert_eq!(get_record(&http, &base, &id).await["backend"], "retired");
+    drop(http);
+    running.shutdown().await;
+
+    let http = reqwest::Client::new();
+    let running = start(false).await;
+    let base = format!("http://{}", running.addr);
+    let replay = |body: &'static str| {
+        http.post(format!("{base}/requests/{id}/replay"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let calls = mock.calls();
+    let r = replay("{}").await.unwrap();
+    assert_eq!(r.status(), 400);
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["error"]["code"], "invalid_parameter", "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("backend:") && m.contains("\"retired\"")),
+        "{answer}"
+    );
+    let listed: Value = http
+        .get(format!("{base}/requests?replay_of={id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["data"], json!([]), "nothing recorded");
+    assert_eq!(mock.calls(), calls, "nothing sent");
+
+    let r = replay(r#"{"model":"gpt-4o-mini"}"#).await.unwrap();
+    assert_eq!(r.status(), 201);
+    let record: Value = r.json().await.unwrap();
+    assert_eq!(record["backend"], "mock-openai", "{record}");
+    running.shutdown().await;
+}
