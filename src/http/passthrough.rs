@@ -65,7 +65,8 @@ pub(super) async fn models(
 ///
 /// # Errors
 /// 401 `invalid_api_key` as [`namespace`]; 400 `invalid_page_token` for a Gemini `pageToken`
-/// holdfast did not issue (GM-4).
+/// holdfast did not issue, `invalid_page_size` for a `pageSize` that is not a non-negative
+/// integer (GM-4).
 pub(super) async fn models_of(
     state: &AppState,
     provider: Provider,
@@ -77,7 +78,7 @@ pub(super) async fn models_of(
     provider
         .models_answer(models, query)
         .map(axum::Json)
-        .map_err(|why| ApiError::bad_request(provider, "invalid_page_token", why))
+        .map_err(|(code, why)| ApiError::bad_request(provider, code, why))
 }
 
 /// `GET /v1/models/{model}` (and Gemini's `/v1beta/models/{model}`): the entry of the merged

@@ -192,24 +192,32 @@ pub(super) fn model_entry(id: &str) -> Value {
     })
 }
 
-/// One page of the list shape: `pageSize` (default 50, at most 1000) from `pageToken` (the
-/// position, as holdfast writes it; empty or absent: the first page), with `nextPageToken`
-/// while more follow.
+/// One page of the list shape: `pageSize` (absent, empty or 0: 50; above 1000: 1000) from
+/// `pageToken` (the position, as holdfast writes it; empty or absent: the first page), with
+/// `nextPageToken` while more follow.
 ///
 /// # Errors
-/// The message of a 400 for a `pageToken` that is not a position holdfast writes: Google
-/// refuses a token it did not issue with `INVALID_ARGUMENT` rather than start over (GM-4). A
-/// position past the end (the list shrank since the token was issued) is an empty last page.
+/// The code and message of a 400: `invalid_page_size` for a `pageSize` that is not a
+/// non-negative integer, `invalid_page_token` for a `pageToken` that is not a position holdfast
+/// writes — Google refuses both with `INVALID_ARGUMENT` rather than guess or start over (GM-4).
+/// A position past the end (the list shrank since the token was issued) is an empty last page.
 pub(super) fn models_page(
     models: Vec<Value>,
     query: &HashMap<String, String>,
-) -> Result<Value, String> {
-    let size = query
-        .get("pageSize")
-        .and_then(|s| s.parse::<usize>().ok())
-        .filter(|s| *s > 0)
-        .unwrap_or(50)
-        .min(1000);
+) -> Result<Value, (&'static str, String)> {
+    let size = match query.get("pageSize").map(String::as_str) {
+        None | Some("") => 50,
+        Some(size) => match size.parse::<i64>() {
+            Ok(0) => 50,
+            Ok(n) if n > 0 => usize::try_from(n).unwrap_or(1000).min(1000),
+            _ => {
+                return Err((
+                    "invalid_page_size",
+                    format!("pageSize {size:?} is not a non-negative integer"),
+                ));
+            }
+        },
+    };
     let start = match query.get("pageToken").map(String::as_str) {
         None | Some("") => 0,
         Some(token) => token
@@ -217,9 +225,12 @@ pub(super) fn models_page(
             .ok()
             .filter(|_| token.bytes().all(|b| b.is_ascii_digit()))
             .ok_or_else(|| {
-                format!(
-                    "pageToken {token:?} is not a page token holdfast issued: pass a \
-                     nextPageToken of this list, or none for the first page"
+                (
+                    "invalid_page_token",
+                    format!(
+                        "pageToken {token:?} is not a page token holdfast issued: pass a \
+                         nextPageToken of this list, or none for the first page"
+                    ),
                 )
             })?
             .min(models.len()),
@@ -436,14 +447,51 @@ mod tests {
         // GM-4: a token holdfast did not issue is refused, not read as the first page.
         for bad in ["garbage", "-1", "+2", "2.0", " 2"] {
             query.insert("pageToken".to_string(), bad.to_string());
-            let refused = models_page(models.clone(), &query).unwrap_err();
+            let (code, refused) = models_page(models.clone(), &query).unwrap_err();
+            assert_eq!(code, "invalid_page_token", "{bad:?}");
             assert!(refused.contains("pageToken"), "{bad:?}: {refused}");
         }
         query.insert("pageToken".to_string(), String::new());
-        let again = models_page(models, &query).unwrap();
+        let again = models_page(models.clone(), &query).unwrap();
         assert_eq!(
             again["models"][0]["name"], "models/m0",
             "an empty token: the first page"
         );
+    }
+
+    /// GM-4: a `pageSize` that is not a non-negative integer is refused as Google refuses it;
+    /// absent, empty or 0 is the default 50, above 1000 is 1000.
+    #[test]
+    fn a_page_size_that_is_not_a_non_negative_integer_is_refused_gm4() {
+        let models: Vec<Value> = (0..1200).map(|i| model_entry(&format!("m{i}"))).collect();
+        let page = |size: Option<&str>| {
+            let mut query = HashMap::new();
+            if let Some(size) = size {
+                query.insert("pageSize".to_string(), size.to_string());
+            }
+            models_page(models.clone(), &query)
+        };
+        for (size, len) in [
+            (None, 50),
+            (Some(""), 50),
+            (Some("0"), 50),
+            (Some("7"), 7),
+            (Some("5000"), 1000),
+            (Some("99999999999999999999"), 0),
+        ] {
+            match page(size) {
+                Ok(answer) => assert_eq!(
+                    answer["models"].as_array().map(Vec::len),
+                    Some(len),
+                    "{size:?}"
+                ),
+                Err((code, why)) => assert_eq!(len, 0, "{size:?}: {code} {why}"),
+            }
+        }
+        for bad in ["abc", "-1", "2.5", "1e3", " 5"] {
+            let (code, why) = page(Some(bad)).unwrap_err();
+            assert_eq!(code, "invalid_page_size", "{bad:?}");
+            assert!(why.contains("pageSize"), "{bad:?}: {why}");
+        }
     }
 }

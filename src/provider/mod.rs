@@ -265,13 +265,13 @@ impl Provider {
     /// call's `query` asks when the provider pages.
     ///
     /// # Errors
-    /// The message of a 400 `invalid_page_token` when the provider refuses the page asked for
-    /// (Gemini's `pageToken` that holdfast did not issue, GM-4).
+    /// The code and message of a 400 when the provider refuses the page asked for (Gemini's
+    /// `pageToken` that holdfast did not issue, or a `pageSize` that is not a number, GM-4).
     pub(crate) fn models_answer(
         self,
         models: Vec<Value>,
         query: &HashMap<String, String>,
-    ) -> Result<Value, String> {
+    ) -> Result<Value, (&'static str, String)> {
         match self {
             Provider::Openai => Ok(openai::models_answer(models)),
             Provider::Anthropic => Ok(anthropic::models_page(models, query)),

@@ -483,7 +483,8 @@ async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4
 /// GM-4, GM-5: the Gemini model list pages by `pageSize` and the `nextPageToken` holdfast
 /// wrote, and a `pageToken` it did not issue is refused with 400 `INVALID_ARGUMENT` in Google's
 /// shape, as Google refuses one, instead of silently starting over at the first page — on
-/// `/v1beta/models` and on `/v1/models` called with `x-goog-api-key`.
+/// `/v1beta/models` and on `/v1/models` called with `x-goog-api-key`; so is a `pageSize` that
+/// is not a number.
 #[tokio::test]
 async fn a_model_list_page_token_holdfast_did_not_issue_is_a_400_in_googles_shape_gm4_gm5() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
@@ -534,6 +535,17 @@ async fn a_model_list_page_token_holdfast_did_not_issue_is_a_400_in_googles_shap
             "{path}: {body}"
         );
     }
+    // A page size that is not a number is refused too, as Google refuses it (GM-4).
+    let r = app
+        .http
+        .get(format!("{}/v1beta/models?pageSize=abc", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "holdfast-error"), "invalid_page_size");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["status"], "INVALID_ARGUMENT", "{body}");
     assert!(records(&app).await.is_empty(), "nothing recorded");
     app.stop().await;
 }
