@@ -213,41 +213,32 @@ async fn a_namespace_key_replays_only_its_own_requests_and_an_unknown_or_foreign
 /// EX-7, decision 86: a replay that names neither a model nor a backend goes to the original's
 /// backend; once a restart has removed that backend it is refused with a 400 naming it, and
 /// nothing is recorded or sent, instead of a record whose attempts fail without a provider
-/// call. Naming a model routes it as a new call would.
+/// call. Naming a model routes it as a new call would. Processes of their own: the restart is
+/// the second process, started once the first has exited and let go of the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7() {
-    use holdfast::config::{Backend, ModelRewrite};
-    use holdfast::provider::Provider;
     let mock = start_mock(MockConfig::default()).await;
     let dir = tempfile::tempdir().unwrap();
-    let start = |retired: bool| {
-        let mut config = test_config(&mock, dir.path());
+    let config = |retired: bool| {
+        let mut toml = format!(
+            "database_url = \"sqlite://{}\"\n\n[[backends]]\nname = \"mock-openai\"\n\
+             kind = \"openai\"\nbase_url = \"{}\"\n",
+            dir.path().join("holdfast.db").display(),
+            mock.base_url()
+        );
         if retired {
-            config.backends.push(Backend {
-                name: "retired".into(),
-                kind: Provider::Openai,
-                base_url: mock.base_url(),
-                api_key_env: None,
-            });
-            config.model_rewrites = vec![ModelRewrite {
-                pattern: "gpt-4o-mini".into(),
-                backend: "retired".into(),
-                model: None,
-            }];
+            toml.push_str(&format!(
+                "\n[[backends]]\nname = \"retired\"\nkind = \"openai\"\nbase_url = \"{}\"\n\
+                 \n[[model_rewrites]]\nmatch = \"gpt-4o-mini\"\nbackend = \"retired\"\n",
+                mock.base_url()
+            ));
         }
-        config.validate().expect("valid");
-        async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            holdfast::app::start(config, listener).await.expect("start")
-        }
+        toml
     };
-    // A client per run: a kept-alive connection would keep the first run's store, and the
-    // lock on its file, alive past its shutdown.
     let http = reqwest::Client::new();
-    let running = start(true).await;
-    let base = format!("http://{}", running.addr);
+    let mut node = Process::serve(dir.path(), &config(true), free_addr()).await;
     let r = http
-        .post(format!("{base}/v1/chat/completions"))
+        .post(format!("{}/v1/chat/completions", node.base))
         .header("content-type", "application/json")
         .body(chat_body("replay after the backend went"))
         .send()
@@ -255,13 +246,14 @@ async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7(
         .unwrap();
     assert_eq!(r.status(), 200);
     let id = header(&r, "holdfast-request-id");
-    assert_eq!(get_record(&http, &base, &id).await["backend"], "retired");
-    drop(http);
-    running.shutdown().await;
+    assert_eq!(
+        get_record(&http, &node.base, &id).await["backend"],
+        "retired"
+    );
+    assert!(node.sigterm_and_wait(std::time::Duration::from_secs(30)));
 
-    let http = reqwest::Client::new();
-    let running = start(false).await;
-    let base = format!("http://{}", running.addr);
+    let node = Process::serve(dir.path(), &config(false), free_addr()).await;
+    let base = node.base.clone();
     let replay = |body: &'static str| {
         http.post(format!("{base}/requests/{id}/replay"))
             .header("content-type", "application/json")
@@ -294,5 +286,4 @@ async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7(
     assert_eq!(r.status(), 201);
     let record: Value = r.json().await.unwrap();
     assert_eq!(record["backend"], "mock-openai", "{record}");
-    running.shutdown().await;
 }
