@@ -164,7 +164,9 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
 /// The input replaces `message_start`'s only when the delta reports all three of
 /// `input_tokens`, `cache_creation_input_tokens` and `cache_read_input_tokens`: the normalised
 /// input is their sum, and a delta that leaves one out cannot be normalised without guessing
-/// (RD-9, decision 83).
+/// (RD-9, decision 83); nor when they sum to 0: every call reads some input, and compatible
+/// servers that take the delta for output alone write zeros there (a typed usage without
+/// omitted fields), which would erase `message_start`'s count.
 pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
     match event.kind {
         Some("message_start") => {
@@ -193,8 +195,9 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
                 delta.input_tokens,
                 delta.cache_creation_input_tokens,
                 delta.cache_read_input_tokens,
-            ) {
-                usage.input_tokens = Some(input.saturating_add(write).saturating_add(read));
+            ) && let total @ 1.. = input.saturating_add(write).saturating_add(read)
+            {
+                usage.input_tokens = Some(total);
                 usage.cache_write_tokens = Some(write);
                 usage.cached_input_tokens = Some(read);
             }

@@ -461,10 +461,13 @@ mod tests {
             }
         );
         // A delta with only its output (older API versions, some gateways), or without one of
-        // the cache counts, cannot be normalised: message_start's input stands.
+        // the cache counts, cannot be normalised: message_start's input stands. So it does
+        // when a compatible server that takes the delta for output alone writes zeros for the
+        // rest: no call reads no input.
         for usage in [
             r#"{"output_tokens":510}"#,
             r#"{"input_tokens":10682,"output_tokens":510}"#,
+            r#"{"input_tokens":0,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":510}"#,
         ] {
             let only = delta(usage);
             assert_eq!(
