@@ -104,7 +104,8 @@ pub(super) fn rfc3339(ms: Millis) -> String {
 
 /// The provider body as embedded JSON, or as a JSON string when it is not JSON or holds a
 /// number beyond a double's range (`1e400`: valid JSON, admitted by ID-1, but a
-/// `serde_json::Value`, which every record answer is made into, cannot hold it; IN-2).
+/// `serde_json::Value`, which every record answer is made into, cannot hold it; IN-2), or
+/// nests as deep as ID-2 admits (128; a `Value` holds 127), which the same check finds.
 pub(super) fn body_json(body: &[u8]) -> Option<Box<RawValue>> {
     std::str::from_utf8(body)
         .ok()
@@ -715,4 +716,35 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
         response.headers_mut().insert("holdfast-request-id", v);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::body_json;
+    use crate::canonical::{MAX_DEPTH, canonicalize};
+
+    /// ID-2 admits a body nested [`MAX_DEPTH`] (128) deep, one level more than a
+    /// `serde_json::Value` holds (its parser stops at the 128th open container): such a body
+    /// reads back as a JSON string of its text, as one holding `1e400` does, never as a value
+    /// that every record answer then fails to build (RD-1, IN-2).
+    #[test]
+    fn a_body_nested_as_deep_as_id2_admits_reads_back_as_json_or_as_its_text_rd1_in2() {
+        let nested = |depth: usize| {
+            let arrays = depth - 1;
+            format!("{{\"a\":{}{}}}", "[".repeat(arrays), "]".repeat(arrays))
+        };
+        for depth in [MAX_DEPTH - 1, MAX_DEPTH] {
+            let body = nested(depth);
+            assert!(canonicalize(body.as_bytes()).is_ok(), "{depth} is admitted");
+            let shown = serde_json::to_value(body_json(body.as_bytes())).unwrap();
+            if depth < MAX_DEPTH {
+                assert_eq!(
+                    shown,
+                    serde_json::from_str::<serde_json::Value>(&body).unwrap()
+                );
+            } else {
+                assert_eq!(shown, serde_json::Value::String(body), "{depth}");
+            }
+        }
+    }
 }
