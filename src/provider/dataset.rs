@@ -713,7 +713,7 @@ fn gemini_member<'a>(object: &'a Value, json_name: &str) -> Option<&'a Value> {
 
 /// The `Schema` keywords [`gemini_json_schema`] reads whose proto field names differ from
 /// their JSON names, which are JSON Schema's: a schema written with the proto names (decision
-/// 79) gets JSON Schema's.
+/// 84) gets JSON Schema's.
 const GEMINI_PROTO_KEYWORDS: [(&str, &str); 7] = [
     ("any_of", "anyOf"),
     ("min_items", "minItems"),
@@ -968,9 +968,6 @@ mod tests {
         assert_eq!(gemini_text(&answer).unwrap(), "ab");
     }
 
-    /// EX-5, decision 63: a Gemini function declaration's `parameters` is Google's Schema
-    /// (upper-case types, `nullable`, int64 bounds as strings); the example's `tools` carry it
-    /// as JSON Schema, at every depth, and a `parametersJsonSchema` as it came.
     /// Google's JSON parser takes a request's members under their proto field names too
     /// (`system_instruction`, `function_declarations`), its REST examples write them so, and
     /// google-genai for Python passes a declaration given as a dict on as it is: pydantic-ai's
@@ -1035,6 +1032,9 @@ mod tests {
         );
     }
 
+    /// EX-5, decision 63: a Gemini function declaration's `parameters` is Google's Schema
+    /// (upper-case types, `nullable`, int64 bounds as strings); the example's `tools` carry it
+    /// as JSON Schema, at every depth, and a `parametersJsonSchema` as it came.
     #[test]
     fn a_gemini_declarations_schema_becomes_json_schema_in_the_openai_chat_example_ex5() {
         let answer = json!({"candidates": [{"content": {"role": "model",
