@@ -14,7 +14,6 @@ use holdfast::mock::{MockConfig, MockServer};
 use holdfast::provider::Provider;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
-use tracing_subscriber::field::MakeExt;
 
 #[derive(Parser)]
 #[command(
@@ -563,23 +562,8 @@ fn init_tracing(format: LogFormat) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     match format {
-        LogFormat::Text if std::io::IsTerminal::is_terminal(&std::io::stderr()) => {
-            builder.with_ansi(true).init()
-        }
-        // The same `name=value` fields without a terminal's styling: the default field
-        // formatter paints every name and `=` even with ANSI off, a dozen formatting calls per
-        // field, and a request's spans and its finished line carry about twenty (issue 30).
         LogFormat::Text => builder
-            .with_ansi(false)
-            .fmt_fields(
-                tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
-                    match field.name() {
-                        "message" => write!(writer, "{value:?}"),
-                        name => write!(writer, "{name}={value:?}"),
-                    }
-                })
-                .delimited(" "),
-            )
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
         LogFormat::Json => builder.json().with_ansi(false).init(),
     }
