@@ -219,17 +219,13 @@ async fn a_namespace_key_replays_only_its_own_requests_and_an_unknown_or_foreign
 async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7() {
     let mock = start_mock(MockConfig::default()).await;
     let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
     let config = |retired: bool| {
-        let mut toml = format!(
-            "database_url = \"sqlite://{}\"\n\n[[backends]]\nname = \"mock-openai\"\n\
-             kind = \"openai\"\nbase_url = \"{}\"\n",
-            dir.path().join("holdfast.db").display(),
-            mock.base_url()
-        );
+        let mut toml = fault_test_toml(&db, "", 30, &mock.base_url());
         if retired {
             toml.push_str(&format!(
-                "\n[[backends]]\nname = \"retired\"\nkind = \"openai\"\nbase_url = \"{}\"\n\
-                 \n[[model_rewrites]]\nmatch = \"gpt-4o-mini\"\nbackend = \"retired\"\n",
+                "[[backends]]\nname = \"retired\"\nkind = \"openai\"\nbase_url = \"{}\"\n\
+                 [[model_rewrites]]\nmatch = \"gpt-4o-mini\"\nbackend = \"retired\"\n",
                 mock.base_url()
             ));
         }
@@ -285,5 +281,5 @@ async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7(
     let r = replay(r#"{"model":"gpt-4o-mini"}"#).await.unwrap();
     assert_eq!(r.status(), 201);
     let record: Value = r.json().await.unwrap();
-    assert_eq!(record["backend"], "mock-openai", "{record}");
+    assert_eq!(record["backend"], "mock", "{record}");
 }
