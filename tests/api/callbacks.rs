@@ -647,6 +647,8 @@ async fn duplicates_that_attach_or_replay_send_no_second_webhook_cb1() {
     )
     .await;
     assert_eq!(record["callback"]["url"], receiver.url.as_str());
+    // The duplicates are counted by a write after their answers (DU-6), not with them.
+    let record = wait_deliveries_at_least(&app.base, &id, 3).await;
     assert_eq!(record["deliveries"]["total"], 3, "{record}");
     // A later request's delivery: by then a second webhook of the first would have been due.
     let later = header(&app.chat(&chat_body("later")).await, "holdfast-request-id");
