@@ -865,6 +865,164 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     ))
 }
 
+/// A Responses message item's `content` (a string, or parts) as one string: `input_text`,
+/// `output_text` and `refusal` parts joined as `join` says; an image, audio or file part cannot
+/// be carried (decision 63).
+fn responses_content(content: &Value, join: Join) -> Result<String, Skip> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut texts = Vec::new();
+            for part in parts {
+                let text = match part["type"].as_str() {
+                    Some("input_text" | "output_text" | "text") => &part["text"],
+                    Some("refusal") => &part["refusal"],
+                    other => {
+                        return Err(format!(
+                            "a content part of type {} (only text can be carried)",
+                            other.unwrap_or("?")
+                        ));
+                    }
+                };
+                texts.push(text.as_str().unwrap_or(""));
+            }
+            Ok(join_blocks(texts, join))
+        }
+        _ => Err("a message content that is neither text nor parts".into()),
+    }
+}
+
+/// Responses items (the request's `input`, or the answer's `output`) as OpenAI chat messages:
+/// messages by role, `function_call` items as the `tool_calls` of the assistant message they
+/// follow (or of one of their own), `function_call_output` items as `tool` messages, reasoning
+/// dropped (decision 87).
+fn responses_items(items: &[Value], join: Join) -> Result<Vec<Value>, Skip> {
+    let mut messages: Vec<Value> = Vec::new();
+    for item in items {
+        // A message item's `type` may be left out (the SDKs' "easy" input message).
+        match item["type"].as_str().unwrap_or("message") {
+            "message" => {
+                let role = match item["role"].as_str() {
+                    Some("developer" | "system") => "system",
+                    Some(role @ ("user" | "assistant")) => role,
+                    other => return Err(format!("a message of role {}", other.unwrap_or("?"))),
+                };
+                let text = responses_content(&item["content"], join)?;
+                messages.push(json!({"role": role, "content": text}));
+            }
+            "function_call" => {
+                let call = json!({
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]},
+                });
+                if !call["id"].is_string() || !item["arguments"].is_string() {
+                    return Err("a function call without a call id or arguments".into());
+                }
+                // Calls made together, and a call right after the assistant's text, are one
+                // assistant turn.
+                match messages.last_mut() {
+                    Some(last) if last["role"] == "assistant" => {
+                        match last.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                            Some(calls) => calls.push(call),
+                            None => last["tool_calls"] = json!([call]),
+                        }
+                    }
+                    _ => messages
+                        .push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                }
+            }
+            "function_call_output" => {
+                let output = match &item["output"] {
+                    Value::String(s) => s.clone(),
+                    parts @ Value::Array(_) => responses_content(parts, join)?,
+                    _ => return Err("a function call output that is neither text nor parts".into()),
+                };
+                messages.push(json!({
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": output,
+                }));
+            }
+            // No place for reasoning in the format (decision 63).
+            "reasoning" => {}
+            other => {
+                return Err(format!(
+                    "an item of type {other} (only messages and function calls can be carried)"
+                ));
+            }
+        }
+    }
+    Ok(messages)
+}
+
+/// The example of a Responses request and its answer (decision 87): `instructions` as the
+/// system message, the `input` items, then the answer's `output` items. A request that
+/// continues a conversation the provider stored (`previous_response_id`, `conversation`) or
+/// uses a stored prompt (`prompt`) is skipped: part of what the model saw is not in its body.
+fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
+    for stored in ["previous_response_id", "conversation", "prompt"] {
+        if body.get(stored).is_some_and(|v| !v.is_null()) {
+            return Err(format!(
+                "a Responses request with {stored} (part of its conversation is stored by \
+                 the provider, not in its body)"
+            ));
+        }
+    }
+    let mut messages = Vec::new();
+    match &body["instructions"] {
+        Value::Null => {}
+        Value::String(s) => messages.push(json!({"role": "system", "content": s})),
+        _ => return Err("instructions that are not text (a stored prompt)".into()),
+    }
+    match &body["input"] {
+        Value::String(s) => messages.push(json!({"role": "user", "content": s})),
+        Value::Array(items) => messages.extend(responses_items(items, Join::Request)?),
+        _ => return Err("no input".into()),
+    }
+    let output = answer["output"]
+        .as_array()
+        .ok_or("an answer without output items")?;
+    let reply = responses_items(output, Join::Answer)?;
+    if reply.is_empty() || reply.iter().any(|m| m["role"] != "assistant") {
+        return Err("an answer without an assistant message or tool calls".into());
+    }
+    // The answer is one assistant message, its texts joined and its calls together.
+    let mut texts = Vec::new();
+    let mut calls = Vec::new();
+    for m in &reply {
+        texts.extend(m["content"].as_str());
+        calls.extend(m["tool_calls"].as_array().into_iter().flatten().cloned());
+    }
+    let text = join_blocks(texts, Join::Answer);
+    let mut last = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
+    if !calls.is_empty() {
+        last["tool_calls"] = Value::Array(calls);
+    }
+    messages.push(last);
+    let tools = match body["tools"].as_array() {
+        None => None,
+        Some(list) => {
+            let mut out = Vec::new();
+            for tool in list {
+                if tool["type"] != "function" {
+                    return Err(format!(
+                        "a tool of type {} (only function tools can be carried)",
+                        tool["type"].as_str().unwrap_or("?")
+                    ));
+                }
+                let mut function = Map::new();
+                for key in ["name", "description", "parameters"] {
+                    keep(&mut function, tool, key);
+                }
+                out.push(json!({"type": "function", "function": function}));
+            }
+            (!out.is_empty()).then_some(Value::Array(out))
+        }
+    };
+    Ok(with_tools(messages, tools))
+}
+
 /// EX-5 for a route: the request `body` with its final `answer` as an example, or why not.
 pub(super) fn example(route: Route, body: &Value, answer: &Value) -> Result<Value, Skip> {
     match route {
@@ -874,9 +1032,7 @@ pub(super) fn example(route: Route, body: &Value, answer: &Value) -> Result<Valu
         | Route::GeminiStream
         | Route::GeminiV1Generate
         | Route::GeminiV1Stream => gemini_example(body, answer),
-        Route::OpenaiResponses => {
-            Err("a Responses request (its input does not map to one conversation)".into())
-        }
+        Route::OpenaiResponses => responses_example(body, answer),
         Route::OpenaiCompletions | Route::OpenaiEmbeddings => {
             Err(format!("route {} is not a chat route", route.name()))
         }
@@ -1146,5 +1302,104 @@ mod tests {
             {"type": "text", "text": "Hello, "}, {"type": "text", "text": "world."}]}}]});
         let ex = example(Route::OpenaiChat, &openai, &answer).unwrap();
         assert_eq!(ex["messages"][1]["content"], "Hello, world.");
+    }
+
+    /// Decision 87: a stateless Responses request (the Agents SDK's, each turn's whole history in
+    /// `input`) is one conversation: `instructions` as the system message, function calls and
+    /// their outputs as chat's tool calls and tool messages, reasoning dropped, the answer's
+    /// items as one assistant message; function tools flattened into chat's shape.
+    #[test]
+    fn a_responses_request_with_a_tool_round_becomes_a_chat_example_ex5() {
+        let body = json!({"model": "gpt-4o-mini", "instructions": "be brief",
+            "input": [
+                {"role": "developer", "content": "metric units"},
+                {"role": "user", "content": [{"type": "input_text", "text": "weather in"},
+                    {"type": "input_text", "text": "Oslo?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "message", "role": "assistant", "content": [
+                    {"type": "output_text", "text": "Checking.", "annotations": []}]},
+                {"type": "function_call", "call_id": "call_1", "name": "weather",
+                    "arguments": "{\"city\":\"Oslo\"}"},
+                {"type": "function_call", "call_id": "call_2", "name": "time",
+                    "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "4 C"},
+                {"type": "function_call_output", "call_id": "call_2",
+                    "output": [{"type": "input_text", "text": "noon"}]}],
+            "tools": [{"type": "function", "name": "weather", "description": "w",
+                "parameters": {"type": "object"}, "strict": true}]});
+        let answer = json!({"object": "response", "status": "completed", "output": [
+            {"type": "reasoning", "id": "rs_2", "summary": []},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "4 C ", "annotations": []},
+                {"type": "output_text", "text": "at noon.", "annotations": []}]},
+            {"type": "function_call", "call_id": "call_3", "name": "weather",
+                "arguments": "{}"}]});
+        let ex = example(Route::OpenaiResponses, &body, &answer).unwrap();
+        assert_eq!(
+            ex,
+            json!({"messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "system", "content": "metric units"},
+                {"role": "user", "content": "weather in\nOslo?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                        "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}},
+                    {"id": "call_2", "type": "function",
+                        "function": {"name": "time", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "4 C"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
+                {"role": "assistant", "content": "4 C at noon.", "tool_calls": [
+                    {"id": "call_3", "type": "function",
+                        "function": {"name": "weather", "arguments": "{}"}}]}],
+                "tools": [{"type": "function", "function": {"name": "weather",
+                    "description": "w", "parameters": {"type": "object"}}}]})
+        );
+        // A string input is one user message.
+        let ex = example(
+            Route::OpenaiResponses,
+            &json!({"input": "hi"}),
+            &json!({"output": [{"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "hello"}]}]}),
+        )
+        .unwrap();
+        assert_eq!(
+            ex["messages"],
+            json!([{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}])
+        );
+    }
+
+    /// Decision 87: what a Responses example cannot carry skips the request, naming it.
+    #[test]
+    fn a_responses_request_continuing_a_stored_conversation_or_with_an_image_is_skipped_ex5() {
+        let answer = json!({"output": [{"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "ok"}]}]});
+        let skip = |body: Value| example(Route::OpenaiResponses, &body, &answer).unwrap_err();
+        assert!(
+            skip(json!({"input": "and then?", "previous_response_id": "resp_1"}))
+                .contains("previous_response_id")
+        );
+        assert!(skip(json!({"input": "x", "conversation": "conv_1"})).contains("conversation"));
+        assert!(skip(json!({"input": "x", "prompt": {"id": "pmpt_1"}})).contains("prompt"));
+        assert!(
+            skip(json!({"input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}))
+            .contains("input_image")
+        );
+        assert!(
+            skip(json!({"input": [{"type": "item_reference", "id": "msg_1"}]}))
+                .contains("item_reference")
+        );
+        assert!(
+            skip(json!({"input": "x", "tools": [{"type": "web_search"}]})).contains("web_search")
+        );
+        // An answer holding a built-in tool's call.
+        let searched = json!({"output": [{"type": "web_search_call", "id": "ws_1"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}]});
+        assert!(
+            example(Route::OpenaiResponses, &json!({"input": "x"}), &searched)
+                .unwrap_err()
+                .contains("web_search_call")
+        );
     }
 }

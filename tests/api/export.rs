@@ -405,6 +405,27 @@ async fn the_openai_chat_export_passes_a_python_fine_tuning_format_check_with_wh
     let id = header(&r, "holdfast-request-id");
     let (_, events) = read_events(r).await;
     expected.insert(id, json!(anthropic_stream_text(&events)));
+    // A streamed Responses call, stateless (the Agents SDK's way), with a tool round in its
+    // input (decision 87).
+    let responses = json!({"model": "gpt-4o-mini", "stream": true, "instructions": "be brief",
+        "input": [
+            {"role": "user", "content": "weather in Oslo?"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather",
+                "arguments": "{\"city\":\"Oslo\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "4 C"}],
+        "tools": [{"type": "function", "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]});
+    let r = app.post("/v1/responses", responses.to_string(), &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    let (_, events) = read_events(r).await;
+    let text: String = events
+        .iter()
+        .filter(|e| e.event.as_deref() == Some("response.output_text.delta"))
+        .filter_map(|e| serde_json::from_str::<Value>(&e.data).ok())
+        .filter_map(|v| v["delta"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!text.is_empty(), "{events:?}");
+    expected.insert(id, json!(text));
     // A non-stream Gemini call.
     let r = app
         .post(
@@ -451,7 +472,7 @@ async fn the_openai_chat_export_passes_a_python_fine_tuning_format_check_with_wh
         &[("HOLDFAST_URL", &app.base)],
     );
     assert_eq!(code, 0, "{out}{err}");
-    assert!(err.contains("exported 3 examples"), "{err}");
+    assert!(err.contains("exported 4 examples"), "{err}");
     assert!(err.contains("skipped 2 requests"), "{err}");
     assert!(
         err.contains("image_url") && err.contains("openai.completions"),
@@ -471,7 +492,7 @@ async fn the_openai_chat_export_passes_a_python_fine_tuning_format_check_with_wh
         &[file.to_str().unwrap(), expected_file.to_str().unwrap()],
         &[],
     );
-    assert!(report.contains("3 examples ok"), "{report}");
+    assert!(report.contains("4 examples ok"), "{report}");
     app.stop().await;
 }
 
