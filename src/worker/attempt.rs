@@ -66,8 +66,11 @@ impl WorkerPool {
         tokio::pin!(heartbeat);
         let registration = self.register(lease.id);
         debug!("attempt started");
+        // Boxed: the call (the provider's request, its answer read or streamed into the log)
+        // is most of the attempt's future, which is made on the thread that leased it — the
+        // SQLite writer's, at admission (decision 70) — and copied as a whole when spawned.
         let ending = tokio::select! {
-            ending = self.call(&lease, &record, &mut trace) => ending,
+            ending = Box::pin(self.call(&lease, &record, &mut trace)) => ending,
             () = &mut heartbeat => None,
             () = registration.abort.cancelled() => None,
             () = self.abandon.cancelled() => {

@@ -424,9 +424,14 @@ impl WorkerPool {
         record: RequestRecord,
         permit: OwnedSemaphorePermit,
     ) {
+        // The attempt's future is kilobytes (every state it can await in); boxed, the task
+        // holds a pointer, so spawning it (often from the SQLite writer thread, decision 70)
+        // and ending it, when tokio overwrites the task's whole stage, copy a few bytes
+        // instead of the future (issue 30, docs/benchmarks.md).
         let pool = self.clone();
+        let attempt = Box::pin(async move { pool.attempt(lease, record).await });
         self.runtime.spawn(async move {
-            pool.attempt(lease, record).await;
+            attempt.await;
             drop(permit);
         });
     }
