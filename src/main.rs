@@ -259,6 +259,10 @@ struct MockArgs {
     /// Failures carry `retry-after-ms: VALUE`.
     #[arg(long)]
     retry_after_ms: Option<u64>,
+    /// Gemini failures: a `google.rpc.RetryInfo` detail with this `retryDelay` (`1.5s`) in
+    /// their body, as Google says how long to wait.
+    #[arg(long)]
+    retry_delay: Option<String>,
     /// Stream: close the connection abruptly after K content events.
     #[arg(long)]
     drop_after_chunks: Option<u32>,
@@ -307,6 +311,7 @@ impl From<&MockArgs> for MockConfig {
             fail_status: a.fail_status,
             retry_after: a.retry_after.clone(),
             retry_after_ms: a.retry_after_ms,
+            retry_delay: a.retry_delay.clone(),
             drop_after_chunks: a.drop_after_chunks,
             drop_first: a.drop_first,
             reset_before_headers: a.reset_before_headers,

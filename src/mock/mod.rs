@@ -88,6 +88,10 @@ pub struct MockConfig {
     pub retry_after: Option<String>,
     /// When set, injected failures carry `retry-after-ms: <value>`.
     pub retry_after_ms: Option<u64>,
+    /// When set, injected failures on Gemini routes carry a `google.rpc.RetryInfo` detail
+    /// with this `retryDelay` (`"1.5s"`) in their body, which is where Google says how long
+    /// to wait (no `retry-after`).
+    pub retry_delay: Option<String>,
     /// Streams only: after K content events, end the connection abruptly (no terminator, no
     /// `[DONE]` / `message_stop`). K at or past the last piece drops right after the content.
     pub drop_after_chunks: Option<u32>,
@@ -133,6 +137,7 @@ impl Default for MockConfig {
             fail_status: 500,
             retry_after: None,
             retry_after_ms: None,
+            retry_delay: None,
             drop_after_chunks: None,
             drop_first: 0,
             reset_before_headers: 0,
@@ -730,7 +735,14 @@ fn injected_failure(provider: Provider, cfg: &MockConfig, n: u64, k: u64) -> Res
         "mock: injected failure (fail_first={}; this is call {k} since the last reset or config change)",
         cfg.fail_first
     );
-    let mut resp = error_response(provider, status, &message, n);
+    let mut body = provider.error_body(status, &message);
+    if let (Provider::Gemini, Some(delay)) = (provider, &cfg.retry_delay) {
+        body["error"]["details"] = json!([{
+            "@type": "type.googleapis.com/google.rpc.RetryInfo",
+            "retryDelay": delay,
+        }]);
+    }
+    let mut resp = body_response(provider, status, n, json_bytes(&body));
     let headers = resp.headers_mut();
     if let Some(v) = &cfg.retry_after
         && let Ok(v) = HeaderValue::from_str(v)

@@ -8,6 +8,7 @@
 //! has arrived and the body then ends cleanly (GM-3).
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
 use serde_json::value::RawValue;
@@ -297,6 +298,51 @@ pub(super) fn error_event(code: &str, message: &str) -> (Option<&'static str>, S
     )
 }
 
+/// The `retryDelay` of a `google.rpc.RetryInfo` detail in an error body (`{"error": {"details":
+/// [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "45.837906927s"}]}}`):
+/// Google answers a quota 429 without `retry-after` and says there how long to wait (LC-5,
+/// decision 88). A protobuf `Duration` in its JSON form: decimal seconds, up to nine fractional
+/// digits, then `s`. `None` when the body has no such detail or it cannot be read.
+pub(super) fn retry_delay_of_body(body: &[u8]) -> Option<Duration> {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        error: Error,
+    }
+    #[derive(serde::Deserialize)]
+    struct Error {
+        #[serde(default)]
+        details: Vec<Value>,
+    }
+    let body: Body = serde_json::from_slice(body).ok()?;
+    body.error.details.iter().find_map(|detail| {
+        let kind = detail["@type"].as_str()?;
+        if kind.rsplit('/').next() != Some("google.rpc.RetryInfo") {
+            return None;
+        }
+        parse_duration(detail["retryDelay"].as_str()?)
+    })
+}
+
+/// A protobuf `Duration` in JSON (`"3s"`, `"45.837906927s"`): non-negative only.
+fn parse_duration(text: &str) -> Option<Duration> {
+    let number = text.strip_suffix('s')?;
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty()
+        || !whole.bytes().all(|b| b.is_ascii_digit())
+        || fraction.len() > 9
+        || !fraction.bytes().all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let secs: u64 = whole.parse().ok()?;
+    let nanos: u32 = if fraction.is_empty() {
+        0
+    } else {
+        format!("{fraction:0<9}").parse().ok()?
+    };
+    Some(Duration::new(secs, nanos))
+}
+
 /// Whether an event reports an error: a non-null `error` member.
 pub(super) fn is_error_event(error: bool) -> bool {
     error
@@ -421,6 +467,43 @@ mod tests {
         assert_eq!(name, None);
         assert!(data.starts_with(r#"{"error":"#), "{data}");
         assert!(data.contains("503"), "{data}");
+    }
+
+    /// LC-5, decision 88: Google says how long to wait in the body of a 429, as a
+    /// `google.rpc.RetryInfo` detail's `retryDelay`, not in `retry-after`.
+    #[test]
+    fn a_retry_info_details_retry_delay_is_the_providers_hint_lc5() {
+        let body = |delay: &str| {
+            format!(
+                r#"{{"error":{{"code":429,"message":"quota","status":"RESOURCE_EXHAUSTED",
+                "details":[{{"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[]}},
+                {{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"{delay}"}}]}}}}"#
+            )
+        };
+        for (delay, want) in [
+            ("45.837906927s", Some(Duration::new(45, 837_906_927))),
+            ("3s", Some(Duration::from_secs(3))),
+            ("0.5s", Some(Duration::from_millis(500))),
+            ("-1s", None),
+            ("3", None),
+            ("1.0000000001s", None),
+            ("s", None),
+            ("1e3s", None),
+        ] {
+            assert_eq!(
+                retry_delay_of_body(body(delay).as_bytes()),
+                want,
+                "{delay:?}"
+            );
+        }
+        for other in [
+            r#"{"error":{"code":429,"message":"m","status":"RESOURCE_EXHAUSTED"}}"#,
+            r#"{"error":{"code":503,"details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"x"}]}}"#,
+            "not json",
+            "[]",
+        ] {
+            assert_eq!(retry_delay_of_body(other.as_bytes()), None, "{other}");
+        }
     }
 
     #[test]

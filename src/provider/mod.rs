@@ -19,6 +19,7 @@ mod gemini;
 mod openai;
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
@@ -290,6 +291,18 @@ impl Provider {
             Provider::Gemini => None,
             #[cfg(test)]
             Provider::Echo => Some(echo::REQUEST_ID_HEADER),
+        }
+    }
+
+    /// The delay a provider's error body asks for before a retry, for a provider that says it
+    /// there rather than in `retry-after` (LC-5): Google's `google.rpc.RetryInfo` detail
+    /// (decision 88).
+    pub(crate) fn retry_delay_of_body(self, body: &[u8]) -> Option<Duration> {
+        match self {
+            Provider::Gemini => gemini::retry_delay_of_body(body),
+            Provider::Openai | Provider::Anthropic => None,
+            #[cfg(test)]
+            Provider::Echo => None,
         }
     }
 

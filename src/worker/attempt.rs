@@ -436,6 +436,8 @@ impl WorkerPool {
             };
         }
         if retry::is_transient_status(status) {
+            // Google says how long to wait in the body, not in `retry-after` (decision 88).
+            let hint = hint.or_else(|| route.provider().retry_delay_of_body(&body));
             let message = format!("the provider answered {status}: {}", excerpt(&body));
             return match self.transient(lease, Some(status), message, hint) {
                 // Keep the provider's last answer on an exhausted request for readers.

@@ -414,6 +414,39 @@ async fn a_provider_refusal_is_replayed_in_googles_shape_lc6_gm5() {
     app.stop().await;
 }
 
+/// LC-5, decision 88: Google answers a quota 429 without `retry-after`; how long to wait is the
+/// `retryDelay` of a `google.rpc.RetryInfo` detail in its body. holdfast waits that long before
+/// its next attempt instead of spending its attempts within its own short backoff.
+#[tokio::test]
+async fn a_gemini_429s_retry_info_delay_is_waited_before_the_next_attempt_lc5() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 1,
+            fail_status: 429,
+            retry_delay: Some("1.500000000s".into()),
+            ..MockConfig::default()
+        },
+        |c| {
+            c.workers.backoff_initial_ms = 20;
+            c.workers.backoff_max_ms = 10_000;
+        },
+    )
+    .await;
+    let r = app.post(GENERATE, gemini_body("quota"), &[]).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let record = app.record(&id).await;
+    assert_eq!(record["attempts"], 2, "{record}");
+    let calls = app.mock.recorded();
+    assert_eq!(calls.len(), 2);
+    let waited = calls[1].at_ms - calls[0].at_ms;
+    assert!(
+        waited >= 1_400,
+        "the second attempt came {waited} ms after the 429 that asked for 1.5 s"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4() {
     let app = spawn_app(MockConfig::default(), |c| {
