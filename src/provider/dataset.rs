@@ -350,17 +350,30 @@ pub(super) fn gemini_assemble<'a>(events: impl IntoIterator<Item = &'a str>) -> 
                 .into_iter()
                 .flatten()
             {
+                // A text part's only other members are `thought` and `thoughtSignature`; two
+                // join when of one kind and carrying one signature between them, which the
+                // joined part keeps: Google streams a signature on a part of its own, often
+                // with empty text, after the text it signs (decision 89).
+                let text_part = |p: &Value| {
+                    p.as_object().is_some_and(|p| {
+                        p.get("text").is_some_and(Value::is_string)
+                            && p.keys().all(|k| {
+                                matches!(k.as_str(), "text" | "thought" | "thoughtSignature")
+                            })
+                    })
+                };
                 let joins = |last: &Value| {
-                    last.as_object().is_some_and(|l| {
-                        l.len() <= 2 && l.get("text").is_some_and(Value::is_string)
-                    }) && part.as_object().is_some_and(|p| {
-                        p.len() <= 2 && p.get("text").is_some_and(Value::is_string)
-                    }) && last["thought"] == part["thought"]
+                    text_part(last)
+                        && text_part(part)
+                        && last["thought"] == part["thought"]
+                        && (last.get("thoughtSignature").is_none()
+                            || part.get("thoughtSignature").is_none())
                 };
                 match parts.last_mut() {
                     Some(last) if joins(last) => {
                         if let Some(last) = last.as_object_mut() {
                             append(last, "text", &part["text"]);
+                            keep(last, part, "thoughtSignature");
                         }
                     }
                     _ => parts.push(part.clone()),
@@ -1122,6 +1135,31 @@ mod tests {
         assert_eq!(answer["candidates"][0]["finishReason"], "STOP");
         assert_eq!(answer["usageMetadata"]["candidatesTokenCount"], 2);
         assert_eq!(gemini_text(&answer).unwrap(), "ab");
+    }
+
+    /// EX-3, decision 89: Google streams a thought signature on a part of its own, often with
+    /// empty text, after the text it signs; the non-stream answer has it on that text's part.
+    /// Joining the parts kept the text and dropped the signature, which a client continuing
+    /// the conversation from the export must send back.
+    #[test]
+    fn a_gemini_streams_thought_signature_survives_the_joining_of_text_parts_ex3() {
+        let events = [
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"Let me think","thought":true}]},"index":0}]}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"Hello "}]},"index":0}]}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"world"}]},"index":0}]}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"","thoughtSignature":"c2lnMQ=="}]},"finishReason":"STOP","index":0}]}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"more","thoughtSignature":"c2lnMg=="}]},"index":0}]}"#,
+        ];
+        let answer = gemini_assemble(events).unwrap();
+        assert_eq!(
+            answer["candidates"][0]["content"]["parts"],
+            json!([
+                {"text": "Let me think", "thought": true},
+                {"text": "Hello world", "thoughtSignature": "c2lnMQ=="},
+                {"text": "more", "thoughtSignature": "c2lnMg=="},
+            ]),
+            "one signature per joined part, none lost"
+        );
     }
 
     /// Google's JSON parser takes a request's members under their proto field names too
