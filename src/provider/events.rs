@@ -594,7 +594,7 @@ mod tests {
     }
 
     #[test]
-    fn a_gemini_answer_holds_candidates_or_prompt_feedback_lc11_gm3() {
+    fn a_gemini_answer_holds_candidates_prompt_feedback_or_usage_metadata_lc11_gm3() {
         let route = Route::GeminiGenerate;
         let (id, usage) = route
             .check_answer(br#"{"candidates":[],"usageMetadata":{"promptTokenCount":4,"candidatesTokenCount":6}}"#)
@@ -610,11 +610,19 @@ mod tests {
             .check_answer(br#"{"error":{"code":400,"message":"x","status":"INVALID_ARGUMENT"}}"#)
             .expect_err("an error in a 200");
         assert_eq!(error, "an error object instead of an answer");
+        // Decision 89: Gemini 2.5 answers some prompts with neither candidates nor feedback,
+        // only the usage it bills; google-genai returns that as a response without text.
+        let (_, usage) = route
+            .check_answer(
+                br#"{"usageMetadata":{"promptTokenCount":9291,"totalTokenCount":9291},"modelVersion":"gemini-2.5-pro","responseId":"r"}"#,
+            )
+            .expect("an answer in which the model generated nothing");
+        assert_eq!(usage.and_then(|u| u.input_tokens), Some(9291));
         let none = route
-            .check_answer(br#"{"usageMetadata":{}}"#)
+            .check_answer(br#"{"modelVersion":"gemini-2.5-pro"}"#)
             .expect_err("no answer");
         assert!(
-            none.contains("without `candidates` or `promptFeedback`"),
+            none.contains("without `candidates`, `promptFeedback` or `usageMetadata`"),
             "{none}"
         );
         assert!(route.check_answer(b"<html></html>").is_err());

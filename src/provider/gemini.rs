@@ -28,8 +28,10 @@ pub(super) const DEFAULT_HEADERS: &[(&str, &str)] = &[];
 pub(super) const KEY_HEADER: &str = "x-goog-api-key";
 
 /// The answer's result members: `candidates`, or `promptFeedback` alone for a prompt that was
-/// blocked before any candidate was generated (GM-3).
-pub(super) const RESULT_MEMBERS: &[&str] = &["candidates", "promptFeedback"];
+/// blocked before any candidate was generated, or `usageMetadata` alone for an answer in which
+/// the model generated nothing: Google leaves empty members out, and Gemini 2.5 answers some
+/// prompts with no candidate and no feedback, only the usage it bills (GM-3, decision 90).
+pub(super) const RESULT_MEMBERS: &[&str] = &["candidates", "promptFeedback", "usageMetadata"];
 
 /// The members a stream chunk carries: a chunk with none of them is not this route's (GM-3).
 pub(super) const STREAM_EVENT_MEMBERS: &[&str] = &["candidates", "promptFeedback", "usageMetadata"];

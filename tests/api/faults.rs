@@ -1026,6 +1026,23 @@ fn gemini_rows() -> Vec<GeminiRow> {
             attempts: 1,
             calls: 1,
         },
+        GeminiRow {
+            // Decision 89: Gemini 2.5 answers some prompts so; google-genai returns it as a
+            // response without text, and the prompt's tokens are billed.
+            name: "gemini: nothing generated (usageMetadata alone, no candidates or feedback)",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                r#"{"usageMetadata":{"promptTokenCount":9291,"totalTokenCount":9291},"modelVersion":"gemini-2.5-pro","responseId":"r1"}"#,
+                false,
+            )),
+            stream: false,
+            tweak: none,
+            answered: 200,
+            status: "succeeded",
+            error: None,
+            attempts: 1,
+            calls: 1,
+        },
     ]
 }
 
