@@ -3,8 +3,9 @@
 //! the method after the last colon (a `POST` on `/v1/models/{id}` without one of Google's
 //! methods is OpenAI's model lookup with a wrong method, IN-1): `generateContent` and
 //! `streamGenerateContent` to the proxied
-//! route of that method ([`proxy::handle`], the model taken from the path), `countTokens`
-//! forwarded unlogged to the backend the model routes to. `GET /v1beta/models` is the merged
+//! route of that method ([`proxy::handle`], the model taken from the path), `countTokens`,
+//! `embedContent` and `batchEmbedContents` forwarded unlogged to the backend the model routes
+//! to. `GET /v1beta/models` is the merged
 //! model list ([`passthrough::models_of`]); one model is [`passthrough::model`].
 
 use std::collections::HashMap;
@@ -50,8 +51,8 @@ pub(super) async fn call(
         .into_response();
     }
     key_from_query(&uri, &mut headers);
-    if method == "countTokens" {
-        return count_tokens(state, router_path, model, &headers, body).await;
+    if FORWARDED_METHODS.contains(&method) {
+        return forward(state, router_path, model, method, &headers, body).await;
     }
     let Some(route) = Route::of_method(router_path, method) else {
         return no_route(&uri);
@@ -68,12 +69,18 @@ pub(super) async fn call(
     proxy::handle(State(state), route, Some(model.to_owned()), headers, body).await
 }
 
+/// Google's model methods forwarded unlogged to the backend the model routes to (GM-4,
+/// HTTP-4): token counting and embeddings, which generate nothing (decision 91).
+pub(super) const FORWARDED_METHODS: [&str; 3] =
+    ["countTokens", "embedContent", "batchEmbedContents"];
+
 /// Whether the `/models/` path segment `call` names a method served here with `POST`
-/// (`generateContent`, `streamGenerateContent`, `countTokens`): another method on it is 405,
-/// not a lookup of a model so named (IN-1; a model in the path has no colon, GM-1).
+/// (`generateContent`, `streamGenerateContent`, and the [`FORWARDED_METHODS`]): another method
+/// on it is 405, not a lookup of a model so named (IN-1; a model in the path has no colon,
+/// GM-1).
 pub(super) fn is_post_call(call: &str) -> bool {
     call.rsplit_once(':').is_some_and(|(_, method)| {
-        method == "countTokens"
+        FORWARDED_METHODS.contains(&method)
             || Route::ALL
                 .into_iter()
                 .any(|r| r.model_in_path() && Route::of_method(r.router_path(), method).is_some())
@@ -93,12 +100,13 @@ pub(super) async fn models(
         .into_response()
 }
 
-/// `countTokens`: forwarded to the backend the model routes to, the rewritten model in the
-/// path, not logged (HTTP-4).
-async fn count_tokens(
+/// `countTokens`, `embedContent`, `batchEmbedContents` ([`FORWARDED_METHODS`]): forwarded to
+/// the backend the model routes to, the rewritten model in the path, not logged (HTTP-4).
+async fn forward(
     state: AppState,
     router_path: &'static str,
     model: &str,
+    method: &str,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
@@ -124,7 +132,7 @@ async fn count_tokens(
     let model = rewritten.as_deref().unwrap_or(model);
     let path = route
         .upstream_path(Some(model))
-        .replace(":generateContent", ":countTokens");
+        .replace(":generateContent", &format!(":{method}"));
     let forwarded = passthrough::client_headers(headers, SHAPE);
     passthrough::relay(
         &state,

@@ -147,7 +147,9 @@ fn fixed_routes() -> Vec<Served> {
             .into_iter()
             .find(|r| r.model_in_path() && r.client_path().starts_with(&format!("{version}/")))
             .map_or("", |r| r.router_path());
-        routes.push(("POST", count_tokens_path(version), call, None));
+        for path in forwarded_paths(version) {
+            routes.push(("POST", path, call, None));
+        }
         routes.push((
             "GET",
             model_path(version),
@@ -193,12 +195,21 @@ fn fixed_routes() -> Vec<Served> {
     routes
 }
 
-/// `POST {version}/models/{model}:countTokens`, as documented.
-fn count_tokens_path(version: &str) -> &'static str {
+/// `POST {version}/models/{model}:{method}` of each method forwarded unlogged (GM-4), as
+/// documented.
+fn forwarded_paths(version: &str) -> [&'static str; 3] {
     if version == "/v1beta" {
-        "/v1beta/models/{model}:countTokens"
+        [
+            "/v1beta/models/{model}:countTokens",
+            "/v1beta/models/{model}:embedContent",
+            "/v1beta/models/{model}:batchEmbedContents",
+        ]
     } else {
-        "/v1/models/{model}:countTokens"
+        [
+            "/v1/models/{model}:countTokens",
+            "/v1/models/{model}:embedContent",
+            "/v1/models/{model}:batchEmbedContents",
+        ]
     }
 }
 

@@ -1,5 +1,6 @@
 //! Gemini shapes: `generateContent` (non-stream), `streamGenerateContent?alt=sse` chunks, a
-//! model of the list, `countTokens`, and Google's error body.
+//! model of the list, `countTokens`, `embedContent`, `batchEmbedContents`, and Google's error
+//! body.
 //!
 //! Field names follow google-genai's REST types (`GenerateContentResponse`, `Candidate`,
 //! `UsageMetadata`, `ListModelsResponse`). Streams end without a final event: the last chunk
@@ -109,4 +110,21 @@ pub(crate) fn model_json(id: &str) -> Value {
 /// `countTokens`: `{"totalTokens": N}`.
 pub(crate) fn count_json(tokens: u64) -> Value {
     json!({"totalTokens": tokens})
+}
+
+/// `embedContent` (`{"embedding": {"values": [...]}}`) or `batchEmbedContents` (`{"embeddings":
+/// [...]}`, one per entry of `requests`): 8 values each, chosen by the text.
+pub(crate) fn embed_json(method: &str, body: &Value) -> Value {
+    let values = |request: &Value| {
+        let seed = super::text::seed_of(request).prompt_tokens;
+        (0..8u64)
+            .map(|i| json!(((seed + i) % 7) as f64 / 7.0))
+            .collect::<Vec<_>>()
+    };
+    if method == "batchEmbedContents" {
+        let requests = body["requests"].as_array().cloned().unwrap_or_default();
+        json!({"embeddings": requests.iter().map(|r| json!({"values": values(r)})).collect::<Vec<_>>()})
+    } else {
+        json!({"embedding": {"values": values(body)}})
+    }
 }

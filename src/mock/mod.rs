@@ -639,7 +639,8 @@ fn read_call(route: Route, body: &[u8]) -> Result<CallInfo, BadRequest> {
 }
 
 /// `POST /{version}/models/{model}:{method}`: Gemini's model calls (`generateContent`,
-/// `streamGenerateContent`, the stream chosen by the path) and `countTokens`.
+/// `streamGenerateContent`, the stream chosen by the path), `countTokens`, `embedContent` and
+/// `batchEmbedContents`.
 async fn gemini_call(
     State(shared): State<Arc<Shared>>,
     Path(call): Path<String>,
@@ -657,6 +658,18 @@ async fn gemini_call(
             return match serde_json::from_slice::<Value>(&body) {
                 Ok(value) => axum::Json(gemini::count_json(text::seed_of(&value).prompt_tokens))
                     .into_response(),
+                Err(e) => error_response(
+                    Provider::Gemini,
+                    StatusCode::BAD_REQUEST,
+                    &format!("mock: body is not JSON: {e}"),
+                    0,
+                ),
+            };
+        }
+        "embedContent" | "batchEmbedContents" => {
+            shared.record_other(RawCall::new(0, &uri, &headers, &body));
+            return match serde_json::from_slice::<Value>(&body) {
+                Ok(value) => axum::Json(gemini::embed_json(method, &value)).into_response(),
                 Err(e) => error_response(
                     Provider::Gemini,
                     StatusCode::BAD_REQUEST,

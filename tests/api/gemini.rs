@@ -338,7 +338,7 @@ async fn holdfasts_own_errors_on_gemini_routes_take_googles_shape_gm5_rs6() {
 
     let unknown = app
         .post(
-            "/v1beta/models/gemini-2.5-flash:embedContent",
+            "/v1beta/models/imagen-4.0-generate-001:predict",
             gemini_body("x"),
             &[],
         )
@@ -508,6 +508,79 @@ async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4
     .await;
     assert_eq!(one["name"], "models/gemini-mock-small");
 
+    assert_eq!(app.mock.calls(), 0, "no model call");
+    assert!(records(&app).await.is_empty(), "nothing recorded");
+    app.stop().await;
+}
+
+/// GM-4, decision 91: google-genai's `embed_content` (`batchEmbedContents` on the Developer
+/// API) and `embedContent` are forwarded unlogged to the backend the model routes to, the
+/// rewritten model in the path, as `countTokens` is; they used to be 404 with no way around it
+/// (a `[[passthrough]]` under `/v1beta/models` overlaps holdfast's own routes).
+#[tokio::test]
+async fn embeddings_are_forwarded_without_a_record_gm4_http4() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.model_rewrites = vec![ModelRewrite {
+            pattern: "embed-fast".into(),
+            backend: "mock-gemini".into(),
+            model: Some("text-embedding-004".into()),
+        }];
+    })
+    .await;
+    let batch = app
+        .post(
+            "/v1beta/models/embed-fast:batchEmbedContents",
+            r#"{"requests":[{"model":"models/embed-fast","content":{"parts":[{"text":"a"}]}},
+                {"model":"models/embed-fast","content":{"parts":[{"text":"b"}]}}]}"#
+                .to_string(),
+            &[("x-goog-api-key", "the-clients-key")],
+        )
+        .await;
+    assert_eq!(batch.status(), 200);
+    let batch: Value = batch.json().await.unwrap();
+    assert_eq!(
+        batch["embeddings"].as_array().map(Vec::len),
+        Some(2),
+        "{batch}"
+    );
+    let one = app
+        .post(
+            "/v1/models/text-embedding-004:embedContent",
+            r#"{"content":{"parts":[{"text":"a"}]}}"#.to_string(),
+            &[],
+        )
+        .await;
+    assert_eq!(one.status(), 200);
+    let one: Value = one.json().await.unwrap();
+    assert!(one["embedding"]["values"].is_array(), "{one}");
+
+    let others = app.mock.other_calls();
+    let paths: Vec<&str> = others.iter().map(|c| c.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/v1beta/models/text-embedding-004:batchEmbedContents",
+            "/v1/models/text-embedding-004:embedContent",
+        ]
+    );
+    assert!(
+        !others[0]
+            .headers
+            .iter()
+            .any(|(_, v)| v.contains("the-clients-key")),
+        "the client's key never goes upstream"
+    );
+    // A GET on such a path is a call with the wrong method, not a model lookup (IN-1).
+    let wrong = app
+        .http
+        .get(format!(
+            "{}/v1beta/models/text-embedding-004:embedContent",
+            app.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 405);
     assert_eq!(app.mock.calls(), 0, "no model call");
     assert!(records(&app).await.is_empty(), "nothing recorded");
     app.stop().await;
@@ -875,6 +948,7 @@ async fn google_genai_python_generates_streams_counts_and_lists_through_holdfast
         "{out}"
     );
     assert!(out["total_tokens"].as_u64().unwrap() >= 1, "{out}");
+    assert_eq!(out["embedding"], 8, "embed_content is forwarded: {out}");
     let models: Vec<&str> = out["models"]
         .as_array()
         .unwrap()
@@ -889,7 +963,7 @@ async fn google_genai_python_generates_streams_counts_and_lists_through_holdfast
     assert_eq!(
         list.len(),
         2,
-        "count_tokens and the model list are not recorded"
+        "count_tokens, embed_content and the model list are not recorded"
     );
     let routes: Vec<&str> = list.iter().filter_map(|r| r["route"].as_str()).collect();
     assert!(routes.contains(&"gemini.v1.generate"), "{routes:?}");

@@ -445,7 +445,7 @@ async fn an_openai_fine_tuned_model_id_with_colons_is_an_openai_model_lookup_not
     assert!(gemini["candidates"].is_array(), "{gemini}");
     for (method, path) in [
         ("DELETE", "/v1/models/gemini-2.5-flash:generateContent"),
-        ("POST", "/v1/models/gemini-2.5-flash:embedContent"),
+        ("POST", "/v1/models/imagen-4.0-generate-001:predict"),
     ] {
         let r = call(method, path).await.unwrap();
         let status = r.status();

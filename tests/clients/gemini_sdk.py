@@ -3,9 +3,9 @@
 Usage: gemini_sdk.py MODE, HOLDFAST_URL set to holdfast's address (no version: the SDK adds
 /v1 or /v1beta itself). Prints one JSON object.
 
-- surface: generate_content, generate_content_stream, count_tokens, models.list and
-  models.get, each once, on the SDK's default API version; then generate_content again (a
-  re-send, answered from the log). Prints the texts, the token count and the model names.
+- surface: generate_content, generate_content_stream, count_tokens, embed_content,
+  models.list and models.get, each once, on the SDK's default API version; then generate_content again (a
+  re-send, answered from the log). Prints the texts, the token count, the embedding's length and the model names.
 - beta: generate_content and generate_content_stream with api_version="v1beta".
 - retry: generate_content with HttpRetryOptions(attempts=3) and a 1 s timeout (the test makes
   the provider slower than that, or fail once). Prints the text, or the error it raised.
@@ -61,6 +61,9 @@ if mode == "surface":
     out["total_tokens"] = c.models.count_tokens(
         model=MODEL, contents="count these tokens"
     ).total_tokens
+    out["embedding"] = len(
+        c.models.embed_content(model="text-embedding-004", contents="embed these").embeddings[0].values
+    )
     out["models"] = [m.name for m in c.models.list()]
     out["one_model"] = c.models.get(model="gemini-mock-small").name
     out["again"] = c.models.generate_content(model=MODEL, contents="gemini through holdfast").text
