@@ -599,7 +599,26 @@ function promptText(route, body) {
       }
     }
   }
+  if (route && route.startsWith('gemini.')) {
+    // Google's members, under their JSON or their proto field names (decision 84).
+    const system = body.systemInstruction ?? body.system_instruction;
+    if (system) lines.push(`system: ${geminiPartsText(system.parts)}`);
+    const contents = Array.isArray(body.contents) ? body.contents : body.contents ? [body.contents] : [];
+    for (const c of contents) {
+      if (typeof c === 'string') lines.push(`user: ${c}`);
+      else if (c && typeof c === 'object') lines.push(`${c.role ?? 'user'}: ${geminiPartsText(c.parts)}`);
+    }
+  }
   return lines.join('\n');
+}
+
+/** The text of Gemini `parts`, thoughts left out (what the SDKs' `.text` gives). */
+function geminiPartsText(parts) {
+  if (!Array.isArray(parts)) return '';
+  return parts
+    .filter((p) => p && p.thought !== true && typeof p.text === 'string')
+    .map((p) => p.text)
+    .join('');
 }
 
 function answerText(route, answer, stream) {
@@ -615,6 +634,10 @@ function answerText(route, answer, stream) {
     return answer.output.map((item) => contentText(item.content ?? [])).filter(Boolean).join('\n');
   }
   if (Array.isArray(answer.data)) return `(${answer.data.length} embedding${answer.data.length === 1 ? '' : 's'})`;
+  if (Array.isArray(answer.candidates)) {
+    const candidate = answer.candidates[0];
+    return geminiPartsText(candidate && candidate.content && candidate.content.parts);
+  }
   return '';
 }
 

@@ -508,6 +508,59 @@ async fn ui_renders_markup_in_prompts_answers_and_streams_as_text() {
     app.stop().await;
 }
 
+/// A Gemini request's prompt and answer show on demand as every other provider's do: its
+/// `systemInstruction` and `contents`, and a non-stream answer's first candidate's text. The
+/// page read OpenAI's and Anthropic's members only, so it showed "(no text found in the request
+/// body)" and "(no answer text stored)" for an answered Gemini call.
+#[tokio::test]
+async fn ui_shows_a_gemini_requests_prompt_and_answer_gm1() {
+    let app = spawn_app(MockConfig::default(), |c| c.ui = true).await;
+    let body = json!({
+        "systemInstruction": {"parts": [{"text": "answer like a pirate"}]},
+        "contents": [{"role": "user", "parts": [{"text": "where is the treasure"}]}],
+    });
+    let r = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:generateContent",
+            body.to_string(),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let answer: Value = r.json().await.unwrap();
+    let text = answer["candidates"][0]["content"]["parts"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!text.is_empty());
+
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, HEIGHT).await;
+    page.goto(&format!("{}/ui", app.base)).await;
+    wait_rows(&page, &[&id], "the Gemini request").await;
+    open_detail(&page, &id).await;
+    page.eval("document.getElementById('show-body').click()")
+        .await;
+    page.wait_for(
+        "!document.getElementById('bodies').hidden",
+        "the Gemini request's bodies",
+        WAIT,
+    )
+    .await;
+    assert_eq!(
+        text_of(&page, "prompt").await,
+        "system: answer like a pirate\nuser: where is the treasure"
+    );
+    assert_eq!(text_of(&page, "answer").await, text);
+    let errors = browser.errors();
+    assert!(
+        errors.is_empty(),
+        "the page ran without errors: {errors:#?}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_only_the_prompt() {
     let app = spawn_app(
