@@ -107,7 +107,10 @@ impl Position {
         if chunk.seq < next {
             // Sent already, ahead of the log: where the log now says something else, the
             // events sent since never reached it (their attempt was abandoned), and the
-            // stream ends with the abandoned attempt's error (RS-11).
+            // stream ends with the abandoned attempt's error (RS-11) — or, where the log
+            // says the request failed for good (a cancel from another node, an expired last
+            // lease), with that failure: nothing re-runs it and a retry is a new request
+            // (ID-6), which `attempt_abandoned` would tell the client otherwise (decision 92).
             let diverged = source != Source::Ahead
                 && chunk.seq > known
                 && chunk.seq <= self.sent
@@ -115,12 +118,16 @@ impl Position {
             if diverged {
                 self.held = None;
                 self.sent = chunk.seq;
-                out.push(Chunk {
-                    kind: ChunkKind::Reset,
-                    event: None,
-                    data: String::new(),
-                    ..chunk.into_owned()
-                });
+                if chunk.kind == ChunkKind::End && !ends_in_success(&chunk.data) {
+                    out.push(chunk.into_owned());
+                } else {
+                    out.push(Chunk {
+                        kind: ChunkKind::Reset,
+                        event: None,
+                        data: String::new(),
+                        ..chunk.into_owned()
+                    });
+                }
             }
             return true;
         }
@@ -247,6 +254,11 @@ pub(super) fn follow(
 /// `reset` too (its attempt was abandoned, RS-4).
 fn is_last(chunk: &Chunk, proxied: bool) -> bool {
     chunk.kind == ChunkKind::End || (proxied && chunk.kind == ChunkKind::Reset)
+}
+
+/// Whether an `end` chunk's `data` says the request succeeded.
+fn ends_in_success(data: &str) -> bool {
+    serde_json::from_str::<EndData>(data).is_ok_and(|end| end.status == "succeeded")
 }
 
 /// The `data` of an `end` chunk.
@@ -521,11 +533,24 @@ mod tests {
         );
         assert!(is_last(&control(2, ChunkKind::Reset), true));
 
-        // Failed for good instead: its `end` where event 2 went out ends it the same way.
+        // Failed for good instead (a cancel from another node, decision 92): its `end` where
+        // event 2 went out ends the stream with that failure, not with `attempt_abandoned`,
+        // whose "a retry will attach to it" would send the client's retry to the provider
+        // again as a new request.
         let mut reader = position(true);
         offer(&mut reader, Source::Ahead, &[data(1, 1), data(2, 1)]);
-        let read = offer(&mut reader, Source::Store, &[control(2, ChunkKind::End)]);
-        assert_eq!(read, vec![(2, ChunkKind::Reset)]);
+        let cancelled = Chunk {
+            data: r#"{"status":"failed","error":{"type":"cancelled","message":"cancelled through POST /requests/{id}/cancel","status":null}}"#.into(),
+            ..control(2, ChunkKind::End)
+        };
+        let mut out = Vec::new();
+        reader.offer_all(std::slice::from_ref(&cancelled), Source::Store, &mut out);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!((out[0].seq, out[0].kind), (2, ChunkKind::End));
+        let (bytes, over) = provider_bytes(&Followed::Chunk(out.remove(0)), Provider::Openai);
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        assert!(over && text.contains(r#""code":"cancelled""#), "{text}");
+        assert!(!text.contains("attempt_abandoned"), "{text}");
     }
 
     use crate::store::sqlite::scratch;
