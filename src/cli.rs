@@ -218,12 +218,14 @@ impl Client {
         }
         if body {
             writeln!(out, "request:").map_err(io)?;
-            writeln!(out, "{}", pretty(&record["request"]["body"])).map_err(io)?;
+            let body = pretty(&record["request"]["body"]);
+            writeln!(out, "{}", printable(&body, &['\n'])).map_err(io)?;
             writeln!(out, "answer:").map_err(io)?;
-            match record["answer"]["text"].as_str() {
-                Some(streamed) => writeln!(out, "{streamed}").map_err(io)?,
-                None => writeln!(out, "{}", pretty(&record["answer"])).map_err(io)?,
-            }
+            let answer = match record["answer"]["text"].as_str() {
+                Some(streamed) => printable(streamed, &['\n', '\t']),
+                None => printable(&pretty(&record["answer"]), &['\n']),
+            };
+            writeln!(out, "{answer}").map_err(io)?;
         }
         Ok(())
     }
@@ -377,9 +379,10 @@ impl Client {
                                     let name = event.event.as_deref().unwrap_or("message");
                                     writeln!(
                                         out,
-                                        "{} {name} {}",
-                                        event.id.as_deref().unwrap_or("-"),
-                                        event.data
+                                        "{} {} {}",
+                                        printable(event.id.as_deref().unwrap_or("-"), &[]),
+                                        printable(name, &[]),
+                                        printable(&event.data, &[])
                                     )
                                     .map_err(io)?;
                                     ended |= name == "end";
@@ -544,7 +547,7 @@ impl Client {
             let skipped: u64 = summary.skipped.values().sum();
             writeln!(report, "skipped {}", counted(skipped, "request")).map_err(io)?;
             for (why, n) in &summary.skipped {
-                writeln!(report, "  {n}: {why}").map_err(io)?;
+                writeln!(report, "  {n}: {}", printable(why, &[])).map_err(io)?;
             }
         }
         Ok(summary)
@@ -655,7 +658,10 @@ fn print_side_by_side(out: &mut impl Write, left: &Value, right: &Value) -> Resu
         writeln!(out, "{name:<14} {l:<COLUMN$} | {r}").map_err(io)?;
     }
     writeln!(out, "{}", "-".repeat(14 + 1 + COLUMN + 3 + COLUMN)).map_err(io)?;
-    let wrap = |r: &Value| wrapped(r["answer_text"].as_str().unwrap_or("-"), COLUMN);
+    let wrap = |r: &Value| {
+        let answer = r["answer_text"].as_str().unwrap_or("-");
+        wrapped(&printable(answer, &['\n']), COLUMN)
+    };
     let (l, r) = (wrap(left), wrap(right));
     for i in 0..l.len().max(r.len()) {
         let a = l.get(i).map_or("", String::as_str);
@@ -739,7 +745,10 @@ fn progress_bar(wanted: bool) -> Option<indicatif::ProgressBar> {
 /// CLI's key came from.
 fn refused(status: reqwest::StatusCode, body: &[u8]) -> CliError {
     let body: Value = serde_json::from_slice(body).unwrap_or_default();
-    let message = body["error"]["message"].as_str().unwrap_or("no message");
+    let message = printable(
+        body["error"]["message"].as_str().unwrap_or("no message"),
+        &[],
+    );
     let hint = if status == reqwest::StatusCode::UNAUTHORIZED {
         " (the CLI sends the key given with --api-key or HOLDFAST_API_KEY, else the first admin \
          key of the --config file that names the server)"
@@ -764,13 +773,34 @@ fn pretty(value: &Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
 
-/// A JSON value as a table cell: strings bare, `null` as `-`.
+/// A JSON value as a table cell: strings bare, `null` as `-`, control characters escaped
+/// ([`printable`]).
 fn text(value: &Value) -> String {
     match value {
         Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => printable(s, &[]),
         other => other.to_string(),
     }
+}
+
+/// `s` with every control character (C0, DEL, C1) but those in `keep` written as its Rust
+/// escape (`\u{1b}`, `\r`). What the CLI prints for people comes from the log — a client's
+/// model name and prompt, a provider's answer, a webhook receiver's reply — and is untrusted
+/// text, as on the web page (EX-10): printed raw, an escape sequence in it would drive the
+/// operator's terminal (rewrite a line of the table, set its title, write its clipboard).
+fn printable(s: &str, keep: &[char]) -> String {
+    if !s.chars().any(|c| c.is_control() && !keep.contains(&c)) {
+        return s.to_owned();
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() && !keep.contains(&c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Dollars to six significant digits, never in exponent form: a call of a cheap model costs
@@ -833,7 +863,7 @@ fn callback_line(callback: &Value) -> String {
         line.push_str(&format!(", last HTTP {status}"));
     }
     if let Some(error) = callback["last_error"].as_str() {
-        line.push_str(&format!(" ({error})"));
+        line.push_str(&format!(" ({})", printable(error, &[])));
     }
     if let Some(next) = callback["next_try_at"].as_str() {
         line.push_str(&format!(", next try {next}"));
@@ -846,13 +876,26 @@ fn callback_line(callback: &Value) -> String {
 mod tests {
     use serde_json::json;
 
-    use super::{usd, wrapped};
+    use super::{printable, text, usd, wrapped};
 
     #[test]
     fn side_by_side_text_wraps_at_spaces_and_cuts_long_words() {
         assert_eq!(wrapped("aa bb cc", 5), vec!["aa bb", "cc"]);
         assert_eq!(wrapped("abcdefgh", 3), vec!["abc", "def", "gh"]);
         assert_eq!(wrapped("a\nb", 10), vec!["a", "b"]);
+    }
+
+    /// Text from the log reaches the terminal as text: control characters (an escape
+    /// sequence in a client's model name, a carriage return that would overwrite a table row)
+    /// are printed as escapes, the line breaks of a multi-line answer kept.
+    #[test]
+    fn control_characters_from_the_log_are_printed_escaped() {
+        let model = json!("x\u{1b}[31mRED\u{1b}]0;title\u{7}\r\u{9b}2Kfake");
+        let cell = text(&model);
+        assert_eq!(cell, r"x\u{1b}[31mRED\u{1b}]0;title\u{7}\r\u{9b}2Kfake");
+        assert!(!cell.chars().any(char::is_control), "{cell:?}");
+        assert_eq!(printable("a\nb\u{1b}c", &['\n']), "a\nb\\u{1b}c");
+        assert_eq!(printable("plain text", &[]), "plain text");
     }
 
     #[test]

@@ -181,6 +181,49 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     mock.shutdown().await;
 }
 
+/// Text from the log is printed as text: a client's model name holding terminal escape
+/// sequences (which the mock echoes into its answer) reaches `list`, `show --body`, `usage`
+/// and `replay` escaped, so it can neither recolour nor rewrite the operator's table (a `\r`
+/// and an erase-line would print a forged row over the real one).
+// Multi-threaded: `replay` waits for a provider call to the in-process mock while the test
+// blocks on the CLI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_from_the_log_cannot_drive_the_terminal_of_the_cli() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = Process::serve(dir.path(), &toml(dir.path(), &mock.base_url()), free_addr()).await;
+    let hostile = "gpt\u{1b}[31m\u{1b}]0;pwned\u{7}\r\u{1b}[2Kforged";
+    let id = send(
+        &node.base,
+        serde_json::json!({
+            "model": hostile,
+            "messages": [{"role": "user", "content": "an \u{1b}[1mescape\u{1b}[0m in the prompt"}],
+        })
+        .to_string(),
+    )
+    .await;
+    let runs = [
+        vec!["requests", "list"],
+        vec!["requests", "show", id.as_str(), "--body"],
+        vec!["usage"],
+        vec!["requests", "replay", id.as_str(), "--wait-secs", "30"],
+    ];
+    for args in runs {
+        let (code, out, err) = cli(&node.base, &args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(
+            !out.chars().any(|c| c.is_control() && c != '\n'),
+            "{args:?} printed a control character: {out:?}"
+        );
+        assert!(
+            out.contains(r"\u{1b}[31m"),
+            "{args:?} shows it escaped: {out}"
+        );
+    }
+    drop(node);
+    mock.shutdown().await;
+}
+
 // Multi-threaded: the test reads the tail's output with blocking waits while the in-process mock
 // provider keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
