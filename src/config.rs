@@ -653,13 +653,7 @@ impl Config {
     pub fn load_over(base: Config, file: Option<&Path>) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(base));
         if let Some(path) = file {
-            if !path.exists() {
-                return Err(invalid(
-                    "--config",
-                    format!("{} does not exist", path.display()),
-                ));
-            }
-            figment = figment.merge(Toml::file(path));
+            figment = figment.merge(config_file(path)?);
         }
         let known = env_keys();
         let config: Config = figment
@@ -682,7 +676,7 @@ impl Config {
     pub fn load_unvalidated(file: Option<&Path>) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
         if let Some(path) = file {
-            figment = figment.merge(Toml::file(path));
+            figment = figment.merge(config_file(path)?);
         }
         let known = env_keys();
         Ok(figment
@@ -1079,6 +1073,33 @@ impl Config {
     }
 }
 
+/// The TOML layer of the file `--config` names: that very file. Figment's `Toml::file` would
+/// look for a relative path in every parent directory too, and take a directory, or a path
+/// that is no file, for no file at all: the start would go on from the defaults and the
+/// environment alone, the operator's file silently unread (CLI-1).
+///
+/// # Errors
+/// [`ConfigError::Invalid`] for `--config` when `path` does not exist.
+fn config_file(path: &Path) -> Result<figment::providers::Data<Toml>, ConfigError> {
+    if !path.exists() {
+        return Err(invalid(
+            "--config",
+            format!("{} does not exist", path.display()),
+        ));
+    }
+    if path.is_dir() {
+        return Err(invalid(
+            "--config",
+            format!(
+                "{} is a directory; name the TOML file, e.g. {}",
+                path.display(),
+                path.join("holdfast.toml").display()
+            ),
+        ));
+    }
+    Ok(Toml::file_exact(path))
+}
+
 /// The file a `sqlite://PATH` or `sqlite:PATH` URL names. A query string (sqlx-style options)
 /// is ignored; in-memory databases are refused, since the log must outlive the process (DU-1).
 ///
@@ -1420,6 +1441,28 @@ base_url = "https://api.openai.com/v1"
             assert_eq!(c.workers.max_attempts, 9);
             Ok(())
         });
+    }
+
+    /// CLI-1: `--config` naming a directory, or a file that does not exist, stops the start
+    /// naming `--config`, for `serve` and for the tools that only read a key alike: it is
+    /// never read as an empty file, the start going on from the defaults and the environment.
+    #[test]
+    fn a_config_path_that_is_no_file_is_refused_cli1() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Config::load(Some(dir.path())).unwrap_err().to_string();
+        assert!(
+            err.contains("--config") && err.contains("is a directory"),
+            "{err}"
+        );
+        let err = Config::load_unvalidated(Some(dir.path()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is a directory"), "{err}");
+        let missing = dir.path().join("holdfast.toml");
+        let err = Config::load_unvalidated(Some(&missing))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not exist"), "{err}");
     }
 
     #[test]

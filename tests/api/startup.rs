@@ -287,6 +287,43 @@ fn a_listen_address_in_use_names_the_address_and_how_to_choose_another() {
     }
 }
 
+/// A PostgreSQL server that refuses connections stops the start with why (exit 1), not with
+/// the pool's "timed out while waiting for an open connection", which hides it.
+#[test]
+fn a_postgres_server_that_refuses_connections_is_named_as_refusing_them() {
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let toml = format!("database_url = \"postgres://postgres@127.0.0.1:{port}/x\"\n{BACKEND}");
+    let (code, stderr) = serve_config(&toml, &[]);
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("refused"), "says why: {stderr}");
+    assert!(!stderr.contains("pool timed out"), "{stderr}");
+}
+
+/// CLI-1: `--config` naming a directory is refused naming `--config` (exit 2), never read as
+/// an empty file with the start going on from the defaults and the environment (here it
+/// then complained of no `[[backends]]`, which the directory's file may well have).
+#[test]
+fn a_config_path_that_is_a_directory_is_refused_cli1() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("etc")).unwrap();
+    let (code, _, stderr) = run_holdfast(
+        dir.path(),
+        &["serve", "--config", "etc", "--listen", "127.0.0.1:0"],
+        &[],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--config") && stderr.contains("is a directory"),
+        "{stderr}"
+    );
+}
+
 /// The test harness's own guard: a node whose address another test's server took between
 /// `free_addr` and its bind exits, and is not mistaken for healthy because the other server
 /// answers `/healthz` (a chaos run once talked to a stranger that way, by the look of it).
