@@ -69,11 +69,16 @@ pub(crate) fn latest_schema() -> i64 {
 /// [`StoreError`] when the server cannot be reached.
 pub(crate) async fn schema_version(url: &str) -> Result<i64, StoreError> {
     let options = PgConnectOptions::from_str(url)?.application_name("holdfast-version");
-    let pool = PgPoolOptions::new()
+    let pool = match PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
-        .await?;
+        .connect_with(options.clone())
+        .await
+    {
+        Ok(pool) => pool,
+        Err(sqlx::Error::PoolTimedOut) => return Err(why_unreachable(&options).await),
+        Err(e) => return Err(e.into()),
+    };
     let migrated: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
         .fetch_one(&pool)
         .await?;
@@ -86,6 +91,26 @@ pub(crate) async fn schema_version(url: &str) -> Result<i64, StoreError> {
     };
     pool.close().await;
     Ok(version)
+}
+
+/// Why the server of `options` could not be connected to. A pool that cannot connect reports
+/// only that it timed out (`pool timed out while waiting for an open connection`), which tells
+/// an operator starting a node nothing: one connection of its own says why — refused, a host
+/// that does not resolve, a password the server rejects — in the database driver's words,
+/// which never hold the URL (IN-3).
+async fn why_unreachable(options: &PgConnectOptions) -> StoreError {
+    let timed_out = || StoreError::from(sqlx::Error::PoolTimedOut);
+    match tokio::time::timeout(DEFAULT_ACQUIRE_TIMEOUT, PgConnection::connect_with(options)).await {
+        Ok(Err(e)) => StoreError::Unavailable(format!("cannot connect to PostgreSQL: {e}")),
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            timed_out()
+        }
+        Err(_) => StoreError::Unavailable(format!(
+            "cannot connect to PostgreSQL: no answer within {} ms",
+            DEFAULT_ACQUIRE_TIMEOUT.as_millis()
+        )),
+    }
 }
 
 impl PostgresStore {
@@ -131,9 +156,14 @@ impl PostgresStore {
             pool_of(WRITERS).connect_lazy_with(options.clone().application_name("holdfast-writer"));
         let append_pool =
             pool_of(1).connect_lazy_with(options.clone().application_name("holdfast-chunks"));
-        let pool = pool_of(max_connections.max(1))
-            .connect_with(options)
-            .await?;
+        let pool = match pool_of(max_connections.max(1))
+            .connect_with(options.clone())
+            .await
+        {
+            Ok(pool) => pool,
+            Err(sqlx::Error::PoolTimedOut) => return Err(why_unreachable(&options).await),
+            Err(e) => return Err(e.into()),
+        };
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
         MIGRATOR.run(&pool).await?;
         let (writes, queue) = mpsc::unbounded_channel();
