@@ -14,6 +14,8 @@ use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, Uri};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::Value;
 
 use super::errors::ApiError;
 use super::{AppState, namespace, passthrough, proxy};
@@ -129,6 +131,10 @@ async fn forward(
         )
         .into_response();
     };
+    let body = match rewritten.as_deref() {
+        Some(to) if to != model => with_body_model_rewritten(body, model, to),
+        _ => body,
+    };
     let model = rewritten.as_deref().unwrap_or(model);
     let path = route
         .upstream_path(Some(model))
@@ -144,6 +150,38 @@ async fn forward(
         body,
     )
     .await
+}
+
+/// The body's own names of the path's model `from` — an `embedContent`'s `model`, each
+/// `requests[].model` of a `batchEmbedContents` (google-genai writes `models/<the model it was
+/// given>` there) — as `models/<to>`, the model the path was rewritten to: Google refuses a
+/// request naming a model other than its path's, so an alias would otherwise work for
+/// `generateContent` and fail for embeddings (decision 91). Other bodies pass as they are.
+fn with_body_model_rewritten(body: Bytes, from: &str, to: &str) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let mut changed = false;
+    let mut rewrite = |model: Option<&mut Value>| {
+        if let Some(model) = model
+            && model
+                .as_str()
+                .is_some_and(|m| m.strip_prefix("models/").unwrap_or(m) == from)
+        {
+            *model = Value::String(format!("models/{to}"));
+            changed = true;
+        }
+    };
+    rewrite(value.get_mut("model"));
+    if let Some(requests) = value.get_mut("requests").and_then(Value::as_array_mut) {
+        for request in requests {
+            rewrite(request.get_mut("model"));
+        }
+    }
+    if !changed {
+        return body;
+    }
+    serde_json::to_vec(&value).map_or(body, Bytes::from)
 }
 
 /// `?key=KEY`, the Gemini API's other way to send a key, taken as `x-goog-api-key` when that
@@ -171,4 +209,52 @@ fn query_of(uri: &Uri) -> HashMap<String, String> {
 
 fn no_route(uri: &Uri) -> Response {
     ApiError::not_found(SHAPE, format!("holdfast has no route {}", uri.path())).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// Decision 91: a batch's `requests[].model` (and an `embedContent`'s `model`) naming the
+    /// path's alias follow the path to the rewritten model; another name, or a body that is
+    /// not JSON, is left as it came.
+    #[test]
+    fn an_embedding_bodys_model_follows_the_paths_rewrite_gm4() {
+        let batch = json!({"requests": [
+            {"model": "models/embed-fast", "content": {"parts": [{"text": "a"}]}},
+            {"model": "embed-fast", "content": {"parts": [{"text": "b"}]}},
+            {"model": "models/other", "content": {"parts": [{"text": "c"}]}},
+            {"content": {"parts": [{"text": "d"}]}}]});
+        let out = with_body_model_rewritten(
+            Bytes::from(batch.to_string()),
+            "embed-fast",
+            "text-embedding-004",
+        );
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        let models: Vec<&Value> = out["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| &r["model"])
+            .collect();
+        assert_eq!(
+            models,
+            [
+                &json!("models/text-embedding-004"),
+                &json!("models/text-embedding-004"),
+                &json!("models/other"),
+                &Value::Null,
+            ]
+        );
+        let one = json!({"model": "models/embed-fast", "content": {"parts": [{"text": "a"}]}});
+        let out = with_body_model_rewritten(Bytes::from(one.to_string()), "embed-fast", "e-4");
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out["model"], "models/e-4");
+        for untouched in [r#"{"contents":[]}"#, "not json", r#"{"model":5}"#] {
+            let out = with_body_model_rewritten(Bytes::from(untouched), "embed-fast", "e-4");
+            assert_eq!(&out[..], untouched.as_bytes());
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use holdfast::config::ModelRewrite;
 use holdfast::mock::MockConfig;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::helpers::*;
 
@@ -563,6 +563,23 @@ async fn embeddings_are_forwarded_without_a_record_gm4_http4() {
             "/v1/models/text-embedding-004:embedContent",
         ]
     );
+    // The batch's own model names follow the path's rewrite: Google refuses a request naming a
+    // model other than its path's.
+    let sent: Vec<&Value> = others[0].body["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["model"])
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            &json!("models/text-embedding-004"),
+            &json!("models/text-embedding-004")
+        ],
+        "{}",
+        others[0].body
+    );
     assert!(
         !others[0]
             .headers
@@ -660,8 +677,9 @@ async fn a_model_list_page_token_holdfast_did_not_issue_is_a_400_in_googles_shap
 /// (CLI-5), the rewritten model in the path, with the backend's key and not the client's, and
 /// its answer relayed: google-genai's `models.get` of a model the provider serves but does not
 /// list (the mock generates for any name and lists three), the OpenAI SDK's `models.retrieve`
-/// of a fine-tuned model newer than the cached list, Anthropic's of an alias. Nothing recorded.
-/// A process of its own: each backend's key is read from the variable its `api_key_env` names.
+/// of a fine-tuned model newer than the cached list, Anthropic's of an alias; and a Gemini
+/// embedding, forwarded the same way (decision 91). Nothing recorded. A process of its own:
+/// each backend's key is read from the variable its `api_key_env` names.
 #[tokio::test]
 async fn a_model_lookup_the_merged_list_lacks_is_answered_by_the_backend_it_routes_to_gm4_http4() {
     let mock = start_mock(MockConfig::default()).await;
@@ -792,6 +810,31 @@ model = "gemini-2.5-flash"
         "/v1/models/claude-sonnet-4-5",
         ("x-api-key", "sk-ant-backend"),
     );
+    // An embedding (decision 91), its key in the query: forwarded with the backend's key, the
+    // rewritten model in its path and in its body, the client's `?key=` not in the URL.
+    let embedded = http
+        .post(format!(
+            "{}/v1beta/models/fast-embed:batchEmbedContents?key=key-a",
+            node.base
+        ))
+        .header("content-type", "application/json")
+        .body(r#"{"requests":[{"model":"models/fast-embed","content":{"parts":[{"text":"a"}]}}]}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(embedded.status(), 200);
+    let upstream = "/v1beta/models/gemini-2.5-flash:batchEmbedContents";
+    lookup_carries_the_backends_key(upstream, ("x-goog-api-key", "goog-backend"));
+    let call = mock.other_calls().pop().unwrap();
+    assert_eq!(
+        call.path, upstream,
+        "no query, so no key, in the upstream URL"
+    );
+    assert_eq!(
+        call.body["requests"][0]["model"], "models/gemini-2.5-flash",
+        "{}",
+        call.body
+    );
     // The client's key stays here: in no header of any upstream call (lookups and the merged
     // list's reads), not even inside another value (`Bearer key-a`).
     let calls = mock.other_calls();
@@ -809,6 +852,16 @@ model = "gemini-2.5-flash"
     let before = mock.other_calls().len();
     let refused = http
         .get(format!("{}/v1beta/models/gemini-2.0-flash", node.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+    let refused = http
+        .post(format!(
+            "{}/v1beta/models/gemini-2.0-flash:embedContent",
+            node.base
+        ))
+        .body(r#"{"content":{"parts":[{"text":"a"}]}}"#)
         .send()
         .await
         .unwrap();
