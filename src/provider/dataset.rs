@@ -499,9 +499,10 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
             "content".into(),
             openai_content(&m["content"], Join::Request)?,
         );
-        for key in ["name", "tool_calls", "tool_call_id"] {
+        for key in ["name", "tool_call_id"] {
             keep(&mut out, m, key);
         }
+        keep_tool_calls(&mut out, m);
         if role == "assistant" && out["content"].is_null() && !out.contains_key("tool_calls") {
             return Err("an assistant message with neither content nor tool calls".into());
         }
@@ -514,9 +515,25 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         "content".into(),
         openai_content(&answer["content"], Join::Answer)?,
     );
-    keep(&mut reply, answer, "tool_calls");
+    keep_tool_calls(&mut reply, answer);
+    // A refusal (`content` null, `refusal` set) or no message at all: the format's assistant
+    // turn holds text, or null only beside tool calls.
+    if reply["content"].is_null() && !reply.contains_key("tool_calls") {
+        return Err("an answer without text or tool calls".into());
+    }
     messages.push(Value::Object(reply));
     Ok(with_tools(messages, openai_tools(&body["tools"])?))
+}
+
+/// A chat message's `tool_calls`, when it holds any: OpenAI-compatible servers write `[]` on a
+/// message without calls, which the format refuses (a `tool_calls` list is never empty).
+fn keep_tool_calls(into: &mut Map<String, Value>, message: &Value) {
+    if message["tool_calls"]
+        .as_array()
+        .is_some_and(|c| !c.is_empty())
+    {
+        into.insert("tool_calls".into(), message["tool_calls"].clone());
+    }
 }
 
 fn with_tools(messages: Vec<Value>, tools: Option<Value>) -> Value {
@@ -929,8 +946,9 @@ fn responses_items(items: &[Value], join: Join) -> Result<Vec<Value>, Skip> {
                     "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]},
                 });
-                if !call["id"].is_string() || !item["arguments"].is_string() {
-                    return Err("a function call without a call id or arguments".into());
+                let named = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
+                if !named(&call["id"]) || !named(&item["name"]) || !item["arguments"].is_string() {
+                    return Err("a function call without a call id, name or arguments".into());
                 }
                 // Calls made together, and a call right after the assistant's text, are one
                 // assistant turn.
@@ -997,8 +1015,8 @@ fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         .as_array()
         .ok_or("an answer without output items")?;
     let reply = responses_items(output, Join::Answer)?;
-    if reply.is_empty() || reply.iter().any(|m| m["role"] != "assistant") {
-        return Err("an answer without an assistant message or tool calls".into());
+    if reply.iter().any(|m| m["role"] != "assistant") {
+        return Err("an answer with an item that is not the assistant's".into());
     }
     // The answer is one assistant message, its texts joined and its calls together.
     let mut texts = Vec::new();
@@ -1008,6 +1026,11 @@ fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         calls.extend(m["tool_calls"].as_array().into_iter().flatten().cloned());
     }
     let text = join_blocks(texts, Join::Answer);
+    // Reasoning alone (an answer cut by `max_output_tokens`), or a message of empty text:
+    // nothing the format can hold as the assistant's turn (`content` null only beside calls).
+    if text.is_empty() && calls.is_empty() {
+        return Err("an answer without text or tool calls".into());
+    }
     let mut last = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
     if !calls.is_empty() {
         last["tool_calls"] = Value::Array(calls);
@@ -1342,6 +1365,31 @@ mod tests {
         assert_eq!(ex["messages"][1]["content"], "Hello, world.");
     }
 
+    /// EX-5: a chat answer the format's assistant turn cannot hold (a refusal, no message) is a
+    /// skip, not an example with a null content; an empty `tool_calls` (OpenAI-compatible
+    /// servers write one) is left out rather than refused by the format.
+    #[test]
+    fn a_chat_refusal_is_skipped_and_an_empty_tool_calls_left_out_ex5() {
+        let body = json!({"messages": [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "tool_calls": []},
+            {"role": "user", "content": "and?"}]});
+        let refusal = json!({"choices": [{"message": {"role": "assistant", "content": null,
+            "refusal": "I can't help with that."}}]});
+        let why = example(Route::OpenaiChat, &body, &refusal).unwrap_err();
+        assert!(why.contains("without text or tool calls"), "{why}");
+        assert!(example(Route::OpenaiChat, &body, &json!({"choices": []})).is_err());
+        let answer = json!({"choices": [{"message": {"role": "assistant", "content": "ok",
+            "tool_calls": []}}]});
+        let ex = example(Route::OpenaiChat, &body, &answer).unwrap();
+        assert_eq!(
+            ex["messages"],
+            json!([{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "and?"},
+                {"role": "assistant", "content": "ok"}])
+        );
+    }
+
     /// Decision 87: a stateless Responses request (the Agents SDK's, each turn's whole history in
     /// `input`) is one conversation: `instructions` as the system message, function calls and
     /// their outputs as chat's tool calls and tool messages, reasoning dropped, the answer's
@@ -1430,6 +1478,35 @@ mod tests {
         );
         assert!(
             skip(json!({"input": "x", "tools": [{"type": "web_search"}]})).contains("web_search")
+        );
+        // An answer with nothing the assistant's turn can hold: reasoning alone (cut by
+        // `max_output_tokens`), a message of empty text, no output.
+        for output in [
+            json!([{"type": "reasoning", "id": "rs_1", "summary": []}]),
+            json!([{"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": ""}]}]),
+            json!([{"type": "message", "role": "assistant", "content": []}]),
+            json!([]),
+        ] {
+            let why = example(
+                Route::OpenaiResponses,
+                &json!({"input": "x"}),
+                &json!({"status": "incomplete", "output": output}),
+            )
+            .unwrap_err();
+            assert!(
+                why.contains("without text or tool calls"),
+                "{output}: {why}"
+            );
+        }
+        // A function call without a name (the format's tool calls need one).
+        let unnamed = json!({"output": [{"type": "function_call", "call_id": "call_1",
+            "arguments": "{}"}]});
+        assert!(
+            example(Route::OpenaiResponses, &json!({"input": "x"}), &unnamed)
+                .unwrap_err()
+                .contains("name")
         );
         // An answer holding a built-in tool's call.
         let searched = json!({"output": [{"type": "web_search_call", "id": "ws_1"},
