@@ -610,7 +610,7 @@ mod tests {
             .check_answer(br#"{"error":{"code":400,"message":"x","status":"INVALID_ARGUMENT"}}"#)
             .expect_err("an error in a 200");
         assert_eq!(error, "an error object instead of an answer");
-        // Decision 89: Gemini 2.5 answers some prompts with neither candidates nor feedback,
+        // Decision 90: Gemini 2.5 answers some prompts with neither candidates nor feedback,
         // only the usage it bills; google-genai returns that as a response without text.
         let (_, usage) = route
             .check_answer(

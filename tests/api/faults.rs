@@ -1027,7 +1027,7 @@ fn gemini_rows() -> Vec<GeminiRow> {
             calls: 1,
         },
         GeminiRow {
-            // Decision 89: Gemini 2.5 answers some prompts so; google-genai returns it as a
+            // Decision 90: Gemini 2.5 answers some prompts so; google-genai returns it as a
             // response without text, and the prompt's tokens are billed.
             name: "gemini: nothing generated (usageMetadata alone, no candidates or feedback)",
             provider: Provider::Raw(raw_200(
