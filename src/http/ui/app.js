@@ -559,8 +559,8 @@ async function toggleBodies() {
     return;
   }
   const body = full.request && full.request.body;
-  $('prompt').textContent = promptText(full.route, body) || '(no text found in the request body)';
-  $('answer').textContent = answerText(full.route, full.answer, full.stream) || '(no answer text stored)';
+  $('prompt').textContent = readable(() => promptText(full.route, body)) || '(no text found in the request body)';
+  $('answer').textContent = readable(() => answerText(full.route, full.answer, full.stream)) || '(no answer text stored)';
   $('request-json').textContent = JSON.stringify(body, null, 2);
   $('answer-json').textContent = JSON.stringify(full.answer, null, 2);
   const headers = (full.request && full.request.headers) || [];
@@ -569,6 +569,19 @@ async function toggleBodies() {
   );
   $('bodies').hidden = false;
   $('show-body').textContent = 'Hide prompt and answer';
+}
+
+/**
+ * `read()`, or '' when a stored body is not the shape it reads: a client's body is stored as it
+ * came, and one holding a `null` message or a `role` that cannot be made text (`{"toString": 1}`)
+ * would otherwise throw here and leave the bodies, JSON included, unshown.
+ */
+function readable(read) {
+  try {
+    return read();
+  } catch {
+    return '';
+  }
 }
 
 /** The text parts of a message `content` (a string, or an array of typed parts). */
@@ -606,7 +619,7 @@ function promptText(route, body) {
     const contents = Array.isArray(body.contents) ? body.contents : body.contents ? [body.contents] : [];
     for (const c of contents) {
       if (typeof c === 'string') lines.push(`user: ${c}`);
-      else if (c && typeof c === 'object') lines.push(`${c.role ?? 'user'}: ${geminiPartsText(c.parts)}`);
+      else if (c && typeof c === 'object') lines.push(`${typeof c.role === 'string' ? c.role : 'user'}: ${geminiPartsText(c.parts)}`);
     }
   }
   return lines.join('\n');

@@ -553,6 +553,31 @@ async fn ui_shows_a_gemini_requests_prompt_and_answer_gm1() {
         "system: answer like a pirate\nuser: where is the treasure"
     );
     assert_eq!(text_of(&page, "answer").await, text);
+
+    // A body the page's reading does not expect (a `role` no template can make text of) is
+    // stored as it came: the prompt still shows, its role as Google's default, and the page
+    // throws nothing.
+    let odd = json!({"contents": [{"role": {"toString": 1}, "parts": [{"text": "odd role"}]}]});
+    let r = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:generateContent",
+            odd.to_string(),
+            &[],
+        )
+        .await;
+    let odd_id = header(&r, "holdfast-request-id");
+    page.goto(&format!("{}/ui", app.base)).await;
+    wait_rows(&page, &[&id, &odd_id], "both Gemini requests").await;
+    open_detail(&page, &odd_id).await;
+    page.eval("document.getElementById('show-body').click()")
+        .await;
+    page.wait_for(
+        "!document.getElementById('bodies').hidden",
+        "the odd request's bodies",
+        WAIT,
+    )
+    .await;
+    assert_eq!(text_of(&page, "prompt").await, "user: odd role");
     let errors = browser.errors();
     assert!(
         errors.is_empty(),
