@@ -211,7 +211,10 @@ async fn admit(
                 shape,
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency_key_reused",
-                "this Idempotency-Key was already used with a different request body; send a new key for a new request",
+                // The fingerprint is the request hash (ID-5): for Gemini it covers the model
+                // named in the path, not only the body.
+                "this Idempotency-Key was already used with a different request (another body, \
+                 or for Gemini another model); send a new key for a new request",
             )
             .for_request(existing)
             .final_answer());

@@ -71,6 +71,26 @@ async fn the_model_and_version_in_the_path_are_part_of_the_identity_gm1_id3() {
     assert_eq!(app.record(&ids[2]).await["route"], "gemini.v1.generate");
     let paths: Vec<String> = app.mock.recorded().into_iter().map(|c| c.path).collect();
     assert!(paths.contains(&"/v1/models/gemini-2.5-flash:generateContent".to_string()));
+    // With an Idempotency-Key (ID-5) the path's model is part of the key's fingerprint too: the
+    // same key and body for another model is refused, and the refusal names the model, not
+    // only the body, since the body is the same.
+    let key = [("idempotency-key", "gemini-key-1")];
+    let first = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:generateContent",
+            body.clone(),
+            &key,
+        )
+        .await;
+    assert_eq!(first.status(), 200);
+    let other = app
+        .post("/v1beta/models/gemini-2.5-pro:generateContent", body, &key)
+        .await;
+    assert_eq!(other.status(), 422);
+    let err: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(err["error"]["status"], "INVALID_ARGUMENT", "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("another model"), "{message}");
     app.stop().await;
 }
 
