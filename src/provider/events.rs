@@ -190,7 +190,18 @@ impl Route {
         let text =
             |name: &str| member(name).and_then(|v| serde_json::from_str::<String>(v.get()).ok());
         let (id, object) = (text("id"), text("object"));
-        if !self.result_members().iter().any(|m| member(m).is_some()) {
+        let answered = |m: &&str| match member(m) {
+            // A usage report alone is an answer only as one (decision 90): counts, and no
+            // error beside them; `{"error":…,"usageMetadata":…}` or `{"usageMetadata":{}}`
+            // is not what the model answered.
+            Some(v) if *m == "usageMetadata" => {
+                member("error").is_none()
+                    && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(v.get())
+                        .is_ok_and(|counts| !counts.is_empty())
+            }
+            found => found.is_some(),
+        };
+        if !self.result_members().iter().any(answered) {
             // No SDK can read an answer without its route's result member (decision 39).
             return Err(if member("error").is_some() {
                 "an error object instead of an answer".into()
@@ -626,5 +637,15 @@ mod tests {
             "{none}"
         );
         assert!(route.check_answer(b"<html></html>").is_err());
+        // A usage report is an answer only as counts with no error beside them.
+        let error = route
+            .check_answer(
+                br#"{"error":{"code":500,"message":"x"},"usageMetadata":{"promptTokenCount":3}}"#,
+            )
+            .expect_err("an error beside a usage report");
+        assert_eq!(error, "an error object instead of an answer");
+        for empty in [&br#"{"usageMetadata":{}}"#[..], br#"{"usageMetadata":7}"#] {
+            assert!(route.check_answer(empty).is_err(), "{empty:?}");
+        }
     }
 }
