@@ -938,7 +938,13 @@ fn responses_items(items: &[Value], join: Join) -> Result<Vec<Value>, Skip> {
                     other => return Err(format!("a message of role {}", other.unwrap_or("?"))),
                 };
                 let text = responses_content(&item["content"], join)?;
-                messages.push(json!({"role": role, "content": text}));
+                // An assistant turn without text is its tool calls' (null, as in chat).
+                let content = if role == "assistant" && text.is_empty() {
+                    Value::Null
+                } else {
+                    json!(text)
+                };
+                messages.push(json!({"role": role, "content": content}));
             }
             "function_call" => {
                 let call = json!({
@@ -983,6 +989,13 @@ fn responses_items(items: &[Value], join: Join) -> Result<Vec<Value>, Skip> {
                 ));
             }
         }
+    }
+    // (An answer's items are one turn, checked as a whole by the caller.)
+    let empty_turn = |m: &Value| {
+        m["role"] == "assistant" && m["content"].is_null() && m.get("tool_calls").is_none()
+    };
+    if matches!(join, Join::Request) && messages.iter().any(empty_turn) {
+        return Err("an assistant message with neither content nor tool calls".into());
     }
     Ok(messages)
 }
@@ -1475,6 +1488,13 @@ mod tests {
         assert!(
             skip(json!({"input": [{"type": "item_reference", "id": "msg_1"}]}))
                 .contains("item_reference")
+        );
+        // An assistant turn of no text and no calls is not a turn the format can hold.
+        assert!(
+            skip(json!({"input": [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": [{"type": "output_text", "text": ""}]},
+                {"role": "user", "content": "y"}]}))
+            .contains("neither content nor tool calls")
         );
         assert!(
             skip(json!({"input": "x", "tools": [{"type": "web_search"}]})).contains("web_search")
