@@ -464,6 +464,7 @@ async fn stream_answer(
         after: record.reset_seq,
         keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
         proxied: true,
+        read_retry: crate::worker::write_window(&state.config),
     };
     let items = stream::follow(
         state.store.clone(),

@@ -687,6 +687,7 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
         after,
         keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
         proxied: false,
+        read_retry: crate::worker::write_window(&state.config),
     };
     let items = stream::follow(
         state.store.clone(),

@@ -308,6 +308,7 @@ fn events(state: &AppState, record: &RequestRecord, start: i64, after: Option<i6
         after: start,
         keepalive: Duration::from_millis(state.config.sse_keepalive_ms),
         proxied: false,
+        read_retry: crate::worker::write_window(&state.config),
     };
     let items = stream::follow(
         state.store.clone(),

@@ -46,6 +46,10 @@ pub(super) struct Follow {
     /// log (RS-11) and holds back the last data chunk it reads from the store until the next
     /// chunk (RS-12). Every other reader sees committed chunks only (RD-4).
     pub(super) proxied: bool,
+    /// How long reads of the store may keep failing before the stream ends with
+    /// `store_unavailable` (RS-4, decision 93): as long as the writers try theirs
+    /// ([`crate::worker::write_window`]).
+    pub(super) read_retry: Duration,
 }
 
 /// Where a reader is in a chunk log, and what it does with each chunk it is offered: the
@@ -189,12 +193,32 @@ pub(super) fn follow(
         // skipped (one store read less per new stream, issue 30).
         let mut told_everything = subscription.saw_every_event() && !early.is_empty();
         let mut quiet_since = tokio::time::Instant::now();
+        // Since when reads of the store have failed, while they do.
+        let mut failing_since: Option<tokio::time::Instant> = None;
         loop {
             // Backlog from the store.
             let page = if std::mem::take(&mut told_everything) {
                 Vec::new()
             } else {
-                store.chunks_after(id, position.read_from(), PAGE).await?
+                match store.chunks_after(id, position.read_from(), PAGE).await {
+                    Ok(page) => {
+                        failing_since = None;
+                        page
+                    }
+                    // RS-4, decision 93: a read that fails is tried again at the next poll,
+                    // keep-alives and the hub's events going on meanwhile, for as long as the
+                    // writers try theirs; a database back within it costs the reader nothing.
+                    Err(e)
+                        if failing_since
+                            .get_or_insert_with(tokio::time::Instant::now)
+                            .elapsed()
+                            < follow.read_retry =>
+                    {
+                        tracing::debug!(%id, error = %e, "reading stored chunks failed; tried again");
+                        Vec::new()
+                    }
+                    Err(e) => Err(e)?,
+                }
             };
             let full = page.len() as i64 == PAGE;
             for chunk in page {
@@ -423,6 +447,7 @@ mod tests {
             after: 0,
             keepalive: Duration::from_secs(15),
             proxied,
+            read_retry: Duration::ZERO,
         })
     }
 
@@ -579,6 +604,7 @@ mod tests {
             after: 0,
             keepalive: Duration::from_millis(20),
             proxied: false,
+            read_retry: Duration::ZERO,
         };
         let items = follow(
             Arc::clone(&store),
@@ -640,5 +666,98 @@ mod tests {
         }
         let event = String::from_utf8(shutting_down_event(Provider::Openai).to_vec()).unwrap();
         assert!(event.contains("\"shutting_down\""), "{event}");
+    }
+
+    /// A store to read from with request `id` leased, as the follow tests need it.
+    async fn leased_stream(dir: &std::path::Path) -> (DynStore, crate::store::Lease, Uuid) {
+        let store: DynStore = Arc::new(scratch(dir).await);
+        let now = now_ms();
+        let request = NewRequest {
+            stream: true,
+            ..NewRequest::example(8, now)
+        };
+        store.submit(request).await.expect("submit");
+        let (lease, record) = store
+            .lease_many("node", now, 30_000, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased");
+        (store, lease, record.id)
+    }
+
+    /// RS-4, decision 93: reads of the store that fail (here its `chunks` table renamed away
+    /// under it) are tried again at each poll while keep-alives go on, and a store readable
+    /// again within `read_retry` costs the reader nothing: the chunk stored meanwhile reaches
+    /// it. Past `read_retry` the stream ends with the error.
+    #[tokio::test]
+    async fn a_reader_outlives_a_store_that_cannot_be_read_for_less_than_read_retry_rs4() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, lease, id) = leased_stream(dir.path()).await;
+        let other = rusqlite::Connection::open(dir.path().join("t.db")).expect("open");
+        let follow_with = |read_retry| Follow {
+            after: 0,
+            keepalive: Duration::from_millis(20),
+            proxied: false,
+            read_retry,
+        };
+        let items = follow(
+            Arc::clone(&store),
+            Hub::new(),
+            id,
+            follow_with(Duration::from_secs(600)),
+            None,
+        );
+        let mut items = std::pin::pin!(items);
+        assert!(matches!(items.next().await, Some(Ok(Followed::KeepAlive))));
+        other
+            .execute_batch("ALTER TABLE chunks RENAME TO chunks_away")
+            .expect("rename");
+        // POLL is 500 ms: 60 keep-alives 20 ms apart span two failing reads at least.
+        for _ in 0..60 {
+            match items.next().await {
+                Some(Ok(Followed::KeepAlive)) => {}
+                other => panic!("a failing read ended the reader: {other:?}"),
+            }
+        }
+        other
+            .execute_batch("ALTER TABLE chunks_away RENAME TO chunks")
+            .expect("rename back");
+        let batch = ChunkBatch {
+            lease,
+            after: 0,
+            chunks: vec![NewChunk {
+                event: None,
+                data: "{}".into(),
+            }],
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        };
+        store.append_chunks(&[batch]).await.expect("append");
+        let mut reached = false;
+        for _ in 0..200 {
+            match items.next().await {
+                Some(Ok(Followed::KeepAlive)) => {}
+                Some(Ok(Followed::Chunk(chunk))) => {
+                    assert_eq!(chunk.seq, 1);
+                    reached = true;
+                    break;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(
+            reached,
+            "the chunk stored after the outage never reached the reader"
+        );
+
+        // Without time to wait, the first failing read ends the stream with its error.
+        other
+            .execute_batch("ALTER TABLE chunks RENAME TO chunks_away")
+            .expect("rename");
+        let items = follow(store, Hub::new(), id, follow_with(Duration::ZERO), None);
+        let mut items = std::pin::pin!(items);
+        assert!(matches!(items.next().await, Some(Err(_))));
     }
 }

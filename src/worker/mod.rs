@@ -48,8 +48,9 @@ const LEASE_BATCH: usize = 256;
 const CANCEL_SETTLES_FOR: Duration = Duration::from_secs(2);
 
 /// How long a failed write of an attempt is tried again (decision 37, decision 52):
-/// `workers.write_retry_secs`, at least one lease length.
-fn write_window(config: &Config) -> Duration {
+/// `workers.write_retry_secs`, at least one lease length. Readers of a stream try their reads
+/// as long (RS-4, decision 93).
+pub(crate) fn write_window(config: &Config) -> Duration {
     Duration::from_secs(
         config
             .workers

@@ -301,6 +301,12 @@ async fn postgres_down_for_5s_twice_under_load_every_answer_succeeds_or_is_retry
             .unwrap();
     }
     let tally = std::mem::take(&mut *tally.lock().unwrap());
+    // RS-4, decision 93: a stream in flight reads the store again at each poll while it cannot,
+    // for `write_retry_secs` (60 s here), so outages of 9 s end none of them.
+    assert_eq!(
+        tally.stream_store_unavailable, 0,
+        "streams ended by a store that could not be read for less than write_retry_secs"
+    );
     assert!(
         tally.violations.is_empty(),
         "every answer is a success or a retryable refusal; {} were not:\n{}",
