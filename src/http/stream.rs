@@ -205,10 +205,11 @@ pub(super) fn follow(
                         failing_since = None;
                         page
                     }
-                    // RS-4, decision 93: a read that fails is tried again at the next poll,
-                    // keep-alives and the hub's events going on meanwhile, for as long as the
-                    // writers try theirs; a database back within it costs the reader nothing.
-                    Err(e)
+                    // RS-4, decision 93: a read that fails for want of the database is tried
+                    // again at the next poll, keep-alives and the hub's events going on
+                    // meanwhile, for as long as the writers try theirs; a database back within
+                    // it costs the reader nothing. (A row it cannot read fails it at once.)
+                    Err(e @ StoreError::Unavailable(_))
                         if failing_since
                             .get_or_insert_with(tokio::time::Instant::now)
                             .elapsed()
