@@ -502,7 +502,7 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         for key in ["name", "tool_call_id"] {
             keep(&mut out, m, key);
         }
-        keep_tool_calls(&mut out, m);
+        keep_tool_calls(&mut out, m)?;
         if role == "assistant" && out["content"].is_null() && !out.contains_key("tool_calls") {
             return Err("an assistant message with neither content nor tool calls".into());
         }
@@ -515,7 +515,7 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         "content".into(),
         openai_content(&answer["content"], Join::Answer)?,
     );
-    keep_tool_calls(&mut reply, answer);
+    keep_tool_calls(&mut reply, answer)?;
     // A refusal (`content` null, `refusal` set) or no message at all: the format's assistant
     // turn holds text, or null only beside tool calls.
     if reply["content"].is_null() && !reply.contains_key("tool_calls") {
@@ -526,13 +526,35 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
 }
 
 /// A chat message's `tool_calls`, when it holds any: OpenAI-compatible servers write `[]` on a
-/// message without calls, which the format refuses (a `tool_calls` list is never empty).
-fn keep_tool_calls(into: &mut Map<String, Value>, message: &Value) {
-    if message["tool_calls"]
-        .as_array()
-        .is_some_and(|c| !c.is_empty())
-    {
-        into.insert("tool_calls".into(), message["tool_calls"].clone());
+/// message without calls, which the format refuses (a `tool_calls` list is never empty). Each
+/// must be a function call with JSON arguments ([`json_arguments`]).
+fn keep_tool_calls(into: &mut Map<String, Value>, message: &Value) -> Result<(), Skip> {
+    let Some(calls) = message["tool_calls"].as_array().filter(|c| !c.is_empty()) else {
+        return Ok(());
+    };
+    for call in calls {
+        if call["type"] != "function" {
+            return Err(format!(
+                "a tool call of type {} (only function calls can be carried)",
+                call["type"].as_str().unwrap_or("?")
+            ));
+        }
+        json_arguments(&call["function"]["arguments"])?;
+    }
+    into.insert("tool_calls".into(), message["tool_calls"].clone());
+    Ok(())
+}
+
+/// A function call's `arguments` must be a string holding JSON: the format's tool calls carry
+/// JSON, and a call cut short by the token limit (chat's `finish_reason: "length"`, a Responses
+/// answer `incomplete` for `max_output_tokens`) holds only the start of it.
+fn json_arguments(arguments: &Value) -> Result<(), Skip> {
+    match arguments.as_str() {
+        Some(s) if serde_json::from_str::<Value>(s).is_ok() => Ok(()),
+        Some(_) => Err(
+            "a tool call whose arguments are not JSON (a call cut short by the token limit)".into(),
+        ),
+        None => Err("a tool call without arguments".into()),
     }
 }
 
@@ -956,6 +978,7 @@ fn responses_items(items: &[Value], join: Join) -> Result<Vec<Value>, Skip> {
                 if !named(&call["id"]) || !named(&item["name"]) || !item["arguments"].is_string() {
                     return Err("a function call without a call id, name or arguments".into());
                 }
+                json_arguments(&item["arguments"])?;
                 // Calls made together, and a call right after the assistant's text, are one
                 // assistant turn.
                 match messages.last_mut() {
@@ -1400,6 +1423,62 @@ mod tests {
                 {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "and?"},
                 {"role": "assistant", "content": "ok"}])
+        );
+    }
+
+    /// A tool call whose arguments are not JSON — cut short by the token limit, in the answer or
+    /// in a turn resent in the request — cannot be the format's tool call (its `arguments` is a
+    /// JSON string), on chat and Responses alike; nor can a chat tool call of another type.
+    #[test]
+    fn a_tool_call_whose_arguments_are_not_json_is_skipped_ex5() {
+        let cut = "{\"city\": \"Pa";
+        let chat = json!({"messages": [{"role": "user", "content": "weather?"}]});
+        let length = json!({"choices": [{"finish_reason": "length", "message": {"role": "assistant",
+            "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "weather", "arguments": cut}}]}}]});
+        let why = example(Route::OpenaiChat, &chat, &length).unwrap_err();
+        assert!(why.contains("arguments are not JSON"), "{why}");
+        let resent = json!({"messages": [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                "type": "function", "function": {"name": "weather", "arguments": cut}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "error"}]});
+        let ok = json!({"choices": [{"message": {"role": "assistant", "content": "sorry"}}]});
+        let why = example(Route::OpenaiChat, &resent, &ok).unwrap_err();
+        assert!(why.contains("arguments are not JSON"), "{why}");
+        let custom = json!({"choices": [{"message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_1", "type": "custom",
+                "custom": {"name": "shell", "input": "ls"}}]}}]});
+        let why = example(Route::OpenaiChat, &chat, &custom).unwrap_err();
+        assert!(why.contains("of type custom"), "{why}");
+
+        let incomplete = json!({"status": "incomplete",
+            "incomplete_details": {"reason": "max_output_tokens"},
+            "output": [{"type": "function_call", "call_id": "call_1", "name": "weather",
+                "arguments": cut, "status": "incomplete"}]});
+        let why = example(
+            Route::OpenaiResponses,
+            &json!({"input": "weather?"}),
+            &incomplete,
+        )
+        .unwrap_err();
+        assert!(why.contains("arguments are not JSON"), "{why}");
+        let body = json!({"input": [{"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": cut},
+            {"type": "function_call_output", "call_id": "call_1", "output": "error"}]});
+        let answer = json!({"output": [{"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "sorry"}]}]});
+        let why = example(Route::OpenaiResponses, &body, &answer).unwrap_err();
+        assert!(why.contains("arguments are not JSON"), "{why}");
+        // Whole arguments still export.
+        let whole = json!({"output": [{"type": "function_call", "call_id": "call_1",
+            "name": "weather", "arguments": "{\"city\": \"Paris\"}"}]});
+        assert!(
+            example(
+                Route::OpenaiResponses,
+                &json!({"input": "weather?"}),
+                &whole
+            )
+            .is_ok()
         );
     }
 
