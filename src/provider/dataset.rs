@@ -522,7 +522,29 @@ fn openai_chat_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         return Err("an answer without text or tool calls".into());
     }
     messages.push(Value::Object(reply));
+    answered_calls(&messages)?;
     Ok(with_tools(messages, openai_tools(&body["tools"])?))
+}
+
+/// Each `tool` message must answer a tool call made before it: the format refuses one that
+/// answers none (a history trimmed between a call and its output, which OpenAI refuses too but
+/// an OpenAI-compatible server may answer).
+fn answered_calls(messages: &[Value]) -> Result<(), Skip> {
+    let mut calls = std::collections::HashSet::new();
+    for m in messages {
+        for call in m["tool_calls"].as_array().into_iter().flatten() {
+            calls.extend(call["id"].as_str());
+        }
+        if m["role"] == "tool"
+            && !m["tool_call_id"]
+                .as_str()
+                .is_some_and(|id| calls.contains(id))
+        {
+            // No call id in the reason: the CLI counts skips by reason (EX-6).
+            return Err("a tool output answering no earlier tool call".into());
+        }
+    }
+    Ok(())
 }
 
 /// A chat message's `tool_calls`, when it holds any: OpenAI-compatible servers write `[]` on a
@@ -1072,6 +1094,7 @@ fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         last["tool_calls"] = Value::Array(calls);
     }
     messages.push(last);
+    answered_calls(&messages)?;
     let tools = match body["tools"].as_array() {
         None => None,
         Some(list) => {
@@ -1480,6 +1503,23 @@ mod tests {
             )
             .is_ok()
         );
+    }
+
+    /// A tool output answering no call before it (a history trimmed between the two) cannot be
+    /// in the format, on chat and Responses alike.
+    #[test]
+    fn a_tool_output_answering_no_earlier_call_is_skipped_ex5() {
+        let chat = json!({"messages": [{"role": "user", "content": "weather?"},
+            {"role": "tool", "tool_call_id": "call_gone", "content": "sunny"}]});
+        let ok = json!({"choices": [{"message": {"role": "assistant", "content": "sunny"}}]});
+        let why = example(Route::OpenaiChat, &chat, &ok).unwrap_err();
+        assert!(why.contains("answering no earlier tool call"), "{why}");
+        let body = json!({"input": [{"role": "user", "content": "weather?"},
+            {"type": "function_call_output", "call_id": "call_gone", "output": "sunny"}]});
+        let answer = json!({"output": [{"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "sunny"}]}]});
+        let why = example(Route::OpenaiResponses, &body, &answer).unwrap_err();
+        assert!(why.contains("answering no earlier tool call"), "{why}");
     }
 
     /// Decision 87: a stateless Responses request (the Agents SDK's, each turn's whole history in
