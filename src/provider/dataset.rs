@@ -1061,6 +1061,8 @@ fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     let mut messages = Vec::new();
     match &body["instructions"] {
         Value::Null => {}
+        // An empty `instructions` is no system message.
+        Value::String(s) if s.is_empty() => {}
         Value::String(s) => messages.push(json!({"role": "system", "content": s})),
         _ => return Err("instructions that are not text (a stored prompt)".into()),
     }
@@ -1107,7 +1109,7 @@ fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
                     ));
                 }
                 let mut function = Map::new();
-                for key in ["name", "description", "parameters"] {
+                for key in ["name", "description", "parameters", "strict"] {
                     keep(&mut function, tool, key);
                 }
                 out.push(json!({"type": "function", "function": function}));
@@ -1570,12 +1572,12 @@ mod tests {
                     {"id": "call_3", "type": "function",
                         "function": {"name": "weather", "arguments": "{}"}}]}],
                 "tools": [{"type": "function", "function": {"name": "weather",
-                    "description": "w", "parameters": {"type": "object"}}}]})
+                    "description": "w", "parameters": {"type": "object"}, "strict": true}}]})
         );
-        // A string input is one user message.
+        // A string input is one user message; empty instructions are no system message.
         let ex = example(
             Route::OpenaiResponses,
-            &json!({"input": "hi"}),
+            &json!({"input": "hi", "instructions": ""}),
             &json!({"output": [{"type": "message", "role": "assistant",
                 "content": [{"type": "output_text", "text": "hello"}]}]}),
         )
