@@ -588,48 +588,22 @@ mod tests {
     #[tokio::test]
     async fn a_reader_whose_keepalives_are_frequent_still_polls_the_store_for_chunks_rd4() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store: DynStore = Arc::new(scratch(dir.path()).await);
-        let now = now_ms();
-        let request = NewRequest {
-            stream: true,
-            ..NewRequest::example(7, now)
-        };
-        store.submit(request).await.expect("submit");
-        let (lease, record) = store
-            .lease_many("node", now, 30_000, 1)
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased");
+        let (store, lease, id) = leased_stream(dir.path()).await;
         let follow_from_start = Follow {
             after: 0,
             keepalive: Duration::from_millis(20),
             proxied: false,
             read_retry: Duration::ZERO,
         };
-        let items = follow(
-            Arc::clone(&store),
-            Hub::new(),
-            record.id,
-            follow_from_start,
-            None,
-        );
+        let items = follow(Arc::clone(&store), Hub::new(), id, follow_from_start, None);
         let mut items = std::pin::pin!(items);
         // A first keep-alive: the reader read the (empty) log and waits live.
         assert!(matches!(items.next().await, Some(Ok(Followed::KeepAlive))));
         // Stored without a word to this node's hub.
-        let batch = ChunkBatch {
-            lease,
-            after: 0,
-            chunks: vec![NewChunk {
-                event: None,
-                data: "{}".into(),
-            }],
-            upstream_request_id: None,
-            response_id: None,
-            usage: None,
-        };
-        store.append_chunks(&[batch]).await.expect("append");
+        store
+            .append_chunks(&[first_chunk(lease)])
+            .await
+            .expect("append");
         // POLL is 500 ms: 25 keep-alives at most before the re-read; 200 (4 s) bound the test.
         for _ in 0..200 {
             match items.next().await {
@@ -669,13 +643,28 @@ mod tests {
         assert!(event.contains("\"shutting_down\""), "{event}");
     }
 
+    /// The first chunk of the attempt holding `lease`.
+    fn first_chunk(lease: crate::store::Lease) -> ChunkBatch {
+        ChunkBatch {
+            lease,
+            after: 0,
+            chunks: vec![NewChunk {
+                event: None,
+                data: "{}".into(),
+            }],
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        }
+    }
+
     /// A store to read from with request `id` leased, as the follow tests need it.
     async fn leased_stream(dir: &std::path::Path) -> (DynStore, crate::store::Lease, Uuid) {
         let store: DynStore = Arc::new(scratch(dir).await);
         let now = now_ms();
         let request = NewRequest {
             stream: true,
-            ..NewRequest::example(8, now)
+            ..NewRequest::example(7, now)
         };
         store.submit(request).await.expect("submit");
         let (lease, record) = store
@@ -724,18 +713,10 @@ mod tests {
         other
             .execute_batch("ALTER TABLE chunks_away RENAME TO chunks")
             .expect("rename back");
-        let batch = ChunkBatch {
-            lease,
-            after: 0,
-            chunks: vec![NewChunk {
-                event: None,
-                data: "{}".into(),
-            }],
-            upstream_request_id: None,
-            response_id: None,
-            usage: None,
-        };
-        store.append_chunks(&[batch]).await.expect("append");
+        store
+            .append_chunks(&[first_chunk(lease)])
+            .await
+            .expect("append");
         let mut reached = false;
         for _ in 0..200 {
             match items.next().await {
