@@ -69,16 +69,15 @@ pub(crate) fn latest_schema() -> i64 {
 /// [`StoreError`] when the server cannot be reached.
 pub(crate) async fn schema_version(url: &str) -> Result<i64, StoreError> {
     let options = PgConnectOptions::from_str(url)?.application_name("holdfast-version");
-    let pool = match PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options.clone())
-        .await
-    {
-        Ok(pool) => pool,
-        Err(sqlx::Error::PoolTimedOut) => return Err(why_unreachable(&options).await),
-        Err(e) => return Err(e.into()),
-    };
+    let pool = connected(
+        PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options.clone())
+            .await,
+        &options,
+    )
+    .await?;
     let migrated: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
         .fetch_one(&pool)
         .await?;
@@ -91,6 +90,19 @@ pub(crate) async fn schema_version(url: &str) -> Result<i64, StoreError> {
     };
     pool.close().await;
     Ok(version)
+}
+
+/// A pool's first connection to the server of `options`, or why there is none: a pool that
+/// timed out is asked [`why_unreachable`].
+async fn connected(
+    pool: Result<PgPool, sqlx::Error>,
+    options: &PgConnectOptions,
+) -> Result<PgPool, StoreError> {
+    match pool {
+        Ok(pool) => Ok(pool),
+        Err(sqlx::Error::PoolTimedOut) => Err(why_unreachable(options).await),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Why the server of `options` could not be connected to. A pool that cannot connect reports
@@ -156,14 +168,13 @@ impl PostgresStore {
             pool_of(WRITERS).connect_lazy_with(options.clone().application_name("holdfast-writer"));
         let append_pool =
             pool_of(1).connect_lazy_with(options.clone().application_name("holdfast-chunks"));
-        let pool = match pool_of(max_connections.max(1))
-            .connect_with(options.clone())
-            .await
-        {
-            Ok(pool) => pool,
-            Err(sqlx::Error::PoolTimedOut) => return Err(why_unreachable(&options).await),
-            Err(e) => return Err(e.into()),
-        };
+        let pool = connected(
+            pool_of(max_connections.max(1))
+                .connect_with(options.clone())
+                .await,
+            &options,
+        )
+        .await?;
         // Concurrent starts of several nodes are fine: the migrator takes an advisory lock.
         MIGRATOR.run(&pool).await?;
         let (writes, queue) = mpsc::unbounded_channel();
