@@ -1120,8 +1120,54 @@ fn responses_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
     Ok(with_tools(messages, tools))
 }
 
+/// Why an `answer` of `route` is one the provider cut short rather than finished (EX-5,
+/// decision 95): its token limit, or a filter that stopped it mid-way. Such an answer is what
+/// the provider said, but as a fine-tuning example it would teach a model to stop there.
+fn cut_short(route: Route, answer: &Value) -> Option<Skip> {
+    let (field, reason) = match route {
+        Route::OpenaiChat => ("finish_reason", &answer["choices"][0]["finish_reason"]),
+        Route::AnthropicMessages => ("stop_reason", &answer["stop_reason"]),
+        Route::GeminiGenerate
+        | Route::GeminiStream
+        | Route::GeminiV1Generate
+        | Route::GeminiV1Stream => ("finishReason", &answer["candidates"][0]["finishReason"]),
+        Route::OpenaiResponses => {
+            if answer["status"] != "incomplete" {
+                return None;
+            }
+            let why = answer["incomplete_details"]["reason"]
+                .as_str()
+                .unwrap_or("unknown");
+            return Some(format!("an answer cut short (incomplete: {why})"));
+        }
+        _ => return None,
+    };
+    let reason = reason.as_str()?;
+    let cut = matches!(
+        reason,
+        // OpenAI chat.
+        "length" | "content_filter"
+        // Anthropic.
+        | "max_tokens" | "refusal" | "model_context_window_exceeded"
+        // Gemini: every reason but STOP stops the answer before its end.
+        | "MAX_TOKENS" | "SAFETY" | "RECITATION" | "LANGUAGE" | "BLOCKLIST"
+        | "PROHIBITED_CONTENT" | "SPII" | "MALFORMED_FUNCTION_CALL" | "IMAGE_SAFETY"
+        | "UNEXPECTED_TOOL_CALL" | "TOO_MANY_TOOL_CALLS" | "OTHER"
+    );
+    cut.then(|| format!("an answer cut short ({field} {reason})"))
+}
+
 /// EX-5 for a route: the request `body` with its final `answer` as an example, or why not.
 pub(super) fn example(route: Route, body: &Value, answer: &Value) -> Result<Value, Skip> {
+    let example = example_of(route, body, answer)?;
+    match cut_short(route, answer) {
+        Some(why) => Err(why),
+        None => Ok(example),
+    }
+}
+
+/// [`example`] by route, whatever way the answer ended.
+fn example_of(route: Route, body: &Value, answer: &Value) -> Result<Value, Skip> {
     match route {
         Route::OpenaiChat => openai_chat_example(body, answer),
         Route::AnthropicMessages => anthropic_example(body, answer),
@@ -1449,6 +1495,115 @@ mod tests {
                 {"role": "user", "content": "and?"},
                 {"role": "assistant", "content": "ok"}])
         );
+    }
+
+    /// An answer the provider cut short — its token limit, a filter — is skipped naming how,
+    /// on every chat route; the same answer finished is an example (EX-5, decision 95).
+    #[test]
+    fn an_answer_cut_short_is_skipped_naming_how_ex5() {
+        let chat = json!({"messages": [{"role": "user", "content": "tell me"}]});
+        let chat_answer = |finish: &str| {
+            json!({"choices": [{"finish_reason": finish,
+                "message": {"role": "assistant", "content": "Once upon a"}}]})
+        };
+        let anthropic = json!({"messages": [{"role": "user", "content": "tell me"}]});
+        let anthropic_answer = |stop: &str| json!({"content": [{"type": "text", "text": "Once upon a"}], "stop_reason": stop});
+        let gemini = json!({"contents": [{"role": "user", "parts": [{"text": "tell me"}]}]});
+        let gemini_answer = |finish: &str| {
+            json!({"candidates": [{"content": {"role": "model",
+                "parts": [{"text": "Once upon a"}]}, "finishReason": finish}]})
+        };
+        let responses = json!({"input": "tell me"});
+        let output = json!([{"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Once upon a"}]}]);
+        let cases = [
+            (
+                Route::OpenaiChat,
+                &chat,
+                chat_answer("length"),
+                "finish_reason length",
+            ),
+            (
+                Route::OpenaiChat,
+                &chat,
+                chat_answer("content_filter"),
+                "finish_reason content_filter",
+            ),
+            (
+                Route::AnthropicMessages,
+                &anthropic,
+                anthropic_answer("max_tokens"),
+                "stop_reason max_tokens",
+            ),
+            (
+                Route::AnthropicMessages,
+                &anthropic,
+                anthropic_answer("refusal"),
+                "stop_reason refusal",
+            ),
+            (
+                Route::GeminiGenerate,
+                &gemini,
+                gemini_answer("MAX_TOKENS"),
+                "finishReason MAX_TOKENS",
+            ),
+            (
+                Route::GeminiStream,
+                &gemini,
+                gemini_answer("SAFETY"),
+                "finishReason SAFETY",
+            ),
+            (
+                Route::OpenaiResponses,
+                &responses,
+                json!({"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+                    "output": output}),
+                "incomplete: max_output_tokens",
+            ),
+        ];
+        for (route, body, answer, how) in cases {
+            let why = example(route, body, &answer).unwrap_err();
+            assert_eq!(
+                why,
+                format!("an answer cut short ({how})"),
+                "{}",
+                route.name()
+            );
+        }
+        let finished = [
+            (Route::OpenaiChat, &chat, chat_answer("stop")),
+            (
+                Route::OpenaiChat,
+                &chat,
+                json!({"choices": [{"message": {"role": "assistant", "content": "ok"}}]}),
+            ),
+            (
+                Route::AnthropicMessages,
+                &anthropic,
+                anthropic_answer("end_turn"),
+            ),
+            (
+                Route::AnthropicMessages,
+                &anthropic,
+                anthropic_answer("stop_sequence"),
+            ),
+            (Route::GeminiGenerate, &gemini, gemini_answer("STOP")),
+            (
+                Route::OpenaiResponses,
+                &responses,
+                json!({"status": "completed", "output": output}),
+            ),
+        ];
+        for (route, body, answer) in finished {
+            let example = example(route, body, &answer).unwrap_or_else(|why| panic!("{why}"));
+            let last = example["messages"]
+                .as_array()
+                .unwrap()
+                .last()
+                .unwrap()
+                .clone();
+            assert_eq!(last["role"], "assistant", "{}", route.name());
+        }
     }
 
     /// A tool call whose arguments are not JSON — cut short by the token limit, in the answer or
