@@ -783,18 +783,25 @@ fn text(value: &Value) -> String {
     }
 }
 
-/// `s` with every control character (C0, DEL, C1) but those in `keep` written as its Rust
-/// escape (`\u{1b}`, `\r`). What the CLI prints for people comes from the log — a client's
-/// model name and prompt, a provider's answer, a webhook receiver's reply — and is untrusted
-/// text, as on the web page (EX-10): printed raw, an escape sequence in it would drive the
-/// operator's terminal (rewrite a line of the table, set its title, write its clipboard).
+/// `s` with every control character (C0, DEL, C1) and bidirectional override but those in
+/// `keep` written as its Rust escape (`\u{1b}`, `\r`, `\u{202e}`). What the CLI prints for
+/// people comes from the log — a client's model name and prompt, a provider's answer, a webhook
+/// receiver's reply — and is untrusted text, as on the web page (EX-10): printed raw, an escape
+/// sequence in it would drive the operator's terminal (rewrite a line of the table, set its
+/// title, write its clipboard), and an override would show a row's text in an order other than
+/// its own ("Trojan Source"; the marks `rustc` refuses in literals, not the plain
+/// left-to-right and right-to-left marks that right-to-left text uses).
 fn printable(s: &str, keep: &[char]) -> String {
-    if !s.chars().any(|c| c.is_control() && !keep.contains(&c)) {
+    let escaped = |c: char| {
+        (c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'))
+            && !keep.contains(&c)
+    };
+    if !s.chars().any(escaped) {
         return s.to_owned();
     }
     let mut out = String::with_capacity(s.len() + 8);
     for c in s.chars() {
-        if c.is_control() && !keep.contains(&c) {
+        if escaped(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -896,6 +903,14 @@ mod tests {
         assert!(!cell.chars().any(char::is_control), "{cell:?}");
         assert_eq!(printable("a\nb\u{1b}c", &['\n']), "a\nb\\u{1b}c");
         assert_eq!(printable("plain text", &[]), "plain text");
+        // A bidirectional override or isolate would reorder what the row shows; the plain
+        // marks of right-to-left text stay.
+        let forged = "ok\u{202e}lanif\u{202c} \u{2067}x\u{2069}";
+        assert_eq!(
+            printable(forged, &[]),
+            r"ok\u{202e}lanif\u{202c} \u{2067}x\u{2069}"
+        );
+        assert_eq!(printable("שלום\u{200f}", &[]), "שלום\u{200f}");
     }
 
     #[test]
