@@ -221,7 +221,11 @@ impl Client {
             let body = pretty(&record["request"]["body"]);
             writeln!(out, "{}", printable(&body, &['\n'])).map_err(io)?;
             writeln!(out, "answer:").map_err(io)?;
-            let answer = match record["answer"]["text"].as_str() {
+            // A stream's text and tool calls (decision 96); a non-stream answer as it came.
+            let streamed = record["answer"]["text"]
+                .as_str()
+                .map(|text| record["answer_text"].as_str().unwrap_or(text));
+            let answer = match streamed {
                 Some(streamed) => printable(streamed, &['\n', '\t']),
                 None => printable(&pretty(&record["answer"]), &['\n']),
             };

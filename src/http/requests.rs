@@ -297,18 +297,13 @@ pub(super) async fn get_one(
     if !include_body {
         return axum::Json(value).into_response();
     }
-    let bodies = match bodies(&state.store, &record).await {
+    let (request, answer, text) = match bodies_and_text(&state.store, &record).await {
         Ok(bodies) => bodies,
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
-    // The answer's text, for people and `holdfast requests replay` (EX-9).
-    let text = match (&bodies.1["text"], record.stream) {
-        (serde_json::Value::String(text), true) => Some(text.clone()),
-        _ => record.route.answer_text(&bodies.1),
-    };
     if let Some(object) = value.as_object_mut() {
-        object.insert("request".into(), bodies.0);
-        object.insert("answer".into(), bodies.1);
+        object.insert("request".into(), request);
+        object.insert("answer".into(), answer);
         object.insert("answer_text".into(), serde_json::json!(text));
     }
     axum::Json(value).into_response()
@@ -321,6 +316,17 @@ pub(super) async fn bodies(
     store: &crate::store::DynStore,
     record: &RequestRecord,
 ) -> Result<(serde_json::Value, serde_json::Value), crate::store::StoreError> {
+    let (request, answer, _) = bodies_and_text(store, record).await?;
+    Ok((request, answer))
+}
+
+/// [`bodies`], and the answer's text for people and `holdfast requests replay` (EX-9): its
+/// text and tool calls (decision 96), a stream's read from its events reassembled (EX-3), so
+/// that it reads as the same answer not streamed would; `None` for a route without text.
+async fn bodies_and_text(
+    store: &crate::store::DynStore,
+    record: &RequestRecord,
+) -> Result<(serde_json::Value, serde_json::Value, Option<String>), crate::store::StoreError> {
     use serde_json::{Value, json};
     let request = json!({
         "headers": record.headers.iter().map(|(n, v)| json!([n, v])).collect::<Vec<_>>(),
@@ -330,10 +336,12 @@ pub(super) async fn bodies(
         let answer = record.response_body.as_deref().map_or(Value::Null, |b| {
             serde_json::to_value(body_json(b)).unwrap_or_default()
         });
-        return Ok((request, answer));
+        let text = record.route.answer_text(&answer);
+        return Ok((request, answer, text));
     }
     let mut text = String::new();
     let mut events = 0u64;
+    let mut datas: Vec<String> = Vec::new();
     let mut after = record.reset_seq;
     loop {
         let page = store.chunks_after(record.id, after, 512).await?;
@@ -344,6 +352,7 @@ pub(super) async fn bodies(
                 continue;
             }
             events += 1;
+            datas.push(chunk.data.clone());
             if let Ok(data) = serde_json::from_str::<Value>(&chunk.data) {
                 let kind = chunk.event.as_deref().or(data["type"].as_str());
                 if let Some(piece) = record.route.text_of_event(kind, &data) {
@@ -355,7 +364,18 @@ pub(super) async fn bodies(
             break;
         }
     }
-    Ok((request, json!({"text": text, "events": events})))
+    let answer_text = match record
+        .route
+        .assemble_stream(datas.iter().map(String::as_str))
+    {
+        Some(assembled) => record.route.stream_answer_text(text.clone(), &assembled),
+        None => text.clone(),
+    };
+    Ok((
+        request,
+        json!({"text": text, "events": events}),
+        Some(answer_text),
+    ))
 }
 
 /// The request a `/requests/{id}` path names, as the caller presenting the key `presented` may

@@ -179,28 +179,100 @@ fn openai_completions<'a>(events: impl IntoIterator<Item = &'a str>) -> Value {
     Value::Object(top)
 }
 
-/// The text of an OpenAI answer: chat's first choice's content, completions' text, Responses'
-/// output text.
+/// The text of an answer as an operator reads it (EX-9, decision 96): its `text`, then one line
+/// per tool call it makes, `[tool call] NAME(ARGUMENTS)`, the arguments as the model wrote them
+/// (a string as it is, JSON compact), so an answer that is only tool calls does not read as
+/// blank.
+fn with_tool_calls<'a>(
+    mut text: String,
+    calls: impl IntoIterator<Item = (&'a Value, &'a Value)>,
+) -> String {
+    for (name, arguments) in calls {
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        let arguments = match arguments {
+            Value::String(s) => s.clone(),
+            Value::Null => String::new(),
+            other => other.to_string(),
+        };
+        text.push_str(&format!(
+            "[tool call] {}({arguments})",
+            name.as_str().unwrap_or("?")
+        ));
+    }
+    text
+}
+
+/// The text of an OpenAI answer: chat's first choice's content and tool calls, completions'
+/// text, Responses' output text and function calls (decision 96).
 pub(super) fn openai_text(route: Route, answer: &Value) -> Option<String> {
     match route {
         Route::OpenaiResponses => {
-            let text: String = answer["output"]
-                .as_array()?
+            let output = answer["output"].as_array()?;
+            let text: String = output
                 .iter()
                 .flat_map(|item| item["content"].as_array().into_iter().flatten())
                 .filter(|part| part["type"] == "output_text")
                 .filter_map(|part| part["text"].as_str())
                 .collect();
-            Some(text)
+            Some(with_tool_calls(text, openai_tool_calls(route, answer)))
         }
         Route::OpenaiCompletions => answer["choices"][0]["text"].as_str().map(str::to_owned),
         Route::OpenaiEmbeddings => None,
-        _ => match &answer["choices"][0]["message"]["content"] {
-            Value::String(s) => Some(s.clone()),
-            Value::Array(parts) => Some(text_parts(parts)),
-            _ => Some(String::new()),
-        },
+        _ => {
+            let message = &answer["choices"][0]["message"];
+            let text = match &message["content"] {
+                Value::String(s) => s.clone(),
+                Value::Array(parts) => text_parts(parts),
+                _ => String::new(),
+            };
+            Some(with_tool_calls(text, openai_tool_calls(route, answer)))
+        }
     }
+}
+
+/// The tool calls of an OpenAI answer, `(name, arguments)`: chat's first choice's
+/// `tool_calls` (a `custom` tool's `input` for arguments), Responses' `function_call` and
+/// `custom_tool_call` items.
+fn openai_tool_calls(route: Route, answer: &Value) -> Vec<(&Value, &Value)> {
+    match route {
+        Route::OpenaiResponses => answer["output"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|item| match item["type"].as_str() {
+                Some("function_call") => Some((&item["name"], &item["arguments"])),
+                Some("custom_tool_call") => Some((&item["name"], &item["input"])),
+                _ => None,
+            })
+            .collect(),
+        Route::OpenaiChat => answer["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|call| match call["type"].as_str() {
+                Some("custom") => (&call["custom"]["name"], &call["custom"]["input"]),
+                _ => (&call["function"]["name"], &call["function"]["arguments"]),
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A streamed answer's `text` (its text events, EX-3's `{"text"}`), then the tool calls of its
+/// events reassembled, `assembled` (decision 96). The text is the events', not the
+/// reassembly's: a Responses stream cut before its final event reassembles to an earlier
+/// lifecycle event's `response`, without the text that came after it.
+pub(super) fn stream_text(route: Route, text: String, assembled: &Value) -> String {
+    let calls = match route.provider() {
+        super::Provider::Openai => openai_tool_calls(route, assembled),
+        super::Provider::Anthropic => anthropic_tool_calls(assembled),
+        super::Provider::Gemini => gemini_tool_calls(assembled),
+        #[cfg(test)]
+        super::Provider::Echo => Vec::new(),
+    };
+    with_tool_calls(text, calls)
 }
 
 /// The text of OpenAI content parts (`{"type":"text","text"}`), joined.
@@ -290,16 +362,28 @@ pub(super) fn anthropic_assemble<'a>(events: impl IntoIterator<Item = &'a str>) 
     Some(Value::Object(message))
 }
 
-/// The text of an Anthropic message: its text blocks, joined.
+/// The text of an Anthropic message: its text blocks, joined, then its tool calls
+/// (`tool_use`, `server_tool_use`; decision 96).
 pub(super) fn anthropic_text(answer: &Value) -> Option<String> {
     let blocks = answer["content"].as_array()?;
-    Some(
-        blocks
-            .iter()
-            .filter(|b| b["type"] == "text")
-            .filter_map(|b| b["text"].as_str())
-            .collect(),
-    )
+    let text = blocks
+        .iter()
+        .filter(|b| b["type"] == "text")
+        .filter_map(|b| b["text"].as_str())
+        .collect();
+    Some(with_tool_calls(text, anthropic_tool_calls(answer)))
+}
+
+/// The tool calls of an Anthropic message, `(name, input)`: its `tool_use` and
+/// `server_tool_use` blocks.
+fn anthropic_tool_calls(answer: &Value) -> Vec<(&Value, &Value)> {
+    answer["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["type"] == "tool_use" || b["type"] == "server_tool_use")
+        .map(|b| (&b["name"], &b["input"]))
+        .collect()
 }
 
 // ------------------------------------------------------------------------------------------
@@ -399,14 +483,25 @@ pub(super) fn gemini_assemble<'a>(events: impl IntoIterator<Item = &'a str>) -> 
 /// The text of a Gemini answer: the first candidate's non-thought text parts.
 pub(super) fn gemini_text(answer: &Value) -> Option<String> {
     let parts = answer["candidates"][0]["content"]["parts"].as_array();
-    Some(
-        parts
-            .into_iter()
-            .flatten()
-            .filter(|p| p["thought"] != true)
-            .filter_map(|p| p["text"].as_str())
-            .collect(),
-    )
+    let text = parts
+        .into_iter()
+        .flatten()
+        .filter(|p| p["thought"] != true)
+        .filter_map(|p| p["text"].as_str())
+        .collect();
+    Some(with_tool_calls(text, gemini_tool_calls(answer)))
+}
+
+/// The tool calls of a Gemini answer, `(name, args)`: its first candidate's `functionCall`
+/// parts (`function_call` under the proto name, decision 84).
+fn gemini_tool_calls(answer: &Value) -> Vec<(&Value, &Value)> {
+    answer["candidates"][0]["content"]["parts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.get("functionCall").or_else(|| p.get("function_call")))
+        .map(|call| (&call["name"], &call["args"]))
+        .collect()
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1209,7 +1304,10 @@ mod tests {
         assert_eq!(message["tool_calls"][0]["id"], "call_1");
         assert_eq!(answer["choices"][0]["finish_reason"], "tool_calls");
         assert_eq!(answer["usage"]["completion_tokens"], 2);
-        assert_eq!(openai_text(Route::OpenaiChat, &answer).unwrap(), "Hello");
+        assert_eq!(
+            openai_text(Route::OpenaiChat, &answer).unwrap(),
+            "Hello\n[tool call] f({\"a\":1})"
+        );
     }
 
     #[test]
@@ -1235,7 +1333,10 @@ mod tests {
             answer["usage"],
             json!({"input_tokens": 5, "output_tokens": 9})
         );
-        assert_eq!(anthropic_text(&answer).unwrap(), "Hi there");
+        assert_eq!(
+            anthropic_text(&answer).unwrap(),
+            "Hi there\n[tool call] f({\"x\":2})"
+        );
         let body = json!({"system": "be brief", "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}]});
         let ex = example(Route::AnthropicMessages, &body, &answer).unwrap();
@@ -1660,6 +1761,51 @@ mod tests {
             )
             .is_ok()
         );
+    }
+
+    /// An answer that is only tool calls reads as those calls, not as a blank, on every
+    /// provider: chat's `tool_calls`, Responses' `function_call` items, Messages' `tool_use`
+    /// blocks (a cut one's input as the string it got), Gemini's `functionCall` parts; a text
+    /// comes first, each call on a line of its own (EX-9, decision 96).
+    #[test]
+    fn an_answer_that_is_only_tool_calls_reads_as_its_calls_ex9() {
+        let chat = json!({"choices": [{"message": {"role": "assistant", "content": null,
+            "tool_calls": [
+                {"id": "call_1", "type": "function",
+                    "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "call_2", "type": "function",
+                    "function": {"name": "time", "arguments": "{}"}}]}}]});
+        assert_eq!(
+            openai_text(Route::OpenaiChat, &chat).unwrap(),
+            "[tool call] weather({\"city\": \"Paris\"})\n[tool call] time({})"
+        );
+        let responses = json!({"output": [
+            {"type": "reasoning", "summary": []},
+            {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Looking."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "weather",
+                "arguments": "{\"city\":\"Paris\"}"}]});
+        assert_eq!(
+            openai_text(Route::OpenaiResponses, &responses).unwrap(),
+            "Looking.\n[tool call] weather({\"city\":\"Paris\"})"
+        );
+        let messages = json!({"content": [
+            {"type": "thinking", "thinking": "hm", "signature": "s"},
+            {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}},
+            {"type": "tool_use", "id": "toolu_2", "name": "weather", "input": "{\"city\": \"Pa"}]});
+        assert_eq!(
+            anthropic_text(&messages).unwrap(),
+            "[tool call] weather({\"city\":\"Paris\"})\n[tool call] weather({\"city\": \"Pa)"
+        );
+        let gemini = json!({"candidates": [{"content": {"role": "model", "parts": [
+            {"functionCall": {"name": "weather", "args": {"city": "Paris"}}}]}}]});
+        assert_eq!(
+            gemini_text(&gemini).unwrap(),
+            "[tool call] weather({\"city\":\"Paris\"})"
+        );
+        // Text alone is as it was.
+        let plain = json!({"content": [{"type": "text", "text": "Hi"}]});
+        assert_eq!(anthropic_text(&plain).unwrap(), "Hi");
     }
 
     /// A tool output answering no call before it (a history trimmed between the two) cannot be

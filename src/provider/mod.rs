@@ -814,6 +814,13 @@ impl Route {
         }
     }
 
+    /// The text of a streamed answer of this route: `text`, what its events' text pieces
+    /// ([`Route::text_of_event`]) make, then the tool calls of its events reassembled
+    /// ([`Route::assemble_stream`]), as [`Route::answer_text`] shows them (EX-9, decision 96).
+    pub(crate) fn stream_answer_text(self, text: String, assembled: &Value) -> String {
+        dataset::stream_text(self, text, assembled)
+    }
+
     /// The request `body` of this route with its final `answer` as an OpenAI chat fine-tuning
     /// example (EX-5), or why it cannot be one.
     ///

@@ -283,3 +283,116 @@ async fn a_replay_whose_original_backend_is_no_longer_configured_is_refused_ex7(
     let record: Value = r.json().await.unwrap();
     assert_eq!(record["backend"], "mock", "{record}");
 }
+
+/// EX-9, decision 96: an answer that is only tool calls (an agent's turn) reads as its calls in
+/// `answer_text`, which `holdfast requests replay` prints side by side and the web page shows,
+/// not as a blank: a Messages stream's `tool_use` (its input from `input_json_delta` pieces) and
+/// a chat answer's `tool_calls`, each as `[tool call] NAME(ARGUMENTS)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_of_an_answer_that_is_only_tool_calls_shows_the_calls_ex9() {
+    let events = [
+        r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","model":"claude-mock-small","content":[],"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":1}}}"#,
+        r#"{"type":"content_block_start","index":0,"content_block":{"type":"tool_use","id":"toolu_1","name":"get_weather","input":{}}}"#,
+        r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":""}}"#,
+        r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":"{\"city\": "}}"#,
+        r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":"\"Paris\"}"}}"#,
+        r#"{"type":"content_block_stop","index":0}"#,
+        r#"{"type":"message_delta","delta":{"stop_reason":"tool_use","stop_sequence":null},"usage":{"output_tokens":12}}"#,
+        r#"{"type":"message_stop"}"#,
+    ];
+    let sse: String = events
+        .iter()
+        .map(|data| {
+            let name = serde_json::from_str::<Value>(data).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            format!("event: {name}\ndata: {data}\n\n")
+        })
+        .collect();
+    let anthropic = RawProvider::start(raw_200("text/event-stream", &sse, true)).await;
+    let chat_answer = json!({"id": "chatcmpl-1", "object": "chat.completion",
+        "model": "gpt-4o-mini", "choices": [{"index": 0, "finish_reason": "tool_calls",
+            "message": {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                "type": "function", "function": {"name": "get_weather",
+                    "arguments": "{\"city\":\"Oslo\"}"}}]}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21}});
+    let openai =
+        RawProvider::start(raw_200("application/json", &chat_answer.to_string(), false)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        for b in &mut c.backends {
+            match b.name.as_str() {
+                "mock-anthropic" => b.base_url = anthropic.base_url(),
+                "mock-openai" => b.base_url = openai.base_url(),
+                _ => {}
+            }
+        }
+    })
+    .await;
+    let tools = json!([{"name": "get_weather",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+    let r = app
+        .post(
+            "/v1/messages",
+            json!({"model": "claude-mock-small", "max_tokens": 64, "stream": true,
+                "tools": tools,
+                "messages": [{"role": "user", "content": "weather in Paris?"}]})
+            .to_string(),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let streamed = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await.unwrap();
+    let plain = send(
+        &app,
+        json!({"model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": "weather in Oslo?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object"}}}]}),
+        None,
+    )
+    .await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("HOLDFAST_URL", app.base.as_str())];
+    for (id, call) in [
+        (&streamed, r#"[tool call] get_weather({"city":"Paris"})"#),
+        (&plain, r#"[tool call] get_weather({"city":"Oslo"})"#),
+    ] {
+        let (code, out, err) =
+            run_holdfast(dir.path(), &["requests", "replay", id, "--json"], &env);
+        assert_eq!(code, 0, "{out}{err}");
+        let both: Value = serde_json::from_str(&out).unwrap();
+        for side in ["original", "replay"] {
+            assert_eq!(both[side]["status"], "succeeded", "{out}");
+            assert_eq!(both[side]["answer_text"], call, "{side}: {out}");
+        }
+        let (code, out, err) = run_holdfast(dir.path(), &["requests", "replay", id], &env);
+        assert_eq!(code, 0, "{out}{err}");
+        // The columns wrap at spaces: the call's name and arguments are one word.
+        let (_, name_and_arguments) = call.split_once(' ').unwrap();
+        let name_and_arguments = name_and_arguments.split_once(' ').unwrap().1;
+        assert!(out.contains("[tool call]"), "{out}");
+        assert_eq!(out.matches(name_and_arguments).count(), 2, "{out}");
+    }
+    // A stream's own text, `answer.text`, keeps its meaning: the text its events carry.
+    let shown: Value = app
+        .http
+        .get(format!("{}/requests/{streamed}?include=body", app.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(shown["answer"]["text"], "");
+    let (code, out, err) =
+        run_holdfast(dir.path(), &["requests", "show", &streamed, "--body"], &env);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(r#"[tool call] get_weather({"city":"Paris"})"#),
+        "{out}"
+    );
+    app.stop().await;
+}

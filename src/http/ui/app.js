@@ -560,7 +560,10 @@ async function toggleBodies() {
   }
   const body = full.request && full.request.body;
   $('prompt').textContent = readable(() => promptText(full.route, body)) || '(no text found in the request body)';
-  $('answer').textContent = readable(() => answerText(full.route, full.answer, full.stream)) || '(no answer text stored)';
+  // The server's text of the answer (its tool calls included, decision 96); this page's own
+  // reading for a route without text (embeddings).
+  const said = typeof full.answer_text === 'string' ? full.answer_text : readable(() => answerText(full.route, full.answer, full.stream));
+  $('answer').textContent = said || '(no answer text stored)';
   $('request-json').textContent = JSON.stringify(body, null, 2);
   $('answer-json').textContent = JSON.stringify(full.answer, null, 2);
   const headers = (full.request && full.request.headers) || [];

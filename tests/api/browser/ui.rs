@@ -1333,3 +1333,47 @@ async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_car
     assert!(errors.is_empty(), "{errors:#?}");
     app.stop().await;
 }
+
+/// EX-9, decision 96: an answer that is only tool calls (an agent's turn) shows on demand as its
+/// calls, `[tool call] NAME(ARGUMENTS)`, not as "(no answer text stored)": the page shows the
+/// server's `answer_text`, which names them.
+#[tokio::test]
+async fn ui_shows_an_answer_that_is_only_tool_calls_as_its_calls_ex9() {
+    let answer = json!({"id": "msg_1", "type": "message", "role": "assistant",
+        "model": "claude-mock-small", "stop_reason": "tool_use", "stop_sequence": null,
+        "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+            "input": {"city": "Paris"}}],
+        "usage": {"input_tokens": 9, "output_tokens": 12}});
+    let provider =
+        RawProvider::start(raw_200("application/json", &answer.to_string(), false)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.ui = true;
+        use_backend_url(c, &provider.base_url());
+    })
+    .await;
+    let body = json!({"model": "claude-mock-small", "max_tokens": 64,
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+        "messages": [{"role": "user", "content": "weather in Paris?"}]});
+    let r = app.post("/v1/messages", body.to_string(), &[]).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, HEIGHT).await;
+    page.goto(&format!("{}/ui", app.base)).await;
+    wait_rows(&page, &[&id], "the tool call").await;
+    open_detail(&page, &id).await;
+    page.eval("document.getElementById('show-body').click()")
+        .await;
+    page.wait_for(
+        "!document.getElementById('bodies').hidden",
+        "the tool call's bodies",
+        WAIT,
+    )
+    .await;
+    assert_eq!(
+        text_of(&page, "answer").await,
+        r#"[tool call] get_weather({"city":"Paris"})"#
+    );
+    app.stop().await;
+}
