@@ -79,6 +79,10 @@ pub(super) struct StreamRead {
     /// The events from the one that finished the answer on, held until the body ends: then
     /// stored with the outcome and shown only with it, like a final event (GM-3, RS-12).
     held: Option<ChunkBatch>,
+    /// Keep-alive events (Anthropic's `ping`) that came while nothing is stored, held to go
+    /// with the next other event: stored alone they would make an error event that follows
+    /// them terminal instead of transient, as they came in one read or two (LC-5, decision 97).
+    leading: Vec<NewChunk>,
 }
 
 impl StreamRead {
@@ -111,6 +115,7 @@ impl StreamRead {
             opened: false,
             finished: false,
             held: None,
+            leading: Vec::new(),
         }
     }
 
@@ -151,7 +156,9 @@ impl StreamRead {
     /// The events of one read, in order: checked, then stored as one batch, or the attempt
     /// ends.
     pub(super) fn on_events(&mut self, events: Vec<SseEvent>) -> Step {
-        let mut chunks = Vec::with_capacity(events.len());
+        let mut chunks = std::mem::take(&mut self.leading);
+        chunks.reserve(events.len());
+        let mut only_keepalives = true;
         let mut provider_error = None;
         let mut ended = false;
         let mut response_id = None;
@@ -194,6 +201,7 @@ impl StreamRead {
                 self.usage.update(reported);
                 usage_changed = true;
             }
+            only_keepalives &= seen.keepalive && !seen.error && !seen.ends_stream;
             chunks.push(NewChunk {
                 event: event.event,
                 data: event.data,
@@ -204,6 +212,11 @@ impl StreamRead {
         {
             // The provider failed before anything was stored: as transient as a 5xx.
             return Step::Transient(format!("the provider sent an error event: {error}"));
+        }
+        if only_keepalives && self.stored == 0 && self.held.is_none() {
+            // Nothing but keep-alives yet: they wait for the next event (decision 97).
+            self.leading = chunks;
+            return Step::Read;
         }
         let batch = ChunkBatch {
             lease: self.lease.clone(),
@@ -321,8 +334,13 @@ impl StreamRead {
                 ErrorType::UpstreamInvalid,
                 format!(
                     "the provider answered {} with content-type {content_type:?} and a body that \
-                     ended without any event",
-                    self.status
+                     ended without any event{}",
+                    self.status,
+                    if self.leading.is_empty() {
+                        ""
+                    } else {
+                        " but keep-alives"
+                    }
                 ),
             ),
             Ok(_) => (
@@ -709,6 +727,53 @@ mod tests {
             }
             other => panic!("expected stream_interrupted, got {other:?}"),
         }
+    }
+
+    /// LC-5, decisions 7 and 44: Anthropic's `ping` may come before `message_start`. An error
+    /// event after leading pings is the provider failing before it answered anything, transient,
+    /// whether the pings came in the same read or an earlier one: they wait for the next event
+    /// instead of being stored alone (decision 97).
+    #[test]
+    fn an_error_event_after_leading_pings_is_transient_however_the_reads_fall_lc5() {
+        const PING: &str = "event: ping\ndata: {\"type\":\"ping\"}\n\n";
+        const OVERLOADED: &str = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+        const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n";
+        let messages = || {
+            let mut read = chat(false);
+            read.route = Route::AnthropicMessages;
+            read
+        };
+        let transient = |step: Step| matches!(step, Step::Transient(m) if m.contains("Overloaded"));
+        let mut read = messages();
+        assert!(transient(
+            read.on_bytes(format!("{PING}{OVERLOADED}").as_bytes())
+        ));
+        let mut read = messages();
+        assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
+        assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
+        assert!(
+            transient(read.on_bytes(OVERLOADED.as_bytes())),
+            "pings in an earlier read store nothing"
+        );
+        // A broken connection after pings alone is transient too.
+        let mut read = messages();
+        assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
+        assert!(matches!(read.on_read_error(&"reset"), Step::Transient(_)));
+        // The pings go with the event that follows them, in order.
+        let mut read = messages();
+        assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
+        let (batch, then) = store(&mut read, START);
+        assert!(then.is_none());
+        let names: Vec<_> = batch.chunks.iter().map(|c| c.event.as_deref()).collect();
+        assert_eq!(names, [Some("ping"), Some("message_start")]);
+        // A body of pings alone answered nothing: kept on the record, not retried (LC-11).
+        let mut read = messages();
+        assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
+        let ending = ended(read.on_body_end());
+        assert_eq!(
+            failed(&ending),
+            (ErrorType::UpstreamInvalid, Some(PING.as_bytes()))
+        );
     }
 
     #[test]
