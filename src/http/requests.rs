@@ -297,7 +297,7 @@ pub(super) async fn get_one(
     if !include_body {
         return axum::Json(value).into_response();
     }
-    let (request, answer, text) = match bodies_and_text(&state.store, &record).await {
+    let (request, answer, text) = match bodies_and_text(&state.store, &record, true).await {
         Ok(bodies) => bodies,
         Err(e) => return ApiError::store(shape, &e).into_response(),
     };
@@ -316,16 +316,18 @@ pub(super) async fn bodies(
     store: &crate::store::DynStore,
     record: &RequestRecord,
 ) -> Result<(serde_json::Value, serde_json::Value), crate::store::StoreError> {
-    let (request, answer, _) = bodies_and_text(store, record).await?;
+    let (request, answer, _) = bodies_and_text(store, record, false).await?;
     Ok((request, answer))
 }
 
 /// [`bodies`], and the answer's text for people and `holdfast requests replay` (EX-9): its
 /// text and tool calls (decision 96), a stream's read from its events reassembled (EX-3), so
-/// that it reads as the same answer not streamed would; `None` for a route without text.
+/// that it reads as the same answer not streamed would; `None` for a route without text, or
+/// when `with_text` is false (a stream's events are then not kept to reassemble).
 async fn bodies_and_text(
     store: &crate::store::DynStore,
     record: &RequestRecord,
+    with_text: bool,
 ) -> Result<(serde_json::Value, serde_json::Value, Option<String>), crate::store::StoreError> {
     use serde_json::{Value, json};
     let request = json!({
@@ -336,7 +338,9 @@ async fn bodies_and_text(
         let answer = record.response_body.as_deref().map_or(Value::Null, |b| {
             serde_json::to_value(body_json(b)).unwrap_or_default()
         });
-        let text = record.route.answer_text(&answer);
+        let text = with_text
+            .then(|| record.route.answer_text(&answer))
+            .flatten();
         return Ok((request, answer, text));
     }
     let mut text = String::new();
@@ -346,35 +350,39 @@ async fn bodies_and_text(
     loop {
         let page = store.chunks_after(record.id, after, 512).await?;
         let full = page.len() == 512;
-        for chunk in &page {
+        for chunk in page {
             after = chunk.seq;
             if chunk.kind != crate::store::ChunkKind::Data {
                 continue;
             }
             events += 1;
-            datas.push(chunk.data.clone());
             if let Ok(data) = serde_json::from_str::<Value>(&chunk.data) {
                 let kind = chunk.event.as_deref().or(data["type"].as_str());
                 if let Some(piece) = record.route.text_of_event(kind, &data) {
                     text.push_str(&piece);
                 }
             }
+            if with_text {
+                datas.push(chunk.data);
+            }
         }
         if !full {
             break;
         }
     }
-    let answer_text = match record
-        .route
-        .assemble_stream(datas.iter().map(String::as_str))
-    {
-        Some(assembled) => record.route.stream_answer_text(text.clone(), &assembled),
-        None => text.clone(),
-    };
+    let answer_text = with_text.then(|| {
+        match record
+            .route
+            .assemble_stream(datas.iter().map(String::as_str))
+        {
+            Some(assembled) => record.route.stream_answer_text(text.clone(), &assembled),
+            None => text.clone(),
+        }
+    });
     Ok((
         request,
         json!({"text": text, "events": events}),
-        Some(answer_text),
+        answer_text,
     ))
 }
 
