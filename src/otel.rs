@@ -196,6 +196,10 @@ impl Otel {
         if let Some(model) = &record.model {
             attributes.push(KeyValue::new("gen_ai.request.model", model.clone()));
         }
+        if record.stream {
+            attributes.push(KeyValue::new("gen_ai.request.stream", true));
+        }
+        request_attributes(route, &record.body, &mut attributes);
         if let Some((host, port)) = server {
             attributes.push(KeyValue::new("server.address", host));
             attributes.push(KeyValue::new("server.port", i64::from(port)));
@@ -497,6 +501,190 @@ fn usage_attributes(usage: &Usage, out: &mut Vec<KeyValue>) {
         if let Some(n) = n.and_then(|n| i64::try_from(n).ok()) {
             out.push(KeyValue::new(key, n));
         }
+    }
+}
+
+/// The members of a request body the GenAI conventions' request attributes come from, under
+/// each provider's names (Gemini's `generationConfig` under either of its names, decision 84).
+/// Everything else in the body is skipped unread.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct RequestParams {
+    max_tokens: Option<serde_json::Value>,
+    max_completion_tokens: Option<serde_json::Value>,
+    max_output_tokens: Option<serde_json::Value>,
+    temperature: Option<serde_json::Value>,
+    top_p: Option<serde_json::Value>,
+    top_k: Option<serde_json::Value>,
+    presence_penalty: Option<serde_json::Value>,
+    frequency_penalty: Option<serde_json::Value>,
+    seed: Option<serde_json::Value>,
+    stop: Option<serde_json::Value>,
+    stop_sequences: Option<serde_json::Value>,
+    n: Option<serde_json::Value>,
+    response_format: Option<serde_json::Value>,
+    text: Option<serde_json::Value>,
+    dimensions: Option<serde_json::Value>,
+    encoding_format: Option<serde_json::Value>,
+    #[serde(rename = "generationConfig")]
+    generation_config: Option<serde_json::Value>,
+    #[serde(rename = "generation_config")]
+    generation_config_proto: Option<serde_json::Value>,
+}
+
+/// The request attributes of the GenAI conventions that `body` (as sent upstream on `route`)
+/// sets (OT-3): `gen_ai.request.max_tokens`, `.temperature`, `.top_p`, `.top_k`,
+/// `.presence_penalty`, `.frequency_penalty`, `.seed`, `.stop_sequences`, `.choice.count` (when
+/// not 1), `gen_ai.output.type`, and for embeddings `gen_ai.embeddings.dimension.count` and
+/// `gen_ai.request.encoding_formats`; each typed as the conventions type it (an int, a double,
+/// a string array: a temperature written `1` is the double 1.0, a lone stop string an array of
+/// one). A member the client did not send, or of a type the provider would refuse, is left out.
+fn request_attributes(route: Route, body: &[u8], out: &mut Vec<KeyValue>) {
+    let Ok(p) = serde_json::from_slice::<RequestParams>(body) else {
+        return;
+    };
+    let int = |v: Option<&serde_json::Value>| {
+        v.and_then(|v| {
+            v.as_i64().or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15)
+                    .map(|f| f as i64)
+            })
+        })
+    };
+    let double = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_f64);
+    let strings = |v: Option<&serde_json::Value>| -> Option<Vec<opentelemetry::StringValue>> {
+        let list: Vec<opentelemetry::StringValue> = match v? {
+            serde_json::Value::String(s) => vec![s.clone().into()],
+            serde_json::Value::Array(items) => items
+                .iter()
+                .filter_map(|i| i.as_str().map(|s| s.to_owned().into()))
+                .collect(),
+            _ => return None,
+        };
+        (!list.is_empty()).then_some(list)
+    };
+    // `json_object`, `json_schema` and `application/json` are all JSON output.
+    let output_type = |kind: Option<&str>| match kind? {
+        "json_object" | "json_schema" | "application/json" => Some("json"),
+        "text" | "text/plain" => Some("text"),
+        _ => None,
+    };
+    let mut ints: Vec<(&'static str, Option<i64>)> = Vec::new();
+    let mut doubles: Vec<(&'static str, Option<f64>)> = Vec::new();
+    let mut stop = None;
+    let mut output = None;
+    let mut choices = None;
+    match route.provider() {
+        Provider::Gemini => {
+            let config = p
+                .generation_config
+                .as_ref()
+                .or(p.generation_config_proto.as_ref());
+            let get = |camel: &str, proto: &str| {
+                config.and_then(|c| c.get(camel).or_else(|| c.get(proto)))
+            };
+            ints.push((
+                "gen_ai.request.max_tokens",
+                int(get("maxOutputTokens", "max_output_tokens")),
+            ));
+            ints.push(("gen_ai.request.seed", int(get("seed", "seed"))));
+            doubles.push((
+                "gen_ai.request.temperature",
+                double(get("temperature", "temperature")),
+            ));
+            doubles.push(("gen_ai.request.top_p", double(get("topP", "top_p"))));
+            doubles.push(("gen_ai.request.top_k", double(get("topK", "top_k"))));
+            doubles.push((
+                "gen_ai.request.presence_penalty",
+                double(get("presencePenalty", "presence_penalty")),
+            ));
+            doubles.push((
+                "gen_ai.request.frequency_penalty",
+                double(get("frequencyPenalty", "frequency_penalty")),
+            ));
+            stop = strings(get("stopSequences", "stop_sequences"));
+            choices = int(get("candidateCount", "candidate_count"));
+            output =
+                output_type(get("responseMimeType", "response_mime_type").and_then(|m| m.as_str()));
+        }
+        Provider::Anthropic => {
+            ints.push(("gen_ai.request.max_tokens", int(p.max_tokens.as_ref())));
+            doubles.push(("gen_ai.request.temperature", double(p.temperature.as_ref())));
+            doubles.push(("gen_ai.request.top_p", double(p.top_p.as_ref())));
+            doubles.push(("gen_ai.request.top_k", double(p.top_k.as_ref())));
+            stop = strings(p.stop_sequences.as_ref());
+        }
+        _ if route == Route::OpenaiEmbeddings => {
+            ints.push((
+                "gen_ai.embeddings.dimension.count",
+                int(p.dimensions.as_ref()),
+            ));
+            if let Some(formats) = strings(p.encoding_format.as_ref()) {
+                out.push(KeyValue::new(
+                    "gen_ai.request.encoding_formats",
+                    Value::Array(formats.into()),
+                ));
+            }
+        }
+        _ if route == Route::OpenaiResponses => {
+            ints.push((
+                "gen_ai.request.max_tokens",
+                int(p.max_output_tokens.as_ref()),
+            ));
+            doubles.push(("gen_ai.request.temperature", double(p.temperature.as_ref())));
+            doubles.push(("gen_ai.request.top_p", double(p.top_p.as_ref())));
+            output = output_type(
+                p.text
+                    .as_ref()
+                    .and_then(|t| t.get("format"))
+                    .and_then(|f| f.get("type"))
+                    .and_then(|t| t.as_str()),
+            );
+        }
+        _ => {
+            let max = p.max_completion_tokens.as_ref().or(p.max_tokens.as_ref());
+            ints.push(("gen_ai.request.max_tokens", int(max)));
+            ints.push(("gen_ai.request.seed", int(p.seed.as_ref())));
+            doubles.push(("gen_ai.request.temperature", double(p.temperature.as_ref())));
+            doubles.push(("gen_ai.request.top_p", double(p.top_p.as_ref())));
+            doubles.push((
+                "gen_ai.request.presence_penalty",
+                double(p.presence_penalty.as_ref()),
+            ));
+            doubles.push((
+                "gen_ai.request.frequency_penalty",
+                double(p.frequency_penalty.as_ref()),
+            ));
+            stop = strings(p.stop.as_ref());
+            choices = int(p.n.as_ref());
+            output = output_type(p.response_format.as_ref().and_then(|f| {
+                f.as_str()
+                    .or_else(|| f.get("type").and_then(|t| t.as_str()))
+            }));
+        }
+    }
+    for (key, n) in ints {
+        if let Some(n) = n {
+            out.push(KeyValue::new(key, n));
+        }
+    }
+    for (key, x) in doubles {
+        if let Some(x) = x {
+            out.push(KeyValue::new(key, x));
+        }
+    }
+    if let Some(stop) = stop {
+        out.push(KeyValue::new(
+            "gen_ai.request.stop_sequences",
+            Value::Array(stop.into()),
+        ));
+    }
+    if let Some(n) = choices.filter(|&n| n != 1) {
+        out.push(KeyValue::new("gen_ai.request.choice.count", n));
+    }
+    if let Some(kind) = output {
+        out.push(KeyValue::new("gen_ai.output.type", kind));
     }
 }
 
@@ -1105,6 +1293,109 @@ mod tests {
         assert_eq!(answer.model.as_deref(), Some("claude-y"));
         assert_eq!(answer.finish_reasons, vec!["max_tokens".to_string()]);
         assert_eq!(answer.text, "Hello");
+    }
+
+    /// The request attributes of `body` on `route`, as JSON for comparing (ints as ints,
+    /// doubles as floats, arrays as arrays).
+    fn request_params(route: Route, body: &str) -> serde_json::Value {
+        let mut out = Vec::new();
+        request_attributes(route, body.as_bytes(), &mut out);
+        let mut map = serde_json::Map::new();
+        for kv in out {
+            let v = match kv.value {
+                Value::I64(n) => serde_json::json!(n),
+                Value::F64(x) => serde_json::json!(x),
+                Value::String(s) => serde_json::json!(s.as_str()),
+                Value::Array(opentelemetry::Array::String(items)) => {
+                    serde_json::json!(items.iter().map(|s| s.as_str()).collect::<Vec<_>>())
+                }
+                other => panic!("unexpected {other:?}"),
+            };
+            map.insert(kv.key.to_string(), v);
+        }
+        serde_json::Value::Object(map)
+    }
+
+    /// OT-3: each provider's request parameters under the conventions' names and types: a
+    /// temperature written `1` is a double, a lone stop string an array, `n` of 1 says nothing.
+    #[test]
+    fn each_providers_request_parameters_become_the_genai_request_attributes_ot3() {
+        let chat = request_params(
+            Route::OpenaiChat,
+            r#"{"model":"m","messages":[],"max_completion_tokens":50,"temperature":1,"top_p":0.5,"seed":7,"stop":"END","n":2,"presence_penalty":0,"frequency_penalty":0.25,"response_format":{"type":"json_schema"}}"#,
+        );
+        assert_eq!(
+            chat,
+            serde_json::json!({
+                "gen_ai.request.max_tokens": 50, "gen_ai.request.seed": 7,
+                "gen_ai.request.temperature": 1.0, "gen_ai.request.top_p": 0.5,
+                "gen_ai.request.presence_penalty": 0.0, "gen_ai.request.frequency_penalty": 0.25,
+                "gen_ai.request.stop_sequences": ["END"], "gen_ai.request.choice.count": 2,
+                "gen_ai.output.type": "json",
+            })
+        );
+        assert!(chat["gen_ai.request.temperature"].is_f64());
+        let one = request_params(Route::OpenaiChat, r#"{"model":"m","n":1,"max_tokens":9}"#);
+        assert_eq!(one, serde_json::json!({"gen_ai.request.max_tokens": 9}));
+        let responses = request_params(
+            Route::OpenaiResponses,
+            r#"{"model":"m","input":"hi","max_output_tokens":100,"temperature":0.2,"text":{"format":{"type":"text"}}}"#,
+        );
+        assert_eq!(
+            responses,
+            serde_json::json!({
+                "gen_ai.request.max_tokens": 100, "gen_ai.request.temperature": 0.2,
+                "gen_ai.output.type": "text",
+            })
+        );
+        let anthropic = request_params(
+            Route::AnthropicMessages,
+            r#"{"model":"c","max_tokens":64,"top_k":5,"stop_sequences":["a","b"],"messages":[]}"#,
+        );
+        assert_eq!(
+            anthropic,
+            serde_json::json!({
+                "gen_ai.request.max_tokens": 64, "gen_ai.request.top_k": 5.0,
+                "gen_ai.request.stop_sequences": ["a", "b"],
+            })
+        );
+        for config in ["generationConfig", "generation_config"] {
+            let gemini = request_params(
+                Route::GeminiGenerate,
+                &format!(
+                    r#"{{"contents":[],"{config}":{{"maxOutputTokens":32,"temperature":0.7,"topK":40,"stopSequences":["x"],"seed":3,"candidateCount":1,"responseMimeType":"application/json"}}}}"#
+                ),
+            );
+            assert_eq!(
+                gemini,
+                serde_json::json!({
+                    "gen_ai.request.max_tokens": 32, "gen_ai.request.seed": 3,
+                    "gen_ai.request.temperature": 0.7, "gen_ai.request.top_k": 40.0,
+                    "gen_ai.request.stop_sequences": ["x"], "gen_ai.output.type": "json",
+                }),
+                "{config}"
+            );
+        }
+        let embeddings = request_params(
+            Route::OpenaiEmbeddings,
+            r#"{"model":"e","input":"hi","dimensions":256,"encoding_format":"base64"}"#,
+        );
+        assert_eq!(
+            embeddings,
+            serde_json::json!({
+                "gen_ai.embeddings.dimension.count": 256,
+                "gen_ai.request.encoding_formats": ["base64"],
+            })
+        );
+        // Nothing set, nothing said; a body that is not an object says nothing either.
+        assert_eq!(
+            request_params(Route::OpenaiChat, r#"{"model":"m","messages":[]}"#),
+            serde_json::json!({})
+        );
+        assert_eq!(
+            request_params(Route::OpenaiChat, "[]"),
+            serde_json::json!({})
+        );
     }
 
     #[test]

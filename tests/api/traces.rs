@@ -392,6 +392,83 @@ async fn a_gemini_stream_has_an_attempt_span_in_the_genai_conventions_ot3() {
     app.stop().await;
 }
 
+/// OT-3: an attempt span carries the request's parameters under the GenAI conventions' names
+/// and types, as the reference instrumentations set them and as Langfuse and Phoenix read them:
+/// `max_tokens` and `seed` ints, a temperature written `1` the double 1.0, a lone stop string
+/// an array of one; `gen_ai.request.stream` on a stream and on nothing else.
+#[tokio::test]
+async fn an_attempt_span_carries_the_request_parameters_in_the_genai_conventions_types_ot3() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), traced(&receiver)).await;
+    let chat = json!({
+        "model": "gpt-4o-mini",
+        "stream": true,
+        "messages": [{"role": "user", "content": "parameters, streamed"}],
+        "max_tokens": 50,
+        "temperature": 1,
+        "top_p": 0.5,
+        "seed": 7,
+        "stop": "END",
+    });
+    let response = app.chat(&chat.to_string()).await;
+    assert_eq!(response.status(), 200);
+    read_events(response).await;
+    let anthropic = json!({
+        "model": "claude-3-5-haiku-latest",
+        "max_tokens": 64,
+        "temperature": 0.3,
+        "stop_sequences": ["\n\nHuman:"],
+        "messages": [{"role": "user", "content": "parameters, whole"}],
+    });
+    let response = app
+        .post(
+            "/v1/messages",
+            anthropic.to_string(),
+            &[("anthropic-version", "2023-06-01")],
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let _ = response.bytes().await;
+    let spans = receiver
+        .wait("both attempts", |s| attempts(s).len() == 2)
+        .await;
+    let attempts = attempts(&spans);
+    let chat = attempts
+        .iter()
+        .find(|s| s.attr("gen_ai.provider.name") == "openai")
+        .expect("the chat attempt");
+    assert_eq!(
+        chat.attr("gen_ai.request.max_tokens"),
+        &json!(50),
+        "{chat:#?}"
+    );
+    assert_eq!(chat.attr("gen_ai.request.seed"), &json!(7), "{chat:#?}");
+    assert!(
+        chat.attr("gen_ai.request.temperature").is_f64(),
+        "a double, as the conventions type it: {chat:#?}"
+    );
+    assert_eq!(chat.attr("gen_ai.request.temperature"), &json!(1.0));
+    assert_eq!(chat.attr("gen_ai.request.top_p"), &json!(0.5));
+    assert_eq!(chat.attr("gen_ai.request.stop_sequences"), &json!(["END"]));
+    assert_eq!(chat.attr("gen_ai.request.stream"), &json!(true));
+    let messages = attempts
+        .iter()
+        .find(|s| s.attr("gen_ai.provider.name") == "anthropic")
+        .expect("the Anthropic attempt");
+    assert_eq!(messages.attr("gen_ai.request.max_tokens"), &json!(64));
+    assert_eq!(messages.attr("gen_ai.request.temperature"), &json!(0.3));
+    assert_eq!(
+        messages.attr("gen_ai.request.stop_sequences"),
+        &json!(["\n\nHuman:"])
+    );
+    assert_eq!(
+        messages.attr("gen_ai.request.stream"),
+        &Value::Null,
+        "set if and only if the request streams: {messages:#?}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_retried_attempt_is_a_second_span_linked_to_the_first_with_the_backoff_as_an_event_ot3() {
     let receiver = Receiver::start().await;
