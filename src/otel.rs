@@ -19,7 +19,7 @@
 //! when traces are on.
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -327,9 +327,50 @@ impl ServerSpan {
 struct Answer {
     id: Option<String>,
     model: Option<String>,
-    finish_reasons: Vec<String>,
-    /// The answer's text, captured up to the cap (OT-5).
-    text: String,
+    /// The finish reason of each generation (an OpenAI choice, a Gemini candidate; Anthropic's
+    /// and a Responses answer's one), by its index.
+    finish_reasons: BTreeMap<u64, String>,
+    /// The text of each generation, by its index, captured up to the cap in all (OT-5).
+    texts: BTreeMap<u64, String>,
+}
+
+impl Answer {
+    /// Bytes of text captured, every generation's.
+    fn text_len(&self) -> usize {
+        self.texts.values().map(String::len).sum()
+    }
+
+    /// `gen_ai.output.messages` (OT-5): one assistant message per generation, in index order,
+    /// with its finish reason (the conventions' output message requires one: `error` for a
+    /// generation that ended without one, as an interrupted stream's does), texts cut to `cap`
+    /// bytes in all.
+    fn output_messages(&self, cap: usize) -> Option<String> {
+        if self.texts.values().all(String::is_empty) {
+            return None;
+        }
+        let mut budget = cap;
+        let messages: Vec<serde_json::Value> = self
+            .texts
+            .keys()
+            .chain(self.finish_reasons.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|index| {
+                let text = capped(self.texts.get(index).cloned().unwrap_or_default(), budget);
+                budget -= text.len();
+                let reason = self
+                    .finish_reasons
+                    .get(index)
+                    .map_or("error", String::as_str);
+                serde_json::json!({
+                    "role": "assistant",
+                    "parts": [{"type": "text", "content": text}],
+                    "finish_reason": reason,
+                })
+            })
+            .collect();
+        Some(serde_json::Value::Array(messages).to_string())
+    }
 }
 
 /// The span of one attempt; ended by [`AttemptSpan::end`], or when dropped (an attempt that
@@ -398,17 +439,18 @@ impl AttemptSpan {
         }
         let span = self.cx.span();
         let mut attributes = Vec::new();
-        if let Some(id) = self.answer.id {
+        if let Some(id) = self.answer.id.take() {
             attributes.push(KeyValue::new("gen_ai.response.id", id));
         }
-        if let Some(model) = self.answer.model {
+        if let Some(model) = self.answer.model.take() {
             attributes.push(KeyValue::new("gen_ai.response.model", model));
         }
         if !self.answer.finish_reasons.is_empty() {
             let reasons: Vec<opentelemetry::StringValue> = self
                 .answer
                 .finish_reasons
-                .into_iter()
+                .values()
+                .cloned()
                 .map(Into::into)
                 .collect();
             attributes.push(KeyValue::new(
@@ -419,14 +461,11 @@ impl AttemptSpan {
         if self.events > 0 {
             attributes.push(KeyValue::new("holdfast.events", self.events as i64));
         }
-        if let Some(cap) = self.capture
-            && !self.answer.text.is_empty()
+        if let Some(output) = self
+            .capture
+            .and_then(|cap| self.answer.output_messages(cap))
         {
-            let output = serde_json::json!([{
-                "role": "assistant",
-                "parts": [{"type": "text", "content": capped(self.answer.text, cap)}],
-            }]);
-            attributes.push(KeyValue::new("gen_ai.output.messages", output.to_string()));
+            attributes.push(KeyValue::new("gen_ai.output.messages", output));
         }
         // `error.type`: the stored error type of a failure; for a transient failure that is
         // tried again, the provider's status, or `transient` when it gave none.
@@ -1115,83 +1154,90 @@ fn observe(route: Route, data: &[u8], answer: &mut Answer, capture: Option<usize
     if answer.model.is_none() {
         answer.model = text_of(inner.get("model")).or_else(|| text_of(inner.get("modelVersion")));
     }
-    let mut reasons = Vec::new();
-    for choice in value
-        .get("choices")
-        .or_else(|| value.get("candidates"))
-        .and_then(|c| c.as_array())
-        .into_iter()
-        .flatten()
-    {
+    // Each generation's reason under its index: a stream of several choices gives each its
+    // own in a chunk of its own.
+    for (index, choice) in generations(&value) {
         if let Some(reason) =
             text_of(choice.get("finish_reason")).or_else(|| text_of(choice.get("finishReason")))
         {
-            reasons.push(reason);
+            answer.finish_reasons.insert(index, reason);
         }
     }
     if let Some(reason) = text_of(inner.get("stop_reason"))
         .or_else(|| text_of(value.get("delta").and_then(|d| d.get("stop_reason"))))
     {
-        reasons.push(reason);
+        answer.finish_reasons.insert(0, reason);
     }
     if route == Route::OpenaiResponses
         && let Some(status) = text_of(inner.get("status"))
         && status != "in_progress"
     {
-        reasons.push(status);
-    }
-    if !reasons.is_empty() {
-        answer.finish_reasons = reasons;
+        answer.finish_reasons.insert(0, status);
     }
     if let Some(cap) = capture
-        && answer.text.len() < cap
+        && answer.text_len() < cap
     {
-        collect_text(route, &value, &mut answer.text);
+        collect_text(route, &value, &mut answer.texts);
     }
 }
 
-/// Appends the answer text an answer body or stream event carries.
-fn collect_text(route: Route, value: &serde_json::Value, text: &mut String) {
-    let push = |text: &mut String, v: Option<&serde_json::Value>| {
+/// The generations an answer body or stream event carries (OpenAI's `choices`, Gemini's
+/// `candidates`), each with its `index` (its position when it has none: Gemini leaves out an
+/// index of 0).
+fn generations(value: &serde_json::Value) -> impl Iterator<Item = (u64, &serde_json::Value)> {
+    value
+        .get("choices")
+        .or_else(|| value.get("candidates"))
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(position, g)| {
+            let index = g.get("index").and_then(serde_json::Value::as_u64);
+            (index.unwrap_or(position as u64), g)
+        })
+}
+
+/// Appends the answer text an answer body or stream event carries to its generation's.
+fn collect_text(route: Route, value: &serde_json::Value, texts: &mut BTreeMap<u64, String>) {
+    let push = |texts: &mut BTreeMap<u64, String>, index: u64, v: Option<&serde_json::Value>| {
         if let Some(s) = v.and_then(|v| v.as_str()) {
-            text.push_str(s);
+            texts.entry(index).or_default().push_str(s);
         }
     };
     match route.provider() {
         Provider::Openai => {
-            for choice in value
-                .get("choices")
-                .and_then(|c| c.as_array())
-                .into_iter()
-                .flatten()
-            {
-                push(text, choice.get("delta").and_then(|d| d.get("content")));
-                push(text, choice.get("message").and_then(|m| m.get("content")));
-                push(text, choice.get("text"));
+            for (index, choice) in generations(value) {
+                push(
+                    texts,
+                    index,
+                    choice.get("delta").and_then(|d| d.get("content")),
+                );
+                push(
+                    texts,
+                    index,
+                    choice.get("message").and_then(|m| m.get("content")),
+                );
+                push(texts, index, choice.get("text"));
             }
             if value.get("type").and_then(|t| t.as_str()) == Some("response.output_text.delta") {
-                push(text, value.get("delta"));
+                push(texts, 0, value.get("delta"));
             }
-            push(text, value.get("output_text"));
+            push(texts, 0, value.get("output_text"));
         }
         Provider::Anthropic => {
-            push(text, value.get("delta").and_then(|d| d.get("text")));
+            push(texts, 0, value.get("delta").and_then(|d| d.get("text")));
             for block in value
                 .get("content")
                 .and_then(|c| c.as_array())
                 .into_iter()
                 .flatten()
             {
-                push(text, block.get("text"));
+                push(texts, 0, block.get("text"));
             }
         }
         Provider::Gemini => {
-            for candidate in value
-                .get("candidates")
-                .and_then(|c| c.as_array())
-                .into_iter()
-                .flatten()
-            {
+            for (index, candidate) in generations(value) {
                 for part in candidate
                     .get("content")
                     .and_then(|c| c.get("parts"))
@@ -1199,7 +1245,7 @@ fn collect_text(route: Route, value: &serde_json::Value, text: &mut String) {
                     .into_iter()
                     .flatten()
                 {
-                    push(text, part.get("text"));
+                    push(texts, index, part.get("text"));
                 }
             }
         }
@@ -1268,7 +1314,11 @@ mod tests {
             observe(route, body.as_bytes(), &mut answer, Some(100));
             assert_eq!(answer.id.as_deref(), Some(id), "{body}");
             assert_eq!(answer.model.as_deref(), Some(model), "{body}");
-            assert_eq!(answer.finish_reasons, vec![reason.to_string()], "{body}");
+            assert_eq!(
+                answer.finish_reasons.values().collect::<Vec<_>>(),
+                vec![reason],
+                "{body}"
+            );
         }
     }
 
@@ -1291,8 +1341,11 @@ mod tests {
         }
         assert_eq!(answer.id.as_deref(), Some("msg_9"));
         assert_eq!(answer.model.as_deref(), Some("claude-y"));
-        assert_eq!(answer.finish_reasons, vec!["max_tokens".to_string()]);
-        assert_eq!(answer.text, "Hello");
+        assert_eq!(
+            answer.finish_reasons.values().collect::<Vec<_>>(),
+            vec!["max_tokens"]
+        );
+        assert_eq!(answer.texts[&0], "Hello");
     }
 
     /// The request attributes of `body` on `route`, as JSON for comparing (ints as ints,
@@ -1396,6 +1449,55 @@ mod tests {
             request_params(Route::OpenaiChat, "[]"),
             serde_json::json!({})
         );
+    }
+
+    /// OT-3, OT-5: a stream of two choices (`n: 2`) gives each choice's finish reason in a
+    /// chunk of its own: both are reported, in index order, and the captured answer is one
+    /// output message per choice carrying its finish reason, as the conventions' output message
+    /// schema requires, not the two texts interleaved into one.
+    #[test]
+    fn each_choice_of_a_stream_keeps_its_finish_reason_and_its_own_output_message_ot3_ot5() {
+        let events = [
+            r#"{"id":"c1","model":"gpt-4o-mini","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","model":"gpt-4o-mini","choices":[{"index":1,"delta":{"role":"assistant","content":"Bon"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","model":"gpt-4o-mini","choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","model":"gpt-4o-mini","choices":[{"index":1,"delta":{"content":"jour"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","model":"gpt-4o-mini","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+            r#"{"id":"c1","model":"gpt-4o-mini","choices":[{"index":1,"delta":{},"finish_reason":"length"}]}"#,
+        ];
+        let mut answer = Answer::default();
+        for event in events {
+            observe(Route::OpenaiChat, event.as_bytes(), &mut answer, Some(100));
+        }
+        assert_eq!(
+            answer.finish_reasons.values().collect::<Vec<_>>(),
+            vec!["stop", "length"]
+        );
+        let output: serde_json::Value =
+            serde_json::from_str(&answer.output_messages(100).unwrap()).unwrap();
+        assert_eq!(
+            output,
+            serde_json::json!([
+                {"role": "assistant", "parts": [{"type": "text", "content": "Hello"}], "finish_reason": "stop"},
+                {"role": "assistant", "parts": [{"type": "text", "content": "Bonjour"}], "finish_reason": "length"},
+            ])
+        );
+        // The cap holds for all the texts together.
+        let cut: serde_json::Value =
+            serde_json::from_str(&answer.output_messages(7).unwrap()).unwrap();
+        assert_eq!(cut[0]["parts"][0]["content"], "Hello");
+        assert_eq!(cut[1]["parts"][0]["content"], "Bo");
+        // A stream cut before its finish reason: the message says `error`.
+        let mut cut_short = Answer::default();
+        observe(
+            Route::OpenaiChat,
+            events[0].as_bytes(),
+            &mut cut_short,
+            Some(100),
+        );
+        let output: serde_json::Value =
+            serde_json::from_str(&cut_short.output_messages(100).unwrap()).unwrap();
+        assert_eq!(output[0]["finish_reason"], "error");
     }
 
     #[test]

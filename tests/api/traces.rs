@@ -870,6 +870,10 @@ async fn content_is_captured_only_when_asked_cut_to_its_cap_and_keys_never_appea
     let output: Value =
         serde_json::from_str(attempt.attr("gen_ai.output.messages").as_str().unwrap()).unwrap();
     assert_eq!(output[0]["role"], "assistant");
+    assert_eq!(
+        output[0]["finish_reason"], "stop",
+        "the conventions' output message requires its finish reason: {output}"
+    );
     let captured = output[0]["parts"][0]["content"].as_str().unwrap();
     assert!(text.len() > 64, "the answer is longer than the cap: {text}");
     assert_eq!(captured, &text[..64], "the stream's text, cut to the cap");
