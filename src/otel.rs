@@ -1169,16 +1169,52 @@ fn observe(route: Route, data: &[u8], answer: &mut Answer, capture: Option<usize
         answer.finish_reasons.insert(0, reason);
     }
     if route == Route::OpenaiResponses
-        && let Some(status) = text_of(inner.get("status"))
-        && status != "in_progress"
+        && let Some(reason) = responses_finish_reason(inner)
     {
-        answer.finish_reasons.insert(0, status);
+        answer.finish_reasons.insert(0, reason);
     }
     if let Some(cap) = capture
         && answer.text_len() < cap
     {
         collect_text(route, &value, &mut answer.texts);
     }
+}
+
+/// The finish reason of a finished Responses `response` object, in the words chat completions
+/// and the reference instrumentation (opentelemetry-instrumentation-openai-v2) use: `completed`
+/// is `tool_calls` when its output calls a function, else `stop`; `incomplete` for the output
+/// token limit is `length` and for the content filter `content_filter`; `failed`, `cancelled`
+/// and any other incomplete stay as they are. `None` while it runs (`queued`, `in_progress`).
+fn responses_finish_reason(response: &serde_json::Value) -> Option<String> {
+    let status = response.get("status")?.as_str()?;
+    let reason = match status {
+        "queued" | "in_progress" => return None,
+        "completed" => {
+            let calls = response
+                .get("output")
+                .and_then(|o| o.as_array())
+                .into_iter()
+                .flatten()
+                .any(|item| {
+                    matches!(
+                        item.get("type").and_then(|t| t.as_str()),
+                        Some("function_call" | "custom_tool_call")
+                    )
+                });
+            if calls { "tool_calls" } else { "stop" }
+        }
+        "incomplete" => match response
+            .get("incomplete_details")
+            .and_then(|d| d.get("reason"))
+            .and_then(|r| r.as_str())
+        {
+            Some("max_output_tokens") => "length",
+            Some("content_filter") => "content_filter",
+            _ => "incomplete",
+        },
+        other => other,
+    };
+    Some(reason.to_string())
 }
 
 /// The generations an answer body or stream event carries (OpenAI's `choices`, Gemini's
@@ -1306,7 +1342,7 @@ mod tests {
                 r#"{"id":"resp_1","object":"response","model":"gpt-4o","status":"completed","output":[]}"#,
                 "resp_1",
                 "gpt-4o",
-                "completed",
+                "stop",
             ),
         ];
         for (route, body, id, model, reason) in cases {
@@ -1498,6 +1534,52 @@ mod tests {
         let output: serde_json::Value =
             serde_json::from_str(&cut_short.output_messages(100).unwrap()).unwrap();
         assert_eq!(output[0]["finish_reason"], "error");
+    }
+
+    /// OT-3: a Responses answer's status is not a reason the model stopped: it is reported in
+    /// chat's words, as the reference instrumentation reports it, so one dashboard panel counts
+    /// `stop`, `length` and `tool_calls` across both OpenAI APIs. The stream's final event says
+    /// it; the events before it (`queued`, `in_progress`) say nothing.
+    #[test]
+    fn a_responses_answer_gives_its_finish_reason_in_chats_words_ot3() {
+        let cases = [
+            (
+                r#"{"type":"response.completed","response":{"id":"resp_1","model":"m","status":"completed","output":[{"type":"message","status":"completed"}]}}"#,
+                "stop",
+            ),
+            (
+                r#"{"type":"response.completed","response":{"id":"resp_1","model":"m","status":"completed","output":[{"type":"reasoning"},{"type":"function_call","name":"f","arguments":"{}"}]}}"#,
+                "tool_calls",
+            ),
+            (
+                r#"{"type":"response.incomplete","response":{"id":"resp_1","model":"m","status":"incomplete","incomplete_details":{"reason":"max_output_tokens"},"output":[]}}"#,
+                "length",
+            ),
+            (
+                r#"{"type":"response.incomplete","response":{"id":"resp_1","model":"m","status":"incomplete","incomplete_details":{"reason":"content_filter"},"output":[]}}"#,
+                "content_filter",
+            ),
+            (
+                r#"{"type":"response.failed","response":{"id":"resp_1","model":"m","status":"failed","output":[]}}"#,
+                "failed",
+            ),
+        ];
+        for (event, reason) in cases {
+            let mut answer = Answer::default();
+            for before in [
+                r#"{"type":"response.queued","response":{"id":"resp_1","model":"m","status":"queued"}}"#,
+                r#"{"type":"response.in_progress","response":{"id":"resp_1","model":"m","status":"in_progress"}}"#,
+            ] {
+                observe(Route::OpenaiResponses, before.as_bytes(), &mut answer, None);
+                assert!(answer.finish_reasons.is_empty(), "{before}");
+            }
+            observe(Route::OpenaiResponses, event.as_bytes(), &mut answer, None);
+            assert_eq!(
+                answer.finish_reasons.values().collect::<Vec<_>>(),
+                vec![reason],
+                "{event}"
+            );
+        }
     }
 
     #[test]
