@@ -509,6 +509,15 @@ impl AttemptSpan {
         span.end();
     }
 
+    /// The attempt was stopped by a cancel of its request (LC-9): `error.type` is the
+    /// request's stored error type, `cancelled`, as for any failure.
+    pub(crate) fn cancelled(self) {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new("error.type", "cancelled"));
+        span.set_status(SpanStatus::error("the request was cancelled"));
+        span.end();
+    }
+
     /// The attempt ended without an outcome: its lease was lost, or shutdown handed it back.
     pub(crate) fn lost(self) {
         let span = self.cx.span();

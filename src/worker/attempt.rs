@@ -78,11 +78,17 @@ impl WorkerPool {
                 None
             }
         };
+        // Aborted here: the request was cancelled (LC-9), which its span says.
+        let cancelled = registration.abort.is_cancelled();
         drop(registration);
         let Some(ending) = ending else {
             info!("attempt ended without an outcome");
             if let Some(trace) = trace {
-                trace.lost();
+                if cancelled {
+                    trace.cancelled();
+                } else {
+                    trace.lost();
+                }
             }
             return;
         };

@@ -504,6 +504,44 @@ async fn a_retried_attempt_is_a_second_span_linked_to_the_first_with_the_backoff
     app.stop().await;
 }
 
+/// OT-3, LC-9: an attempt stopped by a cancel of its request ends its span with the request's
+/// stored error type, `cancelled`, not `lease_lost` (which an error dashboard grouped by
+/// `error.type` would count as holdfast losing work).
+#[tokio::test]
+async fn a_cancelled_attempts_span_says_cancelled_not_lease_lost_ot3() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(
+        MockConfig {
+            chunks: 200,
+            chunk_delay_ms: 50,
+            ..MockConfig::default()
+        },
+        traced(&receiver),
+    )
+    .await;
+    let response = app.chat(&stream_body("cancel me mid-stream")).await;
+    assert_eq!(response.status(), 200);
+    let id = header(&response, "holdfast-request-id");
+    let reading = tokio::spawn(async move { response.bytes().await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cancelled = app
+        .http
+        .post(format!("{}/requests/{id}/cancel", app.base))
+        .send()
+        .await
+        .expect("cancel");
+    assert_eq!(cancelled.status(), 200);
+    let spans = receiver
+        .wait("the attempt", |s| !attempts(s).is_empty())
+        .await;
+    let attempt = attempts(&spans)[0];
+    assert_eq!(attempt.attr("holdfast.request_id"), id.as_str());
+    assert_eq!(attempt.attr("error.type"), "cancelled", "{attempt:#?}");
+    assert_eq!(attempt.status, 2, "an error status");
+    let _ = reading.await;
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn with_the_collector_down_calls_are_answered_and_lost_spans_are_counted_ot1() {
     // A port nothing listens on, and a black hole that accepts and never answers.
