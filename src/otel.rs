@@ -144,11 +144,23 @@ impl Otel {
         }
     }
 
-    /// The server span of one proxied call (OT-2), continuing the caller's `traceparent`.
-    pub(crate) fn server(&self, route: Route, headers: &HeaderMap) -> ServerSpan {
+    /// The server span of one proxied call (OT-2), continuing the caller's `traceparent`;
+    /// `path_model` is the model a Gemini call names in its path (GM-1). The HTTP conventions
+    /// require `url.scheme` and `url.path` beside the method: the path is the one called (the
+    /// query is left out: it may hold a key, GM-2).
+    pub(crate) fn server(
+        &self,
+        route: Route,
+        path_model: Option<&str>,
+        headers: &HeaderMap,
+    ) -> ServerSpan {
         let parent =
             TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers));
         let path = route.router_path();
+        let called = match path_model {
+            Some(model) => route.client_path().replace("{model}", model),
+            None => route.client_path().to_string(),
+        };
         let span = self
             .tracer
             .span_builder(format!("POST {path}"))
@@ -156,6 +168,8 @@ impl Otel {
             .with_attributes([
                 KeyValue::new("http.request.method", "POST"),
                 KeyValue::new("http.route", path),
+                KeyValue::new("url.scheme", "http"),
+                KeyValue::new("url.path", called),
                 KeyValue::new("holdfast.route", route.name()),
             ])
             .start_with_context(&self.tracer, &parent);

@@ -61,7 +61,10 @@ pub(super) async fn handle(
         backend = tracing::field::Empty,
     );
     // OT-2: the call's server span, when traces are on; a stream's body holds it to its end.
-    let server = state.traces.as_ref().map(|t| t.server(route, &headers));
+    let server = state
+        .traces
+        .as_ref()
+        .map(|t| t.server(route, path_model.as_deref(), &headers));
     match admit_and_answer(&state, route, path_model, &headers, body, server.as_ref())
         .instrument(span)
         .await

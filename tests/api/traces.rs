@@ -469,6 +469,49 @@ async fn an_attempt_span_carries_the_request_parameters_in_the_genai_conventions
     app.stop().await;
 }
 
+/// OT-2: a server span carries what the HTTP server conventions require beside the method:
+/// `url.scheme` and `url.path`, the path as called (a Gemini call's model in it), never its
+/// query (which may carry a key, GM-2).
+#[tokio::test]
+async fn a_server_span_carries_the_url_scheme_and_path_the_http_conventions_require_ot2() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), traced(&receiver)).await;
+    let response = app
+        .post(
+            "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse&key=query-key-1",
+            gemini_body("url path"),
+            &[],
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    read_events(response).await;
+    assert_eq!(app.chat(&chat_body("url path")).await.status(), 200);
+    let spans = receiver
+        .wait("both server spans", |s| servers(s).len() == 2)
+        .await;
+    let servers = servers(&spans);
+    let gemini = servers
+        .iter()
+        .find(|s| s.attr("http.route") == "/v1beta/models/{call}")
+        .expect("the Gemini call's span");
+    assert_eq!(gemini.attr("url.scheme"), "http", "{gemini:#?}");
+    assert_eq!(
+        gemini.attr("url.path"),
+        "/v1beta/models/gemini-2.5-flash:streamGenerateContent"
+    );
+    let chat = servers
+        .iter()
+        .find(|s| s.attr("http.route") == "/v1/chat/completions")
+        .expect("the chat call's span");
+    assert_eq!(chat.attr("url.scheme"), "http");
+    assert_eq!(chat.attr("url.path"), "/v1/chat/completions");
+    assert!(
+        !format!("{spans:?}").contains("query-key-1"),
+        "the query's key is in no span"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_retried_attempt_is_a_second_span_linked_to_the_first_with_the_backoff_as_an_event_ot3() {
     let receiver = Receiver::start().await;
