@@ -346,20 +346,72 @@ struct Answer {
     finish_reasons: BTreeMap<u64, String>,
     /// The text of each generation, by its index, captured up to the cap in all (OT-5).
     texts: BTreeMap<u64, String>,
+    /// The tool calls of each generation, by (generation index, call index), captured with
+    /// the text (OT-5).
+    tools: BTreeMap<(u64, u64), ToolCall>,
+}
+
+/// One tool call the model asked for, as its pieces arrive (OT-5).
+#[derive(Debug, Default)]
+struct ToolCall {
+    id: Option<String>,
+    name: Option<String>,
+    /// The arguments as JSON text (a stream's fragments concatenated).
+    arguments: String,
+}
+
+impl ToolCall {
+    /// Adds what a piece says: the id and name when given, an argument fragment (a string).
+    fn add(
+        &mut self,
+        id: Option<String>,
+        name: Option<String>,
+        arguments: Option<&serde_json::Value>,
+    ) {
+        if id.is_some() {
+            self.id = id;
+        }
+        if name.is_some() {
+            self.name = name;
+        }
+        if let Some(fragment) = arguments.and_then(|a| a.as_str()) {
+            self.arguments.push_str(fragment);
+        }
+    }
+
+    /// The conventions' `tool_call` part: the arguments parsed when they are JSON (as the
+    /// schema's example has them), else as the text they are (cut, or cut short).
+    fn part(&self, budget: &mut usize) -> serde_json::Value {
+        let text = capped(self.arguments.clone(), *budget);
+        *budget -= text.len();
+        let arguments = serde_json::from_str::<serde_json::Value>(&text)
+            .unwrap_or(serde_json::Value::String(text));
+        serde_json::json!({
+            "type": "tool_call",
+            "id": self.id,
+            "name": self.name.as_deref().unwrap_or_default(),
+            "arguments": arguments,
+        })
+    }
 }
 
 impl Answer {
-    /// Bytes of text captured, every generation's.
+    /// Bytes of text and tool arguments captured, every generation's.
     fn text_len(&self) -> usize {
-        self.texts.values().map(String::len).sum()
+        self.texts.values().map(String::len).sum::<usize>()
+            + self
+                .tools
+                .values()
+                .map(|t| t.arguments.len())
+                .sum::<usize>()
     }
 
     /// `gen_ai.output.messages` (OT-5): one assistant message per generation, in index order,
-    /// with its finish reason (the conventions' output message requires one: `error` for a
-    /// generation that ended without one, as an interrupted stream's does), texts cut to `cap`
-    /// bytes in all.
+    /// its text and then its tool calls (`tool_call` parts), with its finish reason (the
+    /// conventions' output message requires one: `error` for a generation that ended without
+    /// one, as an interrupted stream's does), texts and arguments cut to `cap` bytes in all.
     fn output_messages(&self, cap: usize) -> Option<String> {
-        if self.texts.values().all(String::is_empty) {
+        if self.texts.values().all(String::is_empty) && self.tools.is_empty() {
             return None;
         }
         let mut budget = cap;
@@ -367,18 +419,25 @@ impl Answer {
             .texts
             .keys()
             .chain(self.finish_reasons.keys())
+            .chain(self.tools.keys().map(|(generation, _)| generation))
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
-            .map(|index| {
-                let text = capped(self.texts.get(index).cloned().unwrap_or_default(), budget);
+            .map(|&index| {
+                let text = capped(self.texts.get(&index).cloned().unwrap_or_default(), budget);
                 budget -= text.len();
+                let calls = self.tools.range((index, 0)..=(index, u64::MAX));
+                let mut parts = Vec::new();
+                if !text.is_empty() || calls.clone().next().is_none() {
+                    parts.push(serde_json::json!({"type": "text", "content": text}));
+                }
+                parts.extend(calls.map(|(_, call)| call.part(&mut budget)));
                 let reason = self
                     .finish_reasons
-                    .get(index)
+                    .get(&index)
                     .map_or("error", String::as_str);
                 serde_json::json!({
                     "role": "assistant",
-                    "parts": [{"type": "text", "content": text}],
+                    "parts": parts,
                     "finish_reason": reason,
                 })
             })
@@ -1199,7 +1258,7 @@ fn observe(route: Route, data: &[u8], answer: &mut Answer, capture: Option<usize
     if let Some(cap) = capture
         && answer.text_len() < cap
     {
-        collect_text(route, &value, &mut answer.texts);
+        collect_output(route, &value, answer);
     }
 }
 
@@ -1257,42 +1316,107 @@ fn generations(value: &serde_json::Value) -> impl Iterator<Item = (u64, &serde_j
         })
 }
 
-/// Appends the answer text an answer body or stream event carries to its generation's.
-fn collect_text(route: Route, value: &serde_json::Value, texts: &mut BTreeMap<u64, String>) {
+/// Appends what an answer body or stream event carries to its generation's output: text, and
+/// the tool calls the model asks for (OT-5).
+fn collect_output(route: Route, value: &serde_json::Value, answer: &mut Answer) {
     let push = |texts: &mut BTreeMap<u64, String>, index: u64, v: Option<&serde_json::Value>| {
         if let Some(s) = v.and_then(|v| v.as_str()) {
             texts.entry(index).or_default().push_str(s);
         }
     };
+    let str_of = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_owned);
+    let texts = &mut answer.texts;
+    let tools = &mut answer.tools;
     match route.provider() {
         Provider::Openai => {
             for (index, choice) in generations(value) {
-                push(
-                    texts,
-                    index,
-                    choice.get("delta").and_then(|d| d.get("content")),
-                );
-                push(
-                    texts,
-                    index,
-                    choice.get("message").and_then(|m| m.get("content")),
-                );
+                for member in ["delta", "message"] {
+                    let Some(message) = choice.get(member) else {
+                        continue;
+                    };
+                    push(texts, index, message.get("content"));
+                    // A stream's calls come in pieces under their `index`: the id and name
+                    // once, the arguments in fragments.
+                    for (position, call) in message
+                        .get("tool_calls")
+                        .and_then(|c| c.as_array())
+                        .into_iter()
+                        .flatten()
+                        .enumerate()
+                    {
+                        let slot = call
+                            .get("index")
+                            .and_then(serde_json::Value::as_u64)
+                            .unwrap_or(position as u64);
+                        let function = call.get("function");
+                        tools.entry((index, slot)).or_default().add(
+                            str_of(call.get("id")),
+                            str_of(function.and_then(|f| f.get("name"))),
+                            function.and_then(|f| f.get("arguments")),
+                        );
+                    }
+                }
                 push(texts, index, choice.get("text"));
             }
             if value.get("type").and_then(|t| t.as_str()) == Some("response.output_text.delta") {
                 push(texts, 0, value.get("delta"));
             }
             push(texts, 0, value.get("output_text"));
+            // A Responses answer that did not stream: its output items (a stream's text came
+            // in deltas, and its final event repeats it).
+            if value.get("object").and_then(|o| o.as_str()) == Some("response") {
+                responses_output(value, texts, tools, true);
+            }
+            // A stream's calls: from its final `response`, whole.
+            if let Some(response) = value.get("response").filter(|r| r.is_object())
+                && responses_finish_reason(response).is_some()
+            {
+                responses_output(response, texts, tools, false);
+            }
         }
         Provider::Anthropic => {
-            push(texts, 0, value.get("delta").and_then(|d| d.get("text")));
-            for block in value
+            let delta = value.get("delta");
+            push(texts, 0, delta.and_then(|d| d.get("text")));
+            let slot = value
+                .get("index")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(0);
+            // A stream's tool use: its block opens with the id and name, its input follows in
+            // JSON fragments.
+            if let Some(block) = value.get("content_block")
+                && block.get("type").and_then(|t| t.as_str()) == Some("tool_use")
+            {
+                tools.entry((0, slot)).or_default().add(
+                    str_of(block.get("id")),
+                    str_of(block.get("name")),
+                    None,
+                );
+            }
+            if delta.and_then(|d| d.get("type")).and_then(|t| t.as_str())
+                == Some("input_json_delta")
+            {
+                tools.entry((0, slot)).or_default().add(
+                    None,
+                    None,
+                    delta.and_then(|d| d.get("partial_json")),
+                );
+            }
+            for (position, block) in value
                 .get("content")
                 .and_then(|c| c.as_array())
                 .into_iter()
                 .flatten()
+                .enumerate()
             {
                 push(texts, 0, block.get("text"));
+                if block.get("type").and_then(|t| t.as_str()) == Some("tool_use") {
+                    let input = block.get("input").map(|i| serde_json::json!(i.to_string()));
+                    tools.entry((0, position as u64)).or_default().add(
+                        str_of(block.get("id")),
+                        str_of(block.get("name")),
+                        input.as_ref(),
+                    );
+                }
             }
         }
         Provider::Gemini => {
@@ -1305,11 +1429,66 @@ fn collect_text(route: Route, value: &serde_json::Value, texts: &mut BTreeMap<u6
                     .flatten()
                 {
                     push(texts, index, part.get("text"));
+                    // Each call comes whole, in one chunk.
+                    if let Some(call) = part
+                        .get("functionCall")
+                        .or_else(|| part.get("function_call"))
+                    {
+                        let slot = tools.range((index, 0)..=(index, u64::MAX)).count() as u64;
+                        let args = call.get("args").map(|a| serde_json::json!(a.to_string()));
+                        tools.entry((index, slot)).or_default().add(
+                            str_of(call.get("id")),
+                            str_of(call.get("name")),
+                            args.as_ref(),
+                        );
+                    }
                 }
             }
         }
         #[cfg(test)]
         Provider::Echo => {}
+    }
+}
+
+/// The text (when `with_text`) and function calls of a Responses `response` object's output
+/// items, as generation 0's: the calls replace any seen before (the object holds them all).
+fn responses_output(
+    response: &serde_json::Value,
+    texts: &mut BTreeMap<u64, String>,
+    tools: &mut BTreeMap<(u64, u64), ToolCall>,
+    with_text: bool,
+) {
+    let str_of = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_owned);
+    let items = response.get("output").and_then(|o| o.as_array());
+    let mut slot = 0;
+    tools.retain(|(generation, _), _| *generation != 0);
+    for item in items.into_iter().flatten() {
+        match item.get("type").and_then(|t| t.as_str()) {
+            Some("message") if with_text => {
+                for part in item
+                    .get("content")
+                    .and_then(|c| c.as_array())
+                    .into_iter()
+                    .flatten()
+                {
+                    if part.get("type").and_then(|t| t.as_str()) == Some("output_text")
+                        && let Some(text) = part.get("text").and_then(|t| t.as_str())
+                    {
+                        texts.entry(0).or_default().push_str(text);
+                    }
+                }
+            }
+            Some("function_call" | "custom_tool_call") => {
+                let arguments = item.get("arguments").or_else(|| item.get("input"));
+                tools.entry((0, slot)).or_default().add(
+                    str_of(item.get("call_id")),
+                    str_of(item.get("name")),
+                    arguments,
+                );
+                slot += 1;
+            }
+            _ => {}
+        }
     }
 }
 
@@ -1603,6 +1782,100 @@ mod tests {
                 "{event}"
             );
         }
+    }
+
+    /// The captured output of `events` on `route`, parsed.
+    fn output_of(route: Route, events: &[&str]) -> serde_json::Value {
+        let mut answer = Answer::default();
+        for event in events {
+            observe(route, event.as_bytes(), &mut answer, Some(1000));
+        }
+        serde_json::from_str(&answer.output_messages(1000).expect("an output")).unwrap()
+    }
+
+    /// OT-5: an answer that calls tools (an agent's turn) has its calls captured as the
+    /// conventions' `tool_call` parts, from each provider's answer streamed or not, instead of
+    /// no output at all; a Responses answer that did not stream has its text captured from its
+    /// output items.
+    #[test]
+    fn tool_calls_and_a_whole_responses_answer_are_captured_as_output_parts_ot5() {
+        let call = serde_json::json!({
+            "type": "tool_call", "id": "call_1", "name": "get_weather",
+            "arguments": {"city": "Paris"},
+        });
+        let chat_stream = output_of(
+            Route::OpenaiChat,
+            &[
+                r#"{"id":"c","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":null,"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]},"finish_reason":null}]}"#,
+                r#"{"id":"c","model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"city\": "}}]},"finish_reason":null}]}"#,
+                r#"{"id":"c","model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"Paris\"}"}}]},"finish_reason":null}]}"#,
+                r#"{"id":"c","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            ],
+        );
+        assert_eq!(
+            chat_stream,
+            serde_json::json!([{"role": "assistant", "parts": [call], "finish_reason": "tool_calls"}])
+        );
+        let chat = output_of(
+            Route::OpenaiChat,
+            &[
+                r#"{"id":"c","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Checking.","tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},"finish_reason":"tool_calls"}]}"#,
+            ],
+        );
+        assert_eq!(
+            chat[0]["parts"],
+            serde_json::json!([{"type": "text", "content": "Checking."}, call])
+        );
+        let anthropic_stream = output_of(
+            Route::AnthropicMessages,
+            &[
+                r#"{"type":"message_start","message":{"id":"msg_1","model":"c","content":[],"stop_reason":null}}"#,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"tool_use","id":"call_1","name":"get_weather","input":{}}}"#,
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":"{\"city\":"}}"#,
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":" \"Paris\"}"}}"#,
+                r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":9}}"#,
+            ],
+        );
+        assert_eq!(anthropic_stream[0]["parts"], serde_json::json!([call]));
+        assert_eq!(anthropic_stream[0]["finish_reason"], "tool_use");
+        let anthropic = output_of(
+            Route::AnthropicMessages,
+            &[
+                r#"{"id":"msg_1","type":"message","model":"c","content":[{"type":"tool_use","id":"call_1","name":"get_weather","input":{"city":"Paris"}}],"stop_reason":"tool_use"}"#,
+            ],
+        );
+        assert_eq!(anthropic[0]["parts"], serde_json::json!([call]));
+        let gemini = output_of(
+            Route::GeminiGenerate,
+            &[
+                r#"{"candidates":[{"content":{"role":"model","parts":[{"functionCall":{"id":"call_1","name":"get_weather","args":{"city":"Paris"}}}]},"finishReason":"STOP"}],"responseId":"r","modelVersion":"g"}"#,
+            ],
+        );
+        assert_eq!(gemini[0]["parts"], serde_json::json!([call]));
+        let responses = output_of(
+            Route::OpenaiResponses,
+            &[
+                r#"{"id":"resp_1","object":"response","model":"m","status":"completed","output":[{"type":"message","role":"assistant","status":"completed","content":[{"type":"output_text","text":"Checking."}]},{"type":"function_call","call_id":"call_1","name":"get_weather","arguments":"{\"city\":\"Paris\"}","status":"completed"}]}"#,
+            ],
+        );
+        assert_eq!(
+            responses,
+            serde_json::json!([{
+                "role": "assistant",
+                "parts": [{"type": "text", "content": "Checking."}, call],
+                "finish_reason": "tool_calls",
+            }])
+        );
+        // A Responses stream: the text from its deltas, the call from its final event, once.
+        let responses_stream = output_of(
+            Route::OpenaiResponses,
+            &[
+                r#"{"type":"response.created","response":{"id":"resp_1","object":"response","model":"m","status":"in_progress","output":[]}}"#,
+                r#"{"type":"response.output_text.delta","delta":"Checking."}"#,
+                r#"{"type":"response.completed","response":{"id":"resp_1","object":"response","model":"m","status":"completed","output":[{"type":"message","role":"assistant","status":"completed","content":[{"type":"output_text","text":"Checking."}]},{"type":"function_call","call_id":"call_1","name":"get_weather","arguments":"{\"city\":\"Paris\"}","status":"completed"}]}}"#,
+            ],
+        );
+        assert_eq!(responses_stream, responses);
     }
 
     #[test]

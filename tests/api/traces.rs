@@ -904,6 +904,48 @@ async fn phoenix_receives_an_openai_python_retry_as_one_trace_with_one_attempt_o
     app.stop().await;
 }
 
+/// OT-5: a Responses answer that did not stream has its text captured: the API's answer holds
+/// it in its output items (`output_text` is the SDK's convenience, not a member of the answer),
+/// so the captured output was empty for every such call.
+#[tokio::test]
+async fn a_responses_answer_that_did_not_stream_has_its_text_captured_ot5() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.otel.enabled = true;
+        c.otel.endpoint = Some(receiver.url.clone());
+        c.otel.capture_content = true;
+    })
+    .await;
+    let body = json!({"model": "gpt-4o-mini", "input": "capture the whole answer"});
+    let response = app.post("/v1/responses", body.to_string(), &[]).await;
+    assert_eq!(response.status(), 200);
+    let answer: Value = response.json().await.unwrap();
+    let text: String = answer["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|item| item["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|part| part["text"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!text.is_empty(), "{answer}");
+    let spans = receiver
+        .wait("the attempt", |s| !attempts(s).is_empty())
+        .await;
+    let attempt = attempts(&spans)[0];
+    let output = attempt.attr("gen_ai.output.messages");
+    assert!(output.is_string(), "an output is captured: {attempt:#?}");
+    let output: Value = serde_json::from_str(output.as_str().unwrap()).unwrap();
+    assert_eq!(
+        output,
+        json!([{
+            "role": "assistant",
+            "parts": [{"type": "text", "content": text}],
+            "finish_reason": "stop",
+        }])
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn content_is_captured_only_when_asked_cut_to_its_cap_and_keys_never_appear_ot5() {
     let receiver = Receiver::start().await;
