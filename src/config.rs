@@ -971,7 +971,7 @@ impl Config {
         Ok(())
     }
 
-    /// `admin_api_keys` and `[[namespaces]]`: names and non-empty keys.
+    /// `admin_api_keys` and `[[namespaces]]`: names and non-empty keys, no key in both.
     fn check_tenants(&self) -> Result<(), ConfigError> {
         if self.admin_api_keys.iter().any(String::is_empty) {
             return Err(invalid("admin_api_keys", "must not hold an empty key"));
@@ -987,6 +987,20 @@ impl Config {
                 return Err(invalid(
                     format!("namespaces[{i}].api_keys"),
                     "needs at least one non-empty key, e.g. api_keys = [\"hf-team-a-key\"]",
+                ));
+            }
+        }
+        // A key in both lists would spend as the namespace and read every namespace's log
+        // (decision 28: admin keys read, they do not call).
+        for (i, key) in self.admin_api_keys.iter().enumerate() {
+            if let Some(n) = self.namespaces.iter().find(|n| n.api_keys.contains(key)) {
+                return Err(invalid(
+                    format!("admin_api_keys[{i}]"),
+                    format!(
+                        "is also a key of namespace {:?}; an admin key reads every namespace's \
+                         requests, so give it a key of its own",
+                        n.name
+                    ),
                 ));
             }
         }
@@ -1315,6 +1329,26 @@ mod tests {
         c.workers.lease_secs = 0;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("workers.lease_secs"), "{err}");
+    }
+
+    /// CLI-1, decision 28: a key listed both as an admin key and as a namespace's would call as
+    /// that namespace and read every namespace's log; the start refuses it naming the key.
+    #[test]
+    fn a_key_that_is_both_an_admin_key_and_a_namespace_key_is_refused_cli1() {
+        let mut c = with_backend();
+        c.namespaces.push(Namespace {
+            name: "team-a".into(),
+            api_keys: vec!["hf-team-a-key".into()],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
+        });
+        c.admin_api_keys = vec!["hf-admin-key".into()];
+        c.validate().expect("distinct keys are fine");
+        c.admin_api_keys.push("hf-team-a-key".into());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("admin_api_keys[1]"), "{err}");
+        assert!(err.contains("\"team-a\""), "{err}");
     }
 
     #[test]
