@@ -518,7 +518,12 @@ fn describe(e: &figment::Error) -> String {
         .as_ref()
         .map(|m| match &m.source {
             Some(source) => format!(" in {source}"),
-            None => format!(" in {}", m.name),
+            None => match env_variable(&key) {
+                Some(variable) if m.name.contains("environment variable") => {
+                    format!(" in {variable}")
+                }
+                _ => format!(" in {}", m.name),
+            },
         })
         .unwrap_or_default();
     match &e.kind {
@@ -624,6 +629,17 @@ fn env_keys() -> Vec<String> {
         }
     }
     keys
+}
+
+/// The `HOLDFAST_*` variable that sets the dotted `key` (`workers.lease_secs` →
+/// `HOLDFAST_WORKERS__LEASE_SECS`; a key inside an array, `backends.0.kind`, → the array's,
+/// `HOLDFAST_BACKENDS`), for an error to name the variable the operator wrote.
+fn env_variable(key: &str) -> Option<String> {
+    env_keys()
+        .into_iter()
+        .filter(|k| key == k || key.starts_with(&format!("{k}.")))
+        .max_by_key(String::len)
+        .map(|k| format!("HOLDFAST_{}", k.replace('.', "__").to_ascii_uppercase()))
 }
 
 /// The key a `HOLDFAST_*` variable's name (without the prefix) sets: lower-case, `__` → `.`.

@@ -228,8 +228,10 @@ struct ServeArgs {
     /// provider as the only backend.
     #[arg(long)]
     demo: bool,
-    /// Listen address [default: the `listen` key, 127.0.0.1:8080].
-    #[arg(long, env = "HOLDFAST_LISTEN", value_name = "ADDR")]
+    /// Listen address [default: the `listen` key (env: HOLDFAST_LISTEN), 127.0.0.1:8080].
+    // Not `env = "HOLDFAST_LISTEN"`: the configuration reads that variable as the `listen` key,
+    // and a bad value is then one line naming the variable, not a clap error about `--listen`.
+    #[arg(long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
 }
 

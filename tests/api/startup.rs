@@ -487,6 +487,36 @@ fn serve_help_lists_defaults_and_environment_variables() {
     }
 }
 
+/// CLI-1: a `HOLDFAST_LISTEN` that is no socket address stops the start (exit 2) with one line
+/// naming the variable and the fix, as a bad `listen` in the file does, not with a usage error
+/// about a `--listen` flag the operator never typed.
+#[test]
+fn a_bad_holdfast_listen_variable_is_one_line_naming_the_variable_cli1() {
+    let (code, stderr) =
+        serve_config_without_listen(BACKEND, &[("HOLDFAST_LISTEN", "localhost:8080")]);
+    assert_eq!(code, 2, "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(lines[0].starts_with("holdfast: configuration"), "{stderr}");
+    assert!(
+        lines[0].contains("HOLDFAST_LISTEN"),
+        "names the variable: {stderr}"
+    );
+    assert!(
+        lines[0].contains("127.0.0.1:8080"),
+        "says what to write: {stderr}"
+    );
+    assert!(!lines[0].contains("--listen"), "{stderr}");
+}
+
+/// Runs `holdfast serve --config` on `toml` with no `--listen`, returning (exit code, stderr).
+fn serve_config_without_listen(toml: &str, env: &[(&str, &str)]) -> (i32, String) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("holdfast.toml"), toml).unwrap();
+    let (code, _, stderr) = run_holdfast(dir.path(), &["serve", "--config", "holdfast.toml"], env);
+    (code, stderr)
+}
+
 #[tokio::test]
 async fn version_prints_the_schema_version_of_the_database_it_would_open() {
     let dir = tempfile::tempdir().unwrap();
