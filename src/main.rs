@@ -162,10 +162,10 @@ struct Filters {
     /// Only this backend.
     #[arg(long)]
     backend: Option<String>,
-    /// Submitted at or after (RFC 3339).
+    /// Submitted at or after (RFC 3339, or a date YYYY-MM-DD: its start, UTC).
     #[arg(long)]
     since: Option<String>,
-    /// Submitted before (RFC 3339).
+    /// Submitted before (RFC 3339, or a date YYYY-MM-DD).
     #[arg(long)]
     until: Option<String>,
     /// A substring of the request body.
@@ -208,13 +208,14 @@ impl Filters {
 struct UsageArgs {
     #[command(flatten)]
     server: ServerArgs,
-    /// Submitted at or after (RFC 3339; default 30 days ago).
+    /// Submitted at or after (RFC 3339, or a date YYYY-MM-DD: its start, UTC; default 30 days
+    /// ago).
     #[arg(long)]
     since: Option<String>,
-    /// Submitted before (RFC 3339; default now).
+    /// Submitted before (RFC 3339, or a date YYYY-MM-DD; default now).
     #[arg(long)]
     until: Option<String>,
-    /// model, backend, namespace or day.
+    /// Group by model (the default), backend, namespace, day or provider.
     #[arg(long)]
     group_by: Option<String>,
     /// Admin keys: one namespace.

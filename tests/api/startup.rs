@@ -517,6 +517,28 @@ fn serve_config_without_listen(toml: &str, env: &[(&str, &str)]) -> (i32, String
     (code, stderr)
 }
 
+/// RD-9: `holdfast usage --help` names every grouping `GET /usage` takes, `provider` among
+/// them, and says that `--since` / `--until` take a date as well as an RFC 3339 time.
+#[test]
+fn usage_help_names_every_grouping_and_the_date_form_rd9() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, stdout, _) = run_holdfast(dir.path(), &["usage", "--help"], &[]);
+    assert_eq!(code, 0);
+    for must in [
+        "model",
+        "backend",
+        "namespace",
+        "day",
+        "provider",
+        "YYYY-MM-DD",
+    ] {
+        assert!(stdout.contains(must), "{must}: {stdout}");
+    }
+    let (code, stdout, _) = run_holdfast(dir.path(), &["requests", "list", "--help"], &[]);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("YYYY-MM-DD"), "{stdout}");
+}
+
 #[tokio::test]
 async fn version_prints_the_schema_version_of_the_database_it_would_open() {
     let dir = tempfile::tempdir().unwrap();
