@@ -536,3 +536,59 @@ fn the_dependency_check_sees_grouped_and_super_paths() {
         3
     );
 }
+
+/// The dotted keys a configuration written as TOML names (`workers.lease_secs`,
+/// `backends.name`: an array of tables contributes the keys of every entry).
+fn keys_named_in(value: &serde_json::Value) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let serde_json::Value::Object(top) = value else {
+        return keys;
+    };
+    for (key, value) in top {
+        let tables: Vec<&serde_json::Map<String, serde_json::Value>> = match value {
+            serde_json::Value::Object(table) => vec![table],
+            serde_json::Value::Array(items) => items.iter().filter_map(|v| v.as_object()).collect(),
+            _ => Vec::new(),
+        };
+        for table in tables {
+            keys.extend(table.keys().map(|k| format!("{key}.{k}")));
+        }
+        keys.insert(key.clone());
+    }
+    keys
+}
+
+/// CLI-4: docs/configuration.md's "A complete example" says it holds every key. It loads as a
+/// configuration (valid, as `holdfast serve --config` would take it) and names every key the
+/// code accepts, so a new key cannot be left out of it.
+#[test]
+fn docs_configuration_complete_example_loads_and_names_every_key_cli4() {
+    use figment::providers::{Format, Toml};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
+    let section = doc
+        .split("## A complete example")
+        .nth(1)
+        .expect("docs/configuration.md has a complete example");
+    let example = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the complete example is a toml block");
+    let named: serde_json::Value = figment::Figment::from(Toml::string(example))
+        .extract()
+        .expect("the complete example is TOML");
+    let missing: Vec<_> = config_keys()
+        .difference(&keys_named_in(&named))
+        .cloned()
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "keys the complete example leaves out: {missing:?}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("holdfast.toml");
+    std::fs::write(&path, example).unwrap();
+    holdfast::config::Config::load(Some(&path))
+        .expect("the complete example is a valid configuration");
+}
