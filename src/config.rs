@@ -1068,14 +1068,40 @@ impl Config {
         Ok(())
     }
 
-    /// `cors_allow_origins`: `*` or valid origins.
+    /// `cors_allow_origins`: `*`, or origins as a browser sends them in `Origin` (HTTP-3,
+    /// decision 16): the list is matched byte for byte, so `https://app.example/` (a path),
+    /// `app.example` (no scheme) or `https://App.example:443` would never match a page and
+    /// silently leave CORS off for it.
     fn check_cors(&self) -> Result<(), ConfigError> {
         for (i, origin) in self.cors_allow_origins.iter().enumerate() {
-            if origin != "*" && axum::http::HeaderValue::from_str(origin).is_err() {
-                return Err(invalid(
-                    format!("cors_allow_origins[{i}]"),
-                    "is not a valid origin",
-                ));
+            if origin == "*" {
+                continue;
+            }
+            let key = format!("cors_allow_origins[{i}]");
+            let serialized = url::Url::parse(origin)
+                .ok()
+                .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+                .map(|u| u.origin().ascii_serialization());
+            match serialized {
+                Some(o) if o == *origin => {}
+                Some(o) => {
+                    return Err(invalid(
+                        key,
+                        format!(
+                            "{origin:?} is not an origin as a browser sends it (scheme, host and \
+                             port only, no path); write {o:?}"
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(invalid(
+                        key,
+                        format!(
+                            "{origin:?} is not an origin; write the page's scheme, host and \
+                             port, e.g. \"https://app.example\", or \"*\" for any"
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
@@ -1337,6 +1363,36 @@ mod tests {
         c.otel.queue_size = 0;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("otel.queue_size"), "{err}");
+    }
+
+    /// HTTP-3, decision 16: an allowed origin is matched byte for byte against the browser's
+    /// `Origin`, so one no browser sends (a path, no scheme, upper case, a default port) is
+    /// refused at start naming the origin to write, instead of leaving CORS silently off.
+    #[test]
+    fn a_cors_origin_no_browser_sends_is_refused_naming_the_one_to_write_http3() {
+        let mut c = with_backend();
+        for fine in [
+            "*",
+            "https://app.example",
+            "http://127.0.0.1:3000",
+            "http://[::1]:8080",
+        ] {
+            c.cors_allow_origins = vec![fine.into()];
+            c.validate().unwrap_or_else(|e| panic!("{fine}: {e}"));
+        }
+        for (written, hint) in [
+            ("https://app.example/", "\"https://app.example\""),
+            ("https://App.example", "\"https://app.example\""),
+            ("https://app.example:443", "\"https://app.example\""),
+            ("https://app.example/page?x=1", "\"https://app.example\""),
+            ("app.example", "e.g. \"https://app.example\""),
+            ("ftp://app.example", "e.g. \"https://app.example\""),
+        ] {
+            c.cors_allow_origins = vec!["*".into(), written.into()];
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("cors_allow_origins[1]"), "{written}: {err}");
+            assert!(err.contains(hint), "{written}: {err}");
+        }
     }
 
     #[test]
