@@ -898,6 +898,8 @@ impl Config {
                     "must not be empty",
                 ));
             }
+            check_model_pattern(&r.pattern)
+                .map_err(|why| invalid(format!("model_rewrites[{i}].match"), why))?;
             if !self.backends.iter().any(|b| b.name == r.backend) {
                 return Err(invalid(
                     format!("model_rewrites[{i}].backend"),
@@ -963,6 +965,8 @@ impl Config {
     /// `[[prices]]`: a backend that exists, and rates of 0 or more.
     fn check_prices(&self) -> Result<(), ConfigError> {
         for (i, p) in self.prices.iter().enumerate() {
+            check_model_pattern(&p.model)
+                .map_err(|why| invalid(format!("prices[{i}].model"), why))?;
             if !self.backends.iter().any(|b| b.name == p.backend) {
                 return Err(invalid(
                     format!("prices[{i}].backend"),
@@ -1127,6 +1131,19 @@ impl Config {
     pub(crate) fn backend(&self, name: &str) -> Option<&Backend> {
         self.backends.iter().find(|b| b.name == name)
     }
+}
+
+/// A model pattern of `[[model_rewrites]] match` or `[[prices]] model`: an exact name, or a
+/// prefix ending in `*` (CLI-5). A `*` anywhere else is no glob: the pattern would be taken as
+/// an exact name no model has and never match, silently.
+fn check_model_pattern(pattern: &str) -> Result<(), String> {
+    if pattern.trim_end_matches('*').contains('*') || pattern.ends_with("**") {
+        return Err(format!(
+            "{pattern:?}: `*` may only end a pattern (a prefix, e.g. \"gpt-4o*\"); it matches \
+             nothing elsewhere"
+        ));
+    }
+    Ok(())
 }
 
 /// The TOML layer of the file `--config` names: that very file. Figment's `Toml::file` would
@@ -1393,6 +1410,41 @@ mod tests {
             assert!(err.contains("cors_allow_origins[1]"), "{written}: {err}");
             assert!(err.contains(hint), "{written}: {err}");
         }
+    }
+
+    /// CLI-5, RD-9: a model pattern is an exact name or a prefix ending in `*`; a `*` anywhere
+    /// else (a glob such as `claude-*-latest`) would never match, so the start refuses it.
+    #[test]
+    fn a_star_anywhere_but_the_end_of_a_model_pattern_is_refused_cli5() {
+        let mut c = with_backend();
+        for fine in ["gpt-4o", "gpt-4o*", "*"] {
+            c.model_rewrites = vec![ModelRewrite {
+                pattern: fine.into(),
+                backend: "openai".into(),
+                model: None,
+            }];
+            c.validate().unwrap_or_else(|e| panic!("{fine}: {e}"));
+        }
+        for glob in ["claude-*-latest", "*-mini", "gpt**"] {
+            c.model_rewrites = vec![ModelRewrite {
+                pattern: glob.into(),
+                backend: "openai".into(),
+                model: None,
+            }];
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("model_rewrites[0].match"), "{glob}: {err}");
+        }
+        c.model_rewrites.clear();
+        c.prices = vec![Price {
+            backend: "openai".into(),
+            model: "gpt-*-mini".into(),
+            input_per_mtok: 1.0,
+            output_per_mtok: 1.0,
+            cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
+        }];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("prices[0].model"), "{err}");
     }
 
     #[test]
