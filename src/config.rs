@@ -186,9 +186,14 @@ pub struct Price {
     /// Input tokens read from the prompt cache; `input_per_mtok` when absent.
     #[serde(default)]
     pub cached_input_per_mtok: Option<f64>,
-    /// Input tokens written to the prompt cache; `input_per_mtok` when absent.
+    /// Input tokens written to the prompt cache (for Anthropic, to a five-minute cache);
+    /// `input_per_mtok` when absent.
     #[serde(default)]
     pub cache_write_per_mtok: Option<f64>,
+    /// Input tokens written to a one-hour prompt cache (Anthropic's `ttl: "1h"`, RD-10);
+    /// `cache_write_per_mtok` when absent, then `input_per_mtok` (decision 103).
+    #[serde(default)]
+    pub cache_write_1h_per_mtok: Option<f64>,
 }
 
 impl Price {
@@ -978,6 +983,7 @@ impl Config {
                 ("output_per_mtok", Some(p.output_per_mtok)),
                 ("cached_input_per_mtok", p.cached_input_per_mtok),
                 ("cache_write_per_mtok", p.cache_write_per_mtok),
+                ("cache_write_1h_per_mtok", p.cache_write_1h_per_mtok),
             ];
             for (key, rate) in rates {
                 if rate.is_some_and(|r| !r.is_finite() || r < 0.0) {

@@ -17,8 +17,9 @@ pub(crate) fn price<'a>(
 }
 
 /// USD for `usage` at `price`: uncached input, cache reads and cache writes at their rates
-/// (cache rates default to the input rate), output at the output rate. `None` when the provider
-/// reported no tokens at all.
+/// (cache rates default to the input rate), the one-hour part of the cache writes at its own
+/// (the other cache writes' rate when absent; RD-10, decision 103), output at the output rate.
+/// `None` when the provider reported no tokens at all.
 pub(crate) fn cost(price: &Price, usage: &Usage) -> Option<f64> {
     if usage.input_tokens.is_none() && usage.output_tokens.is_none() {
         return None;
@@ -26,10 +27,14 @@ pub(crate) fn cost(price: &Price, usage: &Usage) -> Option<f64> {
     let tokens = |n: Option<u64>| n.unwrap_or(0) as f64;
     let cached = tokens(usage.cached_input_tokens);
     let written = tokens(usage.cache_write_tokens);
+    // Part of the writes: a count above them (a provider's error) is held to them.
+    let written_1h = tokens(usage.cache_write_1h_tokens).min(written);
     let uncached = (tokens(usage.input_tokens) - cached - written).max(0.0);
+    let write_rate = price.cache_write_per_mtok.unwrap_or(price.input_per_mtok);
     let usd = uncached * price.input_per_mtok
         + cached * price.cached_input_per_mtok.unwrap_or(price.input_per_mtok)
-        + written * price.cache_write_per_mtok.unwrap_or(price.input_per_mtok)
+        + (written - written_1h) * write_rate
+        + written_1h * price.cache_write_1h_per_mtok.unwrap_or(write_rate)
         + tokens(usage.output_tokens) * price.output_per_mtok;
     Some(usd / 1_000_000.0)
 }
@@ -55,6 +60,7 @@ fn count_tokens(
         ("cached_input", usage.cached_input_tokens),
         ("cache_write", usage.cache_write_tokens),
         ("reasoning", usage.reasoning_tokens),
+        ("cache_write_1h", usage.cache_write_1h_tokens),
     ];
     for (kind, n) in kinds {
         if let Some(n) = n {
@@ -124,6 +130,7 @@ mod tests {
             output_per_mtok: 0.60,
             cached_input_per_mtok: Some(0.075),
             cache_write_per_mtok: None,
+            cache_write_1h_per_mtok: None,
         }
     }
 
@@ -135,6 +142,7 @@ mod tests {
             cached_input_tokens: Some(400_000),
             cache_write_tokens: Some(100_000),
             reasoning_tokens: Some(1),
+            cache_write_1h_tokens: None,
         };
         // 500k uncached at 0.15, 400k cached at 0.075, 100k written at 0.15, 500k out at 0.60.
         let expected = 0.5 * 0.15 + 0.4 * 0.075 + 0.1 * 0.15 + 0.5 * 0.60;
@@ -143,5 +151,62 @@ mod tests {
         assert_eq!(cost(&price(), &Usage::default()), None);
         assert!(price().matches("openai", "gpt-4o-mini-2024-07-18"));
         assert!(!price().matches("other", "gpt-4o-mini"));
+    }
+
+    /// Anthropic bills a one-hour cache write at twice the input price, a five-minute one at
+    /// 1.25 times: the one-hour part of the writes is priced at `cache_write_1h_per_mtok`, the
+    /// rest at `cache_write_per_mtok`; without the one-hour price, all of them at the latter,
+    /// as before; without either, at the input price.
+    #[test]
+    fn one_hour_cache_writes_are_priced_at_their_own_rate_rd10() {
+        let claude = Price {
+            backend: "anthropic".into(),
+            model: "claude-sonnet-4*".into(),
+            input_per_mtok: 3.0,
+            output_per_mtok: 15.0,
+            cached_input_per_mtok: Some(0.30),
+            cache_write_per_mtok: Some(3.75),
+            cache_write_1h_per_mtok: Some(6.0),
+        };
+        let usage = Usage {
+            input_tokens: Some(1_000_000 + 300_000 + 200_000 + 100_000),
+            output_tokens: Some(10_000),
+            cached_input_tokens: Some(200_000),
+            cache_write_tokens: Some(300_000 + 100_000),
+            cache_write_1h_tokens: Some(100_000),
+            reasoning_tokens: None,
+        };
+        let close = |got: Option<f64>, expected: f64| {
+            let got = got.expect("a cost");
+            assert!((got - expected).abs() < 1e-12, "{got} != {expected}");
+        };
+        // 1M uncached at 3, 200k read at 0.30, 300k 5m writes at 3.75, 100k 1h writes at 6,
+        // 10k out at 15.
+        let base = 1.0 * 3.0 + 0.2 * 0.30 + 0.01 * 15.0;
+        close(cost(&claude, &usage), base + 0.3 * 3.75 + 0.1 * 6.0);
+        // Not reported: every write at the five-minute rate.
+        let unsplit = Usage {
+            cache_write_1h_tokens: None,
+            ..usage
+        };
+        close(cost(&claude, &unsplit), base + 0.4 * 3.75);
+        // No one-hour price: the cache-write price, then the input price.
+        let no_1h = Price {
+            cache_write_1h_per_mtok: None,
+            ..claude.clone()
+        };
+        close(cost(&no_1h, &usage), base + 0.4 * 3.75);
+        let no_write = Price {
+            cache_write_per_mtok: None,
+            cache_write_1h_per_mtok: None,
+            ..claude.clone()
+        };
+        close(cost(&no_write, &usage), base + 0.4 * 3.0);
+        // A one-hour count above the writes is held to them.
+        let over = Usage {
+            cache_write_1h_tokens: Some(900_000),
+            ..usage
+        };
+        close(cost(&claude, &over), base + 0.4 * 6.0);
     }
 }

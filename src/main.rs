@@ -730,7 +730,14 @@ fn demo_config() -> Config {
         ui: true,
         prices: vec![
             demo_price("mock-openai", "gpt-4o-mini*", 0.15, 0.60),
-            demo_price("mock-anthropic", "claude-*", 0.80, 4.00),
+            // Anthropic's cache rates against its input price: reads 0.1×, five-minute writes
+            // 1.25×, one-hour writes 2× (RD-10).
+            holdfast::config::Price {
+                cached_input_per_mtok: Some(0.08),
+                cache_write_per_mtok: Some(1.00),
+                cache_write_1h_per_mtok: Some(1.60),
+                ..demo_price("mock-anthropic", "claude-*", 0.80, 4.00)
+            },
             demo_price("mock-gemini", "gemini-*", 0.30, 2.50),
         ],
         inject_stream_usage: true,
@@ -747,6 +754,7 @@ fn demo_price(backend: &str, model: &str, input: f64, output: f64) -> holdfast::
         output_per_mtok: output,
         cached_input_per_mtok: None,
         cache_write_per_mtok: None,
+        cache_write_1h_per_mtok: None,
     }
 }
 

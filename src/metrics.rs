@@ -15,7 +15,7 @@
 //! | `holdfast_postgres_commit_jobs` | histogram | — (store writes sharing that transaction) |
 //! | `holdfast_attempt_write_retries_total` | counter | `write` = `chunks` \| `outcome` (tries of a failed write of an attempt after its first, decision 37) |
 //! | `holdfast_attempt_writes_abandoned_total` | counter | `write` (writes of an attempt given up: failing for a lease length, not worth a retry, or at shutdown) |
-//! | `holdfast_upstream_tokens_total` | counter | `provider` (the backend's kind), `backend`, `model`, `kind` = `input` \| `output` \| `cached_input` \| `cache_write` \| `reasoning` |
+//! | `holdfast_upstream_tokens_total` | counter | `provider` (the backend's kind), `backend`, `model`, `kind` = `input` \| `output` \| `cached_input` \| `cache_write` \| `reasoning` \| `cache_write_1h` |
 //! | `holdfast_cost_usd_total` | gauge that only grows (USD is not an integer) | `provider` (the backend's kind), `backend`, `model` (priced usage, `[[prices]]`) |
 //! | `holdfast_saved_calls_total` | counter | `provider` (the backend's kind), `backend`, `model` |
 //! | `holdfast_saved_tokens_total` | counter | `provider` (the backend's kind), `backend`, `model`, `kind` |

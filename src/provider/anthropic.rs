@@ -131,9 +131,17 @@ pub(super) fn ends_stream(kind: Option<&str>) -> bool {
     kind == Some(STREAM_END)
 }
 
+/// `usage.cache_creation`: the prompt-cache writes by lifetime, which sum to
+/// `cache_creation_input_tokens` (RD-10).
+#[derive(serde::Deserialize)]
+struct CacheCreation {
+    ephemeral_1h_input_tokens: Option<u64>,
+}
+
 /// Anthropic's usage object. Its `input_tokens` leaves out the prompt-cache reads and writes
 /// (`cache_read_input_tokens`, `cache_creation_input_tokens`); the normalised `input_tokens`
-/// counts every input token, so they are added.
+/// counts every input token, so they are added. The one-hour writes are
+/// `cache_creation.ephemeral_1h_input_tokens`, absent when the object is (RD-10).
 pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
     #[derive(serde::Deserialize)]
     struct Raw {
@@ -141,6 +149,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         output_tokens: Option<u64>,
         cache_creation_input_tokens: Option<u64>,
         cache_read_input_tokens: Option<u64>,
+        cache_creation: Option<CacheCreation>,
     }
     let raw: Raw = serde_json::from_str(raw.get()).ok()?;
     let input = raw.input_tokens.map(|n| {
@@ -153,6 +162,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         cached_input_tokens: raw.cache_read_input_tokens,
         cache_write_tokens: raw.cache_creation_input_tokens,
         reasoning_tokens: None,
+        cache_write_1h_tokens: raw.cache_creation.and_then(|c| c.ephemeral_1h_input_tokens),
     };
     (!usage.is_empty()).then_some(usage)
 }
@@ -166,7 +176,10 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
 /// input is their sum, and a delta that leaves one out cannot be normalised without guessing
 /// (RD-9, decision 83); nor when they sum to 0: every call reads some input, and compatible
 /// servers that take the delta for output alone write zeros there (a typed usage without
-/// omitted fields), which would erase `message_start`'s count.
+/// omitted fields), which would erase `message_start`'s count. The one-hour part of the cache
+/// writes comes with `message_start`'s usage (`cache_creation`); Anthropic's delta carries no
+/// `cache_creation`, so `message_start`'s stands, unless a delta that replaces the counts
+/// carries one (RD-10).
 pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
     match event.kind {
         Some("message_start") => {
@@ -185,6 +198,7 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
                 input_tokens: Option<u64>,
                 cache_creation_input_tokens: Option<u64>,
                 cache_read_input_tokens: Option<u64>,
+                cache_creation: Option<CacheCreation>,
             }
             let delta: Delta = serde_json::from_str(event.usage?.get()).ok()?;
             let mut usage = Usage {
@@ -200,6 +214,9 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
                 usage.input_tokens = Some(total);
                 usage.cache_write_tokens = Some(write);
                 usage.cached_input_tokens = Some(read);
+                usage.cache_write_1h_tokens = delta
+                    .cache_creation
+                    .and_then(|c| c.ephemeral_1h_input_tokens);
             }
             Some(usage)
         }

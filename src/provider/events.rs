@@ -469,6 +469,7 @@ mod tests {
                 cached_input_tokens: Some(1000),
                 cache_write_tokens: Some(12),
                 reasoning_tokens: None,
+                cache_write_1h_tokens: None,
             }
         );
         // A delta with only its output (older API versions, some gateways), or without one of
@@ -489,10 +490,70 @@ mod tests {
                     cached_input_tokens: Some(1000),
                     cache_write_tokens: Some(0),
                     reasoning_tokens: None,
+                    cache_write_1h_tokens: None,
                 },
                 "{usage}"
             );
         }
+    }
+
+    /// Anthropic bills a one-hour prompt-cache write (`cache_control` with `ttl: "1h"`, as
+    /// Claude Code sends) at twice the input price, a five-minute one at 1.25 times, and
+    /// reports the split in `usage.cache_creation` beside the total: in a non-stream answer's
+    /// usage and in `message_start`'s, not in `message_delta`'s. The ledger kept the total
+    /// alone, so every one-hour write was priced as a five-minute one.
+    #[test]
+    fn a_messages_answer_keeps_its_one_hour_cache_writes_apart_streamed_and_not_rd10() {
+        let messages = Route::AnthropicMessages;
+        let usage = r#"{"input_tokens":20,"cache_creation_input_tokens":3000,"cache_read_input_tokens":500,"cache_creation":{"ephemeral_5m_input_tokens":1000,"ephemeral_1h_input_tokens":2000},"output_tokens":40}"#;
+        let expected = Usage {
+            input_tokens: Some(20 + 3000 + 500),
+            output_tokens: Some(40),
+            cached_input_tokens: Some(500),
+            cache_write_tokens: Some(3000),
+            reasoning_tokens: None,
+            cache_write_1h_tokens: Some(2000),
+        };
+        let body = format!(
+            r#"{{"id":"msg_1","type":"message","role":"assistant","content":[{{"type":"text","text":"hi"}}],"model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{usage}}}"#
+        );
+        let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+        assert_eq!(answered, Some(expected));
+
+        let start = format!(
+            r#"{{"type":"message_start","message":{{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{usage}}}}}"#
+        );
+        let stop = ("message_stop", r#"{"type":"message_stop"}"#);
+        // Anthropic's delta: cumulative counts, no `cache_creation`; message_start's split stands.
+        let delta = r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"input_tokens":20,"cache_creation_input_tokens":3000,"cache_read_input_tokens":500,"output_tokens":40}}"#;
+        assert_eq!(
+            stream_usage(
+                messages,
+                &[("message_start", &start), ("message_delta", delta), stop]
+            ),
+            expected
+        );
+        // A delta that does carry the split, with the counts it replaces, is taken.
+        let grown = r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"input_tokens":20,"cache_creation_input_tokens":3500,"cache_read_input_tokens":500,"cache_creation":{"ephemeral_5m_input_tokens":1000,"ephemeral_1h_input_tokens":2500},"output_tokens":40}}"#;
+        assert_eq!(
+            stream_usage(
+                messages,
+                &[("message_start", &start), ("message_delta", grown), stop]
+            ),
+            Usage {
+                input_tokens: Some(20 + 3500 + 500),
+                cache_write_tokens: Some(3500),
+                cache_write_1h_tokens: Some(2500),
+                ..expected
+            }
+        );
+        // Without `cache_creation` (older API versions, compatible servers): not reported.
+        let plain = r#"{"input_tokens":20,"cache_creation_input_tokens":3000,"output_tokens":40}"#;
+        let body = format!(
+            r#"{{"id":"msg_1","type":"message","role":"assistant","content":[],"usage":{plain}}}"#
+        );
+        let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+        assert_eq!(answered.and_then(|u| u.cache_write_1h_tokens), None);
     }
 
     /// [`Route::check_answer`]'s verdict and the answer's id, without the usage.

@@ -397,6 +397,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         cached_input_tokens: raw.cached_content_token_count,
         cache_write_tokens: None,
         reasoning_tokens: raw.thoughts_token_count,
+        cache_write_1h_tokens: None,
     };
     (!usage.is_empty()).then_some(usage)
 }

@@ -407,6 +407,9 @@ pub struct Usage {
     pub cache_write_tokens: Option<u64>,
     /// Output tokens spent on reasoning (part of `output_tokens`).
     pub reasoning_tokens: Option<u64>,
+    /// Input tokens written to a one-hour prompt cache (part of `cache_write_tokens`; Anthropic's
+    /// `cache_creation.ephemeral_1h_input_tokens`), billed at their own rate (RD-10).
+    pub cache_write_1h_tokens: Option<u64>,
 }
 
 /// Most tokens of one kind an answer is taken to report: 2^32, hundreds of times any model's
@@ -425,6 +428,7 @@ impl Usage {
             cached_input_tokens: keep(self.cached_input_tokens),
             cache_write_tokens: keep(self.cache_write_tokens),
             reasoning_tokens: keep(self.reasoning_tokens),
+            cache_write_1h_tokens: keep(self.cache_write_1h_tokens),
         }
     }
 
@@ -446,6 +450,7 @@ impl Usage {
         pick(&mut self.cached_input_tokens, later.cached_input_tokens);
         pick(&mut self.cache_write_tokens, later.cache_write_tokens);
         pick(&mut self.reasoning_tokens, later.reasoning_tokens);
+        pick(&mut self.cache_write_1h_tokens, later.cache_write_1h_tokens);
     }
 
     /// The field-by-field sum of `self` and `other` (`None` only where both are).
@@ -460,6 +465,7 @@ impl Usage {
             cached_input_tokens: add(self.cached_input_tokens, other.cached_input_tokens),
             cache_write_tokens: add(self.cache_write_tokens, other.cache_write_tokens),
             reasoning_tokens: add(self.reasoning_tokens, other.reasoning_tokens),
+            cache_write_1h_tokens: add(self.cache_write_1h_tokens, other.cache_write_1h_tokens),
         }
     }
 
@@ -472,6 +478,7 @@ impl Usage {
             cached_input_tokens: mul(self.cached_input_tokens),
             cache_write_tokens: mul(self.cache_write_tokens),
             reasoning_tokens: mul(self.reasoning_tokens),
+            cache_write_1h_tokens: mul(self.cache_write_1h_tokens),
         }
     }
 }

@@ -160,6 +160,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         cached_input_tokens: input.cached_tokens,
         cache_write_tokens: input.cache_write_tokens,
         reasoning_tokens: output.reasoning_tokens,
+        cache_write_1h_tokens: None,
     };
     (!usage.is_empty()).then_some(usage)
 }

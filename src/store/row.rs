@@ -18,14 +18,15 @@ macro_rules! request_columns {
          response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
          updated_at, finished_at, attached, replayed, log_reads, usage_input_tokens, \
          usage_output_tokens, usage_cached_input_tokens, usage_cache_write_tokens, \
-         usage_reasoning_tokens, trace_parent, replay_of"
+         usage_reasoning_tokens, usage_cache_write_1h_tokens, trace_parent, replay_of"
     };
 }
 
-/// `SET` assignments of the five answer-usage columns from five placeholders, keeping what was
+/// `SET` assignments of the six answer-usage columns from six placeholders, keeping what was
 /// stored where the new value is `NULL` (the attempt reported nothing).
 macro_rules! usage_assignments {
-    ($input:literal, $output:literal, $cached:literal, $write:literal, $reasoning:literal) => {
+    ($input:literal, $output:literal, $cached:literal, $write:literal, $reasoning:literal,
+     $write_1h:literal) => {
         concat!(
             "usage_input_tokens = COALESCE(",
             $input,
@@ -41,7 +42,10 @@ macro_rules! usage_assignments {
             ", usage_cache_write_tokens), ",
             "usage_reasoning_tokens = COALESCE(",
             $reasoning,
-            ", usage_reasoning_tokens)"
+            ", usage_reasoning_tokens), ",
+            "usage_cache_write_1h_tokens = COALESCE(",
+            $write_1h,
+            ", usage_cache_write_1h_tokens)"
         )
     };
 }
@@ -63,7 +67,7 @@ macro_rules! current_attempt_usage {
     };
 }
 
-/// `SET` assignments of the five answer-usage columns from the current attempt's reported usage,
+/// `SET` assignments of the six answer-usage columns from the current attempt's reported usage,
 /// for a request settled without its attempt's outcome (cancelled, or failed by the sweep): the
 /// record shows what the provider reported before that, as `/usage` counts it (docs/usage.md).
 macro_rules! usage_from_current_attempt {
@@ -77,7 +81,9 @@ macro_rules! usage_from_current_attempt {
             ", ",
             current_attempt_usage!("cache_write_tokens"),
             ", ",
-            current_attempt_usage!("reasoning_tokens")
+            current_attempt_usage!("reasoning_tokens"),
+            ", ",
+            current_attempt_usage!("cache_write_1h_tokens")
         )
     };
 }
@@ -111,13 +117,13 @@ pub(crate) mod col {
     pub(crate) const ATTACHED: usize = 24;
     pub(crate) const REPLAYED: usize = 25;
     pub(crate) const LOG_READS: usize = 26;
-    /// The first of the five usage columns (input, output, cached input, cache write,
-    /// reasoning).
+    /// The first of the six usage columns (input, output, cached input, cache write,
+    /// reasoning, one-hour cache write).
     pub(crate) const USAGE: usize = 27;
     /// The request's trace context (OT-2).
-    pub(crate) const TRACE_PARENT: usize = 32;
+    pub(crate) const TRACE_PARENT: usize = 33;
     /// The request this one replays (EX-8).
-    pub(crate) const REPLAY_OF: usize = 33;
+    pub(crate) const REPLAY_OF: usize = 34;
 }
 
 /// A `requests` row as stored, before its values are checked.
@@ -209,8 +215,9 @@ impl RawRecord {
     }
 }
 
-/// The five token counts of `usage` as stored (`NULL` when not reported).
-pub(crate) fn tokens_of(usage: Option<&Usage>) -> [Option<i64>; 5] {
+/// The six token counts of `usage` as stored (`NULL` when not reported), in the order of the
+/// usage columns: input, output, cached input, cache write, reasoning, one-hour cache write.
+pub(crate) fn tokens_of(usage: Option<&Usage>) -> [Option<i64>; 6] {
     let n = |v: Option<u64>| v.and_then(|v| i64::try_from(v).ok());
     match usage {
         Some(u) => [
@@ -219,7 +226,8 @@ pub(crate) fn tokens_of(usage: Option<&Usage>) -> [Option<i64>; 5] {
             n(u.cached_input_tokens),
             n(u.cache_write_tokens),
             n(u.reasoning_tokens),
+            n(u.cache_write_1h_tokens),
         ],
-        None => [None; 5],
+        None => [None; 6],
     }
 }

@@ -171,6 +171,7 @@ fn config_keys() -> BTreeSet<String> {
             output_per_mtok: 1.0,
             cached_input_per_mtok: None,
             cache_write_per_mtok: None,
+            cache_write_1h_per_mtok: None,
         }],
         ..Config::default()
     };

@@ -53,6 +53,7 @@ async fn replay_with_another_model_calls_the_provider_again_links_the_new_reques
             output_per_mtok: 0.6,
             cached_input_per_mtok: None,
             cache_write_per_mtok: None,
+            cache_write_1h_per_mtok: None,
         }];
     })
     .await;

@@ -218,6 +218,7 @@ conformance!(
     export_pages_oldest_first_after_a_cursor_and_lists_replays_ex1_ex4_ex8,
     data_chunks_of_reads_each_requests_events_after_its_seq_in_one_call_ex4,
     usage_buckets_split_the_window_by_hour_ex10,
+    one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10,
     every_list_filter_narrows_to_what_it_names_in_both_orders_rd7_ex1,
     release_hands_back_without_counting_a_recovery_du5,
     a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_maximum_du5,
@@ -2215,6 +2216,133 @@ async fn data_chunks_of_reads_each_requests_events_after_its_seq_in_one_call_ex4
             .flat_map(|(_, c)| c)
             .all(|c| c.kind == ChunkKind::Data)
     );
+}
+
+/// RD-10: the one-hour part of the prompt-cache writes is stored like every other count, by
+/// each write that stores usage (a stream's chunks, a success, a failure, many successes at
+/// once, a cancel copying the attempt's usage), read back in the record and by attempt, and
+/// summed by `usage` and multiplied into the saved tokens.
+async fn one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10(store: DynStore) {
+    let usage = |written: u64, one_hour: u64| Usage {
+        input_tokens: Some(written + 10),
+        output_tokens: Some(5),
+        cache_write_tokens: Some(written),
+        cache_write_1h_tokens: Some(one_hour),
+        ..Usage::default()
+    };
+    let ids: Vec<Uuid> = {
+        let mut ids = Vec::new();
+        for i in 0..6 {
+            ids.push(
+                create(&store, by_hash(&format!("one hour {i}"), T0 + i))
+                    .await
+                    .id,
+            );
+        }
+        ids
+    };
+    let mut leases = Vec::new();
+    for _ in 0..6 {
+        leases.push(lease_at(&store, "node/a", T0 + 10).await.0);
+    }
+    assert_eq!(leases.iter().map(|l| l.id).collect::<Vec<_>>(), ids);
+    // 0: a stream's usage with its chunks, copied to the record by a cancel.
+    let streamed = ChunkBatch {
+        lease: leases[0].clone(),
+        after: 0,
+        chunks: new_chunks("one hour", 2),
+        upstream_request_id: None,
+        response_id: None,
+        usage: Some(usage(1000, 400)),
+    };
+    store.append_chunks(&[streamed]).await.expect("append");
+    store
+        .cancel(NS, ids[0], T0 + 11)
+        .await
+        .expect("cancel")
+        .expect("found");
+    // 1: a success; 2: a failure; 3..6: successes at once (one statement where the adapter
+    // groups them).
+    let ok = |u: Usage| Outcome::Succeeded {
+        status: 200,
+        body: br#"{"id":"msg_1"}"#.to_vec(),
+        upstream_request_id: None,
+        response_id: None,
+        usage: Some(u),
+    };
+    store
+        .finish_read(&leases[1], &ok(usage(600, 300)), T0 + 12)
+        .await
+        .expect("finish")
+        .expect("lease held");
+    let failed = Outcome::Failed {
+        error: error(ErrorType::StreamInterrupted, None),
+        response: None,
+        upstream_request_id: None,
+        usage: Some(usage(90, 50)),
+    };
+    store
+        .finish_read(&leases[2], &failed, T0 + 12)
+        .await
+        .expect("finish")
+        .expect("lease held");
+    let mut together = Vec::new();
+    for lease in &leases[3..] {
+        let (store, lease) = (store.clone(), lease.clone());
+        together.push(tokio::spawn(async move {
+            store.finish_read(&lease, &ok(usage(20, 7)), T0 + 13).await
+        }));
+    }
+    for finished in together {
+        finished
+            .await
+            .expect("join")
+            .expect("finish")
+            .expect("lease held");
+    }
+    let expected = [400, 300, 50, 7, 7, 7];
+    for (id, one_hour) in ids.iter().zip(expected) {
+        let record = store.get(NS, *id).await.expect("get").expect("found");
+        assert_eq!(record.usage.cache_write_1h_tokens, Some(one_hour), "{id}");
+        let by_attempt = store.attempt_usage(*id).await.expect("attempt usage");
+        assert_eq!(
+            by_attempt
+                .iter()
+                .map(|(_, u)| u.cache_write_1h_tokens)
+                .collect::<Vec<_>>(),
+            vec![Some(one_hour)],
+            "{id}"
+        );
+    }
+    // One replay of the success: a saved call, at its usage.
+    store
+        .add_counts(&[holdfast::store::Counts {
+            id: ids[1],
+            attached: 0,
+            replayed: 1,
+            log_reads: 0,
+        }])
+        .await
+        .expect("counts");
+    let rows = store
+        .usage(&holdfast::store::UsageQuery {
+            namespace: Some(NS.to_string()),
+            since: T0 - 1,
+            until: T0 + 100,
+            group_by: holdfast::store::UsageGroup::Model,
+            bucket_ms: None,
+        })
+        .await
+        .expect("usage");
+    let total = rows
+        .iter()
+        .fold(Usage::default(), |sum, r| sum.plus(r.usage));
+    let saved = rows
+        .iter()
+        .fold(Usage::default(), |sum, r| sum.plus(r.saved));
+    assert_eq!(total.cache_write_1h_tokens, Some(400 + 300 + 50 + 3 * 7));
+    assert_eq!(total.cache_write_tokens, Some(1000 + 600 + 90 + 3 * 20));
+    assert_eq!(saved.cache_write_1h_tokens, Some(300));
 }
 
 async fn usage_buckets_split_the_window_by_hour_ex10(store: DynStore) {

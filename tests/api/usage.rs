@@ -18,6 +18,7 @@ fn price(backend: &str, model: &str) -> Price {
         output_per_mtok: 0.60,
         cached_input_per_mtok: Some(0.075),
         cache_write_per_mtok: None,
+        cache_write_1h_per_mtok: None,
     }
 }
 
@@ -634,4 +635,88 @@ async fn a_token_count_no_answer_can_have_is_not_reported_and_usage_still_answer
     assert_eq!(r.status(), 200);
     let usage: Value = r.json().await.unwrap();
     assert_eq!(usage["totals"]["usage"]["output_tokens"], 6, "{usage}");
+}
+
+/// RD-10, decision 103: Anthropic bills a one-hour prompt-cache write (`cache_control` with
+/// `ttl: "1h"`, as Claude Code sends) at twice the input price and a five-minute one at 1.25
+/// times, and splits its writes in `usage.cache_creation`. The ledger kept the total alone and
+/// priced every write at `cache_write_per_mtok`: a one-hour write was billed 37.5 % short in
+/// the record, `/usage`, its buckets and the saved cost. Now the one-hour part is
+/// `cache_write_1h_tokens` everywhere the counts are, priced at `cache_write_1h_per_mtok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hour_cache_writes_are_counted_and_priced_apart_in_the_record_usage_and_metrics_rd10() {
+    let answer = r#"{"id":"msg_1h","type":"message","role":"assistant","model":"claude-sonnet-4-5","content":[{"type":"text","text":"cached"}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":20,"cache_creation_input_tokens":3000,"cache_read_input_tokens":500,"cache_creation":{"ephemeral_5m_input_tokens":1000,"ephemeral_1h_input_tokens":2000},"output_tokens":40}}"#;
+    let provider = RawProvider::start(raw_200("application/json", answer, false)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        use_backend_url(c, &provider.base_url());
+        c.prices = vec![Price {
+            backend: "mock-anthropic".into(),
+            model: "claude-*".into(),
+            input_per_mtok: 3.0,
+            output_per_mtok: 15.0,
+            cached_input_per_mtok: Some(0.30),
+            cache_write_per_mtok: Some(3.75),
+            cache_write_1h_per_mtok: Some(6.0),
+        }];
+    })
+    .await;
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"system":[{"type":"text","text":"a long system prompt","cache_control":{"type":"ephemeral","ttl":"1h"}}],"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut id = String::new();
+    // The second submission is a replay: a saved call at the same usage.
+    for _ in 0..2 {
+        let r = app
+            .post(
+                "/v1/messages",
+                body.to_string(),
+                &[("anthropic-version", "2023-06-01")],
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        id = header(&r, "holdfast-request-id");
+        r.bytes().await.unwrap();
+    }
+    assert_eq!(provider.calls(), 1);
+    // 20 uncached at 3, 500 read at 0.30, 1000 five-minute writes at 3.75, 2000 one-hour
+    // writes at 6, 40 out at 15 (every write at 3.75 would be 0.01206).
+    let cost = (20.0 * 3.0 + 500.0 * 0.30 + 1000.0 * 3.75 + 2000.0 * 6.0 + 40.0 * 15.0) / 1e6;
+    let close = |v: &Value, what: &str| {
+        let got = v.as_f64().unwrap_or_else(|| panic!("{what}: {v}"));
+        assert!((got - cost).abs() < 1e-12, "{what}: {got} != {cost}");
+    };
+    let record = app.record(&id).await;
+    assert_eq!(record["usage"]["cache_write_tokens"], 3000, "{record}");
+    assert_eq!(record["usage"]["cache_write_1h_tokens"], 2000, "{record}");
+    assert_eq!(record["usage_by_attempt"][0]["cache_write_1h_tokens"], 2000);
+    close(&record["cost_usd"], "record cost");
+    // Replays are counted right after their answers: wait for the count.
+    let mut usage = Value::Null;
+    for _ in 0..500 {
+        usage = json_get(&app.http, format!("{}/usage?bucket=hour", app.base), None).await;
+        if usage["totals"]["saved_calls"] == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let totals = &usage["totals"];
+    assert_eq!(totals["usage"]["cache_write_tokens"], 3000, "{usage}");
+    assert_eq!(totals["usage"]["cache_write_1h_tokens"], 2000, "{usage}");
+    assert_eq!(
+        totals["saved_tokens"]["cache_write_1h_tokens"], 2000,
+        "{usage}"
+    );
+    close(&totals["cost_usd"], "totals cost");
+    close(&totals["saved_cost_usd"], "saved cost");
+    let group = &usage["buckets"][0]["groups"][0];
+    assert_eq!(group["usage"]["cache_write_1h_tokens"], 2000, "{usage}");
+    close(&group["cost_usd"], "bucket cost");
+    let metrics = app.metrics_text().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("holdfast_upstream_tokens_total{")
+                && l.contains(r#"kind="cache_write_1h""#)
+                && l.ends_with(" 2000")),
+        "{metrics}"
+    );
+    app.stop().await;
 }

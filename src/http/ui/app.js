@@ -441,6 +441,7 @@ function renderDetail(r) {
       ['output tokens', fmtCount(r.usage.output_tokens)],
       ['cached input', fmtCount(r.usage.cached_input_tokens)],
       ['cache writes', fmtCount(r.usage.cache_write_tokens)],
+      ['1-hour cache writes', fmtCount(r.usage.cache_write_1h_tokens)],
       ['reasoning', fmtCount(r.usage.reasoning_tokens)],
       ['cost', fmtUsd(r.cost_usd)],
       ...(r.usage_by_attempt || []).map((a) => [`attempt ${a.attempt}`, `${fmtInOut(a)} tokens`]),

@@ -835,7 +835,7 @@ impl Store for PostgresStore {
     async fn attempt_usage(&self, id: Uuid) -> Result<Vec<(u32, Usage)>, StoreError> {
         let rows = sqlx::query(
             "SELECT attempt, input_tokens, output_tokens, cached_input_tokens,
-                 cache_write_tokens, reasoning_tokens
+                 cache_write_tokens, reasoning_tokens, cache_write_1h_tokens
              FROM attempt_usage WHERE request_id = $1 ORDER BY attempt",
         )
         .bind(id)
@@ -931,8 +931,8 @@ impl Store for PostgresStore {
                     replayed: n(7)?,
                     saved_calls: n(8)?,
                     usage: usage_from_row(row, 9)?,
-                    saved: usage_from_row(row, 14)?,
-                    bucket: row.try_get(19)?,
+                    saved: usage_from_row(row, 15)?,
+                    bucket: row.try_get(21)?,
                 })
             })
             .collect()

@@ -101,6 +101,7 @@ pub(super) fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> 
             cached_input_tokens: tokens(row, "usage_cached_input_tokens")?,
             cache_write_tokens: tokens(row, "usage_cache_write_tokens")?,
             reasoning_tokens: tokens(row, "usage_reasoning_tokens")?,
+            cache_write_1h_tokens: tokens(row, "usage_cache_write_1h_tokens")?,
         },
         trace_parent: row.try_get("trace_parent")?,
         replay_of: row.try_get("replay_of")?,
@@ -238,6 +239,7 @@ pub(super) async fn finish_in(
                 .bind(response_id.as_deref().map(text))
                 .bind(end)
                 .bind(changed)
+                .bind(u[5])
                 .fetch_optional(&mut *conn)
                 .await?
         }
@@ -302,6 +304,7 @@ pub(super) async fn finish_in(
                 .bind(failure_releases_claim(ClaimKind::BodyHash, error.kind))
                 .bind(failure_releases_claim(ClaimKind::Key, error.kind))
                 .bind(changed)
+                .bind(u[5])
                 .fetch_optional(&mut *conn)
                 .await?
         }
@@ -420,26 +423,28 @@ const SUBMIT_QUEUED: &str = submit_sql!(", pg_notify('holdfast_work', $16)");
 /// follow `$u0`), upserted from the `done` row of a finish (usage is reported cumulatively).
 macro_rules! finish_usage_cte {
     ($flag:literal, $attempt:literal,
-     $u0:literal, $u1:literal, $u2:literal, $u3:literal, $u4:literal) => {
+     $u0:literal, $u1:literal, $u2:literal, $u3:literal, $u4:literal, $u5:literal) => {
         concat!(
             "used AS (
                  INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
-                     cached_input_tokens, cache_write_tokens, reasoning_tokens)
+                     cached_input_tokens, cache_write_tokens, reasoning_tokens,
+                     cache_write_1h_tokens)
                  SELECT id, ", $attempt, ", ", $u0, ", ", $u1, ", ", $u2, ", ", $u3, ", ", $u4,
-            " FROM done WHERE ", $flag,
+            ", ", $u5, " FROM done WHERE ", $flag,
             " ON CONFLICT (request_id, attempt) DO UPDATE SET
                      input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
                      cached_input_tokens = EXCLUDED.cached_input_tokens,
                      cache_write_tokens = EXCLUDED.cache_write_tokens,
-                     reasoning_tokens = EXCLUDED.reasoning_tokens)"
+                     reasoning_tokens = EXCLUDED.reasoning_tokens,
+                     cache_write_1h_tokens = EXCLUDED.cache_write_1h_tokens)"
         )
     };
 }
 
 /// `finish_read` of [`Outcome::Succeeded`]: `$1` status, `$2` body, `$3` upstream request id,
 /// `$4` now, `$5` id, `$6` owner, `$7`..`$11` usage, `$12` usage reported, `$13` attempt, `$14`
-/// response id or NULL, `$15` end chunk data, `$16` changed payload. A success releases no
-/// claim (ID-6).
+/// response id or NULL, `$15` end chunk data, `$16` changed payload, `$17` the one-hour cache
+/// writes of the usage (RD-10). A success releases no claim (ID-6).
 const FINISH_SUCCEEDED: &str = concat!(
     "WITH done AS (
          UPDATE requests SET status = 'succeeded', response_status = $1,
@@ -447,12 +452,12 @@ const FINISH_SUCCEEDED: &str = concat!(
              error_message = NULL, error_status = NULL, lease_owner = NULL,
              lease_expires_at = NULL, finished_at = $4, updated_at = $4,
              last_seq = last_seq + 1, ",
-    usage_assignments!("$7", "$8", "$9", "$10", "$11"),
+    usage_assignments!("$7", "$8", "$9", "$10", "$11", "$17"),
     " WHERE id = $5 AND lease_owner = $6 AND status = 'running'
          RETURNING ",
     request_columns!(),
     "), ",
-    finish_usage_cte!("$12", "$13", "$7", "$8", "$9", "$10", "$11"),
+    finish_usage_cte!("$12", "$13", "$7", "$8", "$9", "$10", "$11", "$17"),
     ",
      responded AS (
          INSERT INTO response_ids (response_id, namespace, request_id, attempt)
@@ -469,35 +474,36 @@ const FINISH_SUCCEEDED: &str = concat!(
 /// [`FINISH_SUCCEEDED`] for many outcomes at once, each element of the arrays one outcome:
 /// `$1` id, `$2` owner, `$3` status, `$4` body, `$5` upstream request id, `$6` now, `$7`..`$11`
 /// usage, `$12` usage reported, `$13` attempt, `$14` response id; `$15` end chunk data, `$16`
-/// origin, `$17` ids per notification. Returns the record of each request whose lease held,
-/// with its `f_owner`.
+/// origin, `$17` ids per notification, `$18` the one-hour cache writes of the usage (RD-10).
+/// Returns the record of each request whose lease held, with its `f_owner`.
 pub(super) const FINISH_SUCCEEDED_MANY: &str = concat!(
     "WITH f AS (
          SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::bytea[], $5::text[],
              $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[],
-             $11::bigint[], $12::bool[], $13::int[], $14::text[])
+             $11::bigint[], $12::bool[], $13::int[], $14::text[], $18::bigint[])
          AS f(f_id, f_owner, f_status, f_body, f_upstream, f_now, f_u0, f_u1, f_u2, f_u3,
-             f_u4, f_reported, f_attempt, f_response_id)),
+             f_u4, f_reported, f_attempt, f_response_id, f_u5)),
      done AS (
          UPDATE requests SET status = 'succeeded', response_status = f_status,
              response_body = f_body, upstream_request_id = f_upstream, error_type = NULL,
              error_message = NULL, error_status = NULL, lease_owner = NULL,
              lease_expires_at = NULL, finished_at = f_now, updated_at = f_now,
              last_seq = last_seq + 1, ",
-    usage_assignments!("f_u0", "f_u1", "f_u2", "f_u3", "f_u4"),
+    usage_assignments!("f_u0", "f_u1", "f_u2", "f_u3", "f_u4", "f_u5"),
     " FROM f WHERE id = f_id AND lease_owner = f_owner AND status = 'running'
          RETURNING ",
     request_columns!(),
-    ", f_owner, f_reported, f_attempt, f_response_id, f_u0, f_u1, f_u2, f_u3, f_u4),
+    ", f_owner, f_reported, f_attempt, f_response_id, f_u0, f_u1, f_u2, f_u3, f_u4, f_u5),
      used AS (
          INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
-             cached_input_tokens, cache_write_tokens, reasoning_tokens)
-         SELECT id, f_attempt, f_u0, f_u1, f_u2, f_u3, f_u4 FROM done WHERE f_reported
+             cached_input_tokens, cache_write_tokens, reasoning_tokens, cache_write_1h_tokens)
+         SELECT id, f_attempt, f_u0, f_u1, f_u2, f_u3, f_u4, f_u5 FROM done WHERE f_reported
          ON CONFLICT (request_id, attempt) DO UPDATE SET
              input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
              cached_input_tokens = EXCLUDED.cached_input_tokens,
              cache_write_tokens = EXCLUDED.cache_write_tokens,
-             reasoning_tokens = EXCLUDED.reasoning_tokens),
+             reasoning_tokens = EXCLUDED.reasoning_tokens,
+             cache_write_1h_tokens = EXCLUDED.cache_write_1h_tokens),
      responded AS (
          INSERT INTO response_ids (response_id, namespace, request_id, attempt)
          SELECT f_response_id, namespace, id, f_attempt FROM done
@@ -519,19 +525,19 @@ pub(super) const FINISH_SUCCEEDED_MANY: &str = concat!(
 /// `$4` response status, `$5` response body, `$6` upstream request id, `$7` now, `$8` id, `$9`
 /// owner, `$10`..`$14` usage, `$15` usage reported, `$16` attempt, `$17` end chunk data,
 /// `$18`/`$19` whether a `hash`/`key` claim is released ([`failure_releases_claim`]), `$20`
-/// changed payload.
+/// changed payload, `$21` the one-hour cache writes of the usage (RD-10).
 const FINISH_FAILED: &str = concat!(
     "WITH done AS (
          UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
              error_status = $3, response_status = $4, response_body = $5,
              upstream_request_id = $6, lease_owner = NULL, lease_expires_at = NULL,
              finished_at = $7, updated_at = $7, last_seq = last_seq + 1, ",
-    usage_assignments!("$10", "$11", "$12", "$13", "$14"),
+    usage_assignments!("$10", "$11", "$12", "$13", "$14", "$21"),
     " WHERE id = $8 AND lease_owner = $9 AND status = 'running'
          RETURNING ",
     request_columns!(),
     "), ",
-    finish_usage_cte!("$15", "$16", "$10", "$11", "$12", "$13", "$14"),
+    finish_usage_cte!("$15", "$16", "$10", "$11", "$12", "$13", "$14", "$21"),
     ",
      released AS (
          DELETE FROM claims WHERE request_id = $8
@@ -565,7 +571,7 @@ pub(super) struct AppendPlan {
     /// Per group that reported usage (the last report of the commit wins).
     usage_groups: Vec<i32>,
     usage_attempts: Vec<i32>,
-    usage_tokens: [Vec<Option<i64>>; 5],
+    usage_tokens: [Vec<Option<i64>>; 6],
     /// Per response id (the first of the commit wins).
     response_groups: Vec<i32>,
     response_attempts: Vec<i32>,
@@ -666,6 +672,7 @@ pub(super) async fn append_in(
         .bind(origin)
         .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
         .bind(&plan.afters)
+        .bind(&plan.usage_tokens[5])
         .fetch_all(&mut *conn)
         .await?;
     rows.iter().map(|row| Ok(row.try_get("grp")?)).collect()
@@ -673,6 +680,7 @@ pub(super) async fn append_in(
 
 /// `append_chunks` as one statement over [`AppendPlan`]'s arrays. Each group's `UPDATE` is
 /// fenced on its lease (LC-3) and on the seq it follows (`$22`), and reserves its seqs;
+/// `$23` holds the one-hour cache writes of each usage (RD-10);
 /// chunks, usage and response ids are written only for the groups it matched; one
 /// notification per [`IDS_PER_NOTIFY`] requests names them (`$20` origin, `$21` ids per
 /// notification). A group the fence left out whose request is already `n` seqs past `after`
@@ -703,16 +711,18 @@ const APPEND_CHUNKS: &str = "WITH b AS (
          JOIN upd ON upd.grp = c.grp),
      used AS (
          INSERT INTO attempt_usage (request_id, attempt, input_tokens, output_tokens,
-             cached_input_tokens, cache_write_tokens, reasoning_tokens)
-         SELECT upd.id, u.attempt, u.i, u.o, u.ci, u.cw, u.r
+             cached_input_tokens, cache_write_tokens, reasoning_tokens, cache_write_1h_tokens)
+         SELECT upd.id, u.attempt, u.i, u.o, u.ci, u.cw, u.r, u.cw1h
          FROM UNNEST($10::int[], $11::int[], $12::bigint[], $13::bigint[], $14::bigint[],
-                     $15::bigint[], $16::bigint[]) AS u(grp, attempt, i, o, ci, cw, r)
+                     $15::bigint[], $16::bigint[], $23::bigint[])
+             AS u(grp, attempt, i, o, ci, cw, r, cw1h)
          JOIN upd ON upd.grp = u.grp
          ON CONFLICT (request_id, attempt) DO UPDATE SET
              input_tokens = EXCLUDED.input_tokens, output_tokens = EXCLUDED.output_tokens,
              cached_input_tokens = EXCLUDED.cached_input_tokens,
              cache_write_tokens = EXCLUDED.cache_write_tokens,
-             reasoning_tokens = EXCLUDED.reasoning_tokens),
+             reasoning_tokens = EXCLUDED.reasoning_tokens,
+             cache_write_1h_tokens = EXCLUDED.cache_write_1h_tokens),
      responded AS (
          INSERT INTO response_ids (response_id, namespace, request_id, attempt)
          SELECT x.response_id, upd.namespace, upd.id, x.attempt
@@ -816,7 +826,8 @@ pub(super) async fn settle_in(
     Ok(())
 }
 
-/// A usage row's five token columns from `at` on.
+/// A usage row's six token columns from `at` on (input, output, cached input, cache write,
+/// reasoning, one-hour cache write).
 pub(super) fn usage_from_row(row: &PgRow, at: usize) -> Result<Usage, StoreError> {
     let n = |i: usize| -> Result<Option<u64>, StoreError> {
         Ok(row
@@ -829,6 +840,7 @@ pub(super) fn usage_from_row(row: &PgRow, at: usize) -> Result<Usage, StoreError
         cached_input_tokens: n(2)?,
         cache_write_tokens: n(3)?,
         reasoning_tokens: n(4)?,
+        cache_write_1h_tokens: n(5)?,
     })
 }
 
@@ -839,10 +851,11 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         SUM(r.attached)::bigint, SUM(r.replayed)::bigint, SUM(r.saved)::bigint,
         SUM(u.input_tokens)::bigint, SUM(u.output_tokens)::bigint,
         SUM(u.cached_input_tokens)::bigint, SUM(u.cache_write_tokens)::bigint,
-        SUM(u.reasoning_tokens)::bigint,
+        SUM(u.reasoning_tokens)::bigint, SUM(u.cache_write_1h_tokens)::bigint,
         SUM(r.saved * a.input_tokens)::bigint, SUM(r.saved * a.output_tokens)::bigint,
         SUM(r.saved * a.cached_input_tokens)::bigint,
         SUM(r.saved * a.cache_write_tokens)::bigint, SUM(r.saved * a.reasoning_tokens)::bigint,
+        SUM(r.saved * a.cache_write_1h_tokens)::bigint,
         (r.created_at / $4::bigint) * $4::bigint AS bucket
     FROM (SELECT *, GREATEST(1 + attached + replayed - GREATEST(attempts, 1), 0) AS saved
           FROM requests) r
@@ -850,12 +863,13 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
                    SUM(output_tokens) AS output_tokens,
                    SUM(cached_input_tokens) AS cached_input_tokens,
                    SUM(cache_write_tokens) AS cache_write_tokens,
-                   SUM(reasoning_tokens) AS reasoning_tokens
+                   SUM(reasoning_tokens) AS reasoning_tokens,
+                   SUM(cache_write_1h_tokens) AS cache_write_1h_tokens
                FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
     LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
     WHERE ($1::text IS NULL OR r.namespace = $1) AND r.created_at >= $2 AND r.created_at < $3
-    GROUP BY 1, r.backend, r.model, 20
-    ORDER BY 20, 1, r.backend, r.model";
+    GROUP BY 1, r.backend, r.model, 22
+    ORDER BY 22, 1, r.backend, r.model";
 
 /// `claim_kind` of request `id` as stored.
 pub(super) fn claim_of(id: Uuid, s: &str) -> Result<ClaimKind, StoreError> {

@@ -553,6 +553,7 @@ async fn finish_many(
         .bind(rules::end_data(Status::Succeeded, None))
         .bind(&origin)
         .bind(i64::try_from(IDS_PER_NOTIFY).unwrap_or(i64::MAX))
+        .bind(&a.tokens[5])
         .fetch_all(&mut *conn)
         .await;
     let Ok(rows) = rows else { return false };
@@ -582,7 +583,7 @@ struct FinishArrays {
     bodies: Vec<Vec<u8>>,
     upstream_request_ids: Vec<Option<String>>,
     nows: Vec<i64>,
-    tokens: [Vec<Option<i64>>; 5],
+    tokens: [Vec<Option<i64>>; 6],
     reported: Vec<bool>,
     attempts: Vec<i32>,
     response_ids: Vec<Option<String>>,

@@ -489,7 +489,7 @@ impl Store for SqliteStore {
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT attempt, input_tokens, output_tokens, cached_input_tokens,
-                     cache_write_tokens, reasoning_tokens
+                     cache_write_tokens, reasoning_tokens, cache_write_1h_tokens
                  FROM attempt_usage WHERE request_id = ?1 ORDER BY attempt",
             )?;
             let mut rows = stmt.query(params![id.to_string()])?;
@@ -572,8 +572,8 @@ impl Store for SqliteStore {
                     replayed: count(7)?,
                     saved_calls: count(8)?,
                     usage: usage_from_row(row, 9)?,
-                    saved: usage_from_row(row, 14)?,
-                    bucket: row.get(19)?,
+                    saved: usage_from_row(row, 15)?,
+                    bucket: row.get(21)?,
                 });
             }
             Ok(out)

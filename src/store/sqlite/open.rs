@@ -54,6 +54,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         9,
         include_str!("../../../migrations/sqlite/0009_replay_of.sql"),
     ),
+    (
+        10,
+        include_str!("../../../migrations/sqlite/0010_cache_write_1h.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).

@@ -288,7 +288,7 @@ const FINISH_SUCCEEDED_SQL: &str = concat!(
          error_message = NULL, error_status = NULL, lease_owner = NULL,
          lease_expires_at = NULL, finished_at = ?4, updated_at = ?4,
          last_seq = last_seq + 1, ",
-    usage_assignments!("?7", "?8", "?9", "?10", "?11"),
+    usage_assignments!("?7", "?8", "?9", "?10", "?11", "?12"),
     " WHERE id = ?5 AND lease_owner = ?6 AND status = 'running'"
 );
 const FINISH_RETRY_SQL: &str = "UPDATE requests SET status = 'pending', next_retry_at = ?1,
@@ -300,7 +300,7 @@ const FINISH_FAILED_SQL: &str = concat!(
          error_status = ?3, response_status = ?4, response_body = ?5,
          upstream_request_id = ?6, lease_owner = NULL, lease_expires_at = NULL,
          finished_at = ?7, updated_at = ?7, last_seq = last_seq + 1, ",
-    usage_assignments!("?10", "?11", "?12", "?13", "?14"),
+    usage_assignments!("?10", "?11", "?12", "?13", "?14", "?15"),
     " WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'"
 );
 
@@ -337,7 +337,8 @@ pub(super) fn finish_in(
                 u[1],
                 u[2],
                 u[3],
-                u[4]
+                u[4],
+                u[5]
             ])?
         }
         Outcome::Retry {
@@ -373,7 +374,8 @@ pub(super) fn finish_in(
                 u[1],
                 u[2],
                 u[3],
-                u[4]
+                u[4],
+                u[5]
             ])?
         }
     };
@@ -539,13 +541,15 @@ fn insert_response_id(
 }
 
 const UPSERT_USAGE_SQL: &str = "INSERT INTO attempt_usage (request_id, attempt, input_tokens,
-         output_tokens, cached_input_tokens, cache_write_tokens, reasoning_tokens)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+         output_tokens, cached_input_tokens, cache_write_tokens, reasoning_tokens,
+         cache_write_1h_tokens)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
      ON CONFLICT (request_id, attempt) DO UPDATE SET
          input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
          cached_input_tokens = excluded.cached_input_tokens,
          cache_write_tokens = excluded.cache_write_tokens,
-         reasoning_tokens = excluded.reasoning_tokens";
+         reasoning_tokens = excluded.reasoning_tokens,
+         cache_write_1h_tokens = excluded.cache_write_1h_tokens";
 
 /// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
 /// (usage is reported cumulatively).
@@ -563,12 +567,14 @@ fn upsert_usage(
         u[1],
         u[2],
         u[3],
-        u[4]
+        u[4],
+        u[5]
     ])?;
     Ok(())
 }
 
-/// A usage row's five token columns from `at` on.
+/// A usage row's six token columns from `at` on (input, output, cached input, cache write,
+/// reasoning, one-hour cache write).
 pub(super) fn usage_from_row(row: &Row<'_>, at: usize) -> Result<Usage, StoreError> {
     let n = |i: usize| -> Result<Option<u64>, StoreError> {
         Ok(row
@@ -581,6 +587,7 @@ pub(super) fn usage_from_row(row: &Row<'_>, at: usize) -> Result<Usage, StoreErr
         cached_input_tokens: n(2)?,
         cache_write_tokens: n(3)?,
         reasoning_tokens: n(4)?,
+        cache_write_1h_tokens: n(5)?,
     })
 }
 
@@ -593,17 +600,19 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         COUNT(*), SUM(r.attempts), SUM(1 + r.attached + r.replayed), SUM(r.attached),
         SUM(r.replayed), SUM(r.saved),
         SUM(u.input_tokens), SUM(u.output_tokens), SUM(u.cached_input_tokens),
-        SUM(u.cache_write_tokens), SUM(u.reasoning_tokens),
+        SUM(u.cache_write_tokens), SUM(u.reasoning_tokens), SUM(u.cache_write_1h_tokens),
         SUM(r.saved * a.input_tokens), SUM(r.saved * a.output_tokens),
         SUM(r.saved * a.cached_input_tokens), SUM(r.saved * a.cache_write_tokens),
-        SUM(r.saved * a.reasoning_tokens), (r.created_at / ?4) * ?4 AS bucket
+        SUM(r.saved * a.reasoning_tokens), SUM(r.saved * a.cache_write_1h_tokens),
+        (r.created_at / ?4) * ?4 AS bucket
     FROM (SELECT *, MAX(1 + attached + replayed - MAX(attempts, 1), 0) AS saved
           FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
                    SUM(output_tokens) AS output_tokens,
                    SUM(cached_input_tokens) AS cached_input_tokens,
                    SUM(cache_write_tokens) AS cache_write_tokens,
-                   SUM(reasoning_tokens) AS reasoning_tokens
+                   SUM(reasoning_tokens) AS reasoning_tokens,
+                   SUM(cache_write_1h_tokens) AS cache_write_1h_tokens
                FROM attempt_usage GROUP BY request_id) u ON u.request_id = r.id
     LEFT JOIN attempt_usage a ON a.request_id = r.id AND a.attempt = r.attempts
     WHERE (?1 IS NULL OR r.namespace = ?1) AND r.created_at >= ?2 AND r.created_at < ?3

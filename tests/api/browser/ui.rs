@@ -177,6 +177,7 @@ async fn ui_lists_filters_follows_a_running_stream_live_and_its_totals_equal_usa
                 output_per_mtok: 0.60,
                 cached_input_per_mtok: None,
                 cache_write_per_mtok: None,
+                cache_write_1h_per_mtok: None,
             }];
         },
     )
@@ -1060,6 +1061,7 @@ async fn ui_draws_usage_charts_per_bucket_and_a_records_replays_with_no_request_
             output_per_mtok: 0.6,
             cached_input_per_mtok: None,
             cache_write_per_mtok: None,
+            cache_write_1h_per_mtok: None,
         }];
     })
     .await;
