@@ -1448,6 +1448,7 @@ mod tests {
             output_per_mtok: 1.0,
             cached_input_per_mtok: None,
             cache_write_per_mtok: None,
+            cache_write_1h_per_mtok: None,
         }];
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("prices[0].model"), "{err}");
