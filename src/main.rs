@@ -595,6 +595,12 @@ async fn version(file: Option<&std::path::Path>) -> Result<(), Stop> {
         },
         Err(e) => println!("database {url}: cannot be read: {e}"),
     }
+    // The checks `serve` makes before it starts, so that an upgrade can run the new binary's
+    // `--version` against the configuration before stopping the old one (decision 104).
+    match config.validate() {
+        Ok(()) => println!("configuration: valid for serve"),
+        Err(e) => println!("configuration: serve would refuse it: {e}"),
+    }
     Ok(())
 }
 

@@ -576,6 +576,46 @@ async fn version_prints_the_schema_version_of_the_database_it_would_open() {
     );
 }
 
+/// `--version` makes the checks `serve` makes and says what `serve` would refuse, so an upgrade
+/// can try the new binary against the configuration before the old one stops (CLI-1, decision
+/// 104); it still exits 0 and creates nothing.
+#[tokio::test]
+async fn version_says_whether_serve_would_refuse_the_configuration_cli1() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend =
+        "[[backends]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:9/v1\"\n";
+    std::fs::write(dir.path().join("ok.toml"), backend).unwrap();
+    std::fs::write(
+        dir.path().join("refused.toml"),
+        format!("cors_allow_origins = [\"https://app.example/\"]\n{backend}"),
+    )
+    .unwrap();
+    let (code, stdout, _) = run_holdfast(dir.path(), &["--version", "--config", "ok.toml"], &[]);
+    assert_eq!(code, 0);
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l == "configuration: valid for serve"),
+        "{stdout}"
+    );
+    let (code, stdout, _) =
+        run_holdfast(dir.path(), &["--version", "--config", "refused.toml"], &[]);
+    assert_eq!(code, 0, "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("configuration: "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        line.starts_with("configuration: serve would refuse it: ")
+            && line.contains("cors_allow_origins"),
+        "{stdout}"
+    );
+    assert!(
+        !dir.path().join("holdfast.db").exists(),
+        "--version creates nothing"
+    );
+}
+
 /// A backend that refuses every call: one `warn` line per attempt and one line for the request,
 /// each naming the request id, the request's line with its deliveries (a second submission
 /// attached while it ran); plain text in a file; `log_format = "json"` one JSON object per
