@@ -1238,17 +1238,18 @@ fn cut_short(route: Route, answer: &Value) -> Option<Skip> {
         _ => return None,
     };
     let reason = reason.as_str()?;
-    let cut = matches!(
-        reason,
-        // OpenAI chat.
-        "length" | "content_filter"
-        // Anthropic.
-        | "max_tokens" | "refusal" | "model_context_window_exceeded"
-        // Gemini: every reason but STOP stops the answer before its end.
-        | "MAX_TOKENS" | "SAFETY" | "RECITATION" | "LANGUAGE" | "BLOCKLIST"
-        | "PROHIBITED_CONTENT" | "SPII" | "MALFORMED_FUNCTION_CALL" | "IMAGE_SAFETY"
-        | "UNEXPECTED_TOOL_CALL" | "TOO_MANY_TOOL_CALLS" | "OTHER"
-    );
+    let cut = match route.provider() {
+        // Gemini: every reason but STOP stops the answer before its end (`MAX_TOKENS`, `SAFETY`,
+        // `RECITATION`, `MALFORMED_RESPONSE`, ...; Google adds new ones).
+        super::Provider::Gemini => reason != "STOP",
+        _ => matches!(
+            reason,
+            // OpenAI chat.
+            "length" | "content_filter"
+            // Anthropic.
+            | "max_tokens" | "refusal" | "model_context_window_exceeded"
+        ),
+    };
     cut.then(|| format!("an answer cut short ({field} {reason})"))
 }
 
@@ -1653,6 +1654,19 @@ mod tests {
                 &gemini,
                 gemini_answer("SAFETY"),
                 "finishReason SAFETY",
+            ),
+            // Any reason but STOP, those Google added after this list was written too.
+            (
+                Route::GeminiV1Generate,
+                &gemini,
+                gemini_answer("MALFORMED_RESPONSE"),
+                "finishReason MALFORMED_RESPONSE",
+            ),
+            (
+                Route::GeminiGenerate,
+                &gemini,
+                gemini_answer("FINISH_REASON_UNSPECIFIED"),
+                "finishReason FINISH_REASON_UNSPECIFIED",
             ),
             (
                 Route::OpenaiResponses,
