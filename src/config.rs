@@ -1081,17 +1081,19 @@ impl Config {
     /// `cors_allow_origins`: `*`, or origins as a browser sends them in `Origin` (HTTP-3,
     /// decision 16): the list is matched byte for byte, so `https://app.example/` (a path),
     /// `app.example` (no scheme) or `https://App.example:443` would never match a page and
-    /// silently leave CORS off for it.
+    /// silently leave CORS off for it. `null` (what a `file:` page or a sandboxed frame sends)
+    /// and the origins of pages served under a scheme of their own (a browser extension's
+    /// `chrome-extension://ID`, an app shell's `tauri://localhost`) are origins a browser
+    /// sends too (decision 104).
     fn check_cors(&self) -> Result<(), ConfigError> {
         for (i, origin) in self.cors_allow_origins.iter().enumerate() {
-            if origin == "*" {
+            if origin == "*" || origin == "null" {
                 continue;
             }
             let key = format!("cors_allow_origins[{i}]");
             let serialized = url::Url::parse(origin)
                 .ok()
-                .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
-                .map(|u| u.origin().ascii_serialization());
+                .and_then(|u| browser_origin(&u));
             match serialized {
                 Some(o) if o == *origin => {}
                 Some(o) => {
@@ -1136,6 +1138,28 @@ impl Config {
     /// The backend named `name`.
     pub(crate) fn backend(&self, name: &str) -> Option<&Backend> {
         self.backends.iter().find(|b| b.name == name)
+    }
+}
+
+/// The `Origin` a browser sends for a page at `url`: `scheme://host`, then `:port` when it is
+/// not the scheme's default; `None` for no page's origin (no host; `ftp:`, `ws:`, `wss:`,
+/// `file:`). An `http:` or `https:` one as the URL standard serializes it (the host in lower
+/// case, punycode); one of another scheme (`chrome-extension://ID`, `moz-extension://UUID`,
+/// `tauri://localhost`, `capacitor://localhost`) as written, which is how the browser sends it.
+fn browser_origin(url: &url::Url) -> Option<String> {
+    match url.scheme() {
+        "http" | "https" => url
+            .host()
+            .is_some()
+            .then(|| url.origin().ascii_serialization()),
+        "ftp" | "ws" | "wss" | "file" => None,
+        scheme => {
+            let host = url.host_str().filter(|h| !h.is_empty())?;
+            Some(match url.port() {
+                Some(port) => format!("{scheme}://{host}:{port}"),
+                None => format!("{scheme}://{host}"),
+            })
+        }
     }
 }
 
@@ -1414,6 +1438,40 @@ mod tests {
             c.cors_allow_origins = vec!["*".into(), written.into()];
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains("cors_allow_origins[1]"), "{written}: {err}");
+            assert!(err.contains(hint), "{written}: {err}");
+        }
+    }
+
+    /// HTTP-3, decision 104: `null` (a `file:` page, a sandboxed frame) and the origins of pages
+    /// under a scheme of their own (a browser extension, an app shell such as Tauri or
+    /// Capacitor) are origins browsers send, which a configuration could allow before the start
+    /// checked the form of origins: they still start, written as the browser sends them.
+    #[test]
+    fn the_origins_of_extensions_app_shells_and_file_pages_are_still_allowed_http3() {
+        let mut c = with_backend();
+        for fine in [
+            "null",
+            "chrome-extension://abcdefghijklmnopabcdefghijklmnop",
+            "moz-extension://0b7b7a1e-3f52-4e53-9f0e-1c2d3e4f5a6b",
+            "tauri://localhost",
+            "capacitor://localhost",
+            "app://holdfast-client:5173",
+        ] {
+            c.cors_allow_origins = vec![fine.into()];
+            c.validate().unwrap_or_else(|e| panic!("{fine}: {e}"));
+        }
+        for (written, hint) in [
+            (
+                "chrome-extension://abcdefgh/",
+                "\"chrome-extension://abcdefgh\"",
+            ),
+            ("Tauri://localhost", "\"tauri://localhost\""),
+            ("wss://app.example", "e.g. \"https://app.example\""),
+            ("file:///home/me/page.html", "e.g. \"https://app.example\""),
+        ] {
+            c.cors_allow_origins = vec![written.into()];
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("cors_allow_origins[0]"), "{written}: {err}");
             assert!(err.contains(hint), "{written}: {err}");
         }
     }
