@@ -85,6 +85,10 @@ pub(super) struct StreamRead {
     leading: Vec<NewChunk>,
 }
 
+/// Most keep-alive events held before a stream's first other event (decision 97): past it they
+/// are stored, and an error after them is the stream's own, no longer transient.
+const MAX_LEADING_KEEPALIVES: usize = 64;
+
 impl StreamRead {
     /// The state of a 2xx answer to a stream request, before its body is read. `last_seq` is
     /// the request's last seq when the lease was taken.
@@ -213,8 +217,14 @@ impl StreamRead {
             // The provider failed before anything was stored: as transient as a 5xx.
             return Step::Transient(format!("the provider sent an error event: {error}"));
         }
-        if only_keepalives && self.stored == 0 && self.held.is_none() {
-            // Nothing but keep-alives yet: they wait for the next event (decision 97).
+        if only_keepalives
+            && self.stored == 0
+            && self.held.is_none()
+            && chunks.len() <= MAX_LEADING_KEEPALIVES
+        {
+            // Nothing but keep-alives yet: they wait for the next event (decision 97), up to a
+            // bound, past which they are stored as they come so that a provider that only pings
+            // cannot grow the attempt's memory.
             self.leading = chunks;
             return Step::Read;
         }
@@ -766,6 +776,13 @@ mod tests {
         assert!(then.is_none());
         let names: Vec<_> = batch.chunks.iter().map(|c| c.event.as_deref()).collect();
         assert_eq!(names, [Some("ping"), Some("message_start")]);
+        // Held keep-alives are bounded: past the bound they are stored, as before decision 97.
+        let mut read = messages();
+        for _ in 0..MAX_LEADING_KEEPALIVES {
+            assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
+        }
+        let (batch, _) = store(&mut read, PING);
+        assert_eq!(batch.chunks.len(), MAX_LEADING_KEEPALIVES + 1);
         // A body of pings alone answered nothing: kept on the record, not retried (LC-11).
         let mut read = messages();
         assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
