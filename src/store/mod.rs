@@ -1227,7 +1227,8 @@ pub async fn open(config: &crate::config::Config) -> Result<DynStore, StoreError
 /// knows, read without creating or migrating anything (`holdfast --version`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchemaVersion {
-    /// The database's: `None` when it does not exist yet (SQLite), 0 when never migrated.
+    /// The database's: `None` when holdfast has not created its schema there yet (a SQLite
+    /// file that does not exist, a PostgreSQL database never migrated).
     pub database: Option<i64>,
     /// This binary's newest migration.
     pub binary: i64,
@@ -1245,7 +1246,7 @@ pub async fn schema_version(url: &str) -> Result<SchemaVersion, StoreError> {
         })
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         Ok(SchemaVersion {
-            database: Some(postgres::schema_version(url).await?),
+            database: migrated(postgres::schema_version(url).await?),
             binary: postgres::latest_schema(),
         })
     } else {
@@ -1254,6 +1255,12 @@ pub async fn schema_version(url: &str) -> Result<SchemaVersion, StoreError> {
             redact_url(url)
         )))
     }
+}
+
+/// A PostgreSQL schema version as [`SchemaVersion::database`]: 0, a database holdfast never
+/// migrated, is one it has not created yet, as a missing SQLite file is.
+fn migrated(version: i64) -> Option<i64> {
+    (version > 0).then_some(version)
 }
 
 /// A database URL with any password replaced by `***`, for messages and logs (IN-3): the one in
@@ -1295,7 +1302,15 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{RequestRecord, Status, redact_url};
+    use super::{RequestRecord, Status, migrated, redact_url};
+
+    /// CLI-1: `--version` says a PostgreSQL database holdfast never migrated is not created
+    /// yet, as it says of a SQLite file that does not exist, not "schema version 0".
+    #[test]
+    fn a_postgres_database_never_migrated_reads_as_not_created_yet_cli1() {
+        assert_eq!(migrated(0), None);
+        assert_eq!(migrated(8), Some(8));
+    }
 
     /// RD-9, decision 74: attachments counted after their request finished save what they add
     /// beyond the attempts, never what the attempts spent.
