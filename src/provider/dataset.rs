@@ -1246,8 +1246,9 @@ fn cut_short(route: Route, answer: &Value) -> Option<Skip> {
             reason,
             // OpenAI chat.
             "length" | "content_filter"
-            // Anthropic.
-            | "max_tokens" | "refusal" | "model_context_window_exceeded"
+            // Anthropic; `pause_turn` is a turn its server paused mid-way (a long server
+            // tool run), which the client continues by sending it back (decision 105).
+            | "max_tokens" | "refusal" | "model_context_window_exceeded" | "pause_turn"
         ),
     };
     cut.then(|| format!("an answer cut short ({field} {reason})"))
@@ -1642,6 +1643,12 @@ mod tests {
                 &anthropic,
                 anthropic_answer("refusal"),
                 "stop_reason refusal",
+            ),
+            (
+                Route::AnthropicMessages,
+                &anthropic,
+                anthropic_answer("pause_turn"),
+                "stop_reason pause_turn",
             ),
             (
                 Route::GeminiGenerate,
