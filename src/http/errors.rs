@@ -76,7 +76,11 @@ impl ApiError {
                     shape,
                     StatusCode::SERVICE_UNAVAILABLE,
                     "store_unavailable",
-                    "holdfast could not reach its database; nothing was recorded, retry shortly",
+                    // Not "reach": SQLite is in the process; a full disk or an I/O error is
+                    // this too. Not "nothing was recorded": on PostgreSQL a recording past its
+                    // deadline may still commit, and the retry attaches to it (RS-10).
+                    "holdfast's database failed or did not answer in time; retry shortly (a \
+                     retry of the same call never runs it twice)",
                 );
                 err.should_retry = Some(true);
                 err.retry_after_ms = Some(1_000);

@@ -598,7 +598,7 @@ async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_
 /// RD-9, IN-2, decision 81: a provider reporting a token count no answer can have (near 2^63,
 /// a broken or hostile OpenAI-compatible server) gets it kept as not reported; what else it
 /// reported stays. Before, two such answers overflowed the ledger's 64-bit sums in the
-/// database and `GET /usage` answered 503 `store_unavailable` ("could not reach its database")
+/// database and `GET /usage` answered 503 `store_unavailable` ("holdfast's database failed or did not answer in time")
 /// from then on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_count_no_answer_can_have_is_not_reported_and_usage_still_answers_rd9_in2() {
