@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::callback::Deliverer;
 use crate::config::Config;
-use crate::http::{AppState, Shared, router};
+use crate::http::{AppState, Held, Shared, router};
 use crate::hub::{Hub, HubEvent};
 use crate::otel::{Otel, Traces};
 use crate::store::{self, DynStore, Notification};
@@ -70,6 +70,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
     let callbacks = tokio::spawn(deliverer.run(shutdown.child_token()));
 
     let cut = CancellationToken::new();
+    let held = Arc::new(Held::new(&config));
     let state = AppState::new(Shared {
         config,
         store,
@@ -77,7 +78,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         workers: pool,
         upstreams,
         models: Arc::default(),
-        held: Arc::default(),
+        held,
         cut: cut.clone(),
         traces: traces.clone(),
     });

@@ -60,6 +60,10 @@ pub struct Config {
     /// Proxied calls one node holds open at once; beyond it new calls are refused with 503,
     /// `x-should-retry: true` and `retry-after-ms` before anything is recorded (RS-8).
     pub max_held_requests: usize,
+    /// Proxied calls one node holds open at once for any one namespace, unless the namespace
+    /// sets its own `max_held_requests` (RS-13). Default none: only `max_held_requests` bounds
+    /// a namespace.
+    pub max_held_requests_per_namespace: Option<usize>,
     /// On SIGTERM/SIGINT, how long in-flight attempts may run on before they are handed back
     /// to `pending`, in milliseconds (DU-5).
     pub shutdown_grace_ms: u64,
@@ -373,6 +377,10 @@ pub struct Namespace {
     /// include_body`.
     #[serde(default)]
     pub callback_include_body: Option<bool>,
+    /// Proxied calls of this namespace one node holds open at once, instead of
+    /// `max_held_requests_per_namespace` (RS-13).
+    #[serde(default)]
+    pub max_held_requests: Option<usize>,
 }
 
 impl Default for Config {
@@ -391,6 +399,7 @@ impl Default for Config {
             sse_keepalive_ms: 15_000,
             shutdown_grace_ms: 30_000,
             max_held_requests: 10_000,
+            max_held_requests_per_namespace: None,
             cors_allow_origins: Vec::new(),
             log_format: LogFormat::Text,
             workers: Workers::default(),
@@ -763,6 +772,16 @@ impl Config {
         }
     }
 
+    /// The most proxied calls of `namespace` one node holds open at once (RS-13): its own
+    /// `max_held_requests`, else `max_held_requests_per_namespace`; `None` when neither is set.
+    pub(crate) fn held_cap_of(&self, namespace: &str) -> Option<usize> {
+        self.namespaces
+            .iter()
+            .find(|n| n.name == namespace)
+            .and_then(|n| n.max_held_requests)
+            .or(self.max_held_requests_per_namespace)
+    }
+
     /// The callback settings of `namespace` (CB-1, CB-3).
     pub(crate) fn callbacks_of(&self, namespace: &str) -> NamespaceCallbacks<'_> {
         let own = self.namespaces.iter().find(|n| n.name == namespace);
@@ -1015,6 +1034,18 @@ impl Config {
                     "needs at least one non-empty key, e.g. api_keys = [\"hf-team-a-key\"]",
                 ));
             }
+            if n.max_held_requests == Some(0) {
+                return Err(invalid(
+                    format!("namespaces[{i}].max_held_requests"),
+                    "must be greater than 0 (leave it out for no cap of its own)",
+                ));
+            }
+        }
+        if self.max_held_requests_per_namespace == Some(0) {
+            return Err(invalid(
+                "max_held_requests_per_namespace",
+                "must be greater than 0 (leave it out for no cap per namespace)",
+            ));
         }
         // A key in both lists would spend as the namespace and read every namespace's log
         // (decision 28: admin keys read, they do not call).
@@ -1531,6 +1562,7 @@ mod tests {
             callback_url: None,
             callback_secrets: Vec::new(),
             callback_include_body: None,
+            max_held_requests: None,
         });
         c.admin_api_keys = vec!["hf-admin-key".into()];
         c.validate().expect("distinct keys are fine");
@@ -1588,6 +1620,7 @@ mod tests {
                 callback_url: Some("https://a.example/".into()),
                 callback_secrets: vec!["whsec_BBBB".into()],
                 callback_include_body: Some(true),
+                max_held_requests: None,
             },
             Namespace {
                 name: "b".into(),
@@ -1595,6 +1628,7 @@ mod tests {
                 callback_url: None,
                 callback_secrets: Vec::new(),
                 callback_include_body: None,
+                max_held_requests: None,
             },
         ];
         c.validate().expect("valid");
@@ -1618,6 +1652,34 @@ mod tests {
         );
         assert_eq!(webhook_key("whsec_AAAA"), Some(vec![0, 0, 0]));
         assert_eq!(webhook_key("AAAA"), None);
+    }
+
+    #[test]
+    fn a_namespace_cap_of_held_calls_is_its_own_else_the_node_wide_one_and_never_0_rs13() {
+        let namespace = |name: &str, cap: Option<usize>| Namespace {
+            name: name.into(),
+            api_keys: vec![format!("k{name}")],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
+            max_held_requests: cap,
+        };
+        let mut c = with_backend();
+        c.namespaces = vec![namespace("a", Some(5)), namespace("b", None)];
+        c.validate().expect("valid");
+        assert_eq!((c.held_cap_of("a"), c.held_cap_of("b")), (Some(5), None));
+        c.max_held_requests_per_namespace = Some(2);
+        assert_eq!((c.held_cap_of("a"), c.held_cap_of("b")), (Some(5), Some(2)));
+        let mut alone = with_backend();
+        alone.max_held_requests_per_namespace = Some(3);
+        assert_eq!(alone.held_cap_of("default"), Some(3), "no [[namespaces]]");
+
+        c.namespaces[1].max_held_requests = Some(0);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("namespaces[1].max_held_requests"), "{err}");
+        alone.max_held_requests_per_namespace = Some(0);
+        let err = alone.validate().unwrap_err().to_string();
+        assert!(err.contains("max_held_requests_per_namespace"), "{err}");
     }
 
     #[test]

@@ -35,6 +35,7 @@ use crate::store::DynStore;
 use crate::upstream::Upstreams;
 use crate::worker::WorkerPool;
 use errors::ApiError;
+pub(crate) use proxy::Held;
 
 /// Shared state of every handler: a handle, cloned for every call (axum's `State`), so it is
 /// one shared allocation and a clone is one reference count rather than one per field (issue
@@ -70,8 +71,9 @@ pub(crate) struct Shared {
     pub upstreams: Arc<Upstreams>,
     /// Each backend's model list, fetched briefly ago (`GET /v1/models`).
     pub models: Arc<passthrough::ModelsCache>,
-    /// Proxied calls this node is holding open right now (RS-8 overload limit).
-    pub held: Arc<std::sync::atomic::AtomicUsize>,
+    /// Proxied calls this node is holding open right now, in all and per capped namespace
+    /// (RS-8, RS-13 overload limits).
+    pub held: Arc<Held>,
     /// Cancelled by `app::Running::shutdown` about 2 s after the workers stop (DU-5):
     /// every event stream and held call of this node ends then. Without it they would outlive
     /// the shutdown, since each connection runs in a task of its own.

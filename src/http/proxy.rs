@@ -6,6 +6,7 @@
 //! connection is held until the request settles (RS-1), or answered at once with 202 when the
 //! client prefers (RS-9).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -184,7 +185,7 @@ async fn admit(
     let shape = route.provider();
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
-    let held = HeldSlot::take(state, shape)?;
+    let held = HeldSlot::take(state, &namespace, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
     let (mut new, claim) =
         new_request(&state.config, route, path_model, headers, &namespace, &body)?;
@@ -523,34 +524,110 @@ struct Answering {
     server: Option<ServerSpan>,
 }
 
-/// One of the `max_held_requests` slots, released on drop (RS-8).
-struct HeldSlot(Arc<AtomicUsize>);
+/// The proxied calls this node holds open (RS-8): in all, and per namespace for each one with
+/// a cap (RS-13). Namespaces are fixed by the configuration, so the counters are made once.
+pub(crate) struct Held {
+    /// Every held call of this node, against `max_held_requests`.
+    node: AtomicUsize,
+    /// The held calls of each namespace that has a cap, and that cap.
+    namespaces: HashMap<String, Arc<NamespaceHeld>>,
+}
+
+/// One namespace's held calls and its cap (RS-13).
+struct NamespaceHeld {
+    calls: AtomicUsize,
+    cap: usize,
+}
+
+impl Held {
+    /// Counters for `config`'s namespaces (`default` when it has none, CLI-5).
+    pub(crate) fn new(config: &Config) -> Held {
+        let names: Vec<&str> = if config.namespaces.is_empty() {
+            vec!["default"]
+        } else {
+            config.namespaces.iter().map(|n| n.name.as_str()).collect()
+        };
+        let namespaces = names
+            .into_iter()
+            .filter_map(|name| {
+                let cap = config.held_cap_of(name)?;
+                let calls = AtomicUsize::new(0);
+                Some((name.to_string(), Arc::new(NamespaceHeld { calls, cap })))
+            })
+            .collect();
+        Held {
+            node: AtomicUsize::new(0),
+            namespaces,
+        }
+    }
+}
+
+/// One of the node's `max_held_requests` slots, and of its namespace's cap when it has one,
+/// released on drop (RS-8, RS-13).
+struct HeldSlot {
+    held: Arc<Held>,
+    namespace: Option<Arc<NamespaceHeld>>,
+}
 
 impl HeldSlot {
-    /// Takes a slot, or refuses with 503 `overloaded`, `x-should-retry: true` and
-    /// `retry-after-ms` (at most 60 000, RS-8) before anything is recorded (ID-8).
-    fn take(state: &AppState, shape: Provider) -> Result<HeldSlot, ApiError> {
+    /// Takes a slot of `namespace` and one of the node, or refuses with 503 `overloaded`,
+    /// `x-should-retry: true` and `retry-after-ms` (at most 60 000, RS-8) before anything is
+    /// recorded (ID-8). The namespace's comes first, so a namespace over its cap never takes,
+    /// even for a moment, a slot of the node another namespace's call needs (RS-13).
+    fn take(state: &AppState, namespace: &str, shape: Provider) -> Result<HeldSlot, ApiError> {
         let held = Arc::clone(&state.held);
-        if held.fetch_add(1, Ordering::SeqCst) >= state.config.max_held_requests {
-            held.fetch_sub(1, Ordering::SeqCst);
-            let mut e = ApiError::new(
+        let own = held.namespaces.get(namespace).cloned();
+        if let Some(own) = &own
+            && own.calls.fetch_add(1, Ordering::SeqCst) >= own.cap
+        {
+            own.calls.fetch_sub(1, Ordering::SeqCst);
+            return Err(overloaded(
                 shape,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded",
-                "holdfast is holding as many calls as it is configured to; nothing was recorded, retry shortly",
-            );
-            e.should_retry = Some(true);
-            e.retry_after_ms = Some(OVERLOAD_RETRY_AFTER_MS);
-            return Err(e);
+                format!(
+                    "this namespace holds as many calls on this holdfast node as it may ({}); \
+                     nothing was recorded, retry shortly",
+                    own.cap
+                ),
+            ));
         }
-        Ok(HeldSlot(held))
+        if held.node.fetch_add(1, Ordering::SeqCst) >= state.config.max_held_requests {
+            held.node.fetch_sub(1, Ordering::SeqCst);
+            if let Some(own) = &own {
+                own.calls.fetch_sub(1, Ordering::SeqCst);
+            }
+            return Err(overloaded(
+                shape,
+                "holdfast is holding as many calls as it is configured to; nothing was \
+                 recorded, retry shortly",
+            ));
+        }
+        Ok(HeldSlot {
+            held,
+            namespace: own,
+        })
     }
 }
 
 impl Drop for HeldSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.held.node.fetch_sub(1, Ordering::SeqCst);
+        if let Some(own) = &self.namespace {
+            own.calls.fetch_sub(1, Ordering::SeqCst);
+        }
     }
+}
+
+/// RS-8's refusal: 503 `overloaded`, retryable after [`OVERLOAD_RETRY_AFTER_MS`].
+fn overloaded(shape: Provider, message: impl Into<String>) -> ApiError {
+    let mut e = ApiError::new(
+        shape,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "overloaded",
+        message,
+    );
+    e.should_retry = Some(true);
+    e.retry_after_ms = Some(OVERLOAD_RETRY_AFTER_MS);
+    e
 }
 
 /// `retry-after-ms` on an overload refusal.

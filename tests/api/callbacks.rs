@@ -563,6 +563,7 @@ async fn a_namespace_chooses_its_bodies_secrets_and_default_url_cb1_cb3() {
                 callback_url: None,
                 callback_secrets: vec![NEW_SECRET.into()],
                 callback_include_body: Some(true),
+                max_held_requests: None,
             },
             holdfast::config::Namespace {
                 name: "b".into(),
@@ -570,6 +571,7 @@ async fn a_namespace_chooses_its_bodies_secrets_and_default_url_cb1_cb3() {
                 callback_url: Some(url),
                 callback_secrets: Vec::new(),
                 callback_include_body: None,
+                max_held_requests: None,
             },
         ];
     })

@@ -159,6 +159,7 @@ fn config_keys() -> BTreeSet<String> {
             callback_url: None,
             callback_secrets: Vec::new(),
             callback_include_body: None,
+            max_held_requests: None,
         }],
         passthrough: vec![Passthrough {
             path: "/v1/moderations".into(),

@@ -579,6 +579,7 @@ pub fn two_namespaces(a: &str, b: &str) -> Vec<holdfast::config::Namespace> {
             callback_url: None,
             callback_secrets: Vec::new(),
             callback_include_body: None,
+            max_held_requests: None,
         })
         .collect()
 }

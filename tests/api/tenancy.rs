@@ -471,3 +471,116 @@ async fn list_is_newest_first_filtered_by_status_and_paged_by_cursor_rd7() {
     assert_eq!(r.status(), 400);
     app.stop().await;
 }
+
+/// RS-13, ID-8: a namespace holding its cap of calls on a node (`max_held_requests_per_namespace`)
+/// gets RS-8's retryable 503 `overloaded` in its route's provider shape, with nothing recorded
+/// and no provider call, while another namespace's calls are still admitted and answered.
+#[tokio::test]
+async fn a_namespace_at_its_cap_of_held_calls_is_refused_while_another_is_still_admitted_rs13_id8()
+{
+    // The first two provider calls hang: team-a's two holders keep their slots.
+    let app = spawn_app(
+        MockConfig {
+            hang_before_headers_ms: Some(60_000),
+            hang_first: 2,
+            ..MockConfig::default()
+        },
+        |c| {
+            two_tenants(c);
+            c.max_held_requests = 3;
+            c.max_held_requests_per_namespace = Some(2);
+        },
+    )
+    .await;
+    let holders: Vec<_> = (0..2)
+        .map(|i| {
+            let (http, base) = (app.http.clone(), app.base.clone());
+            tokio::spawn(async move {
+                let _ = http
+                    .post(format!("{base}/v1/chat/completions"))
+                    .header("content-type", "application/json")
+                    .header("authorization", "Bearer key-a")
+                    .body(chat_body(&format!("holder {i}")))
+                    .send()
+                    .await;
+            })
+        })
+        .collect();
+    wait_until(
+        Duration::from_secs(10),
+        "team-a's holders to reach the provider",
+        || app.mock.calls() == 2,
+    )
+    .await;
+
+    let refused = [
+        ("/v1/chat/completions", chat_body("a third")),
+        (
+            "/v1/messages",
+            r#"{"model":"claude-x","max_tokens":8,"messages":[{"role":"user","content":"a third"}]}"#
+                .to_string(),
+        ),
+    ];
+    for (path, body) in refused {
+        let r = app
+            .post(path, body, &[("authorization", "Bearer key-a")])
+            .await;
+        assert_eq!(r.status(), 503, "{path}");
+        assert_eq!(header(&r, "x-should-retry"), "true", "{path}");
+        let ms: u64 = header(&r, "retry-after-ms")
+            .parse()
+            .expect("retry-after-ms");
+        assert!(ms > 0 && ms <= 60_000, "{path}: {ms}");
+        assert_eq!(header(&r, "holdfast-error"), "overloaded", "{path}");
+        assert!(header(&r, "holdfast-request-id").is_empty(), "{path}");
+        let body: serde_json::Value = r.json().await.expect("JSON");
+        if path == "/v1/messages" {
+            assert_eq!(body["type"], "error", "Anthropic's shape: {body}");
+            assert_eq!(body["error"]["type"], "overloaded_error", "{body}");
+        } else {
+            assert_eq!(
+                body["error"]["code"], "overloaded",
+                "OpenAI's shape: {body}"
+            );
+        }
+    }
+
+    let b = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("team-b is still served"),
+            &[("authorization", "Bearer key-b")],
+        )
+        .await;
+    assert_eq!(b.status(), 200, "another namespace is admitted");
+    assert_eq!(
+        app.mock.calls(),
+        3,
+        "the refusals reached no provider; team-b's call did"
+    );
+    let listed = |key: &'static str| {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        async move {
+            let list: serde_json::Value = http
+                .get(format!("{base}/requests"))
+                .header("authorization", format!("Bearer {key}"))
+                .send()
+                .await
+                .expect("GET /requests")
+                .json()
+                .await
+                .expect("JSON");
+            list["data"].as_array().map_or(0, Vec::len)
+        }
+    };
+    assert_eq!(
+        listed("key-a").await,
+        2,
+        "nothing recorded for the refusals"
+    );
+    assert_eq!(listed("key-b").await, 1);
+    for holder in holders {
+        holder.abort();
+    }
+    app.stop().await;
+}

@@ -961,6 +961,7 @@ async fn content_is_captured_only_when_asked_cut_to_its_cap_and_keys_never_appea
             callback_url: None,
             callback_secrets: Vec::new(),
             callback_include_body: None,
+            max_held_requests: None,
         }];
     })
     .await;

@@ -604,6 +604,7 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
                     callback_url: None,
                     callback_secrets: Vec::new(),
                     callback_include_body: None,
+                    max_held_requests: None,
                 },
                 Namespace {
                     name: "team-b".into(),
@@ -611,6 +612,7 @@ async fn ui_with_one_namespaces_key_shows_nothing_of_another_and_without_a_key_o
                     callback_url: None,
                     callback_secrets: Vec::new(),
                     callback_include_body: None,
+                    max_held_requests: None,
                 },
             ];
         },
