@@ -6,7 +6,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{EventParts, Usage};
+use super::{EventParts, Json, Usage};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] = &["anthropic-beta", "anthropic-version"];
@@ -29,8 +29,8 @@ pub(super) fn is_keepalive_event(kind: Option<&str>) -> bool {
     kind == Some("ping")
 }
 
-/// A Messages answer holds `content`.
-pub(super) const RESULT_MEMBERS: &[&str] = &["content"];
+/// A Messages answer holds `content`, an array of content blocks.
+pub(super) const RESULT_MEMBERS: &[(&str, Json)] = &[("content", Json::Array)];
 
 /// Paths whose clients are Anthropic's SDKs.
 pub(super) fn owns_path(path: &str) -> bool {

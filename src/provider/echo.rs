@@ -12,7 +12,7 @@ use axum::http::HeaderMap;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{EventParts, Usage};
+use super::{EventParts, Json, Usage};
 
 /// Changes what the echo says, so it is forwarded and hashed (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] = &["echo-mood"];
@@ -27,7 +27,7 @@ pub(super) const REQUEST_ID_HEADER: &str = "echo-request-id";
 pub(super) const STREAM_END: &str = "said";
 
 /// An answer holds what was said.
-pub(super) const RESULT_MEMBERS: &[&str] = &["say"];
+pub(super) const RESULT_MEMBERS: &[(&str, Json)] = &[("say", Json::String)];
 
 /// The client path of its one route.
 pub(super) const SAY_PATH: &str = "/echo/say";

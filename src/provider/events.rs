@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde_json::value::RawValue;
 
-use super::{BodyParts, EventParts, Route, Usage};
+use super::{BodyParts, EventParts, Json, Route, Usage};
 
 /// What [`Route::inspect_event`] found in one provider event.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -201,14 +201,29 @@ impl Route {
             }
             found => found.is_some(),
         };
-        if !self.result_members().iter().any(answered) {
+        let results = self.result_members();
+        for &(name, json) in results {
+            // Nor one whose result member it reads as another type: a Messages `content`
+            // that is a string is no array of blocks (decision 107).
+            if let Some(value) = member(name)
+                && Json::of(value) != Some(json)
+            {
+                return Err(format!(
+                    "a JSON object whose `{name}` is {}, not the {} every answer of this route has",
+                    type_named(value),
+                    json.name()
+                ));
+            }
+        }
+        if !results.iter().map(|(name, _)| name).any(answered) {
             // No SDK can read an answer without its route's result member (decision 39).
             return Err(if member("error").is_some() {
                 "an error object instead of an answer".into()
             } else {
+                let names: Vec<&str> = results.iter().map(|(name, _)| *name).collect();
                 format!(
                     "a JSON object without {}, which every answer of this route has",
-                    named(self.result_members(), "or")
+                    named(&names, "or")
                 )
             });
         }
@@ -229,6 +244,17 @@ fn named(names: &[&str], word: &str) -> String {
         Some((last, [])) => last.clone(),
         Some((last, rest)) => format!("{} {word} {last}", rest.join(", ")),
         None => String::new(),
+    }
+}
+
+/// A JSON value's type with its article, for messages: "a string", "an array".
+fn type_named(value: &RawValue) -> &'static str {
+    match value.get().as_bytes().first() {
+        Some(b'[') => "an array",
+        Some(b'{') => "an object",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        _ => "a number",
     }
 }
 
@@ -611,6 +637,75 @@ mod tests {
         // A duplicated key takes the slower path and the same rule.
         assert!(answer_id(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
         assert_eq!(answer_id(chat, br#"{"choices":1,"choices":[]}"#), Ok(None));
+    }
+
+    /// The Messages API answers `content` as an array of content blocks, always (its SDKs'
+    /// `content: List[ContentBlock]`, which they index and iterate); a body whose `content` is
+    /// a string, as some gateways write it, was stored as succeeded and replayed, although no
+    /// SDK reads it as the message it claims to be. Every route's result member has one JSON
+    /// type, and an answer whose member has another is no answer: `upstream_invalid`, as a chat
+    /// answer without `choices` is.
+    #[test]
+    fn an_answer_whose_result_member_is_not_of_its_type_is_not_an_answer_lc11() {
+        let messages = Route::AnthropicMessages;
+        let message = |content: &str| {
+            format!(
+                r#"{{"id":"msg_1","type":"message","role":"assistant","content":{content},"model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{{"input_tokens":3,"output_tokens":2}}}}"#
+            )
+        };
+        for (content, kind) in [
+            (r#""Hello!""#, "a string"),
+            (r#"{"type":"text","text":"Hello!"}"#, "an object"),
+            ("42", "a number"),
+            ("true", "a boolean"),
+        ] {
+            let refused = messages
+                .check_answer(message(content).as_bytes())
+                .expect_err(content);
+            assert_eq!(
+                refused,
+                format!(
+                    "a JSON object whose `content` is {kind}, not the array every answer of this \
+                     route has"
+                ),
+                "{content}"
+            );
+        }
+        let (_, usage) = messages
+            .check_answer(message(r#"[{"type":"text","text":"Hello!"}]"#).as_bytes())
+            .expect("a message");
+        assert_eq!(usage.and_then(|u| u.output_tokens), Some(2));
+        // The same rule on every route.
+        for (route, body) in [
+            (
+                Route::OpenaiChat,
+                r#"{"id":"c","object":"chat.completion","choices":"Hello!"}"#,
+            ),
+            (Route::OpenaiChat, r#"{"choices":{"0":{"message":{}}}}"#),
+            (Route::OpenaiCompletions, r#"{"choices":"Hello!"}"#),
+            (
+                Route::OpenaiEmbeddings,
+                r#"{"object":"list","data":{"embedding":[]}}"#,
+            ),
+            (
+                Route::OpenaiResponses,
+                r#"{"object":"response","id":"r","output":"Hello!"}"#,
+            ),
+            (Route::GeminiGenerate, r#"{"candidates":{"content":{}}}"#),
+            (Route::GeminiGenerate, r#"{"promptFeedback":"SAFETY"}"#),
+            (
+                Route::GeminiGenerate,
+                r#"{"candidates":[],"usageMetadata":[3]}"#,
+            ),
+        ] {
+            assert!(route.check_answer(body.as_bytes()).is_err(), "{body}");
+        }
+        // `null` is absent, as before: another member may answer.
+        assert!(
+            Route::GeminiGenerate
+                .check_answer(br#"{"candidates":null,"promptFeedback":{"blockReason":"OTHER"}}"#)
+                .is_ok()
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{EventParts, Route, Usage};
+use super::{EventParts, Json, Route, Usage};
 
 /// None: no client header changes what the Gemini API answers to a key-authenticated call
 /// (GM-2, decision 57). `x-goog-api-client` is the SDK's telemetry and `X-Server-Timeout` the
@@ -31,7 +31,11 @@ pub(super) const KEY_HEADER: &str = "x-goog-api-key";
 /// blocked before any candidate was generated, or `usageMetadata` alone for an answer in which
 /// the model generated nothing: Google leaves empty members out, and Gemini 2.5 answers some
 /// prompts with no candidate and no feedback, only the usage it bills (GM-3, decision 90).
-pub(super) const RESULT_MEMBERS: &[&str] = &["candidates", "promptFeedback", "usageMetadata"];
+pub(super) const RESULT_MEMBERS: &[(&str, Json)] = &[
+    ("candidates", Json::Array),
+    ("promptFeedback", Json::Object),
+    ("usageMetadata", Json::Object),
+];
 
 /// The members a stream chunk carries: a chunk with none of them is not this route's (GM-3).
 pub(super) const STREAM_EVENT_MEMBERS: &[&str] = &["candidates", "promptFeedback", "usageMetadata"];

@@ -360,6 +360,36 @@ impl Provider {
     }
 }
 
+/// The JSON type of an answer's result member ([`Route::result_members`]): what every answer
+/// of the route has there, and what its SDKs read it as (LC-11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Json {
+    Array,
+    Object,
+    String,
+}
+
+impl Json {
+    /// The type of a JSON value, by its first byte (a [`RawValue`] starts at its value).
+    pub(crate) fn of(value: &RawValue) -> Option<Json> {
+        match value.get().as_bytes().first() {
+            Some(b'[') => Some(Json::Array),
+            Some(b'{') => Some(Json::Object),
+            Some(b'"') => Some(Json::String),
+            _ => None,
+        }
+    }
+
+    /// How messages name it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Json::Array => "array",
+            Json::Object => "object",
+            Json::String => "string",
+        }
+    }
+}
+
 /// The parts of a stream event the provider rules read, borrowed from its data (parsed once by
 /// the worker).
 #[derive(Debug, Clone, Copy, Default)]
@@ -837,9 +867,11 @@ impl Route {
         dataset::example(self, body, answer)
     }
 
-    /// Top-level members of a non-stream answer that make it this route's result: a 2xx JSON
-    /// object with a non-null `error` and none of these is an error, not an answer (LC-11).
-    pub(crate) fn result_members(self) -> &'static [&'static str] {
+    /// Top-level members of a non-stream answer that make it this route's result, each with
+    /// the JSON type every answer has there: a 2xx JSON object with a non-null `error` and none
+    /// of these is an error, not an answer, and one whose member has another type is no answer
+    /// either (LC-11).
+    pub(crate) fn result_members(self) -> &'static [(&'static str, Json)] {
         match self.provider() {
             Provider::Openai => openai::result_members(self),
             Provider::Anthropic => anthropic::RESULT_MEMBERS,

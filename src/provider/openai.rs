@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use serde_json::value::RawValue;
 
-use super::{BodyParts, EventParts, Route, Usage};
+use super::{BodyParts, EventParts, Json, Route, Usage};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] =
@@ -84,11 +84,12 @@ pub(super) fn stream_end_name(route: Route) -> &'static str {
     }
 }
 
-pub(super) fn result_members(route: Route) -> &'static [&'static str] {
+/// Embeddings hold `data`, Responses `output`, chat and completions `choices`: arrays, all.
+pub(super) fn result_members(route: Route) -> &'static [(&'static str, Json)] {
     match route {
-        Route::OpenaiEmbeddings => &["data"],
-        Route::OpenaiResponses => &["output"],
-        _ => &["choices"],
+        Route::OpenaiEmbeddings => &[("data", Json::Array)],
+        Route::OpenaiResponses => &[("output", Json::Array)],
+        _ => &[("choices", Json::Array)],
     }
 }
 

@@ -1145,3 +1145,61 @@ async fn every_gemini_fault_matrix_row_ends_in_its_documented_record_and_call_co
         app.stop().await;
     }
 }
+
+/// A Messages provider at `body` (a 200 of `content_type`) answers one call of `stream`; the
+/// record it ends in, after checking that the client was not handed it as an answer: a 502
+/// `upstream_invalid` in Anthropic's shape, or, once events went out, a stream closed by an
+/// `error` event. A re-send of the same body is a new request (ID-6).
+async fn messages_answer_not_stored_as_success(
+    content_type: &str,
+    body: &str,
+    stream: bool,
+) -> serde_json::Value {
+    let provider = RawProvider::start(raw_200(content_type, body, false)).await;
+    let url = provider.base_url();
+    let app = spawn_app(MockConfig::default(), move |c| use_backend_url(c, &url)).await;
+    let sent = route_body("/v1/messages", "not a message", stream);
+    let r = app.post("/v1/messages", sent.clone(), &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    if r.status() == 200 {
+        assert!(stream, "a non-stream answer is held until it is judged");
+        let (text, events) = read_events(r).await;
+        let last = events.last().expect("events");
+        assert_eq!(last.event.as_deref(), Some("error"), "{text}");
+    } else {
+        assert_eq!(r.status(), 502);
+        assert_eq!(header(&r, "holdfast-error"), "upstream_invalid");
+        assert_eq!(header(&r, "x-should-retry"), "false");
+        let error: serde_json::Value = r.json().await.expect("error JSON");
+        assert_eq!(error["type"], "error", "{error}");
+    }
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed", "{record}");
+    assert_eq!(record["error"]["type"], "upstream_invalid", "{record}");
+    let again = app.post("/v1/messages", sent, &[]).await;
+    assert_ne!(header(&again, "holdfast-request-id"), id, "a new request");
+    let _ = again.bytes().await;
+    assert_eq!(provider.calls(), 2);
+    app.stop().await;
+    record
+}
+
+/// LC-11: the Messages API answers `content` as an array of content blocks, always; a 200
+/// whose `content` is a string (a gateway's own shape) was stored as succeeded and replayed
+/// for the claim window, though no SDK reads it as the message it claims to be. It fails
+/// `upstream_invalid`, as a chat answer without `choices` does, with what came back kept.
+#[tokio::test]
+async fn a_messages_answer_whose_content_is_not_an_array_of_blocks_is_upstream_invalid_lc11() {
+    let body = r#"{"id":"msg_str","type":"message","role":"assistant","content":"Hello!","model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":3}}"#;
+    let record = messages_answer_not_stored_as_success("application/json", body, false).await;
+    let message = record["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("whose `content` is a string"),
+        "the error says what came back: {record}"
+    );
+    assert_eq!(record["response"]["status"], 200, "{record}");
+    assert!(
+        record["response"]["body"].to_string().contains("msg_str"),
+        "{record}"
+    );
+}
