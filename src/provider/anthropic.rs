@@ -24,6 +24,10 @@ pub(super) const STREAM_END: &str = "message_stop";
 /// adds to (decision 44).
 pub(super) const STREAM_START: &str = "message_start";
 
+/// The event that says how the message ended, once, before `message_stop`: its `stop_reason`
+/// (non-null in every event after `message_start`, the SDKs document) and the final usage.
+pub(super) const STREAM_RESULT: &str = "message_delta";
+
 /// `ping`, which may come anywhere in a Messages stream; the SDKs skip it.
 pub(super) fn is_keepalive_event(kind: Option<&str>) -> bool {
     kind == Some("ping")

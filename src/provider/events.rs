@@ -22,6 +22,8 @@ pub(crate) struct Seen {
     pub finishes_answer: bool,
     /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
     pub starts_stream: bool,
+    /// The event says how the answer ended ([`Route::stream_result_name`]).
+    pub gives_result: bool,
     /// The event only keeps the stream open ([`Route::is_keepalive_event`]).
     pub keepalive: bool,
     /// The provider's id of the answer, when the event announces it
@@ -29,6 +31,15 @@ pub(crate) struct Seen {
     pub answer_id: Option<String>,
     /// What the event reports the attempt has cost ([`Route::usage_of_event`]).
     pub usage: Option<Usage>,
+}
+
+/// What a stream has shown of its order so far, for [`Route::in_order`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Order {
+    /// The route's opening event has come (decision 44).
+    opened: bool,
+    /// The event saying how the answer ended has come (decision 108).
+    resulted: bool,
 }
 
 /// The members of an event's data the provider rules read, borrowed. `Option<&RawValue>`
@@ -140,34 +151,49 @@ impl Route {
             ends_stream: self.ends_stream(data, parts.kind),
             finishes_answer: !error && self.finishes_answer(&parts),
             starts_stream: parts.kind.is_some() && parts.kind == self.stream_start_name(),
+            gives_result: parts.kind.is_some() && parts.kind == self.stream_result_name(),
             keepalive: self.is_keepalive_event(parts.kind),
             answer_id: self.answer_id_of_event(&parts),
             usage: self.usage_of_event(&parts),
         })
     }
 
-    /// Checks that an event (`seen`, its `data`) keeps the order of a stream that has an
-    /// opening event ([`Route::stream_start_name`]): `Err` with the reason when it is a second
-    /// opening event, or comes before the first and is neither a keep-alive nor an error
-    /// (decision 44). `opened` says whether the opening event has come, and is set by it.
-    pub(crate) fn in_order(self, seen: &Seen, opened: &mut bool, data: &str) -> Result<(), String> {
-        let Some(start) = self.stream_start_name() else {
-            return Ok(());
-        };
-        let why = if seen.starts_stream {
-            if !std::mem::replace(opened, true) {
-                return Ok(());
+    /// Checks that an event (`seen`, its `data`) keeps the order of the route's stream, as far
+    /// as `order` (what came before it) tells: `Err` with the reason when it is a second
+    /// opening event ([`Route::stream_start_name`]), or comes before the first and is neither
+    /// a keep-alive nor an error (decision 44), or is the final event of a stream that has an
+    /// event saying how the answer ended ([`Route::stream_result_name`]) and has not sent it
+    /// (decision 108).
+    pub(crate) fn in_order(self, seen: &Seen, order: &mut Order, data: &str) -> Result<(), String> {
+        if let Some(start) = self.stream_start_name() {
+            let why = if seen.starts_stream {
+                std::mem::replace(&mut order.opened, true).then_some("sent a second")
+            } else if order.opened || seen.keepalive || seen.error {
+                None
+            } else {
+                Some("began with an event other than")
+            };
+            if let Some(why) = why {
+                return Err(format!(
+                    "the provider stream {why} `{start}`: {}",
+                    excerpt(data.as_bytes())
+                ));
             }
-            "sent a second"
-        } else if *opened || seen.keepalive || seen.error {
-            return Ok(());
-        } else {
-            "began with an event other than"
-        };
-        Err(format!(
-            "the provider stream {why} `{start}`: {}",
-            excerpt(data.as_bytes())
-        ))
+        }
+        // An error event says how the stream ended too: what follows it is judged as before.
+        order.resulted |= seen.gives_result || seen.error;
+        if let Some(result) = self.stream_result_name()
+            && seen.ends_stream
+            && !order.resulted
+        {
+            return Err(format!(
+                "the provider stream sent `{}` before any `{result}`, which says why the answer \
+                 stopped and what it cost: {}",
+                self.stream_end_name(),
+                excerpt(data.as_bytes())
+            ));
+        }
+        Ok(())
     }
 
     /// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error
@@ -348,10 +374,10 @@ mod tests {
     /// The events of one stream, in order, through [`Route::in_order`]: the reason of the first one
     /// out of place, if any.
     fn first_misplaced(route: Route, events: &[(Option<&str>, &str)]) -> Option<String> {
-        let mut opened = false;
+        let mut order = Order::default();
         events.iter().find_map(|(name, data)| {
             let seen = route.inspect_event(*name, data).expect("valid event");
-            route.in_order(&seen, &mut opened, data).err()
+            route.in_order(&seen, &mut order, data).err()
         })
     }
 
@@ -367,6 +393,10 @@ mod tests {
             Some("content_block_delta"),
             r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}"#,
         );
+        let result = (
+            Some("message_delta"),
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":1}}"#,
+        );
         let stop = (Some("message_stop"), r#"{"type":"message_stop"}"#);
         let error = (
             Some("error"),
@@ -374,13 +404,21 @@ mod tests {
         );
         // What Anthropic sends: pings and errors may come before `message_start`.
         assert_eq!(
-            first_misplaced(route, &[ping, start, delta, ping, stop]),
+            first_misplaced(route, &[ping, start, delta, ping, result, stop]),
             None
         );
         assert_eq!(first_misplaced(route, &[error]), None);
         // By its data's `type` when it has no `event:` name.
         assert_eq!(
-            first_misplaced(route, &[(None, start.1), (None, delta.1), (None, stop.1)]),
+            first_misplaced(
+                route,
+                &[
+                    (None, start.1),
+                    (None, delta.1),
+                    (None, result.1),
+                    (None, stop.1)
+                ]
+            ),
             None
         );
         for (events, why) in [
@@ -408,6 +446,70 @@ mod tests {
             Route::OpenaiResponses,
         ] {
             assert_eq!(route.stream_start_name(), None);
+        }
+    }
+
+    /// Anthropic's stream says how the answer ended in `message_delta` (`stop_reason`, which
+    /// its SDKs document as non-null in every event after `message_start`, and the final
+    /// usage), always before `message_stop`. A stream that reached `message_stop` without it
+    /// was stored as succeeded, and the SDKs' assembled message had no stop reason and only
+    /// `message_start`'s usage: a message that is not what it claims.
+    #[test]
+    fn a_messages_stream_whose_message_stop_comes_before_any_message_delta_is_no_answer_lc7_lc11() {
+        let route = Route::AnthropicMessages;
+        let start = (
+            Some("message_start"),
+            r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":1}}}"#,
+        );
+        let block = (
+            Some("content_block_start"),
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+        );
+        let delta = (
+            Some("content_block_delta"),
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}"#,
+        );
+        let block_stop = (
+            Some("content_block_stop"),
+            r#"{"type":"content_block_stop","index":0}"#,
+        );
+        let result = (
+            Some("message_delta"),
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":2}}"#,
+        );
+        let stop = (Some("message_stop"), r#"{"type":"message_stop"}"#);
+        assert_eq!(
+            first_misplaced(route, &[start, block, delta, block_stop, result, stop]),
+            None
+        );
+        for events in [
+            &[start, block, delta, block_stop, stop][..],
+            &[start, stop][..],
+            &[
+                (None, start.1),
+                (None, delta.1),
+                (Some("message_stop"), stop.1),
+            ][..],
+        ] {
+            let found = first_misplaced(route, events).expect("no message_delta");
+            assert!(
+                found.contains("sent `message_stop` before any `message_delta`"),
+                "{found}"
+            );
+        }
+        // After an error event the stream is the provider's failure, judged as before.
+        let error = (
+            Some("error"),
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"busy"}}"#,
+        );
+        assert_eq!(first_misplaced(route, &[start, delta, error, stop]), None);
+        // The other routes have no such event.
+        for route in [
+            Route::OpenaiChat,
+            Route::OpenaiResponses,
+            Route::GeminiStream,
+        ] {
+            assert_eq!(route.stream_result_name(), None);
         }
     }
 

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-pub(crate) use events::excerpt;
+pub(crate) use events::{Order, excerpt};
 
 /// The kind of API a backend speaks, and the shape its clients expect (SPEC §0 "backend").
 /// The config spelling is lower-case: `kind = "openai"`, `"anthropic"` or `"gemini"`.
@@ -706,6 +706,19 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Gemini => None,
             Provider::Anthropic => Some(anthropic::STREAM_START),
+            #[cfg(test)]
+            Provider::Echo => None,
+        }
+    }
+
+    /// The event that says how this route's streamed answer ended, when it has one: it comes
+    /// before the final event, and a stream whose final event comes without it is not the
+    /// complete answer it claims to be (Anthropic's `message_delta`, with the stop reason and
+    /// the final usage; decision 108).
+    pub(crate) fn stream_result_name(self) -> Option<&'static str> {
+        match self.provider() {
+            Provider::Openai | Provider::Gemini => None,
+            Provider::Anthropic => Some(anthropic::STREAM_RESULT),
             #[cfg(test)]
             Provider::Echo => None,
         }

@@ -12,7 +12,7 @@ use super::attempt::{Ending, is_event_stream};
 use super::chunks::{AppendError, ChunkWriter, Pending};
 use crate::hub::{Handed, HubEvent};
 use crate::otel::AttemptSpan;
-use crate::provider::Route;
+use crate::provider::{Order, Route};
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, Usage};
 
@@ -72,8 +72,9 @@ pub(super) struct StreamRead {
     /// Events before the route's final one: a stream of its final event alone answered nothing
     /// (decision 39).
     before_final: usize,
-    /// Whether the route's opening event has come (decision 44).
-    opened: bool,
+    /// What the stream has shown of its order: its opening event, the event saying how the
+    /// answer ended (decisions 44, 108).
+    order: Order,
     /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
     finished: bool,
     /// The events from the one that finished the answer on, held until the body ends: then
@@ -116,7 +117,7 @@ impl StreamRead {
             unseen: Vec::new(),
             answer_id_seen: !route.keeps_answer_ids(),
             before_final: 0,
-            opened: false,
+            order: Order::default(),
             finished: false,
             held: None,
             leading: Vec::new(),
@@ -177,9 +178,8 @@ impl StreamRead {
                 .route
                 .inspect_event(event.event.as_deref(), &event.data)
                 .and_then(|seen| {
-                    let opened = &mut self.opened;
                     self.route
-                        .in_order(&seen, opened, &event.data)
+                        .in_order(&seen, &mut self.order, &event.data)
                         .map(|()| seen)
                 });
             let seen = match inspected {

@@ -1203,3 +1203,39 @@ async fn a_messages_answer_whose_content_is_not_an_array_of_blocks_is_upstream_i
         "{record}"
     );
 }
+
+/// LC-7, LC-11: a Messages stream says how the answer ended in `message_delta` (the stop
+/// reason, non-null after `message_start` as the SDKs document, and the final usage), always
+/// before `message_stop`. One that reached `message_stop` without it was stored as succeeded:
+/// the SDKs' assembled message had no stop reason and only `message_start`'s usage. It is
+/// `upstream_invalid` now, as a stream out of Anthropic's order is (decision 44).
+#[tokio::test]
+async fn a_messages_stream_that_stops_without_message_delta_is_upstream_invalid_lc7_lc11() {
+    let events = [
+        r#"{"type":"message_start","message":{"id":"msg_nodelta","type":"message","role":"assistant","content":[],"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":1}}}"#,
+        r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+        r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}}"#,
+        r#"{"type":"content_block_stop","index":0}"#,
+        r#"{"type":"message_stop"}"#,
+    ];
+    let body: String = events
+        .iter()
+        .map(|data| {
+            let name = serde_json::from_str::<serde_json::Value>(data).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            format!("event: {name}\ndata: {data}\n\n")
+        })
+        .collect();
+    let record = messages_answer_not_stored_as_success("text/event-stream", &body, true).await;
+    let message = record["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("`message_stop` before any `message_delta`"),
+        "{record}"
+    );
+    assert_eq!(
+        record["usage"]["input_tokens"], 9,
+        "what message_start reported is kept: {record}"
+    );
+}
