@@ -6,7 +6,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{EventParts, Json, Usage};
+use super::{Count, EventParts, Json, Usage, readable};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] = &["anthropic-beta", "anthropic-version"];
@@ -137,36 +137,55 @@ pub(super) fn ends_stream(kind: Option<&str>) -> bool {
 
 /// `usage.cache_creation`: the prompt-cache writes by lifetime, which sum to
 /// `cache_creation_input_tokens` (RD-10).
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
 struct CacheCreation {
-    ephemeral_1h_input_tokens: Option<u64>,
+    ephemeral_1h_input_tokens: Count,
+}
+
+/// The counts of Anthropic's usage object holdfast reads, each on its own: a member that
+/// cannot be read (a `cache_creation` that is not an object, a count that is not one) costs
+/// only itself (RD-9).
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+struct RawUsage {
+    input_tokens: Count,
+    output_tokens: Count,
+    cache_creation_input_tokens: Count,
+    cache_read_input_tokens: Count,
+    #[serde(deserialize_with = "readable")]
+    cache_creation: Option<CacheCreation>,
+}
+
+impl RawUsage {
+    /// The one-hour writes, absent when `cache_creation` is (RD-10).
+    fn cache_write_1h(&self) -> Option<u64> {
+        self.cache_creation
+            .as_ref()
+            .and_then(|c| c.ephemeral_1h_input_tokens.get())
+    }
 }
 
 /// Anthropic's usage object. Its `input_tokens` leaves out the prompt-cache reads and writes
 /// (`cache_read_input_tokens`, `cache_creation_input_tokens`); the normalised `input_tokens`
-/// counts every input token, so they are added. The one-hour writes are
+/// counts every input token, so they are added (absent, they add nothing; unreadable, the sum
+/// is unknown, not guessed). The one-hour writes are
 /// `cache_creation.ephemeral_1h_input_tokens`, absent when the object is (RD-10).
 pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
-    #[derive(serde::Deserialize)]
-    struct Raw {
-        input_tokens: Option<u64>,
-        output_tokens: Option<u64>,
-        cache_creation_input_tokens: Option<u64>,
-        cache_read_input_tokens: Option<u64>,
-        cache_creation: Option<CacheCreation>,
-    }
-    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
-    let input = raw.input_tokens.map(|n| {
-        n.saturating_add(raw.cache_creation_input_tokens.unwrap_or(0))
-            .saturating_add(raw.cache_read_input_tokens.unwrap_or(0))
+    let raw: RawUsage = serde_json::from_str(raw.get()).ok()?;
+    let input = raw.input_tokens.get().and_then(|n| {
+        Some(
+            n.saturating_add(raw.cache_creation_input_tokens.part()?)
+                .saturating_add(raw.cache_read_input_tokens.part()?),
+        )
     });
     let usage = Usage {
         input_tokens: input,
-        output_tokens: raw.output_tokens,
-        cached_input_tokens: raw.cache_read_input_tokens,
-        cache_write_tokens: raw.cache_creation_input_tokens,
+        output_tokens: raw.output_tokens.get(),
+        cached_input_tokens: raw.cache_read_input_tokens.get(),
+        cache_write_tokens: raw.cache_creation_input_tokens.get(),
         reasoning_tokens: None,
-        cache_write_1h_tokens: raw.cache_creation.and_then(|c| c.ephemeral_1h_input_tokens),
+        cache_write_1h_tokens: raw.cache_write_1h(),
     };
     (!usage.is_empty()).then_some(usage)
 }
@@ -196,31 +215,21 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
             usage_of(message.usage?)
         }
         Some("message_delta") => {
-            #[derive(serde::Deserialize)]
-            struct Delta {
-                output_tokens: Option<u64>,
-                input_tokens: Option<u64>,
-                cache_creation_input_tokens: Option<u64>,
-                cache_read_input_tokens: Option<u64>,
-                cache_creation: Option<CacheCreation>,
-            }
-            let delta: Delta = serde_json::from_str(event.usage?.get()).ok()?;
+            let delta: RawUsage = serde_json::from_str(event.usage?.get()).ok()?;
             let mut usage = Usage {
-                output_tokens: Some(delta.output_tokens?),
+                output_tokens: Some(delta.output_tokens.get()?),
                 ..Usage::default()
             };
             if let (Some(input), Some(write), Some(read)) = (
-                delta.input_tokens,
-                delta.cache_creation_input_tokens,
-                delta.cache_read_input_tokens,
+                delta.input_tokens.get(),
+                delta.cache_creation_input_tokens.get(),
+                delta.cache_read_input_tokens.get(),
             ) && let total @ 1.. = input.saturating_add(write).saturating_add(read)
             {
                 usage.input_tokens = Some(total);
                 usage.cache_write_tokens = Some(write);
                 usage.cached_input_tokens = Some(read);
-                usage.cache_write_1h_tokens = delta
-                    .cache_creation
-                    .and_then(|c| c.ephemeral_1h_input_tokens);
+                usage.cache_write_1h_tokens = delta.cache_write_1h();
             }
             Some(usage)
         }

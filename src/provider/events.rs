@@ -684,6 +684,160 @@ mod tests {
         assert_eq!(answered.and_then(|u| u.cache_write_1h_tokens), None);
     }
 
+    /// The usage a non-stream answer's `body` reports.
+    fn body_usage(route: Route, body: &str) -> Option<Usage> {
+        route.check_answer(body.as_bytes()).expect("an answer").1
+    }
+
+    /// Anthropic's `usage.cache_creation` is an object (its SDKs' `CacheCreation`), but a
+    /// compatible server may send `null` or anything else there; the usage was read all or
+    /// nothing, so one unreadable member lost every count of the answer, billed tokens
+    /// included. Each member is now read on its own: only what cannot be read is not reported.
+    #[test]
+    fn a_usage_member_that_cannot_be_read_loses_only_itself_never_the_counts_beside_it_rd9() {
+        let messages = Route::AnthropicMessages;
+        let counts = Usage {
+            input_tokens: Some(20 + 3000 + 500),
+            output_tokens: Some(40),
+            cached_input_tokens: Some(500),
+            cache_write_tokens: Some(3000),
+            reasoning_tokens: None,
+            cache_write_1h_tokens: None,
+        };
+        for odd in [
+            "null",
+            r#""5m""#,
+            "7",
+            "[]",
+            "true",
+            r#"{"ephemeral_1h_input_tokens":"x"}"#,
+        ] {
+            let usage = format!(
+                r#"{{"input_tokens":20,"cache_creation_input_tokens":3000,"cache_read_input_tokens":500,"cache_creation":{odd},"output_tokens":40}}"#
+            );
+            let body = format!(
+                r#"{{"id":"msg_1","type":"message","role":"assistant","content":[{{"type":"text","text":"hi"}}],"model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{usage}}}"#
+            );
+            assert_eq!(body_usage(messages, &body), Some(counts), "{odd}");
+            let start = format!(
+                r#"{{"type":"message_start","message":{{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{usage}}}}}"#
+            );
+            let delta = format!(
+                r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn","stop_sequence":null}},"usage":{usage}}}"#
+            );
+            let stop = ("message_stop", r#"{"type":"message_stop"}"#);
+            assert_eq!(
+                stream_usage(
+                    messages,
+                    &[("message_start", &start), ("message_delta", &delta), stop]
+                ),
+                counts,
+                "{odd}"
+            );
+        }
+        // A count that is not one is not reported; the others are. The normalised input adds
+        // the cache counts to `input_tokens`: with one of them unreadable it is unknown, not
+        // guessed.
+        let body = |usage: &str| format!(r#"{{"type":"message","content":[],"usage":{usage}}}"#);
+        assert_eq!(
+            body_usage(
+                messages,
+                &body(r#"{"input_tokens":20,"cache_read_input_tokens":500,"output_tokens":"40"}"#)
+            ),
+            Some(Usage {
+                input_tokens: Some(520),
+                cached_input_tokens: Some(500),
+                ..Usage::default()
+            })
+        );
+        assert_eq!(
+            body_usage(
+                messages,
+                &body(
+                    r#"{"input_tokens":20,"cache_read_input_tokens":-1,"cache_creation_input_tokens":null,"output_tokens":40}"#
+                )
+            ),
+            Some(Usage {
+                output_tokens: Some(40),
+                ..Usage::default()
+            })
+        );
+
+        // OpenAI: `*_details` null (vLLM, many compatible servers) or of another type.
+        let chat = Route::OpenaiChat;
+        for (prompt, completion) in [
+            ("null", "null"),
+            (r#""x""#, "[]"),
+            ("7", r#"{"reasoning_tokens":"3"}"#),
+        ] {
+            let body = format!(
+                r#"{{"choices":[],"usage":{{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{prompt},"completion_tokens_details":{completion}}}}}"#
+            );
+            assert_eq!(
+                body_usage(chat, &body),
+                Some(Usage {
+                    input_tokens: Some(12),
+                    output_tokens: Some(5),
+                    ..Usage::default()
+                }),
+                "{prompt} {completion}"
+            );
+        }
+        let body = r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":null,"prompt_tokens_details":{"cached_tokens":"4","audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":3}}}"#;
+        assert_eq!(
+            body_usage(chat, body),
+            Some(Usage {
+                input_tokens: Some(12),
+                reasoning_tokens: Some(3),
+                ..Usage::default()
+            })
+        );
+        let responses = Route::OpenaiResponses;
+        let body = r#"{"object":"response","id":"resp_1","output":[],"usage":{"input_tokens":9,"input_tokens_details":null,"output_tokens":4,"output_tokens_details":"none"}}"#;
+        assert_eq!(
+            body_usage(responses, body),
+            Some(Usage {
+                input_tokens: Some(9),
+                output_tokens: Some(4),
+                ..Usage::default()
+            })
+        );
+
+        // Gemini: a count of another type, or null; the detail lists are not read.
+        let gemini = Route::GeminiGenerate;
+        let body = r#"{"candidates":[],"usageMetadata":{"promptTokenCount":10,"candidatesTokenCount":5,"cachedContentTokenCount":"4","thoughtsTokenCount":null,"promptTokensDetails":null,"cacheTokensDetails":"x","totalTokenCount":15}}"#;
+        assert_eq!(
+            body_usage(gemini, body),
+            Some(Usage {
+                input_tokens: Some(10),
+                output_tokens: Some(5),
+                ..Usage::default()
+            })
+        );
+        // The input is the prompt plus the tool-use prompt: one of them unreadable, unknown.
+        let body = r#"{"candidates":[],"usageMetadata":{"promptTokenCount":10,"toolUsePromptTokenCount":2.5,"candidatesTokenCount":5,"cachedContentTokenCount":4}}"#;
+        assert_eq!(
+            body_usage(gemini, body),
+            Some(Usage {
+                output_tokens: Some(5),
+                cached_input_tokens: Some(4),
+                ..Usage::default()
+            })
+        );
+        let chunk = r#"{"candidates":[{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":"10","candidatesTokenCount":5,"thoughtsTokenCount":2}}"#;
+        assert_eq!(
+            Route::GeminiStream
+                .inspect_event(None, chunk)
+                .expect("a chunk")
+                .usage,
+            Some(Usage {
+                output_tokens: Some(7),
+                reasoning_tokens: Some(2),
+                ..Usage::default()
+            })
+        );
+    }
+
     /// [`Route::check_answer`]'s verdict and the answer's id, without the usage.
     fn answer_id(route: Route, body: &[u8]) -> Result<Option<String>, String> {
         route.check_answer(body).map(|(id, _)| id)

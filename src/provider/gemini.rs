@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{EventParts, Json, Route, Usage};
+use super::{Count, EventParts, Json, Route, Usage};
 
 /// None: no client header changes what the Gemini API answers to a key-authenticated call
 /// (GM-2, decision 57). `x-goog-api-client` is the SDK's telemetry and `X-Server-Timeout` the
@@ -379,28 +379,25 @@ pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
 }
 
 /// `usageMetadata` normalised (RD-9, GM-3): the input is the prompt (cached content included)
-/// plus the tool-use prompt; the output is the candidates plus the thoughts.
+/// plus the tool-use prompt; the output is the candidates plus the thoughts. Each count is read
+/// on its own: one that is not a count costs only itself and the sum it is part of.
 pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
-    #[derive(serde::Deserialize)]
-    #[serde(rename_all = "camelCase")]
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default, rename_all = "camelCase")]
     struct Raw {
-        prompt_token_count: Option<u64>,
-        candidates_token_count: Option<u64>,
-        cached_content_token_count: Option<u64>,
-        thoughts_token_count: Option<u64>,
-        tool_use_prompt_token_count: Option<u64>,
+        prompt_token_count: Count,
+        candidates_token_count: Count,
+        cached_content_token_count: Count,
+        thoughts_token_count: Count,
+        tool_use_prompt_token_count: Count,
     }
     let raw: Raw = serde_json::from_str(raw.get()).ok()?;
-    let sum = |a: Option<u64>, b: Option<u64>| match (a, b) {
-        (None, None) => None,
-        (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
-    };
     let usage = Usage {
-        input_tokens: sum(raw.prompt_token_count, raw.tool_use_prompt_token_count),
-        output_tokens: sum(raw.candidates_token_count, raw.thoughts_token_count),
-        cached_input_tokens: raw.cached_content_token_count,
+        input_tokens: raw.prompt_token_count.plus(raw.tool_use_prompt_token_count),
+        output_tokens: raw.candidates_token_count.plus(raw.thoughts_token_count),
+        cached_input_tokens: raw.cached_content_token_count.get(),
         cache_write_tokens: None,
-        reasoning_tokens: raw.thoughts_token_count,
+        reasoning_tokens: raw.thoughts_token_count.get(),
         cache_write_1h_tokens: None,
     };
     (!usage.is_empty()).then_some(usage)

@@ -448,6 +448,70 @@ pub struct Usage {
 /// two counts near 2^63 overflowed, failing `GET /usage` for good.
 pub const MAX_REPORTED_TOKENS: u64 = 1 << 32;
 
+/// One count of a provider's usage object, read on its own (RD-9): a value that is not a count
+/// costs only itself and the sums it is part of, never the counts beside it. A usage object
+/// is read member by member, so that one member a compatible server fills oddly (`"12"`,
+/// `12.5`, `-1`) does not lose the whole answer's tokens (decision 109). A struct of them
+/// takes `#[serde(default)]`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum Count {
+    /// Absent, or `null`: not reported.
+    #[default]
+    Absent,
+    /// Reported, but not as a non-negative integer.
+    Unreadable,
+    /// The count.
+    Is(u64),
+}
+
+impl Count {
+    /// The count, when it was reported and readable.
+    pub(super) fn get(self) -> Option<u64> {
+        match self {
+            Count::Is(n) => Some(n),
+            Count::Absent | Count::Unreadable => None,
+        }
+    }
+
+    /// The count as a part of a sum: absent adds nothing, unreadable makes the sum unknown.
+    pub(super) fn part(self) -> Option<u64> {
+        match self {
+            Count::Absent => Some(0),
+            Count::Unreadable => None,
+            Count::Is(n) => Some(n),
+        }
+    }
+
+    /// `self + other`, reported when either is and neither is unreadable.
+    pub(super) fn plus(self, other: Count) -> Option<u64> {
+        if (self, other) == (Count::Absent, Count::Absent) {
+            return None;
+        }
+        Some(self.part()?.saturating_add(other.part()?))
+    }
+}
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Count, D::Error> {
+        Ok(match Option::<&'de RawValue>::deserialize(deserializer)? {
+            None => Count::Absent,
+            Some(raw) => serde_json::from_str(raw.get()).map_or(Count::Unreadable, Count::Is),
+        })
+    }
+}
+
+/// Reads a member of a provider's usage object that holds more counts (`cache_creation`,
+/// `prompt_tokens_details`), for `#[serde(default, deserialize_with = "readable")]`: a value
+/// that is not a `T` is absent, and the members beside it are still read (RD-9, decision 109).
+pub(super) fn readable<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    let raw = Option::<&'de RawValue>::deserialize(deserializer)?;
+    Ok(raw.and_then(|raw| serde_json::from_str(raw.get()).ok()))
+}
+
 impl Usage {
     /// `self` without the counts above [`MAX_REPORTED_TOKENS`] (RD-9).
     pub fn plausible(self) -> Usage {

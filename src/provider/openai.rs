@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use serde_json::value::RawValue;
 
-use super::{BodyParts, EventParts, Json, Route, Usage};
+use super::{BodyParts, Count, EventParts, Json, Route, Usage, readable};
 
 /// Client headers forwarded upstream and covered by the hash (ID-3a).
 pub(super) const FORWARDED_HEADERS: &[&str] =
@@ -127,23 +127,30 @@ pub(super) fn answer_id_of_body(route: Route, body: &BodyParts<'_>) -> Option<St
 
 /// OpenAI's usage objects, both conventions: chat, completions and embeddings
 /// (`prompt_tokens`, `completion_tokens`, `*_details`) and the Responses API (`input_tokens`,
-/// `output_tokens`, `*_details`).
+/// `output_tokens`, `*_details`). Each member is read on its own: a `*_details` that is `null`
+/// or not an object, or a count that is not one, costs only itself (RD-9).
 pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
     #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
     struct Details {
-        cached_tokens: Option<u64>,
-        cache_write_tokens: Option<u64>,
-        reasoning_tokens: Option<u64>,
+        cached_tokens: Count,
+        cache_write_tokens: Count,
+        reasoning_tokens: Count,
     }
-    #[derive(serde::Deserialize)]
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
     struct Raw {
-        prompt_tokens: Option<u64>,
-        completion_tokens: Option<u64>,
-        input_tokens: Option<u64>,
-        output_tokens: Option<u64>,
+        prompt_tokens: Count,
+        completion_tokens: Count,
+        input_tokens: Count,
+        output_tokens: Count,
+        #[serde(deserialize_with = "readable")]
         prompt_tokens_details: Option<Details>,
+        #[serde(deserialize_with = "readable")]
         completion_tokens_details: Option<Details>,
+        #[serde(deserialize_with = "readable")]
         input_tokens_details: Option<Details>,
+        #[serde(deserialize_with = "readable")]
         output_tokens_details: Option<Details>,
     }
     let raw: Raw = serde_json::from_str(raw.get()).ok()?;
@@ -156,11 +163,11 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         .or(raw.output_tokens_details)
         .unwrap_or_default();
     let usage = Usage {
-        input_tokens: raw.prompt_tokens.or(raw.input_tokens),
-        output_tokens: raw.completion_tokens.or(raw.output_tokens),
-        cached_input_tokens: input.cached_tokens,
-        cache_write_tokens: input.cache_write_tokens,
-        reasoning_tokens: output.reasoning_tokens,
+        input_tokens: raw.prompt_tokens.get().or(raw.input_tokens.get()),
+        output_tokens: raw.completion_tokens.get().or(raw.output_tokens.get()),
+        cached_input_tokens: input.cached_tokens.get(),
+        cache_write_tokens: input.cache_write_tokens.get(),
+        reasoning_tokens: output.reasoning_tokens.get(),
         cache_write_1h_tokens: None,
     };
     (!usage.is_empty()).then_some(usage)
