@@ -20,6 +20,9 @@ pub(crate) struct Seen {
     /// The event finishes the answer ([`Route::finishes_answer`]): the stream is complete if
     /// the body then ends cleanly (Gemini, GM-3).
     pub finishes_answer: bool,
+    /// The event reports the answer's usage and nothing else ([`Route::is_usage_report`]): the
+    /// stream is complete if the body ends cleanly right after it (Gemini, GM-3).
+    pub usage_alone: bool,
     /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
     pub starts_stream: bool,
     /// The event says how the answer ended ([`Route::stream_result_name`]).
@@ -150,6 +153,7 @@ impl Route {
             error,
             ends_stream: self.ends_stream(data, parts.kind),
             finishes_answer: !error && self.finishes_answer(&parts),
+            usage_alone: !error && self.is_usage_report(&parts),
             starts_stream: parts.kind.is_some() && parts.kind == self.stream_start_name(),
             gives_result: parts.kind.is_some() && parts.kind == self.stream_result_name(),
             keepalive: self.is_keepalive_event(parts.kind),

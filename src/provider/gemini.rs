@@ -378,6 +378,20 @@ pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
         })
 }
 
+/// Whether a chunk reports the usage and nothing else: `usageMetadata` holding counts, and
+/// neither `candidates` nor `promptFeedback`. Gemini 3 models send one after the answer, the
+/// `finishReason` before it or, on a turn of thoughts only, none at all; and a call in which
+/// nothing was generated is answered with it alone (decision 90). The stream is complete if the
+/// body ends cleanly right after it (GM-3, decision 110).
+pub(super) fn is_usage_report(event: &EventParts<'_>) -> bool {
+    event.candidates.is_none()
+        && event.prompt_feedback.is_none()
+        && event.usage_metadata.is_some_and(|raw| {
+            serde_json::from_str::<serde_json::Map<String, Value>>(raw.get())
+                .is_ok_and(|counts| !counts.is_empty())
+        })
+}
+
 /// `usageMetadata` normalised (RD-9, GM-3): the input is the prompt (cached content included)
 /// plus the tool-use prompt; the output is the candidates plus the thoughts. Each count is read
 /// on its own: one that is not a count costs only itself and the sum it is part of.

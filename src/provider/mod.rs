@@ -749,6 +749,18 @@ impl Route {
         }
     }
 
+    /// Whether a stream event reports the answer's usage and nothing else, which Gemini sends
+    /// last: the stream is then complete if the body ends cleanly right after it (GM-3). The
+    /// other providers' usage comes before their final event.
+    pub(crate) fn is_usage_report(self, event: &EventParts<'_>) -> bool {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => false,
+            Provider::Gemini => gemini::is_usage_report(event),
+            #[cfg(test)]
+            Provider::Echo => false,
+        }
+    }
+
     /// The event that completes this route's stream, as messages name it.
     pub(crate) fn stream_end_name(self) -> &'static str {
         match self.provider() {

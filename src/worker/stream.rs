@@ -77,8 +77,13 @@ pub(super) struct StreamRead {
     order: Order,
     /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
     finished: bool,
-    /// The events from the one that finished the answer on, held until the body ends: then
-    /// stored with the outcome and shown only with it, like a final event (GM-3, RS-12).
+    /// Whether the last event read reported the usage alone: complete if the body ends cleanly
+    /// right after it (GM-3, decision 110).
+    summed_up: bool,
+    /// The events from the one that finished the answer on, or from a usage report that may be
+    /// the last event, held until the body ends or, after a usage report, until an event of the
+    /// answer follows: then stored with the outcome and shown only with it, like a final event
+    /// (GM-3, RS-12).
     held: Option<ChunkBatch>,
     /// Keep-alive events (Anthropic's `ping`) that came while nothing is stored, held to go
     /// with the next other event: stored alone they would make an error event that follows
@@ -119,6 +124,7 @@ impl StreamRead {
             before_final: 0,
             order: Order::default(),
             finished: false,
+            summed_up: false,
             held: None,
             leading: Vec::new(),
         }
@@ -197,6 +203,7 @@ impl StreamRead {
             }
             ended |= seen.ends_stream;
             self.finished |= seen.finishes_answer;
+            self.summed_up = seen.usage_alone;
             if !self.answer_id_seen && seen.answer_id.is_some() {
                 self.answer_id_seen = true;
                 response_id = seen.answer_id;
@@ -241,8 +248,9 @@ impl StreamRead {
             Some(held) => joined(held, batch),
             None => batch,
         };
-        if self.finished && provider_error.is_none() {
-            // Finished, but complete only at a clean end of the body (GM-3): held until then.
+        if (self.finished || self.summed_up) && provider_error.is_none() {
+            // Finished, or maybe (a usage report, which an event of the answer may still
+            // follow), but complete only at a clean end of the body (GM-3): held until then.
             self.held = Some(batch);
             return Step::Read;
         }
@@ -312,8 +320,8 @@ impl StreamRead {
     }
 
     /// The provider's body ended before the route's final event: complete if an event finished
-    /// the answer (GM-3) — its held batch is then stored with the outcome, as a final event's
-    /// is — else interrupted, or no stream at all.
+    /// the answer or the last one reported its usage alone (GM-3) — its held batch is then
+    /// stored with the outcome, as a final event's is — else interrupted, or no stream at all.
     pub(super) fn on_body_end(&mut self) -> Step {
         let parsed = std::mem::take(&mut self.parser).finish();
         if parsed.is_ok()
@@ -875,6 +883,57 @@ mod tests {
             }
             other => panic!("expected the held batch, then the failure: {other:?}"),
         }
+    }
+
+    /// GM-3: a chunk that reports the usage alone may be Gemini's last (Gemini 3 sends one after
+    /// the answer, with no `finishReason` before it on a turn of thoughts only): held like a
+    /// finishing chunk, complete at a clean end right after it; an event of the answer after it
+    /// releases it, and the stream needs its ending again.
+    #[test]
+    fn a_gemini_stream_is_complete_at_a_clean_end_right_after_a_usage_report_gm3() {
+        const CHUNK: &str =
+            "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"hi\"}]}}]}\r\n\r\n";
+        const USAGE: &str = "data: {\"usageMetadata\":{\"promptTokenCount\":2,\"thoughtsTokenCount\":5,\"totalTokenCount\":7}}\r\n\r\n";
+        let gemini = || {
+            let mut read = chat(true);
+            read.route = Route::GeminiStream;
+            read
+        };
+        let mut read = gemini();
+        store(&mut read, CHUNK);
+        assert!(
+            matches!(read.on_bytes(USAGE.as_bytes()), Step::Read),
+            "held"
+        );
+        let ending = ended(read.on_body_end());
+        match &ending.outcome {
+            Outcome::Succeeded { usage, .. } => {
+                assert_eq!(usage.and_then(|u| u.output_tokens), Some(5));
+            }
+            other => panic!("expected a success, got {other:?}"),
+        }
+        assert_eq!(ending.last.map(|b| b.chunks.len()), Some(1));
+        // The usage alone, and nothing generated: the provider's answer (decision 90).
+        let mut read = gemini();
+        assert!(matches!(read.on_bytes(USAGE.as_bytes()), Step::Read));
+        let ending = ended(read.on_body_end());
+        assert!(matches!(ending.outcome, Outcome::Succeeded { .. }));
+        // A usage report the answer goes on after: released with what follows, in order, and
+        // the stream is complete only at its own ending.
+        let mut read = gemini();
+        assert!(matches!(read.on_bytes(USAGE.as_bytes()), Step::Read));
+        let (batch, then) = store(&mut read, CHUNK);
+        assert!(then.is_none());
+        assert_eq!(batch.chunks.len(), 2);
+        assert!(batch.chunks[0].data.contains("usageMetadata"));
+        let ending = ended(read.on_body_end());
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+        // Empty counts are no usage report.
+        let mut read = gemini();
+        store(&mut read, CHUNK);
+        store(&mut read, "data: {\"usageMetadata\":{}}\r\n\r\n");
+        let ending = ended(read.on_body_end());
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
     }
 
     #[test]

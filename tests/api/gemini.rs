@@ -1243,3 +1243,68 @@ async fn a_pass_through_path_to_a_gemini_backend_keeps_its_version_decision57() 
     assert!(body.contains("GET /v1beta/files/abc"), "{body}");
     app.stop().await;
 }
+
+/// GM-3: Gemini 3 models send their usage in a chunk of its own, `usageMetadata` without
+/// `candidates` (google-genai yields it as a response without text): after the chunk with
+/// the `finishReason`, or with no `finishReason` at all on a turn of thoughts only (proto3
+/// leaves an unspecified reason out); and a call that generated nothing streams that chunk
+/// alone (decision 90's answer, streamed). Each is the provider's whole answer, which ended as
+/// it always does, with a clean end of the body: it succeeds with that chunk's usage, is passed
+/// on whole and replayed, where such a stream without a `finishReason` ended
+/// `stream_interrupted`, a false failure the SDK's retry paid for again.
+#[tokio::test]
+async fn a_gemini_stream_ended_by_a_usage_report_of_its_own_succeeds_with_its_usage_gm3() {
+    let chunk = |data: &str| format!("data: {data}\r\n\r\n");
+    let text = chunk(
+        r#"{"candidates":[{"content":{"parts":[{"text":"Hello"}],"role":"model"},"index":0}],"usageMetadata":{"promptTokenCount":7,"totalTokenCount":7},"modelVersion":"gemini-3-flash-preview","responseId":"r1"}"#,
+    );
+    let finish = chunk(
+        r#"{"candidates":[{"content":{"parts":[{"text":" there."}],"role":"model"},"finishReason":"STOP","index":0}],"modelVersion":"gemini-3-flash-preview","responseId":"r1"}"#,
+    );
+    let thought = chunk(
+        r#"{"candidates":[{"content":{"parts":[{"text":"Planning.","thought":true}],"role":"model"},"index":0}],"usageMetadata":{"promptTokenCount":7,"totalTokenCount":7},"modelVersion":"gemini-3-flash-preview","responseId":"r1"}"#,
+    );
+    let usage = |output: u32, thoughts: u32| {
+        chunk(&format!(
+            r#"{{"usageMetadata":{{"promptTokenCount":7,"candidatesTokenCount":{output},"thoughtsTokenCount":{thoughts},"totalTokenCount":{}}},"modelVersion":"gemini-3-flash-preview","responseId":"r1"}}"#,
+            7 + output + thoughts
+        ))
+    };
+    for (name, body, events, said, output) in [
+        (
+            "usage after the finishing chunk",
+            [text.clone(), finish.clone(), usage(3, 11)].concat(),
+            3,
+            "Hello there.",
+            14,
+        ),
+        (
+            "a turn of thoughts only, its usage last and no finishReason",
+            [thought.clone(), usage(0, 11)].concat(),
+            2,
+            "Planning.",
+            11,
+        ),
+        ("nothing generated: the usage alone", usage(0, 0), 1, "", 0),
+    ] {
+        let provider = RawProvider::start(raw_200("text/event-stream", &body, false)).await;
+        let url = provider.base_url();
+        let app = spawn_app(MockConfig::default(), move |c| use_backend_url(c, &url)).await;
+        let r = app.post(STREAM, gemini_body(name), &[]).await;
+        assert_eq!(r.status(), 200, "{name}");
+        let id = header(&r, "holdfast-request-id");
+        let (raw, passed) = read_events(r).await;
+        assert_eq!(passed.len(), events, "{name}: every chunk passed on: {raw}");
+        assert_eq!(gemini_text(&passed), said, "{name}");
+        let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+        assert_eq!(record["status"], "succeeded", "{name}: {record}");
+        assert_eq!(record["usage"]["input_tokens"], 7, "{name}: {record}");
+        assert_eq!(record["usage"]["output_tokens"], output, "{name}: {record}");
+        let again = app.post(STREAM, gemini_body(name), &[]).await;
+        assert_eq!(header(&again, "idempotent-replayed"), "true", "{name}");
+        let (_, replayed) = read_events(again).await;
+        assert_eq!(replayed.len(), events, "{name}");
+        assert_eq!(provider.calls(), 1, "{name}");
+        app.stop().await;
+    }
+}
