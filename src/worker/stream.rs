@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::warn;
 
@@ -28,8 +29,9 @@ pub(super) enum Step {
     },
     /// End the attempt (with its last batch when the store writes it with the outcome).
     End(Ending),
-    /// The provider failed before anything was stored: retried like a 5xx (LC-5).
-    Transient(String),
+    /// The provider failed before anything was stored: retried like a 5xx (LC-5), not before
+    /// the delay its error asked for, if it asked for one.
+    Transient(String, Option<Duration>),
 }
 
 /// One stream's reading state: the SSE parser, what has been stored, and what the events have
@@ -221,8 +223,11 @@ impl StreamRead {
         if let Some(error) = &provider_error
             && self.stored == 0
         {
-            // The provider failed before anything was stored: as transient as a 5xx.
-            return Step::Transient(format!("the provider sent an error event: {error}"));
+            // The provider failed before anything was stored: as transient as a 5xx, and as
+            // patient: Google's error chunk says how long to wait as its error body does (LC-5,
+            // decision 111).
+            let hint = self.route.provider().retry_delay_of_body(error.as_bytes());
+            return Step::Transient(format!("the provider sent an error event: {error}"), hint);
         }
         if only_keepalives
             && self.stored == 0
@@ -297,7 +302,7 @@ impl StreamRead {
     /// Reading the provider's body failed.
     pub(super) fn on_read_error(&mut self, error: &dyn std::fmt::Display) -> Step {
         if self.stored == 0 {
-            return Step::Transient(error.to_string());
+            return Step::Transient(error.to_string(), None);
         }
         let message = format!(
             "the provider stream broke after {} events: {error}",
@@ -534,9 +539,9 @@ impl WorkerPool {
             match step {
                 Step::Read => {}
                 Step::End(ending) => break Ok(ending),
-                Step::Transient(message) => {
+                Step::Transient(message, hint) => {
                     let status = Some(read.status);
-                    break Ok(self.transient(lease, status, message, None).into());
+                    break Ok(self.transient(lease, status, message, hint).into());
                 }
                 // An answer id a client may retrieve or resume by (a Responses `resp_...`,
                 // RD-8) is in the log before any client learns it: its batch is committed
@@ -728,7 +733,7 @@ mod tests {
     fn an_error_event_is_transient_before_anything_is_stored_and_interrupts_after_lc5_lc7() {
         let mut read = chat(false);
         assert!(
-            matches!(read.on_bytes(ERROR.as_bytes()), Step::Transient(m) if m.contains("overloaded"))
+            matches!(read.on_bytes(ERROR.as_bytes()), Step::Transient(m, _) if m.contains("overloaded"))
         );
 
         let mut read = chat(false);
@@ -747,6 +752,32 @@ mod tests {
         }
     }
 
+    /// LC-5, decision 88: Google says how long to wait in a `google.rpc.RetryInfo` detail of its
+    /// error, and an error chunk in a 200 stream is that error in a chunk: before anything is
+    /// stored it is transient, and its delay is the hint of the next attempt, as a 429's body's
+    /// is. The stream's error was retried after holdfast's own short backoff instead.
+    #[test]
+    fn a_gemini_error_chunks_retry_info_is_the_hint_of_the_next_attempt_lc5() {
+        const QUOTA: &str = "data: {\"error\":{\"code\":429,\"message\":\"quota\",\"status\":\"RESOURCE_EXHAUSTED\",\"details\":[{\"@type\":\"type.googleapis.com/google.rpc.RetryInfo\",\"retryDelay\":\"45.837906927s\"}]}}\r\n\r\n";
+        let mut read = chat(false);
+        read.route = Route::GeminiStream;
+        match read.on_bytes(QUOTA.as_bytes()) {
+            Step::Transient(message, hint) => {
+                assert!(message.contains("RESOURCE_EXHAUSTED"), "{message}");
+                assert_eq!(hint, Some(Duration::new(45, 837_906_927)));
+            }
+            other => panic!("expected a transient failure, got {other:?}"),
+        }
+        // Without the detail, no hint: holdfast's own backoff.
+        let mut read = chat(false);
+        read.route = Route::GeminiStream;
+        let plain = "data: {\"error\":{\"code\":503,\"message\":\"overloaded\",\"status\":\"UNAVAILABLE\"}}\r\n\r\n";
+        assert!(matches!(
+            read.on_bytes(plain.as_bytes()),
+            Step::Transient(_, None)
+        ));
+    }
+
     /// LC-5, decisions 7 and 44: Anthropic's `ping` may come before `message_start`. An error
     /// event after leading pings is the provider failing before it answered anything, transient,
     /// whether the pings came in the same read or an earlier one: they wait for the next event
@@ -761,7 +792,8 @@ mod tests {
             read.route = Route::AnthropicMessages;
             read
         };
-        let transient = |step: Step| matches!(step, Step::Transient(m) if m.contains("Overloaded"));
+        let transient =
+            |step: Step| matches!(step, Step::Transient(m, _) if m.contains("Overloaded"));
         let mut read = messages();
         assert!(transient(
             read.on_bytes(format!("{PING}{OVERLOADED}").as_bytes())
@@ -776,7 +808,7 @@ mod tests {
         // A broken connection after pings alone is transient too.
         let mut read = messages();
         assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
-        assert!(matches!(read.on_read_error(&"reset"), Step::Transient(_)));
+        assert!(matches!(read.on_read_error(&"reset"), Step::Transient(..)));
         // The pings go with the event that follows them, in order.
         let mut read = messages();
         assert!(matches!(read.on_bytes(PING.as_bytes()), Step::Read));
@@ -806,7 +838,7 @@ mod tests {
         let mut read = chat(false);
         assert!(matches!(
             read.on_read_error(&"connection reset"),
-            Step::Transient(_)
+            Step::Transient(..)
         ));
         store(&mut read, ROLE);
         let ending = ended(read.on_read_error(&"connection reset"));

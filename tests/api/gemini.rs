@@ -467,6 +467,36 @@ async fn a_gemini_429s_retry_info_delay_is_waited_before_the_next_attempt_lc5() 
     app.stop().await;
 }
 
+/// LC-5, decision 88: Google also fails a stream with a 200 whose first chunk is its error
+/// object, the quota's `RetryInfo` in it; holdfast waits that delay before its next attempt, as
+/// it does for a 429's body, instead of spending its attempts within its own short backoff.
+#[tokio::test]
+async fn a_gemini_stream_error_chunks_retry_info_delay_is_waited_before_the_next_attempt_lc5() {
+    let quota = "data: {\"error\":{\"code\":429,\"message\":\"quota\",\"status\":\"RESOURCE_EXHAUSTED\",\"details\":[{\"@type\":\"type.googleapis.com/google.rpc.RetryInfo\",\"retryDelay\":\"1.500s\"}]}}\r\n\r\n";
+    let provider = RawProvider::start(raw_200("text/event-stream", quota, false)).await;
+    let url = provider.base_url();
+    let app = spawn_app(MockConfig::default(), move |c| {
+        use_backend_url(c, &url);
+        c.workers.max_attempts = 2;
+        c.workers.backoff_initial_ms = 20;
+        c.workers.backoff_max_ms = 10_000;
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let r = app.post(STREAM, gemini_body("stream quota"), &[]).await;
+    assert_eq!(r.status(), 502);
+    let id = header(&r, "holdfast-request-id");
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["error"]["type"], "attempts_exhausted", "{record}");
+    assert_eq!(provider.calls(), 2);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1_400),
+        "two attempts in {waited:?}, the first error chunk asking for 1.5 s"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn count_tokens_and_the_model_list_are_answered_without_a_record_gm4_http4() {
     let app = spawn_app(MockConfig::default(), |c| {
