@@ -219,10 +219,11 @@ impl Otel {
             attributes.push(KeyValue::new("server.port", i64::from(port)));
         }
         if let Some(cap) = self.capture {
-            attributes.push(KeyValue::new(
-                "gen_ai.input.messages",
-                input_messages(route, &record.body, cap),
-            ));
+            let (messages, system) = prompt(route, &record.body, cap);
+            attributes.push(KeyValue::new("gen_ai.input.messages", messages));
+            if let Some(system) = system {
+                attributes.push(KeyValue::new("gen_ai.system_instructions", system));
+            }
         }
         let mut builder = self
             .tracer
@@ -1091,12 +1092,17 @@ fn capped(mut text: String, cap: usize) -> String {
     text
 }
 
-/// The prompt of a request body in the GenAI conventions' message shape (`[{role, parts:
-/// [{type: "text", content}]}]`), text parts only (other parts are named by their type), their
-/// texts cut to `cap` bytes in all.
-fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
+/// The prompt of a request body in the GenAI conventions' shapes (OT-5): its chat history as
+/// `gen_ai.input.messages` (`[{role, parts: [{type: "text", content}]}]`), and the instructions
+/// the API takes apart from that history as `gen_ai.system_instructions` (`[{type: "text",
+/// content}]`: Anthropic's `system`, a Responses call's `instructions`, Gemini's
+/// `systemInstruction`), when the body has them. An OpenAI chat's `system` and `developer`
+/// messages are part of its history and stay among the messages, as the conventions ask.
+/// Text parts only (other parts are named by their type); the texts of each attribute cut to
+/// `cap` bytes in all.
+fn prompt(route: Route, body: &[u8], cap: usize) -> (String, Option<String>) {
     let Ok(body) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return "[]".into();
+        return ("[]".into(), None);
     };
     let mut out = Vec::new();
     let text_part = |text: &str| serde_json::json!({"type": "text", "content": text});
@@ -1115,15 +1121,19 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
             _ => Vec::new(),
         }
     };
+    let system = match route.provider() {
+        // Google's parser takes the proto field name too (decision 84).
+        Provider::Gemini => body
+            .get("systemInstruction")
+            .or_else(|| body.get("system_instruction"))
+            .and_then(|s| s.get("parts")),
+        Provider::Anthropic => body.get("system"),
+        _ if route == Route::OpenaiResponses => body.get("instructions"),
+        _ => None,
+    };
+    let mut system = system.map(parts_of);
     match route.provider() {
         Provider::Gemini => {
-            // Google's parser takes the proto field name too (decision 84).
-            let system = body
-                .get("systemInstruction")
-                .or_else(|| body.get("system_instruction"));
-            if let Some(system) = system.and_then(|s| s.get("parts")) {
-                out.push(serde_json::json!({"role": "system", "parts": parts_of(system)}));
-            }
             for content in body
                 .get("contents")
                 .and_then(|c| c.as_array())
@@ -1139,10 +1149,6 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
             }
         }
         _ => {
-            // Anthropic's `system`, the Responses API's `instructions`.
-            if let Some(system) = body.get("system").or_else(|| body.get("instructions")) {
-                out.push(serde_json::json!({"role": "system", "parts": parts_of(system)}));
-            }
             let messages = body
                 .get("messages")
                 .or_else(|| body.get("input"))
@@ -1176,18 +1182,29 @@ fn input_messages(route: Route, body: &[u8], cap: usize) -> String {
             }
         }
     }
-    let mut budget = cap;
-    for part in out
+    let messages = out
         .iter_mut()
         .filter_map(|m| m.get_mut("parts").and_then(|p| p.as_array_mut()))
-        .flatten()
-    {
+        .flatten();
+    cap_texts(messages, cap);
+    if let Some(system) = &mut system {
+        cap_texts(system.iter_mut(), cap);
+    }
+    (
+        serde_json::Value::Array(out).to_string(),
+        system.map(|parts| serde_json::Value::Array(parts).to_string()),
+    )
+}
+
+/// Cuts the `content` texts of `parts` to `cap` bytes in all, in order.
+fn cap_texts<'a>(parts: impl Iterator<Item = &'a mut serde_json::Value>, cap: usize) {
+    let mut budget = cap;
+    for part in parts {
         if let Some(serde_json::Value::String(text)) = part.get_mut("content") {
             *text = capped(std::mem::take(text), budget);
             budget -= text.len();
         }
     }
-    serde_json::Value::Array(out).to_string()
 }
 
 /// The members, quoted, that carry a finish reason (or a Responses status).
@@ -1905,11 +1922,13 @@ mod tests {
         assert_eq!(capped("héllo".into(), 2), "h");
         assert_eq!(capped("hello".into(), 10), "hello");
         let body = br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{}}]}]}"#;
-        let cut: serde_json::Value =
-            serde_json::from_str(&input_messages(Route::OpenaiChat, body, 5)).unwrap();
+        let (cut, system) = prompt(Route::OpenaiChat, body, 5);
+        let cut: serde_json::Value = serde_json::from_str(&cut).unwrap();
         assert_eq!(cut[0]["parts"][0]["content"], "be br");
         assert_eq!(cut[1]["parts"][0]["content"], "");
-        let input = input_messages(Route::OpenaiChat, body, 100);
+        // A chat's system message is part of its history (OT-5).
+        assert_eq!(system, None);
+        let (input, _) = prompt(Route::OpenaiChat, body, 100);
         let input: serde_json::Value = serde_json::from_str(&input).unwrap();
         assert_eq!(input[0]["role"], "system");
         assert_eq!(input[0]["parts"][0]["content"], "be brief");
@@ -1919,37 +1938,74 @@ mod tests {
 
     /// The OpenAI Agents SDK sends every Responses call its agent's `instructions` and, after a
     /// tool ran, the call and its output as items without a role: the instructions are the
-    /// prompt's system message, as Anthropic's `system` is, and each item is named by its type
-    /// under the role that produced it, not shown as an empty user message.
+    /// system instructions, given apart from the history as Anthropic's `system` is, and each
+    /// item is named by its type under the role that produced it, not shown as an empty user
+    /// message.
     #[test]
     fn a_responses_prompts_instructions_and_tool_items_are_captured_ot5() {
         let body = br#"{"include":[],"input":[{"content":"weather in Paris?","role":"user"},{"arguments":"{\"city\": \"Paris\"}","call_id":"call_1","name":"get_weather","type":"function_call","id":"fc_1","status":"completed"},{"call_id":"call_1","output":"sunny in Paris","type":"function_call_output"}],"instructions":"be brief","model":"gpt-4o-mini","tools":[]}"#;
-        let input = input_messages(Route::OpenaiResponses, body, 100);
+        let (input, system) = prompt(Route::OpenaiResponses, body, 100);
         let input: serde_json::Value = serde_json::from_str(&input).unwrap();
         assert_eq!(
             input,
             serde_json::json!([
-                {"role": "system", "parts": [{"type": "text", "content": "be brief"}]},
                 {"role": "user", "parts": [{"type": "text", "content": "weather in Paris?"}]},
                 {"role": "assistant", "parts": [{"type": "function_call"}]},
                 {"role": "tool", "parts": [{"type": "function_call_output"}]}
             ])
         );
+        let system: serde_json::Value = serde_json::from_str(&system.unwrap()).unwrap();
+        assert_eq!(
+            system,
+            serde_json::json!([{"type": "text", "content": "be brief"}])
+        );
     }
 
     /// Google's JSON parser takes `system_instruction` as well as `systemInstruction`, and its
-    /// REST examples write the first: the captured prompt keeps it (decision 84).
+    /// REST examples write the first: the captured system instructions keep it (decision 84).
     #[test]
     fn a_gemini_prompts_system_instruction_is_captured_under_either_of_its_names_ot5() {
         for name in ["systemInstruction", "system_instruction"] {
             let body = format!(
                 r#"{{"{name}":{{"parts":[{{"text":"be brief"}}]}},"contents":[{{"role":"user","parts":[{{"text":"hi"}}]}}]}}"#
             );
-            let input = input_messages(Route::GeminiGenerate, body.as_bytes(), 100);
+            let (input, system) = prompt(Route::GeminiGenerate, body.as_bytes(), 100);
             let input: serde_json::Value = serde_json::from_str(&input).unwrap();
-            assert_eq!(input[0]["role"], "system", "{name}: {input}");
-            assert_eq!(input[0]["parts"][0]["content"], "be brief", "{name}");
-            assert_eq!(input[1]["parts"][0]["content"], "hi", "{name}");
+            let system: serde_json::Value = serde_json::from_str(&system.unwrap()).unwrap();
+            assert_eq!(
+                system,
+                serde_json::json!([{"type": "text", "content": "be brief"}]),
+                "{name}"
+            );
+            assert_eq!(input.as_array().map(Vec::len), Some(1), "{name}: {input}");
+            assert_eq!(input[0]["parts"][0]["content"], "hi", "{name}");
         }
+    }
+
+    /// OT-5: Anthropic's `system`, a string or text blocks (with `cache_control`, as agents send
+    /// it), is the system instructions, one part per block, cut to the cap on its own.
+    #[test]
+    fn an_anthropic_system_prompt_is_the_system_instructions_cut_to_its_own_cap_ot5() {
+        let body = br#"{"model":"c","max_tokens":9,"system":[{"type":"text","text":"You are terse.","cache_control":{"type":"ephemeral"}},{"type":"text","text":"Answer in French."}],"messages":[{"role":"user","content":"hello"}]}"#;
+        let (input, system) = prompt(Route::AnthropicMessages, body, 20);
+        let input: serde_json::Value = serde_json::from_str(&input).unwrap();
+        assert_eq!(
+            input,
+            serde_json::json!([{"role": "user", "parts": [{"type": "text", "content": "hello"}]}])
+        );
+        let system: serde_json::Value = serde_json::from_str(&system.unwrap()).unwrap();
+        assert_eq!(
+            system,
+            serde_json::json!([
+                {"type": "text", "content": "You are terse."},
+                {"type": "text", "content": "Answer"},
+            ])
+        );
+        let (_, none) = prompt(
+            Route::AnthropicMessages,
+            br#"{"model":"c","messages":[]}"#,
+            20,
+        );
+        assert_eq!(none, None);
     }
 }

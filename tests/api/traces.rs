@@ -1018,3 +1018,131 @@ async fn content_is_captured_only_when_asked_cut_to_its_cap_and_keys_never_appea
     assert!(!format!("{spans:?}").contains("not captured"));
     app.stop().await;
 }
+
+/// A traced app whose attempt spans capture content.
+fn captured(receiver: &Receiver) -> impl FnOnce(&mut holdfast::config::Config) + '_ {
+    |c| {
+        c.otel.enabled = true;
+        c.otel.endpoint = Some(receiver.url.clone());
+        c.otel.capture_content = true;
+    }
+}
+
+/// The attempt span of request `id` among `spans`.
+fn attempt_of<'a>(spans: &'a [Span], id: &str) -> &'a Span {
+    attempts(spans)
+        .into_iter()
+        .find(|s| s.attr("holdfast.request_id") == id)
+        .expect("the request's attempt")
+}
+
+/// A JSON attribute (the conventions' structured content) of `span`, parsed.
+fn json_attr(span: &Span, key: &str) -> Value {
+    let text = span
+        .attr(key)
+        .as_str()
+        .unwrap_or_else(|| panic!("{key}: {span:#?}"));
+    serde_json::from_str(text).unwrap()
+}
+
+/// OT-5: instructions an API takes apart from the chat history (Anthropic's `system`, a
+/// Responses call's `instructions`, Gemini's `systemInstruction`) are
+/// `gen_ai.system_instructions`, as the conventions ask, not a system message in
+/// `gen_ai.input.messages`; an OpenAI chat's system message is part of its history and stays
+/// there.
+#[tokio::test]
+async fn instructions_given_apart_from_the_history_are_the_system_instructions_ot5() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), captured(&receiver)).await;
+    let anthropic = json!({
+        "model": "claude-3-5-haiku-latest",
+        "max_tokens": 64,
+        "system": "answer briefly",
+        "messages": [{"role": "user", "content": "system apart"}],
+    });
+    let responses = json!({
+        "model": "gpt-4o-mini",
+        "instructions": "answer in French",
+        "input": "instructions apart",
+    });
+    let gemini = json!({
+        "systemInstruction": {"parts": [{"text": "answer in haiku"}]},
+        "contents": [{"role": "user", "parts": [{"text": "system instruction apart"}]}],
+    });
+    let chat = json!({
+        "model": "gpt-4o-mini",
+        "messages": [
+            {"role": "system", "content": "answer in German"},
+            {"role": "user", "content": "system in the history"},
+        ],
+    });
+    let calls = [
+        (
+            "/v1/messages",
+            anthropic,
+            Some("answer briefly"),
+            "system apart",
+        ),
+        (
+            "/v1/responses",
+            responses,
+            Some("answer in French"),
+            "instructions apart",
+        ),
+        (
+            "/v1beta/models/gemini-2.5-flash:generateContent",
+            gemini,
+            Some("answer in haiku"),
+            "system instruction apart",
+        ),
+        ("/v1/chat/completions", chat, None, "system in the history"),
+    ];
+    let mut ids = Vec::new();
+    for (path, body, _, _) in &calls {
+        let response = app
+            .post(
+                path,
+                body.to_string(),
+                &[("anthropic-version", "2023-06-01")],
+            )
+            .await;
+        assert_eq!(response.status(), 200, "{path}");
+        ids.push(header(&response, "holdfast-request-id"));
+    }
+    let spans = receiver
+        .wait("the four attempts", |s| attempts(s).len() == 4)
+        .await;
+    for ((path, _, system, prompt), id) in calls.iter().zip(&ids) {
+        let attempt = attempt_of(&spans, id);
+        let input = json_attr(attempt, "gen_ai.input.messages");
+        match system {
+            Some(system) => {
+                assert_eq!(
+                    json_attr(attempt, "gen_ai.system_instructions"),
+                    json!([{"type": "text", "content": system}]),
+                    "{path}"
+                );
+                assert_eq!(
+                    input,
+                    json!([{"role": "user", "parts": [{"type": "text", "content": prompt}]}]),
+                    "{path}: the history alone"
+                );
+            }
+            None => {
+                assert!(
+                    attempt.attr("gen_ai.system_instructions").is_null(),
+                    "{path}: {attempt:#?}"
+                );
+                assert_eq!(
+                    input,
+                    json!([
+                        {"role": "system", "parts": [{"type": "text", "content": "answer in German"}]},
+                        {"role": "user", "parts": [{"type": "text", "content": prompt}]},
+                    ]),
+                    "{path}"
+                );
+            }
+        }
+    }
+    app.stop().await;
+}
