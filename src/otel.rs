@@ -408,10 +408,11 @@ impl Answer {
     }
 
     /// `gen_ai.output.messages` (OT-5): one assistant message per generation, in index order,
-    /// its text and then its tool calls (`tool_call` parts), with its finish reason (the
-    /// conventions' output message requires one: `error` for a generation that ended without
-    /// one, as an interrupted stream's does), texts and arguments cut to `cap` bytes in all.
-    fn output_messages(&self, cap: usize) -> Option<String> {
+    /// its text and then its tool calls (`tool_call` parts), with its finish reason in the
+    /// output schema's words where one applies ([`message_finish_reason`]; the schema requires
+    /// a reason: `error` for a generation that ended without one, as an interrupted stream's
+    /// does), texts and arguments cut to `cap` bytes in all.
+    fn output_messages(&self, provider: Provider, cap: usize) -> Option<String> {
         if self.texts.values().all(String::is_empty) && self.tools.is_empty() {
             return None;
         }
@@ -431,11 +432,11 @@ impl Answer {
                 if !text.is_empty() || calls.clone().next().is_none() {
                     parts.push(serde_json::json!({"type": "text", "content": text}));
                 }
+                let calls_tools = calls.clone().next().is_some();
                 parts.extend(calls.map(|(_, call)| call.part(&mut budget)));
-                let reason = self
-                    .finish_reasons
-                    .get(&index)
-                    .map_or("error", String::as_str);
+                let reason = self.finish_reasons.get(&index).map_or("error", |reason| {
+                    message_finish_reason(provider, reason, calls_tools)
+                });
                 serde_json::json!({
                     "role": "assistant",
                     "parts": parts,
@@ -444,6 +445,36 @@ impl Answer {
             })
             .collect();
         Some(serde_json::Value::Array(messages).to_string())
+    }
+}
+
+/// A generation's finish reason as its output message says it (OT-5): the output schema's
+/// enumerated value where one applies (`stop`, `length`, `content_filter`, `tool_call`,
+/// `error`), else the provider's own word (Anthropic's `pause_turn`, Gemini's `LANGUAGE`, a
+/// Responses `cancelled`), as the schema allows. `gen_ai.response.finish_reasons` keeps the
+/// provider's words (decision 113). A Gemini candidate that calls functions ends with `STOP`:
+/// its message says `tool_call`, as the other providers' do.
+fn message_finish_reason(provider: Provider, reason: &str, calls_tools: bool) -> &str {
+    match (provider, reason) {
+        (Provider::Openai, "tool_calls" | "function_call") => "tool_call",
+        // A Responses answer that failed (its status, decision 100).
+        (Provider::Openai, "failed") => "error",
+        (Provider::Anthropic, "end_turn" | "stop_sequence") => "stop",
+        (Provider::Anthropic, "max_tokens" | "model_context_window_exceeded") => "length",
+        (Provider::Anthropic, "tool_use") => "tool_call",
+        (Provider::Anthropic, "refusal") => "content_filter",
+        (Provider::Gemini, "STOP") if calls_tools => "tool_call",
+        (Provider::Gemini, "STOP") => "stop",
+        (Provider::Gemini, "MAX_TOKENS") => "length",
+        (
+            Provider::Gemini,
+            "SAFETY" | "RECITATION" | "BLOCKLIST" | "PROHIBITED_CONTENT" | "SPII" | "IMAGE_SAFETY",
+        ) => "content_filter",
+        (Provider::Gemini, "OTHER" | "FINISH_REASON_UNSPECIFIED" | "MALFORMED_FUNCTION_CALL") => {
+            "error"
+        }
+        // OpenAI's `stop`, `length` and `content_filter` are the schema's words already.
+        _ => reason,
     }
 }
 
@@ -537,7 +568,7 @@ impl AttemptSpan {
         }
         if let Some(output) = self
             .capture
-            .and_then(|cap| self.answer.output_messages(cap))
+            .and_then(|cap| self.answer.output_messages(self.route.provider(), cap))
         {
             attributes.push(KeyValue::new("gen_ai.output.messages", output));
         }
@@ -1729,7 +1760,7 @@ mod tests {
             vec!["stop", "length"]
         );
         let output: serde_json::Value =
-            serde_json::from_str(&answer.output_messages(100).unwrap()).unwrap();
+            serde_json::from_str(&answer.output_messages(Provider::Openai, 100).unwrap()).unwrap();
         assert_eq!(
             output,
             serde_json::json!([
@@ -1739,7 +1770,7 @@ mod tests {
         );
         // The cap holds for all the texts together.
         let cut: serde_json::Value =
-            serde_json::from_str(&answer.output_messages(7).unwrap()).unwrap();
+            serde_json::from_str(&answer.output_messages(Provider::Openai, 7).unwrap()).unwrap();
         assert_eq!(cut[0]["parts"][0]["content"], "Hello");
         assert_eq!(cut[1]["parts"][0]["content"], "Bo");
         // A stream cut before its finish reason: the message says `error`.
@@ -1751,7 +1782,8 @@ mod tests {
             Some(100),
         );
         let output: serde_json::Value =
-            serde_json::from_str(&cut_short.output_messages(100).unwrap()).unwrap();
+            serde_json::from_str(&cut_short.output_messages(Provider::Openai, 100).unwrap())
+                .unwrap();
         assert_eq!(output[0]["finish_reason"], "error");
     }
 
@@ -1807,7 +1839,12 @@ mod tests {
         for event in events {
             observe(route, event.as_bytes(), &mut answer, Some(1000));
         }
-        serde_json::from_str(&answer.output_messages(1000).expect("an output")).unwrap()
+        serde_json::from_str(
+            &answer
+                .output_messages(route.provider(), 1000)
+                .expect("an output"),
+        )
+        .unwrap()
     }
 
     /// OT-5: an answer that calls tools (an agent's turn) has its calls captured as the
@@ -1831,7 +1868,7 @@ mod tests {
         );
         assert_eq!(
             chat_stream,
-            serde_json::json!([{"role": "assistant", "parts": [call], "finish_reason": "tool_calls"}])
+            serde_json::json!([{"role": "assistant", "parts": [call], "finish_reason": "tool_call"}])
         );
         let chat = output_of(
             Route::OpenaiChat,
@@ -1854,7 +1891,7 @@ mod tests {
             ],
         );
         assert_eq!(anthropic_stream[0]["parts"], serde_json::json!([call]));
-        assert_eq!(anthropic_stream[0]["finish_reason"], "tool_use");
+        assert_eq!(anthropic_stream[0]["finish_reason"], "tool_call");
         let anthropic = output_of(
             Route::AnthropicMessages,
             &[
@@ -1869,6 +1906,7 @@ mod tests {
             ],
         );
         assert_eq!(gemini[0]["parts"], serde_json::json!([call]));
+        assert_eq!(gemini[0]["finish_reason"], "tool_call", "STOP, with calls");
         let responses = output_of(
             Route::OpenaiResponses,
             &[
@@ -1880,7 +1918,7 @@ mod tests {
             serde_json::json!([{
                 "role": "assistant",
                 "parts": [{"type": "text", "content": "Checking."}, call],
-                "finish_reason": "tool_calls",
+                "finish_reason": "tool_call",
             }])
         );
         // A Responses stream: the text from its deltas, the call from its final event, once.
@@ -1893,6 +1931,64 @@ mod tests {
             ],
         );
         assert_eq!(responses_stream, responses);
+    }
+
+    /// OT-3, OT-5: each output message says its generation's finish reason in the output
+    /// schema's enumerated words where one applies, whatever the provider's, and keeps the
+    /// provider's word where none does; `gen_ai.response.finish_reasons` keeps the provider's
+    /// words (decision 113).
+    #[test]
+    fn each_providers_finish_reason_is_said_in_the_output_schemas_words_ot3_ot5() {
+        let anthropic = |reason: &str| {
+            format!(
+                r#"{{"id":"msg_1","type":"message","model":"c","content":[{{"type":"text","text":"hi"}}],"stop_reason":"{reason}"}}"#
+            )
+        };
+        let gemini = |reason: &str| {
+            format!(
+                r#"{{"candidates":[{{"content":{{"role":"model","parts":[{{"text":"hi"}}]}},"finishReason":"{reason}"}}],"responseId":"r","modelVersion":"g"}}"#
+            )
+        };
+        let chat = |reason: &str| {
+            format!(
+                r#"{{"id":"c","model":"m","choices":[{{"index":0,"message":{{"role":"assistant","content":"hi"}},"finish_reason":"{reason}"}}]}}"#
+            )
+        };
+        let cases = [
+            (Route::AnthropicMessages, anthropic("end_turn"), "end_turn", "stop"),
+            (Route::AnthropicMessages, anthropic("stop_sequence"), "stop_sequence", "stop"),
+            (Route::AnthropicMessages, anthropic("max_tokens"), "max_tokens", "length"),
+            (Route::AnthropicMessages, anthropic("refusal"), "refusal", "content_filter"),
+            (Route::AnthropicMessages, anthropic("pause_turn"), "pause_turn", "pause_turn"),
+            (Route::GeminiGenerate, gemini("STOP"), "STOP", "stop"),
+            (Route::GeminiGenerate, gemini("MAX_TOKENS"), "MAX_TOKENS", "length"),
+            (Route::GeminiGenerate, gemini("SAFETY"), "SAFETY", "content_filter"),
+            (Route::GeminiGenerate, gemini("OTHER"), "OTHER", "error"),
+            (Route::GeminiGenerate, gemini("LANGUAGE"), "LANGUAGE", "LANGUAGE"),
+            (Route::OpenaiChat, chat("stop"), "stop", "stop"),
+            (Route::OpenaiChat, chat("length"), "length", "length"),
+            (Route::OpenaiChat, chat("content_filter"), "content_filter", "content_filter"),
+            (Route::OpenaiChat, chat("tool_calls"), "tool_calls", "tool_call"),
+            (
+                Route::OpenaiResponses,
+                r#"{"id":"resp_1","object":"response","model":"m","status":"failed","output":[{"type":"message","role":"assistant","content":[{"type":"output_text","text":"hi"}]}]}"#.into(),
+                "failed",
+                "error",
+            ),
+        ];
+        for (route, body, word, said) in cases {
+            let mut answer = Answer::default();
+            observe(route, body.as_bytes(), &mut answer, Some(100));
+            assert_eq!(
+                answer.finish_reasons.values().collect::<Vec<_>>(),
+                vec![word],
+                "the attribute keeps the provider's word: {body}"
+            );
+            let output: serde_json::Value =
+                serde_json::from_str(&answer.output_messages(route.provider(), 100).unwrap())
+                    .unwrap();
+            assert_eq!(output[0]["finish_reason"], said, "{body}");
+        }
     }
 
     #[test]

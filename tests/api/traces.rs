@@ -1146,3 +1146,51 @@ async fn instructions_given_apart_from_the_history_are_the_system_instructions_o
     }
     app.stop().await;
 }
+
+/// OT-3, OT-5: `gen_ai.response.finish_reasons` keeps the provider's word (the conventions
+/// give it no vocabulary, and the word says more than a category: `stop_sequence`, `SAFETY`),
+/// while each captured output message says its reason in the output schema's enumerated
+/// values where one applies (`stop`, `length`, `content_filter`, `tool_call`, `error`), so a
+/// consumer reading the messages sees one vocabulary across providers.
+#[tokio::test]
+async fn an_output_message_says_its_finish_reason_in_the_conventions_words_the_attribute_in_the_providers_ot3_ot5()
+ {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), captured(&receiver)).await;
+    let anthropic = json!({
+        "model": "claude-3-5-haiku-latest",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "how did it end"}],
+    });
+    let calls = [
+        ("/v1/messages", anthropic.to_string(), "end_turn"),
+        (
+            "/v1beta/models/gemini-2.5-flash:generateContent",
+            gemini_body("how did it end"),
+            "STOP",
+        ),
+        ("/v1/chat/completions", chat_body("how did it end"), "stop"),
+    ];
+    let mut ids = Vec::new();
+    for (path, body, _) in &calls {
+        let response = app
+            .post(path, body.clone(), &[("anthropic-version", "2023-06-01")])
+            .await;
+        assert_eq!(response.status(), 200, "{path}");
+        ids.push(header(&response, "holdfast-request-id"));
+    }
+    let spans = receiver
+        .wait("the three attempts", |s| attempts(s).len() == 3)
+        .await;
+    for ((path, _, word), id) in calls.iter().zip(&ids) {
+        let attempt = attempt_of(&spans, id);
+        assert_eq!(
+            attempt.attr("gen_ai.response.finish_reasons"),
+            &json!([word]),
+            "{path}: the provider's word"
+        );
+        let output = json_attr(attempt, "gen_ai.output.messages");
+        assert_eq!(output[0]["finish_reason"], "stop", "{path}: {output}");
+    }
+    app.stop().await;
+}
