@@ -213,6 +213,9 @@ impl Otel {
         if record.stream {
             attributes.push(KeyValue::new("gen_ai.request.stream", true));
         }
+        if let Some(api) = openai_api_type(route) {
+            attributes.push(KeyValue::new("openai.api.type", api));
+        }
         request_attributes(route, &record.body, &mut attributes);
         if let Some((host, port)) = server {
             attributes.push(KeyValue::new("server.address", host));
@@ -342,6 +345,10 @@ impl ServerSpan {
 struct Answer {
     id: Option<String>,
     model: Option<String>,
+    /// OpenAI's `service_tier` (the tier that served it: the last event that says one, as a
+    /// Responses stream's first events say the one asked for) and chat's `system_fingerprint`.
+    service_tier: Option<String>,
+    system_fingerprint: Option<String>,
     /// The finish reason of each generation (an OpenAI choice, a Gemini candidate; Anthropic's
     /// and a Responses answer's one), by its index.
     finish_reasons: BTreeMap<u64, String>,
@@ -550,6 +557,15 @@ impl AttemptSpan {
         if let Some(model) = self.answer.model.take() {
             attributes.push(KeyValue::new("gen_ai.response.model", model));
         }
+        if let Some(tier) = self.answer.service_tier.take() {
+            attributes.push(KeyValue::new("openai.response.service_tier", tier));
+        }
+        if let Some(fingerprint) = self.answer.system_fingerprint.take() {
+            attributes.push(KeyValue::new(
+                "openai.response.system_fingerprint",
+                fingerprint,
+            ));
+        }
         if !self.answer.finish_reasons.is_empty() {
             let reasons: Vec<opentelemetry::StringValue> = self
                 .answer
@@ -679,6 +695,8 @@ struct RequestParams {
     text: Option<serde_json::Value>,
     dimensions: Option<serde_json::Value>,
     encoding_format: Option<serde_json::Value>,
+    service_tier: Option<serde_json::Value>,
+    conversation: Option<serde_json::Value>,
     #[serde(rename = "generationConfig")]
     generation_config: Option<serde_json::Value>,
     #[serde(rename = "generation_config")]
@@ -689,7 +707,9 @@ struct RequestParams {
 /// sets (OT-3): `gen_ai.request.max_tokens`, `.temperature`, `.top_p`, `.top_k`,
 /// `.presence_penalty`, `.frequency_penalty`, `.seed`, `.stop_sequences`, `.choice.count` (when
 /// not 1), `gen_ai.output.type`, and for embeddings `gen_ai.embeddings.dimension.count` and
-/// `gen_ai.request.encoding_formats`; each typed as the conventions type it (an int, a double,
+/// `gen_ai.request.encoding_formats`; OpenAI's `openai.request.service_tier` (when not `auto`)
+/// and a Responses call's `gen_ai.conversation.id` (its `conversation`, an id or `{id}`); each
+/// typed as the conventions type it (an int, a double,
 /// a string array: a temperature written `1` is the double 1.0, a lone stop string an array of
 /// one). A member the client did not send, or of a type the provider would refuse, is left out.
 fn request_attributes(route: Route, body: &[u8], out: &mut Vec<KeyValue>) {
@@ -781,6 +801,13 @@ fn request_attributes(route: Route, body: &[u8], out: &mut Vec<KeyValue>) {
             }
         }
         _ if route == Route::OpenaiResponses => {
+            let conversation = p
+                .conversation
+                .as_ref()
+                .and_then(|c| c.as_str().or_else(|| c.get("id")?.as_str()));
+            if let Some(id) = conversation {
+                out.push(KeyValue::new("gen_ai.conversation.id", id.to_owned()));
+            }
             ints.push((
                 "gen_ai.request.max_tokens",
                 int(p.max_output_tokens.as_ref()),
@@ -838,6 +865,33 @@ fn request_attributes(route: Route, body: &[u8], out: &mut Vec<KeyValue>) {
     }
     if let Some(kind) = output {
         out.push(KeyValue::new("gen_ai.output.type", kind));
+    }
+    // Asked of chat completions and Responses calls; `auto` is the default, not said.
+    if openai_api_type(route).is_some()
+        && let Some(tier) = p.service_tier.as_ref().and_then(|t| t.as_str())
+        && tier != "auto"
+    {
+        out.push(KeyValue::new(
+            "openai.request.service_tier",
+            tier.to_owned(),
+        ));
+    }
+}
+
+/// `openai.api.type` of a route: the OpenAI conventions name two of its APIs.
+fn openai_api_type(route: Route) -> Option<&'static str> {
+    match route {
+        Route::OpenaiChat => Some("chat_completions"),
+        Route::OpenaiResponses => Some("responses"),
+        Route::OpenaiCompletions
+        | Route::OpenaiEmbeddings
+        | Route::AnthropicMessages
+        | Route::GeminiGenerate
+        | Route::GeminiStream
+        | Route::GeminiV1Generate
+        | Route::GeminiV1Stream => None,
+        #[cfg(test)]
+        Route::EchoSay => None,
     }
 }
 
@@ -1283,6 +1337,14 @@ fn observe(route: Route, data: &[u8], answer: &mut Answer, capture: Option<usize
     }
     if answer.model.is_none() {
         answer.model = text_of(inner.get("model")).or_else(|| text_of(inner.get("modelVersion")));
+    }
+    if route.provider() == Provider::Openai {
+        if let Some(tier) = text_of(inner.get("service_tier")) {
+            answer.service_tier = Some(tier);
+        }
+        if let Some(fingerprint) = text_of(inner.get("system_fingerprint")) {
+            answer.system_fingerprint = Some(fingerprint);
+        }
     }
     // Each generation's reason under its index: a stream of several choices gives each its
     // own in a chunk of its own.
@@ -1735,6 +1797,64 @@ mod tests {
             request_params(Route::OpenaiChat, "[]"),
             serde_json::json!({})
         );
+    }
+
+    /// OT-3: the OpenAI conventions' attributes a request says (the service tier asked for,
+    /// unless `auto`; a Responses call's stored conversation, by id or as `{id}`) and an
+    /// answer says (the tier that served it, chat's system fingerprint), read from the events
+    /// holdfast parses anyway: a Responses stream's last event, not its first, names the tier.
+    #[test]
+    fn an_openai_call_gives_its_service_tiers_fingerprint_and_conversation_ot3() {
+        assert_eq!(
+            request_params(
+                Route::OpenaiChat,
+                r#"{"model":"m","messages":[],"service_tier":"flex"}"#
+            ),
+            serde_json::json!({"openai.request.service_tier": "flex"})
+        );
+        for conversation in [r#""conv_1""#, r#"{"id":"conv_1"}"#] {
+            assert_eq!(
+                request_params(
+                    Route::OpenaiResponses,
+                    &format!(
+                        r#"{{"model":"m","input":"hi","service_tier":"auto","conversation":{conversation}}}"#
+                    )
+                ),
+                serde_json::json!({"gen_ai.conversation.id": "conv_1"}),
+                "{conversation}"
+            );
+        }
+        // Not an OpenAI member elsewhere.
+        assert_eq!(
+            request_params(
+                Route::AnthropicMessages,
+                r#"{"model":"c","max_tokens":9,"messages":[],"service_tier":"standard_only"}"#
+            ),
+            serde_json::json!({"gen_ai.request.max_tokens": 9})
+        );
+        let mut chat = Answer::default();
+        for event in [
+            r#"{"id":"c1","model":"gpt-4o-mini","service_tier":"default","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}"#,
+            r#"{"id":"c1","model":"gpt-4o-mini","service_tier":"default","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+        ] {
+            observe(Route::OpenaiChat, event.as_bytes(), &mut chat, None);
+        }
+        assert_eq!(chat.service_tier.as_deref(), Some("default"));
+        assert_eq!(chat.system_fingerprint.as_deref(), Some("fp_1"));
+        let mut responses = Answer::default();
+        for event in [
+            r#"{"type":"response.created","response":{"id":"resp_1","model":"m","status":"in_progress","service_tier":"auto"}}"#,
+            r#"{"type":"response.output_text.delta","delta":"hi"}"#,
+            r#"{"type":"response.completed","response":{"id":"resp_1","model":"m","status":"completed","service_tier":"default","output":[]}}"#,
+        ] {
+            observe(
+                Route::OpenaiResponses,
+                event.as_bytes(),
+                &mut responses,
+                None,
+            );
+        }
+        assert_eq!(responses.service_tier.as_deref(), Some("default"));
     }
 
     /// OT-3, OT-5: a stream of two choices (`n: 2`) gives each choice's finish reason in a

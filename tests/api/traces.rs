@@ -1194,3 +1194,52 @@ async fn an_output_message_says_its_finish_reason_in_the_conventions_words_the_a
     }
     app.stop().await;
 }
+
+/// OT-3: the attributes the conventions ask of an OpenAI call that the request says:
+/// `openai.api.type` (`chat_completions`, `responses`), `openai.request.service_tier` when one
+/// other than `auto` is asked for, and `gen_ai.conversation.id` for a Responses call that
+/// continues a conversation the provider stores.
+#[tokio::test]
+async fn an_openai_attempt_span_says_its_api_service_tier_and_conversation_ot3() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), traced(&receiver)).await;
+    let chat = json!({
+        "model": "gpt-4o-mini",
+        "service_tier": "flex",
+        "messages": [{"role": "user", "content": "which tier"}],
+    });
+    let responses = json!({
+        "model": "gpt-4o-mini",
+        "conversation": "conv_689667905b048191b4740501625afd940c7533ace33a2dab",
+        "service_tier": "auto",
+        "input": "which conversation",
+    });
+    let mut ids = Vec::new();
+    for (path, body) in [("/v1/chat/completions", chat), ("/v1/responses", responses)] {
+        let response = app.post(path, body.to_string(), &[]).await;
+        assert_eq!(response.status(), 200, "{path}");
+        ids.push(header(&response, "holdfast-request-id"));
+    }
+    let spans = receiver
+        .wait("the two attempts", |s| attempts(s).len() == 2)
+        .await;
+    let chat = attempt_of(&spans, &ids[0]);
+    assert_eq!(
+        chat.attr("openai.api.type"),
+        "chat_completions",
+        "{chat:#?}"
+    );
+    assert_eq!(chat.attr("openai.request.service_tier"), "flex");
+    assert!(chat.attr("gen_ai.conversation.id").is_null());
+    let responses = attempt_of(&spans, &ids[1]);
+    assert_eq!(responses.attr("openai.api.type"), "responses");
+    assert!(
+        responses.attr("openai.request.service_tier").is_null(),
+        "`auto` is not said: {responses:#?}"
+    );
+    assert_eq!(
+        responses.attr("gen_ai.conversation.id"),
+        "conv_689667905b048191b4740501625afd940c7533ace33a2dab"
+    );
+    app.stop().await;
+}
