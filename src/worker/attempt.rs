@@ -87,7 +87,7 @@ impl WorkerPool {
                 if cancelled {
                     trace.cancelled();
                 } else {
-                    trace.lost();
+                    self.end_lost(&lease, &record, trace).await;
                 }
             }
             return;
@@ -108,7 +108,9 @@ impl WorkerPool {
             }
             match &written {
                 Ok(Some(_)) => trace.end(&ending.outcome),
-                _ => trace.lost(),
+                Ok(None) => self.end_lost(&lease, &record, trace).await,
+                // The store failed: no read of it to wait for.
+                Err(_) => trace.lost(),
             }
         }
         match written {
@@ -129,6 +131,25 @@ impl WorkerPool {
                 // next poll.
                 self.hub.publish(lease.id, HubEvent::Changed);
             }
+        }
+    }
+
+    /// Ends the span of an attempt whose lease was lost: `cancelled` when the request's stored
+    /// outcome says a cancel took it from this attempt (one made on another node clears the
+    /// lease without reaching this node's attempt, LC-9), else `lease_lost`. One read of the
+    /// request, made only with traces on and only for a lost lease; none for a hand-back at
+    /// shutdown, and a read that fails says `lease_lost`.
+    async fn end_lost(&self, lease: &Lease, record: &RequestRecord, trace: AttemptSpan) {
+        let cancelled = !self.abandon.is_cancelled()
+            && matches!(
+                self.store.get(&record.namespace, record.id).await,
+                Ok(Some(now)) if now.attempts == lease.attempt
+                    && now.error.as_ref().is_some_and(|e| e.kind == ErrorType::Cancelled)
+            );
+        if cancelled {
+            trace.cancelled();
+        } else {
+            trace.lost();
         }
     }
 

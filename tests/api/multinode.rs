@@ -884,3 +884,34 @@ async fn a_stream_handed_back_at_shutdown_and_finished_on_another_node_is_two_li
         "attempt 2 links to the attempt handed back"
     );
 }
+
+/// OT-3, LC-9: a cancel made on another node clears the running attempt's lease; node A's
+/// attempt then ends without an outcome, and its span says `cancelled`, as for a cancel made
+/// on node A itself, not `lease_lost`: the request's stored error says who took it.
+#[tokio::test]
+async fn a_stream_cancelled_from_another_node_has_an_attempt_span_that_says_cancelled_ot3_lc9() {
+    let receiver = crate::traces::Receiver::start().await;
+    let (mut cluster, id) =
+        Cluster::traced_stream_on_node_a(&receiver.url, "", "cancel me from node B").await;
+    let b = cluster.add_node().await;
+    let cancelled = cluster
+        .http
+        .post(format!("{}/requests/{id}/cancel", cluster.base(b)))
+        .send()
+        .await
+        .expect("cancel");
+    assert_eq!(cancelled.status(), 200);
+    let spans = receiver
+        .wait("node A's attempt span", |s| {
+            crate::traces::attempts(s)
+                .iter()
+                .any(|s| s.attr("holdfast.request_id") == id.as_str())
+        })
+        .await;
+    let attempt = crate::traces::attempts(&spans)
+        .into_iter()
+        .find(|s| s.attr("holdfast.request_id") == id.as_str())
+        .unwrap();
+    assert_eq!(attempt.attr("holdfast.attempt"), 1);
+    assert_eq!(attempt.attr("error.type"), "cancelled", "{attempt:#?}");
+}
