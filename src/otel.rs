@@ -1225,10 +1225,14 @@ fn prompt(route: Route, body: &[u8], cap: usize) -> (String, Option<String>) {
                 .into_iter()
                 .flatten()
             {
-                let role = content
-                    .get("role")
-                    .and_then(|r| r.as_str())
-                    .unwrap_or("user");
+                // Said in the input schema's roles: the model's turns are `assistant`, the
+                // older API's function results `tool`.
+                let role = match content.get("role").and_then(|r| r.as_str()) {
+                    Some("model") => "assistant",
+                    Some("function") => "tool",
+                    Some(role) => role,
+                    None => "user",
+                };
                 let parts = content.get("parts").map(parts_of).unwrap_or_default();
                 out.push(serde_json::json!({"role": role, "parts": parts}));
             }
@@ -2196,6 +2200,23 @@ mod tests {
             assert_eq!(input.as_array().map(Vec::len), Some(1), "{name}: {input}");
             assert_eq!(input[0]["parts"][0]["content"], "hi", "{name}");
         }
+    }
+
+    /// OT-5: Gemini names the model's turns `model` (and the older function results
+    /// `function`): the input messages say them in the input schema's roles, `assistant` and
+    /// `tool`, as the other providers' messages do.
+    #[test]
+    fn a_gemini_prompts_turns_are_said_in_the_input_schemas_roles_ot5() {
+        let body = br#"{"contents":[{"role":"user","parts":[{"text":"weather?"}]},{"role":"model","parts":[{"functionCall":{"name":"get_weather","args":{}}}]},{"role":"function","parts":[{"functionResponse":{"name":"get_weather","response":{}}}]},{"parts":[{"text":"and tomorrow?"}]}]}"#;
+        let (input, _) = prompt(Route::GeminiGenerate, body, 100);
+        let input: serde_json::Value = serde_json::from_str(&input).unwrap();
+        let roles: Vec<&str> = input
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["user", "assistant", "tool", "user"]);
     }
 
     /// OT-5: Anthropic's `system`, a string or text blocks (with `cache_control`, as agents send
