@@ -265,6 +265,20 @@ impl Route {
         };
         Ok((self.answer_id_of_body(&parts), self.usage_of_body(&parts)))
     }
+
+    /// The usage a 2xx body reports that [`Route::check_answer`] refused as no answer: the
+    /// provider billed it all the same, so the failed attempt keeps it (RD-9), as a stream that
+    /// failed keeps what it reported. `None` when the body holds none it can read.
+    pub(crate) fn usage_of_refused_answer(self, body: &[u8]) -> Option<Usage> {
+        let members = serde_json::from_slice::<BTreeMap<Cow<'_, str>, &RawValue>>(body).ok()?;
+        let member = |name: &str| members.get(name).copied().filter(|v| v.get() != "null");
+        self.usage_of_body(&BodyParts {
+            id: None,
+            object: None,
+            usage: member("usage"),
+            usage_metadata: member("usageMetadata"),
+        })
+    }
 }
 
 /// `names` in backticks, the last joined with `word`: "`a`, `b` or `c`".

@@ -447,7 +447,8 @@ impl WorkerPool {
                     response_id,
                     usage,
                 },
-                // Kept on the record so the operator sees what came back; never replayed.
+                // Kept on the record so the operator sees what came back; never replayed. What
+                // it reports it cost is kept too: it was billed (RD-9).
                 Err(why) => Outcome::Failed {
                     error: ErrorInfo {
                         kind: ErrorType::UpstreamInvalid,
@@ -456,9 +457,9 @@ impl WorkerPool {
                         ),
                         status: Some(status),
                     },
+                    usage: route.usage_of_refused_answer(&body),
                     response: Some((status, body)),
                     upstream_request_id: request_id,
-                    usage: None,
                 },
             };
         }

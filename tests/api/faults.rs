@@ -1202,6 +1202,15 @@ async fn a_messages_answer_whose_content_is_not_an_array_of_blocks_is_upstream_i
         record["response"]["body"].to_string().contains("msg_str"),
         "{record}"
     );
+    // RD-9: the provider billed it; the failed attempt keeps what it reported.
+    assert_eq!(
+        (
+            &record["usage"]["input_tokens"],
+            &record["usage"]["output_tokens"]
+        ),
+        (&serde_json::json!(9), &serde_json::json!(3)),
+        "{record}"
+    );
 }
 
 /// LC-7, LC-11: a Messages stream says how the answer ended in `message_delta` (the stop
