@@ -589,7 +589,9 @@ impl AttemptSpan {
             attributes.push(KeyValue::new("gen_ai.output.messages", output));
         }
         // `error.type`: the stored error type of a failure; for a transient failure that is
-        // tried again, the provider's status, or `transient` when it gave none.
+        // tried again, the provider's error status, or `transient` when it gave none — or
+        // answered 2xx and then failed its stream before anything was stored (an error event, a
+        // broken read): a 2xx says the answer began, not what failed.
         let (usage, error) = match outcome {
             Outcome::Succeeded { usage, status, .. } => {
                 attributes.push(KeyValue::new("holdfast.status", i64::from(*status)));
@@ -612,6 +614,7 @@ impl AttemptSpan {
                 );
                 let kind = error
                     .status
+                    .filter(|s| *s >= 300)
                     .map_or_else(|| "transient".into(), |s| s.to_string());
                 attributes.push(KeyValue::new("error.type", kind));
                 (None, Some(error))

@@ -1243,3 +1243,50 @@ async fn an_openai_attempt_span_says_its_api_service_tier_and_conversation_ot3()
     );
     app.stop().await;
 }
+
+/// OT-3: a provider that answers 200 and then fails its stream before anything is stored (an
+/// error event, as Anthropic's `overloaded_error` or Google's quota chunk) is tried again; its
+/// attempt span's `error.type` is `transient`, never `200`: a 2xx is the status of an answer
+/// that began, not the class of the failure, and a dashboard grouping errors by type counted
+/// these under a success code.
+#[tokio::test]
+async fn a_retried_stream_that_failed_after_its_200_says_transient_not_200_ot3() {
+    let receiver = Receiver::start().await;
+    let provider = RawProvider::start(raw_200(
+        "text/event-stream",
+        "data: {\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\"}}\n\n",
+        false,
+    ))
+    .await;
+    let url = provider.base_url();
+    let app = spawn_app(MockConfig::default(), |c| {
+        use_backend_url(c, &url);
+        c.workers.max_attempts = 2;
+        traced(&receiver)(c);
+    })
+    .await;
+    let body = json!({
+        "model": "gpt-4o-mini",
+        "stream": true,
+        "messages": [{"role": "user", "content": "fail after the 200"}],
+    });
+    let response = app.chat(&body.to_string()).await;
+    let id = header(&response, "holdfast-request-id");
+    let _ = response.bytes().await;
+    let spans = receiver
+        .wait("two attempts", |s| attempts(s).len() == 2)
+        .await;
+    let mut tried = attempts(&spans);
+    tried.retain(|s| s.attr("holdfast.request_id") == id.as_str());
+    tried.sort_by_key(|s| s.attr("holdfast.attempt").as_i64());
+    assert_eq!(tried.len(), 2, "{spans:#?}");
+    assert_eq!(tried[0].attr("error.type"), "transient", "{:#?}", tried[0]);
+    assert_eq!(
+        tried[0].attr("holdfast.status"),
+        200,
+        "the status stays said"
+    );
+    assert_eq!(tried[1].attr("error.type"), "attempts_exhausted");
+    assert_eq!(provider.calls(), 2);
+    app.stop().await;
+}
