@@ -50,6 +50,9 @@ pub(crate) struct Handed {
 #[derive(Debug, Default)]
 pub(crate) struct Hub {
     channels: Mutex<HashMap<Uuid, Channel>>,
+    /// Woken whenever a subscription starts to take [`HubEvent::Logged`]: the chunk writer,
+    /// holding a commit that no such reader waited on, commits it at once (DU-7).
+    log_reader_joined: tokio::sync::Notify,
 }
 
 /// One request's channel.
@@ -121,6 +124,9 @@ impl Hub {
         });
         let reads_log = !from_creation;
         channel.log_readers += usize::from(reads_log);
+        if reads_log {
+            self.log_reader_joined.notify_waiters();
+        }
         Subscription {
             hub: Arc::clone(self),
             id,
@@ -140,6 +146,19 @@ impl Hub {
             // No receivers left is not an error: the last one is about to unsubscribe.
             let _ = channel.tx.send(event);
         }
+    }
+
+    /// Whether a subscriber of `id` takes [`HubEvent::Logged`]: a positioned reader follows
+    /// its log (RD-4), or a reader that lagged.
+    pub(crate) fn log_followed(&self, id: Uuid) -> bool {
+        let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        channels.get(&id).is_some_and(|c| c.log_readers > 0)
+    }
+
+    /// Resolves when a subscription next starts to take [`HubEvent::Logged`] (once polled or
+    /// enabled: a subscription made before that is not seen).
+    pub(crate) fn log_reader_joined(&self) -> tokio::sync::futures::Notified<'_> {
+        self.log_reader_joined.notified()
     }
 
     /// Number of requests with at least one subscriber.
@@ -173,6 +192,8 @@ impl Subscription {
                     if let Some(channel) = channels.get_mut(&self.id) {
                         channel.log_readers += 1;
                     }
+                    drop(channels);
+                    self.hub.log_reader_joined.notify_waiters();
                 }
                 HubEvent::Changed
             }

@@ -9,16 +9,21 @@
 //! while the writer commits them, within a bounded window (RS-11); the writer publishes them to
 //! positioned readers once committed (RD-4). While nobody waits on a commit but those readers,
 //! the writer holds it open briefly for more ([`MAX_HOLD`]), and tells the store so, which may
-//! hold it again with other writes (DU-7); an attempt that waits for what it handed on asks for
-//! the commit at once ([`ChunkWriter::flush`]). A stream's last batch, which
+//! hold it again with other writes (DU-7); while no positioned reader follows any of its
+//! streams either, it holds it longer ([`UNFOLLOWED_HOLD`]) and a stream's batches handed on
+//! meanwhile become one. An attempt that waits for what it handed on asks for the commit at
+//! once ([`ChunkWriter::flush`]). A stream's last batch, which
 //! ends it, is appended and waited for ([`ChunkWriter::append`]) and published only with the
 //! outcome (RS-12). A commit that fails is tried again for `write_retry_secs` ([`WriteRetry`],
 //! decisions 37, 52) before its batches are failed.
 
+use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::{debug, info, warn};
 
@@ -54,6 +59,15 @@ enum Queued {
 /// (issue 30): at most the last commit's duration, so a fast disk holds briefly.
 const MAX_HOLD: Duration = Duration::from_millis(2);
 
+/// Longest time the writer holds a commit open while, besides, no positioned reader follows
+/// any of its streams (DU-7): only the streams' own clients read them, and they took every
+/// event ahead of the log (RS-11). The log of such a stream lags it by at most this much, and a
+/// stream's batches handed on meanwhile are stored as one (one fenced seq reservation and one
+/// publish for several events; docs/benchmarks.md, lever 6). A positioned reader that starts
+/// following, a batch of a stream one follows, an attempt that waits and a stream's ending
+/// each shorten or end the hold.
+const UNFOLLOWED_HOLD: Duration = Duration::from_millis(50);
+
 /// Handle to the writer task. Cloning is cheap; the task ends when the last handle is dropped.
 #[derive(Clone, Debug)]
 pub struct ChunkWriter {
@@ -61,6 +75,11 @@ pub struct ChunkWriter {
     /// Ends a hold: someone waits on the next commit. Batches handed on during a hold only
     /// queue up, without waking the writer for each (issue 30).
     urgent: Arc<Notify>,
+    /// Shortens a long hold to a short one: a batch was handed on of a stream that a
+    /// positioned reader follows (DU-7).
+    followed: Arc<Notify>,
+    /// Where positioned readers subscribe: whether one follows a stream.
+    hub: Arc<Hub>,
 }
 
 /// A batch handed to the writer by [`ChunkWriter::hand_on`], until it is committed.
@@ -137,8 +156,18 @@ impl ChunkWriter {
     fn spawn_over(store: impl Appends, hub: Arc<Hub>, retry_for: Duration) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
         let urgent = Arc::new(Notify::new());
-        tokio::spawn(run(store, hub, rx, Arc::clone(&urgent), retry_for));
-        ChunkWriter { queue, urgent }
+        let followed = Arc::new(Notify::new());
+        let signals = Signals {
+            urgent: Arc::clone(&urgent),
+            followed: Arc::clone(&followed),
+        };
+        tokio::spawn(run(store, Arc::clone(&hub), rx, signals, retry_for));
+        ChunkWriter {
+            queue,
+            urgent,
+            followed,
+            hub,
+        }
     }
 
     /// Stores `batch` (in a shared transaction with whatever else is queued) and returns the
@@ -168,6 +197,7 @@ impl ChunkWriter {
         let (ack, done) = oneshot::channel();
         let events = batch.chunks.len();
         let bytes = batch.chunks.iter().map(|c| c.data.len()).sum();
+        let followed = self.hub.log_followed(batch.lease.id);
         self.queue
             .send(Queued::Batch {
                 batch,
@@ -175,6 +205,10 @@ impl ChunkWriter {
                 publish: true,
             })
             .map_err(|_| AppendError::Stopped)?;
+        // After the batch is queued: the writer takes what is queued only after it listens.
+        if followed {
+            self.followed.notify_waiters();
+        }
         Ok(Pending {
             done,
             events,
@@ -242,26 +276,103 @@ async fn append_timed(
     result
 }
 
-/// Adds `queued` to the group (a flush's ack to `flushes`); whether someone waits on its commit.
-fn take(
-    queued: Queued,
-    batches: &mut Vec<ChunkBatch>,
-    acks: &mut Vec<(Ack, bool)>,
-    flushes: &mut Vec<oneshot::Sender<()>>,
-) -> bool {
-    match queued {
-        Queued::Batch {
-            batch,
-            ack,
-            publish,
-        } => {
-            batches.push(batch);
-            acks.push((ack, publish));
-            !publish
+/// What the writer's next commit stores.
+#[derive(Default)]
+struct Group {
+    batches: Vec<ChunkBatch>,
+    /// For each batch, whom to tell (more than one when a stream's batches were stored as one)
+    /// and whether its chunks are published on the hub (handed on ahead of the log, RS-11).
+    acks: Vec<(Vec<Ack>, bool)>,
+    /// Each stream's last handed-on batch in `batches`, which the stream's next may join.
+    last_of: HashMap<uuid::Uuid, usize>,
+    /// Told once the group is settled; dropped (which tells them too) at the end of each round.
+    flushes: Vec<oneshot::Sender<()>>,
+}
+
+impl Group {
+    /// Adds `queued`; whether someone waits on the group's commit besides positioned readers.
+    /// A batch handed on right after the same attempt's last one in the group joins it (DU-7):
+    /// one seq reservation and one publish for both. A batch that names the provider's ids
+    /// stays apart, as does an appended one (a stream's ending, answered with its chunks).
+    fn take(&mut self, queued: Queued) -> bool {
+        let (batch, ack, publish) = match queued {
+            Queued::Batch {
+                batch,
+                ack,
+                publish,
+            } => (batch, ack, publish),
+            Queued::Flush(ack) => {
+                self.flushes.extend(ack);
+                return true;
+            }
+        };
+        let id = batch.lease.id;
+        if !publish {
+            self.last_of.remove(&id);
+        } else if batch.upstream_request_id.is_none()
+            && batch.response_id.is_none()
+            && let Some(&i) = self.last_of.get(&id)
+            && let last = &mut self.batches[i]
+            && last.lease == batch.lease
+            && i64::try_from(last.chunks.len()).is_ok_and(|n| last.after + n == batch.after)
+        {
+            last.chunks.extend(batch.chunks);
+            if batch.usage.is_some() {
+                last.usage = batch.usage;
+            }
+            self.acks[i].0.push(ack);
+            return false;
+        } else {
+            self.last_of.insert(id, self.batches.len());
         }
-        Queued::Flush(ack) => {
-            flushes.extend(ack);
-            true
+        self.batches.push(batch);
+        self.acks.push((vec![ack], publish));
+        !publish
+    }
+
+    /// Takes what is queued now, up to [`MAX_BATCHES_PER_COMMIT`]; whether any of it is waited on.
+    fn take_queued(&mut self, rx: &mut mpsc::UnboundedReceiver<Queued>) -> bool {
+        let mut awaited = false;
+        while self.batches.len() < MAX_BATCHES_PER_COMMIT {
+            match rx.try_recv() {
+                Ok(queued) => awaited |= self.take(queued),
+                Err(_) => break,
+            }
+        }
+        awaited
+    }
+}
+
+/// What shortens or ends the writer's hold ([`ChunkWriter`]).
+struct Signals {
+    urgent: Arc<Notify>,
+    followed: Arc<Notify>,
+}
+
+/// DU-7: holds the commit of a group nobody waits on open for more, as long as `long` says;
+/// what arrives meanwhile queues up. Returns early when someone waits on the commit
+/// (`urgent`), or a positioned reader starts following a stream (`joined`); a batch handed on
+/// of a followed stream (`followed`) shortens a long hold to `short`. `joined` and `followed`
+/// listen from before the group took what was queued, so nothing falls between.
+async fn hold(
+    urgent: &Notify,
+    mut followed: Pin<&mut Notified<'_>>,
+    mut joined: Pin<&mut Notified<'_>>,
+    long: bool,
+    short: Duration,
+) {
+    let started = tokio::time::Instant::now();
+    let mut until = started + if long { UNFOLLOWED_HOLD } else { short };
+    let mut long = long;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep_until(until) => return,
+            () = urgent.notified() => return,
+            () = joined.as_mut(), if long => return,
+            () = followed.as_mut(), if long => {
+                long = false;
+                until = until.min(started + short);
+            }
         }
     }
 }
@@ -270,14 +381,10 @@ async fn run(
     store: impl Appends,
     hub: Arc<Hub>,
     mut rx: mpsc::UnboundedReceiver<Queued>,
-    urgent: Arc<Notify>,
+    signals: Signals,
     retry_for: Duration,
 ) {
-    let mut batches = Vec::new();
-    let mut acks = Vec::new();
-    // Told once the group they joined is settled; dropped (which tells them too) at the end of
-    // each round.
-    let mut flushes = Vec::new();
+    let mut group = Group::default();
     // Set while commits fail: one window from the first failure covers every group that
     // fails meanwhile, so no stream waits longer than that window for the database.
     let mut failing: Option<WriteRetry> = None;
@@ -285,61 +392,56 @@ async fn run(
     let mut last_commit = Duration::ZERO;
     while let Some(queued) = rx.recv().await {
         // Whether someone waits on this commit: an appended batch, or a flush.
-        let mut awaited = take(queued, &mut batches, &mut acks, &mut flushes);
-        while batches.len() < MAX_BATCHES_PER_COMMIT {
-            match rx.try_recv() {
-                Ok(queued) => awaited |= take(queued, &mut batches, &mut acks, &mut flushes),
-                Err(_) => break,
-            }
-        }
+        let mut awaited = group.take(queued);
+        let followed = signals.followed.notified();
+        let joined = hub.log_reader_joined();
+        tokio::pin!(followed, joined);
+        followed.as_mut().enable();
+        joined.as_mut().enable();
+        awaited |= group.take_queued(&mut rx);
         // Only handed-on batches wait, and only positioned readers wait on them: hold the
-        // commit open a little for more, so that a commit carries many events (issue 30).
-        // What is handed on meanwhile queues up without waking the writer; an awaited append
-        // or a flush ends the hold.
-        if !awaited && !batches.is_empty() && batches.len() < MAX_BATCHES_PER_COMMIT {
-            let hold = last_commit.min(MAX_HOLD);
-            tokio::select! {
-                () = tokio::time::sleep(hold) => {}
-                () = urgent.notified() => {}
-            }
-            while batches.len() < MAX_BATCHES_PER_COMMIT {
-                match rx.try_recv() {
-                    Ok(queued) => awaited |= take(queued, &mut batches, &mut acks, &mut flushes),
-                    Err(_) => break,
-                };
-            }
+        // commit open for more, so that a commit carries many events (issue 30), and longer
+        // while no positioned reader follows any of these streams (DU-7). What is handed on
+        // meanwhile queues up without waking the writer; an awaited append or a flush ends
+        // the hold.
+        if !awaited && !group.batches.is_empty() && group.batches.len() < MAX_BATCHES_PER_COMMIT {
+            let long = !group.batches.iter().any(|b| hub.log_followed(b.lease.id));
+            let short = last_commit.min(MAX_HOLD);
+            hold(&signals.urgent, followed, joined, long, short).await;
+            awaited |= group.take_queued(&mut rx);
         }
-        if batches.is_empty() {
-            flushes.clear();
+        if group.batches.is_empty() {
+            group.flushes.clear();
             continue;
         }
         let started = tokio::time::Instant::now();
-        let mut result = append_timed(&store, &batches, awaited).await;
+        let mut result = append_timed(&store, &group.batches, awaited).await;
         if let Err(e) = &result
             && is_transient(e)
         {
             let retry = failing.get_or_insert_with(|| WriteRetry::new(retry_for));
             let mut tries = 1;
             if retry.is_spent() {
-                warn!(error = %e, batches = batches.len(), "chunk commit failed, and commits have failed for a lease length");
+                warn!(error = %e, batches = group.batches.len(), "chunk commit failed, and commits have failed for a lease length");
             } else {
-                warn!(error = %e, batches = batches.len(), "chunk commit failed; retrying");
+                warn!(error = %e, batches = group.batches.len(), "chunk commit failed; retrying");
             }
             while retry.wait().await {
                 // Batches whose attempt has ended (its lease lost meanwhile) are not worth a try.
-                let open: Vec<_> = batches
+                let open: Vec<_> = group
+                    .batches
                     .drain(..)
-                    .zip(acks.drain(..))
-                    .filter(|(_, (ack, _))| !ack.is_closed())
+                    .zip(group.acks.drain(..))
+                    .filter(|(_, (acks, _))| acks.iter().any(|ack| !ack.is_closed()))
                     .collect();
-                (batches, acks) = open.into_iter().unzip();
-                if batches.is_empty() {
+                (group.batches, group.acks) = open.into_iter().unzip();
+                if group.batches.is_empty() {
                     break;
                 }
                 tries += 1;
                 metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "chunks").increment(1);
                 // A retry commits at once: these batches have waited a failure already.
-                result = append_timed(&store, &batches, true).await;
+                result = append_timed(&store, &group.batches, true).await;
                 match &result {
                     Ok(_) => break,
                     Err(e) if is_transient(e) => {
@@ -357,29 +459,44 @@ async fn run(
         match result {
             Ok(stored) => {
                 failing = None;
-                for (((ack, publish), chunks), batch) in acks.drain(..).zip(stored).zip(&batches) {
+                for (((acks, publish), chunks), batch) in
+                    group.acks.drain(..).zip(stored).zip(&group.batches)
+                {
                     // A dropped receiver is an attempt that was abandoned meanwhile.
-                    let _ = match chunks {
+                    match chunks {
                         Some(chunks) if publish => {
                             let id = batch.lease.id;
                             hub.publish(id, HubEvent::Logged(Arc::new(chunks)));
-                            ack.send(Ok(Some(Vec::new())))
+                            for ack in acks {
+                                let _ = ack.send(Ok(Some(Vec::new())));
+                            }
                         }
-                        chunks => ack.send(Ok(chunks)),
-                    };
+                        chunks => {
+                            let mut acks = acks.into_iter();
+                            let last = acks.next_back();
+                            for ack in acks {
+                                let _ = ack.send(Ok(chunks.clone()));
+                            }
+                            if let Some(ack) = last {
+                                let _ = ack.send(Ok(chunks));
+                            }
+                        }
+                    }
                 }
             }
             Err(e) => {
+                let acks: Vec<Ack> = group.acks.drain(..).flat_map(|(acks, _)| acks).collect();
                 metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "chunks")
                     .increment(acks.len() as u64);
                 let e = Arc::new(e);
-                for (ack, _) in acks.drain(..) {
+                for ack in acks {
                     let _ = ack.send(Err(Arc::clone(&e)));
                 }
             }
         }
-        batches.clear();
-        flushes.clear();
+        group.batches.clear();
+        group.last_of.clear();
+        group.flushes.clear();
     }
 }
 
@@ -397,6 +514,8 @@ mod tests {
         calls: Mutex<Vec<usize>>,
         /// Whether each call was awaited (else the store may hold it, DU-7).
         awaited: Mutex<Vec<bool>>,
+        /// The chunks of each batch of each call.
+        chunks: Mutex<Vec<Vec<usize>>>,
         called: Notify,
         took: Duration,
     }
@@ -409,6 +528,10 @@ mod tests {
         ) -> BoxFuture<'a, Result<Vec<Option<Vec<Chunk>>>, StoreError>> {
             Box::pin(async move {
                 self.awaited.lock().unwrap().push(awaited);
+                self.chunks
+                    .lock()
+                    .unwrap()
+                    .push(batches.iter().map(|b| b.chunks.len()).collect());
                 let n = {
                     let mut calls = self.calls.lock().unwrap();
                     calls.push(batches.len());
@@ -439,6 +562,7 @@ mod tests {
             fail: Box::new(fail),
             calls: Mutex::default(),
             awaited: Mutex::default(),
+            chunks: Mutex::default(),
             called: Notify::new(),
             took: Duration::ZERO,
         })
@@ -533,6 +657,101 @@ mod tests {
         // With nothing handed on, it returns without a commit.
         writer.settle_handed_on().await;
         assert_eq!(calls(&store), vec![1, 2, 1]);
+    }
+
+    /// A batch of one event for `lease`, following seq `after`.
+    fn next_of(lease: &Lease, after: i64, text: &str) -> ChunkBatch {
+        ChunkBatch {
+            lease: lease.clone(),
+            after,
+            ..batch(text)
+        }
+    }
+
+    /// DU-7: while no positioned reader follows a stream, its commit is held for up to
+    /// UNFOLLOWED_HOLD, and the batches it hands on meanwhile are stored as one; a batch that
+    /// does not follow the last (another attempt, a gap) stays apart.
+    #[tokio::test(start_paused = true)]
+    async fn a_streams_batches_handed_on_while_no_reader_follows_it_are_held_longer_and_stored_as_one_du7()
+     {
+        let store = taking(Duration::from_millis(1));
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
+        let lease = batch("a").lease;
+        writer
+            .hand_on(next_of(&lease, 0, "a"))
+            .unwrap()
+            .stored()
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let b = writer.hand_on(next_of(&lease, 1, "b")).unwrap();
+        // Past the short hold (at most 2 ms), within the long one.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let c = writer.hand_on(next_of(&lease, 2, "c")).unwrap();
+        let other = writer.hand_on(batch("other")).unwrap();
+        let gap = writer.hand_on(next_of(&lease, 9, "gap")).unwrap();
+        b.stored().await.unwrap();
+        c.stored().await.unwrap();
+        other.stored().await.unwrap();
+        assert!(gap.stored().await.is_ok());
+        assert_eq!(
+            started.elapsed(),
+            UNFOLLOWED_HOLD + Duration::from_millis(1),
+            "held for the long hold, then committed"
+        );
+        assert_eq!(
+            *store.chunks.lock().unwrap(),
+            vec![vec![1], vec![2, 1, 1]],
+            "b and c as one batch; another stream's and the one after a gap apart"
+        );
+    }
+
+    /// DU-7: a stream a positioned reader follows keeps the short hold (at most the last
+    /// commit's duration), also when it joins a long hold begun for other streams; and a reader
+    /// that starts following ends a long hold at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_a_positioned_reader_follows_is_committed_within_the_short_hold_du7() {
+        let store = taking(Duration::from_millis(1));
+        let hub = Hub::new();
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Arc::clone(&hub), Duration::from_secs(1));
+        writer.hand_on(batch("a")).unwrap().stored().await.unwrap();
+        let followed = batch("followed");
+        let _reader = hub.subscribe(followed.lease.id);
+        let started = tokio::time::Instant::now();
+        writer.hand_on(followed).unwrap().stored().await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(2),
+            "the last commit's 1 ms of hold, and its own 1 ms"
+        );
+
+        // A long hold begun for a stream nobody follows, joined by one somebody does.
+        let started = tokio::time::Instant::now();
+        let unfollowed = writer.hand_on(batch("unfollowed")).unwrap();
+        tokio::time::sleep(Duration::from_micros(500)).await;
+        let also = batch("also followed");
+        let _also_reader = hub.subscribe(also.lease.id);
+        let also = writer.hand_on(also).unwrap();
+        also.stored().await.unwrap();
+        unfollowed.stored().await.unwrap();
+        assert_eq!(started.elapsed(), Duration::from_millis(2), "shortened");
+
+        // A long hold, ended by a reader that starts following.
+        let started = tokio::time::Instant::now();
+        let later = batch("later");
+        let id = later.lease.id;
+        let later = writer.hand_on(later).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let _late_reader = hub.subscribe(id);
+        later.stored().await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(6),
+            "ended when the reader came, 5 ms in"
+        );
+        assert_eq!(calls(&store), vec![1, 1, 2, 1]);
     }
 
     fn calls(store: &Scripted) -> Vec<usize> {
