@@ -98,7 +98,7 @@ pub struct Config {
     pub ui: bool,
     /// `[otel]`: OpenTelemetry traces (OT-1..OT-6), off by default.
     pub otel: Otel,
-    /// Signed webhooks when a request finishes (CB-1..CB-6).
+    /// Signed webhooks when a request finishes (CB-1..CB-7).
     pub callbacks: Callbacks,
 }
 
@@ -132,6 +132,11 @@ pub struct Callbacks {
     pub poll_interval_ms: u64,
     /// Tries in flight at once on this node.
     pub concurrency: usize,
+    /// One namespace's share of `concurrency` (CB-7): a lease gives each configured namespace
+    /// up to this many tries in flight on this node first; what is left goes to the oldest due
+    /// of any namespace, but for this many slots kept free for the next namespace when more
+    /// than one is configured. Taken as `concurrency` when larger.
+    pub concurrency_per_namespace: usize,
 }
 
 impl Default for Callbacks {
@@ -148,6 +153,7 @@ impl Default for Callbacks {
             give_up_after_secs: 86_400,
             poll_interval_ms: 1_000,
             concurrency: 64,
+            concurrency_per_namespace: 8,
         }
     }
 }
@@ -863,6 +869,10 @@ impl Config {
             ("callbacks.give_up_after_secs", c.give_up_after_secs),
             ("callbacks.poll_interval_ms", c.poll_interval_ms),
             ("callbacks.concurrency", c.concurrency as u64),
+            (
+                "callbacks.concurrency_per_namespace",
+                c.concurrency_per_namespace as u64,
+            ),
         ];
         for (key, value) in positive {
             if value == 0 {

@@ -71,7 +71,7 @@
 //! - [`sse`]: the event-stream parser and encoder.
 //! - `ledger`: prices, costs and what deduplication saved (docs/usage.md).
 //! - `callback`: signed webhooks when a request finishes, leased and retried from the log
-//!   (CB-1..CB-6).
+//!   (CB-1..CB-7).
 //! - `hub`: in-process fan-out of chunks and settled records to waiting readers.
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).

@@ -1,4 +1,4 @@
-//! Callbacks (SPEC CB-1..CB-6): a signed webhook when a request finishes, delivered from the
+//! Callbacks (SPEC CB-1..CB-7): a signed webhook when a request finishes, delivered from the
 //! log.
 //!
 //! The delivery is a row of the store written with the request (CB-1); it falls due in the
@@ -7,12 +7,14 @@
 //! outcome fenced on the try's lease — renders the record (`http` renders it, through
 //! [`Render`]), signs it ([`sign`]) and sends it with a client that refuses internal addresses
 //! after resolving them ([`safety`]). A node that dies mid-try leaves its lease to expire; the
-//! next lease sends the same `webhook-id` again.
+//! next lease sends the same `webhook-id` again. Each namespace has its share of the node's
+//! slots ([`Deliverer::quota`], CB-7), so a receiver that hangs delays only its own tenant.
 
 mod safety;
 mod sign;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -23,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::config::{Config, ConfigError};
-use crate::store::{CallbackLease, CallbackOutcome, DynStore, StoreError, now_ms};
+use crate::store::{CallbackLease, CallbackOutcome, CallbackQuota, DynStore, StoreError, now_ms};
 
 pub(crate) use safety::{Allow, check_url};
 
@@ -84,6 +86,38 @@ pub(crate) struct Deliverer {
     render: Render,
     client: reqwest::Client,
     allow: Allow,
+    /// This node's tries in flight per namespace (CB-7): a try's [`InFlight`] counts it from its
+    /// lease until its task ends, however it ends.
+    in_flight: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+/// One try counted in [`Deliverer::in_flight`] while it lives.
+struct InFlight {
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+    namespace: String,
+}
+
+impl InFlight {
+    fn new(counts: &Arc<Mutex<HashMap<String, usize>>>, namespace: &str) -> InFlight {
+        let mut held = counts.lock().unwrap_or_else(PoisonError::into_inner);
+        *held.entry(namespace.to_string()).or_default() += 1;
+        InFlight {
+            counts: Arc::clone(counts),
+            namespace: namespace.to_string(),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut held = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = held.get_mut(&self.namespace) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.namespace);
+            }
+        }
+    }
 }
 
 impl Deliverer {
@@ -112,6 +146,7 @@ impl Deliverer {
             render,
             client,
             allow,
+            in_flight: Arc::default(),
         })
     }
 
@@ -123,8 +158,9 @@ impl Deliverer {
     }
 
     /// Leases and sends due callbacks until `shutdown`, at most `[callbacks] concurrency` at
-    /// once, looking for due ones every `poll_interval_ms` (at once again while it finds a full
-    /// batch). Tries in flight at shutdown are dropped: their leases expire and another lease
+    /// once and each namespace its share first ([`Deliverer::quota`], CB-7), looking for due
+    /// ones every `poll_interval_ms` (at once again while it finds a full batch, and when a try
+    /// ends). Tries in flight at shutdown are dropped: their leases expire and another lease
     /// sends them again (CB-4).
     pub(crate) async fn run(self, shutdown: CancellationToken) {
         let this = Arc::new(self);
@@ -137,9 +173,10 @@ impl Deliverer {
             let free = permits.available_permits();
             let mut full = false;
             if free > 0 {
+                let quota = this.quota(free);
                 match this
                     .store
-                    .lease_callbacks(&prefix, now_ms(), this.lease_ms(), free)
+                    .lease_callbacks(&prefix, now_ms(), this.lease_ms(), &quota)
                     .await
                 {
                     Ok(leases) => {
@@ -148,9 +185,11 @@ impl Deliverer {
                             let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
                                 break;
                             };
+                            let counted = InFlight::new(&this.in_flight, &lease.namespace);
                             let this = Arc::clone(&this);
                             tries.spawn(async move {
                                 this.deliver(lease).await;
+                                drop(counted);
                                 drop(permit);
                             });
                         }
@@ -168,6 +207,40 @@ impl Deliverer {
             }
         }
         tries.shutdown().await;
+    }
+
+    /// What a lease for `free` slots may take (CB-7): each configured namespace (`default`
+    /// without `[[namespaces]]`) up to its share, `concurrency_per_namespace` less its tries
+    /// in flight on this node; then what is left, to the oldest due of any namespace (one no
+    /// longer configured too), but for a share's worth kept free when more than one namespace
+    /// is configured. A try in flight cannot be taken back, so a namespace whose receiver
+    /// hangs holds at most its share and what it borrowed, never the next one's share; a
+    /// namespace alone may use every slot.
+    fn quota(&self, free: usize) -> CallbackQuota {
+        let c = &self.config.callbacks;
+        let share = c.concurrency_per_namespace.min(c.concurrency);
+        let held = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let share_of = |namespace: &str| {
+            let n = share.saturating_sub(held.get(namespace).copied().unwrap_or(0));
+            (namespace.to_string(), n.min(free))
+        };
+        let shares = if self.config.namespaces.is_empty() {
+            vec![share_of("default")]
+        } else {
+            self.config
+                .namespaces
+                .iter()
+                .map(|n| share_of(&n.name))
+                .collect()
+        };
+        CallbackQuota {
+            keep_free: if shares.len() > 1 { share } else { 0 },
+            shares,
+            limit: free,
+        }
     }
 
     /// One try of `lease`, its outcome recorded under the lease.
@@ -362,6 +435,7 @@ mod tests {
             attempt: 1,
             url: url.into(),
             finished_at: now_ms(),
+            namespace: "default".into(),
         }
     }
 

@@ -17,7 +17,7 @@ pub mod postgres;
 mod rules;
 pub mod sqlite;
 
-pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackState};
+pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackQuota, CallbackState};
 pub(crate) use rules::holds_outcome;
 pub use rules::{end_chunk, end_data, failure_releases_claim};
 
@@ -1108,18 +1108,22 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the database fails.
     async fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError>;
 
-    /// Leases up to `limit` due callbacks (CB-4): of terminal requests, `next_try_at` passed,
-    /// no live lease (an expired one is taken over). Each gets `attempts + 1` and an owner unique
-    /// to the try, `owner_prefix/<request id>`, until `now + lease_ms`. Oldest due first.
+    /// Leases up to `quota.limit` due callbacks (CB-4): of terminal requests, `next_try_at`
+    /// passed, no live lease (an expired one is taken over). Each gets `attempts + 1` and an
+    /// owner unique to the try, `owner_prefix/<request id>`, until `now + lease_ms`. First each
+    /// namespace of `quota.shares` its oldest due, up to its share, the oldest of them all
+    /// when the shares exceed the limit; then [`CallbackQuota::lendable`] more of the oldest
+    /// due of any namespace (CB-7). Reads about as many rows as it leases, not the backlog.
     ///
     /// # Errors
-    /// [`StoreError`] when the database fails; nothing was leased then.
+    /// [`StoreError`] when the database fails; nothing was leased then (PostgreSQL: the first
+    /// step's leases stand when the second fails, and are returned then).
     async fn lease_callbacks(
         &self,
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &CallbackQuota,
     ) -> Result<Vec<CallbackLease>, StoreError>;
 
     /// Records a try's outcome, fenced on its lease: `false` when the lease was lost (taken

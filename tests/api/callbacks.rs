@@ -928,3 +928,66 @@ async fn a_webhook_with_bodies_holding_a_number_beyond_a_doubles_range_is_delive
     assert_eq!(got[0].body["data"]["request"]["body"], body);
     app.stop().await;
 }
+
+/// CB-7: a namespace whose receiver never answers holds at most its share of the node's
+/// delivery slots, plus what it borrows while a share's worth stays free, so another
+/// namespace's webhooks are delivered at once, not after the slow receiver's tries time out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_never_answers_does_not_delay_another_namespaces_webhooks_cb7() {
+    let slow = Receiver::start(|_| Answer::Hang).await;
+    let fast = Receiver::start(|_| Answer::Status(204)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        callback_config(c);
+        c.namespaces = two_namespaces("a", "b");
+        // A try of the slow receiver outlasts the test.
+        c.callbacks.timeout_ms = 120_000;
+        c.callbacks.concurrency = 4;
+        c.callbacks.concurrency_per_namespace = 1;
+    })
+    .await;
+    // Namespace a alone: its share (1) and every slot but a share's worth borrowed (2).
+    send_with_callbacks(&app, "key-a", &slow.url, 6).await;
+    slow.wait_for(3, Duration::from_secs(10)).await;
+    // Namespace b's three webhooks go through the slot kept free, long before any of a's
+    // tries would end.
+    send_with_callbacks(&app, "key-b", &fast.url, 3).await;
+    fast.wait_for(3, Duration::from_secs(5)).await;
+    assert_eq!(
+        slow.deliveries().len(),
+        3,
+        "a borrows no slot while b could need it"
+    );
+    app.stop().await;
+}
+
+/// CB-7: without `[[namespaces]]` everyone is `default`, alone: its receiver may hold every
+/// slot, none is kept for a namespace that does not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_alone_may_use_every_delivery_slot_cb7() {
+    let slow = Receiver::start(|_| Answer::Hang).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        callback_config(c);
+        c.callbacks.timeout_ms = 120_000;
+        c.callbacks.concurrency = 4;
+        c.callbacks.concurrency_per_namespace = 1;
+    })
+    .await;
+    send_with_callbacks(&app, "unused", &slow.url, 5).await;
+    slow.wait_for(4, Duration::from_secs(10)).await;
+    app.stop().await;
+}
+
+/// Sends `n` chats with key `key`, each with its webhook to `url`; each must answer 200.
+async fn send_with_callbacks(app: &TestApp, key: &str, url: &str, n: usize) {
+    for i in 0..n {
+        let r = chat_with_callback(
+            &app.http,
+            &app.base,
+            &chat_body(&format!("{key} {i}")),
+            url,
+            &[("authorization", &format!("Bearer {key}"))],
+        )
+        .await;
+        assert_eq!(r.status(), 200, "{key} {i}");
+    }
+}

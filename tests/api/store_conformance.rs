@@ -20,9 +20,9 @@ use holdfast::provider::Route;
 use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease, LeaseTo,
-    Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage, end_chunk,
-    end_data,
+    CallbackQuota, Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease,
+    LeaseTo, Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage,
+    end_chunk, end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -228,6 +228,7 @@ conformance!(
     nul_characters_in_text_never_fail_a_write_in2,
     a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6,
     racing_callback_leasers_never_share_a_delivery_cb4,
+    a_callback_lease_takes_each_namespaces_share_first_then_lends_the_oldest_due_cb7,
     a_callback_falls_due_however_its_request_ends_cb4,
     attachments_added_after_a_request_finished_are_reported_late_rd9_du6,
 );
@@ -2765,7 +2766,7 @@ async fn prune_keeps_a_request_whose_webhook_delivery_is_pending_until_no_try_is
             .expect("finish");
     }
     let mut leases = store
-        .lease_callbacks("n1", T0 + 10, 1_000, 10)
+        .lease_callbacks("n1", T0 + 10, 1_000, &CallbackQuota::any(10))
         .await
         .expect("lease");
     leases.sort_by_key(|l| l.request_id);
@@ -3222,7 +3223,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     let c = create(&store, by_hash("cb none", T0 + 2)).await;
     assert!(
         store
-            .lease_callbacks("n1", T0 + 3, 1_000, 10)
+            .lease_callbacks("n1", T0 + 3, 1_000, &CallbackQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -3269,7 +3270,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     assert_eq!(callback_of(&store, a.id).await.url, "http://a.example/hook");
 
     let mut leases = store
-        .lease_callbacks("n1", T0 + 10, 1_000, 10)
+        .lease_callbacks("n1", T0 + 10, 1_000, &CallbackQuota::any(10))
         .await
         .expect("lease");
     leases.sort_by_key(|l| l.request_id);
@@ -3283,7 +3284,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     assert_eq!(leases[0].owner, format!("n1/{}", a.id));
     assert!(
         store
-            .lease_callbacks("n2", T0 + 11, 1_000, 10)
+            .lease_callbacks("n2", T0 + 11, 1_000, &CallbackQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -3316,7 +3317,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     );
     assert!(
         store
-            .lease_callbacks("n1", T0 + 50, 1_000, 10)
+            .lease_callbacks("n1", T0 + 50, 1_000, &CallbackQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -3325,7 +3326,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
 
     // b's lease expired (at T0 + 1010): taken over as try 2, and a is due again.
     let mut again = store
-        .lease_callbacks("n2", T0 + 1_011, 1_000, 10)
+        .lease_callbacks("n2", T0 + 1_011, 1_000, &CallbackQuota::any(10))
         .await
         .expect("lease");
     again.sort_by_key(|l| l.request_id);
@@ -3373,7 +3374,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     );
     assert!(
         store
-            .lease_callbacks("n3", T0 + 999_999, 1_000, 10)
+            .lease_callbacks("n3", T0 + 999_999, 1_000, &CallbackQuota::any(10))
             .await
             .expect("lease")
             .is_empty()
@@ -3410,7 +3411,90 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     );
 }
 
-/// CB-4: leasers racing on many due deliveries take each exactly once.
+/// CB-7: a lease takes each namespace's oldest due deliveries up to its share first (the
+/// oldest of them all when the shares exceed the limit), lends nothing of the slots it keeps
+/// free, and lends the rest to the oldest due of any namespace, one no longer configured too.
+/// A delivery in flight is not taken again; each lease names its namespace.
+async fn a_callback_lease_takes_each_namespaces_share_first_then_lends_the_oldest_due_cb7(
+    store: DynStore,
+) {
+    let mut made = Vec::new();
+    for (namespace, i) in [
+        ("a", 0),
+        ("a", 1),
+        ("a", 2),
+        ("a", 3),
+        ("a", 4),
+        ("b", 5),
+        ("c", 6),
+    ] {
+        let r = create(
+            &store,
+            with_callback(
+                by_hash_in(namespace, &format!("share {namespace}{i}"), T0 + i),
+                &format!("http://{namespace}.example/hook"),
+            ),
+        )
+        .await;
+        store
+            .cancel(namespace, r.id, T0 + 10)
+            .await
+            .expect("cancel");
+        made.push((namespace, r.id));
+    }
+    let a: Vec<Uuid> = made.iter().filter(|m| m.0 == "a").map(|m| m.1).collect();
+    let (b, c) = (made[5].1, made[6].1);
+    let quota = |shares: &[(&str, usize)], limit: usize, keep_free: usize| CallbackQuota {
+        shares: shares.iter().map(|(n, k)| ((*n).to_string(), *k)).collect(),
+        limit,
+        keep_free,
+    };
+    let made = &made;
+    let lease = |quota: CallbackQuota, now: Millis| {
+        let store = Arc::clone(&store);
+        async move {
+            let leases = store
+                .lease_callbacks("n1", now, 60_000, &quota)
+                .await
+                .expect("lease");
+            for l in &leases {
+                let namespace = made.iter().find(|m| m.1 == l.request_id).expect("made").0;
+                assert_eq!(l.namespace, namespace, "the lease names its namespace");
+            }
+            let mut ids: Vec<Uuid> = leases.iter().map(|l| l.request_id).collect();
+            ids.sort();
+            ids
+        }
+    };
+
+    assert_eq!(
+        lease(quota(&[("b", 2), ("a", 2)], 2, 0), T0 + 20).await,
+        vec![a[0], a[1]],
+        "shares beyond the limit: the oldest of what they take"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 2), ("b", 2)], 5, 2), T0 + 21).await,
+        vec![a[2], a[3], b],
+        "each share; the two slots left are kept free, not lent"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 0), ("b", 2)], 1, 0), T0 + 22).await,
+        vec![a[4]],
+        "a's share is in flight and b has nothing due: lent to the oldest due"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 2), ("b", 2)], 10, 0), T0 + 23).await,
+        vec![c],
+        "a namespace no longer configured gets what is lent"
+    );
+    assert!(
+        lease(CallbackQuota::any(10), T0 + 24).await.is_empty(),
+        "each delivery is in flight once"
+    );
+}
+
+/// CB-4: leasers racing on many due deliveries take each exactly once, through a namespace's
+/// share and through what is lent (CB-7).
 async fn racing_callback_leasers_never_share_a_delivery_cb4(store: DynStore) {
     let mut ids = HashSet::new();
     for i in 0..40 {
@@ -3428,9 +3512,14 @@ async fn racing_callback_leasers_never_share_a_delivery_cb4(store: DynStore) {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             let mut got = Vec::new();
+            let quota = CallbackQuota {
+                shares: vec![(NS.to_string(), 2)],
+                limit: 3,
+                keep_free: 0,
+            };
             for _ in 0..10 {
                 let leases = store
-                    .lease_callbacks(&format!("n{n}"), T0 + 2, 60_000, 3)
+                    .lease_callbacks(&format!("n{n}"), T0 + 2, 60_000, &quota)
                     .await
                     .expect("lease");
                 got.extend(leases.into_iter().map(|l| l.request_id));
@@ -3499,7 +3588,7 @@ async fn a_callback_falls_due_however_its_request_ends_cb4(store: DynStore) {
     store.finish(&l, retry, T0 + 10).await.expect("finish");
 
     let mut leased: Vec<Uuid> = store
-        .lease_callbacks("n", T0 + LEASE_MS + 100, 1_000, 50)
+        .lease_callbacks("n", T0 + LEASE_MS + 100, 1_000, &CallbackQuota::any(50))
         .await
         .expect("lease")
         .iter()

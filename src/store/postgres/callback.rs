@@ -4,17 +4,45 @@
 //! `callbacks` row, never a request or a claim, so they take no part in the lock order.
 
 use sqlx::Row;
+use sqlx::postgres::PgRow;
 use uuid::Uuid;
 
 use super::PostgresStore;
 use super::sql::{corrupt, opt_text};
 use crate::store::callback::callback_of;
-use crate::store::{Callback, CallbackLease, CallbackOutcome, Millis, StoreError};
+use crate::store::{Callback, CallbackLease, CallbackOutcome, CallbackQuota, Millis, StoreError};
 
-/// Leases up to `$4` due callbacks (of terminal requests, next try passed, no live lease) to
-/// `$2/<request id>` until `$1 + $3`. `SKIP LOCKED`: nodes leasing at once take different rows,
-/// and a row another node leased meanwhile is re-checked on its new version (LC-2's pattern).
-const LEASE_SQL: &str = "WITH due AS (
+/// Leases the oldest due callbacks (of terminal requests, next try passed, no live lease) of
+/// the namespaces `$4`, up to `$5` of each (their shares, CB-7), and of those at most `$6`,
+/// oldest due first, to `$2/<request id>` until `$1 + $3`. Each namespace's are read in order
+/// from `callbacks_namespace_due`, so the statement reads about as many rows as its shares
+/// take, whatever the backlog. The namespace is matched as a range of that index's leading
+/// pair, `(q.namespace, 0)` to `(q.namespace, $1)` (a next try is 0 or a time), not by `=`:
+/// with `=` the planner may read `callbacks_due` in lease order and filter the namespace, its
+/// estimate the same for every namespace, and so read a busy namespace's whole backlog to
+/// find a quiet one's few. `SKIP LOCKED`: nodes leasing at once take different rows, and
+/// a row another node leased meanwhile is re-checked on its new version (LC-2's pattern).
+const SHARE_SQL: &str = "WITH due AS (
+         SELECT d.request_id FROM unnest($4::text[], $5::bigint[]) AS q(namespace, n)
+         CROSS JOIN LATERAL (
+             SELECT c.request_id, c.next_try_at FROM callbacks c
+             JOIN requests r ON r.id = c.request_id
+             WHERE (c.namespace, c.next_try_at) >= (q.namespace, 0)
+                 AND (c.namespace, c.next_try_at) <= (q.namespace, $1)
+                 AND c.state = 'pending' AND r.finished_at IS NOT NULL
+                 AND (c.lease_owner IS NULL OR c.lease_expires_at < $1)
+             ORDER BY c.namespace, c.next_try_at, c.request_id LIMIT q.n
+             FOR UPDATE OF c SKIP LOCKED) AS d
+         ORDER BY d.next_try_at, d.request_id LIMIT $6)
+     UPDATE callbacks c SET lease_owner = $2 || '/' || c.request_id::text,
+         lease_expires_at = $1 + $3, attempts = c.attempts + 1, updated_at = $1
+     FROM due, requests r
+     WHERE c.request_id = due.request_id AND r.id = c.request_id
+     RETURNING c.request_id, c.lease_owner, c.attempts, c.url, r.finished_at, c.namespace";
+
+/// Leases up to `$4` due callbacks of any namespace, oldest due first, as [`SHARE_SQL`] does,
+/// read in order from `callbacks_due` (CB-4, CB-7).
+const LEND_SQL: &str = "WITH due AS (
          SELECT c.request_id FROM callbacks c JOIN requests r ON r.id = c.request_id
          WHERE c.state = 'pending' AND c.next_try_at <= $1 AND r.finished_at IS NOT NULL
              AND (c.lease_owner IS NULL OR c.lease_expires_at < $1)
@@ -24,35 +52,81 @@ const LEASE_SQL: &str = "WITH due AS (
          lease_expires_at = $1 + $3, attempts = c.attempts + 1, updated_at = $1
      FROM due, requests r
      WHERE c.request_id = due.request_id AND r.id = c.request_id
-     RETURNING c.request_id, c.lease_owner, c.attempts, c.url, r.finished_at";
+     RETURNING c.request_id, c.lease_owner, c.attempts, c.url, r.finished_at, c.namespace";
+
+/// Most rows a limit can name.
+fn sql_limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A lease as [`SHARE_SQL`] and [`LEND_SQL`] return it.
+fn lease_of(row: &PgRow, now: Millis) -> Result<CallbackLease, StoreError> {
+    let attempts: i32 = row.try_get(2)?;
+    Ok(CallbackLease {
+        request_id: row.try_get(0)?,
+        owner: row.try_get(1)?,
+        attempt: u32::try_from(attempts).map_err(corrupt)?,
+        url: row.try_get(3)?,
+        finished_at: row.try_get::<Option<i64>, _>(4)?.unwrap_or(now),
+        namespace: row.try_get(5)?,
+    })
+}
 
 impl PostgresStore {
+    /// [`crate::store::Store::lease_callbacks`]: the shares in one statement, then what the
+    /// quota lends in another (its own `SKIP LOCKED` scan; the first one's leases are live
+    /// by then, so it skips them).
     pub(super) async fn lease_callbacks_in(
         &self,
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &CallbackQuota,
     ) -> Result<Vec<CallbackLease>, StoreError> {
-        let rows = sqlx::query(LEASE_SQL)
-            .bind(now)
-            .bind(owner_prefix)
-            .bind(lease_ms)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|row| {
-                let attempts: i32 = row.try_get(2)?;
-                Ok(CallbackLease {
-                    request_id: row.try_get(0)?,
-                    owner: row.try_get(1)?,
-                    attempt: u32::try_from(attempts).map_err(corrupt)?,
-                    url: row.try_get(3)?,
-                    finished_at: row.try_get::<Option<i64>, _>(4)?.unwrap_or(now),
-                })
-            })
-            .collect()
+        let (namespaces, shares): (Vec<&str>, Vec<i64>) = quota
+            .shares
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(namespace, n)| (namespace.as_str(), sql_limit((*n).min(quota.limit))))
+            .unzip();
+        let mut leases = Vec::new();
+        if !namespaces.is_empty() && quota.limit > 0 {
+            let rows = sqlx::query(SHARE_SQL)
+                .bind(now)
+                .bind(owner_prefix)
+                .bind(lease_ms)
+                .bind(&namespaces)
+                .bind(&shares)
+                .bind(sql_limit(quota.limit))
+                .fetch_all(&self.pool)
+                .await?;
+            for row in &rows {
+                leases.push(lease_of(row, now)?);
+            }
+        }
+        let lent = quota.lendable(leases.len());
+        if lent > 0 {
+            let rows = sqlx::query(LEND_SQL)
+                .bind(now)
+                .bind(owner_prefix)
+                .bind(lease_ms)
+                .bind(sql_limit(lent))
+                .fetch_all(&self.pool)
+                .await;
+            match rows {
+                Ok(rows) => {
+                    for row in &rows {
+                        leases.push(lease_of(row, now)?);
+                    }
+                }
+                // The shares' leases are live: hand them over rather than leave them to expire.
+                Err(e) if !leases.is_empty() => {
+                    tracing::warn!(error = %e, "leasing callbacks beyond their shares failed");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(leases)
     }
 
     pub(super) async fn finish_callback_in(
@@ -116,5 +190,141 @@ impl PostgresStore {
         )
         .fetch_one(&self.pool)
         .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use serde_json::Value;
+    use sqlx::postgres::PgConnectOptions;
+    use sqlx::{Connection, PgConnection};
+
+    use super::*;
+
+    /// Due deliveries of namespace `a`; 3 more are `b`'s.
+    const BACKLOG: i64 = 200_000;
+
+    /// Every plan node under `plan`: its type, its relation, and the rows it read (returned
+    /// and filtered out, over all its loops).
+    fn nodes(plan: &Value, out: &mut Vec<(String, String, f64)>) {
+        let num = |key: &str| plan.get(key).and_then(Value::as_f64).unwrap_or(0.0);
+        let text = |key: &str| {
+            plan.get(key)
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
+        let read = (num("Actual Rows") + num("Rows Removed by Filter")) * num("Actual Loops");
+        out.push((text("Node Type"), text("Relation Name"), read));
+        for child in plan
+            .get("Plans")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            nodes(child, out);
+        }
+    }
+
+    /// The nodes of `sql`'s plan, run (`EXPLAIN ANALYZE`) and rolled back, with `bind`'s
+    /// parameters.
+    async fn run_plan<'q>(
+        store: &PostgresStore,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Vec<(String, String, f64)> {
+        let mut tx = store.pool.begin().await.expect("begin");
+        let plan: Value = query.fetch_one(&mut *tx).await.expect("explain").get(0);
+        tx.rollback().await.expect("rollback");
+        let mut out = Vec::new();
+        nodes(&plan[0]["Plan"], &mut out);
+        out
+    }
+
+    /// CB-7: a lease's work is bounded by the slots it fills, not by the due backlog: from
+    /// 200,000 due deliveries of one namespace (a receiver down for an hour at 60 finished
+    /// requests a second), the shares' statement and the lending one read
+    /// each namespace's oldest due, and the oldest of any, through their indexes in lease
+    /// order: no sequential scan, no node reads more than a few times the rows leased.
+    #[tokio::test]
+    async fn a_callback_lease_reads_about_the_rows_it_leases_from_a_backlog_of_200000_cb7() {
+        let admin_url = std::env::var("HOLDFAST_TEST_DATABASE_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_string());
+        let admin = PgConnectOptions::from_str(&admin_url).expect("admin url");
+        let mut conn = PgConnection::connect_with(&admin)
+            .await
+            .expect("PostgreSQL for the tests (HOLDFAST_TEST_DATABASE_URL)");
+        let name = format!("holdfast_test_{}", Uuid::new_v4().simple());
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await
+            .expect("create database");
+        let mut url = reqwest::Url::parse(&admin_url).expect("admin url");
+        url.set_path(&format!("/{name}"));
+        let store = PostgresStore::open(url.as_str()).await.expect("open");
+        for sql in [
+            "INSERT INTO requests (id, namespace, route, backend, stream, body, headers, hash,
+                 claim_kind, status, next_retry_at, error_type, created_at, updated_at,
+                 finished_at)
+             SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(i), 12, '0'))::uuid,
+                 CASE WHEN i > $1 THEN 'b' ELSE 'a' END, 'openai.chat', 'openai', false,
+                 '\\x00', '[]', '\\x00', 'hash', 'failed', 0, 'cancelled', i, i, i
+             FROM generate_series(1, $1 + 3) AS i",
+            "INSERT INTO callbacks (request_id, namespace, url, updated_at)
+             SELECT id, namespace, 'http://x.example/hook', 1 FROM requests WHERE $1 > 0",
+        ] {
+            sqlx::query(sql)
+                .bind(BACKLOG)
+                .execute(&store.pool)
+                .await
+                .expect("seed");
+        }
+        sqlx::query("ANALYZE callbacks, requests")
+            .execute(&store.pool)
+            .await
+            .expect("analyze");
+
+        let share_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {SHARE_SQL}");
+        let shares = run_plan(
+            &store,
+            sqlx::query(&share_sql)
+                .bind(1_000_i64)
+                .bind("n")
+                .bind(60_000_i64)
+                .bind(vec!["a", "b"])
+                .bind(vec![8_i64, 8])
+                .bind(64_i64),
+        )
+        .await;
+        let lend_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {LEND_SQL}");
+        let lent = run_plan(
+            &store,
+            sqlx::query(&lend_sql)
+                .bind(1_000_i64)
+                .bind("n")
+                .bind(60_000_i64)
+                .bind(45_i64),
+        )
+        .await;
+        drop(store);
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut conn)
+            .await;
+
+        for (statement, nodes, leased) in [("shares", &shares, 11.0), ("lent", &lent, 45.0)] {
+            for (kind, relation, read) in nodes {
+                assert!(
+                    kind != "Seq Scan",
+                    "{statement}: a sequential scan of {relation}: {nodes:?}"
+                );
+                assert!(
+                    *read <= 4.0 * leased,
+                    "{statement}: {kind} {relation} read {read} rows to lease {leased}: {nodes:?}"
+                );
+            }
+        }
     }
 }

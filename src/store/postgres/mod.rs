@@ -96,10 +96,10 @@ use self::sql::{
 use self::writer::{FinishJob, LockKey, SubmitJob, WriteJob};
 use super::rules::{self, Expired};
 use super::{
-    AddedCounts, Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, ChunkKind, Counts,
-    Lease, LeaseTo, ListFilter, Millis, NewRequest, Notification, Outcome, RequestRecord,
-    ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery,
-    UsageRow,
+    AddedCounts, Callback, CallbackLease, CallbackOutcome, CallbackQuota, Chunk, ChunkBatch,
+    ChunkKind, Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Notification, Outcome,
+    RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup,
+    UsageQuery, UsageRow,
 };
 
 pub(crate) use self::connection::{latest_schema, schema_version};
@@ -943,9 +943,9 @@ impl Store for PostgresStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &CallbackQuota,
     ) -> Result<Vec<CallbackLease>, StoreError> {
-        self.lease_callbacks_in(owner_prefix, now, lease_ms, limit)
+        self.lease_callbacks_in(owner_prefix, now, lease_ms, quota)
             .await
     }
 

@@ -349,8 +349,8 @@ macro_rules! submit_sql {
             request_columns!(),
             "),
              called AS (
-                 INSERT INTO callbacks (request_id, url, updated_at)
-                 SELECT id, $17, $11 FROM created WHERE $17::text IS NOT NULL)
+                 INSERT INTO callbacks (request_id, namespace, url, updated_at)
+                 SELECT id, namespace, $17, $11 FROM created WHERE $17::text IS NOT NULL)
              SELECT ",
             request_columns!(),
             $notify,
@@ -401,8 +401,8 @@ pub(super) const SUBMIT_MANY: &str = concat!(
     request_columns!(),
     "),
      called AS (
-         INSERT INTO callbacks (request_id, url, updated_at)
-         SELECT s_id, s_callback, s_now FROM s JOIN created ON created.id = s_id
+         INSERT INTO callbacks (request_id, namespace, url, updated_at)
+         SELECT s_id, s_namespace, s_callback, s_now FROM s JOIN created ON created.id = s_id
          WHERE s_callback IS NOT NULL),
      woken AS (
          SELECT pg_notify('holdfast_work', $16)

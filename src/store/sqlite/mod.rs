@@ -92,9 +92,10 @@ use self::sql::{
 };
 use self::writer::WriteJob;
 use super::{
-    AddedCounts, Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, Counts, Lease,
-    LeaseTo, ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef, Started, Status,
-    Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow, created_record,
+    AddedCounts, Callback, CallbackLease, CallbackOutcome, CallbackQuota, Chunk, ChunkBatch,
+    Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef,
+    Started, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
+    created_record,
 };
 use crate::provider::Route;
 
@@ -586,9 +587,9 @@ impl Store for SqliteStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &CallbackQuota,
     ) -> Result<Vec<CallbackLease>, StoreError> {
-        callback::lease(self, owner_prefix, now, lease_ms, limit).await
+        callback::lease(self, owner_prefix, now, lease_ms, quota).await
     }
 
     async fn finish_callback(

@@ -58,6 +58,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         10,
         include_str!("../../../migrations/sqlite/0010_cache_write_1h.sql"),
     ),
+    (
+        11,
+        include_str!("../../../migrations/sqlite/0011_callback_namespace.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).

@@ -244,7 +244,7 @@ pub(super) fn submit_in(
             new.replay_of.map(|r| r.to_string())
         ])?;
         if let Some(url) = &new.callback_url {
-            super::callback::insert_in(conn, &id, url, new.now)?;
+            super::callback::insert_in(conn, &id, &new.namespace, url, new.now)?;
         }
         let lease = owner.map(|owner| Lease {
             id: new.id,
