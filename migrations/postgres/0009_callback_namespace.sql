@@ -1,4 +1,4 @@
--- Each delivery carries its request's namespace (SPEC CB-7, decision 117), so a lease takes a
+-- Each delivery carries its request's namespace (SPEC CB-7, decision 118), so a lease takes a
 -- namespace's oldest due deliveries from an index, reading about as many rows as it leases
 -- however many are due. Copied from `requests` here; the submission writes it from then on.
 -- The default stays for the nodes of the previous version during a rolling upgrade: their
