@@ -215,7 +215,9 @@ impl Deliverer {
     /// longer configured too), but for a share's worth kept free when more than one namespace
     /// is configured. A try in flight cannot be taken back, so a namespace whose receiver
     /// hangs holds at most its share and what it borrowed, never the next one's share; a
-    /// namespace alone may use every slot.
+    /// namespace alone may use every slot. A share of `concurrency` or more is one pool for
+    /// all: nothing is kept free, or nothing would ever be lent and a namespace no longer
+    /// configured would never be sent to.
     fn quota(&self, free: usize) -> CallbackQuota {
         let c = &self.config.callbacks;
         let share = c.concurrency_per_namespace.min(c.concurrency);
@@ -237,7 +239,11 @@ impl Deliverer {
                 .collect()
         };
         CallbackQuota {
-            keep_free: if shares.len() > 1 { share } else { 0 },
+            keep_free: if shares.len() > 1 && share < c.concurrency {
+                share
+            } else {
+                0
+            },
             shares,
             limit: free,
         }
@@ -426,6 +432,43 @@ mod tests {
             })
         });
         Deliverer::new(store, Arc::new(config), render).expect("deliverer")
+    }
+
+    /// CB-7: a share of `concurrency` or more makes one pool for all. With several
+    /// namespaces it kept that share free of every lease, so a lease lent nothing: the
+    /// deliveries of a namespace no longer configured (no share of its own) were never sent.
+    #[tokio::test]
+    async fn a_share_of_every_slot_is_one_pool_that_lends_to_a_namespace_no_longer_configured_cb7()
+    {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut deliverer = deliverer(dir.path(), &[]).await;
+        let mut config = (*deliverer.config).clone();
+        config.namespaces = ["a", "b"]
+            .into_iter()
+            .map(|name| crate::config::Namespace {
+                name: name.into(),
+                api_keys: vec![format!("key-{name}")],
+                callback_url: None,
+                callback_secrets: Vec::new(),
+                callback_include_body: None,
+                max_held_requests: None,
+            })
+            .collect();
+        // Fewer slots than the default share (8): every share is all of them.
+        config.callbacks.concurrency = 4;
+        deliverer.config = Arc::new(config.clone());
+        let quota = deliverer.quota(4);
+        assert_eq!(quota.keep_free, 0, "{quota:?}");
+        assert_eq!(
+            quota.lendable(0),
+            4,
+            "what no share takes is lent: {quota:?}"
+        );
+        // A share below `concurrency` keeps its worth free, as before.
+        config.callbacks.concurrency = 16;
+        deliverer.config = Arc::new(config);
+        let quota = deliverer.quota(16);
+        assert_eq!((quota.keep_free, quota.lendable(0)), (8, 8), "{quota:?}");
     }
 
     fn lease(url: &str) -> CallbackLease {
