@@ -153,8 +153,14 @@ impl WorkerPool {
         }
     }
 
-    /// Shutdown grace is over (DU-5): hands the request back without a recovery.
+    /// Shutdown grace is over (DU-5): hands the request back without a recovery, once what the
+    /// attempt handed on is committed (at most [`super::CANCEL_SETTLES_FOR`]), as a cancel does
+    /// (LC-9, decision 77): its stream's clients were shown those events, and the usage they
+    /// reported was billed (RD-9). The chunk writer may hold them for up to 50 ms while no
+    /// positioned reader follows the stream (DU-7); the hand-back, fenced, would refuse them.
     async fn hand_back(&self, lease: &Lease) {
+        let _ =
+            tokio::time::timeout(super::CANCEL_SETTLES_FOR, self.chunks.settle_handed_on()).await;
         let max = self.workers().max_attempts;
         match self.store.release(lease, now_ms(), max).await {
             Ok(true) if lease.attempt >= max => warn!(

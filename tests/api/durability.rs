@@ -362,6 +362,58 @@ async fn sigterm_with_a_short_grace_hands_the_request_back_without_a_recovery_du
     mock.shutdown().await;
 }
 
+/// DU-5, RS-11, RD-9: an attempt handed back at shutdown first commits what it already
+/// showed its stream's client, as a cancel does (decision 77), so the input tokens Anthropic's
+/// `message_start` reported stay on the record as the first attempt's. Held by the chunk
+/// writer while nobody followed the stream (DU-7, up to 50 ms), they were fenced out by the
+/// hand-back.
+#[tokio::test]
+async fn a_stream_handed_back_at_shutdown_keeps_the_usage_it_already_showed_du5_rd9() {
+    let mock = start_mock(MockConfig {
+        chunks: 20,
+        chunk_delay_ms: 1_000,
+        ..MockConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("holdfast.db").display());
+    let anthropic = format!(
+        "[[backends]]\nname = \"mock-anthropic\"\nkind = \"anthropic\"\nbase_url = \"{}\"",
+        mock.base_url()
+    );
+    let toml = with_grace(fault_test_toml(&db, &anthropic, 2, &mock.base_url()), 1);
+    let mut first = Process::serve(dir.path(), &toml, free_addr()).await;
+    let http = reqwest::Client::new();
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hand me back once billed"}]}"#;
+    let mut r = http
+        .post(format!("{}/v1/messages", first.base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let shown = first_events(&mut r, 1).await;
+    assert_eq!(shown[0].event.as_deref(), Some("message_start"));
+    assert!(first.sigterm_and_wait(Duration::from_secs(10)));
+    drop(r);
+
+    let second = Process::serve(dir.path(), &toml, free_addr()).await;
+    let record = get_record(&http, &second.base, &id).await;
+    let first_attempt = record["usage_by_attempt"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|u| u["attempt"] == 1);
+    assert!(
+        first_attempt.is_some_and(|u| u["input_tokens"].as_u64() > Some(0)),
+        "the input the first attempt showed, billed: {record}"
+    );
+    drop(second);
+    mock.shutdown().await;
+}
+
 /// DU-5: a hand-back at shutdown of attempt `max_attempts` fails the request with
 /// `lease_expired` (what the sweep would do had the node crashed) instead of leaving it for an
 /// attempt beyond the maximum: `attempts` stays 1 and the provider is called once.
