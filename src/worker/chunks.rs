@@ -144,22 +144,38 @@ impl ChunkWriter {
     }
 
     /// [`ChunkWriter::spawn`], publishing handed-on batches on `hub` once committed.
+    /// `readers_elsewhere`: positioned readers may follow this node's streams from other nodes
+    /// (a store several nodes share, DU-3), which `hub` does not count, so no commit is held
+    /// longer than [`MAX_HOLD`] (DU-7).
     pub(crate) fn spawn_publishing(
         store: DynStore,
         hub: Arc<Hub>,
         retry_for: Duration,
+        readers_elsewhere: bool,
     ) -> ChunkWriter {
-        ChunkWriter::spawn_over(store, hub, retry_for)
+        ChunkWriter::spawn_holding(store, hub, retry_for, !readers_elsewhere)
     }
 
     /// [`ChunkWriter::spawn`] over anything that appends chunks (a test's scripted store).
     fn spawn_over(store: impl Appends, hub: Arc<Hub>, retry_for: Duration) -> ChunkWriter {
+        ChunkWriter::spawn_holding(store, hub, retry_for, true)
+    }
+
+    /// [`ChunkWriter::spawn_over`]; `hold_unfollowed`: whether a commit of streams no
+    /// positioned reader on this node follows may be held for [`UNFOLLOWED_HOLD`] (DU-7).
+    fn spawn_holding(
+        store: impl Appends,
+        hub: Arc<Hub>,
+        retry_for: Duration,
+        hold_unfollowed: bool,
+    ) -> ChunkWriter {
         let (queue, rx) = mpsc::unbounded_channel();
         let urgent = Arc::new(Notify::new());
         let followed = Arc::new(Notify::new());
         let signals = Signals {
             urgent: Arc::clone(&urgent),
             followed: Arc::clone(&followed),
+            hold_unfollowed,
         };
         tokio::spawn(run(store, Arc::clone(&hub), rx, signals, retry_for));
         ChunkWriter {
@@ -347,6 +363,9 @@ impl Group {
 struct Signals {
     urgent: Arc<Notify>,
     followed: Arc<Notify>,
+    /// Whether the hub sees every positioned reader: else a reader on another node may
+    /// follow any stream, and no hold is long.
+    hold_unfollowed: bool,
 }
 
 /// DU-7: holds the commit of a group nobody waits on open for more, as long as `long` says;
@@ -405,7 +424,8 @@ async fn run(
         // meanwhile queues up without waking the writer; an awaited append or a flush ends
         // the hold.
         if !awaited && !group.batches.is_empty() && group.batches.len() < MAX_BATCHES_PER_COMMIT {
-            let long = !group.batches.iter().any(|b| hub.log_followed(b.lease.id));
+            let long = signals.hold_unfollowed
+                && !group.batches.iter().any(|b| hub.log_followed(b.lease.id));
             let short = last_commit.min(MAX_HOLD);
             hold(&signals.urgent, followed, joined, long, short).await;
             awaited |= group.take_queued(&mut rx);
@@ -752,6 +772,40 @@ mod tests {
             "ended when the reader came, 5 ms in"
         );
         assert_eq!(calls(&store), vec![1, 1, 2, 1]);
+    }
+
+    /// DU-7: where positioned readers may follow from other nodes (PostgreSQL, DU-3), which
+    /// this node's hub does not count, a commit nobody here follows keeps the short hold: a
+    /// `GET /requests/{id}` stream on another node gets each chunk within a commit, not 50 ms
+    /// later.
+    #[tokio::test(start_paused = true)]
+    async fn where_readers_may_follow_from_another_node_no_commit_is_held_long_du7() {
+        let store = taking(Duration::from_millis(1));
+        let writer = ChunkWriter::spawn_holding(
+            Arc::clone(&store),
+            Hub::new(),
+            Duration::from_secs(1),
+            false,
+        );
+        let lease = batch("a").lease;
+        writer
+            .hand_on(next_of(&lease, 0, "a"))
+            .unwrap()
+            .stored()
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        writer
+            .hand_on(next_of(&lease, 1, "b"))
+            .unwrap()
+            .stored()
+            .await
+            .unwrap();
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(2),
+            "the last commit's 1 ms of hold, and its own 1 ms"
+        );
     }
 
     fn calls(store: &Scripted) -> Vec<usize> {

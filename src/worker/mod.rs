@@ -142,8 +142,14 @@ impl WorkerPool {
         traces: Traces,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
-        let chunks =
-            ChunkWriter::spawn_publishing(store.clone(), Arc::clone(&hub), write_window(&config));
+        // Several nodes share a PostgreSQL store: a positioned reader may follow from another
+        // node, which this node's hub does not see (DU-7).
+        let chunks = ChunkWriter::spawn_publishing(
+            store.clone(),
+            Arc::clone(&hub),
+            write_window(&config),
+            is_postgres(&config),
+        );
         WorkerPool(Arc::new(Pool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             stopping: CancellationToken::new(),

@@ -373,6 +373,63 @@ async fn stream_run_on_one_node_is_live_tailed_from_another_without_gap_rd4_du3(
     assert_eq!(got.last().copied(), Some("[DONE]"));
 }
 
+/// DU-7, decision 117: a positioned reader on another node is one the running node's hub
+/// cannot count, so the running node holds no commit for its stream longer than the short
+/// hold: the tail gets each chunk a commit and a notification after the stream's own client,
+/// not the 50 ms a stream nobody follows may be held.
+#[tokio::test]
+async fn a_reader_on_another_node_gets_each_chunk_without_the_long_hold_du7() {
+    let mock = MockConfig {
+        chunks: 30,
+        chunk_delay_ms: 150,
+        ..MockConfig::default()
+    };
+    let cluster = Cluster::start(mock, 2).await;
+    let (a, b) = (0, 1);
+    let proxied = cluster
+        .chat(a, &stream_body("follow me from elsewhere"))
+        .await;
+    assert_eq!(proxied.status(), 200);
+    let id = header(&proxied, "holdfast-request-id");
+    let tail = get_events(&cluster.http, cluster.base(b), &id, None).await;
+    assert_eq!(tail.status(), 200);
+    // Each event with when it arrived.
+    let read = |mut response: reqwest::Response| async move {
+        let mut parser = SseParser::new();
+        let mut seen = Vec::new();
+        while let Ok(Some(piece)) = response.chunk().await {
+            let at = Instant::now();
+            for event in parser.push(&piece).expect("valid SSE") {
+                seen.push((event, at));
+            }
+        }
+        seen
+    };
+    let (proxied, tailed) = tokio::join!(read(proxied), read(tail));
+    // The proxied stream's event i is the log's seq i + 1; from the fifth on, the tail was
+    // following.
+    let mut lags: Vec<Duration> = proxied
+        .iter()
+        .enumerate()
+        .skip(4)
+        .filter(|(_, (event, _))| event.data != "[DONE]")
+        .filter_map(|(i, (_, shown))| {
+            let seq = (i + 1).to_string();
+            let (_, logged) = tailed
+                .iter()
+                .find(|(event, _)| event.id.as_deref() == Some(seq.as_str()))?;
+            Some(logged.saturating_duration_since(*shown))
+        })
+        .collect();
+    assert!(lags.len() >= 20, "tailed {} of the events", lags.len());
+    lags.sort();
+    let median = lags[lags.len() / 2];
+    assert!(
+        median < Duration::from_millis(40),
+        "the tail on another node got chunks {median:?} after the stream's client: {lags:?}"
+    );
+}
+
 #[tokio::test]
 async fn sigkilled_node_stream_is_recovered_by_another_and_surviving_readers_see_reset_then_the_new_attempt_lc4_lc8_du3()
  {
