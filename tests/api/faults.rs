@@ -1189,7 +1189,8 @@ async fn messages_answer_not_stored_as_success(
 /// for the claim window, though no SDK reads it as the message it claims to be. It fails
 /// `upstream_invalid`, as a chat answer without `choices` does, with what came back kept.
 #[tokio::test]
-async fn a_messages_answer_whose_content_is_not_an_array_of_blocks_is_upstream_invalid_lc11() {
+async fn a_messages_answer_whose_content_is_not_an_array_of_blocks_is_upstream_invalid_and_keeps_its_usage_lc11_rd9()
+ {
     let body = r#"{"id":"msg_str","type":"message","role":"assistant","content":"Hello!","model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":3}}"#;
     let record = messages_answer_not_stored_as_success("application/json", body, false).await;
     let message = record["error"]["message"].as_str().unwrap_or_default();
