@@ -23,6 +23,9 @@ pub(crate) struct Seen {
     /// The event reports the answer's usage and nothing else ([`Route::is_usage_report`]): the
     /// stream is complete if the body ends cleanly right after it (Gemini, GM-3).
     pub usage_alone: bool,
+    /// The event shows part of the answer ([`Route::shows_answer`]): after it, a usage report
+    /// no longer ends the stream, only a finishing event does (Gemini, GM-3, decision 119).
+    pub shows_answer: bool,
     /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
     pub starts_stream: bool,
     /// The event says how the answer ended ([`Route::stream_result_name`]).
@@ -154,6 +157,7 @@ impl Route {
             ends_stream: self.ends_stream(data, parts.kind),
             finishes_answer: !error && self.finishes_answer(&parts),
             usage_alone: !error && self.is_usage_report(&parts),
+            shows_answer: !error && self.shows_answer(&parts),
             starts_stream: parts.kind.is_some() && parts.kind == self.stream_start_name(),
             gives_result: parts.kind.is_some() && parts.kind == self.stream_result_name(),
             keepalive: self.is_keepalive_event(parts.kind),

@@ -7,7 +7,8 @@
 //! when a chunk carrying a `finishReason` (or a blocked prompt's `promptFeedback.blockReason`)
 //! has arrived and the body then ends cleanly (GM-3).
 
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
@@ -378,6 +379,41 @@ pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
         })
 }
 
+/// Whether a chunk shows part of the answer a reader is given: a candidate with a part that is
+/// not a thought and holds more than an empty text (a `thoughtSignature` carrier, `{"text":""}`,
+/// shows nothing). Once such a part has come, only a `finishReason` finishes the answer: a usage
+/// report after it is no ending, since Google ends a visible answer with its reason and leaves
+/// the reason out only on a turn of thoughts only (GM-3, decision 119).
+pub(super) fn shows_answer(event: &EventParts<'_>) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Candidate<'a> {
+        #[serde(borrow)]
+        content: Option<Content<'a>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Content<'a> {
+        #[serde(borrow)]
+        parts: Option<Vec<BTreeMap<Cow<'a, str>, &'a RawValue>>>,
+    }
+    let shown = |part: &BTreeMap<Cow<'_, str>, &RawValue>| {
+        part.get("thought").is_none_or(|t| t.get() != "true")
+            && part.iter().any(|(name, value)| match name.as_ref() {
+                "thought" | "thoughtSignature" => false,
+                "text" => !matches!(value.get(), "\"\"" | "null"),
+                _ => value.get() != "null",
+            })
+    };
+    event.candidates.is_some_and(|raw| {
+        serde_json::from_str::<Vec<Candidate<'_>>>(raw.get()).is_ok_and(|candidates| {
+            candidates
+                .iter()
+                .filter_map(|c| c.content.as_ref()?.parts.as_ref())
+                .flatten()
+                .any(shown)
+        })
+    })
+}
+
 /// Whether a chunk reports the usage and nothing else: `usageMetadata` holding counts, and
 /// neither `candidates` nor `promptFeedback`. Gemini 3 models send one after the answer, the
 /// `finishReason` before it or, on a turn of thoughts only, none at all; and a call in which
@@ -458,6 +494,37 @@ mod tests {
         assert!(finishes_answer(&parts(None, Some(&blocked))));
         assert!(!finishes_answer(&parts(None, Some(&raw("{}")))));
         assert!(!finishes_answer(&parts(None, None)));
+    }
+
+    /// GM-3, decision 119: what a reader is shown of the answer, after which only a
+    /// `finishReason` ends the stream; thoughts and signature carriers show nothing.
+    #[test]
+    fn a_visible_part_shows_the_answer_and_a_thought_does_not_gm3() {
+        let shows = |candidates: &str| {
+            let candidates = raw(candidates);
+            shows_answer(&EventParts {
+                candidates: Some(&candidates),
+                ..EventParts::default()
+            })
+        };
+        assert!(shows(r#"[{"content":{"parts":[{"text":"x"}]}}]"#));
+        assert!(shows(
+            r#"[{"content":{"parts":[{"functionCall":{"name":"f","args":{}}}]}}]"#
+        ));
+        assert!(shows(
+            r#"[{"content":{"parts":[{"text":"t","thought":true}]}},{"content":{"parts":[{"text":"x"}]}}]"#
+        ));
+        assert!(!shows(
+            r#"[{"content":{"parts":[{"text":"t","thought":true}]}}]"#
+        ));
+        assert!(!shows(
+            r#"[{"content":{"parts":[{"text":"","thoughtSignature":"c2ln"}]}}]"#
+        ));
+        assert!(!shows(
+            r#"[{"content":{"parts":[]}},{"finishReason":"STOP"}]"#
+        ));
+        assert!(!shows(r#"[{"content":{"role":"model"}}]"#));
+        assert!(!shows_answer(&EventParts::default()));
     }
 
     #[test]

@@ -761,6 +761,19 @@ impl Route {
         }
     }
 
+    /// Whether a stream event shows part of the answer that only a finishing event
+    /// ([`Route::finishes_answer`]) ends, a usage report ([`Route::is_usage_report`]) no
+    /// longer: Gemini's visible parts, thoughts aside (GM-3, decision 119). The other
+    /// providers' streams end at their final event whatever came before it.
+    pub(crate) fn shows_answer(self, event: &EventParts<'_>) -> bool {
+        match self.provider() {
+            Provider::Openai | Provider::Anthropic => false,
+            Provider::Gemini => gemini::shows_answer(event),
+            #[cfg(test)]
+            Provider::Echo => false,
+        }
+    }
+
     /// The event that completes this route's stream, as messages name it.
     pub(crate) fn stream_end_name(self) -> &'static str {
         match self.provider() {

@@ -79,9 +79,13 @@ pub(super) struct StreamRead {
     order: Order,
     /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
     finished: bool,
-    /// Whether the last event read reported the usage alone: complete if the body ends cleanly
-    /// right after it (GM-3, decision 110).
+    /// Whether the last event read reported the usage alone, and no part of the answer was
+    /// shown before it: complete if the body ends cleanly right after it (GM-3, decisions 110,
+    /// 119).
     summed_up: bool,
+    /// Whether an event showed part of the answer: from then on only a finishing event ends
+    /// the stream, a usage report no longer (GM-3, decision 119).
+    shown: bool,
     /// The events from the one that finished the answer on, or from a usage report that may be
     /// the last event, held until the body ends or, after a usage report, until an event of the
     /// answer follows: then stored with the outcome and shown only with it, like a final event
@@ -127,6 +131,7 @@ impl StreamRead {
             order: Order::default(),
             finished: false,
             summed_up: false,
+            shown: false,
             held: None,
             leading: Vec::new(),
         }
@@ -205,7 +210,10 @@ impl StreamRead {
             }
             ended |= seen.ends_stream;
             self.finished |= seen.finishes_answer;
-            self.summed_up = seen.usage_alone;
+            self.shown |= seen.shows_answer;
+            // A usage report after a visible part that no `finishReason` finished is no
+            // ending: the answer was cut before its end (decision 119).
+            self.summed_up = seen.usage_alone && !self.shown;
             if !self.answer_id_seen && seen.answer_id.is_some() {
                 self.answer_id_seen = true;
                 response_id = seen.answer_id;
@@ -926,13 +934,15 @@ mod tests {
         const CHUNK: &str =
             "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"hi\"}]}}]}\r\n\r\n";
         const USAGE: &str = "data: {\"usageMetadata\":{\"promptTokenCount\":2,\"thoughtsTokenCount\":5,\"totalTokenCount\":7}}\r\n\r\n";
+        const THOUGHT: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"hm\",\"thought\":true},{\"text\":\"\",\"thoughtSignature\":\"c2ln\"}]}}]}\r\n\r\n";
         let gemini = || {
             let mut read = chat(true);
             read.route = Route::GeminiStream;
             read
         };
+        // A turn of thoughts only, no `finishReason`, then the usage.
         let mut read = gemini();
-        store(&mut read, CHUNK);
+        store(&mut read, THOUGHT);
         assert!(
             matches!(read.on_bytes(USAGE.as_bytes()), Step::Read),
             "held"
@@ -966,6 +976,66 @@ mod tests {
         store(&mut read, "data: {\"usageMetadata\":{}}\r\n\r\n");
         let ending = ended(read.on_body_end());
         assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+    }
+
+    /// LC-7, GM-3, decision 119: a stream whose last event reports the usage, cut before the
+    /// provider's own ending (a gateway that closes the body cleanly), is interrupted, whatever
+    /// the provider: chat and completions without `[DONE]`, Messages without `message_stop`
+    /// (the Responses API reports its usage in its final event only), and Gemini after a
+    /// visible part no `finishReason` finished. A Gemini usage report passed for Gemini's
+    /// ending there, and the cut answer was stored as a success.
+    #[test]
+    fn a_stream_cut_after_its_usage_report_before_its_providers_ending_is_interrupted_lc7_gm3() {
+        let interrupted_with_usage = |mut read: StreamRead, reads: &[&str]| {
+            for bytes in reads {
+                match read.on_bytes(bytes.as_bytes()) {
+                    Step::Read => {}
+                    Step::Store { batch, then: None } => read.on_stored(&batch.stored()),
+                    other => panic!("expected the stream to go on, got {other:?}: {reads:?}"),
+                }
+            }
+            let outcome = match read.on_body_end() {
+                Step::End(ending) => ending.outcome,
+                Step::Store { then: Some(o), .. } => o,
+                other => panic!("expected the attempt to end, got {other:?}"),
+            };
+            match outcome {
+                Outcome::Failed { error, usage, .. } => {
+                    assert_eq!(error.kind, ErrorType::StreamInterrupted, "{reads:?}");
+                    assert!(usage.is_some(), "the usage reported is kept: {reads:?}");
+                }
+                other => panic!("expected stream_interrupted, got {other:?}: {reads:?}"),
+            }
+        };
+        let on = |route: Route| {
+            let mut read = chat(false);
+            read.route = route;
+            read
+        };
+        interrupted_with_usage(on(Route::OpenaiChat), &[ROLE, TEXT, USAGE]);
+        interrupted_with_usage(
+            on(Route::OpenaiCompletions),
+            &[
+                "data: {\"choices\":[{\"index\":0,\"text\":\"hi\",\"finish_reason\":\"stop\"}]}\n\n",
+                "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n",
+            ],
+        );
+        interrupted_with_usage(
+            on(Route::AnthropicMessages),
+            &[
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n",
+                "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":5}}\n\n",
+            ],
+        );
+        const TEXT_SO_FAR: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"The answer is\"}],\"role\":\"model\"}}]}\r\n\r\n";
+        const CALL_SO_FAR: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"functionCall\":{\"name\":\"f\",\"args\":{}}}],\"role\":\"model\"}}]}\r\n\r\n";
+        const USAGE_ALONE: &str = "data: {\"usageMetadata\":{\"promptTokenCount\":2,\"candidatesTokenCount\":3,\"totalTokenCount\":5}}\r\n\r\n";
+        for route in [Route::GeminiStream, Route::GeminiV1Stream] {
+            interrupted_with_usage(on(route), &[TEXT_SO_FAR, USAGE_ALONE]);
+            interrupted_with_usage(on(route), &[&format!("{TEXT_SO_FAR}{USAGE_ALONE}")]);
+            interrupted_with_usage(on(route), &[CALL_SO_FAR, USAGE_ALONE]);
+        }
     }
 
     #[test]

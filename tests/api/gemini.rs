@@ -1338,3 +1338,37 @@ async fn a_gemini_stream_ended_by_a_usage_report_of_its_own_succeeds_with_its_us
         app.stop().await;
     }
 }
+
+/// GM-3, LC-7, decision 119: a stream cut after a usage report by a gateway that then ends the
+/// body cleanly, the answer's text shown and no `finishReason` ever sent, is not the
+/// provider's whole answer: it fails `stream_interrupted` with the usage reported, and the
+/// client's stream closes with the error chunk. The usage report passed for Gemini's ending
+/// (decision 110) and the cut answer was stored as a success, replayed for the claim window.
+#[tokio::test]
+async fn a_gemini_stream_cut_after_a_usage_report_before_its_finish_reason_is_interrupted_gm3_lc7()
+{
+    let chunk = |data: &str| format!("data: {data}\r\n\r\n");
+    let body = [
+        chunk(
+            r#"{"candidates":[{"content":{"parts":[{"text":"The answer is"}],"role":"model"},"index":0}],"usageMetadata":{"promptTokenCount":7,"totalTokenCount":7},"modelVersion":"gemini-3-flash-preview","responseId":"r1"}"#,
+        ),
+        chunk(
+            r#"{"usageMetadata":{"promptTokenCount":7,"candidatesTokenCount":3,"totalTokenCount":10},"modelVersion":"gemini-3-flash-preview","responseId":"r1"}"#,
+        ),
+    ]
+    .concat();
+    let provider = RawProvider::start(raw_200("text/event-stream", &body, false)).await;
+    let url = provider.base_url();
+    let app = spawn_app(MockConfig::default(), move |c| use_backend_url(c, &url)).await;
+    let r = app.post(STREAM, gemini_body("cut"), &[]).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let (raw, events) = read_events(r).await;
+    let last = events.last().expect("events");
+    assert!(last.data.starts_with(r#"{"error":"#), "{raw}");
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "failed", "{record}");
+    assert_eq!(record["error"]["type"], "stream_interrupted", "{record}");
+    assert_eq!(record["usage"]["output_tokens"], 3, "{record}");
+    app.stop().await;
+}
