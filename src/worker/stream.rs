@@ -1038,6 +1038,27 @@ mod tests {
         }
     }
 
+    /// GM-3, decision 120: a chunk of thoughts without a `finishReason` is what every chunk of
+    /// a thinking phase looks like; a clean end right after one, with no usage report, is a
+    /// stream cut while the model thought, not an ending. What was read is kept.
+    #[test]
+    fn a_gemini_stream_that_ends_on_a_thought_with_no_finish_reason_or_usage_report_is_interrupted_gm3()
+     {
+        const THOUGHT: &str = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"Planning.\",\"thought\":true}],\"role\":\"model\"},\"index\":0}],\"usageMetadata\":{\"promptTokenCount\":7,\"thoughtsTokenCount\":11,\"totalTokenCount\":18}}\r\n\r\n";
+        let mut read = chat(true);
+        read.route = Route::GeminiStream;
+        store(&mut read, THOUGHT);
+        store(&mut read, THOUGHT);
+        let ending = ended(read.on_body_end());
+        assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+        match &ending.outcome {
+            Outcome::Failed { usage, .. } => {
+                assert_eq!(usage.and_then(|u| u.reasoning_tokens), Some(11));
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
     #[test]
     fn a_final_event_alone_answered_nothing_decision39() {
         let mut read = chat(false);
