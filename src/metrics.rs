@@ -3,6 +3,7 @@
 //! | metric | type | labels |
 //! |---|---|---|
 //! | `holdfast_requests_total` | counter | `route`, `outcome` = `new` \| `attached` \| `replayed` \| `refused` |
+//! | `holdfast_refusals_total` | counter | `namespace` (of the caller's key), `code` (holdfast's cause: `overloaded`, `invalid_json`, ...): the refused sends above but the 401s (decision 121) |
 //! | `holdfast_upstream_calls_total` | counter | `backend`, `status` (HTTP status, or `error`) |
 //! | `holdfast_attempts_total` | counter | `backend` |
 //! | `holdfast_recoveries_total` | counter | — (attempts re-run after a lease expired) |
@@ -31,6 +32,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Requests by route and outcome.
 pub(crate) const REQUESTS: &str = "holdfast_requests_total";
+/// Refused proxied calls by the namespace of their key and holdfast's cause (decision 121).
+pub(crate) const REFUSALS: &str = "holdfast_refusals_total";
 /// Provider calls by backend and status.
 pub(crate) const UPSTREAM_CALLS: &str = "holdfast_upstream_calls_total";
 /// Attempts started, by backend.
@@ -142,6 +145,10 @@ fn describe() {
     metrics::describe_counter!(
         REQUESTS,
         "Proxied requests by route and outcome (new, attached, replayed, refused)."
+    );
+    metrics::describe_counter!(
+        REFUSALS,
+        "Proxied calls refused, by the namespace of their key and holdfast's cause (401s aside)."
     );
     metrics::describe_counter!(
         UPSTREAM_CALLS,

@@ -82,6 +82,16 @@ pub(super) async fn handle(
             }
             metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
                 .increment(1);
+            // Whose call it was: the key's namespace, read again (refusals only; a 401 names
+            // none). Counted by it and the cause, so an operator sees which tenant is refused
+            // (RS-13's cap, decision 121); configured names and holdfast's own causes only.
+            let namespace = (e.status != StatusCode::UNAUTHORIZED)
+                .then(|| namespace(&state.config, &headers, route.provider()).ok())
+                .flatten();
+            if let Some(namespace) = &namespace {
+                metrics::counter!(m::REFUSALS, "namespace" => namespace.clone(), "code" => e.code)
+                    .increment(1);
+            }
             // What the client sent wrong, for the operator: one line per refusal, its cause
             // cut short (it may quote the client's model). A missing or unknown key is a
             // `debug` line: anyone who finds the port can send those. The 5xx refusals
@@ -91,8 +101,6 @@ pub(super) async fn handle(
             if e.status == StatusCode::UNAUTHORIZED {
                 tracing::debug!(route = route.name(), status = 401, code = e.code, %cause, "request refused");
             } else if e.status.is_client_error() {
-                // Whose request it was: the key's namespace, read again (refusals only).
-                let namespace = namespace(&state.config, &headers, route.provider()).ok();
                 let trace_id = server.as_ref().and_then(ServerSpan::ids).map(|(t, _)| t);
                 tracing::info!(
                     route = route.name(),

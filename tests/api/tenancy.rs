@@ -584,3 +584,98 @@ async fn a_namespace_at_its_cap_of_held_calls_is_refused_while_another_is_still_
     }
     app.stop().await;
 }
+
+/// RS-13, decision 121: an operator sees which tenant is refused. Each refused call whose key
+/// names a namespace is counted under that namespace and holdfast's cause in
+/// `holdfast_refusals_total`, so team-a held at its cap shows as `overloaded` refusals of
+/// team-a, not of team-b, whose own bad body is its own; a call with no valid key names no
+/// namespace and is not counted there. Before, `/metrics` had only
+/// `holdfast_requests_total{outcome="refused"}` by route: every tenant's refusals in one sum.
+#[tokio::test]
+async fn each_refusal_is_counted_under_the_namespace_of_its_key_and_its_cause_rs13() {
+    let app = spawn_app(
+        MockConfig {
+            hang_before_headers_ms: Some(60_000),
+            hang_first: 1,
+            ..MockConfig::default()
+        },
+        |c| {
+            two_tenants(c);
+            c.max_held_requests_per_namespace = Some(1);
+        },
+    )
+    .await;
+    let holder = {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        tokio::spawn(async move {
+            let _ = http
+                .post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .header("authorization", "Bearer key-a")
+                .body(chat_body("holder"))
+                .send()
+                .await;
+        })
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "team-a's holder to reach the provider",
+        || app.mock.calls() == 1,
+    )
+    .await;
+    for i in 0..2 {
+        let r = app
+            .post(
+                "/v1/chat/completions",
+                chat_body(&format!("over the cap {i}")),
+                &[("authorization", "Bearer key-a")],
+            )
+            .await;
+        assert_eq!(r.status(), 503);
+    }
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            "{not json".to_string(),
+            &[("authorization", "Bearer key-b")],
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("no key"),
+            &[("authorization", "Bearer nobody")],
+        )
+        .await;
+    assert_eq!(r.status(), 401);
+
+    let page = app.metrics_text().await;
+    let sample = |labels: &str| {
+        let series = format!("holdfast_refusals_total{{{labels}}} ");
+        page.lines()
+            .find_map(|line| line.strip_prefix(series.as_str()))
+            .map(|v| v.trim().to_string())
+    };
+    assert_eq!(
+        sample(r#"namespace="team-a",code="overloaded""#).as_deref(),
+        Some("2"),
+        "{page}"
+    );
+    assert_eq!(
+        sample(r#"namespace="team-b",code="invalid_json""#).as_deref(),
+        Some("1"),
+        "{page}"
+    );
+    assert_eq!(
+        sample(r#"namespace="team-b",code="overloaded""#),
+        None,
+        "{page}"
+    );
+    assert!(
+        !page.contains("invalid_api_key"),
+        "a call without a valid key names no namespace: {page}"
+    );
+    holder.abort();
+    app.stop().await;
+}
