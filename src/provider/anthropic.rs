@@ -143,6 +143,14 @@ struct CacheCreation {
     ephemeral_1h_input_tokens: Count,
 }
 
+/// `usage.output_tokens_details`: the output by category, its thinking part the reasoning
+/// (RD-9, decision 122).
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+struct OutputDetails {
+    thinking_tokens: Count,
+}
+
 /// The counts of Anthropic's usage object holdfast reads, each on its own: a member that
 /// cannot be read (a `cache_creation` that is not an object, a count that is not one) costs
 /// only itself (RD-9).
@@ -155,6 +163,8 @@ struct RawUsage {
     cache_read_input_tokens: Count,
     #[serde(deserialize_with = "readable")]
     cache_creation: Option<CacheCreation>,
+    #[serde(deserialize_with = "readable")]
+    output_tokens_details: Option<OutputDetails>,
 }
 
 impl RawUsage {
@@ -164,13 +174,21 @@ impl RawUsage {
             .as_ref()
             .and_then(|c| c.ephemeral_1h_input_tokens.get())
     }
+
+    /// The thinking part of the output, absent when `output_tokens_details` is (decision 122).
+    fn reasoning(&self) -> Option<u64> {
+        self.output_tokens_details
+            .as_ref()
+            .and_then(|d| d.thinking_tokens.get())
+    }
 }
 
 /// Anthropic's usage object. Its `input_tokens` leaves out the prompt-cache reads and writes
 /// (`cache_read_input_tokens`, `cache_creation_input_tokens`); the normalised `input_tokens`
 /// counts every input token, so they are added (absent, they add nothing; unreadable, the sum
 /// is unknown, not guessed). The one-hour writes are
-/// `cache_creation.ephemeral_1h_input_tokens`, absent when the object is (RD-10).
+/// `cache_creation.ephemeral_1h_input_tokens`, absent when the object is (RD-10); the reasoning
+/// is `output_tokens_details.thinking_tokens`, part of `output_tokens` (decision 122).
 pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
     let raw: RawUsage = serde_json::from_str(raw.get()).ok()?;
     let input = raw.input_tokens.get().and_then(|n| {
@@ -184,7 +202,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         output_tokens: raw.output_tokens.get(),
         cached_input_tokens: raw.cache_read_input_tokens.get(),
         cache_write_tokens: raw.cache_creation_input_tokens.get(),
-        reasoning_tokens: None,
+        reasoning_tokens: raw.reasoning(),
         cache_write_1h_tokens: raw.cache_write_1h(),
     };
     (!usage.is_empty()).then_some(usage)
@@ -218,6 +236,7 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
             let delta: RawUsage = serde_json::from_str(event.usage?.get()).ok()?;
             let mut usage = Usage {
                 output_tokens: Some(delta.output_tokens.get()?),
+                reasoning_tokens: delta.reasoning(),
                 ..Usage::default()
             };
             if let (Some(input), Some(write), Some(read)) = (

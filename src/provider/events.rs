@@ -647,6 +647,53 @@ mod tests {
         }
     }
 
+    /// RD-9, decision 122: Anthropic reports the thinking part of the output in
+    /// `usage.output_tokens_details.thinking_tokens` (anthropic-python 2.14's `Usage` and
+    /// `MessageDeltaUsage`), in a non-stream answer and in a stream's `message_start` and
+    /// `message_delta`: it is the reasoning, as OpenAI's `reasoning_tokens` and Gemini's
+    /// `thoughtsTokenCount` are. holdfast reported no reasoning for Anthropic at all. A details
+    /// object that cannot be read costs only itself.
+    #[test]
+    fn anthropics_thinking_tokens_are_the_reasoning_of_its_output_rd9() {
+        let messages = Route::AnthropicMessages;
+        let body = r#"{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"text","text":"hi"}],"model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":40,"output_tokens_details":{"thinking_tokens":31}}}"#;
+        let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+        let answered = answered.expect("usage");
+        assert_eq!(
+            (answered.output_tokens, answered.reasoning_tokens),
+            (Some(40), Some(31))
+        );
+
+        let start = r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":1,"output_tokens_details":{"thinking_tokens":0}}}}"#;
+        let delta = r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":40,"output_tokens_details":{"thinking_tokens":31}}}"#;
+        let stop = ("message_stop", r#"{"type":"message_stop"}"#);
+        let streamed = stream_usage(
+            messages,
+            &[("message_start", start), ("message_delta", delta), stop],
+        );
+        assert_eq!(
+            (streamed.output_tokens, streamed.reasoning_tokens),
+            (Some(40), Some(31))
+        );
+        // Without the details, or with details that cannot be read: no reasoning, the rest kept.
+        for details in [
+            "",
+            r#","output_tokens_details":null"#,
+            r#","output_tokens_details":7"#,
+        ] {
+            let body = format!(
+                r#"{{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"m","stop_reason":"end_turn","usage":{{"input_tokens":20,"output_tokens":40{details}}}}}"#
+            );
+            let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+            let answered = answered.expect("usage");
+            assert_eq!(
+                (answered.output_tokens, answered.reasoning_tokens),
+                (Some(40), None),
+                "{details}"
+            );
+        }
+    }
+
     /// Anthropic bills a one-hour prompt-cache write (`cache_control` with `ttl: "1h"`, as
     /// Claude Code sends) at twice the input price, a five-minute one at 1.25 times, and
     /// reports the split in `usage.cache_creation` beside the total: in a non-stream answer's
