@@ -670,11 +670,85 @@ const EVENT_NAMES = [
   'response.output_item.done', 'response.content_part.added', 'response.content_part.done',
   'response.output_text.delta', 'response.output_text.done', 'response.completed',
   'response.incomplete', 'response.failed', 'response.refusal.delta', 'response.refusal.done',
+  'response.function_call_arguments.delta', 'response.function_call_arguments.done',
+  'response.custom_tool_call_input.delta', 'response.custom_tool_call_input.done',
 ];
 
 const live = {
   id: null, route: null, source: null, last: null, events: 0, opens: 0, ended: false, timer: null,
+  // The tool calls the stream has made so far, by the provider's index: `{name, args}`, shown
+  // after the text as the server's `answer_text` shows them (decision 96).
+  calls: new Map(),
 };
+
+/**
+ * What an event adds to the tool calls, `[key, name, args]` for each call it starts or
+ * continues (a name or arguments it does not carry are ''), by the provider's rules: chat's
+ * `delta.tool_calls`, a Messages `tool_use` block and its `input_json_delta`s, a Responses
+ * `function_call` item and its argument deltas, a Gemini `functionCall` part (whole).
+ */
+function eventCalls(route, name, data) {
+  if (!data || typeof data !== 'object') return [];
+  const kind = name === 'message' ? data.type : name;
+  const str = (v) => (typeof v === 'string' ? v : '');
+  if (route === 'anthropic.messages') {
+    const block = data.content_block;
+    if (kind === 'content_block_start' && block && (block.type === 'tool_use' || block.type === 'server_tool_use')) {
+      return [[data.index, str(block.name), '']];
+    }
+    const delta = data.delta;
+    if (kind === 'content_block_delta' && delta && delta.type === 'input_json_delta') return [[data.index, '', str(delta.partial_json)]];
+    return [];
+  }
+  if (route === 'openai.responses') {
+    const item = data.item;
+    if (kind === 'response.output_item.added' && item && (item.type === 'function_call' || item.type === 'custom_tool_call')) {
+      return [[data.output_index, str(item.name), str(item.arguments ?? item.input)]];
+    }
+    if (kind === 'response.function_call_arguments.delta' || kind === 'response.custom_tool_call_input.delta') {
+      return [[data.output_index, '', str(data.delta)]];
+    }
+    return [];
+  }
+  if (route.startsWith('gemini.')) {
+    const candidate = Array.isArray(data.candidates) ? data.candidates[0] : null;
+    const parts = candidate && candidate.content && Array.isArray(candidate.content.parts) ? candidate.content.parts : [];
+    // Each part is a whole call: a key of its own, after the calls before it.
+    return parts
+      .filter((p) => p && p.functionCall && typeof p.functionCall === 'object')
+      .map((p, i) => [`${live.events}.${i}`, str(p.functionCall.name), JSON.stringify(p.functionCall.args ?? {})]);
+  }
+  const choice = Array.isArray(data.choices) ? data.choices[0] : null;
+  const calls = choice && choice.delta && Array.isArray(choice.delta.tool_calls) ? choice.delta.tool_calls : [];
+  return calls
+    .filter((c) => c && typeof c === 'object')
+    .map((c) => {
+      const fn = c.function || c.custom || {};
+      return [c.index ?? 0, str(fn.name), str(fn.arguments ?? fn.input)];
+    });
+}
+
+/** The tool calls so far as text, one `[tool call] NAME(ARGUMENTS)` line each. */
+function callsText(text) {
+  const lines = [...live.calls.values()].map((c) => `[tool call] ${c.name || '?'}(${c.args})`);
+  if (!lines.length) return '';
+  return (text ? '\n' : '') + lines.join('\n');
+}
+
+/** The live text: the answer's text, then its tool calls, as text nodes only. */
+function liveText(piece, calls) {
+  const box = $('live-text');
+  if (box.childNodes.length !== 2) box.replaceChildren(document.createTextNode(''), document.createTextNode(''));
+  const [said, called] = box.childNodes;
+  if (piece) said.appendData(piece);
+  for (const [key, name, args] of calls) {
+    const call = live.calls.get(key) || { name: '', args: '' };
+    call.name ||= name;
+    call.args += args;
+    live.calls.set(key, call);
+  }
+  if (piece || calls.length) called.data = callsText(said.data);
+}
 
 /** The text an event adds to the answer (the same rules as the server's `?include=body`). */
 function eventText(route, name, data) {
@@ -720,7 +794,7 @@ function startLive() {
   const r = view.record;
   if (!r) return;
   stopLive();
-  Object.assign(live, { id: r.id, route: r.route, last: null, events: 0, opens: 0, ended: false });
+  Object.assign(live, { id: r.id, route: r.route, last: null, events: 0, opens: 0, ended: false, calls: new Map() });
   $('live-text').replaceChildren();
   $('live-events').replaceChildren();
   $('live-notes').replaceChildren();
@@ -805,8 +879,7 @@ function onChunk(event) {
   } catch {
     data = null;
   }
-  const piece = eventText(live.route, event.type, data);
-  if (piece) $('live-text').append(document.createTextNode(piece));
+  liveText(eventText(live.route, event.type, data), eventCalls(live.route, event.type, data));
   eventLine(seq, event.type, event.data);
   liveCounts();
 }
@@ -814,6 +887,7 @@ function onChunk(event) {
 function onReset(event) {
   const seq = seqOf(event);
   $('live-text').replaceChildren();
+  live.calls = new Map();
   liveNote(`attempt ${event.data} started over at seq ${seq}: the text so far belonged to an abandoned attempt`);
   eventLine(seq, 'reset', event.data);
   liveCounts();

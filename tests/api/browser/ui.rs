@@ -1381,3 +1381,223 @@ async fn ui_shows_an_answer_that_is_only_tool_calls_as_its_calls_ex9() {
     );
     app.stop().await;
 }
+
+/// EX-10, decision 96: a stream that carries only tool calls (an agent's turn) shows them in the
+/// live view as the server's answer text does, `[tool call] NAME(ARGUMENTS)`, its arguments
+/// growing with their deltas, on chat, Responses, Messages and Gemini streams alike; and the markup in
+/// them stays text. The live view read only text deltas and stayed blank for such a stream.
+#[tokio::test]
+async fn ui_live_view_shows_a_stream_of_tool_calls_only_as_its_calls_ex10() {
+    const CALL: &str = r#"[tool call] get_weather({"city":"<b>Paris</b>"})"#;
+    let sse = |events: &[(Option<&str>, Value)]| -> String {
+        events
+            .iter()
+            .map(|(name, data)| match name {
+                Some(name) => format!("event: {name}\ndata: {data}\n\n"),
+                None => format!("data: {data}\n\n"),
+            })
+            .collect()
+    };
+    let chat = {
+        let chunk = |delta: Value, finish: Value| {
+            (
+                None,
+                json!({"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                "model": "gpt-4o-mini", "choices": [{"index": 0, "delta": delta,
+                "finish_reason": finish}]}),
+            )
+        };
+        let mut body = sse(&[
+            chunk(json!({"role": "assistant", "content": null}), Value::Null),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": ""}}]}),
+                Value::Null,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":"}}]}),
+                Value::Null,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "\"<b>Paris</b>\"}"}}]}),
+                Value::Null,
+            ),
+            chunk(json!({}), json!("tool_calls")),
+        ]);
+        body.push_str("data: [DONE]\n\n");
+        body
+    };
+    let messages = sse(&[
+        (
+            Some("message_start"),
+            json!({"type": "message_start", "message": {"id": "msg_1",
+            "type": "message", "role": "assistant", "content": [], "model": "claude-x",
+            "stop_reason": null, "usage": {"input_tokens": 5, "output_tokens": 1}}}),
+        ),
+        (
+            Some("content_block_start"),
+            json!({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+            "input": {}}}),
+        ),
+        (
+            Some("content_block_delta"),
+            json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "input_json_delta", "partial_json": "{\"city\":"}}),
+        ),
+        (
+            Some("content_block_delta"),
+            json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "input_json_delta", "partial_json": "\"<b>Paris</b>\"}"}}),
+        ),
+        (
+            Some("content_block_stop"),
+            json!({"type": "content_block_stop", "index": 0}),
+        ),
+        (
+            Some("message_delta"),
+            json!({"type": "message_delta",
+            "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+        ),
+        (Some("message_stop"), json!({"type": "message_stop"})),
+    ]);
+    let gemini = sse(&[(
+        None,
+        json!({"candidates": [{"content": {"role": "model", "parts": [
+        {"functionCall": {"name": "get_weather", "args": {"city": "<b>Paris</b>"}}}]},
+        "finishReason": "STOP", "index": 0}],
+        "usageMetadata": {"promptTokenCount": 5, "candidatesTokenCount": 4}}),
+    )]);
+    let responses = {
+        let call = |arguments: &str| {
+            json!({"type": "function_call", "id": "fc_1", "call_id": "call_1",
+                "name": "get_weather", "arguments": arguments, "status": "completed"})
+        };
+        let object = |status: &str, output: Value| {
+            json!({"id": "resp_1", "object": "response", "created_at": 1, "model": "gpt-4o-mini",
+                "status": status, "output": output,
+                "usage": {"input_tokens": 5, "output_tokens": 9}})
+        };
+        let full = r#"{"city":"<b>Paris</b>"}"#;
+        sse(&[
+            (
+                Some("response.created"),
+                json!({"type": "response.created",
+                "sequence_number": 0, "response": object("in_progress", json!([]))}),
+            ),
+            (
+                Some("response.output_item.added"),
+                json!({"type": "response.output_item.added",
+                "sequence_number": 1, "output_index": 0, "item": call("")}),
+            ),
+            (
+                Some("response.function_call_arguments.delta"),
+                json!({"type": "response.function_call_arguments.delta", "sequence_number": 2,
+                "output_index": 0, "item_id": "fc_1", "delta": "{\"city\":"}),
+            ),
+            (
+                Some("response.function_call_arguments.delta"),
+                json!({"type": "response.function_call_arguments.delta", "sequence_number": 3,
+                "output_index": 0, "item_id": "fc_1", "delta": "\"<b>Paris</b>\"}"}),
+            ),
+            (
+                Some("response.function_call_arguments.done"),
+                json!({"type": "response.function_call_arguments.done", "sequence_number": 4,
+                "output_index": 0, "item_id": "fc_1", "arguments": full}),
+            ),
+            (
+                Some("response.output_item.done"),
+                json!({"type": "response.output_item.done",
+                "sequence_number": 5, "output_index": 0, "item": call(full)}),
+            ),
+            (
+                Some("response.completed"),
+                json!({"type": "response.completed",
+                "sequence_number": 6, "response": object("completed", json!([call(full)]))}),
+            ),
+        ])
+    };
+    let cases = [
+        (
+            "/v1/responses",
+            json!({"model": "gpt-4o-mini", "stream": true, "input": "weather?"}),
+            responses,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o-mini", "stream": true,
+                "messages": [{"role": "user", "content": "weather?"}]}),
+            chat,
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "claude-x", "max_tokens": 64, "stream": true,
+                "messages": [{"role": "user", "content": "weather?"}]}),
+            messages,
+        ),
+        (
+            "/v1beta/models/gemini-x:streamGenerateContent?alt=sse",
+            json!({"contents": [{"role": "user", "parts": [{"text": "weather?"}]}]}),
+            gemini,
+        ),
+    ];
+    let browser = Browser::launch();
+    let page = browser.new_page(WIDTH, HEIGHT).await;
+    for (path, body, stream) in cases {
+        let provider = RawProvider::start(raw_200("text/event-stream", &stream, false)).await;
+        let url = provider.base_url();
+        let app = spawn_app(MockConfig::default(), move |c| {
+            c.ui = true;
+            use_backend_url(c, &url);
+        })
+        .await;
+        let r = app.post(path, body.to_string(), &[]).await;
+        assert_eq!(r.status(), 200, "{path}");
+        let id = header(&r, "holdfast-request-id");
+        let _ = r.text().await;
+        let record = wait_terminal(&app.http, &app.base, &id, WAIT).await;
+        assert_eq!(record["status"], "succeeded", "{path}: {record}");
+
+        page.goto(&format!("{}/ui#/r/{id}", app.base)).await;
+        page.wait_for(
+            "!document.getElementById('watch').hidden",
+            "the stream's detail",
+            WAIT,
+        )
+        .await;
+        page.eval("document.getElementById('watch').click()").await;
+        page.wait_for(
+            "document.getElementById('live').dataset.state === 'ended'",
+            "the replayed stream",
+            WAIT,
+        )
+        .await;
+        assert_eq!(text_of(&page, "live-text").await, CALL, "{path}");
+        assert_eq!(
+            page.eval("document.querySelectorAll('#live-text *').length")
+                .await,
+            0,
+            "{path}: the calls are text, no element"
+        );
+        // The stream holds no text, and the server's text of it is the live view's.
+        let full: Value = app
+            .http
+            .get(format!("{}/requests/{id}?include=body", app.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(full["answer"]["text"], "", "{path}: {full}");
+        assert_eq!(full["answer_text"], CALL, "{path}: {full}");
+        let errors = browser.errors();
+        assert!(
+            errors.is_empty(),
+            "{path}: the page ran without errors: {errors:#?}"
+        );
+        // Off this server before it stops: the page's refreshes would find it gone.
+        page.goto("about:blank").await;
+        app.stop().await;
+    }
+}
