@@ -198,6 +198,7 @@ impl Client {
             ("created", text(&record["created_at"])),
             ("finished", text(&record["finished_at"])),
             ("tokens in/out", tokens_in_out(&record)),
+            ("of which", tokens_of_which(&record)),
             ("cost", usd(&record["cost_usd"])),
             (
                 "deliveries",
@@ -642,6 +643,32 @@ fn tokens_in_out(record: &Value) -> String {
     )
 }
 
+/// The parts of a record's tokens that its cost prices apart (RD-9, RD-10; docs/usage.md):
+/// `cache read N, cache write N (1h N), reasoning N`, each only when the provider reported it;
+/// `-` when it reported none.
+fn tokens_of_which(record: &Value) -> String {
+    let usage = &record["usage"];
+    let count = |name: &str| usage[name].as_u64();
+    let mut parts = Vec::new();
+    if let Some(read) = count("cached_input_tokens") {
+        parts.push(format!("cache read {read}"));
+    }
+    if let Some(written) = count("cache_write_tokens") {
+        parts.push(match count("cache_write_1h_tokens") {
+            Some(hour) => format!("cache write {written} (1h {hour})"),
+            None => format!("cache write {written}"),
+        });
+    }
+    if let Some(reasoning) = count("reasoning_tokens") {
+        parts.push(format!("reasoning {reasoning}"));
+    }
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
 /// Column width of the side-by-side view.
 const COLUMN: usize = 38;
 
@@ -887,7 +914,25 @@ fn callback_line(callback: &Value) -> String {
 mod tests {
     use serde_json::json;
 
-    use super::{printable, text, usd, wrapped};
+    use super::{printable, text, tokens_of_which, usd, wrapped};
+
+    /// RD-9, RD-10: `requests show` says the parts of the input and output that are priced
+    /// apart, as `GET /requests/{id}` and the web page do; it showed `tokens in/out` alone, so
+    /// a cost made of cache reads and writes could not be read from it.
+    #[test]
+    fn show_says_the_cache_reads_writes_and_reasoning_within_the_tokens_rd9() {
+        let record = json!({"usage": {"input_tokens": 3512, "output_tokens": 40,
+            "cached_input_tokens": 500, "cache_write_tokens": 3000,
+            "cache_write_1h_tokens": 2000, "reasoning_tokens": 31}});
+        assert_eq!(
+            tokens_of_which(&record),
+            "cache read 500, cache write 3000 (1h 2000), reasoning 31"
+        );
+        let openai = json!({"usage": {"input_tokens": 9, "output_tokens": 8,
+            "cached_input_tokens": 0, "cache_write_tokens": null, "reasoning_tokens": null}});
+        assert_eq!(tokens_of_which(&openai), "cache read 0");
+        assert_eq!(tokens_of_which(&json!({"usage": null})), "-");
+    }
 
     #[test]
     fn side_by_side_text_wraps_at_spaces_and_cuts_long_words() {
