@@ -1312,6 +1312,46 @@ mod tests {
         );
     }
 
+    /// EX-2, EX-3: a Messages stream's tool input is kept whole in the records export, whatever
+    /// its JSON is: an input that is a string, split across `input_json_delta`s, is that whole
+    /// string; one cut short (not JSON) is every byte that came, as a string; one given whole
+    /// in `content_block_start` stays as it came. (Checked after a report that the export cut
+    /// a string input: it does not.)
+    #[test]
+    fn a_messages_streams_tool_input_that_is_a_string_is_exported_whole_ex3() {
+        let input = |start_input: Value, pieces: &[&str]| {
+            let mut events = vec![
+                json!({"type": "message_start", "message": {"id": "m", "type": "message",
+                    "role": "assistant", "content": [],
+                    "usage": {"input_tokens": 1, "output_tokens": 1}}})
+                .to_string(),
+                json!({"type": "content_block_start", "index": 0, "content_block":
+                    {"type": "tool_use", "id": "t", "name": "sh", "input": start_input}})
+                .to_string(),
+            ];
+            for piece in pieces {
+                events.push(
+                    json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "input_json_delta", "partial_json": piece}})
+                    .to_string(),
+                );
+            }
+            anthropic_assemble(events.iter().map(String::as_str)).expect("a message")["content"][0]
+                ["input"]
+                .clone()
+        };
+        let long = "x".repeat(100_000);
+        assert_eq!(
+            input(json!({}), &["\"ls -la ", &long, "\""]),
+            json!(format!("ls -la {long}"))
+        );
+        assert_eq!(
+            input(json!({}), &["{\"cmd\": \"ls", " -la"]),
+            json!("{\"cmd\": \"ls -la")
+        );
+        assert_eq!(input(json!("whole"), &[]), json!("whole"));
+    }
+
     #[test]
     fn anthropic_stream_reassembles_blocks_tool_input_and_stop_reason_ex3() {
         let events = [
