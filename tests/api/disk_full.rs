@@ -526,14 +526,23 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
         .unwrap();
     assert_eq!(rows, all.len() as i64, "every row was listed and read back");
     // The caught stream's chunks, as stored: seqs 1.. without a gap, the first attempt's
-    // chunks, one reset, the second attempt's, the end.
-    let chunks: Vec<(i64, i64, String)> = conn
-        .prepare("SELECT seq, attempt, kind FROM chunks WHERE request_id = ?1 ORDER BY seq")
+    // chunks, one reset, the second attempt's, the end. A row holds `count` chunks of one
+    // attempt from its seq on (decision 123).
+    let chunk_rows: Vec<(i64, i64, i64, String)> = conn
+        .prepare("SELECT seq, count, attempt, kind FROM chunks WHERE request_id = ?1 ORDER BY seq")
         .unwrap()
-        .query_map([&caught], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .query_map([&caught], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })
         .unwrap()
         .collect::<Result<_, _>>()
         .unwrap();
+    let chunks: Vec<(i64, i64, String)> = chunk_rows
+        .iter()
+        .flat_map(|(seq, count, attempt, kind)| {
+            (*seq..seq + count).map(move |seq| (seq, *attempt, kind.clone()))
+        })
+        .collect();
     let reset_at = caught_log[0].0;
     for (n, (seq, attempt, kind)) in chunks.iter().enumerate() {
         assert_eq!(

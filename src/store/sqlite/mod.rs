@@ -86,9 +86,9 @@ use uuid::Uuid;
 
 use self::open::ReadPool;
 use self::sql::{
-    SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in, chunk_from_row, corrupt,
-    due_ids, fetch, finish_in, lease_in, parse_id, prune_in, record_from_row, release_in,
-    submit_in, sweep_in, usage_from_row,
+    ROW_CHUNKS_MAX, SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in,
+    chunks_from_row, corrupt, due_ids, fetch, finish_in, lease_in, parse_id, prune_in,
+    record_from_row, release_in, submit_in, sweep_in, usage_from_row,
 };
 use self::writer::WriteJob;
 use super::{
@@ -354,15 +354,19 @@ impl Store for SqliteStore {
         limit: i64,
     ) -> Result<Vec<Chunk>, StoreError> {
         self.read(move |conn| {
+            // A row holds up to ROW_CHUNKS_MAX chunks from its seq on (decision 123): the rows
+            // that hold one after `after`, each at least one, so `limit` rows are enough.
             let mut stmt = conn.prepare_cached(
-                "SELECT seq, attempt, kind, event, data FROM chunks
-                 WHERE request_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+                "SELECT seq, count, attempt, kind, event, data FROM chunks
+                 WHERE request_id = ?1 AND seq > ?2 - ?4 AND seq + count - 1 > ?2
+                 ORDER BY seq LIMIT ?3",
             )?;
-            let mut rows = stmt.query(params![id.to_string(), after, limit])?;
+            let mut rows = stmt.query(params![id.to_string(), after, limit, ROW_CHUNKS_MAX])?;
             let mut chunks = Vec::new();
             while let Some(row) = rows.next()? {
-                chunks.push(chunk_from_row(row)?);
+                chunks_from_row(row, after, &mut chunks)?;
             }
+            chunks.truncate(usize::try_from(limit).unwrap_or(0));
             Ok(chunks)
         })
         .await
@@ -422,15 +426,17 @@ impl Store for SqliteStore {
         // One read job for the page: the statements run back to back on one connection.
         self.read(move |conn| {
             let mut stmt = conn.prepare_cached(
-                "SELECT seq, attempt, kind, event, data FROM chunks
-                 WHERE request_id = ?1 AND seq > ?2 AND kind = 'data' ORDER BY seq",
+                "SELECT seq, count, attempt, kind, event, data FROM chunks
+                 WHERE request_id = ?1 AND seq > ?2 - ?3 AND seq + count - 1 > ?2
+                     AND kind = 'data'
+                 ORDER BY seq",
             )?;
             let mut out = Vec::with_capacity(wanted.len());
             for (id, after) in wanted {
-                let mut rows = stmt.query(params![id.to_string(), after])?;
+                let mut rows = stmt.query(params![id.to_string(), after, ROW_CHUNKS_MAX])?;
                 let mut chunks = Vec::new();
                 while let Some(row) = rows.next()? {
-                    chunks.push(chunk_from_row(row)?);
+                    chunks_from_row(row, after, &mut chunks)?;
                 }
                 out.push((id, chunks));
             }
@@ -662,7 +668,126 @@ mod tests {
     use rusqlite::Connection;
 
     use crate::config::SqliteSynchronous;
-    use crate::store::NewChunk;
+    use crate::store::{ChunkKind, NewChunk};
+
+    /// Decision 123: a stream's batch is stored as rows of up to `ROW_CHUNKS_MAX` chunks, and
+    /// every reader gets the same chunks from any seq as if each were a row of its own: names
+    /// or none, data with the packing's own separators in it, empty data, text that is not
+    /// ASCII; a control chunk after it stays a row of its own.
+    #[tokio::test]
+    async fn a_batch_is_stored_as_rows_of_up_to_64_chunks_and_read_back_from_any_seq_du7() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = scratch(dir.path()).await;
+        let now = 1_000_000;
+        let Submitted::Created(created) = store
+            .submit(NewRequest::example(0, now))
+            .await
+            .expect("submit")
+        else {
+            panic!("expected a new request");
+        };
+        let leased = store
+            .lease_many("node/a", now + 1, 30_000, 1)
+            .await
+            .expect("lease");
+        let lease = leased[0].0.clone();
+        let new = |n: usize| NewChunk {
+            event: match n % 3 {
+                0 => None,
+                1 => Some(format!("event:{n}")),
+                _ => Some(String::new()),
+            },
+            data: match n % 4 {
+                0 => format!("{{\"n\":{n},\"text\":\"12:34:-:\"}}"),
+                1 => String::new(),
+                2 => format!("é世🙂 {n}\nsecond line"),
+                _ => format!("-:{n}:"),
+            },
+        };
+        let batch = |after: i64, chunks: Vec<NewChunk>| ChunkBatch {
+            lease: lease.clone(),
+            after,
+            chunks,
+            upstream_request_id: None,
+            response_id: None,
+            usage: None,
+        };
+        let first = batch(0, (1..=100).map(new).collect());
+        let second = batch(100, vec![new(101)]);
+        let third = batch(101, (102..=103).map(new).collect());
+        for b in [&first, &second, &third] {
+            let stored = store
+                .append_chunks(std::slice::from_ref(b))
+                .await
+                .expect("append");
+            assert_eq!(stored[0].as_ref(), Some(&b.stored()), "the stored chunks");
+        }
+        store
+            .cancel("default", created.id, now + 2)
+            .await
+            .expect("cancel")
+            .expect("cancelled");
+        let mut all: Vec<Chunk> = [&first, &second, &third]
+            .iter()
+            .flat_map(|b| b.stored())
+            .collect();
+        let end = store.chunks_after(created.id, 103, 10).await.expect("read");
+        assert_eq!(end.len(), 1, "the end chunk: {end:?}");
+        assert_eq!(end[0].kind, ChunkKind::End);
+        all.extend(end);
+
+        let conn = Connection::open(dir.path().join("t.db")).expect("open");
+        let rows: Vec<(i64, i64)> = conn
+            .prepare("SELECT seq, count FROM chunks WHERE request_id = ?1 ORDER BY seq")
+            .expect("prepare")
+            .query_map([created.id.to_string()], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(
+            rows,
+            vec![(1, 64), (65, 36), (101, 1), (102, 2), (104, 1)],
+            "rows of up to 64 chunks; one chunk and a control chunk a row each"
+        );
+
+        for after in 0..=104 {
+            for limit in [1, 3, 64, 1000] {
+                let read = store
+                    .chunks_after(created.id, after, limit)
+                    .await
+                    .expect("read");
+                let expected: Vec<&Chunk> = all
+                    .iter()
+                    .filter(|c| c.seq > after)
+                    .take(usize::try_from(limit).expect("limit"))
+                    .collect();
+                assert_eq!(
+                    read.iter().collect::<Vec<_>>(),
+                    expected,
+                    "after {after}, limit {limit}"
+                );
+            }
+        }
+        let wanted: Vec<(Uuid, i64)> = (0..=104).map(|after| (created.id, after)).collect();
+        for ((id, read), after) in store
+            .data_chunks_of(&wanted)
+            .await
+            .expect("read")
+            .into_iter()
+            .zip(0..)
+        {
+            assert_eq!(id, created.id);
+            let expected: Vec<&Chunk> = all
+                .iter()
+                .filter(|c| c.seq > after && c.kind == ChunkKind::Data)
+                .collect();
+            assert_eq!(
+                read.iter().collect::<Vec<_>>(),
+                expected,
+                "data after {after}"
+            );
+        }
+    }
 
     #[tokio::test]
     async fn in_memory_and_pathless_urls_are_refused_du1() {

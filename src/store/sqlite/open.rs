@@ -62,6 +62,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         11,
         include_str!("../../../migrations/sqlite/0011_callback_namespace.sql"),
     ),
+    (
+        12,
+        include_str!("../../../migrations/sqlite/0012_chunks_packed.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).
@@ -514,7 +518,20 @@ mod tests {
             before_requests,
             "every request, body and headers included"
         );
-        assert_eq!(all_rows(&conn, "SELECT * FROM chunks"), before_chunks);
+        assert_eq!(
+            all_rows(
+                &conn,
+                "SELECT request_id, seq, attempt, kind, event, data FROM chunks"
+            ),
+            before_chunks
+        );
+        // Each row written before holds one chunk (decision 123).
+        let packed: i64 = conn
+            .query_row("SELECT count(*) FROM chunks WHERE count != 1", [], |r| {
+                r.get(0)
+            })
+            .expect("count");
+        assert_eq!(packed, 0, "a chunk row from before holds one chunk");
         // The rules still hold: values outside the lists are refused.
         for bad in [
             "UPDATE requests SET status = 'done' WHERE id = 'a'",
