@@ -50,9 +50,12 @@ enum Queued {
         /// them back: a batch handed on ahead of the log (RS-11).
         publish: bool,
     },
-    /// An attempt waits for what it handed on: commit what is queued now. With an ack, it is
-    /// told once that commit is settled ([`ChunkWriter::settle_handed_on`]).
-    Flush(Option<oneshot::Sender<()>>),
+    /// A cancel waits for what every attempt handed on: commit what is queued now, and tell
+    /// the ack once that commit is settled ([`ChunkWriter::settle_handed_on`]).
+    Flush(oneshot::Sender<()>),
+    /// An attempt waits for what it handed on ([`ChunkWriter::flush`]): commit its batches now.
+    /// Other streams' batches held for [`UNFOLLOWED_HOLD`] stay held (decision 124).
+    FlushOf(uuid::Uuid),
 }
 
 /// Longest time the writer holds a commit open for more batches while nobody waits on it
@@ -232,10 +235,10 @@ impl ChunkWriter {
         })
     }
 
-    /// Asks the writer to commit what is queued without holding it open for more: an attempt
-    /// is about to wait for what it handed on.
-    pub(super) fn flush(&self) {
-        let _ = self.queue.send(Queued::Flush(None));
+    /// Asks the writer to commit what request `id`'s attempt handed on without holding it
+    /// open for more: the attempt is about to wait for it.
+    pub(super) fn flush(&self, id: uuid::Uuid) {
+        let _ = self.queue.send(Queued::FlushOf(id));
         self.urgent.notify_one();
     }
 
@@ -245,7 +248,7 @@ impl ChunkWriter {
     /// cancel fences the attempt out (LC-9, RD-9). Returns at once when the writer is gone.
     pub(super) async fn settle_handed_on(&self) {
         let (ack, settled) = oneshot::channel();
-        if self.queue.send(Queued::Flush(Some(ack))).is_err() {
+        if self.queue.send(Queued::Flush(ack)).is_err() {
             return;
         }
         self.urgent.notify_one();
@@ -303,6 +306,9 @@ struct Group {
     last_of: HashMap<uuid::Uuid, usize>,
     /// Told once the group is settled; dropped (which tells them too) at the end of each round.
     flushes: Vec<oneshot::Sender<()>>,
+    /// The streams whose attempts wait on the group's commit (their ending, their window, an
+    /// appended batch); with `flushes`, every stream does.
+    waited_by: Vec<uuid::Uuid>,
 }
 
 impl Group {
@@ -318,12 +324,17 @@ impl Group {
                 publish,
             } => (batch, ack, publish),
             Queued::Flush(ack) => {
-                self.flushes.extend(ack);
+                self.flushes.push(ack);
+                return true;
+            }
+            Queued::FlushOf(id) => {
+                self.waited_by.push(id);
                 return true;
             }
         };
         let id = batch.lease.id;
         if !publish {
+            self.waited_by.push(id);
             self.last_of.remove(&id);
         } else if batch.upstream_request_id.is_none()
             && batch.response_id.is_none()
@@ -344,6 +355,40 @@ impl Group {
         self.batches.push(batch);
         self.acks.push((vec![ack], publish));
         !publish
+    }
+
+    /// Splits off the batches of the streams whose attempts wait (decision 124), when only
+    /// some streams wait and others' batches are in the group too: those stay, held. `None`
+    /// when the whole group is to be committed.
+    fn split_waited(&mut self) -> Option<Group> {
+        if !self.flushes.is_empty()
+            || self.waited_by.is_empty()
+            || self
+                .batches
+                .iter()
+                .all(|b| self.waited_by.contains(&b.lease.id))
+        {
+            return None;
+        }
+        let mut waited = Group::default();
+        let mut kept = Group::default();
+        for (batch, acks) in self.batches.drain(..).zip(self.acks.drain(..)) {
+            let to = if self.waited_by.contains(&batch.lease.id) {
+                &mut waited
+            } else {
+                &mut kept
+            };
+            if acks.1 {
+                to.last_of.insert(batch.lease.id, to.batches.len());
+            }
+            to.batches.push(batch);
+            to.acks.push(acks);
+        }
+        self.waited_by.clear();
+        self.batches = kept.batches;
+        self.acks = kept.acks;
+        self.last_of = kept.last_of;
+        Some(waited)
     }
 
     /// Takes what is queued now, up to [`MAX_BATCHES_PER_COMMIT`]; whether any of it is waited on.
@@ -368,28 +413,39 @@ struct Signals {
     hold_unfollowed: bool,
 }
 
-/// DU-7: holds the commit of a group nobody waits on open for more, as long as `long` says;
-/// what arrives meanwhile queues up. Returns early when someone waits on the commit
-/// (`urgent`), or a positioned reader starts following a stream (`joined`); a batch handed on
-/// of a followed stream (`followed`) shortens a long hold to `short`. `joined` and `followed`
-/// listen from before the group took what was queued, so nothing falls between.
+/// Why a [`hold`] ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Held {
+    /// Its time is out.
+    Out,
+    /// Someone may wait on the commit: what is queued says who.
+    Urgent,
+    /// A positioned reader started following a stream.
+    Joined,
+}
+
+/// DU-7: holds the commit of a group nobody waits on open for more, from `started`, as long as
+/// `long` says; what arrives meanwhile queues up. Returns early when someone may wait on the
+/// commit (`urgent`), or a positioned reader starts following a stream (`joined`); a batch
+/// handed on of a followed stream (`followed`) shortens a long hold to `short` and clears
+/// `long`. `joined` and `followed` listen from before the group took what was queued, so
+/// nothing falls between.
 async fn hold(
     urgent: &Notify,
     mut followed: Pin<&mut Notified<'_>>,
     mut joined: Pin<&mut Notified<'_>>,
-    long: bool,
+    long: &mut bool,
+    started: tokio::time::Instant,
     short: Duration,
-) {
-    let started = tokio::time::Instant::now();
-    let mut until = started + if long { UNFOLLOWED_HOLD } else { short };
-    let mut long = long;
+) -> Held {
+    let mut until = started + if *long { UNFOLLOWED_HOLD } else { short };
     loop {
         tokio::select! {
-            () = tokio::time::sleep_until(until) => return,
-            () = urgent.notified() => return,
-            () = joined.as_mut(), if long => return,
-            () = followed.as_mut(), if long => {
-                long = false;
+            () = tokio::time::sleep_until(until) => return Held::Out,
+            () = urgent.notified() => return Held::Urgent,
+            () = joined.as_mut(), if *long => return Held::Joined,
+            () = followed.as_mut(), if *long => {
+                *long = false;
                 until = until.min(started + short);
             }
         }
@@ -409,9 +465,18 @@ async fn run(
     let mut failing: Option<WriteRetry> = None;
     // How long the last commit took: what a hold may add.
     let mut last_commit = Duration::ZERO;
-    while let Some(queued) = rx.recv().await {
+    // When the group's hold began: the batches a split left held stay held until its end.
+    let mut held_since = tokio::time::Instant::now();
+    loop {
         // Whether someone waits on this commit: an appended batch, or a flush.
-        let mut awaited = group.take(queued);
+        let mut awaited = false;
+        if group.batches.is_empty() {
+            let Some(queued) = rx.recv().await else {
+                break;
+            };
+            awaited = group.take(queued);
+            held_since = tokio::time::Instant::now();
+        }
         let followed = signals.followed.notified();
         let joined = hub.log_reader_joined();
         tokio::pin!(followed, joined);
@@ -423,45 +488,67 @@ async fn run(
         // while no positioned reader follows any of these streams (DU-7). What is handed on
         // meanwhile queues up without waking the writer; an awaited append or a flush ends
         // the hold.
+        let mut long =
+            signals.hold_unfollowed && !group.batches.iter().any(|b| hub.log_followed(b.lease.id));
         if !awaited && !group.batches.is_empty() && group.batches.len() < MAX_BATCHES_PER_COMMIT {
-            let long = signals.hold_unfollowed
-                && !group.batches.iter().any(|b| hub.log_followed(b.lease.id));
             let short = last_commit.min(MAX_HOLD);
-            hold(&signals.urgent, followed, joined, long, short).await;
-            awaited |= group.take_queued(&mut rx);
+            loop {
+                let held = hold(
+                    &signals.urgent,
+                    followed.as_mut(),
+                    joined.as_mut(),
+                    &mut long,
+                    held_since,
+                    short,
+                )
+                .await;
+                awaited |= group.take_queued(&mut rx);
+                // A wake left by a flush the group took already says nothing: hold on.
+                if awaited || held != Held::Urgent || group.batches.len() >= MAX_BATCHES_PER_COMMIT
+                {
+                    break;
+                }
+            }
         }
         if group.batches.is_empty() {
             group.flushes.clear();
+            group.waited_by.clear();
             continue;
         }
+        // Decision 124: when only some streams' attempts wait (their ending, their window),
+        // their batches are committed now and the others' stay held to the end of a long hold.
+        let mut commit = match long.then(|| group.split_waited()).flatten() {
+            Some(waited) => waited,
+            None => std::mem::take(&mut group),
+        };
         let started = tokio::time::Instant::now();
-        let mut result = append_timed(&store, &group.batches, awaited).await;
+        let mut result = append_timed(&store, &commit.batches, awaited).await;
         if let Err(e) = &result
             && is_transient(e)
         {
             let retry = failing.get_or_insert_with(|| WriteRetry::new(retry_for));
             let mut tries = 1;
             if retry.is_spent() {
-                warn!(error = %e, batches = group.batches.len(), "chunk commit failed, and commits have failed for a lease length");
+                warn!(error = %e, batches = commit.batches.len(), "chunk commit failed, and commits have failed for a lease length");
             } else {
-                warn!(error = %e, batches = group.batches.len(), "chunk commit failed; retrying");
+                warn!(error = %e, batches = commit.batches.len(), "chunk commit failed; retrying");
             }
             while retry.wait().await {
                 // Batches whose attempt has ended (its lease lost meanwhile) are not worth a try.
-                let open: Vec<_> = group
+                let open: Vec<_> = commit
                     .batches
                     .drain(..)
-                    .zip(group.acks.drain(..))
+                    .zip(commit.acks.drain(..))
                     .filter(|(_, (acks, _))| acks.iter().any(|ack| !ack.is_closed()))
                     .collect();
-                (group.batches, group.acks) = open.into_iter().unzip();
-                if group.batches.is_empty() {
+                (commit.batches, commit.acks) = open.into_iter().unzip();
+                if commit.batches.is_empty() {
                     break;
                 }
                 tries += 1;
                 metrics::counter!(m::ATTEMPT_WRITE_RETRIES, "write" => "chunks").increment(1);
                 // A retry commits at once: these batches have waited a failure already.
-                result = append_timed(&store, &group.batches, true).await;
+                result = append_timed(&store, &commit.batches, true).await;
                 match &result {
                     Ok(_) => break,
                     Err(e) if is_transient(e) => {
@@ -480,7 +567,7 @@ async fn run(
             Ok(stored) => {
                 failing = None;
                 for (((acks, publish), chunks), batch) in
-                    group.acks.drain(..).zip(stored).zip(&group.batches)
+                    commit.acks.drain(..).zip(stored).zip(&commit.batches)
                 {
                     // A dropped receiver is an attempt that was abandoned meanwhile.
                     match chunks {
@@ -505,7 +592,7 @@ async fn run(
                 }
             }
             Err(e) => {
-                let acks: Vec<Ack> = group.acks.drain(..).flat_map(|(acks, _)| acks).collect();
+                let acks: Vec<Ack> = commit.acks.drain(..).flat_map(|(acks, _)| acks).collect();
                 metrics::counter!(m::ATTEMPT_WRITES_ABANDONED, "write" => "chunks")
                     .increment(acks.len() as u64);
                 let e = Arc::new(e);
@@ -514,9 +601,6 @@ async fn run(
                 }
             }
         }
-        group.batches.clear();
-        group.last_of.clear();
-        group.flushes.clear();
     }
 }
 
@@ -608,23 +692,27 @@ mod tests {
         c.stored().await.unwrap();
         assert_eq!(calls(&store), vec![1, 2]);
         // A flush commits at once: the next batch gets a commit of its own.
-        let d = writer.hand_on(batch("d")).unwrap();
-        writer.flush();
+        let d = batch("d");
+        let id = d.lease.id;
+        let d = writer.hand_on(d).unwrap();
+        writer.flush(id);
         tokio::time::sleep(gap).await;
         let e = writer.hand_on(batch("e")).unwrap();
         d.stored().await.unwrap();
         e.stored().await.unwrap();
         assert_eq!(calls(&store), vec![1, 2, 1, 1]);
-        // So does a batch that ends a stream (appended and waited for).
+        // So does a batch that ends a stream (appended and waited for); another stream's
+        // batch in the hold stays held (decision 124), committed on its own after it.
         let f = writer.hand_on(batch("f")).unwrap();
         writer.append(batch("g")).await.unwrap();
+        assert_eq!(calls(&store), vec![1, 2, 1, 1, 1]);
         f.stored().await.unwrap();
-        assert_eq!(calls(&store), vec![1, 2, 1, 1, 2]);
+        assert_eq!(calls(&store), vec![1, 2, 1, 1, 1, 1]);
         // DU-7: the store is told which commits only positioned readers wait on (it may hold
         // those): not the flushed one, nor the one with an appended batch.
         assert_eq!(
             *store.awaited.lock().unwrap(),
-            vec![false, false, true, false, true]
+            vec![false, false, true, false, true, false]
         );
     }
 
@@ -670,10 +758,12 @@ mod tests {
             Duration::from_millis(5),
             "the commit's own time, no hold before it"
         );
-        // Only the commit asked for is awaited; d's may be held again.
-        assert_eq!(*store.awaited.lock().unwrap(), vec![false, true, false]);
+        // Only the commit asked for is awaited; d's may be held again, and is: the wake
+        // that asked for the settled commit does not end d's hold.
+        assert_eq!(calls(&store), vec![1, 2]);
         d.stored().await.unwrap();
         assert_eq!(calls(&store), vec![1, 2, 1]);
+        assert_eq!(*store.awaited.lock().unwrap(), vec![false, true, false]);
         // With nothing handed on, it returns without a commit.
         writer.settle_handed_on().await;
         assert_eq!(calls(&store), vec![1, 2, 1]);
@@ -724,6 +814,51 @@ mod tests {
             *store.chunks.lock().unwrap(),
             vec![vec![1], vec![2, 1, 1]],
             "b and c as one batch; another stream's and the one after a gap apart"
+        );
+    }
+
+    /// DU-7, decision 124: an attempt that waits for what it handed on (its stream ends, or
+    /// its window is full) gets its own batches committed at once; another stream's batches in
+    /// the same long hold stay held to its end, and what that stream hands on meanwhile joins
+    /// them.
+    #[tokio::test(start_paused = true)]
+    async fn a_streams_flush_commits_its_own_batches_and_leaves_the_others_held_du7() {
+        let store = taking(Duration::from_millis(1));
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
+        writer
+            .hand_on(batch("first"))
+            .unwrap()
+            .stored()
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let ending = batch("ending");
+        let ending_id = ending.lease.id;
+        let ending = writer.hand_on(ending).unwrap();
+        let other = batch("other");
+        let lease = other.lease.clone();
+        let other = writer.hand_on(other).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        writer.flush(ending_id);
+        ending.stored().await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(6),
+            "committed when its attempt asked, in its own 1 ms"
+        );
+        let more = writer.hand_on(next_of(&lease, 1, "more")).unwrap();
+        other.stored().await.unwrap();
+        more.stored().await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            UNFOLLOWED_HOLD + Duration::from_millis(1),
+            "the other stream's batches held to the end of the hold"
+        );
+        assert_eq!(
+            *store.chunks.lock().unwrap(),
+            vec![vec![1], vec![1], vec![2]],
+            "the flushed stream's batch alone; the other's two as one"
         );
     }
 

@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
+use uuid::Uuid;
 
 use tracing::warn;
 
@@ -492,10 +493,10 @@ impl Window {
         Ok(())
     }
 
-    /// Waits for the writer until the log is within the window's bounds of the stream.
-    async fn make_room(&mut self, writer: &ChunkWriter) -> Result<(), AppendError> {
+    /// Waits for the writer until the log is within the window's bounds of request `id`'s stream.
+    async fn make_room(&mut self, writer: &ChunkWriter, id: Uuid) -> Result<(), AppendError> {
         if self.events > STREAM_AHEAD_EVENTS || self.bytes > STREAM_AHEAD_BYTES {
-            writer.flush();
+            writer.flush(id);
         }
         while self.events > STREAM_AHEAD_EVENTS || self.bytes > STREAM_AHEAD_BYTES {
             let Some(oldest) = self.pop() else { break };
@@ -504,10 +505,10 @@ impl Window {
         Ok(())
     }
 
-    /// Waits until every batch handed on is committed.
-    async fn drain(&mut self, writer: &ChunkWriter) -> Result<(), AppendError> {
+    /// Waits until every batch request `id`'s attempt handed on is committed.
+    async fn drain(&mut self, writer: &ChunkWriter, id: Uuid) -> Result<(), AppendError> {
         if !self.pending.is_empty() {
-            writer.flush();
+            writer.flush(id);
         }
         while let Some(oldest) = self.pop() {
             oldest.stored().await?;
@@ -579,7 +580,7 @@ impl WorkerPool {
                     self.hub
                         .publish(lease.id, HubEvent::Ahead(Arc::new(handed)));
                     window.push(pending);
-                    if let Err(e) = window.make_room(&self.chunks).await {
+                    if let Err(e) = window.make_room(&self.chunks, lease.id).await {
                         break Err(e);
                     }
                 }
@@ -601,7 +602,7 @@ impl WorkerPool {
         // Every ending waits for what was handed on before it: stored chunks stay (LC-7), and
         // a last batch written with the outcome follows them.
         let stored = match stored {
-            Ok(ending) => window.drain(&self.chunks).await.map(|()| ending),
+            Ok(ending) => window.drain(&self.chunks, lease.id).await.map(|()| ending),
             Err(e) => Err(e),
         };
         match stored {
