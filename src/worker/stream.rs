@@ -411,7 +411,16 @@ impl StreamRead {
     }
 
     /// A terminal failure with the usage reported so far, keeping `response` on the record.
+    /// Without events, the usage is what the kept body reports (a complete JSON answer sent to
+    /// a stream request): the provider billed it (RD-9).
     fn failed(&self, kind: ErrorType, message: String, response: Option<Vec<u8>>) -> Outcome {
+        let usage = if self.usage.is_empty() {
+            response
+                .as_deref()
+                .and_then(|body| self.route.usage_of_refused_answer(body))
+        } else {
+            Some(self.usage)
+        };
         Outcome::Failed {
             error: ErrorInfo {
                 kind,
@@ -420,7 +429,7 @@ impl StreamRead {
             },
             response: response.map(|body| (self.status, body)),
             upstream_request_id: self.request_id.clone(),
-            usage: (!self.usage.is_empty()).then_some(self.usage),
+            usage,
         }
     }
 

@@ -1214,6 +1214,48 @@ async fn a_messages_answer_whose_content_is_not_an_array_of_blocks_is_upstream_i
     );
 }
 
+/// LC-11, RD-9: a provider that ignores `"stream": true` answers a complete JSON body, which
+/// fails the stream request `upstream_invalid` with the body kept. That body reports what the
+/// call cost, and the provider billed it, so the failed attempt keeps that usage, as a refused
+/// non-stream answer does; it was dropped, leaving the record with no tokens and no cost.
+#[tokio::test]
+async fn a_stream_request_answered_with_a_json_body_keeps_the_usage_it_reports_lc11_rd9() {
+    let app = spawn_app(
+        MockConfig {
+            ignore_stream: true,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    for (path, name) in [
+        ("/v1/chat/completions", "chat ignores stream"),
+        ("/v1/messages", "messages ignore stream"),
+    ] {
+        let r = app.post(path, route_body(path, name, true), &[]).await;
+        assert_eq!(r.status(), 502, "{path}");
+        let id = header(&r, "holdfast-request-id");
+        let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+        assert_eq!(record["error"]["type"], "upstream_invalid", "{record}");
+        let reported = &record["response"]["body"]["usage"];
+        let (input, output) = if path == "/v1/messages" {
+            (&reported["input_tokens"], &reported["output_tokens"])
+        } else {
+            (&reported["prompt_tokens"], &reported["completion_tokens"])
+        };
+        assert!(input.as_u64().is_some_and(|n| n > 0), "{record}");
+        assert_eq!(
+            (
+                &record["usage"]["input_tokens"],
+                &record["usage"]["output_tokens"]
+            ),
+            (input, output),
+            "RD-9: the billed answer's usage is kept: {record}"
+        );
+    }
+    app.stop().await;
+}
+
 /// LC-7, LC-11: a Messages stream says how the answer ended in `message_delta` (the stop
 /// reason, non-null after `message_start` as the SDKs document, and the final usage), always
 /// before `message_stop`. One that reached `message_stop` without it was stored as succeeded:
