@@ -580,7 +580,15 @@ fn init_tracing(format: LogFormat) {
 /// `holdfast --version`: the version, and where the database the configuration names stands.
 async fn version(file: Option<&std::path::Path>) -> Result<(), Stop> {
     println!("holdfast {}", env!("CARGO_PKG_VERSION"));
-    let config = Config::load_unvalidated(file)?;
+    // A file `serve` cannot read is a configuration it refuses, said as the checks below say
+    // theirs (CLI-1); the database it would name is unknown.
+    let config = match Config::load_unvalidated(file) {
+        Ok(config) => config,
+        Err(e) => {
+            println!("configuration: serve would refuse it: {e}");
+            return Ok(());
+        }
+    };
     let url = holdfast::store::redact_url(&config.database_url);
     match holdfast::store::schema_version(&config.database_url).await {
         Ok(v) => match v.database {

@@ -616,6 +616,40 @@ async fn version_says_whether_serve_would_refuse_the_configuration_cli1() {
     );
 }
 
+/// CLI-1: a file `serve` cannot even read (an unknown key, a value of the wrong form, a
+/// missing file) is one more configuration it would refuse. `--version` printed its version
+/// line, then only the error on stderr, and exited 2, so the upgrade step that runs it against
+/// the configuration (docs/operations.md) saw a failing command instead of the line saying
+/// what `serve` would refuse.
+#[tokio::test]
+async fn version_says_serve_would_refuse_a_configuration_it_cannot_read_and_exits_0_cli1() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("typo.toml"), "lisen = \"127.0.0.1:8080\"\n").unwrap();
+    std::fs::write(dir.path().join("value.toml"), "listen = \"x\"\n").unwrap();
+    for (file, key) in [
+        ("typo.toml", "lisen"),
+        ("value.toml", "listen"),
+        ("missing.toml", "missing.toml"),
+    ] {
+        let (code, stdout, stderr) =
+            run_holdfast(dir.path(), &["--version", "--config", file], &[]);
+        assert_eq!(code, 0, "{file}: {stdout}{stderr}");
+        assert!(stdout.starts_with("holdfast "), "{stdout}");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("configuration: "))
+            .unwrap_or_else(|| panic!("{file}: {stdout}{stderr}"));
+        assert!(
+            line.starts_with("configuration: serve would refuse it: ") && line.contains(key),
+            "{file}: {stdout}"
+        );
+    }
+    assert!(
+        !dir.path().join("holdfast.db").exists(),
+        "--version creates nothing"
+    );
+}
+
 /// A backend that refuses every call: one `warn` line per attempt and one line for the request,
 /// each naming the request id, the request's line with its deliveries (a second submission
 /// attached while it ran); plain text in a file; `log_format = "json"` one JSON object per
