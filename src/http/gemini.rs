@@ -39,7 +39,8 @@ pub(super) async fn call(
         return super::method_not_allowed(uri).await;
     }
     let Some((model, method)) = call.rsplit_once(':') else {
-        return no_route(&uri);
+        // A model's lookup, served with `GET` (GM-4).
+        return super::method_not_allowed(uri).await;
     };
     if !Route::is_path_model(model) {
         return ApiError::bad_request(
@@ -86,6 +87,24 @@ pub(super) fn is_post_call(call: &str) -> bool {
             || Route::ALL
                 .into_iter()
                 .any(|r| r.model_in_path() && Route::of_method(r.router_path(), method).is_some())
+    })
+}
+
+/// The methods `path` takes when it is `/{version}/models/{x}`, one router path for two
+/// resources: a model call ([`is_post_call`]) takes `POST`, a model lookup `GET` and `HEAD`
+/// (IN-1). `None` for any other path.
+pub(super) fn methods_of_models_path(path: &str) -> Option<&'static str> {
+    let call = SHAPE
+        .path_prefixes()
+        .iter()
+        .find_map(|version| path.strip_prefix(version)?.strip_prefix("/models/"))?;
+    if call.is_empty() || call.contains('/') {
+        return None;
+    }
+    Some(if is_post_call(call) {
+        "POST"
+    } else {
+        "GET,HEAD"
     })
 }
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, any, get, post};
 use subtle::ConstantTimeEq;
@@ -236,7 +236,7 @@ pub(crate) fn route_list() -> Vec<(&'static str, &'static str)> {
 /// CORS for browser readers (`EventSource` on `/requests/{id}`, fetch on the proxied routes),
 /// only when `cors_allow_origins` is set. Exposes holdfast's and the providers' headers.
 fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
-    use axum::http::{HeaderName, HeaderValue, Method, header};
+    use axum::http::{HeaderName, Method};
     use tower_http::cors::{AllowOrigin, CorsLayer};
     if origins.is_empty() {
         return None;
@@ -338,13 +338,21 @@ fn lacks_v1(path: &str) -> bool {
 }
 
 async fn method_not_allowed(uri: Uri) -> Response {
-    ApiError::new(
+    let mut response = ApiError::new(
         Provider::for_path(uri.path()),
         StatusCode::METHOD_NOT_ALLOWED,
         "method_not_allowed",
         format!("{} does not accept this method", uri.path()),
     )
-    .into_response()
+    .into_response();
+    // The router lists every method of a router path in `Allow` unless the answer has one;
+    // `/{version}/models/{x}` serves two resources with methods of their own (IN-1).
+    if let Some(allowed) = gemini::methods_of_models_path(uri.path()) {
+        response
+            .headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allowed));
+    }
+    response
 }
 
 /// The key a caller presented: in a provider SDK's key header (`x-api-key`, `x-goog-api-key`;

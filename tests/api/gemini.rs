@@ -415,6 +415,53 @@ async fn holdfasts_own_errors_on_gemini_routes_take_googles_shape_gm5_rs6() {
     app.stop().await;
 }
 
+/// IN-1, RFC 9110 §15.5.6: a 405 names in `Allow` the methods its path takes. `/{v1beta,v1}/
+/// models/{x}` is one router path for two resources, a Google model call (`POST`) and a model
+/// lookup (`GET`, `HEAD`): a `GET` on a call answered 405 with no `Allow` at all, a `PUT`
+/// on either listed `POST,GET,HEAD`, offering a `GET` on a call and a `POST` on a lookup that
+/// both answer an error, and a `POST` on a Gemini model's lookup answered 404, as if the path
+/// were not served.
+#[tokio::test]
+async fn a_wrong_method_on_a_models_path_lists_only_the_methods_that_path_takes_in1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    for (path, allowed) in [
+        ("/v1beta/models/gemini-2.5-flash:generateContent", "POST"),
+        (
+            "/v1/models/gemini-2.5-flash:streamGenerateContent?alt=sse",
+            "POST",
+        ),
+        ("/v1beta/models/gemini-2.5-flash:countTokens", "POST"),
+        ("/v1beta/models/gemini-2.5-flash", "GET,HEAD"),
+        ("/v1/models/gpt-4o-mini", "GET,HEAD"),
+        (
+            "/v1/models/ft:gpt-4o-mini-2024-07-18:my-org::abc123",
+            "GET,HEAD",
+        ),
+    ] {
+        for method in [
+            reqwest::Method::GET,
+            reqwest::Method::POST,
+            reqwest::Method::PUT,
+            reqwest::Method::DELETE,
+        ] {
+            if allowed.split(',').any(|m| m == method.as_str()) {
+                continue;
+            }
+            let r = app
+                .http
+                .request(method.clone(), format!("{}{path}", app.base))
+                .body("{}")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 405, "{method} {path}");
+            assert_eq!(header(&r, "allow"), allowed, "{method} {path}");
+        }
+    }
+    assert_eq!(app.mock.calls(), 0);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn a_provider_refusal_is_replayed_in_googles_shape_lc6_gm5() {
     let app = spawn_app(
