@@ -137,6 +137,24 @@ async fn open_detail(page: &Page<'_>, id: &str) {
     .await;
 }
 
+/// Opens the live view of the stream whose detail `page` shows ("watch"), and waits for the
+/// whole stored stream to be replayed into it.
+async fn watch_to_its_end(page: &Page<'_>) {
+    page.wait_for(
+        "!document.getElementById('watch').hidden",
+        "the stream's detail",
+        WAIT,
+    )
+    .await;
+    page.eval("document.getElementById('watch').click()").await;
+    page.wait_for(
+        "document.getElementById('live').dataset.state === 'ended'",
+        "the replayed stream",
+        WAIT,
+    )
+    .await;
+}
+
 async fn text_of(page: &Page<'_>, id: &str) -> String {
     page.eval(&format!("document.getElementById('{id}').textContent"))
         .await
@@ -474,19 +492,7 @@ async fn ui_renders_markup_in_prompts_answers_and_streams_as_text() {
 
     page.eval(&format!("location.hash = '#/r/{stream_id}'"))
         .await;
-    page.wait_for(
-        "!document.getElementById('watch').hidden",
-        "the stream's detail",
-        WAIT,
-    )
-    .await;
-    page.eval("document.getElementById('watch').click()").await;
-    page.wait_for(
-        "document.getElementById('live').dataset.state === 'ended'",
-        "the replayed stream",
-        WAIT,
-    )
-    .await;
+    watch_to_its_end(&page).await;
     assert_eq!(text_of(&page, "live-text").await, SCRIPT);
     let events_text = text_of(&page, "live-events").await;
     assert!(events_text.contains("content_block_delta"), "{events_text}");
@@ -1559,19 +1565,7 @@ async fn ui_live_view_shows_a_stream_of_tool_calls_only_as_its_calls_ex10() {
         assert_eq!(record["status"], "succeeded", "{path}: {record}");
 
         page.goto(&format!("{}/ui#/r/{id}", app.base)).await;
-        page.wait_for(
-            "!document.getElementById('watch').hidden",
-            "the stream's detail",
-            WAIT,
-        )
-        .await;
-        page.eval("document.getElementById('watch').click()").await;
-        page.wait_for(
-            "document.getElementById('live').dataset.state === 'ended'",
-            "the replayed stream",
-            WAIT,
-        )
-        .await;
+        watch_to_its_end(&page).await;
         assert_eq!(text_of(&page, "live-text").await, CALL, "{path}");
         assert_eq!(
             page.eval("document.querySelectorAll('#live-text *').length")
