@@ -516,8 +516,10 @@ async fn run(
             continue;
         }
         // Decision 124: when only some streams' attempts wait (their ending, their window),
-        // their batches are committed now and the others' stay held to the end of a long hold.
-        let mut commit = match long.then(|| group.split_waited()).flatten() {
+        // their batches are committed now and the others' stay held to the end of a long hold;
+        // once it is over, they go with them (else flushes that keep coming would hold them on).
+        let split = long && held_since.elapsed() < UNFOLLOWED_HOLD;
+        let mut commit = match split.then(|| group.split_waited()).flatten() {
             Some(waited) => waited,
             None => std::mem::take(&mut group),
         };
@@ -860,6 +862,47 @@ mod tests {
             vec![vec![1], vec![1], vec![2]],
             "the flushed stream's batch alone; the other's two as one"
         );
+    }
+
+    /// DU-7, decision 124: the batches a split left held are committed at the end of their
+    /// hold even while other streams' attempts keep waiting on every commit (their windows,
+    /// their endings): a flush that comes after the hold is over takes the whole group, so an
+    /// unfollowed stream's log lags it by at most the long hold and a commit.
+    #[tokio::test(start_paused = true)]
+    async fn held_batches_are_committed_at_the_end_of_their_hold_while_other_streams_keep_flushing_du7()
+     {
+        let commit = Duration::from_millis(10);
+        let store = taking(commit);
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
+        writer
+            .hand_on(batch("first"))
+            .unwrap()
+            .stored()
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let held = writer.hand_on(batch("held")).unwrap();
+        // Another stream whose attempt waits on the log twice per commit, for 300 ms.
+        let flusher = tokio::spawn({
+            let writer = writer.clone();
+            let lease = batch("x").lease;
+            async move {
+                for after in 0..60 {
+                    let pending = writer.hand_on(next_of(&lease, after, "x")).unwrap();
+                    writer.flush(lease.id);
+                    drop(pending);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        });
+        held.stored().await.unwrap();
+        assert!(
+            started.elapsed() <= UNFOLLOWED_HOLD + 2 * commit,
+            "held {:?}: past the end of its hold and the commit then under way",
+            started.elapsed()
+        );
+        flusher.await.unwrap();
     }
 
     /// DU-7: a stream a positioned reader follows keeps the short hold (at most the last
