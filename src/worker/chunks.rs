@@ -520,6 +520,9 @@ async fn run(
         // once it is over, they go with them (else flushes that keep coming would hold them on).
         let split = long && held_since.elapsed() < UNFOLLOWED_HOLD;
         let mut commit = match split.then(|| group.split_waited()).flatten() {
+            // The waiting streams' batches were committed while their flushes were queued:
+            // nothing to commit, and the rest holds on.
+            Some(waited) if waited.batches.is_empty() => continue,
             Some(waited) => waited,
             None => std::mem::take(&mut group),
         };
@@ -903,6 +906,31 @@ mod tests {
             started.elapsed()
         );
         flusher.await.unwrap();
+    }
+
+    /// DU-7, decision 124: a flush whose stream has nothing left in the group (its batches
+    /// were committed while the flush was queued) commits nothing: no empty commit is timed,
+    /// measured as the last commit's duration or taken as the end of a failure, and the
+    /// others' batches stay held to the end of their hold.
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_of_a_stream_with_nothing_in_the_group_makes_no_empty_commit_du7() {
+        let store = taking(Duration::from_millis(1));
+        let writer =
+            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
+        let flushed = batch("flushed");
+        let id = flushed.lease.id;
+        writer.hand_on(flushed).unwrap().stored().await.unwrap();
+        let started = tokio::time::Instant::now();
+        let other = writer.hand_on(batch("other")).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        writer.flush(id);
+        other.stored().await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            UNFOLLOWED_HOLD + Duration::from_millis(1),
+            "the other stream's batch held to the end of its hold"
+        );
+        assert_eq!(calls(&store), vec![1, 1], "no commit of nothing");
     }
 
     /// DU-7: a stream a positioned reader follows keeps the short hold (at most the last
