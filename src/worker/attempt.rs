@@ -3,6 +3,7 @@
 //! (LC-3).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -62,7 +63,10 @@ impl WorkerPool {
         // Renews the lease until the outcome is written, polled beside the call and then the
         // outcome write in this task rather than as a task of its own (one spawn and one abort
         // fewer per attempt, issue 30); it ends only when it finds the lease lost.
-        let heartbeat = self.heartbeat(&lease, record.updated_at, &lost);
+        // Until when this node's clock says the lease is held: its grant, then each renewal
+        // (LC-3, decision 125).
+        let held_until = AtomicI64::new(record.updated_at.saturating_add(self.lease_ms()));
+        let heartbeat = self.heartbeat(&lease, record.updated_at, &lost, &held_until);
         tokio::pin!(heartbeat);
         let registration = self.register(lease.id);
         debug!("attempt started");
@@ -70,7 +74,7 @@ impl WorkerPool {
         // is most of the attempt's future, which is made on the thread that leased it — the
         // SQLite writer's, at admission (decision 70) — and copied as a whole when spawned.
         let ending = tokio::select! {
-            ending = Box::pin(self.call(&lease, &record, &mut trace)) => ending,
+            ending = Box::pin(self.call(&lease, &record, &mut trace, &held_until)) => ending,
             () = &mut heartbeat => None,
             () = registration.abort.cancelled() => None,
             () = self.abandon.cancelled() => {
@@ -341,7 +345,13 @@ impl WorkerPool {
     /// each renewal from the time it was sent, not from when it committed: a grant or a renewal
     /// that waited long in a stalled database queue is renewed again at once rather than a
     /// third of a lease later, before the sweeps' hold after an outage ends (decision 52).
-    async fn heartbeat(&self, lease: &Lease, granted: Millis, lost: &CancellationToken) {
+    async fn heartbeat(
+        &self,
+        lease: &Lease,
+        granted: Millis,
+        lost: &CancellationToken,
+        held_until: &AtomicI64,
+    ) {
         let third = (self.lease_ms() / 3).max(1);
         let retry = i64::try_from(HEARTBEAT_RETRY.as_millis()).unwrap_or(1_000);
         let mut next = granted.saturating_add(third);
@@ -350,7 +360,10 @@ impl WorkerPool {
             tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(0))).await;
             let sent = now_ms();
             match self.store.heartbeat(lease, sent, self.lease_ms()).await {
-                Ok(true) => next = sent.saturating_add(third),
+                Ok(true) => {
+                    held_until.store(sent.saturating_add(self.lease_ms()), Ordering::Relaxed);
+                    next = sent.saturating_add(third);
+                }
                 Ok(false) => {
                     lost.cancel();
                     return;
@@ -365,12 +378,14 @@ impl WorkerPool {
     }
 
     /// One provider call, classified into an [`Ending`] (LC-5, LC-6, LC-11). `None` when the
-    /// lease was lost on the way.
+    /// lease was lost on the way, or ran out, by this node's clock, before the call
+    /// (`held_until`, decision 125).
     async fn call(
         &self,
         lease: &Lease,
         record: &RequestRecord,
         trace: &mut Option<AttemptSpan>,
+        held_until: &AtomicI64,
     ) -> Option<Ending> {
         let route = record.route;
         let traceparent = trace.as_ref().and_then(AttemptSpan::traceparent);
@@ -382,6 +397,14 @@ impl WorkerPool {
             model: record.model.as_deref(),
             traceparent: traceparent.as_deref(),
         };
+        // LC-3, decision 125: a node that stalled between its lease and this call (paused,
+        // starved of CPU) may have lost the lease meanwhile, and another node's attempt may
+        // have answered the request already. Fencing refuses what this attempt would write, but
+        // not a provider call: none is made once the lease has run out.
+        if now_ms() >= held_until.load(Ordering::Relaxed) {
+            warn!("the lease ran out before the provider call; no call is made");
+            return None;
+        }
         let mut response = match self.upstreams.send(&call).await {
             Ok(r) => r,
             Err(e) => {
