@@ -657,6 +657,19 @@ mod tests {
     }
 
     /// A store whose appends all succeed, each taking `took`.
+    /// A writer over `store` that has made one commit: its next hold has a commit to measure
+    /// itself by (DU-7).
+    async fn after_a_first_commit(store: &Arc<Scripted>) -> ChunkWriter {
+        let writer = ChunkWriter::spawn_over(Arc::clone(store), Hub::new(), Duration::from_secs(1));
+        writer
+            .hand_on(batch("first"))
+            .unwrap()
+            .stored()
+            .await
+            .unwrap();
+        writer
+    }
+
     fn taking(took: Duration) -> Arc<Scripted> {
         Arc::new(Scripted {
             took,
@@ -829,14 +842,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_streams_flush_commits_its_own_batches_and_leaves_the_others_held_du7() {
         let store = taking(Duration::from_millis(1));
-        let writer =
-            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
-        writer
-            .hand_on(batch("first"))
-            .unwrap()
-            .stored()
-            .await
-            .unwrap();
+        let writer = after_a_first_commit(&store).await;
         let started = tokio::time::Instant::now();
         let ending = batch("ending");
         let ending_id = ending.lease.id;
@@ -876,14 +882,7 @@ mod tests {
      {
         let commit = Duration::from_millis(10);
         let store = taking(commit);
-        let writer =
-            ChunkWriter::spawn_over(Arc::clone(&store), Hub::new(), Duration::from_secs(1));
-        writer
-            .hand_on(batch("first"))
-            .unwrap()
-            .stored()
-            .await
-            .unwrap();
+        let writer = after_a_first_commit(&store).await;
         let started = tokio::time::Instant::now();
         let held = writer.hand_on(batch("held")).unwrap();
         // Another stream whose attempt waits on the log twice per commit, for 300 ms.
