@@ -137,9 +137,8 @@ async fn open_detail(page: &Page<'_>, id: &str) {
     .await;
 }
 
-/// Opens the live view of the stream whose detail `page` shows ("watch"), and waits for the
-/// whole stored stream to be replayed into it.
-async fn watch_to_its_end(page: &Page<'_>) {
+/// Opens the live view of the stream whose detail `page` shows ("watch").
+async fn watch(page: &Page<'_>) {
     page.wait_for(
         "!document.getElementById('watch').hidden",
         "the stream's detail",
@@ -147,6 +146,12 @@ async fn watch_to_its_end(page: &Page<'_>) {
     )
     .await;
     page.eval("document.getElementById('watch').click()").await;
+}
+
+/// Opens the live view of the stream whose detail `page` shows, and waits for the whole stored
+/// stream to be replayed into it.
+async fn watch_to_its_end(page: &Page<'_>) {
+    watch(page).await;
     page.wait_for(
         "document.getElementById('live').dataset.state === 'ended'",
         "the replayed stream",
@@ -843,13 +848,7 @@ base_url = "{mock}"
     let browser = Browser::launch();
     let page = browser.new_page(WIDTH, HEIGHT).await;
     page.goto(&format!("{base}/ui#/r/{id}")).await;
-    page.wait_for(
-        "!document.getElementById('watch').hidden",
-        "the stream's detail",
-        WAIT,
-    )
-    .await;
-    page.eval("document.getElementById('watch').click()").await;
+    watch(&page).await;
     page.wait_for(
         "Number(document.getElementById('live').dataset.events || 0) >= 10",
         "ten chunks of the first attempt",
