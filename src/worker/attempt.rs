@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use super::WorkerPool;
+use super::chunks::EndingWrite;
 use super::retry::{self, WriteRetry};
 use super::stream::StreamRead;
 use crate::hub::HubEvent;
@@ -39,6 +40,9 @@ pub(super) struct Ending {
     /// The stream's last batch when it was stored before the outcome (PostgreSQL): published
     /// only once the outcome is committed (RS-12).
     pub(super) withheld: Vec<Chunk>,
+    /// Held while `last` holds batches taken back from the chunk writer, until the outcome
+    /// write is settled (decision 126).
+    pub(super) writing: Option<EndingWrite>,
 }
 
 impl From<Outcome> for Ending {
@@ -47,6 +51,7 @@ impl From<Outcome> for Ending {
             outcome,
             last: None,
             withheld: Vec::new(),
+            writing: None,
         }
     }
 }
@@ -106,10 +111,7 @@ impl WorkerPool {
                 () = &mut heartbeat => write.await,
             }
         };
-        if let Some(mut trace) = trace {
-            if let Some(last) = &ending.last {
-                trace.events(&last.chunks);
-            }
+        if let Some(trace) = trace {
             match &written {
                 Ok(Some(_)) => trace.end(&ending.outcome),
                 Ok(None) => self.end_lost(&lease, &record, trace).await,

@@ -17,7 +17,7 @@
 //! outcome (RS-12). A commit that fails is tried again for `write_retry_secs` ([`WriteRetry`],
 //! decisions 37, 52) before its batches are failed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 use super::retry::{WriteRetry, is_transient};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics as m;
-use crate::store::{Chunk, ChunkBatch, DynStore, StoreError};
+use crate::store::{Chunk, ChunkBatch, DynStore, Lease, StoreError};
 
 /// Largest number of batches stored in one transaction.
 const MAX_BATCHES_PER_COMMIT: usize = 1024;
@@ -56,6 +56,43 @@ enum Queued {
     /// An attempt waits for what it handed on ([`ChunkWriter::flush`]): commit its batches now.
     /// Other streams' batches held for [`UNFOLLOWED_HOLD`] stay held (decision 124).
     FlushOf(uuid::Uuid),
+    /// An attempt about to write its stream's outcome takes back the batches it handed on that
+    /// the writer still holds, to store them with that outcome (decision 126).
+    TakeBack(Lease, oneshot::Sender<TakenBack>),
+    /// The outcome write of an attempt that took batches back is settled ([`EndingWrite`]).
+    Settled(uuid::Uuid),
+}
+
+/// What an attempt took back from the writer ([`ChunkWriter::take_back`]).
+#[derive(Debug)]
+pub(super) struct TakenBack {
+    /// Its held batches, in order: consecutive seqs of its attempt, not yet stored.
+    pub(super) batches: Vec<ChunkBatch>,
+    /// How many of its hand-ons they hold: the newest ones, whose [`Pending`] will never be
+    /// answered.
+    pub(super) handed: usize,
+    /// Held until the outcome write that stores them is settled; `None` when nothing was taken.
+    pub(super) ending: Option<EndingWrite>,
+}
+
+/// Held by an attempt that took its batches back while it writes its outcome with them; when
+/// dropped, tells the writer that write is settled. Until then a cancel's
+/// [`ChunkWriter::settle_handed_on`] waits for it, as it waits for what the writer holds:
+/// those events were shown to the stream's clients, and the usage they carry is billed (LC-9).
+#[derive(Debug)]
+pub(super) struct EndingWrite {
+    queue: mpsc::UnboundedSender<Queued>,
+    /// Wakes a hold: a settle may wait for this.
+    urgent: Arc<Notify>,
+    id: uuid::Uuid,
+}
+
+impl Drop for EndingWrite {
+    fn drop(&mut self) {
+        if self.queue.send(Queued::Settled(self.id)).is_ok() {
+            self.urgent.notify_one();
+        }
+    }
 }
 
 /// Longest time the writer holds a commit open for more batches while nobody waits on it
@@ -180,7 +217,20 @@ impl ChunkWriter {
             followed: Arc::clone(&followed),
             hold_unfollowed,
         };
-        tokio::spawn(run(store, Arc::clone(&hub), rx, signals, retry_for));
+        let endings = Endings {
+            queue: queue.downgrade(),
+            urgent: Arc::clone(&urgent),
+            writing: HashSet::new(),
+            flushes: Vec::new(),
+        };
+        tokio::spawn(run(
+            store,
+            Arc::clone(&hub),
+            rx,
+            signals,
+            endings,
+            retry_for,
+        ));
         ChunkWriter {
             queue,
             urgent,
@@ -242,8 +292,23 @@ impl ChunkWriter {
         self.urgent.notify_one();
     }
 
+    /// Takes back what the attempt of `lease` handed on and the writer still holds (decision
+    /// 126): the attempt stores it with its outcome, one commit instead of two. Nothing is
+    /// taken when a settle asked for the commit those batches are in (LC-9). `None` when the
+    /// writer is gone.
+    pub(super) async fn take_back(&self, lease: &Lease) -> Option<TakenBack> {
+        let (reply, taken) = oneshot::channel();
+        self.queue
+            .send(Queued::TakeBack(lease.clone(), reply))
+            .ok()?;
+        // Heard during a hold, which goes on for the other streams.
+        self.urgent.notify_one();
+        taken.await.ok()
+    }
+
     /// Commits what is queued now and returns once that commit is settled (stored, or failed
-    /// for good): every batch handed on before the call has then been tried. A cancel waits for
+    /// for good): every batch handed on before the call has then been tried, stored by the
+    /// writer or with its attempt's outcome (an attempt that took its batches back). A cancel waits for
     /// it, so that the usage its attempt's streams have already shown is stored before the
     /// cancel fences the attempt out (LC-9, RD-9). Returns at once when the writer is gone.
     pub(super) async fn settle_handed_on(&self) {
@@ -309,6 +374,22 @@ struct Group {
     /// The streams whose attempts wait on the group's commit (their ending, their window, an
     /// appended batch); with `flushes`, every stream does.
     waited_by: Vec<uuid::Uuid>,
+    /// A settle ([`Queued::Flush`]) asked for this round's commit: everything in the group is
+    /// committed in it, none of it split off or taken back (LC-9).
+    settling: bool,
+}
+
+/// What the writer keeps across commits of the batches attempts took back (decision 126).
+struct Endings {
+    /// The writer's own queue, for the [`EndingWrite`]s it hands out; weak, so that the
+    /// writer still ends with its last handle.
+    queue: mpsc::WeakUnboundedSender<Queued>,
+    /// What an [`EndingWrite`] wakes.
+    urgent: Arc<Notify>,
+    /// Requests whose attempt took batches back and has not settled its outcome write.
+    writing: HashSet<uuid::Uuid>,
+    /// Settle flushes ([`Queued::Flush`]) waiting for some of those, with whom they wait for.
+    flushes: Vec<(HashSet<uuid::Uuid>, oneshot::Sender<()>)>,
 }
 
 impl Group {
@@ -316,20 +397,75 @@ impl Group {
     /// A batch handed on right after the same attempt's last one in the group joins it (DU-7):
     /// one seq reservation and one publish for both. A batch that names the provider's ids
     /// stays apart, as does an appended one (a stream's ending, answered with its chunks).
-    fn take(&mut self, queued: Queued) -> bool {
+    fn take(&mut self, queued: Queued, endings: &mut Endings) -> bool {
         let (batch, ack, publish) = match queued {
             Queued::Batch {
                 batch,
                 ack,
                 publish,
             } => (batch, ack, publish),
-            Queued::Flush(ack) => {
+            // A settle waits, besides this commit, for the outcome writes holding batches
+            // that attempts took back before it (LC-9).
+            Queued::Flush(ack) if endings.writing.is_empty() => {
+                self.settling = true;
                 self.flushes.push(ack);
+                return true;
+            }
+            Queued::Flush(ack) => {
+                self.settling = true;
+                endings.flushes.push((endings.writing.clone(), ack));
                 return true;
             }
             Queued::FlushOf(id) => {
                 self.waited_by.push(id);
                 return true;
+            }
+            Queued::Settled(id) => {
+                endings.writing.remove(&id);
+                let mut released = false;
+                for (waits_for, ack) in std::mem::take(&mut endings.flushes) {
+                    let mut waits_for = waits_for;
+                    waits_for.remove(&id);
+                    if waits_for.is_empty() {
+                        // Told once this round's commit is settled, which it need not wait for.
+                        self.flushes.push(ack);
+                        released = true;
+                    } else {
+                        endings.flushes.push((waits_for, ack));
+                    }
+                }
+                return released;
+            }
+            Queued::TakeBack(lease, reply) => {
+                let id = lease.id;
+                let (batches, handed) = if self.settling {
+                    (Vec::new(), 0)
+                } else {
+                    self.take_back(&lease)
+                };
+                let ending = if batches.is_empty() {
+                    None
+                } else {
+                    endings.queue.upgrade().map(|queue| EndingWrite {
+                        queue,
+                        urgent: Arc::clone(&endings.urgent),
+                        id,
+                    })
+                };
+                let tracked = ending.is_some();
+                match reply.send(TakenBack {
+                    batches,
+                    handed,
+                    ending,
+                }) {
+                    Ok(()) if tracked => {
+                        endings.writing.insert(id);
+                    }
+                    Ok(()) => {}
+                    // The attempt is gone: what it handed on is committed here after all.
+                    Err(taken) => self.restore(taken),
+                }
+                return false;
             }
         };
         let id = batch.lease.id;
@@ -357,11 +493,55 @@ impl Group {
         !publish
     }
 
+    /// Takes the held batches of `lease`'s attempt out of the group (decision 126): its
+    /// handed-on batches, in order, and how many hand-ons they answer for. Nothing when a batch
+    /// of its request in the group is an appended one or another attempt's (not its to take).
+    fn take_back(&mut self, lease: &Lease) -> (Vec<ChunkBatch>, usize) {
+        let id = lease.id;
+        let mut its = self
+            .batches
+            .iter()
+            .zip(&self.acks)
+            .filter(|(batch, _)| batch.lease.id == id)
+            .map(|(batch, (_, publish))| *publish && batch.lease == *lease)
+            .peekable();
+        if its.peek().is_none() || !its.all(|its_own| its_own) {
+            return (Vec::new(), 0);
+        }
+        let mut taken = Vec::new();
+        let mut handed = 0;
+        let mut kept = Group::default();
+        for (batch, acks) in self.batches.drain(..).zip(self.acks.drain(..)) {
+            if batch.lease.id == id {
+                handed += acks.0.len();
+                taken.push(batch);
+            } else {
+                kept.last_of.insert(batch.lease.id, kept.batches.len());
+                kept.batches.push(batch);
+                kept.acks.push(acks);
+            }
+        }
+        self.batches = kept.batches;
+        self.acks = kept.acks;
+        self.last_of = kept.last_of;
+        self.waited_by.retain(|waiting| *waiting != id);
+        (taken, handed)
+    }
+
+    /// Puts back batches an attempt took back and did not receive (it is gone).
+    fn restore(&mut self, taken: TakenBack) {
+        for batch in taken.batches {
+            self.last_of.insert(batch.lease.id, self.batches.len());
+            self.batches.push(batch);
+            self.acks.push((Vec::new(), true));
+        }
+    }
+
     /// Splits off the batches of the streams whose attempts wait (decision 124), when only
     /// some streams wait and others' batches are in the group too: those stay, held. `None`
     /// when the whole group is to be committed.
     fn split_waited(&mut self) -> Option<Group> {
-        if !self.flushes.is_empty()
+        if self.settling
             || self.waited_by.is_empty()
             || self
                 .batches
@@ -392,11 +572,15 @@ impl Group {
     }
 
     /// Takes what is queued now, up to [`MAX_BATCHES_PER_COMMIT`]; whether any of it is waited on.
-    fn take_queued(&mut self, rx: &mut mpsc::UnboundedReceiver<Queued>) -> bool {
+    fn take_queued(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<Queued>,
+        endings: &mut Endings,
+    ) -> bool {
         let mut awaited = false;
         while self.batches.len() < MAX_BATCHES_PER_COMMIT {
             match rx.try_recv() {
-                Ok(queued) => awaited |= self.take(queued),
+                Ok(queued) => awaited |= self.take(queued, endings),
                 Err(_) => break,
             }
         }
@@ -457,6 +641,7 @@ async fn run(
     hub: Arc<Hub>,
     mut rx: mpsc::UnboundedReceiver<Queued>,
     signals: Signals,
+    mut endings: Endings,
     retry_for: Duration,
 ) {
     let mut group = Group::default();
@@ -474,7 +659,7 @@ async fn run(
             let Some(queued) = rx.recv().await else {
                 break;
             };
-            awaited = group.take(queued);
+            awaited = group.take(queued, &mut endings);
             held_since = tokio::time::Instant::now();
         }
         let followed = signals.followed.notified();
@@ -482,7 +667,7 @@ async fn run(
         tokio::pin!(followed, joined);
         followed.as_mut().enable();
         joined.as_mut().enable();
-        awaited |= group.take_queued(&mut rx);
+        awaited |= group.take_queued(&mut rx, &mut endings);
         // Only handed-on batches wait, and only positioned readers wait on them: hold the
         // commit open for more, so that a commit carries many events (issue 30), and longer
         // while no positioned reader follows any of these streams (DU-7). What is handed on
@@ -502,9 +687,13 @@ async fn run(
                     short,
                 )
                 .await;
-                awaited |= group.take_queued(&mut rx);
-                // A wake left by a flush the group took already says nothing: hold on.
-                if awaited || held != Held::Urgent || group.batches.len() >= MAX_BATCHES_PER_COMMIT
+                awaited |= group.take_queued(&mut rx, &mut endings);
+                // A wake left by a flush the group took already, or by a take-back, says
+                // nothing: hold on, unless nothing is left to hold.
+                if awaited
+                    || held != Held::Urgent
+                    || group.batches.is_empty()
+                    || group.batches.len() >= MAX_BATCHES_PER_COMMIT
                 {
                     break;
                 }
@@ -513,6 +702,7 @@ async fn run(
         if group.batches.is_empty() {
             group.flushes.clear();
             group.waited_by.clear();
+            group.settling = false;
             continue;
         }
         // Decision 124: when only some streams' attempts wait (their ending, their window),
@@ -614,7 +804,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::store::{Lease, NewChunk};
+    use crate::store::NewChunk;
 
     /// A store whose appends fail as `fail` says for each call (numbered from 1), and otherwise
     /// store every batch, each taking `took`; it keeps how many batches each call held.
@@ -1123,6 +1313,214 @@ mod tests {
             calls(&store),
             [2, 1],
             "the second try held only the open batch"
+        );
+    }
+
+    /// The data of each chunk of `batches`, in order.
+    fn texts(batches: &[ChunkBatch]) -> Vec<String> {
+        batches
+            .iter()
+            .flat_map(|b| b.chunks.iter().map(|c| c.data.clone()))
+            .collect()
+    }
+
+    /// Decision 126: an ending takes back what its attempt handed on and the writer still
+    /// holds, in order, with how many hand-ons it answers for, and stores it with its outcome;
+    /// another stream's batches stay held to the end of their hold and are committed without
+    /// them. A stream with nothing held gets nothing back.
+    #[tokio::test(start_paused = true)]
+    async fn an_ending_takes_back_its_held_batches_and_the_others_stay_held_du7() {
+        let store = taking(Duration::from_millis(1));
+        let writer = after_a_first_commit(&store).await;
+        let started = tokio::time::Instant::now();
+        let ending = batch("first");
+        let lease = ending.lease.clone();
+        // `first` names the provider's request id, so it is held apart from what follows.
+        let first = writer
+            .hand_on(ChunkBatch {
+                upstream_request_id: Some("req_1".into()),
+                ..ending
+            })
+            .unwrap();
+        let second = writer.hand_on(next_of(&lease, 1, "second")).unwrap();
+        let third = writer.hand_on(next_of(&lease, 2, "third")).unwrap();
+        let other = writer.hand_on(batch("other")).unwrap();
+        let taken = writer.take_back(&lease).await.expect("writer running");
+        assert_eq!(texts(&taken.batches), ["first", "second", "third"]);
+        assert_eq!(
+            taken.batches[0].upstream_request_id.as_deref(),
+            Some("req_1")
+        );
+        assert_eq!(taken.handed, 3, "three hand-ons, never to be answered");
+        assert!(taken.ending.is_some());
+        for pending in [first, second, third] {
+            assert!(matches!(pending.stored().await, Err(AppendError::Stopped)));
+        }
+        // The other stream's batch is held to the end of the long hold, then committed alone.
+        other.stored().await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            UNFOLLOWED_HOLD + Duration::from_millis(1),
+            "the take-back did not end the other stream's hold"
+        );
+        assert_eq!(*store.chunks.lock().unwrap(), vec![vec![1], vec![1]]);
+        // Nothing held: nothing taken, nothing to wait for.
+        let nothing = writer.take_back(&lease).await.expect("writer running");
+        assert!(nothing.batches.is_empty());
+        assert_eq!(nothing.handed, 0);
+        assert!(nothing.ending.is_none());
+    }
+
+    /// LC-9, decision 126: a cancel's settle waits, besides the commit it asks for, for the
+    /// outcome write of an attempt that took its batches back before it — those events were
+    /// shown, their usage billed — and returns once that write is settled, at once, not at
+    /// the end of another stream's hold.
+    #[tokio::test(start_paused = true)]
+    async fn a_settle_waits_for_an_outcome_write_holding_batches_taken_back_before_it_lc9() {
+        let store = taking(Duration::from_millis(1));
+        let writer = after_a_first_commit(&store).await;
+        let ending = batch("ending");
+        let lease = ending.lease.clone();
+        let _pending = writer.hand_on(ending).unwrap();
+        let taken = writer.take_back(&lease).await.expect("writer running");
+        let writing = taken.ending.expect("taken back");
+        let settle = writer.settle_handed_on();
+        tokio::pin!(settle);
+        tokio::select! {
+            () = &mut settle => panic!("settled while the outcome write was not"),
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        // Another stream's batch, held for the long hold, when the write settles.
+        let other = writer.hand_on(batch("other")).unwrap();
+        drop(writing);
+        tokio::time::timeout(Duration::from_millis(2), settle)
+            .await
+            .expect("settled once the outcome write was");
+        assert!(other.stored().await.is_ok());
+        // A later settle does not wait for it again.
+        tokio::time::timeout(Duration::from_secs(1), writer.settle_handed_on())
+            .await
+            .expect("nothing to wait for");
+    }
+
+    /// Decision 126: batches taken back by an attempt that is gone before it received them
+    /// are put back, and committed at the end of their hold as if never taken.
+    #[tokio::test(start_paused = true)]
+    async fn batches_taken_back_by_an_attempt_that_is_gone_are_committed_after_all_du7() {
+        let store = taking(Duration::from_millis(1));
+        let writer = after_a_first_commit(&store).await;
+        let ending = batch("ending");
+        let lease = ending.lease.clone();
+        let _pending = writer.hand_on(ending).unwrap();
+        let (reply, taken) = oneshot::channel();
+        drop(taken);
+        writer.queue.send(Queued::TakeBack(lease, reply)).unwrap();
+        writer.urgent.notify_one();
+        // Settled at the end of the hold, without waiting for an outcome write.
+        tokio::time::timeout(UNFOLLOWED_HOLD * 2, writer.settle_handed_on())
+            .await
+            .expect("settled");
+        assert_eq!(*store.chunks.lock().unwrap(), vec![vec![1], vec![1]]);
+    }
+
+    /// LC-9, decision 126 (review): a settle asked for before a take-back, in the same round,
+    /// commits what was handed on before it; the take-back gets nothing, and the settle does
+    /// not wait for that attempt's outcome write.
+    #[tokio::test(start_paused = true)]
+    async fn a_take_back_after_a_settle_takes_nothing_and_the_settle_commits_it_lc9() {
+        let store = taking(Duration::from_millis(1));
+        let writer = after_a_first_commit(&store).await;
+        // A commit in flight, so that what follows reaches the writer in one round.
+        let x = batch("in flight");
+        let x_id = x.lease.id;
+        let called = store.called.notified();
+        tokio::pin!(called);
+        called.as_mut().enable();
+        let x = writer.hand_on(x).unwrap();
+        writer.flush(x_id);
+        called.await;
+        let shown = batch("shown");
+        let lease = shown.lease.clone();
+        let shown = writer.hand_on(shown).unwrap();
+        let settle = writer.settle_handed_on();
+        tokio::pin!(settle);
+        assert!(futures::poll!(settle.as_mut()).is_pending());
+        let taken = writer.take_back(&lease).await.expect("writer running");
+        assert!(taken.batches.is_empty() && taken.ending.is_none());
+        assert_eq!(taken.handed, 0);
+        tokio::time::timeout(Duration::from_millis(5), settle)
+            .await
+            .expect("settled with its commit");
+        assert!(shown.stored().await.is_ok(), "the settle committed it");
+        assert!(x.stored().await.is_ok());
+    }
+
+    /// LC-9, decision 126 (review): a settle that waits for another attempt's outcome write
+    /// still has its own round's group committed whole: a stream's flush in that round does
+    /// not leave another stream's batches held for a take-back the settle would not wait for.
+    #[tokio::test(start_paused = true)]
+    async fn a_settle_waiting_for_an_outcome_write_commits_its_whole_group_lc9() {
+        let store = taking(Duration::from_millis(1));
+        let writer = after_a_first_commit(&store).await;
+        let b = batch("b");
+        let b_lease = b.lease.clone();
+        let _b = writer.hand_on(b).unwrap();
+        let writing = writer
+            .take_back(&b_lease)
+            .await
+            .expect("writer running")
+            .ending
+            .expect("taken back");
+        let d = batch("d");
+        let d_lease = d.lease.clone();
+        let mut d = writer.hand_on(d).unwrap();
+        let c = batch("c");
+        let c_id = c.lease.id;
+        let c = writer.hand_on(c).unwrap();
+        let settle = writer.settle_handed_on();
+        tokio::pin!(settle);
+        assert!(futures::poll!(settle.as_mut()).is_pending());
+        writer.flush(c_id);
+        c.stored().await.unwrap();
+        assert!(
+            matches!(d.try_stored(), Some(Ok(()))),
+            "d went with c, not held"
+        );
+        let taken = writer.take_back(&d_lease).await.expect("writer running");
+        assert!(taken.batches.is_empty(), "nothing of d left to take");
+        assert!(
+            futures::poll!(settle.as_mut()).is_pending(),
+            "b still writes"
+        );
+        drop(writing);
+        tokio::time::timeout(Duration::from_millis(5), settle)
+            .await
+            .expect("settled once b's write was");
+    }
+
+    /// Decision 126: a take-back takes only its own attempt's batches; a batch of an earlier
+    /// attempt of the same request (abandoned, still held) stays, and nothing is taken.
+    #[tokio::test(start_paused = true)]
+    async fn a_take_back_leaves_another_attempts_batches_of_the_request_du7() {
+        let store = taking(Duration::from_millis(1));
+        let writer = after_a_first_commit(&store).await;
+        let old = batch("old");
+        let new = ChunkBatch {
+            lease: Lease {
+                owner: "node/next".into(),
+                attempt: 2,
+                ..old.lease.clone()
+            },
+            ..batch("new")
+        };
+        let new_lease = new.lease.clone();
+        let old = writer.hand_on(old).unwrap();
+        let _new = writer.hand_on(new).unwrap();
+        let taken = writer.take_back(&new_lease).await.expect("writer running");
+        assert!(taken.batches.is_empty() && taken.ending.is_none());
+        assert!(
+            old.stored().await.is_ok(),
+            "the earlier attempt's batch is stored"
         );
     }
 }

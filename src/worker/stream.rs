@@ -285,6 +285,7 @@ impl StreamRead {
                 outcome: self.success(),
                 last: Some(batch),
                 withheld: Vec::new(),
+                writing: None,
             });
         }
         let then = if succeeded {
@@ -347,6 +348,7 @@ impl StreamRead {
                     outcome,
                     last: Some(batch),
                     withheld: Vec::new(),
+                    writing: None,
                 });
             }
             return Step::Store {
@@ -490,6 +492,49 @@ impl Window {
         Some(pending)
     }
 
+    /// Lets go of the newest `n` batches: the writer gave them back (decision 126).
+    fn forget_newest(&mut self, n: usize) {
+        for _ in 0..n {
+            let Some(pending) = self.pending.pop_back() else {
+                break;
+            };
+            self.events -= pending.events;
+            self.bytes -= pending.bytes;
+        }
+    }
+
+    /// An ending whose last batch is stored with its outcome (SQLite) takes back from the
+    /// writer what request `id`'s attempt handed on and is still held, and puts it before
+    /// that batch: the held events, the last ones and the outcome become durable in one
+    /// commit instead of two (decision 126). The ending then holds the writer's
+    /// [`EndingWrite`] until its outcome write is settled.
+    async fn take_back(
+        &mut self,
+        writer: &ChunkWriter,
+        lease: &Lease,
+        mut ending: Ending,
+    ) -> Result<Ending, AppendError> {
+        // What is committed already needs nothing of the writer.
+        self.committed()?;
+        if self.pending.is_empty() {
+            return Ok(ending);
+        }
+        let Some(last) = ending.last.take() else {
+            return Ok(ending);
+        };
+        let taken = writer.take_back(lease).await.ok_or(AppendError::Stopped)?;
+        self.forget_newest(taken.handed);
+        // The writer answered every older batch before it took these back.
+        self.committed()?;
+        let mut held = taken.batches.into_iter();
+        ending.last = Some(match held.next() {
+            Some(first) => joined(held.fold(first, joined), last),
+            None => last,
+        });
+        ending.writing = taken.ending;
+        Ok(ending)
+    }
+
     /// Lets go of the batches already committed; the first failure, if one failed.
     fn committed(&mut self) -> Result<(), AppendError> {
         while let Some(oldest) = self.pending.front_mut() {
@@ -551,8 +596,15 @@ impl WorkerPool {
                 Ok(None) => read.on_body_end(),
                 Err(e) => read.on_read_error(&e),
             };
-            if let (Step::Store { batch, .. }, Some(trace)) = (&step, trace.as_mut()) {
-                trace.events(&batch.chunks);
+            match (&step, trace.as_mut()) {
+                (Step::Store { batch, .. }, Some(trace))
+                | (
+                    Step::End(Ending {
+                        last: Some(batch), ..
+                    }),
+                    Some(trace),
+                ) => trace.events(&batch.chunks),
+                _ => {}
             }
             match step {
                 Step::Read => {}
@@ -601,6 +653,7 @@ impl WorkerPool {
                         outcome,
                         last: None,
                         withheld,
+                        writing: None,
                     });
                 }
             }
@@ -609,9 +662,13 @@ impl WorkerPool {
             }
         };
         // Every ending waits for what was handed on before it: stored chunks stay (LC-7), and
-        // a last batch written with the outcome follows them.
+        // a last batch written with the outcome follows them, with what the writer still held
+        // of them (decision 126).
         let stored = match stored {
-            Ok(ending) => window.drain(&self.chunks, lease.id).await.map(|()| ending),
+            Ok(ending) => match window.take_back(&self.chunks, lease, ending).await {
+                Ok(ending) => window.drain(&self.chunks, lease.id).await.map(|()| ending),
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         };
         match stored {
