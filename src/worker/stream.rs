@@ -504,7 +504,7 @@ impl Window {
     }
 
     /// An ending whose last batch is stored with its outcome (SQLite) takes back from the
-    /// writer what request `id`'s attempt handed on and is still held, and puts it before
+    /// writer what `lease`'s attempt handed on and is still held, and puts it before
     /// that batch: the held events, the last ones and the outcome become durable in one
     /// commit instead of two (decision 126). The ending then holds the writer's
     /// [`EndingWrite`] until its outcome write is settled.
