@@ -423,8 +423,7 @@ impl Group {
             Queued::Settled(id) => {
                 endings.writing.remove(&id);
                 let mut released = false;
-                for (waits_for, ack) in std::mem::take(&mut endings.flushes) {
-                    let mut waits_for = waits_for;
+                for (mut waits_for, ack) in std::mem::take(&mut endings.flushes) {
                     waits_for.remove(&id);
                     if waits_for.is_empty() {
                         // Told once this round's commit is settled, which it need not wait for.
@@ -485,11 +484,8 @@ impl Group {
             }
             self.acks[i].0.push(ack);
             return false;
-        } else {
-            self.last_of.insert(id, self.batches.len());
         }
-        self.batches.push(batch);
-        self.acks.push((vec![ack], publish));
+        self.push(batch, (vec![ack], publish));
         !publish
     }
 
@@ -508,33 +504,39 @@ impl Group {
         if its.peek().is_none() || !its.all(|its_own| its_own) {
             return (Vec::new(), 0);
         }
-        let mut taken = Vec::new();
-        let mut handed = 0;
-        let mut kept = Group::default();
-        for (batch, acks) in self.batches.drain(..).zip(self.acks.drain(..)) {
-            if batch.lease.id == id {
-                handed += acks.0.len();
-                taken.push(batch);
-            } else {
-                kept.last_of.insert(batch.lease.id, kept.batches.len());
-                kept.batches.push(batch);
-                kept.acks.push(acks);
-            }
-        }
-        self.batches = kept.batches;
-        self.acks = kept.acks;
-        self.last_of = kept.last_of;
+        let taken = self.take_out(|batch| batch.lease.id == id);
         self.waited_by.retain(|waiting| *waiting != id);
-        (taken, handed)
+        let handed = taken.acks.iter().map(|(acks, _)| acks.len()).sum();
+        (taken.batches, handed)
     }
 
     /// Puts back batches an attempt took back and did not receive (it is gone).
     fn restore(&mut self, taken: TakenBack) {
         for batch in taken.batches {
-            self.last_of.insert(batch.lease.id, self.batches.len());
-            self.batches.push(batch);
-            self.acks.push((Vec::new(), true));
+            self.push(batch, (Vec::new(), true));
         }
+    }
+
+    /// Adds `batch` at the end, with whom to tell; a handed-on one is its stream's last.
+    fn push(&mut self, batch: ChunkBatch, acks: (Vec<Ack>, bool)) {
+        if acks.1 {
+            self.last_of.insert(batch.lease.id, self.batches.len());
+        }
+        self.batches.push(batch);
+        self.acks.push(acks);
+    }
+
+    /// Moves the batches `out` picks, in order, into a group of their own, and keeps the rest.
+    fn take_out(&mut self, mut out: impl FnMut(&ChunkBatch) -> bool) -> Group {
+        let (mut taken, mut kept) = (Group::default(), Group::default());
+        for (batch, acks) in self.batches.drain(..).zip(self.acks.drain(..)) {
+            let to = if out(&batch) { &mut taken } else { &mut kept };
+            to.push(batch, acks);
+        }
+        self.batches = kept.batches;
+        self.acks = kept.acks;
+        self.last_of = kept.last_of;
+        taken
     }
 
     /// Splits off the batches of the streams whose attempts wait (decision 124), when only
@@ -550,25 +552,8 @@ impl Group {
         {
             return None;
         }
-        let mut waited = Group::default();
-        let mut kept = Group::default();
-        for (batch, acks) in self.batches.drain(..).zip(self.acks.drain(..)) {
-            let to = if self.waited_by.contains(&batch.lease.id) {
-                &mut waited
-            } else {
-                &mut kept
-            };
-            if acks.1 {
-                to.last_of.insert(batch.lease.id, to.batches.len());
-            }
-            to.batches.push(batch);
-            to.acks.push(acks);
-        }
-        self.waited_by.clear();
-        self.batches = kept.batches;
-        self.acks = kept.acks;
-        self.last_of = kept.last_of;
-        Some(waited)
+        let waited_by = std::mem::take(&mut self.waited_by);
+        Some(self.take_out(|batch| waited_by.contains(&batch.lease.id)))
     }
 
     /// Takes what is queued now, up to [`MAX_BATCHES_PER_COMMIT`]; whether any of it is waited on.
