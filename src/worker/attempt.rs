@@ -12,7 +12,7 @@ use tracing::{debug, error, info, warn};
 use super::WorkerPool;
 use super::chunks::EndingWrite;
 use super::retry::{self, WriteRetry};
-use super::stream::StreamRead;
+use super::stream::{HandOnGate, StreamRead};
 use crate::hub::HubEvent;
 use crate::ledger;
 use crate::metrics as m;
@@ -73,23 +73,25 @@ impl WorkerPool {
         let held_until = AtomicI64::new(record.updated_at.saturating_add(self.lease_ms()));
         let heartbeat = self.heartbeat(&lease, record.updated_at, &lost, &held_until);
         tokio::pin!(heartbeat);
-        let registration = self.register(lease.id);
+        let registration = self.register(&lease);
         debug!("attempt started");
         // Boxed: the call (the provider's request, its answer read or streamed into the log)
         // is most of the attempt's future, which is made on the thread that leased it — the
         // SQLite writer's, at admission (decision 70) — and copied as a whole when spawned.
         let ending = tokio::select! {
-            ending = Box::pin(self.call(&lease, &record, &mut trace, &held_until)) => ending,
-            () = &mut heartbeat => None,
-            () = registration.abort.cancelled() => None,
+            // A cancel's abort first: an event read when the cancel lets go of the hand-on
+            // gate is not handed on after it (decision 127).
+            biased;
+            () = registration.switches.abort.cancelled() => None,
             () = self.abandon.cancelled() => {
                 self.hand_back(&lease).await;
                 None
             }
+            () = &mut heartbeat => None,
+            ending = Box::pin(self.call(&lease, &record, &mut trace, &held_until, &registration.switches.hand_on)) => ending,
         };
         // Aborted here: the request was cancelled (LC-9), which its span says.
-        let cancelled = registration.abort.is_cancelled();
-        drop(registration);
+        let cancelled = registration.switches.abort.is_cancelled();
         let Some(ending) = ending else {
             info!("attempt ended without an outcome");
             if let Some(trace) = trace {
@@ -119,6 +121,9 @@ impl WorkerPool {
                 Err(_) => trace.lost(),
             }
         }
+        // Registered until the outcome write is over: a cancel meanwhile still waits for what
+        // an ending took back and writes with it, which its clients were shown (decision 127).
+        drop(registration);
         match written {
             Ok(Some((chunks, settled))) => {
                 let Ending {
@@ -381,13 +386,14 @@ impl WorkerPool {
 
     /// One provider call, classified into an [`Ending`] (LC-5, LC-6, LC-11). `None` when the
     /// lease was lost on the way, or ran out, by this node's clock, before the call
-    /// (`held_until`, decision 125).
+    /// (`held_until`, decision 125). A stream's hand-ons pass `hand_on` (LC-9, decision 127).
     async fn call(
         &self,
         lease: &Lease,
         record: &RequestRecord,
         trace: &mut Option<AttemptSpan>,
         held_until: &AtomicI64,
+        hand_on: &HandOnGate,
     ) -> Option<Ending> {
         let route = record.route;
         let traceparent = trace.as_ref().and_then(AttemptSpan::traceparent);
@@ -434,7 +440,7 @@ impl WorkerPool {
                 record.last_seq,
                 self.store.ends_streams_in_one_write(),
             );
-            return self.stream(lease, response, read, trace).await;
+            return self.stream(lease, response, read, trace, hand_on).await;
         }
         let outcome = self
             .classify(lease, route, &mut response, status, request_id)

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, debug, info, warn};
 use uuid::Uuid;
 
 use crate::config::{Config, Workers};
@@ -37,6 +37,7 @@ pub(crate) use answers::ClaimRef;
 use answers::RecentAnswers;
 use bookkeeping::Bookkeeping;
 pub use chunks::{AppendError, ChunkWriter};
+use stream::HandOnGate;
 
 /// How often expired terminal requests are pruned (DU-4).
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
@@ -103,8 +104,8 @@ pub(crate) struct Pool {
     permits: Arc<Semaphore>,
     /// Cancelled when shutdown begins: no new attempts start.
     stopping: CancellationToken,
-    /// The abort switch of every attempt this process is running, by request id (LC-9).
-    running: Arc<Mutex<HashMap<Uuid, CancellationToken>>>,
+    /// The attempts this process is running, and the hand-on gates cancels hold shut (LC-9).
+    running: Arc<Mutex<Running>>,
     /// Succeeded requests by claim: duplicates answered without a database write.
     answers: Arc<RecentAnswers>,
     /// Deliveries and log reads, counted apart from the answers and written in bulk (DU-6).
@@ -117,18 +118,100 @@ pub(crate) struct Pool {
     runtime: tokio::runtime::Handle,
 }
 
-/// A running attempt's entry in [`Pool::running`]; removed on drop.
+/// What a cancel through this process works on (LC-9).
+#[derive(Default)]
 struct Running {
-    pool: WorkerPool,
-    id: Uuid,
-    /// Cancelled when the request is cancelled through this process.
-    abort: CancellationToken,
+    /// Each attempt running here, by request id.
+    attempts: HashMap<Uuid, Switches>,
+    /// The hand-on gate of each request a cancel holds shut, and how many cancels hold it: an
+    /// attempt of the request that starts meanwhile (a retry) passes the same gate (decision
+    /// 127).
+    shut: HashMap<Uuid, (HandOnGate, usize)>,
 }
 
-impl Drop for Running {
+/// A running attempt's switches.
+#[derive(Clone)]
+struct Switches {
+    /// The attempt's number: a registration removes only its own entry.
+    attempt: u32,
+    /// Cancelled when the request is cancelled: the attempt is dropped.
+    abort: CancellationToken,
+    /// Shut while a cancel settles what was handed on (decision 127).
+    hand_on: HandOnGate,
+}
+
+/// A running attempt's entry in [`Running`]; removed on drop.
+struct Registration {
+    pool: WorkerPool,
+    id: Uuid,
+    switches: Switches,
+}
+
+impl Drop for Registration {
     fn drop(&mut self) {
         let mut running = self.pool.running.lock().unwrap_or_else(|e| e.into_inner());
-        running.remove(&self.id);
+        running.unregister(self.id, self.switches.attempt);
+    }
+}
+
+/// A cancel's hold on request `id`'s hand-on gate, counted in [`Running::shut`].
+struct Shut {
+    pool: WorkerPool,
+    id: Uuid,
+    gate: HandOnGate,
+}
+
+impl Drop for Shut {
+    fn drop(&mut self) {
+        let mut running = self.pool.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.let_go(self.id);
+    }
+}
+
+impl Running {
+    /// Registers attempt `lease`: its hand-ons pass the gate a cancel of the request holds
+    /// shut, if one does.
+    fn register(&mut self, lease: &Lease) -> Switches {
+        let switches = Switches {
+            attempt: lease.attempt,
+            abort: CancellationToken::new(),
+            hand_on: self
+                .shut
+                .get(&lease.id)
+                .map(|(gate, _)| gate.clone())
+                .unwrap_or_default(),
+        };
+        self.attempts.insert(lease.id, switches.clone());
+        switches
+    }
+
+    /// Removes attempt `attempt` of request `id`, unless a later one took its place.
+    fn unregister(&mut self, id: Uuid, attempt: u32) {
+        if self.attempts.get(&id).is_some_and(|s| s.attempt == attempt) {
+            self.attempts.remove(&id);
+        }
+    }
+
+    /// Request `id`'s hand-on gate, held for a cancel: its running attempt's, or the one
+    /// another cancel holds.
+    fn hold(&mut self, id: Uuid) -> HandOnGate {
+        let attempts_gate = self.attempts.get(&id).map(|s| s.hand_on.clone());
+        let (gate, holders) = self
+            .shut
+            .entry(id)
+            .or_insert_with(|| (attempts_gate.unwrap_or_default(), 0));
+        *holders += 1;
+        gate.clone()
+    }
+
+    /// A cancel lets go of request `id`'s gate.
+    fn let_go(&mut self, id: Uuid) {
+        if let Some((_, holders)) = self.shut.get_mut(&id) {
+            *holders -= 1;
+            if *holders == 0 {
+                self.shut.remove(&id);
+            }
+        }
     }
 }
 
@@ -334,20 +417,43 @@ impl WorkerPool {
         namespace: &str,
         id: Uuid,
     ) -> Result<Option<RequestRecord>, StoreError> {
+        // A task of its own: a caller that goes away mid-way (its connection closed) does not
+        // leave the hand-on shut, or opened again with the attempt not aborted (decision 127).
+        let (pool, namespace) = (self.clone(), namespace.to_owned());
+        match tokio::spawn(async move { pool.cancel_here(&namespace, id).await }).await {
+            Ok(cancelled) => cancelled,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
+    async fn cancel_here(
+        &self,
+        namespace: &str,
+        id: Uuid,
+    ) -> Result<Option<RequestRecord>, StoreError> {
         // An attempt running here shows its streams' events before they are committed (RS-11):
-        // what it handed on before the cancel came is committed first, so that the usage those
-        // events reported, which the provider bills, is stored before the cancel fences the
-        // attempt out (RD-9, decision 77). Only for the caller's own request (a read, so that
-        // another namespace cannot hurry this node's commits or time them to learn what runs
-        // here), and bounded: a failing store does not hold the cancel for its retry window.
+        // what it handed on is committed first, so that the usage those events reported, which
+        // the provider bills, is stored before the cancel fences the attempt out (RD-9,
+        // decision 77). Its hand-on stays shut from before that wait until the attempt is
+        // aborted, so no event reaches a client that the wait did not commit (decision 127).
+        // Only for the caller's own request (a read, so that another namespace cannot hurry
+        // this node's commits or time them to learn what runs here), and bounded: a failing
+        // store does not hold the cancel for its retry window.
         let runs_here = self
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .attempts
             .contains_key(&id);
-        if runs_here && self.store.get(namespace, id).await?.is_some() {
+        let shut = if runs_here && self.store.get(namespace, id).await?.is_some() {
+            let hold = self.shut(id);
+            let shut = hold.gate.close().await;
+            debug!(request_id = %id, "cancel: hand-on shut; committing what the attempt handed on");
             let _ = tokio::time::timeout(CANCEL_SETTLES_FOR, self.chunks.settle_handed_on()).await;
-        }
+            Some((shut, hold))
+        } else {
+            None
+        };
         let now = now_ms();
         let record = self.store.cancel(namespace, id, now).await?;
         // Finished by this call (an already terminal request comes back unchanged; one an
@@ -370,12 +476,15 @@ impl WorkerPool {
         }
         if record.is_some() {
             let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(abort) = running.get(&id) {
-                abort.cancel();
+            if let Some(switches) = running.attempts.get(&id) {
+                switches.abort.cancel();
             }
             drop(running);
             self.hub.publish(id, HubEvent::Changed);
         }
+        // Only now, with the attempt aborted, does the hand-on open again (for an attempt that
+        // finished before the cancel could fence it, nothing waits on it).
+        drop(shut);
         Ok(record)
     }
 
@@ -385,15 +494,32 @@ impl WorkerPool {
         self.books.log_read(id);
     }
 
-    /// Registers an attempt of request `id` as running here, for [`WorkerPool::cancel`].
-    fn register(&self, id: Uuid) -> Running {
-        let abort = CancellationToken::new();
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        running.insert(id, abort.clone());
-        Running {
+    /// Holds request `id`'s hand-on gate for a cancel: the gate of its attempt running here,
+    /// or the one another cancel holds, which an attempt starting meanwhile passes too.
+    fn shut(&self, id: Uuid) -> Shut {
+        let gate = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .hold(id);
+        Shut {
             pool: self.clone(),
             id,
-            abort,
+            gate,
+        }
+    }
+
+    /// Registers attempt `lease` as running here, for [`WorkerPool::cancel`].
+    fn register(&self, lease: &Lease) -> Registration {
+        let switches = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .register(lease);
+        Registration {
+            pool: self.clone(),
+            id: lease.id,
+            switches,
         }
     }
 
@@ -752,5 +878,39 @@ mod tests {
         );
         // A PostgreSQL node starts holding: the database may just have come back.
         assert!(StoreHealth::new(true).failed_within(hold));
+    }
+
+    /// LC-9, decision 127: a cancel holds its request's hand-on gate, not one attempt's: an
+    /// attempt of the request that starts while the cancel settles (a retry) waits at the
+    /// same gate, and the registration of an attempt that is over removes nothing of a later
+    /// one's.
+    #[tokio::test]
+    async fn an_attempt_that_starts_while_a_cancel_holds_its_requests_gate_waits_at_it_lc9() {
+        use futures::FutureExt;
+        let lease = |attempt| Lease {
+            id: Uuid::nil(),
+            owner: format!("node/{attempt}"),
+            attempt,
+        };
+        let mut running = Running::default();
+        running.register(&lease(1));
+        let gate = running.hold(Uuid::nil());
+        let shut = gate.close().await;
+        // The first attempt ends with a retry; the second starts before the cancel fences it.
+        let second = running.register(&lease(2));
+        running.unregister(Uuid::nil(), 1);
+        assert!(
+            running.attempts.contains_key(&Uuid::nil()),
+            "the first attempt's end leaves the second registered"
+        );
+        assert!(
+            second.hand_on.pass().now_or_never().is_none(),
+            "the second attempt hands nothing on while the cancel holds the gate"
+        );
+        drop(shut);
+        running.let_go(Uuid::nil());
+        assert!(running.shut.is_empty());
+        let third = running.register(&lease(3));
+        assert!(third.hand_on.pass().now_or_never().is_some());
     }
 }

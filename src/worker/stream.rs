@@ -469,6 +469,26 @@ pub(crate) const STREAM_AHEAD_EVENTS: usize = 64;
 /// Most event data bytes an attempt's log may fall behind its proxied streams (RS-11).
 pub(crate) const STREAM_AHEAD_BYTES: usize = 256 * 1024;
 
+/// The gate an attempt's hand-ons pass (LC-9, decision 127). A cancel closes it before it
+/// waits for what the attempt handed on, and keeps it closed until the attempt is fenced out:
+/// no event reaches the stream's clients after that wait began, so every event they were shown
+/// is committed by it, with the usage it reported. A hand-on passes it once per read and waits
+/// only while a cancel holds it.
+#[derive(Clone, Debug, Default)]
+pub(super) struct HandOnGate(Arc<tokio::sync::RwLock<()>>);
+
+impl HandOnGate {
+    /// Waits while the gate is closed; the hand-on happens while the guard lives.
+    pub(super) async fn pass(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        self.0.read().await
+    }
+
+    /// Closes the gate once a hand-on passing it now is done; it opens when the guard drops.
+    pub(super) async fn close(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        Arc::clone(&self.0).write_owned().await
+    }
+}
+
 /// The batches an attempt handed on and the writer has not yet committed (RS-11), oldest
 /// first.
 #[derive(Debug, Default)]
@@ -584,6 +604,7 @@ impl WorkerPool {
         mut response: reqwest::Response,
         mut read: StreamRead,
         trace: &mut Option<AttemptSpan>,
+        gate: &HandOnGate,
     ) -> Option<Ending> {
         if !read.is_event_stream() {
             let (body, _) = self.upstreams.read_capped(&mut response).await;
@@ -627,6 +648,8 @@ impl WorkerPool {
                     }
                 }
                 Step::Store { batch, then: None } => {
+                    // Shut while a cancel settles what was handed on (LC-9, decision 127).
+                    let open = gate.pass().await;
                     let handed = Handed {
                         chunks: batch.stored(),
                         upstream_request_id: batch.upstream_request_id.clone(),
@@ -640,6 +663,7 @@ impl WorkerPool {
                     };
                     self.hub
                         .publish(lease.id, HubEvent::Ahead(Arc::new(handed)));
+                    drop(open);
                     window.push(pending);
                     if let Err(e) = window.make_room(&self.chunks, lease.id).await {
                         break Err(e);
@@ -1177,5 +1201,36 @@ mod tests {
             failed(&ending),
             (ErrorType::UpstreamInvalid, Some(&b"<html>"[..]))
         );
+    }
+
+    /// LC-9, decision 127: a cancel's close waits for a hand-on passing the gate, and a hand-on
+    /// waits while the gate is shut, until the cancel lets go.
+    #[tokio::test]
+    async fn a_hand_on_waits_while_a_cancel_holds_its_gate_shut_lc9() {
+        use futures::FutureExt;
+        let gate = HandOnGate::default();
+        let passing = gate.pass().await;
+        let close = gate.close();
+        tokio::pin!(close);
+        assert!(
+            (&mut close).now_or_never().is_none(),
+            "the hand-on under way ends first"
+        );
+        drop(passing);
+        let shut = close.await;
+        assert!(
+            gate.pass().now_or_never().is_none(),
+            "no hand-on while the cancel holds it shut"
+        );
+        let waiting = tokio::spawn({
+            let gate = gate.clone();
+            async move {
+                let _open = gate.pass().await;
+            }
+        });
+        drop(shut);
+        waiting
+            .await
+            .expect("the hand-on goes on once the cancel lets go");
     }
 }

@@ -654,7 +654,7 @@ impl RawProvider {
     /// Serves `response` (status line, headers, blank line and body, as raw bytes) to every
     /// request on 127.0.0.1:0.
     pub async fn start(response: Vec<u8>) -> RawProvider {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind raw");
         let addr = listener.local_addr().expect("addr");
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -664,29 +664,8 @@ impl RawProvider {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let (counter, response) = (counter.clone(), response.clone());
                 tokio::spawn(async move {
-                    // Read the head, then as many body bytes as Content-Length says.
-                    let mut seen = Vec::new();
-                    let mut buf = [0u8; 8192];
-                    let head_end = loop {
-                        if let Some(i) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        match socket.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => seen.extend_from_slice(&buf[..n]),
-                        }
-                    };
-                    let head = String::from_utf8_lossy(&seen[..head_end]).to_ascii_lowercase();
-                    let length = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .and_then(|v| v.trim().parse::<usize>().ok())
-                        .unwrap_or(0);
-                    while seen.len() < head_end + length {
-                        match socket.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => seen.extend_from_slice(&buf[..n]),
-                        }
+                    if !read_request(&mut socket).await {
+                        return;
                     }
                     counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     let _ = socket.write_all(&response).await;
@@ -709,6 +688,94 @@ impl RawProvider {
 }
 
 impl Drop for RawProvider {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Reads one HTTP/1.1 request from `socket`: the head, then as many body bytes as
+/// Content-Length says. False when the connection ends first.
+async fn read_request(socket: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&seen[..head_end]).to_ascii_lowercase();
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    while seen.len() < head_end + length {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    true
+}
+
+/// A provider that answers its first call with `200 text/event-stream` and then sends what the
+/// test writes with [`StepwiseStream::send`], each piece as it is written; the body stays open
+/// until the provider is dropped. For a test that must know what the proxy has read, and when.
+pub struct StepwiseStream {
+    pub addr: SocketAddr,
+    pieces: tokio::sync::mpsc::UnboundedSender<String>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StepwiseStream {
+    pub async fn start() -> StepwiseStream {
+        use tokio::io::AsyncWriteExt;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind stepwise");
+        let addr = listener.local_addr().expect("addr");
+        let (pieces, mut to_send) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let task = tokio::spawn(async move {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            if !read_request(&mut socket).await {
+                return;
+            }
+            let head =
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+            if socket.write_all(head.as_bytes()).await.is_err() {
+                return;
+            }
+            while let Some(piece) = to_send.recv().await {
+                if socket.write_all(piece.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+            // The test let go of the sender: the body ends, and the stream with it.
+        });
+        StepwiseStream { addr, pieces, task }
+    }
+
+    /// `http://ADDR/v1`, a backend `base_url`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Sends `piece` (raw SSE text) on the open stream.
+    pub fn send(&self, piece: &str) {
+        self.pieces
+            .send(piece.to_owned())
+            .expect("the stream is open");
+    }
+}
+
+impl Drop for StepwiseStream {
     fn drop(&mut self) {
         self.task.abort();
     }
@@ -998,4 +1065,62 @@ pub async fn metrics_page(http: &reqwest::Client, base: &str) -> String {
         .text()
         .await
         .expect("metrics text")
+}
+
+/// What [`log_signal`] watches for: a message fragment, the `request_id` field it must carry,
+/// and whom to tell.
+type LogWatches = Vec<(&'static str, String, std::sync::Arc<tokio::sync::Notify>)>;
+static LOG_WATCHES: std::sync::Mutex<LogWatches> = std::sync::Mutex::new(Vec::new());
+
+/// Tells [`LOG_WATCHES`] of holdfast's tracing events in this process.
+struct LogWatch;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogWatch {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        #[derive(Default)]
+        struct Fields {
+            message: String,
+            request_id: String,
+        }
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                match field.name() {
+                    "message" => self.message = format!("{value:?}"),
+                    "request_id" => self.request_id = format!("{value:?}"),
+                    _ => {}
+                }
+            }
+        }
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        for (text, request_id, signal) in LOG_WATCHES.lock().unwrap().iter() {
+            if fields.message.contains(text) && fields.request_id == *request_id {
+                signal.notify_one();
+            }
+        }
+    }
+}
+
+/// A signal given when holdfast, in this process, logs an event (at debug level or above)
+/// whose message contains `text` and whose `request_id` field is `request_id`: for a test that
+/// must know a step inside holdfast has begun. Watch before the step can happen; an event
+/// logged earlier is not seen.
+pub fn log_signal(text: &'static str, request_id: &str) -> std::sync::Arc<tokio::sync::Notify> {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        use tracing_subscriber::Layer;
+        use tracing_subscriber::layer::SubscriberExt;
+        let holdfast = tracing_subscriber::filter::Targets::new()
+            .with_target("holdfast", tracing::Level::DEBUG);
+        tracing::subscriber::set_global_default(
+            tracing_subscriber::registry().with(LogWatch.with_filter(holdfast)),
+        )
+        .expect("no other global tracing subscriber in the test process");
+    });
+    let signal = std::sync::Arc::new(tokio::sync::Notify::new());
+    LOG_WATCHES
+        .lock()
+        .unwrap()
+        .push((text, request_id.to_owned(), std::sync::Arc::clone(&signal)));
+    signal
 }

@@ -595,6 +595,82 @@ async fn a_cancelled_stream_shows_the_usage_its_provider_reported_in_the_record_
     app.stop().await;
 }
 
+/// LC-9, RD-9, decision 127: a cancel shuts its attempt's hand-on before it commits what the
+/// attempt handed on, and keeps it shut until the attempt is fenced out, so no event reaches a
+/// client that the cancel then loses. Here the provider reports its usage while the cancel
+/// waits for the store (another process holds the database's write lock). Before, the usage
+/// event was handed on during that wait and shown to the client, and the record kept no usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_is_shown_no_usage_that_a_cancel_does_not_store_lc9_rd9() {
+    let provider = StepwiseStream::start().await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        use_backend_url(c, &provider.base_url())
+    })
+    .await;
+    let chunk = |delta: &str, usage: &str| {
+        format!(
+            "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"model\":\"gpt-4o-mini\",\"choices\":{delta}{usage}}}\n\n"
+        )
+    };
+    // Sent once the provider has the call: holdfast answers its client once the first events
+    // are handed on.
+    provider.send(&chunk(
+        r#"[{"index":0,"delta":{"role":"assistant","content":"Hel"}}]"#,
+        "",
+    ));
+    let mut r = app.chat(&stream_body("usage while cancelled")).await;
+    assert_eq!(r.status(), 200);
+    let id = header(&r, "holdfast-request-id");
+    let shut = log_signal("cancel: hand-on shut", &id);
+    let mut parser = holdfast::sse::SseParser::new();
+    next_events(&mut r, &mut parser, 1).await;
+
+    // Every commit holdfast makes now waits.
+    let blocker = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let cancel = tokio::spawn({
+        let (http, url) = (
+            app.http.clone(),
+            format!("{}/requests/{id}/cancel", app.base),
+        );
+        async move { post_json(&http, &url).await }
+    });
+    tokio::time::timeout(Duration::from_secs(30), shut.notified())
+        .await
+        .expect("the cancel shuts the attempt's hand-on");
+    // The provider bills the call: the usage comes while the cancel waits for the store.
+    provider.send(&chunk(
+        r#"[{"index":0,"delta":{},"finish_reason":"stop"}]"#,
+        r#","usage":{"prompt_tokens":11,"completion_tokens":7,"total_tokens":18}"#,
+    ));
+    // No signal says the attempt has read it (it waits at the gate, unseen): a moment for the
+    // read, so that without the gate the event is shown before the store returns.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    blocker.execute_batch("ROLLBACK").unwrap();
+    let cancelled = cancel.await.unwrap();
+    assert_eq!(cancelled["error"]["type"], "cancelled", "{cancelled}");
+
+    // What the client was shown, to the end of its stream.
+    let mut shown = Vec::new();
+    while let Some(piece) = r.chunk().await.expect("SSE body") {
+        shown.extend(parser.push(&piece).expect("valid SSE"));
+    }
+    let shown_usage = shown
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(&e.data).ok())
+        .find(|v| !v["usage"].is_null());
+    let record = app.record(&id).await;
+    match shown_usage {
+        Some(event) => assert_eq!(
+            record["usage"]["output_tokens"], event["usage"]["completion_tokens"],
+            "the client was shown usage the record does not keep: {record}"
+        ),
+        None => assert_eq!(record["usage"]["output_tokens"], Value::Null, "{record}"),
+    }
+    assert_eq!(record["error"]["type"], "cancelled", "{record}");
+    app.stop().await;
+}
+
 /// RD-9, IN-2, decision 81: a provider reporting a token count no answer can have (near 2^63,
 /// a broken or hostile OpenAI-compatible server) gets it kept as not reported; what else it
 /// reported stays. Before, two such answers overflowed the ledger's 64-bit sums in the
