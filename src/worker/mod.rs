@@ -422,7 +422,9 @@ impl WorkerPool {
         let (pool, namespace) = (self.clone(), namespace.to_owned());
         match tokio::spawn(async move { pool.cancel_here(&namespace, id).await }).await {
             Ok(cancelled) => cancelled,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down; what the cancel wrote, if anything, stays.
+            Err(_) => Err(StoreError::Unavailable("holdfast is shutting down".into())),
         }
     }
 

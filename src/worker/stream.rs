@@ -469,11 +469,11 @@ pub(crate) const STREAM_AHEAD_EVENTS: usize = 64;
 /// Most event data bytes an attempt's log may fall behind its proxied streams (RS-11).
 pub(crate) const STREAM_AHEAD_BYTES: usize = 256 * 1024;
 
-/// The gate an attempt's hand-ons pass (LC-9, decision 127). A cancel closes it before it
-/// waits for what the attempt handed on, and keeps it closed until the attempt is fenced out:
-/// no event reaches the stream's clients after that wait began, so every event they were shown
-/// is committed by it, with the usage it reported. A hand-on passes it once per read and waits
-/// only while a cancel holds it.
+/// The gate a request's hand-ons pass (LC-9, decision 127). A cancel closes it before it
+/// waits for what the request's attempt handed on, and keeps it closed until that attempt is
+/// fenced out and aborted: no event reaches the stream's clients after that wait began, so
+/// every event they were shown is committed by it, with the usage it reported. A hand-on
+/// passes it once per read and waits only while a cancel holds it.
 #[derive(Clone, Debug, Default)]
 pub(super) struct HandOnGate(Arc<tokio::sync::RwLock<()>>);
 
