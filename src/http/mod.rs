@@ -355,6 +355,22 @@ async fn method_not_allowed(uri: Uri) -> Response {
     response
 }
 
+/// Runs a handler's `work` as a task of its own and answers with what it answers. For a request
+/// that changes what holdfast does (a cancel): once received whole, it takes effect even when
+/// its caller closes the connection at once, which makes hyper drop the handler's future
+/// (LC-9, decision 127). `shape`: the error's shape when the runtime drops the task, at
+/// shutdown.
+async fn to_completion(
+    shape: Provider,
+    work: impl Future<Output = Response> + Send + 'static,
+) -> Response {
+    match tokio::spawn(work).await {
+        Ok(response) => response,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => ApiError::shutting_down(shape).into_response(),
+    }
+}
+
 /// The key a caller presented: in a provider SDK's key header (`x-api-key`, `x-goog-api-key`;
 /// GM-2), else `Authorization: Bearer KEY`.
 fn presented_key(headers: &HeaderMap) -> Option<&[u8]> {

@@ -422,6 +422,15 @@ pub(super) async fn cancel(
     headers: HeaderMap,
 ) -> Response {
     let shape = Provider::Openai;
+    super::to_completion(shape, cancel_whole(state, id, headers, shape)).await
+}
+
+async fn cancel_whole(
+    state: AppState,
+    id: String,
+    headers: HeaderMap,
+    shape: Provider,
+) -> Response {
     let record = match addressed(&state, presented_key(&headers), &id).await {
         Ok(record) => record,
         Err(e) => return e.into_response(),

@@ -131,6 +131,10 @@ pub(super) async fn cancel(
     Path(response_id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    super::to_completion(SHAPE, cancel_whole(state, response_id, headers)).await
+}
+
+async fn cancel_whole(state: AppState, response_id: String, headers: HeaderMap) -> Response {
     let namespace = match namespace(&state.config, &headers, SHAPE) {
         Ok(ns) => ns,
         Err(e) => return e.into_response(),

@@ -341,6 +341,43 @@ async fn keyed_request_refused_by_the_provider_replays_the_refusal_id6() {
     app.stop().await;
 }
 
+/// LC-9, decision 127: a cancel received whole takes effect even when its caller closes the
+/// connection the moment it has sent it (a fire-and-forget script). Before, hyper dropped the
+/// handler with the connection, most times before it reached the cancel, and the stream ran on
+/// to its end, billed.
+#[tokio::test]
+async fn a_cancel_whose_caller_hangs_up_at_once_still_cancels_lc9() {
+    use tokio::io::AsyncWriteExt;
+    let app = spawn_app(
+        MockConfig {
+            chunks: 100,
+            chunk_delay_ms: 50,
+            ..MockConfig::default()
+        },
+        |_| {},
+    )
+    .await;
+    let submitter = app.chat(&stream_body("cancel me and hang up")).await;
+    let id = header(&submitter, "holdfast-request-id");
+    let mut caller = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    caller
+        .write_all(
+            format!(
+                "POST /requests/{id}/cancel HTTP/1.1\r\nhost: {}\r\ncontent-length: 0\r\n\r\n",
+                app.addr
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    drop(caller);
+    // Without the cancel the stream ends `succeeded` after 5 s.
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(30)).await;
+    assert_eq!(record["error"]["type"], "cancelled", "{record}");
+    drop(submitter);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn cancel_during_a_stream_fails_it_and_ends_every_reader_lc9() {
     let app = spawn_app(
