@@ -755,7 +755,9 @@ impl Drop for Phoenix {
 
 impl Phoenix {
     /// Starts it from `.venv-phoenix` (set up by `scripts/test`) and waits for `/healthz` (60 s
-    /// at most): fails naming what is missing when it is not installed.
+    /// at most a try): fails naming what is missing when it is not installed. Its ports are free when
+    /// picked, but Phoenix binds them seconds later, when another test may have taken one: a
+    /// start that fails on a port in use is tried again on new ports, three times at most.
     async fn start(dir: &std::path::Path) -> Phoenix {
         let bin =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-phoenix/bin/phoenix");
@@ -766,42 +768,58 @@ impl Phoenix {
                 "run scripts/test, which installs tests/clients/phoenix-requirements.txt into .venv-phoenix",
             );
         }
-        let (http, grpc) = (free_addr(), free_addr());
-        let child = std::process::Command::new(bin)
-            .arg("serve")
-            .env("PHOENIX_HOST", "127.0.0.1")
-            .env("PHOENIX_PORT", http.port().to_string())
-            .env("PHOENIX_GRPC_PORT", grpc.port().to_string())
-            .env("PHOENIX_WORKING_DIR", dir)
-            .env("PHOENIX_TELEMETRY_ENABLED", "false")
-            .env("PHOENIX_ALLOW_EXTERNAL_RESOURCES", "false")
-            .env("PHOENIX_ALLOWED_SANDBOX_PROVIDERS", "NONE")
-            .stdout(std::fs::File::create(dir.join("phoenix.log")).unwrap())
-            .stderr(std::fs::File::create(dir.join("phoenix.err")).unwrap())
-            .spawn()
-            .expect("start phoenix");
-        let phoenix = Phoenix {
-            child,
-            base: format!("http://{http}"),
-        };
+        let errors = || std::fs::read_to_string(dir.join("phoenix.err")).unwrap_or_default();
         let client = reqwest::Client::new();
-        let started = std::time::Instant::now();
-        loop {
-            let up = client
-                .get(format!("{}/healthz", phoenix.base))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200);
-            if up {
-                return phoenix;
+        for tries in 1.. {
+            let started = std::time::Instant::now();
+            let (http, grpc) = (free_addr(), free_addr());
+            let child = std::process::Command::new(&bin)
+                .arg("serve")
+                .env("PHOENIX_HOST", "127.0.0.1")
+                .env("PHOENIX_PORT", http.port().to_string())
+                .env("PHOENIX_GRPC_PORT", grpc.port().to_string())
+                .env("PHOENIX_WORKING_DIR", dir)
+                .env("PHOENIX_TELEMETRY_ENABLED", "false")
+                .env("PHOENIX_ALLOW_EXTERNAL_RESOURCES", "false")
+                .env("PHOENIX_ALLOWED_SANDBOX_PROVIDERS", "NONE")
+                .stdout(std::fs::File::create(dir.join("phoenix.log")).unwrap())
+                .stderr(std::fs::File::create(dir.join("phoenix.err")).unwrap())
+                .spawn()
+                .expect("start phoenix");
+            let mut phoenix = Phoenix {
+                child,
+                base: format!("http://{http}"),
+            };
+            loop {
+                let up = client
+                    .get(format!("{}/healthz", phoenix.base))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200);
+                if up {
+                    return phoenix;
+                }
+                if phoenix
+                    .child
+                    .try_wait()
+                    .is_ok_and(|exited| exited.is_some())
+                {
+                    let errors = errors();
+                    assert!(
+                        tries < 3 && errors.contains("address already in use"),
+                        "phoenix exited (try {tries}): {errors}"
+                    );
+                    break;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "phoenix did not come up: {}",
+                    errors()
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "phoenix did not come up: {}",
-                std::fs::read_to_string(dir.join("phoenix.err")).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
+        unreachable!("the tries end in a return or a failed assertion")
     }
 
     /// The spans of `trace` in Phoenix's default project, once `done` holds for them (polls its
