@@ -341,14 +341,10 @@ async fn keyed_request_refused_by_the_provider_replays_the_refusal_id6() {
     app.stop().await;
 }
 
-/// LC-9, decision 127: a cancel received whole takes effect even when its caller closes the
-/// connection the moment it has sent it (a fire-and-forget script). Before, hyper dropped the
-/// handler with the connection, most times before it reached the cancel, and the stream ran on
-/// to its end, billed.
-#[tokio::test]
-async fn a_cancel_whose_caller_hangs_up_at_once_still_cancels_lc9() {
-    use tokio::io::AsyncWriteExt;
-    let app = spawn_app(
+/// An app whose provider streams 100 events 50 ms apart: a stream runs for 5 s, time to cancel
+/// it.
+async fn app_with_five_second_streams() -> TestApp {
+    spawn_app(
         MockConfig {
             chunks: 100,
             chunk_delay_ms: 50,
@@ -356,7 +352,17 @@ async fn a_cancel_whose_caller_hangs_up_at_once_still_cancels_lc9() {
         },
         |_| {},
     )
-    .await;
+    .await
+}
+
+/// LC-9, decision 127: a cancel received whole takes effect even when its caller closes the
+/// connection the moment it has sent it (a fire-and-forget script). Before, hyper dropped the
+/// handler with the connection, most times before it reached the cancel, and the stream ran on
+/// to its end, billed.
+#[tokio::test]
+async fn a_cancel_whose_caller_hangs_up_at_once_still_cancels_lc9() {
+    use tokio::io::AsyncWriteExt;
+    let app = app_with_five_second_streams().await;
     let submitter = app.chat(&stream_body("cancel me and hang up")).await;
     let id = header(&submitter, "holdfast-request-id");
     let mut caller = tokio::net::TcpStream::connect(app.addr).await.unwrap();
@@ -380,15 +386,7 @@ async fn a_cancel_whose_caller_hangs_up_at_once_still_cancels_lc9() {
 
 #[tokio::test]
 async fn cancel_during_a_stream_fails_it_and_ends_every_reader_lc9() {
-    let app = spawn_app(
-        MockConfig {
-            chunks: 100,
-            chunk_delay_ms: 50,
-            ..MockConfig::default()
-        },
-        |_| {},
-    )
-    .await;
+    let app = app_with_five_second_streams().await;
     let body = stream_body("cancel me");
     let submitter = app.chat(&body).await;
     let id = header(&submitter, "holdfast-request-id");
