@@ -195,6 +195,12 @@ pub(super) fn follow(
         let mut quiet_since = tokio::time::Instant::now();
         // Since when reads of the store have failed, while they do.
         let mut failing_since: Option<tokio::time::Instant> = None;
+        // One timer for each deadline, moved on as the stream goes: later is one atomic
+        // exchange, where a timer made for each wait was registered and removed per event
+        // (issue 30).
+        let keepalive = tokio::time::sleep_until(quiet_since + follow.keepalive);
+        let repoll = tokio::time::sleep_until(quiet_since + POLL);
+        tokio::pin!(keepalive, repoll);
         loop {
             // Backlog from the store.
             let page = if std::mem::take(&mut told_everything) {
@@ -240,7 +246,8 @@ pub(super) fn follow(
             // is re-read after POLL without a chunk, however often keep-alives go out between.
             let mut poll_at = tokio::time::Instant::now() + POLL;
             loop {
-                let keepalive_at = quiet_since + follow.keepalive;
+                keepalive.as_mut().reset(quiet_since + follow.keepalive);
+                repoll.as_mut().reset(poll_at);
                 let mut reread = false;
                 tokio::select! {
                     event = subscription.recv() => match event {
@@ -252,11 +259,11 @@ pub(super) fn follow(
                         }
                         HubEvent::Changed | HubEvent::Settled(_) => reread = true,
                     },
-                    () = tokio::time::sleep_until(keepalive_at) => {
+                    () = &mut keepalive => {
                         quiet_since = tokio::time::Instant::now();
                         yield Followed::KeepAlive;
                     }
-                    () = tokio::time::sleep_until(poll_at) => reread = true,
+                    () = &mut repoll => reread = true,
                 }
                 for chunk in std::mem::take(&mut out) {
                     let last = is_last(&chunk, follow.proxied);

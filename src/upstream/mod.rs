@@ -5,10 +5,12 @@
 //! forwarded; the backend's own key is used (ID-3a, IN-3).
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use tokio::time::{Instant, Sleep};
 
 use crate::config::{Backend, Config};
 use crate::provider::{Provider, Route};
@@ -272,19 +274,13 @@ impl Upstreams {
         }
     }
 
-    /// Reads the next piece of a response body, waiting at most `idle_timeout_ms`. `None` at
-    /// the end of the body.
-    ///
-    /// # Errors
-    /// [`CallError::IdleTimeout`] or [`CallError::Read`].
-    pub(crate) async fn next_piece(
-        &self,
-        response: &mut reqwest::Response,
-    ) -> Result<Option<Bytes>, CallError> {
-        match tokio::time::timeout(self.idle_timeout, response.chunk()).await {
-            Err(_) => Err(CallError::IdleTimeout(self.idle_timeout.as_millis() as u64)),
-            Ok(Err(e)) => Err(CallError::Read(error_chain(&e))),
-            Ok(Ok(piece)) => Ok(piece),
+    /// Reads `response`'s body piece by piece, each read waiting at most `idle_timeout_ms`
+    /// (LC-10).
+    pub(crate) fn pieces<'r>(&self, response: &'r mut reqwest::Response) -> Pieces<'r> {
+        Pieces {
+            response,
+            idle_for: self.idle_timeout,
+            idle: Box::pin(tokio::time::sleep(self.idle_timeout)),
         }
     }
 
@@ -297,7 +293,8 @@ impl Upstreams {
         response: &mut reqwest::Response,
     ) -> Result<Vec<u8>, CallError> {
         let mut body = Vec::new();
-        while let Some(piece) = self.next_piece(response).await? {
+        let mut pieces = self.pieces(response);
+        while let Some(piece) = pieces.next().await? {
             if body.len() + piece.len() > self.max_response_bytes {
                 return Err(CallError::TooLarge(self.max_response_bytes));
             }
@@ -313,8 +310,9 @@ impl Upstreams {
     /// says whether the body was cut short (by the cap or a failure).
     pub(crate) async fn read_capped(&self, response: &mut reqwest::Response) -> (Vec<u8>, bool) {
         let mut body = Vec::new();
+        let mut pieces = self.pieces(response);
         loop {
-            match self.next_piece(response).await {
+            match pieces.next().await {
                 Ok(Some(piece)) => {
                     let room = self.max_response_bytes.saturating_sub(body.len());
                     body.extend_from_slice(&piece[..piece.len().min(room)]);
@@ -330,6 +328,34 @@ impl Upstreams {
 }
 
 /// An error and its sources, joined: reqwest's top-level message alone says little.
+/// A provider response's body read piece by piece ([`Upstreams::pieces`]). Every read waits at
+/// most the idle timeout, counted from the read's start (LC-10: per gap, not a deadline). One
+/// timer serves every read: moving its deadline later is one atomic exchange, where a timeout
+/// per read registered and removed a timer for every stream event (issue 30).
+pub(crate) struct Pieces<'r> {
+    response: &'r mut reqwest::Response,
+    idle_for: Duration,
+    idle: Pin<Box<Sleep>>,
+}
+
+impl Pieces<'_> {
+    /// The next piece of the body; `None` at its end.
+    ///
+    /// # Errors
+    /// [`CallError::IdleTimeout`] or [`CallError::Read`].
+    pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, CallError> {
+        self.idle.as_mut().reset(Instant::now() + self.idle_for);
+        tokio::select! {
+            // A piece that is there wins over a deadline that passed meanwhile.
+            biased;
+            piece = self.response.chunk() => piece.map_err(|e| CallError::Read(error_chain(&e))),
+            () = self.idle.as_mut() => {
+                Err(CallError::IdleTimeout(self.idle_for.as_millis() as u64))
+            }
+        }
+    }
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();

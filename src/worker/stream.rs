@@ -611,8 +611,9 @@ impl WorkerPool {
             return Some(read.not_an_event_stream(body));
         }
         let mut window = Window::default();
+        let mut pieces = self.upstreams.pieces(&mut response);
         let stored = loop {
-            let step = match self.upstreams.next_piece(&mut response).await {
+            let step = match pieces.next().await {
                 Ok(Some(bytes)) => read.on_bytes(&bytes),
                 Ok(None) => read.on_body_end(),
                 Err(e) => read.on_read_error(&e),
