@@ -675,3 +675,57 @@ async fn a_request_recovered_after_sigkill_counts_the_usage_of_both_attempts_du1
     drop(second);
     mock.shutdown().await;
 }
+
+/// DU-8: under `full` (the default), a non-stream call's submission commits without an `fsync`
+/// of its own: its answer waits for its outcome's commit, whose `fsync` makes both durable. A
+/// stream's submission, whose first event waits only for it, and an asynchronous call's,
+/// answered `202` at it, each sync alone. Every call is answered as before.
+#[tokio::test]
+async fn only_a_non_stream_calls_submission_leaves_its_fsync_to_its_outcome_du8() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let unsynced = |page: &str| metric(page, "holdfast_sqlite_commits_unsynced_total", "");
+    let before = unsynced(&app.metrics_text().await);
+
+    // Several of each: a submission that shares its group with another write (a sweep) would
+    // sync whatever it is.
+    for i in 0..3 {
+        let stream = app
+            .chat(&format!(
+                r#"{{"model":"m","stream":true,"messages":[{{"role":"user","content":"du8 stream {i}"}}]}}"#
+            ))
+            .await;
+        assert_eq!(stream.status(), 200);
+        assert!(stream.text().await.expect("stream").contains("[DONE]"));
+        let accepted = app
+            .post(
+                "/v1/chat/completions",
+                format!(
+                    r#"{{"model":"m","messages":[{{"role":"user","content":"du8 async {i}"}}]}}"#
+                ),
+                &[("prefer", "respond-async")],
+            )
+            .await;
+        assert_eq!(accepted.status(), 202);
+    }
+    assert_eq!(
+        unsynced(&app.metrics_text().await),
+        before,
+        "a stream's or an asynchronous call's submission committed without its own fsync"
+    );
+
+    for i in 0..5 {
+        let answer = app
+            .chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"du8 call {i}"}}]}}"#
+            ))
+            .await;
+        assert_eq!(answer.status(), 200);
+    }
+    // Each submission commits alone unless another write (a sweep, the asynchronous call's
+    // outcome) shares its group, which then syncs.
+    assert!(
+        unsynced(&app.metrics_text().await) > before,
+        "no non-stream call's submission left its fsync to its outcome"
+    );
+    app.stop().await;
+}

@@ -35,7 +35,7 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.enqueue(f, None, false).await
+        self.enqueue(f, None, false, true).await
     }
 
     /// [`SqliteStore::write`] for a caller that accepts its commit being held open briefly for
@@ -45,24 +45,27 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.enqueue(f, None, true).await
+        self.enqueue(f, None, true, true).await
     }
 
     /// [`SqliteStore::write`], calling `early` with what the job returned once its whole group
     /// has run, right before the group commits: for a caller that may act ahead of the commit
     /// and waits for it before it answers anyone (ID-9). After a failed commit it is called only
     /// once the job is durable, right before its caller is answered. The job's caller is
-    /// answered after the commit as usual, also when the commit fails.
+    /// answered after the commit as usual, also when the commit fails. `syncs`: whether its
+    /// commit must be durable on its own; `false` for a write nobody is answered on before a
+    /// later commit of its request, which under `full` may leave the `fsync` to that one (DU-8).
     pub(super) async fn write_hooked<T, F>(
         &self,
         f: F,
         early: Option<Early<T>>,
+        syncs: bool,
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.enqueue(f, early, false).await
+        self.enqueue(f, early, false, syncs).await
     }
 
     async fn enqueue<T, F>(
@@ -70,6 +73,7 @@ impl SqliteStore {
         f: F,
         early: Option<Early<T>>,
         may_wait: bool,
+        syncs: bool,
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -83,6 +87,7 @@ impl SqliteStore {
             early,
             early_when_durable: false,
             may_wait,
+            syncs,
             wrote: false,
         };
         self.inner
@@ -112,6 +117,8 @@ pub(super) trait WriteJob: Send {
     fn tell_only_when_durable(&mut self);
     /// Whether its caller accepts its commit being held open for more (DU-7).
     fn may_wait(&self) -> bool;
+    /// Whether its commit must be durable on its own (DU-8).
+    fn syncs(&self) -> bool;
     /// Whether its last run succeeded, stored something, and its hook waits to be told: a
     /// submission that recorded a request, held back until its commit is durable (ID-9). One
     /// that attached to a request wrote nothing, and commits on a full disk too.
@@ -129,6 +136,8 @@ struct Job<T, F> {
     early_when_durable: bool,
     /// Its commit may be held open for more ([`SqliteStore::write_may_wait`], DU-7).
     may_wait: bool,
+    /// Its commit must be durable on its own ([`SqliteStore::write_hooked`], DU-8).
+    syncs: bool,
     /// Whether its last run changed a row.
     wrote: bool,
 }
@@ -165,6 +174,10 @@ where
         self.may_wait
     }
 
+    fn syncs(&self) -> bool {
+        self.syncs
+    }
+
     fn hook_waits(&self) -> bool {
         self.early.is_some() && self.wrote && matches!(self.result, Some(Ok(_)))
     }
@@ -177,6 +190,7 @@ where
             early,
             early_when_durable: _,
             may_wait: _,
+            syncs: _,
             wrote: _,
         } = *self;
         // A hook not told before the commit (held back, or its job's group failed first) is
@@ -215,6 +229,7 @@ pub(super) fn write_loop(
     let mut early = EarlyStarts::default();
     // How long the last commit took: what DU-7's hold may add.
     let mut last_commit = Duration::ZERO;
+    let mut syncing = Syncing::of(&conn);
     while let Ok(job) = queue.recv() {
         group.push(job);
         take_queued(&queue, &mut group);
@@ -222,6 +237,7 @@ pub(super) fn write_loop(
         // commit costs nearly the same whatever it holds (docs/benchmarks.md).
         hold(&queue, &mut group, last_commit.min(MAX_HOLD));
         early.hold_back(&mut group);
+        let unsynced = syncing.set_for(&conn, &group);
         let started = Instant::now();
         let jobs = group.len();
         let committed = commit_group(&conn, &mut group);
@@ -229,6 +245,9 @@ pub(super) fn write_loop(
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_SECONDS)
             .record(last_commit.as_secs_f64());
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_JOBS).record(jobs as f64);
+        if unsynced && committed.is_ok() {
+            metrics::counter!(crate::metrics::SQLITE_COMMITS_UNSYNCED).increment(1);
+        }
         match &committed {
             Err(e) => {
                 tracing::warn!(error = %e, jobs, "SQLite group commit failed; its writes were rolled back");
@@ -244,6 +263,55 @@ pub(super) fn write_loop(
             job.reply(commit);
         }
         bound_wal(&conn, &wal, rounds);
+    }
+}
+
+/// DU-8: under `synchronous = full`, a group none of whose writes must be durable on its own
+/// ([`WriteJob::syncs`]: only submissions of non-stream calls, whose answers wait for their
+/// outcomes' commits) commits as under `normal`, without an `fsync`. The next commit that syncs
+/// the WAL file makes it durable too: the file is written in order, and one `fsync` covers all
+/// of it. Under `normal` nothing changes.
+#[derive(Debug)]
+struct Syncing {
+    /// The database is configured `full`.
+    full: bool,
+    /// The connection's `synchronous` is `full` now.
+    now_full: bool,
+}
+
+impl Syncing {
+    /// The configuration of the writer's connection `conn`.
+    fn of(conn: &Connection) -> Syncing {
+        // 2 is FULL, 1 NORMAL.
+        let full = conn
+            .query_row("PRAGMA synchronous", [], |r| r.get::<_, i64>(0))
+            .is_ok_and(|mode| mode >= 2);
+        Syncing {
+            full,
+            now_full: full,
+        }
+    }
+
+    /// Sets `conn`'s `synchronous` for the commit of `group`; `true` when, configured `full`,
+    /// that commit leaves its `fsync` to a later one.
+    fn set_for(&mut self, conn: &Connection, group: &[Box<dyn WriteJob>]) -> bool {
+        let full = self.full && group.iter().any(|job| job.syncs());
+        if full != self.now_full {
+            let pragma = if full {
+                "PRAGMA synchronous = FULL"
+            } else {
+                "PRAGMA synchronous = NORMAL"
+            };
+            match conn.prepare_cached(pragma).and_then(|mut s| s.execute([])) {
+                Ok(_) => self.now_full = full,
+                // Left as it was: at worst a commit syncs that need not, or the next one
+                // syncs this one's writes too.
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not set the SQLite writer's synchronous mode");
+                }
+            }
+        }
+        self.full && !self.now_full
     }
 }
 
@@ -465,6 +533,7 @@ mod tests {
             early: None,
             early_when_durable: false,
             may_wait: false,
+            syncs: true,
             wrote: false,
         };
         (Box::new(job), answer)
@@ -480,6 +549,7 @@ mod tests {
             early: Some(hook),
             early_when_durable: false,
             may_wait: false,
+            syncs: true,
             wrote: false,
         };
         (Box::new(job), answer)
@@ -681,6 +751,7 @@ mod tests {
             early: Some(Box::new(|_: &i64| {}) as Early<i64>),
             early_when_durable: false,
             may_wait: false,
+            syncs: true,
             wrote: false,
         });
         assert!(commit(&mut early, attached, &conn));
@@ -884,6 +955,7 @@ mod tests {
             early: None,
             early_when_durable: false,
             may_wait,
+            syncs: true,
             wrote: false,
         };
         (Box::new(job), answer)
@@ -938,5 +1010,68 @@ mod tests {
         drop(jobs);
         hold(&queue, &mut group, Duration::from_secs(3600));
         assert_eq!(group.len(), 1);
+    }
+
+    /// A job that records the connection's `synchronous` (2 FULL, 1 NORMAL) when it runs.
+    fn reads_synchronous(
+        syncs: bool,
+        seen: &Arc<std::sync::Mutex<Vec<i64>>>,
+    ) -> (Box<dyn WriteJob>, Answer) {
+        let (reply, answer) = oneshot::channel();
+        let seen = Arc::clone(seen);
+        let job = Job {
+            run: move |conn: &Connection| {
+                let mode: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+                seen.lock().unwrap().push(mode);
+                Ok(mode)
+            },
+            result: None,
+            reply,
+            early: None,
+            early_when_durable: false,
+            may_wait: false,
+            syncs,
+            wrote: false,
+        };
+        (Box::new(job), answer)
+    }
+
+    /// DU-8: under `full`, a group of nothing but writes that need not be durable on their own
+    /// (a non-stream call's submission) commits without an `fsync`; one write that must be
+    /// (anything else) makes its group `full`, and so does the next such group. Under `normal`
+    /// every group is `normal`.
+    #[test]
+    fn a_group_of_only_unanswered_submissions_commits_unsynced_under_full_and_no_other_du8() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let seen: Arc<std::sync::Mutex<Vec<i64>>> = Arc::default();
+        let conn = open_writer(&dir.path().join("full.db"), SqliteSynchronous::Full).expect("open");
+        let mut syncing = Syncing::of(&conn);
+        let groups: [&[bool]; 5] = [&[false], &[false, true], &[false, false], &[true], &[false]];
+        let mut unsynced = Vec::new();
+        for syncs in groups {
+            let (mut group, _answers): (Vec<_>, Vec<_>) = syncs
+                .iter()
+                .map(|&syncs| reads_synchronous(syncs, &seen))
+                .unzip();
+            unsynced.push(syncing.set_for(&conn, &group));
+            commit_group(&conn, &mut group).expect("commit");
+        }
+        assert_eq!(unsynced, [true, false, true, false, true]);
+        assert_eq!(*seen.lock().unwrap(), [1, 2, 2, 1, 1, 2, 1]);
+
+        seen.lock().unwrap().clear();
+        let conn =
+            open_writer(&dir.path().join("normal.db"), SqliteSynchronous::Normal).expect("open");
+        let mut syncing = Syncing::of(&conn);
+        for syncs in [true, false] {
+            let (job, _answer) = reads_synchronous(syncs, &seen);
+            let mut group = vec![job];
+            assert!(
+                !syncing.set_for(&conn, &group),
+                "normal is never counted unsynced"
+            );
+            commit_group(&conn, &mut group).expect("commit");
+        }
+        assert_eq!(*seen.lock().unwrap(), [1, 1]);
     }
 }
