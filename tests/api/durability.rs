@@ -729,3 +729,58 @@ async fn only_a_non_stream_calls_submission_leaves_its_fsync_to_its_outcome_du8(
     );
     app.stop().await;
 }
+
+/// DU-8: an asynchronous duplicate of a non-stream call whose submission committed unsynced
+/// writes nothing of its own, yet its `202` names that request; SQLite does not sync a commit
+/// that wrote nothing, so the writer syncs the WAL file itself before it answers.
+#[tokio::test]
+async fn an_async_duplicate_of_an_unsynced_submission_is_answered_only_once_it_is_synced_du8() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 3_000,
+            ..MockConfig::default()
+        },
+        // No sweep writes between the two calls.
+        |c| c.workers.sweep_interval_ms = 60_000,
+    )
+    .await;
+    let by_hand = |page: &str| metric(page, "holdfast_sqlite_wal_syncs_by_hand_total", "");
+    let unsynced = |page: &str| metric(page, "holdfast_sqlite_commits_unsynced_total", "");
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"du8 duplicate"}]}"#;
+    let (http, base) = (app.http.clone(), app.base.clone());
+    let call = tokio::spawn(async move {
+        http.post(format!("{base}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("POST")
+    });
+    // The call's submission committed unsynced; the provider holds its answer for 3 s.
+    let mut page = app.metrics_text().await;
+    for _ in 0..200 {
+        if unsynced(&page) >= 1.0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+        page = app.metrics_text().await;
+    }
+    assert_eq!(
+        unsynced(&page),
+        1.0,
+        "the call's submission did not commit unsynced"
+    );
+    assert_eq!(by_hand(&page), 0.0);
+
+    let accepted = app
+        .post("/v1/chat/completions", body, &[("prefer", "respond-async")])
+        .await;
+    assert_eq!(accepted.status(), 202);
+    assert_eq!(
+        by_hand(&app.metrics_text().await),
+        1.0,
+        "the duplicate was answered 202 without the request it names being synced"
+    );
+    assert_eq!(call.await.expect("call").status(), 200);
+    app.stop().await;
+}

@@ -123,6 +123,8 @@ pub(super) trait WriteJob: Send {
     /// submission that recorded a request, held back until its commit is durable (ID-9). One
     /// that attached to a request wrote nothing, and commits on a full disk too.
     fn hook_waits(&self) -> bool;
+    /// Whether its last run succeeded and changed a row: its commit writes WAL frames.
+    fn stored(&self) -> bool;
 }
 
 struct Job<T, F> {
@@ -179,7 +181,11 @@ where
     }
 
     fn hook_waits(&self) -> bool {
-        self.early.is_some() && self.wrote && matches!(self.result, Some(Ok(_)))
+        self.early.is_some() && self.stored()
+    }
+
+    fn stored(&self) -> bool {
+        self.wrote && matches!(self.result, Some(Ok(_)))
     }
 
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
@@ -237,17 +243,18 @@ pub(super) fn write_loop(
         // commit costs nearly the same whatever it holds (docs/benchmarks.md).
         hold(&queue, &mut group, last_commit.min(MAX_HOLD));
         early.hold_back(&mut group);
-        let unsynced = syncing.set_for(&conn, &group);
+        syncing.set_for(&conn, &group);
         let started = Instant::now();
         let jobs = group.len();
-        let committed = commit_group(&conn, &mut group);
+        let mut committed = commit_group(&conn, &mut group);
+        if let Err(e) = syncing.after_commit(&wal, committed.is_ok(), &group) {
+            tracing::error!(error = %e, jobs = group.len(), "a commit that must be durable could not be synced; its writes are answered as failed");
+            committed = Err(e);
+        }
         last_commit = started.elapsed();
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_SECONDS)
             .record(last_commit.as_secs_f64());
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_JOBS).record(jobs as f64);
-        if unsynced && committed.is_ok() {
-            metrics::counter!(crate::metrics::SQLITE_COMMITS_UNSYNCED).increment(1);
-        }
         match &committed {
             Err(e) => {
                 tracing::warn!(error = %e, jobs, "SQLite group commit failed; its writes were rolled back");
@@ -268,15 +275,23 @@ pub(super) fn write_loop(
 
 /// DU-8: under `synchronous = full`, a group none of whose writes must be durable on its own
 /// ([`WriteJob::syncs`]: only submissions of non-stream calls, whose answers wait for their
-/// outcomes' commits) commits as under `normal`, without an `fsync`. The next commit that syncs
-/// the WAL file makes it durable too: the file is written in order, and one `fsync` covers all
-/// of it. Under `normal` nothing changes.
+/// outcomes' commits) commits as under `normal`, without an `fsync`. The next group that must be
+/// durable makes those frames durable with its own: SQLite's `fsync` of the WAL file at its
+/// commit covers every frame before, the file being written in order; a group that wrote no
+/// frame (an attach, a fenced write that found its lease gone) gets no `fsync` from SQLite, and
+/// the writer syncs the WAL file itself before it answers anyone (a duplicate's `202` names the
+/// request that unsynced commit created). Under `normal` nothing changes.
 #[derive(Debug)]
 struct Syncing {
     /// The database is configured `full`.
     full: bool,
     /// The connection's `synchronous` is `full` now.
     now_full: bool,
+    /// The group being committed must be durable, but SQLite will not see to it: its
+    /// `synchronous` could not be set back to `full`.
+    by_hand: bool,
+    /// An unsynced commit wrote frames that no `fsync` has covered since.
+    pending: bool,
 }
 
 impl Syncing {
@@ -289,29 +304,70 @@ impl Syncing {
         Syncing {
             full,
             now_full: full,
+            by_hand: false,
+            pending: false,
         }
     }
 
-    /// Sets `conn`'s `synchronous` for the commit of `group`; `true` when, configured `full`,
-    /// that commit leaves its `fsync` to a later one.
-    fn set_for(&mut self, conn: &Connection, group: &[Box<dyn WriteJob>]) -> bool {
+    /// Sets `conn`'s `synchronous` for the commit of `group`.
+    fn set_for(&mut self, conn: &Connection, group: &[Box<dyn WriteJob>]) {
         let full = self.full && group.iter().any(|job| job.syncs());
-        if full != self.now_full {
-            let pragma = if full {
-                "PRAGMA synchronous = FULL"
-            } else {
-                "PRAGMA synchronous = NORMAL"
-            };
-            match conn.prepare_cached(pragma).and_then(|mut s| s.execute([])) {
-                Ok(_) => self.now_full = full,
-                // Left as it was: at worst a commit syncs that need not, or the next one
-                // syncs this one's writes too.
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not set the SQLite writer's synchronous mode");
-                }
+        self.by_hand = false;
+        if full == self.now_full {
+            return;
+        }
+        let pragma = if full {
+            "PRAGMA synchronous = FULL"
+        } else {
+            "PRAGMA synchronous = NORMAL"
+        };
+        match conn.prepare_cached(pragma).and_then(|mut s| s.execute([])) {
+            Ok(_) => self.now_full = full,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not set the SQLite writer's synchronous mode");
+                // Left `normal`, a group that must be durable is synced by hand.
+                self.by_hand = full;
             }
         }
-        self.full && !self.now_full
+    }
+
+    /// After the commit of `group` (`committed`: it succeeded): counts an unsynced one, and
+    /// syncs the WAL file (`wal`) itself when the group must be durable and SQLite's commit did
+    /// not cover what an unsynced one left; `Ok(true)` when it did. `Err` when that `fsync`
+    /// failed: the group's writes may not survive a power loss, and its callers are told the
+    /// commit failed.
+    fn after_commit(
+        &mut self,
+        wal: &Path,
+        committed: bool,
+        group: &[Box<dyn WriteJob>],
+    ) -> Result<bool, String> {
+        if !self.full || !committed {
+            return Ok(false);
+        }
+        let stored = group.iter().any(|job| job.stored());
+        if !self.now_full && !self.by_hand {
+            metrics::counter!(crate::metrics::SQLITE_COMMITS_UNSYNCED).increment(1);
+            self.pending |= stored;
+            return Ok(false);
+        }
+        if !self.by_hand && (stored || !self.pending) {
+            // SQLite synced the WAL file at this commit, or nothing waits to be synced.
+            self.pending = false;
+            return Ok(false);
+        }
+        let synced = std::fs::OpenOptions::new()
+            .write(true)
+            .open(wal)
+            .and_then(|file| file.sync_data());
+        metrics::counter!(crate::metrics::SQLITE_WAL_SYNCS_BY_HAND).increment(1);
+        match synced {
+            Ok(()) => {
+                self.pending = false;
+                Ok(true)
+            }
+            Err(e) => Err(format!("syncing the WAL file failed: {e}")),
+        }
     }
 }
 
@@ -1053,7 +1109,8 @@ mod tests {
                 .iter()
                 .map(|&syncs| reads_synchronous(syncs, &seen))
                 .unzip();
-            unsynced.push(syncing.set_for(&conn, &group));
+            syncing.set_for(&conn, &group);
+            unsynced.push(!syncing.now_full);
             commit_group(&conn, &mut group).expect("commit");
         }
         assert_eq!(unsynced, [true, false, true, false, true]);
@@ -1066,12 +1123,57 @@ mod tests {
         for syncs in [true, false] {
             let (job, _answer) = reads_synchronous(syncs, &seen);
             let mut group = vec![job];
-            assert!(
-                !syncing.set_for(&conn, &group),
-                "normal is never counted unsynced"
-            );
+            syncing.set_for(&conn, &group);
             commit_group(&conn, &mut group).expect("commit");
         }
         assert_eq!(*seen.lock().unwrap(), [1, 1]);
+    }
+
+    /// DU-8: what an unsynced commit wrote is made durable before anyone is answered on a later
+    /// commit: by SQLite's own `fsync` when that commit writes frames, by the writer's when it
+    /// writes none (an asynchronous duplicate that attached, answered `202` with the request
+    /// the unsynced commit created); a commit that writes nothing with nothing unsynced before
+    /// it costs no `fsync`.
+    #[test]
+    fn a_commit_that_must_be_durable_and_wrote_nothing_syncs_what_an_unsynced_one_left_du8() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.db");
+        let conn = open_writer(&path, SqliteSynchronous::Full).expect("open");
+        conn.execute_batch("CREATE TABLE t (n INTEGER NOT NULL, pad BLOB)")
+            .expect("table");
+        let wal = dir.path().join("t.db-wal");
+        let mut syncing = Syncing::of(&conn);
+        let mut commit = |stores: bool, syncs: bool| -> bool {
+            let (reply, _answer) = oneshot::channel();
+            let write = Job {
+                run: move |conn: &Connection| {
+                    if stores {
+                        conn.execute("INSERT INTO t (n) VALUES (1)", [])?;
+                    }
+                    Ok(0_i64)
+                },
+                result: None,
+                reply,
+                early: None,
+                early_when_durable: false,
+                may_wait: false,
+                syncs,
+                wrote: false,
+            };
+            let mut group: Vec<Box<dyn WriteJob>> = vec![Box::new(write)];
+            syncing.set_for(&conn, &group);
+            commit_group(&conn, &mut group).expect("commit");
+            syncing.after_commit(&wal, true, &group).expect("synced")
+        };
+        // Nothing unsynced: a durable commit that writes nothing needs no `fsync`.
+        assert!(!commit(false, true));
+        // An unsynced submission, then an attach: synced by hand, once.
+        assert!(!commit(true, false));
+        assert!(commit(false, true));
+        assert!(!commit(false, true));
+        // An unsynced submission, then a durable commit that writes: SQLite's `fsync` covers it.
+        assert!(!commit(true, false));
+        assert!(!commit(true, true));
+        assert!(!commit(false, true));
     }
 }
