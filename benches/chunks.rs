@@ -45,7 +45,6 @@ async fn leased_streams(store: &DynStore, n: usize, prompt_bytes: usize) -> Vec<
                 trace_parent: None,
                 callback_url: None,
                 replay_of: None,
-                answered_at_commit: true,
             })
             .await
             .expect("submit");

@@ -81,7 +81,6 @@ async fn one(store: &DynStore, namespace: &str, run: u64, i: usize) {
         trace_parent: None,
         callback_url: None,
         replay_of: None,
-        answered_at_commit: true,
     };
     let owner = format!("bench/{i}");
     let (submitted, lease) = store

@@ -56,7 +56,6 @@ fn request(run: u64, i: usize) -> NewRequest {
         trace_parent: None,
         callback_url: None,
         replay_of: None,
-        answered_at_commit: true,
     }
 }
 

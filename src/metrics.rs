@@ -51,12 +51,6 @@ pub(crate) const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
 pub(crate) const SQLITE_COMMIT_SECONDS: &str = "holdfast_sqlite_commit_seconds";
 /// Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction.
 pub(crate) const SQLITE_COMMIT_JOBS: &str = "holdfast_sqlite_commit_jobs";
-/// SQLite commits under `synchronous = full` that left their `fsync` to a later commit: they
-/// held only submissions of non-stream calls, answered once their outcomes commit (DU-8).
-pub(crate) const SQLITE_COMMITS_UNSYNCED: &str = "holdfast_sqlite_commits_unsynced_total";
-/// `fsync`s of the SQLite WAL file made by the writer itself: a commit that must be durable
-/// wrote no frame of its own after an unsynced one (DU-8).
-pub(crate) const SQLITE_WAL_SYNCS_BY_HAND: &str = "holdfast_sqlite_wal_syncs_by_hand_total";
 /// Duration of one PostgreSQL writer transaction (a group of store writes), in seconds.
 pub(crate) const POSTGRES_COMMIT_SECONDS: &str = "holdfast_postgres_commit_seconds";
 /// Store writes sharing one PostgreSQL writer transaction.
@@ -208,14 +202,6 @@ fn describe() {
     metrics::describe_histogram!(
         SQLITE_COMMIT_JOBS,
         "Store writes (submit, lease, finish, chunk batches, ...) sharing one SQLite transaction."
-    );
-    metrics::describe_counter!(
-        SQLITE_COMMITS_UNSYNCED,
-        "SQLite commits under synchronous = full that left their fsync to a later commit (DU-8)."
-    );
-    metrics::describe_counter!(
-        SQLITE_WAL_SYNCS_BY_HAND,
-        "fsyncs of the SQLite WAL file made by the writer itself after an unsynced commit (DU-8)."
     );
     metrics::describe_histogram!(
         POSTGRES_COMMIT_SECONDS,

@@ -349,9 +349,6 @@ fn new_request(
         trace_parent: None,
         callback_url: super::callbacks::requested(config, headers, namespace, shape)?,
         replay_of: None,
-        // A stream's first event, or an asynchronous call's `202`, answers once the submission
-        // commits; a non-stream answer only once the outcome commits (DU-8).
-        answered_at_commit: route.streams(canonical.stream) || prefers_async(headers),
     };
     let claim = Claim {
         key: claim_key,

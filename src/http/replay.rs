@@ -199,6 +199,5 @@ fn new_request(
         trace_parent: None,
         callback_url: None,
         replay_of: Some(original.id),
-        answered_at_commit: true,
     })
 }

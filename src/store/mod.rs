@@ -247,11 +247,6 @@ pub struct NewRequest {
     pub callback_url: Option<String>,
     /// The request this one replays (EX-7), `None` for a client's call.
     pub replay_of: Option<Uuid>,
-    /// Whether anyone is answered as soon as this submission commits: a stream's first event,
-    /// an asynchronous call's `202` (RS-9). Otherwise (a non-stream call, answered only once
-    /// its outcome commits) SQLite under `full` may leave its commit's `fsync` to that later
-    /// commit's (DU-8).
-    pub answered_at_commit: bool,
 }
 
 /// Outcome of [`Store::submit`].
@@ -355,7 +350,6 @@ impl NewRequest {
             trace_parent: None,
             callback_url: None,
             replay_of: None,
-            answered_at_commit: true,
         }
     }
 }

@@ -572,7 +572,6 @@ fn new_request(text: &str) -> NewRequest {
         trace_parent: None,
         callback_url: None,
         replay_of: None,
-        answered_at_commit: true,
     }
 }
 

@@ -281,7 +281,6 @@ fn by_hash_in(namespace: &str, text: &str, now: Millis) -> NewRequest {
         trace_parent: None,
         callback_url: None,
         replay_of: None,
-        answered_at_commit: true,
     }
 }
 

@@ -139,7 +139,6 @@ impl SqliteStore {
         let lease = lease.map(|l| (l.owner.to_string(), l.lease_ms));
         // Shared with the write, which may run more than once, and whole again once it has
         // run: the created record is built from it without a copy.
-        let syncs = new.answered_at_commit;
         let new = Arc::new(new);
         let shared = Arc::clone(&new);
         let hook = started.map(|started| -> writer::Early<(SubmittedIn, Option<Lease>)> {
@@ -159,7 +158,6 @@ impl SqliteStore {
                     submit_in(conn, &shared, lease)
                 },
                 hook,
-                syncs,
             )
             .await?;
         let submitted = match submitted {

@@ -35,7 +35,7 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.enqueue(f, None, false, true).await
+        self.enqueue(f, None, false).await
     }
 
     /// [`SqliteStore::write`] for a caller that accepts its commit being held open briefly for
@@ -45,27 +45,24 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.enqueue(f, None, true, true).await
+        self.enqueue(f, None, true).await
     }
 
     /// [`SqliteStore::write`], calling `early` with what the job returned once its whole group
     /// has run, right before the group commits: for a caller that may act ahead of the commit
     /// and waits for it before it answers anyone (ID-9). After a failed commit it is called only
     /// once the job is durable, right before its caller is answered. The job's caller is
-    /// answered after the commit as usual, also when the commit fails. `syncs`: whether its
-    /// commit must be durable on its own; `false` for a write nobody is answered on before a
-    /// later commit of its request, which under `full` may leave the `fsync` to that one (DU-8).
+    /// answered after the commit as usual, also when the commit fails.
     pub(super) async fn write_hooked<T, F>(
         &self,
         f: F,
         early: Option<Early<T>>,
-        syncs: bool,
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        self.enqueue(f, early, false, syncs).await
+        self.enqueue(f, early, false).await
     }
 
     async fn enqueue<T, F>(
@@ -73,7 +70,6 @@ impl SqliteStore {
         f: F,
         early: Option<Early<T>>,
         may_wait: bool,
-        syncs: bool,
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -87,7 +83,6 @@ impl SqliteStore {
             early,
             early_when_durable: false,
             may_wait,
-            syncs,
             wrote: false,
         };
         self.inner
@@ -117,14 +112,10 @@ pub(super) trait WriteJob: Send {
     fn tell_only_when_durable(&mut self);
     /// Whether its caller accepts its commit being held open for more (DU-7).
     fn may_wait(&self) -> bool;
-    /// Whether its commit must be durable on its own (DU-8).
-    fn syncs(&self) -> bool;
     /// Whether its last run succeeded, stored something, and its hook waits to be told: a
     /// submission that recorded a request, held back until its commit is durable (ID-9). One
     /// that attached to a request wrote nothing, and commits on a full disk too.
     fn hook_waits(&self) -> bool;
-    /// Whether its last run succeeded and changed a row: its commit writes WAL frames.
-    fn stored(&self) -> bool;
 }
 
 struct Job<T, F> {
@@ -138,8 +129,6 @@ struct Job<T, F> {
     early_when_durable: bool,
     /// Its commit may be held open for more ([`SqliteStore::write_may_wait`], DU-7).
     may_wait: bool,
-    /// Its commit must be durable on its own ([`SqliteStore::write_hooked`], DU-8).
-    syncs: bool,
     /// Whether its last run changed a row.
     wrote: bool,
 }
@@ -176,16 +165,8 @@ where
         self.may_wait
     }
 
-    fn syncs(&self) -> bool {
-        self.syncs
-    }
-
     fn hook_waits(&self) -> bool {
-        self.early.is_some() && self.stored()
-    }
-
-    fn stored(&self) -> bool {
-        self.wrote && matches!(self.result, Some(Ok(_)))
+        self.early.is_some() && self.wrote && matches!(self.result, Some(Ok(_)))
     }
 
     fn reply(self: Box<Self>, commit: Result<(), &str>) {
@@ -196,7 +177,6 @@ where
             early,
             early_when_durable: _,
             may_wait: _,
-            syncs: _,
             wrote: _,
         } = *self;
         // A hook not told before the commit (held back, or its job's group failed first) is
@@ -235,7 +215,6 @@ pub(super) fn write_loop(
     let mut early = EarlyStarts::default();
     // How long the last commit took: what DU-7's hold may add.
     let mut last_commit = Duration::ZERO;
-    let mut syncing = Syncing::of(&conn);
     while let Ok(job) = queue.recv() {
         group.push(job);
         take_queued(&queue, &mut group);
@@ -243,14 +222,9 @@ pub(super) fn write_loop(
         // commit costs nearly the same whatever it holds (docs/benchmarks.md).
         hold(&queue, &mut group, last_commit.min(MAX_HOLD));
         early.hold_back(&mut group);
-        syncing.set_for(&conn, &group);
         let started = Instant::now();
         let jobs = group.len();
-        let mut committed = commit_group(&conn, &mut group);
-        if let Err(e) = syncing.after_commit(&wal, committed.is_ok(), &group) {
-            tracing::error!(error = %e, jobs = group.len(), "a commit that must be durable could not be synced; its writes are answered as failed");
-            committed = Err(e);
-        }
+        let committed = commit_group(&conn, &mut group);
         last_commit = started.elapsed();
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_SECONDS)
             .record(last_commit.as_secs_f64());
@@ -270,104 +244,6 @@ pub(super) fn write_loop(
             job.reply(commit);
         }
         bound_wal(&conn, &wal, rounds);
-    }
-}
-
-/// DU-8: under `synchronous = full`, a group none of whose writes must be durable on its own
-/// ([`WriteJob::syncs`]: only submissions of non-stream calls, whose answers wait for their
-/// outcomes' commits) commits as under `normal`, without an `fsync`. The next group that must be
-/// durable makes those frames durable with its own: SQLite's `fsync` of the WAL file at its
-/// commit covers every frame before, the file being written in order; a group that wrote no
-/// frame (an attach, a fenced write that found its lease gone) gets no `fsync` from SQLite, and
-/// the writer syncs the WAL file itself before it answers anyone (a duplicate's `202` names the
-/// request that unsynced commit created). Under `normal` nothing changes.
-#[derive(Debug)]
-struct Syncing {
-    /// The database is configured `full`.
-    full: bool,
-    /// The connection's `synchronous` is `full` now.
-    now_full: bool,
-    /// The group being committed must be durable, but SQLite will not see to it: its
-    /// `synchronous` could not be set back to `full`.
-    by_hand: bool,
-    /// An unsynced commit wrote frames that no `fsync` has covered since.
-    pending: bool,
-}
-
-impl Syncing {
-    /// The configuration of the writer's connection `conn`.
-    fn of(conn: &Connection) -> Syncing {
-        // 2 is FULL, 1 NORMAL.
-        let full = conn
-            .query_row("PRAGMA synchronous", [], |r| r.get::<_, i64>(0))
-            .is_ok_and(|mode| mode >= 2);
-        Syncing {
-            full,
-            now_full: full,
-            by_hand: false,
-            pending: false,
-        }
-    }
-
-    /// Sets `conn`'s `synchronous` for the commit of `group`.
-    fn set_for(&mut self, conn: &Connection, group: &[Box<dyn WriteJob>]) {
-        let full = self.full && group.iter().any(|job| job.syncs());
-        self.by_hand = false;
-        if full == self.now_full {
-            return;
-        }
-        let pragma = if full {
-            "PRAGMA synchronous = FULL"
-        } else {
-            "PRAGMA synchronous = NORMAL"
-        };
-        match conn.prepare_cached(pragma).and_then(|mut s| s.execute([])) {
-            Ok(_) => self.now_full = full,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not set the SQLite writer's synchronous mode");
-                // Left `normal`, a group that must be durable is synced by hand.
-                self.by_hand = full;
-            }
-        }
-    }
-
-    /// After the commit of `group` (`committed`: it succeeded): counts an unsynced one, and
-    /// syncs the WAL file (`wal`) itself when the group must be durable and SQLite's commit did
-    /// not cover what an unsynced one left; `Ok(true)` when it did. `Err` when that `fsync`
-    /// failed: the group's writes may not survive a power loss, and its callers are told the
-    /// commit failed.
-    fn after_commit(
-        &mut self,
-        wal: &Path,
-        committed: bool,
-        group: &[Box<dyn WriteJob>],
-    ) -> Result<bool, String> {
-        if !self.full || !committed {
-            return Ok(false);
-        }
-        let stored = group.iter().any(|job| job.stored());
-        if !self.now_full && !self.by_hand {
-            metrics::counter!(crate::metrics::SQLITE_COMMITS_UNSYNCED).increment(1);
-            self.pending |= stored;
-            return Ok(false);
-        }
-        if !self.by_hand && (stored || !self.pending) {
-            // SQLite synced the WAL file at this commit, or nothing waits to be synced.
-            self.pending = false;
-            return Ok(false);
-        }
-        let synced = std::fs::OpenOptions::new()
-            .write(true)
-            .open(wal)
-            .and_then(|file| file.sync_data());
-        metrics::counter!(crate::metrics::SQLITE_WAL_SYNCS_BY_HAND).increment(1);
-        match synced {
-            Ok(()) => {
-                self.pending = false;
-                Ok(true)
-            }
-            Err(e) => Err(format!("syncing the WAL file failed: {e}")),
-        }
     }
 }
 
@@ -589,7 +465,6 @@ mod tests {
             early: None,
             early_when_durable: false,
             may_wait: false,
-            syncs: true,
             wrote: false,
         };
         (Box::new(job), answer)
@@ -605,7 +480,6 @@ mod tests {
             early: Some(hook),
             early_when_durable: false,
             may_wait: false,
-            syncs: true,
             wrote: false,
         };
         (Box::new(job), answer)
@@ -807,7 +681,6 @@ mod tests {
             early: Some(Box::new(|_: &i64| {}) as Early<i64>),
             early_when_durable: false,
             may_wait: false,
-            syncs: true,
             wrote: false,
         });
         assert!(commit(&mut early, attached, &conn));
@@ -1011,7 +884,6 @@ mod tests {
             early: None,
             early_when_durable: false,
             may_wait,
-            syncs: true,
             wrote: false,
         };
         (Box::new(job), answer)
@@ -1066,114 +938,5 @@ mod tests {
         drop(jobs);
         hold(&queue, &mut group, Duration::from_secs(3600));
         assert_eq!(group.len(), 1);
-    }
-
-    /// A job that records the connection's `synchronous` (2 FULL, 1 NORMAL) when it runs.
-    fn reads_synchronous(
-        syncs: bool,
-        seen: &Arc<std::sync::Mutex<Vec<i64>>>,
-    ) -> (Box<dyn WriteJob>, Answer) {
-        let (reply, answer) = oneshot::channel();
-        let seen = Arc::clone(seen);
-        let job = Job {
-            run: move |conn: &Connection| {
-                let mode: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
-                seen.lock().unwrap().push(mode);
-                Ok(mode)
-            },
-            result: None,
-            reply,
-            early: None,
-            early_when_durable: false,
-            may_wait: false,
-            syncs,
-            wrote: false,
-        };
-        (Box::new(job), answer)
-    }
-
-    /// DU-8: under `full`, a group of nothing but writes that need not be durable on their own
-    /// (a non-stream call's submission) commits without an `fsync`; one write that must be
-    /// (anything else) makes its group `full`, and so does the next such group. Under `normal`
-    /// every group is `normal`.
-    #[test]
-    fn a_group_of_only_unanswered_submissions_commits_unsynced_under_full_and_no_other_du8() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let seen: Arc<std::sync::Mutex<Vec<i64>>> = Arc::default();
-        let conn = open_writer(&dir.path().join("full.db"), SqliteSynchronous::Full).expect("open");
-        let mut syncing = Syncing::of(&conn);
-        let groups: [&[bool]; 5] = [&[false], &[false, true], &[false, false], &[true], &[false]];
-        let mut unsynced = Vec::new();
-        for syncs in groups {
-            let (mut group, _answers): (Vec<_>, Vec<_>) = syncs
-                .iter()
-                .map(|&syncs| reads_synchronous(syncs, &seen))
-                .unzip();
-            syncing.set_for(&conn, &group);
-            unsynced.push(!syncing.now_full);
-            commit_group(&conn, &mut group).expect("commit");
-        }
-        assert_eq!(unsynced, [true, false, true, false, true]);
-        assert_eq!(*seen.lock().unwrap(), [1, 2, 2, 1, 1, 2, 1]);
-
-        seen.lock().unwrap().clear();
-        let conn =
-            open_writer(&dir.path().join("normal.db"), SqliteSynchronous::Normal).expect("open");
-        let mut syncing = Syncing::of(&conn);
-        for syncs in [true, false] {
-            let (job, _answer) = reads_synchronous(syncs, &seen);
-            let mut group = vec![job];
-            syncing.set_for(&conn, &group);
-            commit_group(&conn, &mut group).expect("commit");
-        }
-        assert_eq!(*seen.lock().unwrap(), [1, 1]);
-    }
-
-    /// DU-8: what an unsynced commit wrote is made durable before anyone is answered on a later
-    /// commit: by SQLite's own `fsync` when that commit writes frames, by the writer's when it
-    /// writes none (an asynchronous duplicate that attached, answered `202` with the request
-    /// the unsynced commit created); a commit that writes nothing with nothing unsynced before
-    /// it costs no `fsync`.
-    #[test]
-    fn a_commit_that_must_be_durable_and_wrote_nothing_syncs_what_an_unsynced_one_left_du8() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("t.db");
-        let conn = open_writer(&path, SqliteSynchronous::Full).expect("open");
-        conn.execute_batch("CREATE TABLE t (n INTEGER NOT NULL, pad BLOB)")
-            .expect("table");
-        let wal = dir.path().join("t.db-wal");
-        let mut syncing = Syncing::of(&conn);
-        let mut commit = |stores: bool, syncs: bool| -> bool {
-            let (reply, _answer) = oneshot::channel();
-            let write = Job {
-                run: move |conn: &Connection| {
-                    if stores {
-                        conn.execute("INSERT INTO t (n) VALUES (1)", [])?;
-                    }
-                    Ok(0_i64)
-                },
-                result: None,
-                reply,
-                early: None,
-                early_when_durable: false,
-                may_wait: false,
-                syncs,
-                wrote: false,
-            };
-            let mut group: Vec<Box<dyn WriteJob>> = vec![Box::new(write)];
-            syncing.set_for(&conn, &group);
-            commit_group(&conn, &mut group).expect("commit");
-            syncing.after_commit(&wal, true, &group).expect("synced")
-        };
-        // Nothing unsynced: a durable commit that writes nothing needs no `fsync`.
-        assert!(!commit(false, true));
-        // An unsynced submission, then an attach: synced by hand, once.
-        assert!(!commit(true, false));
-        assert!(commit(false, true));
-        assert!(!commit(false, true));
-        // An unsynced submission, then a durable commit that writes: SQLite's `fsync` covers it.
-        assert!(!commit(true, false));
-        assert!(!commit(true, true));
-        assert!(!commit(false, true));
     }
 }
