@@ -652,4 +652,70 @@ mod tests {
         assert!(!is_event_stream("application/json"));
         assert!(!is_event_stream("text/html"));
     }
+
+    /// LC-3, decision 125: an attempt whose lease has run out by this node's clock before its
+    /// provider call (a node paused or starved between the lease and the call, whose request
+    /// another node may have answered meanwhile) makes no call; an attempt within its lease
+    /// makes one.
+    #[tokio::test]
+    async fn an_attempt_whose_lease_ran_out_by_this_nodes_clock_makes_no_provider_call_lc3() {
+        use crate::config::{Backend, Config};
+        use crate::mock::{MockConfig, MockServer};
+        use crate::store::{DynStore, NewRequest};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mock = MockServer::start(listener, MockConfig::default())
+            .await
+            .expect("mock");
+        let config = Config {
+            backends: vec![Backend {
+                name: "mock".into(),
+                kind: crate::provider::Provider::Openai,
+                base_url: mock.base_url(),
+                api_key_env: None,
+            }],
+            ..Config::default()
+        };
+        let store: DynStore = Arc::new(crate::store::sqlite::scratch(dir.path()).await);
+        let pool = WorkerPool::new(
+            store.clone(),
+            crate::hub::Hub::new(),
+            Arc::new(crate::upstream::Upstreams::new(&config).expect("upstreams")),
+            Arc::new(config),
+            None,
+        );
+        let lease_ms = pool.lease_ms();
+        let now = now_ms();
+        for i in 0..2 {
+            store
+                .submit(NewRequest::example(i, now - 3 * lease_ms))
+                .await
+                .expect("submit");
+        }
+        // Leased by a clock two lease lengths ago: run out by now.
+        let (lease, record) = store
+            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased");
+        pool.run_attempt(lease, record, None).await;
+        assert_eq!(mock.calls(), 0, "a provider call after the lease ran out");
+
+        let (lease, record) = store
+            .lease_many("node", now_ms(), lease_ms, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased");
+        pool.run_attempt(lease, record, None).await;
+        assert_eq!(
+            mock.calls(),
+            1,
+            "the attempt within its lease calls the provider"
+        );
+    }
 }
