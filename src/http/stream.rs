@@ -195,9 +195,9 @@ pub(super) fn follow(
         let mut quiet_since = tokio::time::Instant::now();
         // Since when reads of the store have failed, while they do.
         let mut failing_since: Option<tokio::time::Instant> = None;
-        // One timer for each deadline, moved on as the stream goes: later is one atomic
-        // exchange, where a timer made for each wait was registered and removed per event
-        // (issue 30).
+        // One timer for each deadline, moved on as the stream goes: later takes no lock, where
+        // a timer made for each wait was registered and removed per event (issue 30). Both are
+        // reset before every wait, the only place they are polled, so neither is polled fired.
         let keepalive = tokio::time::sleep_until(quiet_since + follow.keepalive);
         let repoll = tokio::time::sleep_until(quiet_since + POLL);
         tokio::pin!(keepalive, repoll);

@@ -327,11 +327,11 @@ impl Upstreams {
     }
 }
 
-/// An error and its sources, joined: reqwest's top-level message alone says little.
 /// A provider response's body read piece by piece ([`Upstreams::pieces`]). Every read waits at
 /// most the idle timeout, counted from the read's start (LC-10: per gap, not a deadline). One
-/// timer serves every read: moving its deadline later is one atomic exchange, where a timeout
-/// per read registered and removed a timer for every stream event (issue 30).
+/// timer serves every read: moving its deadline later takes no lock (the timer driver files it
+/// anew when the old deadline comes), where a timeout per read registered and removed a timer
+/// for every stream event (issue 30).
 pub(crate) struct Pieces<'r> {
     response: &'r mut reqwest::Response,
     idle_for: Duration,
@@ -356,6 +356,7 @@ impl Pieces<'_> {
     }
 }
 
+/// An error and its sources, joined: reqwest's top-level message alone says little.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
