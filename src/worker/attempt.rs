@@ -659,22 +659,44 @@ mod tests {
     /// makes one.
     #[tokio::test]
     async fn an_attempt_whose_lease_ran_out_by_this_nodes_clock_makes_no_provider_call_lc3() {
+        use std::sync::atomic::AtomicUsize;
+
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
         use crate::config::{Backend, Config};
-        use crate::mock::{MockConfig, MockServer};
         use crate::store::{DynStore, NewRequest};
 
         let dir = tempfile::tempdir().expect("tempdir");
+        // A provider that counts the calls it is sent and answers each with a chat completion.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let mock = MockServer::start(listener, MockConfig::default())
-            .await
-            .expect("mock");
+        let base_url = format!("http://{}/v1", listener.local_addr().expect("addr"));
+        let calls = Arc::new(AtomicUsize::new(0));
+        tokio::spawn({
+            let calls = Arc::clone(&calls);
+            async move {
+                while let Ok((mut socket, _)) = listener.accept().await {
+                    let mut request = vec![0; 64 * 1024];
+                    if socket.read(&mut request).await.unwrap_or(0) == 0 {
+                        continue;
+                    }
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let body = r#"{"id":"c","object":"chat.completion","choices":[]}"#;
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                }
+            }
+        });
         let config = Config {
             backends: vec![Backend {
                 name: "mock".into(),
                 kind: crate::provider::Provider::Openai,
-                base_url: mock.base_url(),
+                base_url,
                 api_key_env: None,
             }],
             ..Config::default()
@@ -703,7 +725,11 @@ mod tests {
             .pop()
             .expect("leased");
         pool.run_attempt(lease, record, None).await;
-        assert_eq!(mock.calls(), 0, "a provider call after the lease ran out");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "a provider call after the lease ran out"
+        );
 
         let (lease, record) = store
             .lease_many("node", now_ms(), lease_ms, 1)
@@ -713,7 +739,7 @@ mod tests {
             .expect("leased");
         pool.run_attempt(lease, record, None).await;
         assert_eq!(
-            mock.calls(),
+            calls.load(Ordering::SeqCst),
             1,
             "the attempt within its lease calls the provider"
         );
