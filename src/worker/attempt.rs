@@ -717,29 +717,29 @@ mod tests {
                 .await
                 .expect("submit");
         }
+        // Leases one request by a clock at `at`, runs its attempt, and says how many provider
+        // calls have been made in all.
+        let attempt_leased_at = |at| {
+            let (store, pool, calls) = (&store, &pool, &calls);
+            async move {
+                let (lease, record) = store
+                    .lease_many("node", at, lease_ms, 1)
+                    .await
+                    .expect("lease")
+                    .pop()
+                    .expect("leased");
+                pool.run_attempt(lease, record, None).await;
+                calls.load(Ordering::SeqCst)
+            }
+        };
         // Leased by a clock two lease lengths ago: run out by now.
-        let (lease, record) = store
-            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased");
-        pool.run_attempt(lease, record, None).await;
         assert_eq!(
-            calls.load(Ordering::SeqCst),
+            attempt_leased_at(now - 2 * lease_ms).await,
             0,
             "a provider call after the lease ran out"
         );
-
-        let (lease, record) = store
-            .lease_many("node", now_ms(), lease_ms, 1)
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased");
-        pool.run_attempt(lease, record, None).await;
         assert_eq!(
-            calls.load(Ordering::SeqCst),
+            attempt_leased_at(now_ms()).await,
             1,
             "the attempt within its lease calls the provider"
         );
