@@ -72,7 +72,9 @@ async fn one(store: &DynStore, run: u64, i: usize) {
         )
         .await
         .expect("submit");
-    assert!(matches!(submitted, Submitted::Created(_)), "unique bodies");
+    let Submitted::Created(leased) = submitted else {
+        panic!("unique bodies");
+    };
     let lease = lease.expect("leased at submission");
     let outcome = Outcome::Succeeded {
         status: 200,
@@ -86,7 +88,7 @@ async fn one(store: &DynStore, run: u64, i: usize) {
         }),
     };
     let record = store
-        .finish_read(&lease, &outcome, now_ms())
+        .finish_read(&lease, &leased, &outcome, now_ms())
         .await
         .expect("finish");
     assert!(record.is_some(), "the lease is held");

@@ -909,15 +909,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Records the end of an attempt, fenced on the lease (LC-3), and returns the record as that
     /// write left it — the worker hands it to this node's waiters, so they need not read it
-    /// back. A terminal outcome appends the `end` chunk (RD-5) in the same transaction; a
-    /// terminal failure releases the claim as [`failure_releases_claim`] says (ID-6). `None`
-    /// when the lease was lost and nothing was written.
+    /// back. `leased` is the request as the attempt's lease returned it: what its submission
+    /// set, which nothing changes, may be taken from it rather than read back (issue 30). A
+    /// terminal outcome appends the `end` chunk (RD-5) in the same transaction; a terminal
+    /// failure releases the claim as [`failure_releases_claim`] says (ID-6). `None` when the
+    /// lease was lost and nothing was written.
     ///
     /// # Errors
     /// [`StoreError`] when the database fails; then nothing was written.
     async fn finish_read(
         &self,
         lease: &Lease,
+        leased: &RequestRecord,
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError>;
@@ -932,9 +935,7 @@ pub trait Store: Send + Sync + 'static {
         lease: &Lease,
         outcome: Outcome,
         now: Millis,
-    ) -> Result<bool, StoreError> {
-        Ok(self.finish_read(lease, &outcome, now).await?.is_some())
-    }
+    ) -> Result<bool, StoreError>;
 
     /// Sends `running` requests whose lease expired before `now` back to `pending` with
     /// `recoveries + 1`, or to `failed`/`lease_expired` when `attempts >= max_attempts` (LC-4).
@@ -973,7 +974,7 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// A stream's last batch and its attempt's outcome in one transaction: `last` appended as
-    /// [`Store::append_chunks`] would, then `outcome` recorded as [`Store::finish_read`] would,
+    /// [`Store::append_chunks`] would, then `outcome` recorded as [`Store::finish_read`] would (of `leased`),
     /// so the final events, the outcome and the `end` chunk become durable with one commit
     /// instead of two. Returns the stored chunks of `last` and the record as the write left it;
     /// `None` when `last.lease` was lost and nothing was written.
@@ -982,6 +983,7 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the database fails; then nothing was written.
     async fn finish_with_chunks(
         &self,
+        leased: &RequestRecord,
         last: &ChunkBatch,
         outcome: &Outcome,
         now: Millis,

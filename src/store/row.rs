@@ -13,12 +13,25 @@ use crate::provider::Route;
 /// run per request).
 macro_rules! request_columns {
     () => {
-        "id, namespace, route, backend, model, stream, body, headers, claim_kind, status, \
-         attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
-         response_status, response_body, upstream_request_id, last_seq, reset_seq, created_at, \
-         updated_at, finished_at, attached, replayed, log_reads, usage_input_tokens, \
-         usage_output_tokens, usage_cached_input_tokens, usage_cache_write_tokens, \
-         usage_reasoning_tokens, usage_cache_write_1h_tokens, trace_parent, replay_of"
+        concat!(
+            "id, namespace, route, backend, model, stream, body, headers, claim_kind, created_at, \
+             trace_parent, replay_of, ",
+            state_columns!()
+        )
+    };
+}
+
+/// The columns of a request that change over its life (its status, attempts, outcome and
+/// counters), in the order of [`col::state`]; the others are what its submission set, and
+/// nothing changes them. A finish reads these back of the row it wrote and takes the rest from
+/// the record as leased (issue 30).
+macro_rules! state_columns {
+    () => {
+        "status, attempts, recoveries, next_retry_at, error_type, error_message, error_status, \
+         response_status, response_body, upstream_request_id, last_seq, reset_seq, updated_at, \
+         finished_at, attached, replayed, log_reads, usage_input_tokens, usage_output_tokens, \
+         usage_cached_input_tokens, usage_cache_write_tokens, usage_reasoning_tokens, \
+         usage_cache_write_1h_tokens"
     };
 }
 
@@ -99,31 +112,37 @@ pub(crate) mod col {
     pub(crate) const BODY: usize = 6;
     pub(crate) const HEADERS: usize = 7;
     pub(crate) const CLAIM_KIND: usize = 8;
-    pub(crate) const STATUS: usize = 9;
-    pub(crate) const ATTEMPTS: usize = 10;
-    pub(crate) const RECOVERIES: usize = 11;
-    pub(crate) const NEXT_RETRY_AT: usize = 12;
-    pub(crate) const ERROR_TYPE: usize = 13;
-    pub(crate) const ERROR_MESSAGE: usize = 14;
-    pub(crate) const ERROR_STATUS: usize = 15;
-    pub(crate) const RESPONSE_STATUS: usize = 16;
-    pub(crate) const RESPONSE_BODY: usize = 17;
-    pub(crate) const UPSTREAM_REQUEST_ID: usize = 18;
-    pub(crate) const LAST_SEQ: usize = 19;
-    pub(crate) const RESET_SEQ: usize = 20;
-    pub(crate) const CREATED_AT: usize = 21;
-    pub(crate) const UPDATED_AT: usize = 22;
-    pub(crate) const FINISHED_AT: usize = 23;
-    pub(crate) const ATTACHED: usize = 24;
-    pub(crate) const REPLAYED: usize = 25;
-    pub(crate) const LOG_READS: usize = 26;
-    /// The first of the six usage columns (input, output, cached input, cache write,
-    /// reasoning, one-hour cache write).
-    pub(crate) const USAGE: usize = 27;
+    pub(crate) const CREATED_AT: usize = 9;
     /// The request's trace context (OT-2).
-    pub(crate) const TRACE_PARENT: usize = 33;
+    pub(crate) const TRACE_PARENT: usize = 10;
     /// The request this one replays (EX-8).
-    pub(crate) const REPLAY_OF: usize = 34;
+    pub(crate) const REPLAY_OF: usize = 11;
+    /// The first of [`state_columns!`].
+    pub(crate) const STATE: usize = 12;
+
+    /// Positions in [`state_columns!`].
+    pub(crate) mod state {
+        pub(crate) const STATUS: usize = 0;
+        pub(crate) const ATTEMPTS: usize = 1;
+        pub(crate) const RECOVERIES: usize = 2;
+        pub(crate) const NEXT_RETRY_AT: usize = 3;
+        pub(crate) const ERROR_TYPE: usize = 4;
+        pub(crate) const ERROR_MESSAGE: usize = 5;
+        pub(crate) const ERROR_STATUS: usize = 6;
+        pub(crate) const RESPONSE_STATUS: usize = 7;
+        pub(crate) const RESPONSE_BODY: usize = 8;
+        pub(crate) const UPSTREAM_REQUEST_ID: usize = 9;
+        pub(crate) const LAST_SEQ: usize = 10;
+        pub(crate) const RESET_SEQ: usize = 11;
+        pub(crate) const UPDATED_AT: usize = 12;
+        pub(crate) const FINISHED_AT: usize = 13;
+        pub(crate) const ATTACHED: usize = 14;
+        pub(crate) const REPLAYED: usize = 15;
+        pub(crate) const LOG_READS: usize = 16;
+        /// The first of the six usage columns (input, output, cached input, cache write,
+        /// reasoning, one-hour cache write).
+        pub(crate) const USAGE: usize = 17;
+    }
 }
 
 /// A `requests` row as stored, before its values are checked.
@@ -138,6 +157,15 @@ pub(crate) struct RawRecord {
     pub body: Vec<u8>,
     pub headers: String,
     pub claim_kind: String,
+    pub created_at: i64,
+    pub trace_parent: Option<String>,
+    pub replay_of: Option<Uuid>,
+    pub state: RawState,
+}
+
+/// The [`state_columns!`] of a `requests` row as stored, before their values are checked.
+#[derive(Debug)]
+pub(crate) struct RawState {
     pub status: String,
     pub attempts: i64,
     pub recoveries: i64,
@@ -150,15 +178,12 @@ pub(crate) struct RawRecord {
     pub upstream_request_id: Option<String>,
     pub last_seq: i64,
     pub reset_seq: i64,
-    pub created_at: i64,
     pub updated_at: i64,
     pub finished_at: Option<i64>,
     pub attached: i64,
     pub replayed: i64,
     pub log_reads: i64,
     pub usage: Usage,
-    pub trace_parent: Option<String>,
-    pub replay_of: Option<Uuid>,
 }
 
 impl RawRecord {
@@ -169,6 +194,52 @@ impl RawRecord {
     pub(crate) fn into_record(self) -> Result<RequestRecord, StoreError> {
         let id = self.id;
         let bad = |what: String| StoreError::Corrupt { id: Some(id), what };
+        let mut record = RequestRecord {
+            id,
+            route: Route::from_name(&self.route)
+                .ok_or_else(|| bad(format!("route {:?}", self.route)))?,
+            claim: ClaimKind::parse(&self.claim_kind)
+                .ok_or_else(|| bad(format!("claim_kind {:?}", self.claim_kind)))?,
+            headers: serde_json::from_str(&self.headers)
+                .map_err(|e| bad(format!("headers: {e}")))?,
+            namespace: self.namespace,
+            backend: self.backend,
+            model: self.model,
+            stream: self.stream,
+            body: self.body,
+            created_at: self.created_at,
+            trace_parent: self.trace_parent,
+            replay_of: self.replay_of,
+            // Set from the row's state below.
+            status: Status::Pending,
+            attempts: 0,
+            recoveries: 0,
+            next_retry_at: 0,
+            error: None,
+            response_status: None,
+            response_body: None,
+            upstream_request_id: None,
+            last_seq: 0,
+            reset_seq: 0,
+            updated_at: 0,
+            finished_at: None,
+            attached: 0,
+            replayed: 0,
+            log_reads: 0,
+            usage: Usage::default(),
+        };
+        self.state.check(id)?.apply_to(&mut record);
+        Ok(record)
+    }
+}
+
+impl RawState {
+    /// The typed state of request `id`.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] naming the request and the value it cannot read.
+    pub(crate) fn check(self, id: Uuid) -> Result<State, StoreError> {
+        let bad = |what: String| StoreError::Corrupt { id: Some(id), what };
         let count = |n: i64, what: &str| u32::try_from(n).map_err(|_| bad(format!("{what} {n}")));
         let error = match self.error_type {
             Some(t) => Some(ErrorInfo {
@@ -178,23 +249,11 @@ impl RawRecord {
             }),
             None => None,
         };
-        Ok(RequestRecord {
-            id,
-            route: Route::from_name(&self.route)
-                .ok_or_else(|| bad(format!("route {:?}", self.route)))?,
-            claim: ClaimKind::parse(&self.claim_kind)
-                .ok_or_else(|| bad(format!("claim_kind {:?}", self.claim_kind)))?,
+        Ok(State {
             status: Status::parse(&self.status)
                 .ok_or_else(|| bad(format!("status {:?}", self.status)))?,
-            headers: serde_json::from_str(&self.headers)
-                .map_err(|e| bad(format!("headers: {e}")))?,
             attempts: count(self.attempts, "attempts")?,
             recoveries: count(self.recoveries, "recoveries")?,
-            namespace: self.namespace,
-            backend: self.backend,
-            model: self.model,
-            stream: self.stream,
-            body: self.body,
             next_retry_at: self.next_retry_at,
             error,
             response_status: self.response_status.and_then(|s| u16::try_from(s).ok()),
@@ -202,16 +261,57 @@ impl RawRecord {
             upstream_request_id: self.upstream_request_id,
             last_seq: self.last_seq,
             reset_seq: self.reset_seq,
-            created_at: self.created_at,
             updated_at: self.updated_at,
             finished_at: self.finished_at,
             attached: count(self.attached, "attached")?,
             replayed: count(self.replayed, "replayed")?,
             log_reads: count(self.log_reads, "log_reads")?,
             usage: self.usage,
-            trace_parent: self.trace_parent,
-            replay_of: self.replay_of,
         })
+    }
+}
+
+/// The [`state_columns!`] of a request, checked: the fields of its [`RequestRecord`] that change
+/// over its life.
+#[derive(Debug)]
+pub(crate) struct State {
+    pub status: Status,
+    pub attempts: u32,
+    pub recoveries: u32,
+    pub next_retry_at: i64,
+    pub error: Option<ErrorInfo>,
+    pub response_status: Option<u16>,
+    pub response_body: Option<Vec<u8>>,
+    pub upstream_request_id: Option<String>,
+    pub last_seq: i64,
+    pub reset_seq: i64,
+    pub updated_at: i64,
+    pub finished_at: Option<i64>,
+    pub attached: u32,
+    pub replayed: u32,
+    pub log_reads: u32,
+    pub usage: Usage,
+}
+
+impl State {
+    /// Sets the state on `record`, which holds the rest of the row.
+    pub(crate) fn apply_to(self, record: &mut RequestRecord) {
+        record.status = self.status;
+        record.attempts = self.attempts;
+        record.recoveries = self.recoveries;
+        record.next_retry_at = self.next_retry_at;
+        record.error = self.error;
+        record.response_status = self.response_status;
+        record.response_body = self.response_body;
+        record.upstream_request_id = self.upstream_request_id;
+        record.last_seq = self.last_seq;
+        record.reset_seq = self.reset_seq;
+        record.updated_at = self.updated_at;
+        record.finished_at = self.finished_at;
+        record.attached = self.attached;
+        record.replayed = self.replayed;
+        record.log_reads = self.log_reads;
+        record.usage = self.usage;
     }
 }
 

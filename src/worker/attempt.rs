@@ -105,7 +105,7 @@ impl WorkerPool {
         };
         log_attempt(&ending.outcome);
         let written = {
-            let write = self.write_outcome(&lease, &ending, &lost);
+            let write = self.write_outcome(&lease, &record, &ending, &lost);
             tokio::pin!(write);
             // A lease found lost ends the heartbeat, not the write: it sees `lost` and stops.
             tokio::select! {
@@ -197,6 +197,7 @@ impl WorkerPool {
     async fn write_outcome(
         &self,
         lease: &Lease,
+        leased: &RequestRecord,
         ending: &Ending,
         lost: &CancellationToken,
     ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
@@ -208,7 +209,10 @@ impl WorkerPool {
             let written = match &ending.last {
                 Some(last) => {
                     let started = std::time::Instant::now();
-                    let written = self.store.finish_with_chunks(last, outcome, now_ms()).await;
+                    let written = self
+                        .store
+                        .finish_with_chunks(leased, last, outcome, now_ms())
+                        .await;
                     if written.is_ok() {
                         metrics::histogram!(m::CHUNK_COMMIT_SECONDS)
                             .record(started.elapsed().as_secs_f64());
@@ -217,7 +221,7 @@ impl WorkerPool {
                 }
                 None => self
                     .store
-                    .finish_read(lease, outcome, now_ms())
+                    .finish_read(lease, leased, outcome, now_ms())
                     .await
                     .map(|settled| settled.map(|settled| (Vec::new(), settled))),
             };

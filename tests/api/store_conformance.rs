@@ -20,8 +20,8 @@ use holdfast::provider::Route;
 use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
-    CallbackQuota, Chunk, ChunkBatch, ChunkKind, ClaimKind, DynStore, ErrorInfo, ErrorType, Lease,
-    LeaseTo, Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage,
+    CallbackQuota, Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, DynStore, ErrorInfo, ErrorType,
+    Lease, LeaseTo, Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage,
     end_chunk, end_data,
 };
 use sha2::{Digest, Sha256};
@@ -1573,10 +1573,12 @@ async fn chunks_after_pages_in_seq_order(store: DynStore) {
 async fn concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5(store: DynStore) {
     // Outcomes written at the same moment (a group commit may write them in one statement):
     // each request gets its own record, end chunk and usage; a lost lease writes nothing.
-    let mut leases = Vec::new();
+    let (mut leases, mut leased) = (Vec::new(), Vec::new());
     for i in 0..8 {
         create(&store, by_hash(&format!("together {i}"), T0 + i)).await;
-        leases.push(lease_at(&store, "node/a", T0 + 10).await.0);
+        let (lease, record) = lease_at(&store, "node/a", T0 + 10).await;
+        leases.push(lease);
+        leased.push(record);
     }
     let lost = Lease {
         owner: "node/stale".into(),
@@ -1596,8 +1598,9 @@ async fn concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5(stor
     let mut writes = Vec::new();
     for (i, lease) in leases.iter().take(7).chain([&lost]).enumerate() {
         let (store, lease, outcome) = (store.clone(), lease.clone(), outcome(i));
+        let leased = leased[i].clone();
         writes.push(tokio::spawn(async move {
-            store.finish_read(&lease, &outcome, T0 + 20).await
+            store.finish_read(&lease, &leased, &outcome, T0 + 20).await
         }));
     }
     let mut settled = Vec::new();
@@ -1639,21 +1642,43 @@ async fn concurrent_successes_each_settle_fenced_on_their_own_lease_lc3_rd5(stor
 }
 
 async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(store: DynStore) {
-    // Terminal: the record a waiter is handed equals what a later read finds.
+    // Terminal: the record a waiter is handed equals what a later read finds, also where the
+    // request changed after its lease returned `leased`: deliveries and log reads counted, and
+    // chunks stored, while it ran (a store may take the rest from `leased`, issue 30).
     let ok = create(&store, by_hash("finish_read ok", T0)).await;
-    let (l, _) = lease_at(&store, "node/a", T0).await;
+    let (l, leased) = lease_at(&store, "node/a", T0).await;
+    store
+        .add_counts(&[Counts {
+            id: ok.id,
+            attached: 2,
+            replayed: 0,
+            log_reads: 3,
+        }])
+        .await
+        .expect("add_counts");
+    append(&store, &l, new_chunks("while running", 2))
+        .await
+        .expect("lease held");
     let settled = store
-        .finish_read(&l, &succeeded(), T0 + 1)
+        .finish_read(&l, &leased, &succeeded(), T0 + 1)
         .await
         .expect("finish_read")
         .expect("lease held");
     assert_eq!(settled.status, Status::Succeeded);
-    assert_eq!(settled.last_seq, 1, "the end chunk is counted");
+    assert_eq!(
+        (settled.attached, settled.log_reads),
+        (2, 3),
+        "counted while it ran"
+    );
+    assert_eq!(
+        settled.last_seq, 3,
+        "its chunks and the end chunk are counted"
+    );
     assert_eq!(settled, get(&store, ok.id).await);
     // The same lease again is fenced out (LC-3): nothing written, nothing returned.
     assert!(
         store
-            .finish_read(&l, &succeeded(), T0 + 2)
+            .finish_read(&l, &leased, &succeeded(), T0 + 2)
             .await
             .expect("finish_read")
             .is_none()
@@ -1661,13 +1686,13 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
 
     // A retry: pending again, with the error and the next due time.
     let r = create(&store, by_hash("finish_read retry", T0 + 10)).await;
-    let (l, _) = lease_at(&store, "node/a", T0 + 10).await;
+    let (l, leased) = lease_at(&store, "node/a", T0 + 10).await;
     let retry = Outcome::Retry {
         next_retry_at: T0 + 5_000,
         error: error(ErrorType::AttemptsExhausted, Some(503)),
     };
     let settled = store
-        .finish_read(&l, &retry, T0 + 11)
+        .finish_read(&l, &leased, &retry, T0 + 11)
         .await
         .expect("finish_read")
         .expect("lease held");
@@ -1676,6 +1701,25 @@ async fn finish_read_returns_the_record_as_stored_and_none_for_a_lost_lease_lc3(
         (Status::Pending, T0 + 5_000)
     );
     assert_eq!(settled, get(&store, r.id).await);
+
+    // Failures, with and without the provider's answer kept: as stored too, with one `end`
+    // chunk made of what the record says.
+    for (i, outcome) in [failed(ErrorType::UpstreamInvalid), refused()]
+        .iter()
+        .enumerate()
+    {
+        let now = T0 + 20 + 10 * i as Millis;
+        let f = create(&store, by_hash(&format!("finish_read failed {i}"), now)).await;
+        let (l, leased) = lease_at(&store, "node/a", now).await;
+        let settled = store
+            .finish_read(&l, &leased, outcome, now + 1)
+            .await
+            .expect("finish_read")
+            .expect("lease held");
+        assert_eq!(settled.status, Status::Failed);
+        assert_eq!(settled, get(&store, f.id).await);
+        assert_single_end(&store, &settled).await;
+    }
 }
 
 /// A stream's last batch and its success are one write: the batch gets the seqs after those
@@ -1685,7 +1729,7 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
     store: DynStore,
 ) {
     let r = create(&store, by_hash("finish_with_chunks", T0)).await;
-    let (l, _) = lease_at(&store, "node/a", T0).await;
+    let (l, leased) = lease_at(&store, "node/a", T0).await;
     append(&store, &l, new_chunks("first", 2))
         .await
         .expect("lease held");
@@ -1710,7 +1754,7 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
         usage: Some(usage),
     };
     let (chunks, settled) = store
-        .finish_with_chunks(&last, &outcome, T0 + 1)
+        .finish_with_chunks(&leased, &last, &outcome, T0 + 1)
         .await
         .expect("finish_with_chunks")
         .expect("lease held");
@@ -1738,7 +1782,7 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
 
     // A lost lease (cancelled meanwhile): neither the batch nor the outcome is written.
     let c = create(&store, by_hash("finish_with_chunks lost", T0 + 10)).await;
-    let (lc, _) = lease_at(&store, "node/a", T0 + 10).await;
+    let (lc, leased_c) = lease_at(&store, "node/a", T0 + 10).await;
     append(&store, &lc, new_chunks("kept", 1))
         .await
         .expect("lease held");
@@ -1751,7 +1795,7 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
     };
     assert!(
         store
-            .finish_with_chunks(&lost, &outcome, T0 + 12)
+            .finish_with_chunks(&leased_c, &lost, &outcome, T0 + 12)
             .await
             .expect("finish_with_chunks")
             .is_none()
@@ -1768,7 +1812,7 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
         let now = T0 + 100 * i as Millis;
         // Cancelled while running: the worker's outcome is refused (LC-3, LC-9).
         let cancelled = create(&store, by_hash(&format!("cancelled {i}"), now)).await;
-        let (l, _) = lease_at(&store, "node/a", now).await;
+        let (l, leased) = lease_at(&store, "node/a", now).await;
         store
             .cancel(NS, cancelled.id, now + 1)
             .await
@@ -1776,7 +1820,7 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
         let before = get(&store, cancelled.id).await;
         assert!(
             store
-                .finish_read(&l, outcome, now + 2)
+                .finish_read(&l, &leased, outcome, now + 2)
                 .await
                 .expect("finish_read")
                 .is_none(),
@@ -1787,7 +1831,7 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
 
         // Handed back to pending (DU-5): not running, so not finished either.
         let pending = create(&store, by_hash(&format!("pending {i}"), now + 10)).await;
-        let (l, _) = lease_at(&store, "node/a", now + 10).await;
+        let (l, leased) = lease_at(&store, "node/a", now + 10).await;
         assert!(
             store
                 .release(&l, now + 11, MAX_ATTEMPTS)
@@ -1798,7 +1842,7 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
         assert_eq!(before.status, Status::Pending);
         assert!(
             store
-                .finish_read(&l, outcome, now + 12)
+                .finish_read(&l, &leased, outcome, now + 12)
                 .await
                 .expect("finish_read")
                 .is_none()
@@ -1812,7 +1856,7 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
 
         // Already terminal: a second outcome changes nothing.
         let done = create(&store, by_hash(&format!("done {i}"), now + 20)).await;
-        let (l, _) = lease_at(&store, "node/a", now + 20).await;
+        let (l, leased) = lease_at(&store, "node/a", now + 20).await;
         assert!(
             store
                 .finish(&l, succeeded(), now + 21)
@@ -1822,7 +1866,7 @@ async fn finish_refuses_a_request_that_is_not_running_lc3(store: DynStore) {
         let before = get(&store, done.id).await;
         assert!(
             store
-                .finish_read(&l, outcome, now + 22)
+                .finish_read(&l, &leased, outcome, now + 22)
                 .await
                 .expect("finish_read")
                 .is_none()
@@ -2242,9 +2286,11 @@ async fn one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10(
         }
         ids
     };
-    let mut leases = Vec::new();
+    let (mut leases, mut leased) = (Vec::new(), Vec::new());
     for _ in 0..6 {
-        leases.push(lease_at(&store, "node/a", T0 + 10).await.0);
+        let (lease, record) = lease_at(&store, "node/a", T0 + 10).await;
+        leases.push(lease);
+        leased.push(record);
     }
     assert_eq!(leases.iter().map(|l| l.id).collect::<Vec<_>>(), ids);
     // 0: a stream's usage with its chunks, copied to the record by a cancel.
@@ -2272,7 +2318,7 @@ async fn one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10(
         usage: Some(u),
     };
     store
-        .finish_read(&leases[1], &ok(usage(600, 300)), T0 + 12)
+        .finish_read(&leases[1], &leased[1], &ok(usage(600, 300)), T0 + 12)
         .await
         .expect("finish")
         .expect("lease held");
@@ -2283,15 +2329,17 @@ async fn one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10(
         usage: Some(usage(90, 50)),
     };
     store
-        .finish_read(&leases[2], &failed, T0 + 12)
+        .finish_read(&leases[2], &leased[2], &failed, T0 + 12)
         .await
         .expect("finish")
         .expect("lease held");
     let mut together = Vec::new();
-    for lease in &leases[3..] {
-        let (store, lease) = (store.clone(), lease.clone());
+    for (lease, leased) in leases.iter().zip(&leased).skip(3) {
+        let (store, lease, leased) = (store.clone(), lease.clone(), leased.clone());
         together.push(tokio::spawn(async move {
-            store.finish_read(&lease, &ok(usage(20, 7)), T0 + 13).await
+            store
+                .finish_read(&lease, &leased, &ok(usage(20, 7)), T0 + 13)
+                .await
         }));
     }
     for finished in together {

@@ -138,6 +138,48 @@ pub struct PostgresStore {
     appends: Arc<tokio::sync::Mutex<Held>>,
 }
 
+impl PostgresStore {
+    /// [`Store::finish_read`]: one statement, so one transaction and one round trip: the `UPDATE ... RETURNING`,
+    /// fenced on the lease (LC-3), reserves the `end` chunk's seq (RD-5); the rest of the
+    /// settlement ([`rules::settle`]) and the wake-up hang off its row, so nothing happens when
+    /// the lease was lost, and what it returns is the final record.
+    async fn finish_returning(
+        &self,
+        lease: &Lease,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let changed = format!("{} {}", self.origin, lease.id);
+        if matches!(outcome, Outcome::Succeeded { .. }) {
+            let (reply, answer) = oneshot::channel();
+            let job = FinishJob {
+                key: LockKey::Request(lease.id),
+                lease: lease.clone(),
+                outcome: outcome.clone(),
+                now,
+                changed,
+                result: None,
+                reply,
+            };
+            self.writes
+                .send(Box::new(job))
+                .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
+            return answer.await.map_err(|_| {
+                StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
+            })?;
+        }
+        let args = Arc::new((lease.clone(), outcome.clone(), changed));
+        self.write(LockKey::outcome(lease.id, outcome), move |conn| {
+            let args = Arc::clone(&args);
+            Box::pin(async move {
+                let (lease, outcome, changed) = &*args;
+                finish_in(conn, lease, outcome, now, changed).await
+            })
+        })
+        .await
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn listen(
@@ -322,44 +364,24 @@ impl Store for PostgresStore {
         .await
     }
 
-    // One statement, so one transaction and one round trip: the `UPDATE ... RETURNING`,
-    // fenced on the lease (LC-3), reserves the `end` chunk's seq (RD-5); the rest of the
-    // settlement ([`rules::settle`]) and the wake-up hang off its row, so nothing happens when
-    // the lease was lost, and what it returns is the final record.
+    // Its `UPDATE ... RETURNING` returns the whole record: `leased` saves it nothing.
     async fn finish_read(
         &self,
         lease: &Lease,
+        _leased: &RequestRecord,
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let changed = format!("{} {}", self.origin, lease.id);
-        if matches!(outcome, Outcome::Succeeded { .. }) {
-            let (reply, answer) = oneshot::channel();
-            let job = FinishJob {
-                key: LockKey::Request(lease.id),
-                lease: lease.clone(),
-                outcome: outcome.clone(),
-                now,
-                changed,
-                result: None,
-                reply,
-            };
-            self.writes
-                .send(Box::new(job))
-                .map_err(|_| StoreError::Unavailable("the PostgreSQL writer has stopped".into()))?;
-            return answer.await.map_err(|_| {
-                StoreError::Unavailable("the PostgreSQL writer stopped before answering".into())
-            })?;
-        }
-        let args = Arc::new((lease.clone(), outcome.clone(), changed));
-        self.write(LockKey::outcome(lease.id, outcome), move |conn| {
-            let args = Arc::clone(&args);
-            Box::pin(async move {
-                let (lease, outcome, changed) = &*args;
-                finish_in(conn, lease, outcome, now, changed).await
-            })
-        })
-        .await
+        self.finish_returning(lease, outcome, now).await
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        Ok(self.finish_returning(lease, &outcome, now).await?.is_some())
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
@@ -489,6 +511,7 @@ impl Store for PostgresStore {
 
     async fn finish_with_chunks(
         &self,
+        _leased: &RequestRecord,
         last: &ChunkBatch,
         outcome: &Outcome,
         now: Millis,

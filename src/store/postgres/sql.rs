@@ -8,8 +8,8 @@ use sqlx::{Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use super::{IDS_PER_NOTIFY, PostgresStore};
-use crate::store::row::RawRecord;
 use crate::store::row::tokens_of;
+use crate::store::row::{RawRecord, RawState};
 use crate::store::rules::{self, Settle, failure_releases_claim};
 use crate::store::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, Millis, NewRequest, Outcome,
@@ -73,38 +73,40 @@ pub(super) fn record_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> 
         body: row.try_get("body")?,
         headers: row.try_get("headers")?,
         claim_kind: row.try_get("claim_kind")?,
-        status: row.try_get("status")?,
-        attempts: i64::from(row.try_get::<i32, _>("attempts")?),
-        recoveries: i64::from(row.try_get::<i32, _>("recoveries")?),
-        next_retry_at: row.try_get("next_retry_at")?,
-        error_type: row.try_get("error_type")?,
-        error_message: row.try_get("error_message")?,
-        error_status: row
-            .try_get::<Option<i32>, _>("error_status")?
-            .map(i64::from),
-        response_status: row
-            .try_get::<Option<i32>, _>("response_status")?
-            .map(i64::from),
-        response_body: row.try_get("response_body")?,
-        upstream_request_id: row.try_get("upstream_request_id")?,
-        last_seq: row.try_get("last_seq")?,
-        reset_seq: row.try_get("reset_seq")?,
         created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-        finished_at: row.try_get("finished_at")?,
-        attached: i64::from(row.try_get::<i32, _>("attached")?),
-        replayed: i64::from(row.try_get::<i32, _>("replayed")?),
-        log_reads: i64::from(row.try_get::<i32, _>("log_reads")?),
-        usage: Usage {
-            input_tokens: tokens(row, "usage_input_tokens")?,
-            output_tokens: tokens(row, "usage_output_tokens")?,
-            cached_input_tokens: tokens(row, "usage_cached_input_tokens")?,
-            cache_write_tokens: tokens(row, "usage_cache_write_tokens")?,
-            reasoning_tokens: tokens(row, "usage_reasoning_tokens")?,
-            cache_write_1h_tokens: tokens(row, "usage_cache_write_1h_tokens")?,
-        },
         trace_parent: row.try_get("trace_parent")?,
         replay_of: row.try_get("replay_of")?,
+        state: RawState {
+            status: row.try_get("status")?,
+            attempts: i64::from(row.try_get::<i32, _>("attempts")?),
+            recoveries: i64::from(row.try_get::<i32, _>("recoveries")?),
+            next_retry_at: row.try_get("next_retry_at")?,
+            error_type: row.try_get("error_type")?,
+            error_message: row.try_get("error_message")?,
+            error_status: row
+                .try_get::<Option<i32>, _>("error_status")?
+                .map(i64::from),
+            response_status: row
+                .try_get::<Option<i32>, _>("response_status")?
+                .map(i64::from),
+            response_body: row.try_get("response_body")?,
+            upstream_request_id: row.try_get("upstream_request_id")?,
+            last_seq: row.try_get("last_seq")?,
+            reset_seq: row.try_get("reset_seq")?,
+            updated_at: row.try_get("updated_at")?,
+            finished_at: row.try_get("finished_at")?,
+            attached: i64::from(row.try_get::<i32, _>("attached")?),
+            replayed: i64::from(row.try_get::<i32, _>("replayed")?),
+            log_reads: i64::from(row.try_get::<i32, _>("log_reads")?),
+            usage: Usage {
+                input_tokens: tokens(row, "usage_input_tokens")?,
+                output_tokens: tokens(row, "usage_output_tokens")?,
+                cached_input_tokens: tokens(row, "usage_cached_input_tokens")?,
+                cache_write_tokens: tokens(row, "usage_cache_write_tokens")?,
+                reasoning_tokens: tokens(row, "usage_reasoning_tokens")?,
+                cache_write_1h_tokens: tokens(row, "usage_cache_write_1h_tokens")?,
+            },
+        },
     }
     .into_record()
 }

@@ -91,6 +91,7 @@ use self::sql::{
     record_from_row, release_in, submit_in, sweep_in, usage_from_row,
 };
 use self::writer::WriteJob;
+use super::row::State;
 use super::{
     AddedCounts, Callback, CallbackLease, CallbackOutcome, CallbackQuota, Chunk, ChunkBatch,
     Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef,
@@ -191,6 +192,29 @@ impl SqliteStore {
     }
 }
 
+impl SqliteStore {
+    /// [`Store::finish_read`] as one job: the request's state as the write left it, `None`
+    /// when the lease was lost.
+    async fn finish_state(
+        &self,
+        lease: &Lease,
+        outcome: &Outcome,
+        now: Millis,
+    ) -> Result<Option<State>, StoreError> {
+        let (lease, outcome) = (lease.clone(), outcome.clone());
+        self.write(move |conn| finish_in(conn, &lease, &outcome, now))
+            .await
+    }
+}
+
+/// The record of a request its attempt finished: the request as `leased` (what its submission
+/// set, which nothing changes), with the state the finish left it in (issue 30).
+fn settled(leased: &RequestRecord, state: State) -> RequestRecord {
+    let mut record = leased.clone();
+    state.apply_to(&mut record);
+    record
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn submit_and_lease(
@@ -280,12 +304,21 @@ impl Store for SqliteStore {
     async fn finish_read(
         &self,
         lease: &Lease,
+        leased: &RequestRecord,
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
-        let (lease, outcome) = (lease.clone(), outcome.clone());
-        self.write(move |conn| finish_in(conn, &lease, &outcome, now))
-            .await
+        let state = self.finish_state(lease, outcome, now).await?;
+        Ok(state.map(|state| settled(leased, state)))
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        Ok(self.finish_state(lease, &outcome, now).await?.is_some())
     }
 
     async fn sweep(&self, now: Millis, max_attempts: u32) -> Result<Swept, StoreError> {
@@ -324,6 +357,7 @@ impl Store for SqliteStore {
 
     async fn finish_with_chunks(
         &self,
+        leased: &RequestRecord,
         last: &ChunkBatch,
         outcome: &Outcome,
         now: Millis,
@@ -339,12 +373,13 @@ impl Store for SqliteStore {
             };
             // The same transaction holds the lease the append was fenced on; an error rolls
             // the chunks back with it.
-            let record = finish_in(conn, &last.lease, &outcome, now)?.ok_or_else(|| {
+            let state = finish_in(conn, &last.lease, &outcome, now)?.ok_or_else(|| {
                 StoreError::corrupt(Some(last.lease.id), "the lease was lost inside one write")
             })?;
-            Ok(Some((chunks, record)))
+            Ok(Some((chunks, state)))
         })
         .await
+        .map(|written| written.map(|(chunks, state)| (chunks, settled(leased, state))))
     }
 
     async fn chunks_after(

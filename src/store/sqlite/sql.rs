@@ -5,7 +5,7 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 use uuid::Uuid;
 
 use crate::store::row::tokens_of;
-use crate::store::row::{RawRecord, col};
+use crate::store::row::{RawRecord, RawState, State, col};
 use crate::store::rules::{self, Expired, Settle};
 use crate::store::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, Millis, NewRequest,
@@ -30,33 +30,42 @@ pub(super) fn record_from_row(row: &Row<'_>, at: usize) -> Result<RequestRecord,
         body: row.get(at + col::BODY)?,
         headers: row.get(at + col::HEADERS)?,
         claim_kind: row.get(at + col::CLAIM_KIND)?,
-        status: row.get(at + col::STATUS)?,
-        attempts: row.get(at + col::ATTEMPTS)?,
-        recoveries: row.get(at + col::RECOVERIES)?,
-        next_retry_at: row.get(at + col::NEXT_RETRY_AT)?,
-        error_type: row.get(at + col::ERROR_TYPE)?,
-        error_message: row.get(at + col::ERROR_MESSAGE)?,
-        error_status: row.get(at + col::ERROR_STATUS)?,
-        response_status: row.get(at + col::RESPONSE_STATUS)?,
-        response_body: row.get(at + col::RESPONSE_BODY)?,
-        upstream_request_id: row.get(at + col::UPSTREAM_REQUEST_ID)?,
-        last_seq: row.get(at + col::LAST_SEQ)?,
-        reset_seq: row.get(at + col::RESET_SEQ)?,
         created_at: row.get(at + col::CREATED_AT)?,
-        updated_at: row.get(at + col::UPDATED_AT)?,
-        finished_at: row.get(at + col::FINISHED_AT)?,
-        attached: row.get(at + col::ATTACHED)?,
-        replayed: row.get(at + col::REPLAYED)?,
-        log_reads: row.get(at + col::LOG_READS)?,
-        usage: usage_from_row(row, at + col::USAGE)?,
         trace_parent: row.get(at + col::TRACE_PARENT)?,
         replay_of: row
             .get::<_, Option<String>>(at + col::REPLAY_OF)?
             .as_deref()
             .map(parse_id)
             .transpose()?,
+        state: state_from_row(row, at + col::STATE)?,
     }
     .into_record()
+}
+
+/// Reads a request's [`RawState`] from `row`, whose columns from `at` on are `state_columns!()`
+/// (positions in [`col::state`]).
+fn state_from_row(row: &Row<'_>, at: usize) -> Result<RawState, StoreError> {
+    use col::state as c;
+    Ok(RawState {
+        status: row.get(at + c::STATUS)?,
+        attempts: row.get(at + c::ATTEMPTS)?,
+        recoveries: row.get(at + c::RECOVERIES)?,
+        next_retry_at: row.get(at + c::NEXT_RETRY_AT)?,
+        error_type: row.get(at + c::ERROR_TYPE)?,
+        error_message: row.get(at + c::ERROR_MESSAGE)?,
+        error_status: row.get(at + c::ERROR_STATUS)?,
+        response_status: row.get(at + c::RESPONSE_STATUS)?,
+        response_body: row.get(at + c::RESPONSE_BODY)?,
+        upstream_request_id: row.get(at + c::UPSTREAM_REQUEST_ID)?,
+        last_seq: row.get(at + c::LAST_SEQ)?,
+        reset_seq: row.get(at + c::RESET_SEQ)?,
+        updated_at: row.get(at + c::UPDATED_AT)?,
+        finished_at: row.get(at + c::FINISHED_AT)?,
+        attached: row.get(at + c::ATTACHED)?,
+        replayed: row.get(at + c::REPLAYED)?,
+        log_reads: row.get(at + c::LOG_READS)?,
+        usage: usage_from_row(row, at + c::USAGE)?,
+    })
 }
 
 const FETCH_SQL: &str = concat!(
@@ -381,18 +390,25 @@ const FINISH_FAILED_SQL: &str = concat!(
     " WHERE id = ?8 AND lease_owner = ?9 AND status = 'running'"
 );
 
-/// [`Store::finish_read`] inside the writer's transaction: the record as the write left it, or
-/// `None` when the lease was lost and nothing was written.
-///
-/// The fenced `UPDATE` is followed by a read of the row it changed, by primary key, rather than
-/// an `UPDATE ... RETURNING`: SQLite buffers `RETURNING` rows in a temporary b-tree it creates
-/// and drops for every statement, which costs more than the read.
+/// What a finish reads back of the row it changed: its claim kind and its state, by primary
+/// key. Not the whole record: the rest is what the submission set, which the attempt holds as
+/// it leased it (issue 30); the read skips the request's body and headers and their table. A
+/// read rather than an `UPDATE ... RETURNING`: SQLite buffers `RETURNING` rows in a temporary
+/// b-tree it creates and drops for every statement, which costs more than the read.
+const FINISHED_SQL: &str = concat!(
+    "SELECT claim_kind, ",
+    state_columns!(),
+    " FROM requests WHERE id = ?1"
+);
+
+/// [`Store::finish_read`] inside the writer's transaction: the request's state as the write
+/// left it, or `None` when the lease was lost and nothing was written.
 pub(super) fn finish_in(
     conn: &Connection,
     lease: &Lease,
     outcome: &Outcome,
     now: Millis,
-) -> Result<Option<RequestRecord>, StoreError> {
+) -> Result<Option<State>, StoreError> {
     let id = lease.id.to_string();
     let changed = match outcome {
         Outcome::Succeeded {
@@ -459,8 +475,17 @@ pub(super) fn finish_in(
     if changed == 0 {
         return Ok(None);
     }
-    let record = fetch(conn, &id)?
-        .ok_or_else(|| StoreError::corrupt(Some(lease.id), "the finished row is gone"))?;
+    let (claim, state) = {
+        let mut stmt = conn.prepare_cached(FINISHED_SQL)?;
+        let mut rows = stmt.query(params![id])?;
+        let row = rows
+            .next()?
+            .ok_or_else(|| StoreError::corrupt(Some(lease.id), "the finished row is gone"))?;
+        let claim: String = row.get(0)?;
+        let claim = ClaimKind::parse(&claim)
+            .ok_or_else(|| StoreError::corrupt(Some(lease.id), format!("claim_kind {claim:?}")))?;
+        (claim, state_from_row(row, 1)?.check(lease.id)?)
+    };
     if let Outcome::Succeeded {
         response_id: Some(response_id),
         ..
@@ -477,13 +502,13 @@ pub(super) fn finish_in(
     {
         upsert_usage(conn, &id, lease.attempt, usage)?;
     }
-    if record.status.is_terminal() {
-        let settle = rules::settle(record.status, record.error.as_ref(), record.claim);
+    if state.status.is_terminal() {
+        let settle = rules::settle(state.status, state.error.as_ref(), claim);
         // The end chunk's seq was reserved by the UPDATE above.
-        let attempt = i64::from(record.attempts);
-        settle_in(conn, &id, attempt, &settle, Some(record.last_seq))?;
+        let attempt = i64::from(state.attempts);
+        settle_in(conn, &id, attempt, &settle, Some(state.last_seq))?;
     }
-    Ok(Some(record))
+    Ok(Some(state))
 }
 
 /// [`Store::sweep`] inside the writer's transaction: each expired lease gets the verdict of
