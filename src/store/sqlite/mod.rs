@@ -16,7 +16,9 @@
 //!   group commit of `docs/architecture.md`, for requests as well as stream chunks;
 //! - a group made only of writes that may wait (chunks handed on ahead of the log, a stream's
 //!   ending) is held open for more, up to the last commit's duration and at most 2 ms, until a
-//!   write that may not wait joins it (DU-7): a commit costs nearly the same whatever it holds.
+//!   write that may not wait joins it (DU-7): a commit costs nearly the same whatever it holds;
+//! - the jobs run on a [`held::Tx`], the connection with the writer's statements held beside
+//!   it, each prepared once (decision 130).
 //!
 //! **Reads** run on a small pool of read-only connections on tokio's blocking threads and see
 //! every committed write (WAL snapshot per statement).
@@ -40,6 +42,7 @@ macro_rules! record_tables {
 }
 
 mod callback;
+mod held;
 /// The filter of `GET /requests` and of an export (RD-7, EX-1, EX-8), after `SELECT columns
 /// FROM tables`.
 macro_rules! list_where {
@@ -183,7 +186,7 @@ impl SqliteStore {
             return Ok(Vec::new());
         }
         let batches = batches.to_vec();
-        let job = move |conn: &rusqlite::Connection| append_in(conn, &batches);
+        let job = move |conn: &held::Tx<'_>| append_in(conn, &batches);
         if may_wait {
             self.write_may_wait(job).await
         } else {

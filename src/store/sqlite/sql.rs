@@ -4,6 +4,7 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use uuid::Uuid;
 
+use super::held::Tx;
 use crate::store::row::tokens_of;
 use crate::store::row::{RawRecord, RawState, State, col};
 use crate::store::rules::{self, Expired, Settle};
@@ -86,8 +87,8 @@ pub(super) fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>
 }
 
 /// Deletes the claims pointing at `id` (ID-6).
-fn release_claims(conn: &Connection, id: &str) -> Result<(), StoreError> {
-    conn.prepare_cached("DELETE FROM claims WHERE request_id = ?1")?
+fn release_claims(conn: &Tx<'_>, id: &str) -> Result<(), StoreError> {
+    conn.prepare_held("DELETE FROM claims WHERE request_id = ?1")?
         .execute(params![id])?;
     Ok(())
 }
@@ -96,7 +97,7 @@ fn release_claims(conn: &Connection, id: &str) -> Result<(), StoreError> {
 /// if the rule says so, its `end` chunk at `end_seq` when the seq is already reserved, else
 /// after the last seq.
 fn settle_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     id: &str,
     attempt: i64,
     settle: &Settle,
@@ -114,14 +115,14 @@ fn settle_in(
 /// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
 /// moves `reset_seq` (LC-8, RD-5, RD-6). Returns its seq.
 fn append_control(
-    conn: &Connection,
+    conn: &Tx<'_>,
     id: &str,
     attempt: i64,
     kind: ChunkKind,
     data: &str,
 ) -> Result<i64, StoreError> {
     let seq: i64 = conn
-        .prepare_cached(
+        .prepare_held(
             "UPDATE requests SET last_seq = last_seq + 1,
                  reset_seq = CASE WHEN ?2 = 'reset' THEN last_seq + 1 ELSE reset_seq END
              WHERE id = ?1
@@ -137,14 +138,14 @@ const INSERT_CONTROL_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, 
 
 /// Inserts a control chunk at `seq`, already reserved in `last_seq` by the caller.
 fn insert_control(
-    conn: &Connection,
+    conn: &Tx<'_>,
     id: &str,
     seq: i64,
     attempt: i64,
     kind: ChunkKind,
     data: &str,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(INSERT_CONTROL_SQL)?.execute(params![
+    conn.prepare_held(INSERT_CONTROL_SQL)?.execute(params![
         id,
         seq,
         attempt,
@@ -284,7 +285,7 @@ pub(super) enum SubmittedIn {
 /// [`Store::submit_and_lease`] inside the writer's transaction: with `lease`, a created
 /// request is inserted already leased.
 pub(super) fn submit_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     new: &NewRequest,
     lease: Option<LeaseTo<'_>>,
 ) -> Result<(SubmittedIn, Option<Lease>), StoreError> {
@@ -293,7 +294,7 @@ pub(super) fn submit_in(
     // is ours — or leaves a live one untouched. One statement on the only writer, so two racing
     // submissions cannot both win (ID-7). The count of changed rows says which, not a
     // `RETURNING`, which SQLite serves through a temporary b-tree per statement.
-    let won = conn.prepare_cached(CLAIM_SQL)?.execute(params![
+    let won = conn.prepare_held(CLAIM_SQL)?.execute(params![
         new.namespace,
         new.claim_key,
         new.claim.as_str(),
@@ -309,7 +310,7 @@ pub(super) fn submit_in(
             Some(LeaseTo { owner, lease_ms }) => (Some(owner), Some(new.now + lease_ms)),
             None => (None, None),
         };
-        conn.prepare_cached(INSERT_REQUEST_SQL)?.execute(params![
+        conn.prepare_held(INSERT_REQUEST_SQL)?.execute(params![
             id,
             new.namespace,
             new.route.name(),
@@ -322,7 +323,7 @@ pub(super) fn submit_in(
             owner,
             expires_at
         ])?;
-        conn.prepare_cached(INSERT_BODY_SQL)?.execute(params![
+        conn.prepare_held(INSERT_BODY_SQL)?.execute(params![
             id,
             new.body,
             headers,
@@ -342,7 +343,7 @@ pub(super) fn submit_in(
     }
 
     let (existing, fingerprint): (String, Vec<u8>) = conn
-        .prepare_cached(
+        .prepare_held(
             "SELECT request_id, fingerprint FROM claims WHERE namespace = ?1 AND claim_key = ?2",
         )?
         .query_row(params![new.namespace, new.claim_key], |r| {
@@ -404,7 +405,7 @@ const FINISHED_SQL: &str = concat!(
 /// [`Store::finish_read`] inside the writer's transaction: the request's state as the write
 /// left it, or `None` when the lease was lost and nothing was written.
 pub(super) fn finish_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     lease: &Lease,
     outcome: &Outcome,
     now: Millis,
@@ -419,7 +420,7 @@ pub(super) fn finish_in(
             ..
         } => {
             let u = tokens_of(usage.as_ref());
-            conn.prepare_cached(FINISH_SUCCEEDED_SQL)?.execute(params![
+            conn.prepare_held(FINISH_SUCCEEDED_SQL)?.execute(params![
                 i64::from(*status),
                 body,
                 upstream_request_id,
@@ -437,7 +438,7 @@ pub(super) fn finish_in(
         Outcome::Retry {
             next_retry_at,
             error,
-        } => conn.prepare_cached(FINISH_RETRY_SQL)?.execute(params![
+        } => conn.prepare_held(FINISH_RETRY_SQL)?.execute(params![
             next_retry_at,
             error.kind.as_str(),
             error.message,
@@ -453,7 +454,7 @@ pub(super) fn finish_in(
             usage,
         } => {
             let u = tokens_of(usage.as_ref());
-            conn.prepare_cached(FINISH_FAILED_SQL)?.execute(params![
+            conn.prepare_held(FINISH_FAILED_SQL)?.execute(params![
                 error.kind.as_str(),
                 error.message,
                 error.status.map(i64::from),
@@ -476,7 +477,7 @@ pub(super) fn finish_in(
         return Ok(None);
     }
     let (claim, state) = {
-        let mut stmt = conn.prepare_cached(FINISHED_SQL)?;
+        let mut stmt = conn.prepare_held(FINISHED_SQL)?;
         let mut rows = stmt.query(params![id])?;
         let row = rows
             .next()?
@@ -514,12 +515,12 @@ pub(super) fn finish_in(
 /// [`Store::sweep`] inside the writer's transaction: each expired lease gets the verdict of
 /// [`rules::expired`]. Ids as stored.
 pub(super) fn sweep_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     now: Millis,
     max_attempts: u32,
 ) -> Result<(Vec<String>, Vec<String>), StoreError> {
     let expired: Vec<(String, String, i64, i64, i64)> = conn
-        .prepare_cached(
+        .prepare_held(
             "SELECT id, claim_kind, attempts, last_seq, reset_seq FROM requests
              WHERE status = 'running' AND lease_expires_at < ?1",
         )?
@@ -540,7 +541,7 @@ pub(super) fn sweep_in(
                 failed.push(id);
             }
             Expired::Recover { reset } => {
-                conn.prepare_cached(
+                conn.prepare_held(
                     "UPDATE requests SET status = 'pending', recoveries = recoveries + 1,
                          next_retry_at = ?1, lease_owner = NULL, lease_expires_at = NULL,
                          updated_at = ?1
@@ -577,12 +578,12 @@ const APPEND_CHUNK_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, ki
 /// and no thread hop per statement, a fenced `UPDATE` per batch and an `INSERT` per chunk cost
 /// microseconds each; the commit, shared by every batch, is the expensive part.
 pub(super) fn append_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     batches: &[ChunkBatch],
 ) -> Result<Vec<Option<Vec<Chunk>>>, StoreError> {
-    let mut fence = conn.prepare_cached(APPEND_FENCE_SQL)?;
-    let mut leased_last_seq = conn.prepare_cached(LEASED_LAST_SEQ_SQL)?;
-    let mut insert = conn.prepare_cached(APPEND_CHUNK_SQL)?;
+    let mut fence = conn.prepare_held(APPEND_FENCE_SQL)?;
+    let mut leased_last_seq = conn.prepare_held(LEASED_LAST_SEQ_SQL)?;
+    let mut insert = conn.prepare_held(APPEND_CHUNK_SQL)?;
     let mut results = Vec::with_capacity(batches.len());
     for batch in batches {
         let id = batch.lease.id.to_string();
@@ -637,12 +638,12 @@ pub(super) fn append_in(
 /// Records that `response_id` is the provider's id of attempt `attempt` of request `id`. An id
 /// already recorded keeps its first owner (providers do not reuse ids).
 fn insert_response_id(
-    conn: &Connection,
+    conn: &Tx<'_>,
     response_id: &str,
     id: &str,
     attempt: u32,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(
+    conn.prepare_held(
         "INSERT INTO response_ids (response_id, namespace, request_id, attempt)
          SELECT ?1, namespace, id, ?3 FROM requests WHERE id = ?2
          ON CONFLICT (response_id) DO NOTHING",
@@ -664,14 +665,9 @@ const UPSERT_USAGE_SQL: &str = "INSERT INTO attempt_usage (request_id, attempt, 
 
 /// Records `usage` as attempt `attempt`'s of request `id`, replacing what was recorded before
 /// (usage is reported cumulatively).
-fn upsert_usage(
-    conn: &Connection,
-    id: &str,
-    attempt: u32,
-    usage: &Usage,
-) -> Result<(), StoreError> {
+fn upsert_usage(conn: &Tx<'_>, id: &str, attempt: u32, usage: &Usage) -> Result<(), StoreError> {
     let u = tokens_of(Some(usage));
-    conn.prepare_cached(UPSERT_USAGE_SQL)?.execute(params![
+    conn.prepare_held(UPSERT_USAGE_SQL)?.execute(params![
         id,
         i64::from(attempt),
         u[0],
@@ -732,14 +728,14 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
 
 /// [`Store::cancel`] inside the writer's transaction.
 pub(super) fn cancel_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     namespace: &str,
     id: &str,
     now: Millis,
 ) -> Result<Option<RequestRecord>, StoreError> {
     let error = rules::cancelled();
     let cancelled: Option<(String, i64)> = conn
-        .prepare_cached(concat!(
+        .prepare_held(concat!(
             "UPDATE requests SET status = 'failed', error_type = ?4,
                  error_message = ?5, error_status = NULL,
                  lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1, ",
@@ -766,14 +762,14 @@ pub(super) fn cancel_in(
 /// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied,
 /// then [`rules::settle`] (`end` chunk, claim).
 fn fail_abandoned_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     id: &str,
     claim: ClaimKind,
     attempts: u32,
     error: &ErrorInfo,
     now: Millis,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(concat!(
+    conn.prepare_held(concat!(
         "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
              error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
              finished_at = ?1, updated_at = ?1, ",
@@ -787,14 +783,14 @@ fn fail_abandoned_in(
 
 /// [`Store::release`] inside the writer's transaction.
 pub(super) fn release_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     lease: &Lease,
     now: Millis,
     max_attempts: u32,
 ) -> Result<bool, StoreError> {
     let id = lease.id.to_string();
     let held: Option<(String, i64, i64, i64)> = conn
-        .prepare_cached(
+        .prepare_held(
             "SELECT claim_kind, attempts, last_seq, reset_seq FROM requests
              WHERE id = ?1 AND lease_owner = ?2 AND status = 'running'",
         )?
@@ -811,7 +807,7 @@ pub(super) fn release_in(
     match rules::handed_back(attempts, max_attempts, last_seq, reset_seq) {
         Expired::Fail(error) => fail_abandoned_in(conn, &id, claim, attempts, &error, now)?,
         Expired::Recover { reset } => {
-            conn.prepare_cached(
+            conn.prepare_held(
                 "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,
                      lease_expires_at = NULL, updated_at = ?1
                  WHERE id = ?2",
@@ -827,13 +823,13 @@ pub(super) fn release_in(
 
 /// [`Store::prune`] inside the writer's transaction.
 pub(super) fn prune_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     before: Millis,
     pending_callback_before: Millis,
     limit: i64,
 ) -> Result<u64, StoreError> {
     let ids: Vec<String> = conn
-        .prepare_cached(
+        .prepare_held(
             "SELECT id FROM requests
              WHERE finished_at IS NOT NULL AND finished_at < ?1
                AND (finished_at < ?3 OR NOT EXISTS (SELECT 1 FROM callbacks
@@ -854,7 +850,7 @@ pub(super) fn prune_in(
             "DELETE FROM request_bodies WHERE id = ?1",
             "DELETE FROM requests WHERE id = ?1",
         ] {
-            conn.prepare_cached(sql)?.execute(params![id])?;
+            conn.prepare_held(sql)?.execute(params![id])?;
         }
     }
     Ok(ids.len() as u64)
@@ -867,13 +863,13 @@ const LEASE_SQL: &str = "UPDATE requests SET status = 'running', attempts = atte
 
 /// Leases request `id`, chosen by [`due_ids`] in the same job, to `owner` (LC-2), and reads it.
 pub(super) fn lease_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     id: &str,
     owner: String,
     now: Millis,
     lease_ms: i64,
 ) -> Result<(Lease, RequestRecord), StoreError> {
-    conn.prepare_cached(LEASE_SQL)?
+    conn.prepare_held(LEASE_SQL)?
         .execute(params![owner, now + lease_ms, now, id])?;
     let record = fetch(conn, id)?.ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
     let lease = Lease {
@@ -889,13 +885,9 @@ const DUE_IDS_SQL: &str = "SELECT id FROM requests WHERE status = 'pending' AND 
      ORDER BY next_retry_at, id LIMIT ?2";
 
 /// Up to `limit` pending requests due at `now`, oldest first.
-pub(super) fn due_ids(
-    conn: &Connection,
-    now: Millis,
-    limit: i64,
-) -> Result<Vec<String>, StoreError> {
+pub(super) fn due_ids(conn: &Tx<'_>, now: Millis, limit: i64) -> Result<Vec<String>, StoreError> {
     Ok(conn
-        .prepare_cached(DUE_IDS_SQL)?
+        .prepare_held(DUE_IDS_SQL)?
         .query_map(params![now, limit], |r| r.get(0))?
         .collect::<Result<_, _>>()?)
 }

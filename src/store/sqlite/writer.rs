@@ -10,6 +10,7 @@ use rusqlite::Connection;
 use tokio::sync::oneshot;
 
 use super::SqliteStore;
+use super::held::Tx;
 use crate::store::StoreError;
 
 /// Most write jobs in one transaction. Bounds a commit's duration (and the delay of the first
@@ -33,7 +34,7 @@ impl SqliteStore {
     pub(super) async fn write<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&Tx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         self.enqueue(f, None, false).await
     }
@@ -43,7 +44,7 @@ impl SqliteStore {
     pub(super) async fn write_may_wait<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&Tx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         self.enqueue(f, None, true).await
     }
@@ -60,7 +61,7 @@ impl SqliteStore {
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&Tx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         self.enqueue(f, early, false).await
     }
@@ -73,7 +74,7 @@ impl SqliteStore {
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&Tx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let job = Job {
@@ -102,7 +103,7 @@ pub(super) type Early<T> = Box<dyn FnOnce(&T) + Send>;
 pub(super) trait WriteJob: Send {
     /// Runs the write inside the group's transaction, replacing what an earlier run of it
     /// returned. `false`: it failed, roll it back.
-    fn run(&mut self, conn: &Connection) -> bool;
+    fn run(&mut self, conn: &Tx<'_>) -> bool;
     /// Tells the hook the last run's result, if it succeeded, once (ID-9): called after every
     /// job of the group has run, right before the commit.
     fn tell_early(&mut self);
@@ -136,9 +137,9 @@ struct Job<T, F> {
 impl<T, F> WriteJob for Job<T, F>
 where
     T: Send + 'static,
-    F: FnMut(&Connection) -> Result<T, StoreError> + Send + 'static,
+    F: FnMut(&Tx<'_>) -> Result<T, StoreError> + Send + 'static,
 {
-    fn run(&mut self, conn: &Connection) -> bool {
+    fn run(&mut self, conn: &Tx<'_>) -> bool {
         self.result = None;
         let before = conn.total_changes();
         let result = (self.run)(conn);
@@ -211,6 +212,7 @@ pub(super) fn write_loop(
     wal: PathBuf,
     rounds: &Mutex<()>,
 ) {
+    let tx = Tx::new(&conn);
     let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_JOBS_PER_COMMIT);
     let mut early = EarlyStarts::default();
     // How long the last commit took: what DU-7's hold may add.
@@ -224,7 +226,7 @@ pub(super) fn write_loop(
         early.hold_back(&mut group);
         let started = Instant::now();
         let jobs = group.len();
-        let committed = commit_group(&conn, &mut group);
+        let committed = commit_group(&tx, &mut group);
         last_commit = started.elapsed();
         metrics::histogram!(crate::metrics::SQLITE_COMMIT_SECONDS)
             .record(last_commit.as_secs_f64());
@@ -357,9 +359,9 @@ enum Committed {
 /// When a job fails or panics, the pass is rolled back and the group is run again without that
 /// job, each other job in its own savepoint as before, so a write fails alone and the rest of
 /// its group commits (DU-1). Jobs may therefore run twice; only what commits is answered.
-fn commit_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Result<Committed, String> {
-    // Prepared once and cached: these run once or twice per write.
-    let exec = |sql: &str| conn.prepare_cached(sql)?.execute([]).map(|_| ());
+fn commit_group(conn: &Tx<'_>, group: &mut [Box<dyn WriteJob>]) -> Result<Committed, String> {
+    // Prepared once and held: these run once or twice per write.
+    let exec = |sql: &'static str| conn.prepare_held(sql)?.execute([]).map(|_| ());
     let run_caught = |job: &mut Box<dyn WriteJob>| {
         std::panic::catch_unwind(AssertUnwindSafe(|| job.run(conn))).unwrap_or(false)
     };
@@ -455,7 +457,7 @@ mod tests {
 
     /// A job for [`commit_group`] and the receiver of its answer.
     fn job(
-        f: impl FnMut(&Connection) -> Result<i64, StoreError> + Send + 'static,
+        f: impl FnMut(&Tx<'_>) -> Result<i64, StoreError> + Send + 'static,
     ) -> (Box<dyn WriteJob>, Answer) {
         let (reply, answer) = oneshot::channel();
         let job = Job {
@@ -485,7 +487,7 @@ mod tests {
         (Box::new(job), answer)
     }
 
-    fn insert(n: i64) -> impl FnMut(&Connection) -> Result<i64, StoreError> + Send + 'static {
+    fn insert(n: i64) -> impl FnMut(&Tx<'_>) -> Result<i64, StoreError> + Send + 'static {
         move |conn| {
             conn.execute("INSERT INTO t (n) VALUES (?1)", params![n])?;
             Ok(n)
@@ -498,7 +500,7 @@ mod tests {
         jobs: Vec<(Box<dyn WriteJob>, Answer)>,
     ) -> (Result<Committed, String>, Vec<Result<i64, StoreError>>) {
         let (mut group, mut answers): (Vec<_>, Vec<_>) = jobs.into_iter().unzip();
-        let committed = commit_group(conn, &mut group);
+        let committed = commit_group(&Tx::new(conn), &mut group);
         let commit = committed.as_ref().map(|_| ()).map_err(String::as_str);
         for job in group.drain(..) {
             job.reply(commit);
@@ -611,7 +613,7 @@ mod tests {
             Box::new(move |_| flag.store(true, std::sync::atomic::Ordering::SeqCst));
         let (mut failed, mut answer) = hooked_job(8, hook);
         failed.tell_only_when_durable();
-        assert!(failed.run(&conn));
+        assert!(failed.run(&Tx::new(&conn)));
         failed.reply(Err("disk full"));
         assert!(answer.try_recv().expect("answered").is_err());
         assert!(!told.load(std::sync::atomic::Ordering::SeqCst));
@@ -640,7 +642,7 @@ mod tests {
             let before = told.load(std::sync::atomic::Ordering::SeqCst);
             let mut group = vec![hooked(1)];
             early.hold_back(&mut group);
-            assert!(group[0].run(conn));
+            assert!(group[0].run(&Tx::new(conn)));
             group[0].tell_early();
             told.load(std::sync::atomic::Ordering::SeqCst) > before
         };
@@ -651,7 +653,7 @@ mod tests {
         // `job`, held back, run on `on` and committed; whether its run succeeded.
         let commit = |early: &mut EarlyStarts, mut job: Box<dyn WriteJob>, on: &Connection| {
             job.tell_only_when_durable();
-            let ran = job.run(on);
+            let ran = job.run(&Tx::new(on));
             early.after_commit(true, &[job]);
             ran
         };
@@ -675,7 +677,7 @@ mod tests {
         // Nor one that wrote nothing (a duplicate that attached commits on a full disk).
         let (reply, _answer) = oneshot::channel();
         let attached: Box<dyn WriteJob> = Box::new(Job {
-            run: |_: &Connection| Ok(5_i64),
+            run: |_: &Tx<'_>| Ok(5_i64),
             result: None,
             reply,
             early: Some(Box::new(|_: &i64| {}) as Early<i64>),
@@ -767,7 +769,7 @@ mod tests {
         conn.execute_batch(&format!("PRAGMA max_page_count = {}", pages + 4))
             .expect("cap");
         let big = |n: i64| {
-            move |conn: &Connection| -> Result<i64, StoreError> {
+            move |conn: &Tx<'_>| -> Result<i64, StoreError> {
                 conn.execute(
                     "INSERT INTO t (n, pad) VALUES (?1, zeroblob(1000000))",
                     params![n],
