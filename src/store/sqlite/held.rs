@@ -16,8 +16,9 @@ use rusqlite::{Connection, PrepFlags, Statement};
 /// prepared for each use.
 const SLOTS: usize = 64;
 
-/// The writer's connection inside a group commit, with the statements it holds. Dereferences
-/// to the [`Connection`], so code that needs nothing held takes it as one.
+/// The writer's connection with the statements it holds, made once per writer thread and
+/// kept across its group commits. Dereferences to the [`Connection`], so code that needs
+/// nothing held takes it as one.
 pub(super) struct Tx<'c> {
     conn: &'c Connection,
     /// Made whole at the start, so a statement in use is never moved.
@@ -91,10 +92,21 @@ impl<'c> Deref for Tx<'c> {
 
 /// A statement of [`Tx::prepare_held`]: held in its slot until dropped, or prepared for this
 /// use alone. rusqlite resets a statement after each `execute` and once its rows are dropped,
-/// so a held one is ready for the next use.
+/// so a held one is ready for the next use; its values are let go of when it is given back.
 pub(super) enum Held<'t, 'c> {
     Slot(RefMut<'t, Statement<'c>>),
     Own(Statement<'c>),
+}
+
+impl Drop for Held<'_, '_> {
+    fn drop(&mut self) {
+        // As rusqlite's cache does: a held statement would otherwise keep a copy of what was
+        // last bound to it (a request's body, up to `max_body_bytes`) for as long as the
+        // writer runs, also after the request is pruned.
+        if let Held::Slot(stmt) = self {
+            stmt.clear_bindings();
+        }
+    }
 }
 
 impl<'c> Deref for Held<'_, 'c> {
@@ -122,7 +134,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_statement_is_prepared_once_and_held_and_a_second_use_at_once_gets_its_own() {
+    fn a_statement_is_prepared_once_and_held_and_a_second_use_at_once_gets_its_own_decision130() {
         let conn = Connection::open_in_memory().expect("open");
         conn.execute_batch("CREATE TABLE t (n INTEGER)")
             .expect("create");
@@ -149,10 +161,14 @@ mod tests {
             second.execute([11]).expect("insert");
         }
         assert_eq!(used(), 1);
-        assert!(
-            matches!(tx.prepare_held(INSERT).expect("prepare"), Held::Slot(_)),
-            "given back"
+        let again = tx.prepare_held(INSERT).expect("prepare");
+        assert!(matches!(again, Held::Slot(_)), "given back");
+        assert_eq!(
+            again.expanded_sql().as_deref(),
+            Some("INSERT INTO t (n) VALUES (NULL)"),
+            "what was bound to it was let go of"
         );
+        drop(again);
         const COUNT: &str = "SELECT count(*), sum(n) FROM t";
         let counted: (i64, i64) = tx
             .prepare_held(COUNT)

@@ -311,6 +311,7 @@ impl Store for SqliteStore {
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<RequestRecord>, StoreError> {
+        debug_assert_eq!(leased.id, lease.id, "the record of the leased request");
         let state = self.finish_state(lease, outcome, now).await?;
         Ok(state.map(|state| settled(leased, state)))
     }
@@ -365,6 +366,7 @@ impl Store for SqliteStore {
         outcome: &Outcome,
         now: Millis,
     ) -> Result<Option<(Vec<Chunk>, RequestRecord)>, StoreError> {
+        debug_assert_eq!(leased.id, last.lease.id, "the record of the leased request");
         let (last, outcome) = (last.clone(), outcome.clone());
         // A stream's ending may be held for more writes (DU-7).
         self.write_may_wait(move |conn| {
