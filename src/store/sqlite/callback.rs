@@ -5,6 +5,7 @@ use rusqlite::{Connection, params};
 use uuid::Uuid;
 
 use super::SqliteStore;
+use super::held::Tx;
 use super::sql::{corrupt, parse_id};
 use crate::store::callback::callback_of;
 use crate::store::{
@@ -15,13 +16,13 @@ use crate::store::{
 /// (CB-1), with the request's namespace (CB-7). It becomes due when the request's
 /// `finished_at` is set (CB-4).
 pub(super) fn insert_in(
-    conn: &Connection,
+    conn: &Tx<'_>,
     id: &str,
     namespace: &str,
     url: &str,
     now: Millis,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(
+    conn.prepare_held(
         "INSERT INTO callbacks (request_id, namespace, url, updated_at) VALUES (?1, ?2, ?3, ?4)",
     )?
     .execute(params![id, namespace, url, now])?;
@@ -86,7 +87,9 @@ pub(super) async fn lease(
 
 /// [`lease`] on the writer's connection: each namespace's share, the oldest of them when
 /// they exceed the limit, then what the quota lends to the oldest due of any namespace
-/// (CB-7). Every statement reads about as many rows as it returns.
+/// (CB-7). Every statement reads about as many rows as it returns. Its statements stay in
+/// rusqlite's cache (once per lease of many deliveries), where its test reads their step
+/// counters by their SQL text.
 fn lease_in(
     conn: &Connection,
     owner_prefix: &str,
@@ -159,7 +162,7 @@ pub(super) async fn finish(
     store
         .write(move |conn| {
             let (state, status, error, next, delivered) = outcome.columns(now);
-            let changed = conn.prepare_cached(FINISH_SQL)?.execute(params![
+            let changed = conn.prepare_held(FINISH_SQL)?.execute(params![
                 state.as_str(),
                 status,
                 error,

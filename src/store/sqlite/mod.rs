@@ -294,7 +294,7 @@ impl Store for SqliteStore {
         let lease = lease.clone();
         self.write(move |conn| {
             let done = conn
-                .prepare_cached(
+                .prepare_held(
                     "UPDATE requests SET lease_expires_at = ?1
                      WHERE id = ?2 AND lease_owner = ?3 AND status = 'running'",
                 )?
@@ -567,13 +567,13 @@ impl Store for SqliteStore {
                 let id = c.id.to_string();
                 if c.attached > 0
                     && let Some(before) = conn
-                        .prepare_cached(FINISHED_SQL)?
+                        .prepare_held(FINISHED_SQL)?
                         .query_row(params![id], |r| r.get::<_, u32>(0))
                         .optional()?
                 {
                     added.late.push((c.id, before));
                 }
-                conn.prepare_cached(ADD_SQL)?.execute(params![
+                conn.prepare_held(ADD_SQL)?.execute(params![
                     id,
                     c.attached,
                     c.replayed,
