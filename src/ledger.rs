@@ -3,7 +3,7 @@
 //! price table, so changing a price re-prices the ledger.
 
 use crate::config::{Config, Price};
-use crate::metrics as metrics_names;
+use crate::metrics::{self as metrics_names, AttemptMeters};
 use crate::provider::Usage;
 
 /// The first `[[prices]]` entry for `model` on `backend`.
@@ -45,6 +45,18 @@ fn provider_of(config: &Config, backend: &str) -> &'static str {
     config.backend(backend).map_or("", |b| b.kind.name())
 }
 
+/// `usage`'s token counts in the order of [`metrics_names::TOKEN_KINDS`].
+fn token_counts(usage: &Usage) -> [Option<u64>; metrics_names::TOKEN_KINDS.len()] {
+    [
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cached_input_tokens,
+        usage.cache_write_tokens,
+        usage.reasoning_tokens,
+        usage.cache_write_1h_tokens,
+    ]
+}
+
 /// Adds `usage` to the token counter `name` of `backend` (of `provider`) and `model`, one series
 /// per kind.
 fn count_tokens(
@@ -54,15 +66,10 @@ fn count_tokens(
     model: &str,
     usage: &Usage,
 ) {
-    let kinds = [
-        ("input", usage.input_tokens),
-        ("output", usage.output_tokens),
-        ("cached_input", usage.cached_input_tokens),
-        ("cache_write", usage.cache_write_tokens),
-        ("reasoning", usage.reasoning_tokens),
-        ("cache_write_1h", usage.cache_write_1h_tokens),
-    ];
-    for (kind, n) in kinds {
+    for (kind, n) in metrics_names::TOKEN_KINDS
+        .into_iter()
+        .zip(token_counts(usage))
+    {
         if let Some(n) = n {
             metrics::counter!(name, "provider" => provider, "backend" => backend.to_string(), "model" => model.to_string(), "kind" => kind)
                 .increment(n);
@@ -70,21 +77,26 @@ fn count_tokens(
     }
 }
 
-/// Counts what an attempt of a request of `backend` and `model` reported it cost.
-pub(crate) fn count_upstream(config: &Config, backend: &str, model: Option<&str>, usage: &Usage) {
-    let label = model.unwrap_or("");
-    let provider = provider_of(config, backend);
-    count_tokens(
-        metrics_names::UPSTREAM_TOKENS,
-        provider,
-        backend,
-        label,
-        usage,
-    );
+/// Counts what an attempt of a request of `backend` and `model` reported it cost, into the
+/// series `meters` keeps.
+pub(crate) fn count_upstream(
+    config: &Config,
+    meters: &AttemptMeters,
+    backend: &str,
+    model: Option<&str>,
+    usage: &Usage,
+) {
+    let series = meters
+        .backend(backend)
+        .usage(provider_of(config, backend), model.unwrap_or(""));
+    for (kind, n) in token_counts(usage).into_iter().enumerate() {
+        if let Some(n) = n {
+            series.tokens(kind).increment(n);
+        }
+    }
     if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, usage)) {
         // metrics counters count integers: a gauge that only grows carries the dollars.
-        metrics::gauge!(metrics_names::COST_USD, "provider" => provider, "backend" => backend.to_string(), "model" => label.to_string())
-            .increment(usd);
+        series.cost().increment(usd);
     }
 }
 

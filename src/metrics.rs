@@ -26,8 +26,12 @@
 //! | `holdfast_callbacks_total` | counter | `outcome` = `delivered` \| `retried` \| `failed` (callback tries, CB-6) |
 //! | `holdfast_callbacks_backlog` | gauge | — (pending callbacks of finished requests, read from the store at scrape time) |
 
-use std::sync::OnceLock;
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{Arc, LazyLock, OnceLock, PoisonError, RwLock};
 
+use metrics::{Counter, Gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Requests by route and outcome.
@@ -141,6 +145,156 @@ pub(crate) fn handle() -> Option<&'static PrometheusHandle> {
         .as_ref()
 }
 
+/// Handles of a metric's series kept by their label values once registered. Each
+/// `metrics::counter!` call copies its labels into a key and looks that key up in the
+/// recorder's registry (about 1.5 k instructions); a path that counts for every request takes
+/// its handles from here instead (issue 30, docs/benchmarks-history.md). Nothing is kept until
+/// the process's recorder is settled ([`handle`] ran): a handle registered before that would
+/// count into nothing for good, so until then every call registers afresh.
+///
+/// Like the recorder's own registry, it keeps one entry per series it was asked for.
+pub(crate) struct Kept<K, H>(RwLock<HashMap<K, H>>);
+
+impl<K, H> Default for Kept<K, H> {
+    fn default() -> Self {
+        Self(RwLock::new(HashMap::new()))
+    }
+}
+
+impl<K: Eq + Hash, H: Clone> Kept<K, H> {
+    /// The handle kept for `key`, or the one `register` makes (kept from then on).
+    pub(crate) fn get<Q>(&self, key: &Q, register: impl FnOnce() -> H) -> H
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        if HANDLE.get().is_none() {
+            return register();
+        }
+        let kept = self.0.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(handle) = kept.get(key) {
+            return handle.clone();
+        }
+        drop(kept);
+        let handle = register();
+        self.0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(key.to_owned())
+            .or_insert(handle)
+            .clone()
+    }
+}
+
+/// `holdfast_requests_total{route, outcome}`, its handles kept once registered ([`Kept`]).
+pub(crate) fn requests(route: &'static str, outcome: &'static str) -> Counter {
+    static KEPT: LazyLock<Kept<(&str, &str), Counter>> = LazyLock::new(Kept::default);
+    KEPT.get(
+        &(route, outcome),
+        || metrics::counter!(REQUESTS, "route" => route, "outcome" => outcome),
+    )
+}
+
+/// What an attempt counts, by backend: `holdfast_attempts_total`,
+/// `holdfast_upstream_calls_total`, and the usage its provider reported
+/// (`holdfast_upstream_tokens_total`, `holdfast_cost_usd_total`), with every handle kept once
+/// registered ([`Kept`]). One per worker pool, whose configuration names each backend's
+/// provider.
+#[derive(Default)]
+pub(crate) struct AttemptMeters {
+    backends: Kept<String, Arc<BackendMeters>>,
+}
+
+/// One backend's series ([`AttemptMeters`]); each registered when first counted, so a series
+/// appears in `/metrics` when it first counts, as with `metrics::counter!`.
+pub(crate) struct BackendMeters {
+    backend: String,
+    attempts: OnceLock<Counter>,
+    /// By HTTP status; `None` for a call that got no answer (`status="error"`).
+    calls: Kept<Option<u16>, Counter>,
+    /// By model (`""` for none).
+    usage: Kept<String, Arc<UsageMeters>>,
+}
+
+/// A backend's and model's token counters by kind, and its cost ([`AttemptMeters`]).
+pub(crate) struct UsageMeters {
+    provider: &'static str,
+    backend: String,
+    model: String,
+    tokens: [OnceLock<Counter>; TOKEN_KINDS.len()],
+    cost: OnceLock<Gauge>,
+}
+
+/// The `kind` label of the token counters, in the order [`crate::ledger`] gives the counts.
+pub(crate) const TOKEN_KINDS: [&str; 6] = [
+    "input",
+    "output",
+    "cached_input",
+    "cache_write",
+    "reasoning",
+    "cache_write_1h",
+];
+
+impl AttemptMeters {
+    /// The series of `backend`.
+    pub(crate) fn backend(&self, backend: &str) -> Arc<BackendMeters> {
+        self.backends.get(backend, || {
+            Arc::new(BackendMeters {
+                backend: backend.to_string(),
+                attempts: OnceLock::new(),
+                calls: Kept::default(),
+                usage: Kept::default(),
+            })
+        })
+    }
+}
+
+impl BackendMeters {
+    /// `holdfast_attempts_total{backend}`.
+    pub(crate) fn attempts(&self) -> &Counter {
+        self.attempts
+            .get_or_init(|| metrics::counter!(ATTEMPTS, "backend" => self.backend.clone()))
+    }
+
+    /// `holdfast_upstream_calls_total{backend, status}`: `status` the HTTP status, `None` for a
+    /// call that got no answer.
+    pub(crate) fn calls(&self, status: Option<u16>) -> Counter {
+        self.calls.get(&status, || {
+            let status = status.map_or_else(|| "error".to_string(), |s| s.to_string());
+            metrics::counter!(UPSTREAM_CALLS, "backend" => self.backend.clone(), "status" => status)
+        })
+    }
+
+    /// The usage series of this backend (of `provider`) and `model` (`""` for none).
+    pub(crate) fn usage(&self, provider: &'static str, model: &str) -> Arc<UsageMeters> {
+        self.usage.get(model, || {
+            Arc::new(UsageMeters {
+                provider,
+                backend: self.backend.clone(),
+                model: model.to_string(),
+                tokens: Default::default(),
+                cost: OnceLock::new(),
+            })
+        })
+    }
+}
+
+impl UsageMeters {
+    /// `holdfast_upstream_tokens_total` of the kind `TOKEN_KINDS[kind]`.
+    pub(crate) fn tokens(&self, kind: usize) -> &Counter {
+        self.tokens[kind].get_or_init(|| {
+            metrics::counter!(UPSTREAM_TOKENS, "provider" => self.provider, "backend" => self.backend.clone(), "model" => self.model.clone(), "kind" => TOKEN_KINDS[kind])
+        })
+    }
+
+    /// `holdfast_cost_usd_total`.
+    pub(crate) fn cost(&self) -> &Gauge {
+        self.cost.get_or_init(|| {
+            metrics::gauge!(COST_USD, "provider" => self.provider, "backend" => self.backend.clone(), "model" => self.model.clone())
+        })
+    }
+}
+
 fn describe() {
     metrics::describe_counter!(
         REQUESTS,
@@ -225,6 +379,64 @@ fn describe() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kept handle counts into the series `metrics::counter!` would, and the recorder is asked
+    /// for it once (issue 30: the per-request registration is what keeping saves).
+    #[test]
+    fn a_kept_handle_is_registered_once_and_counts_into_the_macros_series() {
+        let handle = handle().expect("the recorder is installed");
+        let kept: Kept<String, Counter> = Kept::default();
+        let mut registered = 0;
+        for _ in 0..3 {
+            kept.get("kept-backend", || {
+                registered += 1;
+                metrics::counter!(ATTEMPTS, "backend" => "kept-backend")
+            })
+            .increment(2);
+        }
+        metrics::counter!(ATTEMPTS, "backend" => "kept-backend").increment(1);
+        assert_eq!(registered, 1, "registered at the first count only");
+        let rendered = handle.render();
+        assert!(
+            rendered.contains("holdfast_attempts_total{backend=\"kept-backend\"} 7"),
+            "{rendered}"
+        );
+    }
+
+    /// An attempt's series carry the labels the macros gave them: provider, backend, model and
+    /// kind for tokens; a status or `error` for calls (docs/observability.md's table).
+    #[test]
+    fn attempt_meters_count_tokens_calls_and_cost_under_their_labels() {
+        let handle = handle().expect("the recorder is installed");
+        let meters = AttemptMeters::default();
+        let backend = meters.backend("meters-backend");
+        backend.attempts().increment(1);
+        backend.calls(Some(429)).increment(1);
+        backend.calls(None).increment(1);
+        let usage = backend.usage("openai", "m-1");
+        usage.tokens(1).increment(5);
+        usage.tokens(5).increment(3);
+        usage.cost().increment(0.5);
+        assert!(Arc::ptr_eq(
+            &usage,
+            &meters.backend("meters-backend").usage("openai", "m-1")
+        ));
+        let rendered = handle.render();
+        for line in [
+            "holdfast_attempts_total{backend=\"meters-backend\"} 1",
+            "holdfast_upstream_calls_total{backend=\"meters-backend\",status=\"429\"} 1",
+            "holdfast_upstream_calls_total{backend=\"meters-backend\",status=\"error\"} 1",
+            "holdfast_upstream_tokens_total{provider=\"openai\",backend=\"meters-backend\",model=\"m-1\",kind=\"output\"} 5",
+            "holdfast_upstream_tokens_total{provider=\"openai\",backend=\"meters-backend\",model=\"m-1\",kind=\"cache_write_1h\"} 3",
+            "holdfast_cost_usd_total{provider=\"openai\",backend=\"meters-backend\",model=\"m-1\"} 0.5",
+        ] {
+            assert!(rendered.contains(line), "{line} in {rendered}");
+        }
+        assert!(
+            !rendered.contains("model=\"m-1\",kind=\"input\""),
+            "a kind never counted has no series: {rendered}"
+        );
+    }
 
     /// Histogram samples are drained without a scrape: the recorder comes with its upkeep
     /// thread (the soak test measures the memory it keeps flat).

@@ -80,8 +80,7 @@ pub(super) async fn handle(
             if let Some(server) = &server {
                 server.responded(e.status.as_u16());
             }
-            metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "refused")
-                .increment(1);
+            m::requests(route.name(), "refused").increment(1);
             // Whose call it was: the key's namespace, read again (refusals only; a 401 names
             // none). Counted by it and the cause, so an operator sees which tenant is refused
             // (RS-13's cap, decision 121); configured names and holdfast's own causes only.
@@ -204,8 +203,7 @@ async fn admit(
     let submitted = state.workers.admit(new).await;
     let (record, replayed, fresh) = match submitted {
         Ok(Submitted::Created(record)) => {
-            metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => "new")
-                .increment(1);
+            m::requests(route.name(), "new").increment(1);
             (*record, false, Some(early))
         }
         Ok(Submitted::Attached(record)) => {
@@ -214,8 +212,7 @@ async fn admit(
             } else {
                 "attached"
             };
-            metrics::counter!(m::REQUESTS, "route" => route.name(), "outcome" => outcome)
-                .increment(1);
+            m::requests(route.name(), outcome).increment(1);
             (*record, true, None)
         }
         Ok(Submitted::KeyMismatch { existing }) => {

@@ -294,6 +294,7 @@ impl WorkerPool {
         if let Some(usage) = &reported {
             ledger::count_upstream(
                 &self.config,
+                &self.meters,
                 &settled.backend,
                 settled.model.as_deref(),
                 usage,
@@ -420,13 +421,17 @@ impl WorkerPool {
         let mut response = match self.upstreams.send(&call).await {
             Ok(r) => r,
             Err(e) => {
-                metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => "error")
+                self.meters
+                    .backend(&record.backend)
+                    .calls(None)
                     .increment(1);
                 return Some(self.transient(lease, None, e.to_string(), None).into());
             }
         };
         let status = response.status().as_u16();
-        metrics::counter!(m::UPSTREAM_CALLS, "backend" => record.backend.clone(), "status" => status.to_string())
+        self.meters
+            .backend(&record.backend)
+            .calls(Some(status))
             .increment(1);
         let request_id = route
             .provider()

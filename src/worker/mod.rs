@@ -26,7 +26,7 @@ use uuid::Uuid;
 
 use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
-use crate::metrics as m;
+use crate::metrics::{self as m, AttemptMeters};
 use crate::otel::{AttemptSpan, Traces};
 use crate::store::{
     DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Started, StoreError, Submitted,
@@ -114,6 +114,8 @@ pub(crate) struct Pool {
     health: Arc<StoreHealth>,
     /// Traces, when `otel.enabled` (OT-3).
     traces: Traces,
+    /// The series each attempt counts into, kept once registered (issue 30).
+    meters: AttemptMeters,
     /// The runtime attempts run on, for the threads outside it that start them.
     runtime: tokio::runtime::Handle,
 }
@@ -249,6 +251,7 @@ impl WorkerPool {
             running: Arc::default(),
             answers: Arc::default(),
             traces,
+            meters: AttemptMeters::default(),
             runtime: tokio::runtime::Handle::current(),
         }))
     }
@@ -574,7 +577,7 @@ impl WorkerPool {
     /// Runs the attempt `lease` holds, in a span that names its request (and its trace, when
     /// traces are on).
     async fn attempt(&self, lease: Lease, record: RequestRecord) {
-        metrics::counter!(m::ATTEMPTS, "backend" => record.backend.clone()).increment(1);
+        self.meters.backend(&record.backend).attempts().increment(1);
         let trace = self.traces.as_ref().map(|traces| {
             traces.attempt(
                 &record,
