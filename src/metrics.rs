@@ -225,7 +225,7 @@ pub(crate) struct UsageMeters {
     cost: OnceLock<Gauge>,
 }
 
-/// The `kind` label of the token counters, in the order [`crate::ledger`] gives the counts.
+/// The `kind` label of the token counters, in the order the ledger gives the counts.
 pub(crate) const TOKEN_KINDS: [&str; 6] = [
     "input",
     "output",
