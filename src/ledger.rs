@@ -86,15 +86,17 @@ pub(crate) fn count_upstream(
     model: Option<&str>,
     usage: &Usage,
 ) {
+    let counts = token_counts(usage);
+    let usd = price(config, backend, model).and_then(|p| cost(p, usage));
+    if counts.iter().all(Option::is_none) && usd.is_none() {
+        // No series to count into: none is kept either.
+        return;
+    }
     let series = meters
         .backend(backend)
         .usage(provider_of(config, backend), model.unwrap_or(""));
-    for (kind, n) in token_counts(usage).into_iter().enumerate() {
-        if let Some(n) = n {
-            series.tokens(kind).increment(n);
-        }
-    }
-    if let Some(usd) = price(config, backend, model).and_then(|p| cost(p, usage)) {
+    series.count_tokens(counts);
+    if let Some(usd) = usd {
         // metrics counters count integers: a gauge that only grows carries the dollars.
         series.cost().increment(usd);
     }
@@ -133,6 +135,60 @@ pub(crate) fn count_saved(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each kind's count lands in its own `kind` series (`holdfast_upstream_tokens_total`), and
+    /// a usage with no count and no price leaves no series (docs/usage.md).
+    #[test]
+    fn upstream_tokens_are_counted_under_their_own_kind() {
+        let handle = crate::metrics::handle().expect("the recorder is installed");
+        let config = Config {
+            backends: vec![crate::config::Backend {
+                name: "kinds-backend".into(),
+                kind: crate::provider::Provider::Anthropic,
+                base_url: "http://127.0.0.1:9/v1".into(),
+                api_key_env: None,
+            }],
+            ..Config::default()
+        };
+        let meters = AttemptMeters::default();
+        let usage = Usage {
+            input_tokens: Some(101),
+            output_tokens: Some(102),
+            cached_input_tokens: Some(103),
+            cache_write_tokens: Some(104),
+            reasoning_tokens: Some(105),
+            cache_write_1h_tokens: Some(106),
+        };
+        count_upstream(
+            &config,
+            &meters,
+            "kinds-backend",
+            Some("kinds-model"),
+            &usage,
+        );
+        count_upstream(
+            &config,
+            &meters,
+            "kinds-backend",
+            Some("no-usage"),
+            &Usage::default(),
+        );
+        let rendered = handle.render();
+        for (kind, n) in [
+            ("input", 101),
+            ("output", 102),
+            ("cached_input", 103),
+            ("cache_write", 104),
+            ("reasoning", 105),
+            ("cache_write_1h", 106),
+        ] {
+            let line = format!(
+                "holdfast_upstream_tokens_total{{provider=\"anthropic\",backend=\"kinds-backend\",model=\"kinds-model\",kind=\"{kind}\"}} {n}"
+            );
+            assert!(rendered.contains(&line), "{line} in {rendered}");
+        }
+        assert!(!rendered.contains("no-usage"), "{rendered}");
+    }
 
     fn price() -> Price {
         Price {

@@ -280,11 +280,18 @@ impl BackendMeters {
 }
 
 impl UsageMeters {
-    /// `holdfast_upstream_tokens_total` of the kind `TOKEN_KINDS[kind]`.
-    pub(crate) fn tokens(&self, kind: usize) -> &Counter {
-        self.tokens[kind].get_or_init(|| {
-            metrics::counter!(UPSTREAM_TOKENS, "provider" => self.provider, "backend" => self.backend.clone(), "model" => self.model.clone(), "kind" => TOKEN_KINDS[kind])
-        })
+    /// Adds `counts` (in the order of [`TOKEN_KINDS`]) to `holdfast_upstream_tokens_total`, one
+    /// series per kind counted.
+    pub(crate) fn count_tokens(&self, counts: [Option<u64>; TOKEN_KINDS.len()]) {
+        for ((kind, counter), n) in TOKEN_KINDS.iter().zip(&self.tokens).zip(counts) {
+            if let Some(n) = n {
+                counter
+                    .get_or_init(|| {
+                        metrics::counter!(UPSTREAM_TOKENS, "provider" => self.provider, "backend" => self.backend.clone(), "model" => self.model.clone(), "kind" => *kind)
+                    })
+                    .increment(n);
+            }
+        }
     }
 
     /// `holdfast_cost_usd_total`.
@@ -381,7 +388,9 @@ mod tests {
     use super::*;
 
     /// A kept handle counts into the series `metrics::counter!` would, and the recorder is asked
-    /// for it once (issue 30: the per-request registration is what keeping saves).
+    /// for it once (issue 30: the per-request registration is what keeping saves). The other
+    /// path, registering afresh before the recorder is settled, has no test: `HANDLE` is
+    /// process-wide, and any test of this binary may have settled it first.
     #[test]
     fn a_kept_handle_is_registered_once_and_counts_into_the_macros_series() {
         let handle = handle().expect("the recorder is installed");
@@ -414,8 +423,7 @@ mod tests {
         backend.calls(Some(429)).increment(1);
         backend.calls(None).increment(1);
         let usage = backend.usage("openai", "m-1");
-        usage.tokens(1).increment(5);
-        usage.tokens(5).increment(3);
+        usage.count_tokens([None, Some(5), None, None, None, Some(3)]);
         usage.cost().increment(0.5);
         assert!(Arc::ptr_eq(
             &usage,
