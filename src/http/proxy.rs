@@ -510,8 +510,7 @@ async fn stream_answer(
             }
         }
     };
-    let farewell = stream::shutting_down_event(shape);
-    let mut response = stream::event_stream_response(body, state.cut.clone(), Some(farewell));
+    let mut response = stream::event_stream_response(body, state.cut.clone(), Some(shape));
     set_identity_headers(&mut response, &record, replayed, route, &state.config);
     Ok(response)
 }

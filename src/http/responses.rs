@@ -346,8 +346,7 @@ fn events(state: &AppState, record: &RequestRecord, start: i64, after: Option<i6
             }
         }
     };
-    let farewell = stream::shutting_down_event(SHAPE);
-    let mut response = stream::event_stream_response(body, state.cut.clone(), Some(farewell));
+    let mut response = stream::event_stream_response(body, state.cut.clone(), Some(SHAPE));
     if let Ok(v) = axum::http::HeaderValue::from_str(&record.id.to_string()) {
         response.headers_mut().insert("holdfast-request-id", v);
     }

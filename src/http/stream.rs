@@ -379,14 +379,16 @@ pub(super) fn shutting_down_event(shape: Provider) -> Bytes {
 
 /// A `200 text/event-stream` response around `body`, uncached and unbuffered by proxies.
 ///
-/// When `cut` fires (shutdown, DU-5) the body ends between two of its items, after `farewell`
-/// when given (a proxied stream's [`shutting_down_event`]); without one (`GET /requests/{id}`)
-/// it just ends, without `end`, so its reader reconnects with its position, as after a store
-/// failure (RD-6). Dropping `body` then drops whatever it holds (a proxied call's slot).
+/// When `cut` fires (shutdown, DU-5) the body ends between two of its items, after a proxied
+/// stream's [`shutting_down_event`] in the shape `farewell` names; without one
+/// (`GET /requests/{id}`) it just ends, without `end`, so its reader reconnects with its
+/// position, as after a store failure (RD-6). Dropping `body` then drops whatever it holds (a
+/// proxied call's slot). The farewell is encoded only when the cut comes: building it for every
+/// stream cost each about 8 k instructions (issue 30, docs/benchmarks-history.md).
 pub(super) fn event_stream_response<S>(
     body: S,
     cut: CancellationToken,
-    farewell: Option<Bytes>,
+    farewell: Option<Provider>,
 ) -> axum::response::Response
 where
     S: Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
@@ -400,8 +402,8 @@ where
             tokio::select! {
                 biased;
                 () = &mut cancelled => {
-                    if let Some(farewell) = farewell {
-                        yield Ok(farewell);
+                    if let Some(shape) = farewell {
+                        yield Ok(shutting_down_event(shape));
                     }
                     return;
                 }
@@ -630,12 +632,12 @@ mod tests {
     /// stream with nothing more (no `end`, RD-6).
     #[tokio::test]
     async fn a_cut_event_stream_ends_after_its_farewell_du5() {
-        for farewell in [Some(shutting_down_event(Provider::Openai)), None] {
+        for farewell in [Some(Provider::Openai), None] {
             let cut = CancellationToken::new();
             let first = Bytes::from_static(b"data: {}\n\n");
             let endless = futures::stream::once(std::future::ready(Ok(first.clone())))
                 .chain(futures::stream::pending());
-            let response = event_stream_response(endless, cut.clone(), farewell.clone());
+            let response = event_stream_response(endless, cut.clone(), farewell);
             let mut body = response.into_body().into_data_stream();
             let piece = body.next().await.expect("first event").expect("bytes");
             assert_eq!(piece, first);
@@ -644,7 +646,13 @@ mod tests {
                 .await
                 .expect("the cut ends the stream");
             let rest: Vec<Bytes> = rest.into_iter().map(|r| r.expect("bytes")).collect();
-            assert_eq!(rest, farewell.into_iter().collect::<Vec<_>>());
+            assert_eq!(
+                rest,
+                farewell
+                    .map(shutting_down_event)
+                    .into_iter()
+                    .collect::<Vec<_>>()
+            );
         }
         let event = String::from_utf8(shutting_down_event(Provider::Openai).to_vec()).unwrap();
         assert!(event.contains("\"shutting_down\""), "{event}");
