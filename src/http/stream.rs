@@ -379,12 +379,13 @@ pub(super) fn shutting_down_event(shape: Provider) -> Bytes {
 
 /// A `200 text/event-stream` response around `body`, uncached and unbuffered by proxies.
 ///
-/// When `cut` fires (shutdown, DU-5) the body ends between two of its items, after a proxied
-/// stream's [`shutting_down_event`] in the shape `farewell` names; without one
-/// (`GET /requests/{id}`) it just ends, without `end`, so its reader reconnects with its
-/// position, as after a store failure (RD-6). Dropping `body` then drops whatever it holds (a
-/// proxied call's slot). The farewell is encoded only when the cut comes: building it for every
-/// stream cost each about 8 k instructions (issue 30, docs/benchmarks-history.md).
+/// When `cut` fires (shutdown, DU-5) the body ends between two of its items, after the
+/// [`shutting_down_event`] in the shape `farewell` names (a proxied stream's, a Responses
+/// retrieval stream's); without one (`GET /requests/{id}`) it just ends, without `end`, so its
+/// reader reconnects with its position, as after a store failure (RD-6). Dropping `body` then
+/// drops whatever it holds (a proxied call's slot). The farewell is encoded only when the cut
+/// comes: building it for every stream cost each about 8 k instructions (issue 30,
+/// docs/benchmarks-history.md).
 pub(super) fn event_stream_response<S>(
     body: S,
     cut: CancellationToken,
@@ -632,7 +633,15 @@ mod tests {
     /// stream with nothing more (no `end`, RD-6).
     #[tokio::test]
     async fn a_cut_event_stream_ends_after_its_farewell_du5() {
-        for farewell in [Some(Provider::Openai), None] {
+        let shapes = [Provider::Openai, Provider::Anthropic, Provider::Gemini];
+        let events: std::collections::HashSet<Bytes> =
+            shapes.into_iter().map(shutting_down_event).collect();
+        assert_eq!(
+            events.len(),
+            shapes.len(),
+            "each shape has its own farewell"
+        );
+        for farewell in shapes.map(Some).into_iter().chain([None]) {
             let cut = CancellationToken::new();
             let first = Bytes::from_static(b"data: {}\n\n");
             let endless = futures::stream::once(std::future::ready(Ok(first.clone())))
