@@ -12,7 +12,6 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures::StreamExt;
 use serde_json::Value;
 
 use super::errors::ApiError;
@@ -231,13 +230,7 @@ async fn fetch_models(
         let path = provider.models_page_path(after.as_deref());
         let mut response = state
             .upstreams
-            .forward(
-                backend,
-                reqwest::Method::GET,
-                &path,
-                HeaderMap::new(),
-                Bytes::new(),
-            )
+            .forward(backend, Method::GET, &path, HeaderMap::new(), Bytes::new())
             .await
             .map_err(|e| e.to_string())?;
         let status = response.status();
@@ -394,7 +387,7 @@ pub(super) async fn relay(
         })
         .map(|(n, v)| (n.clone(), v.clone()))
         .collect();
-    let body = Body::from_stream(response.bytes_stream().map(|piece| piece));
+    let body = Body::new(response.into_body());
     let mut out = Response::new(body);
     *out.status_mut() = status;
     out.headers_mut().extend(kept);

@@ -3,13 +3,26 @@
 //!
 //! A call sends the stored body bytes exactly as recorded (ID-3b). Client auth headers are never
 //! forwarded; the backend's own key is used (ID-3a, IN-3).
+//!
+//! Two clients, one per way a backend is reached (decision 132). A backend reached directly is
+//! called through hyper's pooled client (hyper-util's, with rustls), as the bench's floor
+//! proxy calls its upstream: reqwest's layers around the same client parsed every call's URL
+//! twice more and cost about a tenth of a non-stream request's instructions on the tokio
+//! workers (issue 30). A backend that the environment routes through an HTTP proxy
+//! (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`, decided once at start) is called
+//! through reqwest, which speaks to proxies. Both answer as one [`Response`].
 
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::proxy::matcher::Matcher;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use reqwest::{Method, StatusCode};
 use tokio::time::{Instant, Sleep};
 
 use crate::config::{Backend, Config};
@@ -56,10 +69,20 @@ pub(crate) enum CallError {
     TooLarge(usize),
 }
 
+/// The client of backends reached directly: hyper's pooled client over TCP or TLS.
+type DirectClient =
+    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// An error as the body of a forwarded answer carries it.
+pub(crate) type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Provider HTTP clients and keys for every configured backend.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Upstreams {
-    client: reqwest::Client,
+    /// Backends reached directly (decision 132).
+    direct: DirectClient,
+    /// Backends the environment routes through a proxy (decision 132).
+    proxied: reqwest::Client,
     /// Per backend name.
     backends: HashMap<String, Target>,
     header_timeout: Duration,
@@ -75,7 +98,49 @@ struct Target {
     key: Option<(HeaderName, HeaderValue)>,
     /// The provider URL of every route whose path has no model in it, parsed once (parsing per
     /// call showed in profiles).
-    urls: Vec<(Route, reqwest::Url)>,
+    urls: Vec<(Route, http::Uri)>,
+    /// Whether the environment routes this backend's calls through a proxy (decision 132).
+    through_proxy: bool,
+}
+
+impl std::fmt::Debug for Upstreams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstreams")
+            .field("backends", &self.backends)
+            .field("header_timeout", &self.header_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A provider URL as a call sends it: parsed as a URL first, which normalises it as reqwest
+/// did before this client (percent-encoding, an IDN host), then as the request's URI.
+fn provider_uri(url: &str) -> Result<http::Uri, String> {
+    let url = reqwest::Url::parse(url).map_err(|e| format!("{url}: {e}"))?;
+    url.as_str()
+        .parse::<http::Uri>()
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+/// The client of backends reached directly: the connect timeout, no Nagle delay, HTTP/2 where
+/// the provider's TLS offers it, idle connections kept 90 s, the web PKI's roots (as reqwest's
+/// `rustls-tls` had them).
+fn direct_client(connect_timeout: Duration) -> DirectClient {
+    let mut tcp = HttpConnector::new();
+    tcp.set_connect_timeout(Some(connect_timeout));
+    tcp.set_nodelay(true);
+    tcp.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_webpki_roots()
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(tcp);
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_timer(TokioTimer::new())
+        .build(connector)
 }
 
 impl Upstreams {
@@ -83,14 +148,28 @@ impl Upstreams {
     /// `api_key_env` names. A missing variable means no key is sent (useful for local servers).
     ///
     /// # Errors
-    /// When the HTTP client cannot be built or a key is not a valid header value.
+    /// When the HTTP client cannot be built, a `base_url` is not a URL or a key is not a valid
+    /// header value.
     pub(crate) fn new(config: &Config) -> anyhow::Result<Upstreams> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_millis(config.upstream.connect_timeout_ms))
+        // The proxies the environment names, as reqwest itself reads them for its client.
+        Upstreams::with_proxies(config, &Matcher::from_system(), reqwest::Client::builder())
+    }
+
+    /// [`Upstreams::new`] with the proxies given: `proxies` says which backends go through
+    /// one, and `proxied` is the reqwest client's builder that reaches them.
+    fn with_proxies(
+        config: &Config,
+        proxies: &Matcher,
+        proxied: reqwest::ClientBuilder,
+    ) -> anyhow::Result<Upstreams> {
+        let connect_timeout = Duration::from_millis(config.upstream.connect_timeout_ms);
+        let proxied = proxied
+            .connect_timeout(connect_timeout)
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
             // A redirect would turn the POST into a body-less GET; a 3xx fails the attempt
-            // as `upstream_invalid` instead, which names the problem.
+            // as `upstream_invalid` instead, which names the problem (the direct client
+            // follows none either).
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
         let mut backends = HashMap::new();
@@ -129,22 +208,30 @@ impl Upstreams {
                         b.base_url.trim_end_matches('/'),
                         route.upstream_path(None)
                     );
-                    reqwest::Url::parse(&url)
-                        .map(|url| (route, url))
-                        .map_err(|e| anyhow::anyhow!("backends.{}: base_url {url:?}: {e}", b.name))
+                    provider_uri(&url)
+                        .map(|uri| (route, uri))
+                        .map_err(|e| anyhow::anyhow!("backends.{}: base_url {e}", b.name))
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
+            let base = provider_uri(&b.base_url)
+                .map_err(|e| anyhow::anyhow!("backends.{}: base_url {e}", b.name))?;
+            let through_proxy = proxies.intercept(&base).is_some();
+            if through_proxy {
+                tracing::info!(backend = %b.name, "calls to backend {} go through the proxy the environment names", b.name);
+            }
             backends.insert(
                 b.name.clone(),
                 Target {
                     backend: b.clone(),
                     key,
                     urls,
+                    through_proxy,
                 },
             );
         }
         Ok(Upstreams {
-            client,
+            direct: direct_client(connect_timeout),
+            proxied,
             backends,
             header_timeout: Duration::from_millis(config.upstream.header_timeout_ms),
             idle_timeout: Duration::from_millis(config.upstream.idle_timeout_ms),
@@ -156,23 +243,26 @@ impl Upstreams {
     ///
     /// # Errors
     /// [`CallError`] when no response headers arrived.
-    pub(crate) async fn send(&self, call: &Call<'_>) -> Result<reqwest::Response, CallError> {
-        let Target { backend, key, urls } = self
+    pub(crate) async fn send(&self, call: &Call<'_>) -> Result<Response, CallError> {
+        let target = self
             .backends
             .get(call.backend)
             .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?;
+        let Target {
+            backend, key, urls, ..
+        } = target;
         let route = call.route;
-        let url = if route.model_in_path() {
+        let uri = if route.model_in_path() {
             let url = format!(
                 "{}{}",
                 backend.base_url.trim_end_matches('/'),
                 route.upstream_path(call.model)
             );
-            reqwest::Url::parse(&url).map_err(|e| CallError::Connect(format!("{url}: {e}")))?
+            provider_uri(&url).map_err(CallError::Connect)?
         } else {
             urls.iter()
                 .find(|(r, _)| *r == route)
-                .map(|(_, url)| url.clone())
+                .map(|(_, uri)| uri.clone())
                 .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?
         };
         let mut headers = HeaderMap::new();
@@ -201,18 +291,58 @@ impl Upstreams {
                 headers.insert(*name, HeaderValue::from_static(value));
             }
         }
-        let send = self
-            .client
-            .post(url)
-            .headers(headers)
-            .body(call.body.to_vec())
-            .send();
-        match tokio::time::timeout(self.header_timeout, send).await {
+        self.call(
+            target,
+            Method::POST,
+            uri,
+            headers,
+            Bytes::copy_from_slice(call.body),
+        )
+        .await
+    }
+
+    /// Sends one request to `target` through the client that reaches it and waits for the
+    /// response headers, at most `header_timeout_ms`.
+    async fn call(
+        &self,
+        target: &Target,
+        method: Method,
+        uri: http::Uri,
+        mut headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Response, CallError> {
+        // What reqwest sent by default, kept for providers that look at it.
+        if !headers.contains_key(reqwest::header::ACCEPT) {
+            headers.insert(reqwest::header::ACCEPT, HeaderValue::from_static("*/*"));
+        }
+        let sent = async {
+            if target.through_proxy {
+                return self
+                    .proxied
+                    .request(method, uri.to_string())
+                    .headers(headers)
+                    .body(body)
+                    .send()
+                    .await
+                    .map(|r| Response(Answer::Proxied(r)))
+                    .map_err(|e| CallError::Connect(error_chain(&e)));
+            }
+            let mut request = http::Request::new(Full::new(body));
+            *request.method_mut() = method;
+            *request.uri_mut() = uri;
+            *request.headers_mut() = headers;
+            let uri = request.uri().clone();
+            self.direct
+                .request(request)
+                .await
+                .map(|r| Response(Answer::Direct(r)))
+                .map_err(|e| CallError::Connect(format!("{uri}: {}", error_chain(&e))))
+        };
+        match tokio::time::timeout(self.header_timeout, sent).await {
             Err(_) => Err(CallError::HeaderTimeout(
                 self.header_timeout.as_millis() as u64
             )),
-            Ok(Err(e)) => Err(CallError::Connect(error_chain(&e))),
-            Ok(Ok(response)) => Ok(response),
+            Ok(result) => result,
         }
     }
 
@@ -228,22 +358,22 @@ impl Upstreams {
     pub(crate) async fn forward(
         &self,
         backend: &str,
-        method: reqwest::Method,
+        method: Method,
         path_and_query: &str,
         mut headers: HeaderMap,
         body: Bytes,
-    ) -> Result<reqwest::Response, CallError> {
+    ) -> Result<Response, CallError> {
+        let target = self
+            .backends
+            .get(backend)
+            .ok_or_else(|| CallError::UnknownBackend(backend.to_string()))?;
         let Target {
             backend: config,
             key,
             ..
-        } = self
-            .backends
-            .get(backend)
-            .ok_or_else(|| CallError::UnknownBackend(backend.to_string()))?;
+        } = target;
         let url = format!("{}{path_and_query}", config.base_url.trim_end_matches('/'));
-        let url =
-            reqwest::Url::parse(&url).map_err(|e| CallError::Connect(format!("{url}: {e}")))?;
+        let uri = provider_uri(&url).map_err(CallError::Connect)?;
         // The client's credentials, for any provider, never reach the backend.
         for provider in Provider::ALL {
             headers.remove(provider.credential_header());
@@ -259,24 +389,12 @@ impl Upstreams {
                 headers.insert(*name, HeaderValue::from_static(value));
             }
         }
-        let send = self
-            .client
-            .request(method, url)
-            .headers(headers)
-            .body(body)
-            .send();
-        match tokio::time::timeout(self.header_timeout, send).await {
-            Err(_) => Err(CallError::HeaderTimeout(
-                self.header_timeout.as_millis() as u64
-            )),
-            Ok(Err(e)) => Err(CallError::Connect(error_chain(&e))),
-            Ok(Ok(response)) => Ok(response),
-        }
+        self.call(target, method, uri, headers, body).await
     }
 
     /// Reads `response`'s body piece by piece, each read waiting at most `idle_timeout_ms`
     /// (LC-10).
-    pub(crate) fn pieces<'r>(&self, response: &'r mut reqwest::Response) -> Pieces<'r> {
+    pub(crate) fn pieces<'r>(&self, response: &'r mut Response) -> Pieces<'r> {
         Pieces {
             response,
             idle_for: self.idle_timeout,
@@ -288,10 +406,7 @@ impl Upstreams {
     ///
     /// # Errors
     /// [`CallError`] on timeout, a broken connection or an oversized body.
-    pub(crate) async fn read_body(
-        &self,
-        response: &mut reqwest::Response,
-    ) -> Result<Vec<u8>, CallError> {
+    pub(crate) async fn read_body(&self, response: &mut Response) -> Result<Vec<u8>, CallError> {
         let mut body = Vec::new();
         let mut pieces = self.pieces(response);
         while let Some(piece) = pieces.next().await? {
@@ -308,7 +423,7 @@ impl Upstreams {
     /// Reads what a body holds, up to `max_response_bytes`, for a record that keeps an answer
     /// that could not be used: whatever arrived before the end, a failure or the cap. The flag
     /// says whether the body was cut short (by the cap or a failure).
-    pub(crate) async fn read_capped(&self, response: &mut reqwest::Response) -> (Vec<u8>, bool) {
+    pub(crate) async fn read_capped(&self, response: &mut Response) -> (Vec<u8>, bool) {
         let mut body = Vec::new();
         let mut pieces = self.pieces(response);
         loop {
@@ -333,7 +448,7 @@ impl Upstreams {
 /// anew when the old deadline comes), where a timeout per read registered and removed a timer
 /// for every stream event (issue 30).
 pub(crate) struct Pieces<'r> {
-    response: &'r mut reqwest::Response,
+    response: &'r mut Response,
     idle_for: Duration,
     idle: Pin<Box<Sleep>>,
 }
@@ -348,7 +463,7 @@ impl Pieces<'_> {
         tokio::select! {
             // A piece that is there wins over a deadline that passed meanwhile.
             biased;
-            piece = self.response.chunk() => piece.map_err(|e| CallError::Read(error_chain(&e))),
+            piece = self.response.chunk() => piece.map_err(CallError::Read),
             () = self.idle.as_mut() => {
                 Err(CallError::IdleTimeout(self.idle_for.as_millis() as u64))
             }
@@ -356,7 +471,62 @@ impl Pieces<'_> {
     }
 }
 
-/// An error and its sources, joined: reqwest's top-level message alone says little.
+/// A provider's answer: its status and headers, and its body read piece by piece.
+pub(crate) struct Response(Answer);
+
+/// The answer as the client that got it holds it (decision 132).
+enum Answer {
+    Direct(http::Response<hyper::body::Incoming>),
+    Proxied(reqwest::Response),
+}
+
+impl Response {
+    /// The answer's HTTP status.
+    pub(crate) fn status(&self) -> StatusCode {
+        match &self.0 {
+            Answer::Direct(r) => r.status(),
+            Answer::Proxied(r) => r.status(),
+        }
+    }
+
+    /// The answer's headers.
+    pub(crate) fn headers(&self) -> &HeaderMap {
+        match &self.0 {
+            Answer::Direct(r) => r.headers(),
+            Answer::Proxied(r) => r.headers(),
+        }
+    }
+
+    /// The body's next piece of data; `None` at its end (trailers are skipped).
+    async fn chunk(&mut self) -> Result<Option<Bytes>, String> {
+        match &mut self.0 {
+            Answer::Direct(r) => loop {
+                match r.body_mut().frame().await {
+                    None => return Ok(None),
+                    Some(Err(e)) => return Err(error_chain(&e)),
+                    Some(Ok(frame)) => {
+                        if let Ok(data) = frame.into_data() {
+                            return Ok(Some(data));
+                        }
+                    }
+                }
+            },
+            Answer::Proxied(r) => r.chunk().await.map_err(|e| error_chain(&e)),
+        }
+    }
+
+    /// The body, for an answer forwarded to the client as it comes.
+    pub(crate) fn into_body(self) -> http_body_util::combinators::UnsyncBoxBody<Bytes, BodyError> {
+        match self.0 {
+            Answer::Direct(r) => r.into_body().map_err(BodyError::from).boxed_unsync(),
+            Answer::Proxied(r) => reqwest::Body::from(r)
+                .map_err(BodyError::from)
+                .boxed_unsync(),
+        }
+    }
+}
+
+/// An error and its sources, joined: a client's top-level message alone says little.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
@@ -366,4 +536,171 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::config::Backend;
+
+    /// A server that answers one HTTP/1.1 request with `200` and `body`, and reports the
+    /// request's head as it arrived.
+    async fn answers_once(body: &'static str) -> (u16, tokio::task::JoinHandle<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let served = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut read = Vec::new();
+            let mut buf = [0u8; 4096];
+            // Bounded: the head and a short body arrive in a few reads.
+            for _ in 0..64 {
+                let n = socket.read(&mut buf).await.expect("read");
+                read.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&read);
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse::<usize>().expect("length"))
+                        })
+                        .unwrap_or(0);
+                    if read.len() >= end + 4 + length || n == 0 {
+                        break;
+                    }
+                }
+            }
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            socket.write_all(answer.as_bytes()).await.expect("write");
+            let text = String::from_utf8_lossy(&read).into_owned();
+            text[..text.find("\r\n\r\n").unwrap_or(text.len())].to_string()
+        });
+        (port, served)
+    }
+
+    fn backend(name: &str, base_url: String) -> Backend {
+        Backend {
+            name: name.into(),
+            kind: Provider::Openai,
+            base_url,
+            api_key_env: None,
+        }
+    }
+
+    fn call(backend: &str) -> Call<'_> {
+        Call {
+            backend,
+            route: Route::OpenaiChat,
+            body: br#"{"model":"m"}"#,
+            headers: &[],
+            model: Some("m"),
+            traceparent: None,
+        }
+    }
+
+    /// Decision 132: a backend the environment's proxy settings route through a proxy is
+    /// called through it (reqwest's client); a backend they exclude is called directly
+    /// (hyper's). Both answers read the same way.
+    #[tokio::test]
+    async fn a_backend_routed_through_a_proxy_is_called_through_it_and_another_directly() {
+        let (upstream, upstream_saw) = answers_once(r#"{"from":"provider"}"#).await;
+        let (proxy, proxy_saw) = answers_once(r#"{"from":"proxy"}"#).await;
+        let proxy_url = format!("http://127.0.0.1:{proxy}");
+        let config = Config {
+            backends: vec![
+                backend("direct", format!("http://localhost:{upstream}/v1")),
+                backend("proxied", format!("http://127.0.0.1:{upstream}/v1")),
+            ],
+            ..Config::default()
+        };
+        let proxies = Matcher::builder()
+            .http(proxy_url.clone())
+            .no("localhost")
+            .build();
+        let client = reqwest::Client::builder().proxy(
+            reqwest::Proxy::http(&proxy_url)
+                .expect("proxy")
+                .no_proxy(reqwest::NoProxy::from_string("localhost")),
+        );
+        let upstreams = Upstreams::with_proxies(&config, &proxies, client).expect("upstreams");
+
+        let mut response = upstreams
+            .send(&call("proxied"))
+            .await
+            .expect("proxied call");
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(content_type(&response), "application/json");
+        let body = upstreams.read_body(&mut response).await.expect("body");
+        assert_eq!(body, br#"{"from":"proxy"}"#);
+        let head = proxy_saw.await.expect("proxy served");
+        assert!(
+            head.starts_with(&format!(
+                "POST http://127.0.0.1:{upstream}/v1/chat/completions HTTP/1.1"
+            )),
+            "the proxy got an absolute-form request: {head}"
+        );
+
+        let mut response = upstreams.send(&call("direct")).await.expect("direct call");
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = upstreams.read_body(&mut response).await.expect("body");
+        assert_eq!(body, br#"{"from":"provider"}"#);
+        let head = upstream_saw
+            .await
+            .expect("provider served")
+            .to_ascii_lowercase();
+        assert!(
+            head.starts_with("post /v1/chat/completions http/1.1"),
+            "{head}"
+        );
+        assert!(
+            head.contains("\r\ncontent-type: application/json"),
+            "{head}"
+        );
+        assert!(head.contains("\r\naccept: */*"), "{head}");
+        assert!(
+            head.contains(&format!("\r\nhost: localhost:{upstream}")),
+            "{head}"
+        );
+        assert!(head.contains("\r\ncontent-length: 13"), "{head}");
+    }
+
+    fn content_type(response: &Response) -> &str {
+        response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    /// A connection refused is a `Connect` error that names the URL it tried.
+    #[tokio::test]
+    async fn a_refused_direct_call_names_its_url() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        drop(listener);
+        let config = Config {
+            backends: vec![backend("gone", format!("http://127.0.0.1:{port}/v1"))],
+            ..Config::default()
+        };
+        let upstreams = Upstreams::with_proxies(
+            &config,
+            &Matcher::builder().build(),
+            reqwest::Client::builder(),
+        )
+        .expect("upstreams");
+        let Err(CallError::Connect(message)) = upstreams.send(&call("gone")).await else {
+            panic!("a refused connection is a connect error");
+        };
+        assert!(
+            message.starts_with(&format!("http://127.0.0.1:{port}/v1/chat/completions: ")),
+            "{message}"
+        );
+    }
 }

@@ -22,7 +22,7 @@ use crate::store::{
     Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, Millis, Outcome, RequestRecord, StoreError,
     holds_outcome, now_ms,
 };
-use crate::upstream::{Call, CallError};
+use crate::upstream::{Call, CallError, Response};
 
 /// How soon a heartbeat that failed (the database unavailable) is tried again: the lease is
 /// renewed within about this long of the database's return, well inside the sweeps' hold
@@ -462,7 +462,7 @@ impl WorkerPool {
         &self,
         lease: &Lease,
         route: Route,
-        response: &mut reqwest::Response,
+        response: &mut Response,
         status: u16,
         request_id: Option<String>,
     ) -> Outcome {
@@ -640,7 +640,7 @@ pub(super) fn is_event_stream(content_type: &str) -> bool {
 
 /// The provider's `Content-Type` as sent, `none` when absent: named in every
 /// `upstream_invalid` message so the operator sees what came back (decision 21).
-pub(super) fn content_type_of(response: &reqwest::Response) -> String {
+pub(super) fn content_type_of(response: &Response) -> String {
     response
         .headers()
         .get(reqwest::header::CONTENT_TYPE)

@@ -17,6 +17,7 @@ use crate::otel::AttemptSpan;
 use crate::provider::{Order, Route};
 use crate::sse::{SseEvent, SseParser};
 use crate::store::{Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, Usage};
+use crate::upstream::Response;
 
 /// What the attempt does next, as [`StreamRead`] decides it.
 #[derive(Debug)]
@@ -601,7 +602,7 @@ impl WorkerPool {
     pub(super) async fn stream(
         &self,
         lease: &Lease,
-        mut response: reqwest::Response,
+        mut response: Response,
         mut read: StreamRead,
         trace: &mut Option<AttemptSpan>,
         gate: &HandOnGate,
