@@ -11,18 +11,26 @@
 //! workers (issue 30). A backend that the environment routes through an HTTP proxy
 //! (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`, decided once at start) is called
 //! through reqwest, which speaks to proxies. Both answer as one [`Response`].
+//!
+//! What reqwest did for every call, the direct client does too: one connect timeout over DNS,
+//! TCP and TLS; TCP keep-alive and a user timeout on the socket; credentials in a `base_url`
+//! sent as Basic auth and never printed; a call an HTTP/2 provider refused before processing
+//! it (`REFUSED_STREAM`, a graceful `GOAWAY`) sent again, at most twice.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::proxy::matcher::Matcher;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
-use reqwest::{Method, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::time::{Instant, Sleep};
 
 use crate::config::{Backend, Config};
@@ -70,11 +78,39 @@ pub(crate) enum CallError {
 }
 
 /// The client of backends reached directly: hyper's pooled client over TCP or TLS.
-type DirectClient =
-    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+type DirectClient = hyper_util::client::legacy::Client<Connector, Full<Bytes>>;
 
 /// An error as the body of a forwarded answer carries it.
 pub(crate) type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The direct client's connector: TCP or TLS, with one timeout over the whole connect (DNS,
+/// TCP and the TLS handshake), as reqwest's `connect_timeout` was.
+#[derive(Clone)]
+struct Connector {
+    inner: HttpsConnector<HttpConnector>,
+    timeout: Duration,
+}
+
+impl tower::Service<Uri> for Connector {
+    type Response = MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>;
+    type Error = BodyError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BodyError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BodyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(connected) => connected,
+                Err(_) => Err(format!("connect timed out after {} ms", timeout.as_millis()).into()),
+            }
+        })
+    }
+}
 
 /// Provider HTTP clients and keys for every configured backend.
 #[derive(Clone)]
@@ -98,9 +134,11 @@ struct Target {
     key: Option<(HeaderName, HeaderValue)>,
     /// The provider URL of every route whose path has no model in it, parsed once (parsing per
     /// call showed in profiles).
-    urls: Vec<(Route, http::Uri)>,
+    urls: Vec<(Route, Uri)>,
     /// Whether the environment routes this backend's calls through a proxy (decision 132).
     through_proxy: bool,
+    /// Basic auth from the user information of the `base_url`, which its URLs no longer hold.
+    basic_auth: Option<HeaderValue>,
 }
 
 impl std::fmt::Debug for Upstreams {
@@ -114,33 +152,88 @@ impl std::fmt::Debug for Upstreams {
     }
 }
 
-/// A provider URL as a call sends it: parsed as a URL first, which normalises it as reqwest
-/// did before this client (percent-encoding, an IDN host), then as the request's URI.
-fn provider_uri(url: &str) -> Result<http::Uri, String> {
-    let url = reqwest::Url::parse(url).map_err(|e| format!("{url}: {e}"))?;
+/// A provider URL as a call sends it, without user information (a `base_url`'s credentials
+/// go as [`basic_auth_of`]): parsed as a URL first, which normalises it as reqwest did
+/// (percent-encoding, an IDN host), then as the request's URI. An error names the URL only
+/// once its credentials are gone.
+fn provider_uri(url: &str) -> Result<Uri, String> {
+    let mut url = reqwest::Url::parse(url).map_err(|e| format!("is not a URL ({e})"))?;
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
     url.as_str()
-        .parse::<http::Uri>()
+        .parse::<Uri>()
         .map_err(|e| format!("{url}: {e}"))
 }
 
-/// The client of backends reached directly: the connect timeout, no Nagle delay, HTTP/2 where
-/// the provider's TLS offers it, idle connections kept 90 s, the web PKI's roots (as reqwest's
+/// The `Authorization` a URL's user information asks for (`https://user:pass@host/...`), as
+/// reqwest sent it: Basic, with the name and password percent-decoded, marked sensitive.
+fn basic_auth_of(url: &str) -> Option<HeaderValue> {
+    use base64::Engine;
+    let url = reqwest::Url::parse(url).ok()?;
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(|s| s.into_owned())
+            .ok()
+    };
+    let username = decode(url.username())?;
+    let password = match url.password() {
+        Some(p) => Some(decode(p)?),
+        None => None,
+    };
+    if username.is_empty() && password.is_none() {
+        return None;
+    }
+    let pair = format!("{username}:{}", password.unwrap_or_default());
+    let encoded = base64::engine::general_purpose::STANDARD.encode(pair);
+    let mut value = HeaderValue::from_str(&format!("Basic {encoded}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
+/// The client of backends reached directly, from `builder`: one timeout over the whole
+/// connect, no Nagle delay, TCP keep-alive (15 s, probes every 15 s, 3 of them) and a 30 s
+/// user timeout as reqwest set them, HTTP/2 where the provider's TLS offers it, idle
+/// connections kept 90 s, the web PKI's roots with the ring provider (as reqwest's
 /// `rustls-tls` had them).
-fn direct_client(connect_timeout: Duration) -> DirectClient {
+fn direct_client(
+    builder: &hyper_util::client::legacy::Builder,
+    connect_timeout: Duration,
+) -> anyhow::Result<DirectClient> {
     let mut tcp = HttpConnector::new();
-    tcp.set_connect_timeout(Some(connect_timeout));
     tcp.set_nodelay(true);
+    tcp.set_keepalive(Some(Duration::from_secs(15)));
+    tcp.set_keepalive_interval(Some(Duration::from_secs(15)));
+    tcp.set_keepalive_retries(Some(3));
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    tcp.set_tcp_user_timeout(Some(Duration::from_secs(30)));
     tcp.enforce_http(false);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_webpki_roots()
+    let inner = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
         .https_or_http()
         .enable_http1()
         .enable_http2()
         .wrap_connector(tcp);
-    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_timer(TokioTimer::new())
-        .build(connector)
+    Ok(builder.clone().build(Connector {
+        inner,
+        timeout: connect_timeout,
+    }))
+}
+
+/// Whether a failed call was refused by an HTTP/2 provider before it processed it, so that
+/// sending it again cannot run it twice: a stream reset with `REFUSED_STREAM`, or a graceful
+/// `GOAWAY` (RFC 9113, 8.7). reqwest sent these again on its own, at most twice.
+fn refused_unprocessed(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return h2.is_remote()
+                && ((h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR))
+                    || (h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM)));
+        }
+        source = e.source();
+    }
+    false
 }
 
 impl Upstreams {
@@ -152,15 +245,22 @@ impl Upstreams {
     /// header value.
     pub(crate) fn new(config: &Config) -> anyhow::Result<Upstreams> {
         // The proxies the environment names, as reqwest itself reads them for its client.
-        Upstreams::with_proxies(config, &Matcher::from_system(), reqwest::Client::builder())
+        Upstreams::with_clients(
+            config,
+            &Matcher::from_system(),
+            reqwest::Client::builder(),
+            &hyper_util::client::legacy::Client::builder(TokioExecutor::new()),
+        )
     }
 
-    /// [`Upstreams::new`] with the proxies given: `proxies` says which backends go through
-    /// one, and `proxied` is the reqwest client's builder that reaches them.
-    fn with_proxies(
+    /// [`Upstreams::new`] with the proxies and the clients' builders given: `proxies` says
+    /// which backends go through one, `proxied` builds the reqwest client that reaches them,
+    /// `direct` the client of the others.
+    fn with_clients(
         config: &Config,
         proxies: &Matcher,
         proxied: reqwest::ClientBuilder,
+        direct: &hyper_util::client::legacy::Builder,
     ) -> anyhow::Result<Upstreams> {
         let connect_timeout = Duration::from_millis(config.upstream.connect_timeout_ms);
         let proxied = proxied
@@ -217,7 +317,7 @@ impl Upstreams {
                 .map_err(|e| anyhow::anyhow!("backends.{}: base_url {e}", b.name))?;
             let through_proxy = proxies.intercept(&base).is_some();
             if through_proxy {
-                tracing::info!(backend = %b.name, "calls to backend {} go through the proxy the environment names", b.name);
+                tracing::info!(backend = %b.name, "calls go through the proxy the environment names");
             }
             backends.insert(
                 b.name.clone(),
@@ -226,11 +326,16 @@ impl Upstreams {
                     key,
                     urls,
                     through_proxy,
+                    basic_auth: basic_auth_of(&b.base_url),
                 },
             );
         }
+        let mut direct = direct.clone();
+        direct
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_timer(TokioTimer::new());
         Ok(Upstreams {
-            direct: direct_client(connect_timeout),
+            direct: direct_client(&direct, connect_timeout)?,
             proxied,
             backends,
             header_timeout: Duration::from_millis(config.upstream.header_timeout_ms),
@@ -266,10 +371,7 @@ impl Upstreams {
                 .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?
         };
         let mut headers = HeaderMap::new();
-        headers.insert(
-            reqwest::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         for (name, value) in call.headers {
             if let (Ok(name), Ok(value)) = (
                 HeaderName::from_bytes(name.as_bytes()),
@@ -307,13 +409,19 @@ impl Upstreams {
         &self,
         target: &Target,
         method: Method,
-        uri: http::Uri,
+        uri: Uri,
         mut headers: HeaderMap,
         body: Bytes,
     ) -> Result<Response, CallError> {
         // What reqwest sent by default, kept for providers that look at it.
-        if !headers.contains_key(reqwest::header::ACCEPT) {
-            headers.insert(reqwest::header::ACCEPT, HeaderValue::from_static("*/*"));
+        if !headers.contains_key(ACCEPT) {
+            headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
+        }
+        // The backend's own key, when it is an `authorization` header, wins (as with reqwest).
+        if let Some(auth) = &target.basic_auth
+            && !headers.contains_key(AUTHORIZATION)
+        {
+            headers.insert(AUTHORIZATION, auth.clone());
         }
         let sent = async {
             if target.through_proxy {
@@ -327,16 +435,21 @@ impl Upstreams {
                     .map(|r| Response(Answer::Proxied(r)))
                     .map_err(|e| CallError::Connect(error_chain(&e)));
             }
-            let mut request = http::Request::new(Full::new(body));
-            *request.method_mut() = method;
-            *request.uri_mut() = uri;
-            *request.headers_mut() = headers;
-            let uri = request.uri().clone();
-            self.direct
-                .request(request)
-                .await
-                .map(|r| Response(Answer::Direct(r)))
-                .map_err(|e| CallError::Connect(format!("{uri}: {}", error_chain(&e))))
+            // Bounded: a refused call is sent again at most twice.
+            let mut refused = 0;
+            loop {
+                let mut request = http::Request::new(Full::new(body.clone()));
+                *request.method_mut() = method.clone();
+                *request.uri_mut() = uri.clone();
+                *request.headers_mut() = headers.clone();
+                match self.direct.request(request).await {
+                    Ok(r) => return Ok(Response(Answer::Direct(r))),
+                    Err(e) if refused < 2 && refused_unprocessed(&e) => refused += 1,
+                    Err(e) => {
+                        return Err(CallError::Connect(format!("{uri}: {}", error_chain(&e))));
+                    }
+                }
+            }
         };
         match tokio::time::timeout(self.header_timeout, sent).await {
             Err(_) => Err(CallError::HeaderTimeout(
@@ -564,18 +677,22 @@ mod tests {
                     let length = text[..end]
                         .lines()
                         .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length:")
-                                .map(|v| v.trim().parse::<usize>().expect("length"))
+                            let l = l.to_ascii_lowercase();
+                            let v = l.strip_prefix("content-length:")?;
+                            v.trim().parse::<usize>().ok()
                         })
                         .unwrap_or(0);
-                    if read.len() >= end + 4 + length || n == 0 {
+                    if read.len() >= end + 4 + length {
                         break;
                     }
                 }
+                if n == 0 {
+                    break;
+                }
             }
             let answer = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
                 body.len()
             );
             socket.write_all(answer.as_bytes()).await.expect("write");
@@ -594,6 +711,13 @@ mod tests {
         }
     }
 
+    fn config(backends: Vec<Backend>) -> Config {
+        Config {
+            backends,
+            ..Config::default()
+        }
+    }
+
     fn call(backend: &str) -> Call<'_> {
         Call {
             backend,
@@ -605,31 +729,56 @@ mod tests {
         }
     }
 
+    fn direct_builder() -> hyper_util::client::legacy::Builder {
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+    }
+
+    /// Upstreams with no proxy, and `direct` as the direct client's builder.
+    fn upstreams(config: &Config, direct: &hyper_util::client::legacy::Builder) -> Upstreams {
+        Upstreams::with_clients(
+            config,
+            &Matcher::builder().build(),
+            reqwest::Client::builder().no_proxy(),
+            direct,
+        )
+        .expect("upstreams")
+    }
+
+    fn content_type(response: &Response) -> &str {
+        response
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
     /// Decision 132: a backend the environment's proxy settings route through a proxy is
     /// called through it (reqwest's client); a backend they exclude is called directly
-    /// (hyper's). Both answers read the same way.
+    /// (hyper's), not through reqwest, whose client here would send everything to the proxy.
+    /// Both answers read the same way.
     #[tokio::test]
     async fn a_backend_routed_through_a_proxy_is_called_through_it_and_another_directly() {
         let (upstream, upstream_saw) = answers_once(r#"{"from":"provider"}"#).await;
         let (proxy, proxy_saw) = answers_once(r#"{"from":"proxy"}"#).await;
         let proxy_url = format!("http://127.0.0.1:{proxy}");
-        let config = Config {
-            backends: vec![
-                backend("direct", format!("http://localhost:{upstream}/v1")),
-                backend("proxied", format!("http://127.0.0.1:{upstream}/v1")),
-            ],
-            ..Config::default()
-        };
+        let config = config(vec![
+            backend("direct", format!("http://127.0.0.1:{upstream}/v1")),
+            // Never resolved: the proxy is asked for it by name.
+            backend("proxied", format!("http://localhost:{upstream}/v1")),
+        ]);
         let proxies = Matcher::builder()
             .http(proxy_url.clone())
-            .no("localhost")
+            .no("127.0.0.1")
             .build();
-        let client = reqwest::Client::builder().proxy(
-            reqwest::Proxy::http(&proxy_url)
-                .expect("proxy")
-                .no_proxy(reqwest::NoProxy::from_string("localhost")),
-        );
-        let upstreams = Upstreams::with_proxies(&config, &proxies, client).expect("upstreams");
+        let everything_to_the_proxy =
+            reqwest::Client::builder().proxy(reqwest::Proxy::all(&proxy_url).expect("proxy"));
+        let upstreams = Upstreams::with_clients(
+            &config,
+            &proxies,
+            everything_to_the_proxy,
+            &direct_builder(),
+        )
+        .expect("upstreams");
 
         let mut response = upstreams
             .send(&call("proxied"))
@@ -642,7 +791,7 @@ mod tests {
         let head = proxy_saw.await.expect("proxy served");
         assert!(
             head.starts_with(&format!(
-                "POST http://127.0.0.1:{upstream}/v1/chat/completions HTTP/1.1"
+                "POST http://localhost:{upstream}/v1/chat/completions HTTP/1.1"
             )),
             "the proxy got an absolute-form request: {head}"
         );
@@ -665,42 +814,122 @@ mod tests {
         );
         assert!(head.contains("\r\naccept: */*"), "{head}");
         assert!(
-            head.contains(&format!("\r\nhost: localhost:{upstream}")),
+            head.contains(&format!("\r\nhost: 127.0.0.1:{upstream}")),
             "{head}"
         );
         assert!(head.contains("\r\ncontent-length: 13"), "{head}");
     }
 
-    fn content_type(response: &Response) -> &str {
-        response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-    }
-
-    /// A connection refused is a `Connect` error that names the URL it tried.
+    /// A `base_url` with credentials: the direct client sends them as Basic auth, as reqwest
+    /// did, and neither the request line nor a connect error carries them.
     #[tokio::test]
-    async fn a_refused_direct_call_names_its_url() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("address").port();
-        drop(listener);
-        let config = Config {
-            backends: vec![backend("gone", format!("http://127.0.0.1:{port}/v1"))],
-            ..Config::default()
-        };
-        let upstreams = Upstreams::with_proxies(
-            &config,
-            &Matcher::builder().build(),
-            reqwest::Client::builder(),
-        )
-        .expect("upstreams");
+    async fn credentials_in_a_base_url_go_as_basic_auth_and_are_never_printed() {
+        let (upstream, saw) = answers_once(r#"{"ok":true}"#).await;
+        let config = config(vec![
+            backend(
+                "auth",
+                format!("http://us%40er:p%3Ass@127.0.0.1:{upstream}/v1"),
+            ),
+            backend("gone", "http://user:secret@127.0.0.1:1/v1".into()),
+        ]);
+        let upstreams = upstreams(&config, &direct_builder());
+        let mut response = upstreams.send(&call("auth")).await.expect("call");
+        upstreams.read_body(&mut response).await.expect("body");
+        let head = saw.await.expect("served");
+        // base64 of `us@er:p:ss`.
+        assert!(
+            head.contains("\r\nauthorization: Basic dXNAZXI6cDpzcw=="),
+            "{head}"
+        );
+        assert!(head.starts_with("POST /v1/chat/completions "), "{head}");
         let Err(CallError::Connect(message)) = upstreams.send(&call("gone")).await else {
             panic!("a refused connection is a connect error");
         };
+        assert!(!message.contains("secret"), "{message}");
         assert!(
-            message.starts_with(&format!("http://127.0.0.1:{port}/v1/chat/completions: ")),
+            message.starts_with("http://127.0.0.1:1/v1/chat/completions: "),
+            "a connect error names the URL it tried: {message}"
+        );
+    }
+
+    /// The connect timeout covers the TLS handshake: a provider that accepts the connection
+    /// and never answers the handshake fails the call as a connect error once
+    /// `connect_timeout_ms` passes, not at the header timeout.
+    #[tokio::test]
+    async fn a_tls_handshake_that_never_answers_is_a_connect_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let held = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.expect("accept");
+            // Held open, unanswered, until the test ends.
+            std::future::pending::<()>().await;
+            drop(socket);
+        });
+        let mut config = config(vec![backend(
+            "silent",
+            format!("https://127.0.0.1:{port}/v1"),
+        )]);
+        config.upstream.connect_timeout_ms = 200;
+        config.upstream.header_timeout_ms = 600_000;
+        let upstreams = upstreams(&config, &direct_builder());
+        let sent = tokio::time::timeout(Duration::from_secs(60), upstreams.send(&call("silent")))
+            .await
+            .expect("the call ends well before the header timeout");
+        let Err(CallError::Connect(message)) = sent else {
+            panic!("a handshake past the connect timeout is a connect error");
+        };
+        assert!(
+            message.contains("connect timed out after 200 ms"),
             "{message}"
+        );
+        held.abort();
+    }
+
+    /// An HTTP/2 provider that refuses a stream before processing it (`REFUSED_STREAM`) gets
+    /// the call again, as reqwest sent it: the call succeeds on the second stream.
+    #[tokio::test]
+    async fn a_call_an_http2_provider_refused_unprocessed_is_sent_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let served = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.expect("accept");
+            let mut connection = h2::server::handshake(socket).await.expect("h2 handshake");
+            let mut streams = 0;
+            // Bounded: the call's two streams.
+            while streams < 2 {
+                let Some(Ok((_request, mut respond))) = connection.accept().await else {
+                    break;
+                };
+                streams += 1;
+                if streams == 1 {
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    continue;
+                }
+                let answer = http::Response::builder()
+                    .status(200)
+                    .header("content-type", "application/json")
+                    .body(())
+                    .expect("response");
+                let mut body = respond.send_response(answer, false).expect("respond");
+                body.send_data(Bytes::from_static(br#"{"second":true}"#), true)
+                    .expect("data");
+            }
+            // Keep the connection driven until the client has read the answer.
+            tokio::spawn(async move { while connection.accept().await.is_some() {} });
+            streams
+        });
+        let config = config(vec![backend("h2", format!("http://127.0.0.1:{port}/v1"))]);
+        let mut prior_knowledge = direct_builder();
+        prior_knowledge.http2_only(true);
+        let upstreams = upstreams(&config, &prior_knowledge);
+        let mut response = upstreams.send(&call("h2")).await.expect("sent again");
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = upstreams.read_body(&mut response).await.expect("body");
+        assert_eq!(body, br#"{"second":true}"#);
+        assert_eq!(
+            served.await.expect("served"),
+            2,
+            "one refused stream, one answered"
         );
     }
 }
