@@ -698,3 +698,50 @@ async fn every_forwarded_header_of_each_provider_reaches_it_and_splits_the_reque
     }
     app.stop().await;
 }
+
+/// Decision 132: a `holdfast serve` whose environment names an HTTP proxy (`HTTP_PROXY`) calls
+/// its `http://` backend through it, as holdfast did through reqwest's defaults. The backend's
+/// own address refuses connections, so only the proxy can answer; it gets the call once and
+/// the client gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_the_environments_proxy_names_is_called_through_that_proxy_decision132() {
+    let answer = r#"{"id":"chatcmpl-proxy","object":"chat.completion","model":"gpt-4o-mini","choices":[{"index":0,"message":{"role":"assistant","content":"via the proxy"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":3,"total_tokens":4}}"#;
+    let proxy = RawProvider::start(raw_200("application/json", answer, false)).await;
+    let refused = free_addr();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let toml = fault_test_toml(
+        &format!("sqlite://{}", dir.path().join("holdfast.db").display()),
+        "",
+        30,
+        &format!("http://{refused}/v1"),
+    );
+    let proxy_url = format!("http://{}", proxy.addr);
+    let addr = free_addr();
+    let node = Process::serve_logged(
+        dir.path(),
+        &toml,
+        addr,
+        &[
+            ("HTTP_PROXY", proxy_url.as_str()),
+            ("http_proxy", proxy_url.as_str()),
+            ("NO_PROXY", ""),
+            ("no_proxy", ""),
+        ],
+    )
+    .await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .header("content-type", "application/json")
+        .body(chat_body("through the environment's proxy"))
+        .send()
+        .await
+        .expect("call");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.expect("body"), answer);
+    assert_eq!(proxy.calls(), 1, "the proxy got the call, once");
+    assert!(
+        node.log_text()
+            .contains("calls go through the proxy the environment names"),
+        "the start names the proxied backend"
+    );
+}
