@@ -659,11 +659,17 @@ mod tests {
     use super::*;
     use crate::config::Backend;
 
+    /// A listener on a free loopback port, and the port.
+    async fn listening() -> (TcpListener, u16) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        (listener, port)
+    }
+
     /// A server that answers one HTTP/1.1 request with `200` and `body`, and reports the
     /// request's head as it arrived.
     async fn answers_once(body: &'static str) -> (u16, tokio::task::JoinHandle<String>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("address").port();
+        let (listener, port) = listening().await;
         let served = tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.expect("accept");
             let mut read = Vec::new();
@@ -857,8 +863,7 @@ mod tests {
     /// `connect_timeout_ms` passes, not at the header timeout.
     #[tokio::test]
     async fn a_tls_handshake_that_never_answers_is_a_connect_timeout() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("address").port();
+        let (listener, port) = listening().await;
         let held = tokio::spawn(async move {
             let (socket, _) = listener.accept().await.expect("accept");
             // Held open, unanswered, until the test ends.
@@ -889,8 +894,7 @@ mod tests {
     /// the call again, as reqwest sent it: the call succeeds on the second stream.
     #[tokio::test]
     async fn a_call_an_http2_provider_refused_unprocessed_is_sent_again() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("address").port();
+        let (listener, port) = listening().await;
         let served = tokio::spawn(async move {
             let (socket, _) = listener.accept().await.expect("accept");
             let mut connection = h2::server::handshake(socket).await.expect("h2 handshake");
