@@ -143,8 +143,9 @@ struct Target {
 
 impl std::fmt::Debug for Upstreams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Backend names only: a `base_url` may hold credentials.
         f.debug_struct("Upstreams")
-            .field("backends", &self.backends)
+            .field("backends", &self.backends.keys().collect::<Vec<_>>())
             .field("header_timeout", &self.header_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("max_response_bytes", &self.max_response_bytes)
@@ -170,21 +171,15 @@ fn provider_uri(url: &str) -> Result<Uri, String> {
 fn basic_auth_of(url: &str) -> Option<HeaderValue> {
     use base64::Engine;
     let url = reqwest::Url::parse(url).ok()?;
-    let decode = |s: &str| {
-        percent_encoding::percent_decode_str(s)
-            .decode_utf8()
-            .map(|s| s.into_owned())
-            .ok()
-    };
-    let username = decode(url.username())?;
-    let password = match url.password() {
-        Some(p) => Some(decode(p)?),
-        None => None,
-    };
-    if username.is_empty() && password.is_none() {
+    if url.username().is_empty() && url.password().is_none() {
         return None;
     }
-    let pair = format!("{username}:{}", password.unwrap_or_default());
+    // The bytes as escaped, UTF-8 or not: what the provider compares is the pair's bytes.
+    let mut pair: Vec<u8> = percent_encoding::percent_decode_str(url.username()).collect();
+    pair.push(b':');
+    pair.extend(percent_encoding::percent_decode_str(
+        url.password().unwrap_or_default(),
+    ));
     let encoded = base64::engine::general_purpose::STANDARD.encode(pair);
     let mut value = HeaderValue::from_str(&format!("Basic {encoded}")).ok()?;
     value.set_sensitive(true);
@@ -201,6 +196,9 @@ fn direct_client(
     connect_timeout: Duration,
 ) -> anyhow::Result<DirectClient> {
     let mut tcp = HttpConnector::new();
+    // Shared out among a host's addresses, so that one that drops packets leaves time for the
+    // next; the connector's own timeout bounds the whole connect.
+    tcp.set_connect_timeout(Some(connect_timeout));
     tcp.set_nodelay(true);
     tcp.set_keepalive(Some(Duration::from_secs(15)));
     tcp.set_keepalive_interval(Some(Duration::from_secs(15)));
@@ -890,50 +888,97 @@ mod tests {
         held.abort();
     }
 
+    /// An HTTP/2 provider on `port`'s listener (prior knowledge, no TLS) that answers its
+    /// streams in turn as `replies` says: `None` with `200` and `{"n":K}` (K the stream's
+    /// number from 1), `Some(reason)` with a reset. Streams past the list are reset with
+    /// `CANCEL`. Counts the streams it got.
+    async fn http2_provider(
+        listener: TcpListener,
+        replies: Vec<Option<h2::Reason>>,
+    ) -> (
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let streams = std::sync::Arc::new(AtomicUsize::new(0));
+        let counted = streams.clone();
+        let served = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.expect("accept");
+            let mut connection = h2::server::handshake(socket).await.expect("h2 handshake");
+            // Until the client closes the connection (the test aborts the task at its end).
+            while let Some(Ok((_request, mut respond))) = connection.accept().await {
+                let n = counted.fetch_add(1, Ordering::SeqCst);
+                match replies.get(n) {
+                    Some(None) => {
+                        let answer = http::Response::builder()
+                            .status(200)
+                            .header("content-type", "application/json")
+                            .body(())
+                            .expect("response");
+                        let mut body = respond.send_response(answer, false).expect("respond");
+                        let data = Bytes::from(format!(r#"{{"n":{}}}"#, n + 1));
+                        body.send_data(data, true).expect("data");
+                    }
+                    Some(Some(reason)) => respond.send_reset(*reason),
+                    None => respond.send_reset(h2::Reason::CANCEL),
+                }
+            }
+        });
+        (streams, served)
+    }
+
+    fn prior_knowledge(port: u16) -> Upstreams {
+        let config = config(vec![backend("h2", format!("http://127.0.0.1:{port}/v1"))]);
+        let mut builder = direct_builder();
+        builder.http2_only(true);
+        upstreams(&config, &builder)
+    }
+
     /// An HTTP/2 provider that refuses a stream before processing it (`REFUSED_STREAM`) gets
     /// the call again, as reqwest sent it: the call succeeds on the second stream.
     #[tokio::test]
     async fn a_call_an_http2_provider_refused_unprocessed_is_sent_again() {
         let (listener, port) = listening().await;
-        let served = tokio::spawn(async move {
-            let (socket, _) = listener.accept().await.expect("accept");
-            let mut connection = h2::server::handshake(socket).await.expect("h2 handshake");
-            let mut streams = 0;
-            // Bounded: the call's two streams.
-            while streams < 2 {
-                let Some(Ok((_request, mut respond))) = connection.accept().await else {
-                    break;
-                };
-                streams += 1;
-                if streams == 1 {
-                    respond.send_reset(h2::Reason::REFUSED_STREAM);
-                    continue;
-                }
-                let answer = http::Response::builder()
-                    .status(200)
-                    .header("content-type", "application/json")
-                    .body(())
-                    .expect("response");
-                let mut body = respond.send_response(answer, false).expect("respond");
-                body.send_data(Bytes::from_static(br#"{"second":true}"#), true)
-                    .expect("data");
-            }
-            // Keep the connection driven until the client has read the answer.
-            tokio::spawn(async move { while connection.accept().await.is_some() {} });
-            streams
-        });
-        let config = config(vec![backend("h2", format!("http://127.0.0.1:{port}/v1"))]);
-        let mut prior_knowledge = direct_builder();
-        prior_knowledge.http2_only(true);
-        let upstreams = upstreams(&config, &prior_knowledge);
+        let (streams, served) =
+            http2_provider(listener, vec![Some(h2::Reason::REFUSED_STREAM), None]).await;
+        let upstreams = prior_knowledge(port);
         let mut response = upstreams.send(&call("h2")).await.expect("sent again");
         assert_eq!(response.status(), StatusCode::OK);
         let body = upstreams.read_body(&mut response).await.expect("body");
-        assert_eq!(body, br#"{"second":true}"#);
+        assert_eq!(body, br#"{"n":2}"#);
+        assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 2);
+        served.abort();
+    }
+
+    /// The guard against paying twice: a stream the provider reset for any other reason
+    /// (`INTERNAL_ERROR`: it may have run the call) is never sent again, and a provider that
+    /// keeps refusing gets the call three times in all, then the call fails.
+    #[tokio::test]
+    async fn a_call_an_http2_provider_may_have_processed_is_not_sent_again_and_refusals_stop_at_three()
+     {
+        let (listener, port) = listening().await;
+        let (streams, served) =
+            http2_provider(listener, vec![Some(h2::Reason::INTERNAL_ERROR), None]).await;
+        let upstreams = prior_knowledge(port);
+        let Err(CallError::Connect(_)) = upstreams.send(&call("h2")).await else {
+            panic!("a reset stream is a failed call");
+        };
         assert_eq!(
-            served.await.expect("served"),
-            2,
-            "one refused stream, one answered"
+            streams.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "a reset that is not a refusal is not sent again"
         );
+        served.abort();
+
+        let (listener, port) = listening().await;
+        let refused = Some(h2::Reason::REFUSED_STREAM);
+        let (streams, served) =
+            http2_provider(listener, vec![refused, refused, refused, None]).await;
+        let upstreams = prior_knowledge(port);
+        let Err(CallError::Connect(_)) = upstreams.send(&call("h2")).await else {
+            panic!("a third refusal fails the call");
+        };
+        assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 3);
+        served.abort();
     }
 }
