@@ -368,61 +368,64 @@ impl Upstreams {
                 .map(|(_, uri)| uri.clone())
                 .ok_or_else(|| CallError::UnknownBackend(call.backend.to_string()))?
         };
-        let mut headers = HeaderMap::new();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        for (name, value) in call.headers {
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_str(value),
-            ) {
-                headers.insert(name, value);
+        let request = || {
+            let mut headers = HeaderMap::new();
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            for (name, value) in call.headers {
+                if let (Ok(name), Ok(value)) = (
+                    HeaderName::from_bytes(name.as_bytes()),
+                    HeaderValue::from_str(value),
+                ) {
+                    headers.insert(name, value);
+                }
             }
-        }
-        if let Some((name, value)) = key {
-            headers.insert(name.clone(), value.clone());
-        }
-        if let Some(traceparent) = call.traceparent.and_then(|v| HeaderValue::from_str(v).ok()) {
-            headers.insert("traceparent", traceparent);
-        }
-        // Defaults the client did not send (already in `call.headers` for requests admitted
-        // by this version, which hashes them; kept for records admitted before).
-        for (name, value) in backend.kind.default_headers() {
-            if !headers.contains_key(*name) {
-                headers.insert(*name, HeaderValue::from_static(value));
+            if let Some((name, value)) = key {
+                headers.insert(name.clone(), value.clone());
             }
-        }
-        self.call(
-            target,
-            Method::POST,
-            uri,
-            headers,
-            Bytes::copy_from_slice(call.body),
-        )
-        .await
+            if let Some(traceparent) = call.traceparent.and_then(|v| HeaderValue::from_str(v).ok())
+            {
+                headers.insert("traceparent", traceparent);
+            }
+            // Defaults the client did not send (already in `call.headers` for requests
+            // admitted by this version, which hashes them; kept for records admitted before).
+            for (name, value) in backend.kind.default_headers() {
+                if !headers.contains_key(*name) {
+                    headers.insert(*name, HeaderValue::from_static(value));
+                }
+            }
+            (headers, Bytes::copy_from_slice(call.body))
+        };
+        self.call(target, Method::POST, uri, request).await
     }
 
     /// Sends one request to `target` through the client that reaches it and waits for the
-    /// response headers, at most `header_timeout_ms`.
+    /// response headers, at most `header_timeout_ms`. `request` gives the headers and body of
+    /// each try: built again for a call sent again, not copied for every call in case.
     async fn call(
         &self,
         target: &Target,
         method: Method,
         uri: Uri,
-        mut headers: HeaderMap,
-        body: Bytes,
+        request: impl Fn() -> (HeaderMap, Bytes),
     ) -> Result<Response, CallError> {
-        // What reqwest sent by default, kept for providers that look at it.
-        if !headers.contains_key(ACCEPT) {
-            headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
-        }
-        // The backend's own key, when it is an `authorization` header, wins (as with reqwest).
-        if let Some(auth) = &target.basic_auth
-            && !headers.contains_key(AUTHORIZATION)
-        {
-            headers.insert(AUTHORIZATION, auth.clone());
-        }
+        let request = || {
+            let (mut headers, body) = request();
+            // What reqwest sent by default, kept for providers that look at it.
+            if !headers.contains_key(ACCEPT) {
+                headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
+            }
+            // The backend's own key, when it is an `authorization` header, wins (as with
+            // reqwest).
+            if let Some(auth) = &target.basic_auth
+                && !headers.contains_key(AUTHORIZATION)
+            {
+                headers.insert(AUTHORIZATION, auth.clone());
+            }
+            (headers, body)
+        };
         let sent = async {
             if target.through_proxy {
+                let (headers, body) = request();
                 return self
                     .proxied
                     .request(method, uri.to_string())
@@ -436,11 +439,12 @@ impl Upstreams {
             // Bounded: a refused call is sent again at most twice.
             let mut refused = 0;
             loop {
-                let mut request = http::Request::new(Full::new(body.clone()));
-                *request.method_mut() = method.clone();
-                *request.uri_mut() = uri.clone();
-                *request.headers_mut() = headers.clone();
-                match self.direct.request(request).await {
+                let (headers, body) = request();
+                let mut sent = http::Request::new(Full::new(body));
+                *sent.method_mut() = method.clone();
+                *sent.uri_mut() = uri.clone();
+                *sent.headers_mut() = headers;
+                match self.direct.request(sent).await {
                     Ok(r) => return Ok(Response(Answer::Direct(r))),
                     Err(e) if refused < 2 && refused_unprocessed(&e) => refused += 1,
                     Err(e) => {
@@ -500,7 +504,8 @@ impl Upstreams {
                 headers.insert(*name, HeaderValue::from_static(value));
             }
         }
-        self.call(target, method, uri, headers, body).await
+        self.call(target, method, uri, || (headers.clone(), body.clone()))
+            .await
     }
 
     /// Reads `response`'s body piece by piece, each read waiting at most `idle_timeout_ms`
