@@ -77,6 +77,9 @@ pub(crate) enum CallError {
     TooLarge(usize),
 }
 
+/// How long an idle connection to a provider is kept, by either client (reqwest's default).
+const POOL_IDLE: Duration = Duration::from_secs(90);
+
 /// The client of backends reached directly: hyper's pooled client over TCP or TLS.
 type DirectClient = hyper_util::client::legacy::Client<Connector, Full<Bytes>>;
 
@@ -212,7 +215,11 @@ fn direct_client(
         .enable_http1()
         .enable_http2()
         .wrap_connector(tcp);
-    Ok(builder.clone().build(Connector {
+    let mut builder = builder.clone();
+    builder
+        .pool_idle_timeout(POOL_IDLE)
+        .pool_timer(TokioTimer::new());
+    Ok(builder.build(Connector {
         inner,
         timeout: connect_timeout,
     }))
@@ -263,7 +270,7 @@ impl Upstreams {
         let connect_timeout = Duration::from_millis(config.upstream.connect_timeout_ms);
         let proxied = proxied
             .connect_timeout(connect_timeout)
-            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_idle_timeout(POOL_IDLE)
             .tcp_nodelay(true)
             // A redirect would turn the POST into a body-less GET; a 3xx fails the attempt
             // as `upstream_invalid` instead, which names the problem (the direct client
@@ -328,12 +335,8 @@ impl Upstreams {
                 },
             );
         }
-        let mut direct = direct.clone();
-        direct
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_timer(TokioTimer::new());
         Ok(Upstreams {
-            direct: direct_client(&direct, connect_timeout)?,
+            direct: direct_client(direct, connect_timeout)?,
             proxied,
             backends,
             header_timeout: Duration::from_millis(config.upstream.header_timeout_ms),

@@ -643,7 +643,7 @@ pub(super) fn is_event_stream(content_type: &str) -> bool {
 pub(super) fn content_type_of(response: &Response) -> String {
     response
         .headers()
-        .get(reqwest::header::CONTENT_TYPE)
+        .get(http::header::CONTENT_TYPE)
         .map_or_else(
             || "none".into(),
             |v| String::from_utf8_lossy(v.as_bytes()).into_owned(),
