@@ -28,7 +28,7 @@
 //!  cli             └────────┴──► hub ─┴──► store ─► provider
 //!                  (http, worker) ─► ledger ─► config ─► provider
 //!                  (app, http, worker) ─► otel ─► store
-//!                                  leaves: canonical, sse, metrics, mock, provider
+//!                                  leaves: canonical, sse, metrics, mock, provider, logging
 //! ```
 //!
 //! Each module uses only these (`tests/api/docs.rs` reads this table and checks every
@@ -51,6 +51,7 @@
 //! | `sse` | |
 //! | `metrics` | |
 //! | `mock` | |
+//! | `logging` | |
 //! | `provider` | |
 //!
 //! - [`store`] knows nothing of readers or workers: it reports other nodes' changes as
@@ -76,6 +77,7 @@
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
 //! - `metrics`: Prometheus metric names and the recorder.
+//! - [`logging`]: the text log's field formatter, the library's text for less (decision 133).
 //! - [`otel`]: OpenTelemetry traces of calls and attempts, exported over OTLP (OT-1..OT-6).
 //! - [`app`]: wiring it all together.
 
@@ -90,6 +92,7 @@ pub mod config;
 mod http;
 mod hub;
 mod ledger;
+pub mod logging;
 mod metrics;
 pub mod mock;
 mod otel;

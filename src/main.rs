@@ -572,6 +572,7 @@ fn init_tracing(format: LogFormat) {
     match format {
         LogFormat::Text => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .fmt_fields(holdfast::logging::PlainFields)
             .init(),
         LogFormat::Json => builder.json().with_ansi(false).init(),
     }
