@@ -186,6 +186,24 @@ pub(crate) struct RawState {
     pub usage: Usage,
 }
 
+/// A request's error from its `error_type`, `error_message` and `error_status` columns; `Err`
+/// naming an `error_type` this binary does not know.
+pub(crate) fn error_of(
+    error_type: Option<String>,
+    message: Option<String>,
+    status: Option<i64>,
+) -> Result<Option<ErrorInfo>, String> {
+    error_type
+        .map(|t| {
+            Ok(ErrorInfo {
+                kind: ErrorType::parse(&t).ok_or_else(|| format!("error_type {t:?}"))?,
+                message: message.unwrap_or_default(),
+                status: status.and_then(|s| u16::try_from(s).ok()),
+            })
+        })
+        .transpose()
+}
+
 impl RawRecord {
     /// The typed record.
     ///
@@ -241,14 +259,8 @@ impl RawState {
     pub(crate) fn check(self, id: Uuid) -> Result<State, StoreError> {
         let bad = |what: String| StoreError::Corrupt { id: Some(id), what };
         let count = |n: i64, what: &str| u32::try_from(n).map_err(|_| bad(format!("{what} {n}")));
-        let error = match self.error_type {
-            Some(t) => Some(ErrorInfo {
-                kind: ErrorType::parse(&t).ok_or_else(|| bad(format!("error_type {t:?}")))?,
-                message: self.error_message.unwrap_or_default(),
-                status: self.error_status.and_then(|s| u16::try_from(s).ok()),
-            }),
-            None => None,
-        };
+        let error =
+            error_of(self.error_type, self.error_message, self.error_status).map_err(bad)?;
         Ok(State {
             status: Status::parse(&self.status)
                 .ok_or_else(|| bad(format!("status {:?}", self.status)))?,

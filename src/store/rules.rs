@@ -34,9 +34,14 @@ pub(crate) struct Settle {
 pub(crate) fn settle(status: Status, error: Option<&ErrorInfo>, claim: ClaimKind) -> Settle {
     Settle {
         end: end_data(status, error),
-        release_claim: status == Status::Failed
-            && error.is_some_and(|e| failure_releases_claim(claim, e.kind)),
+        release_claim: releases_claim(status, error, claim),
     }
+}
+
+/// Whether a request of claim kind `claim` that settles as `status` with `error` releases its
+/// claims ([`Settle::release_claim`], ID-6).
+pub(crate) fn releases_claim(status: Status, error: Option<&ErrorInfo>, claim: ClaimKind) -> bool {
+    status == Status::Failed && error.is_some_and(|e| failure_releases_claim(claim, e.kind))
 }
 
 /// The `data` of an `end` chunk: `{"status","error"}` (RD-5).
@@ -44,16 +49,32 @@ pub fn end_data(status: Status, error: Option<&ErrorInfo>) -> String {
     serde_json::json!({ "status": status, "error": error }).to_string()
 }
 
-/// The `end` chunk that the write which made `settled` terminal stored with it, as both stores
-/// write it: at the record's last seq, as its last attempt's, with [`end_data`] of the record
-/// as it reads back (RD-5). `None` while the record is not terminal.
+/// The `end` chunk that the write which made `settled` terminal stored with it, as PostgreSQL
+/// stores it and SQLite reads it from the row (decision 134): at the record's last seq, as its
+/// last attempt's, with [`end_data`] of the record as it reads back (RD-5). `None` while the
+/// record is not terminal.
 pub fn end_chunk(settled: &RequestRecord) -> Option<Chunk> {
-    settled.status.is_terminal().then(|| Chunk {
-        seq: settled.last_seq,
-        attempt: settled.attempts,
+    end_chunk_of(
+        settled.status,
+        settled.error.as_ref(),
+        settled.attempts,
+        settled.last_seq,
+    )
+}
+
+/// [`end_chunk`] of a request's status, error, attempts and last seq as its row holds them.
+pub(crate) fn end_chunk_of(
+    status: Status,
+    error: Option<&ErrorInfo>,
+    attempts: u32,
+    last_seq: i64,
+) -> Option<Chunk> {
+    status.is_terminal().then(|| Chunk {
+        seq: last_seq,
+        attempt: attempts,
         kind: ChunkKind::End,
         event: None,
-        data: end_data(settled.status, settled.error.as_ref()),
+        data: end_data(status, error),
     })
 }
 

@@ -90,7 +90,7 @@ use uuid::Uuid;
 use self::open::ReadPool;
 use self::sql::{
     ROW_CHUNKS_MAX, SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in,
-    chunks_from_row, corrupt, due_ids, fetch, finish_in, lease_in, parse_id, prune_in,
+    chunks_from_row, corrupt, due_ids, end_of, fetch, finish_in, lease_in, parse_id, prune_in,
     record_from_row, release_in, submit_in, sweep_in, usage_from_row,
 };
 use self::writer::WriteJob;
@@ -394,6 +394,11 @@ impl Store for SqliteStore {
         limit: i64,
     ) -> Result<Vec<Chunk>, StoreError> {
         self.read(move |conn| {
+            let id = id.to_string();
+            // The `end` chunk is the row's (decision 134), read before the chunks: a request
+            // read terminal stores nothing more, so every chunk before its `end` is there to
+            // be read next.
+            let end = end_of(conn, &id)?;
             // A row holds up to ROW_CHUNKS_MAX chunks from its seq on (decision 123): the rows
             // that hold one after `after`, each at least one, so `limit` rows are enough.
             let mut stmt = conn.prepare_cached(
@@ -401,12 +406,22 @@ impl Store for SqliteStore {
                  WHERE request_id = ?1 AND seq > ?2 - ?4 AND seq + count - 1 > ?2
                  ORDER BY seq LIMIT ?3",
             )?;
-            let mut rows = stmt.query(params![id.to_string(), after, limit, ROW_CHUNKS_MAX])?;
+            let mut rows = stmt.query(params![id, after, limit, ROW_CHUNKS_MAX])?;
             let mut chunks = Vec::new();
             while let Some(row) = rows.next()? {
                 chunks_from_row(row, after, &mut chunks)?;
             }
-            chunks.truncate(usize::try_from(limit).unwrap_or(0));
+            let limit = usize::try_from(limit).unwrap_or(0);
+            chunks.truncate(limit);
+            // A database written before decision 134 stores the `end` chunk as a row, read
+            // above at the same seq.
+            if let Some(end) = end
+                && end.seq > after
+                && chunks.len() < limit
+                && chunks.last().is_none_or(|last| last.seq < end.seq)
+            {
+                chunks.push(end);
+            }
             Ok(chunks)
         })
         .await
@@ -773,7 +788,12 @@ mod tests {
             .collect();
         let end = store.chunks_after(created.id, 103, 10).await.expect("read");
         assert_eq!(end.len(), 1, "the end chunk: {end:?}");
-        assert_eq!(end[0].kind, ChunkKind::End);
+        assert_eq!((end[0].seq, end[0].kind), (104, ChunkKind::End));
+        let cancelled = crate::store::rules::cancelled();
+        assert_eq!(
+            end[0].data,
+            crate::store::rules::end_data(Status::Failed, Some(&cancelled))
+        );
         all.extend(end);
 
         let conn = Connection::open(dir.path().join("t.db")).expect("open");
@@ -786,8 +806,8 @@ mod tests {
             .expect("rows");
         assert_eq!(
             rows,
-            vec![(1, 64), (65, 36), (101, 1), (102, 2), (104, 1)],
-            "rows of up to 64 chunks; one chunk and a control chunk a row each"
+            vec![(1, 64), (65, 36), (101, 1), (102, 2)],
+            "rows of up to 64 chunks, one chunk a row; the `end` chunk no row (decision 134)"
         );
 
         for after in 0..=104 {
@@ -826,6 +846,23 @@ mod tests {
                 expected,
                 "data after {after}"
             );
+        }
+
+        // A database written before decision 134 holds the `end` chunk as a row: read once.
+        let end = all.last().expect("the end chunk");
+        conn.execute(
+            "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+             VALUES (?1, ?2, ?3, 'end', NULL, ?4)",
+            params![created.id.to_string(), end.seq, end.attempt, end.data],
+        )
+        .expect("an end row");
+        for after in [0, 100, 103] {
+            let read = store
+                .chunks_after(created.id, after, 1000)
+                .await
+                .expect("read");
+            let expected: Vec<&Chunk> = all.iter().filter(|c| c.seq > after).collect();
+            assert_eq!(read.iter().collect::<Vec<_>>(), expected, "after {after}");
         }
     }
 

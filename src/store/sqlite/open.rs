@@ -66,6 +66,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         12,
         include_str!("../../../migrations/sqlite/0012_chunks_packed.sql"),
     ),
+    (
+        13,
+        include_str!("../../../migrations/sqlite/0013_end_from_row.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).

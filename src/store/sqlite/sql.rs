@@ -6,8 +6,8 @@ use uuid::Uuid;
 
 use super::held::Tx;
 use crate::store::row::tokens_of;
-use crate::store::row::{RawRecord, RawState, State, col};
-use crate::store::rules::{self, Expired, Settle};
+use crate::store::row::{RawRecord, RawState, State, col, error_of};
+use crate::store::rules::{self, Expired};
 use crate::store::{
     Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, Millis, NewRequest,
     Outcome, RequestRecord, Status, StoreError, Usage,
@@ -93,23 +93,59 @@ fn release_claims(conn: &Tx<'_>, id: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
-/// if the rule says so, its `end` chunk at `end_seq` when the seq is already reserved, else
-/// after the last seq.
-fn settle_in(
-    conn: &Tx<'_>,
-    id: &str,
-    attempt: i64,
-    settle: &Settle,
-    end_seq: Option<i64>,
-) -> Result<(), StoreError> {
-    if settle.release_claim {
+/// The rest of a write that made request `id` terminal: its claims released if
+/// [`rules::releases_claim`] says so (ID-6). Its `end` chunk is not a row: the write reserved
+/// its seq in `last_seq`, and [`end_of`] reads it from the row as [`rules::end_chunk`] builds
+/// it (RD-5, decision 134).
+fn settle_in(conn: &Tx<'_>, id: &str, release_claim: bool) -> Result<(), StoreError> {
+    if release_claim {
         release_claims(conn, id)?;
     }
-    match end_seq {
-        Some(seq) => insert_control(conn, id, seq, attempt, ChunkKind::End, &settle.end),
-        None => append_control(conn, id, attempt, ChunkKind::End, &settle.end).map(|_| ()),
-    }
+    Ok(())
+}
+
+/// The `end` chunk of request `id` as its row gives it, `None` while the request is not
+/// terminal or when there is no such request (decision 134: on SQLite the terminal write
+/// reserves the `end` chunk's seq and stores no row for it; a database written before stores
+/// one, which its readers find first).
+pub(super) fn end_of(conn: &Connection, id: &str) -> Result<Option<Chunk>, StoreError> {
+    type Row = (
+        String,
+        i64,
+        i64,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let row: Option<Row> = conn
+        .prepare_cached(
+            "SELECT status, attempts, last_seq, error_type, error_message, error_status
+             FROM requests WHERE id = ?1",
+        )?
+        .query_row(params![id], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
+        })
+        .optional()?;
+    let Some((status, attempts, last_seq, error_type, message, error_status)) = row else {
+        return Ok(None);
+    };
+    let bad = |what: String| StoreError::corrupt(parse_id(id).ok(), what);
+    let status = Status::parse(&status).ok_or_else(|| bad(format!("status {status:?}")))?;
+    let attempts = u32::try_from(attempts).map_err(|_| bad(format!("attempts {attempts}")))?;
+    let error = error_of(error_type, message, error_status).map_err(bad)?;
+    Ok(rules::end_chunk_of(
+        status,
+        error.as_ref(),
+        attempts,
+        last_seq,
+    ))
 }
 
 /// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
@@ -504,10 +540,9 @@ pub(super) fn finish_in(
         upsert_usage(conn, &id, lease.attempt, usage)?;
     }
     if state.status.is_terminal() {
-        let settle = rules::settle(state.status, state.error.as_ref(), claim);
         // The end chunk's seq was reserved by the UPDATE above.
-        let attempt = i64::from(state.attempts);
-        settle_in(conn, &id, attempt, &settle, Some(state.last_seq))?;
+        let release = rules::releases_claim(state.status, state.error.as_ref(), claim);
+        settle_in(conn, &id, release)?;
     }
     Ok(Some(state))
 }
@@ -537,7 +572,7 @@ pub(super) fn sweep_in(
             .map_err(|_| StoreError::corrupt(request, format!("attempts {attempts}")))?;
         match rules::expired(attempts, max_attempts, last_seq, reset_seq) {
             Expired::Fail(error) => {
-                fail_abandoned_in(conn, &id, claim, attempts, &error, now)?;
+                fail_abandoned_in(conn, &id, claim, &error, now)?;
                 failed.push(id);
             }
             Expired::Recover { reset } => {
@@ -734,51 +769,58 @@ pub(super) fn cancel_in(
     now: Millis,
 ) -> Result<Option<RequestRecord>, StoreError> {
     let error = rules::cancelled();
-    let cancelled: Option<(String, i64)> = conn
+    let cancelled: Option<String> = conn
         .prepare_held(concat!(
             "UPDATE requests SET status = 'failed', error_type = ?4,
                  error_message = ?5, error_status = NULL,
-                 lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1, ",
+                 lease_owner = NULL, lease_expires_at = NULL, finished_at = ?1, updated_at = ?1,
+                 last_seq = last_seq + 1, ",
             usage_from_current_attempt!(),
             " WHERE id = ?2 AND namespace = ?3 AND status IN ('pending', 'running')
-             RETURNING claim_kind, attempts"
+             RETURNING claim_kind"
         ))?
         .query_row(
             params![now, id, namespace, error.kind.as_str(), error.message],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            |r| r.get(0),
         )
         .optional()?;
-    if let Some((claim, attempts)) = &cancelled {
+    if let Some(claim) = &cancelled {
         let claim = ClaimKind::parse(claim).ok_or_else(|| {
             StoreError::corrupt(parse_id(id).ok(), format!("claim_kind {claim:?}"))
         })?;
-        let settle = rules::settle(Status::Failed, Some(&error), claim);
-        settle_in(conn, id, *attempts, &settle, None)?;
+        // The end chunk's seq was reserved by the UPDATE above.
+        settle_in(
+            conn,
+            id,
+            rules::releases_claim(Status::Failed, Some(&error), claim),
+        )?;
     }
     Ok(fetch(conn, id)?.filter(|r| r.namespace == namespace))
 }
 
 /// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
 /// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied,
-/// then [`rules::settle`] (`end` chunk, claim).
+/// the `end` chunk's seq reserved, then [`settle_in`] (the claim).
 fn fail_abandoned_in(
     conn: &Tx<'_>,
     id: &str,
     claim: ClaimKind,
-    attempts: u32,
     error: &ErrorInfo,
     now: Millis,
 ) -> Result<(), StoreError> {
     conn.prepare_held(concat!(
         "UPDATE requests SET status = 'failed', error_type = ?2, error_message = ?3,
              error_status = NULL, lease_owner = NULL, lease_expires_at = NULL,
-             finished_at = ?1, updated_at = ?1, ",
+             finished_at = ?1, updated_at = ?1, last_seq = last_seq + 1, ",
         usage_from_current_attempt!(),
         " WHERE id = ?4"
     ))?
     .execute(params![now, error.kind.as_str(), error.message, id])?;
-    let settle = rules::settle(Status::Failed, Some(error), claim);
-    settle_in(conn, id, i64::from(attempts), &settle, None)
+    settle_in(
+        conn,
+        id,
+        rules::releases_claim(Status::Failed, Some(error), claim),
+    )
 }
 
 /// [`Store::release`] inside the writer's transaction.
@@ -805,7 +847,7 @@ pub(super) fn release_in(
         .ok_or_else(|| StoreError::corrupt(Some(lease.id), format!("claim_kind {claim:?}")))?;
     let attempts = u32::try_from(attempts).map_err(corrupt)?;
     match rules::handed_back(attempts, max_attempts, last_seq, reset_seq) {
-        Expired::Fail(error) => fail_abandoned_in(conn, &id, claim, attempts, &error, now)?,
+        Expired::Fail(error) => fail_abandoned_in(conn, &id, claim, &error, now)?,
         Expired::Recover { reset } => {
             conn.prepare_held(
                 "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,

@@ -1,0 +1,5 @@
+-- A request's `end` chunk is no longer stored as a row of `chunks` (decision 134): the write
+-- that makes the request terminal reserves its seq in `last_seq`, and readers build it from
+-- the request's row. The tables are unchanged; the version is raised so that an older
+-- holdfast, which reads `end` chunks from `chunks` only, refuses a database this one has
+-- written ("newer than this holdfast knows") instead of missing their ends.
