@@ -526,8 +526,9 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
         .unwrap();
     assert_eq!(rows, all.len() as i64, "every row was listed and read back");
     // The caught stream's chunks, as stored: seqs 1.. without a gap, the first attempt's
-    // chunks, one reset, the second attempt's, the end. A row holds `count` chunks of one
-    // attempt from its seq on (decision 123).
+    // chunks, one reset, the second attempt's; the end's seq is the row's `last_seq`, right
+    // after them (no row of its own, decision 134). A row holds `count` chunks of one attempt
+    // from its seq on (decision 123).
     let chunk_rows: Vec<(i64, i64, i64, String)> = conn
         .prepare("SELECT seq, count, attempt, kind FROM chunks WHERE request_id = ?1 ORDER BY seq")
         .unwrap()
@@ -553,7 +554,6 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
         let expected = match seq.cmp(&reset_at) {
             std::cmp::Ordering::Less => (1, "data"),
             std::cmp::Ordering::Equal => (2, "reset"),
-            std::cmp::Ordering::Greater if n + 1 == chunks.len() => (2, "end"),
             std::cmp::Ordering::Greater => (2, "data"),
         };
         assert_eq!(
@@ -562,6 +562,18 @@ async fn on_a_full_disk_writes_get_retryable_503s_the_process_stays_up_nothing_s
             "chunk {seq}: {chunks:?}"
         );
     }
+    let (status, last_seq): (String, i64) = conn
+        .query_row(
+            "SELECT status, last_seq FROM requests WHERE id = ?1",
+            [&caught],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (status.as_str(), last_seq),
+        ("succeeded", chunks.len() as i64 + 1),
+        "the end's seq follows the stored chunks: {chunks:?}"
+    );
     drop(conn);
     let refusals = log_while_full.matches("store unavailable").count();
     let failed_commits = log_while_full.matches("group commit failed").count();
