@@ -193,6 +193,7 @@ mod tests {
             "log.line" = 12_u32,
             after = 1,
         );
+        info!("log.target" = "hyper::client", after_log = 2);
         info!(message = "a str message \"quoted\"");
         info!(only = 1);
         info!("");
@@ -230,6 +231,7 @@ mod tests {
             "error.sources=",
             "type=\"raw\" after=1",
             ": a str message \"quoted\"",
+            "holdfast::logging::tests: after_log=2\n",
         ] {
             assert!(default.contains(expected), "{expected:?} in {default}");
         }

@@ -413,12 +413,12 @@ impl Store for SqliteStore {
             }
             let limit = usize::try_from(limit).unwrap_or(0);
             chunks.truncate(limit);
-            // A database written before decision 134 stores the `end` chunk as a row, read
-            // above at the same seq.
+            // The `end` follows the page only when the page reaches the seq before it: not
+            // when a database written before decision 134 stored it as a row (read above), nor
+            // when a prune between the two reads took the chunks.
             if let Some(end) = end
-                && end.seq > after
                 && chunks.len() < limit
-                && chunks.last().is_none_or(|last| last.seq < end.seq)
+                && chunks.last().map_or(after, |last| last.seq) + 1 == end.seq
             {
                 chunks.push(end);
             }
@@ -848,7 +848,8 @@ mod tests {
             );
         }
 
-        // A database written before decision 134 holds the `end` chunk as a row: read once.
+        // A database written before decision 134 holds the `end` chunk as a row: read once,
+        // from any position, in pages of any size.
         let end = all.last().expect("the end chunk");
         conn.execute(
             "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
@@ -856,14 +857,44 @@ mod tests {
             params![created.id.to_string(), end.seq, end.attempt, end.data],
         )
         .expect("an end row");
-        for after in [0, 100, 103] {
+        for after in 0..=104 {
+            for limit in [1, 3, 64, 1000] {
+                let read = store
+                    .chunks_after(created.id, after, limit)
+                    .await
+                    .expect("read");
+                let expected: Vec<&Chunk> = all
+                    .iter()
+                    .filter(|c| c.seq > after)
+                    .take(usize::try_from(limit).expect("limit"))
+                    .collect();
+                assert_eq!(
+                    read.iter().collect::<Vec<_>>(),
+                    expected,
+                    "with an end row, after {after}, limit {limit}"
+                );
+            }
+        }
+        // Pruned between the read of its row and of its chunks, a request gives no lone `end`:
+        // here its chunks are gone and its row stays, as the second read would find them.
+        conn.execute(
+            "DELETE FROM chunks WHERE request_id = ?1",
+            params![created.id.to_string()],
+        )
+        .expect("chunks gone");
+        for after in [0, 50, 102] {
             let read = store
                 .chunks_after(created.id, after, 1000)
                 .await
                 .expect("read");
-            let expected: Vec<&Chunk> = all.iter().filter(|c| c.seq > after).collect();
-            assert_eq!(read.iter().collect::<Vec<_>>(), expected, "after {after}");
+            assert_eq!(read, Vec::new(), "after {after}: no end without its chunks");
         }
+        let read = store.chunks_after(created.id, 103, 10).await.expect("read");
+        assert_eq!(
+            read.iter().collect::<Vec<_>>(),
+            vec![end],
+            "the end right after 103"
+        );
     }
 
     #[tokio::test]

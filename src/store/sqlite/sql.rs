@@ -148,8 +148,8 @@ pub(super) fn end_of(conn: &Connection, id: &str) -> Result<Option<Chunk>, Store
     ))
 }
 
-/// Appends one control chunk (`reset` or `end`) after the request's last seq; a `reset` also
-/// moves `reset_seq` (LC-8, RD-5, RD-6). Returns its seq.
+/// Appends one control chunk after the request's last seq (a `reset`: the `end` is no row,
+/// decision 134); a `reset` also moves `reset_seq` (LC-8, RD-6). Returns its seq.
 fn append_control(
     conn: &Tx<'_>,
     id: &str,
