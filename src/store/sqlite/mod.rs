@@ -725,6 +725,26 @@ mod tests {
     use crate::config::SqliteSynchronous;
     use crate::store::{ChunkKind, NewChunk};
 
+    /// Asserts that request `id`'s log reads back as `all` from every seq up to its `end`, in
+    /// pages of every size.
+    async fn reads_back_from_every_seq(store: &SqliteStore, id: Uuid, all: &[Chunk], case: &str) {
+        for after in 0..=all.last().map_or(0, |c| c.seq) {
+            for limit in [1, 3, 64, 1000] {
+                let read = store.chunks_after(id, after, limit).await.expect("read");
+                let expected: Vec<&Chunk> = all
+                    .iter()
+                    .filter(|c| c.seq > after)
+                    .take(usize::try_from(limit).expect("limit"))
+                    .collect();
+                assert_eq!(
+                    read.iter().collect::<Vec<_>>(),
+                    expected,
+                    "{case}after {after}, limit {limit}"
+                );
+            }
+        }
+    }
+
     /// Decision 123: a stream's batch is stored as rows of up to `ROW_CHUNKS_MAX` chunks, and
     /// every reader gets the same chunks from any seq as if each were a row of its own: names
     /// or none, data with the packing's own separators in it, empty data, text that is not
@@ -810,24 +830,7 @@ mod tests {
             "rows of up to 64 chunks, one chunk a row; the `end` chunk no row (decision 134)"
         );
 
-        for after in 0..=104 {
-            for limit in [1, 3, 64, 1000] {
-                let read = store
-                    .chunks_after(created.id, after, limit)
-                    .await
-                    .expect("read");
-                let expected: Vec<&Chunk> = all
-                    .iter()
-                    .filter(|c| c.seq > after)
-                    .take(usize::try_from(limit).expect("limit"))
-                    .collect();
-                assert_eq!(
-                    read.iter().collect::<Vec<_>>(),
-                    expected,
-                    "after {after}, limit {limit}"
-                );
-            }
-        }
+        reads_back_from_every_seq(&store, created.id, &all, "").await;
         let wanted: Vec<(Uuid, i64)> = (0..=104).map(|after| (created.id, after)).collect();
         for ((id, read), after) in store
             .data_chunks_of(&wanted)
@@ -857,24 +860,7 @@ mod tests {
             params![created.id.to_string(), end.seq, end.attempt, end.data],
         )
         .expect("an end row");
-        for after in 0..=104 {
-            for limit in [1, 3, 64, 1000] {
-                let read = store
-                    .chunks_after(created.id, after, limit)
-                    .await
-                    .expect("read");
-                let expected: Vec<&Chunk> = all
-                    .iter()
-                    .filter(|c| c.seq > after)
-                    .take(usize::try_from(limit).expect("limit"))
-                    .collect();
-                assert_eq!(
-                    read.iter().collect::<Vec<_>>(),
-                    expected,
-                    "with an end row, after {after}, limit {limit}"
-                );
-            }
-        }
+        reads_back_from_every_seq(&store, created.id, &all, "with an end row, ").await;
         // Pruned between the read of its row and of its chunks, a request gives no lone `end`:
         // here its chunks are gone and its row stays, as the second read would find them.
         conn.execute(
