@@ -93,17 +93,6 @@ fn release_claims(conn: &Tx<'_>, id: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The rest of a write that made request `id` terminal: its claims released if
-/// [`rules::releases_claim`] says so (ID-6). Its `end` chunk is not a row: the write reserved
-/// its seq in `last_seq`, and [`end_of`] reads it from the row as [`rules::end_chunk`] builds
-/// it (RD-5, decision 134).
-fn settle_in(conn: &Tx<'_>, id: &str, release_claim: bool) -> Result<(), StoreError> {
-    if release_claim {
-        release_claims(conn, id)?;
-    }
-    Ok(())
-}
-
 /// The `end` chunk of request `id` as its row gives it, `None` while the request is not
 /// terminal or when there is no such request (decision 134: on SQLite the terminal write
 /// reserves the `end` chunk's seq and stores no row for it; a database written before stores
@@ -539,10 +528,10 @@ pub(super) fn finish_in(
     {
         upsert_usage(conn, &id, lease.attempt, usage)?;
     }
-    if state.status.is_terminal() {
-        // The end chunk's seq was reserved by the UPDATE above.
-        let release = rules::releases_claim(state.status, state.error.as_ref(), claim);
-        settle_in(conn, &id, release)?;
+    // A terminal UPDATE above reserved the `end` chunk's seq; the chunk is the row's (RD-5,
+    // decision 134).
+    if rules::releases_claim(state.status, state.error.as_ref(), claim) {
+        release_claims(conn, &id)?;
     }
     Ok(Some(state))
 }
@@ -788,19 +777,18 @@ pub(super) fn cancel_in(
         let claim = ClaimKind::parse(claim).ok_or_else(|| {
             StoreError::corrupt(parse_id(id).ok(), format!("claim_kind {claim:?}"))
         })?;
-        // The end chunk's seq was reserved by the UPDATE above.
-        settle_in(
-            conn,
-            id,
-            rules::releases_claim(Status::Failed, Some(&error), claim),
-        )?;
+        // The UPDATE above reserved the `end` chunk's seq (decision 134).
+        if rules::releases_claim(Status::Failed, Some(&error), claim) {
+            release_claims(conn, id)?;
+        }
     }
     Ok(fetch(conn, id)?.filter(|r| r.namespace == namespace))
 }
 
 /// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
 /// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied,
-/// the `end` chunk's seq reserved, then [`settle_in`] (the claim).
+/// the `end` chunk's seq reserved (decision 134), the claims released as
+/// [`rules::releases_claim`] says (ID-6).
 fn fail_abandoned_in(
     conn: &Tx<'_>,
     id: &str,
@@ -816,11 +804,10 @@ fn fail_abandoned_in(
         " WHERE id = ?4"
     ))?
     .execute(params![now, error.kind.as_str(), error.message, id])?;
-    settle_in(
-        conn,
-        id,
-        rules::releases_claim(Status::Failed, Some(error), claim),
-    )
+    if rules::releases_claim(Status::Failed, Some(error), claim) {
+        release_claims(conn, id)?;
+    }
+    Ok(())
 }
 
 /// [`Store::release`] inside the writer's transaction.
