@@ -554,7 +554,8 @@ fn holdfast_bin() -> PathBuf {
 
 async fn start_mock(client: &reqwest::Client, dir: &Path) -> Result<(Child, String)> {
     let port = free_port()?;
-    let mut cmd = Command::new(holdfast_bin());
+    // This build's mock whatever `HOLDFAST_BENCH_BIN` names: an A/B run changes the proxy only.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_holdfast"));
     cmd.args([
         "mock-upstream",
         "--listen",
