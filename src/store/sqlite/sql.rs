@@ -137,48 +137,24 @@ pub(super) fn end_of(conn: &Connection, id: &str) -> Result<Option<Chunk>, Store
     ))
 }
 
-/// Appends one control chunk after the request's last seq (a `reset`: the `end` is no row,
-/// decision 134); a `reset` also moves `reset_seq` (LC-8, RD-6). Returns its seq.
-fn append_control(
-    conn: &Tx<'_>,
-    id: &str,
-    attempt: i64,
-    kind: ChunkKind,
-    data: &str,
-) -> Result<i64, StoreError> {
+/// Appends a `reset` chunk after the request's last seq and moves `reset_seq` to it (LC-8,
+/// RD-6). The only control chunk stored as a row: the `end` is read from the request's row
+/// (decision 134).
+fn append_reset(conn: &Tx<'_>, id: &str, attempt: i64, data: &str) -> Result<(), StoreError> {
     let seq: i64 = conn
         .prepare_held(
-            "UPDATE requests SET last_seq = last_seq + 1,
-                 reset_seq = CASE WHEN ?2 = 'reset' THEN last_seq + 1 ELSE reset_seq END
+            "UPDATE requests SET last_seq = last_seq + 1, reset_seq = last_seq + 1
              WHERE id = ?1
              RETURNING last_seq",
         )?
-        .query_row(params![id, kind.as_str()], |r| r.get(0))?;
-    insert_control(conn, id, seq, attempt, kind, data)?;
-    Ok(seq)
-}
-
-const INSERT_CONTROL_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
-     VALUES (?1, ?2, ?3, ?4, NULL, ?5)";
-
-/// Inserts a control chunk at `seq`, already reserved in `last_seq` by the caller.
-fn insert_control(
-    conn: &Tx<'_>,
-    id: &str,
-    seq: i64,
-    attempt: i64,
-    kind: ChunkKind,
-    data: &str,
-) -> Result<(), StoreError> {
-    conn.prepare_held(INSERT_CONTROL_SQL)?.execute(params![
-        id,
-        seq,
-        attempt,
-        kind.as_str(),
-        data
-    ])?;
+        .query_row(params![id], |r| r.get(0))?;
+    conn.prepare_held(INSERT_RESET_SQL)?
+        .execute(params![id, seq, attempt, data])?;
     Ok(())
 }
+
+const INSERT_RESET_SQL: &str = "INSERT INTO chunks (request_id, seq, attempt, kind, event, data)
+     VALUES (?1, ?2, ?3, 'reset', NULL, ?4)";
 
 /// The most chunks one row of `chunks` holds (decision 123): a stream's batch is stored as rows
 /// of up to this many. Readers that start inside a row look back at most this far.
@@ -573,7 +549,7 @@ pub(super) fn sweep_in(
                 )?
                 .execute(params![now, id])?;
                 if let Some((attempt, data)) = reset {
-                    append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+                    append_reset(conn, &id, i64::from(attempt), &data)?;
                 }
                 recovered.push(id);
             }
@@ -843,7 +819,7 @@ pub(super) fn release_in(
             )?
             .execute(params![now, id])?;
             if let Some((attempt, data)) = reset {
-                append_control(conn, &id, i64::from(attempt), ChunkKind::Reset, &data)?;
+                append_reset(conn, &id, i64::from(attempt), &data)?;
             }
         }
     }
@@ -943,7 +919,7 @@ mod tests {
             FINISH_FAILED_SQL,
             FETCH_SQL,
             UPSERT_USAGE_SQL,
-            INSERT_CONTROL_SQL,
+            INSERT_RESET_SQL,
             APPEND_FENCE_SQL,
             LEASED_LAST_SEQ_SQL,
             APPEND_CHUNK_SQL,
