@@ -7,7 +7,8 @@
 //! value's `Debug`) itself when the writer has no ANSI escapes, and hands everything else to the
 //! library's own visitor, unchanged: a coloured log, the message (its control characters
 //! escaped), a raw identifier's name, an error and its sources, a `log` record's `log.*`
-//! metadata. The text is the default's byte for byte (the tests below pin it).
+//! metadata. A string that needs no escape and a whole number are written without `Debug`'s
+//! machinery (issue 30). The text is the default's byte for byte (the tests below pin it).
 
 use std::fmt;
 
@@ -63,6 +64,29 @@ impl PlainVisitor<'_> {
     }
 }
 
+impl PlainVisitor<'_> {
+    /// Writes an ordinary field's `name=` and then its value with `value`.
+    fn write_field(&mut self, field: &Field, value: impl FnOnce(&mut Writer<'_>) -> fmt::Result) {
+        self.result = if std::mem::take(&mut self.is_empty) {
+            Ok(())
+        } else {
+            self.writer.write_char(' ')
+        }
+        .and_then(|()| self.writer.write_str(field.name()))
+        .and_then(|()| self.writer.write_char('='))
+        .and_then(|()| value(&mut self.writer));
+    }
+}
+
+/// Whether `value`'s `Debug` is itself in quotes: printable ASCII, no quote or backslash. The
+/// log's names, routes, models and statuses are; anything else goes through `Debug`, whose
+/// escapes cost a check per character (issue 30).
+fn quotes_as_is(value: &str) -> bool {
+    value
+        .bytes()
+        .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+}
+
 impl Visit for PlainVisitor<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if self.result.is_err() {
@@ -70,8 +94,37 @@ impl Visit for PlainVisitor<'_> {
         }
         if Self::is_special(field) {
             self.delegate(field, |v| v.record_str(field, value));
+        } else if quotes_as_is(value) {
+            self.write_field(field, |w| {
+                w.write_char('"')?;
+                w.write_str(value)?;
+                w.write_char('"')
+            });
         } else {
             self.record_debug(field, &value);
+        }
+    }
+
+    // A number's `Debug` is its decimal digits, written here without the formatting machinery.
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        if self.result.is_err() {
+            return;
+        }
+        if Self::is_special(field) {
+            self.delegate(field, |v| v.record_u64(field, value));
+        } else {
+            self.write_field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
+        }
+    }
+
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        if self.result.is_err() {
+            return;
+        }
+        if Self::is_special(field) {
+            self.delegate(field, |v| v.record_i64(field, value));
+        } else {
+            self.write_field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
         }
     }
 
@@ -90,14 +143,7 @@ impl Visit for PlainVisitor<'_> {
             self.delegate(field, |v| v.record_debug(field, value));
             return;
         }
-        self.result = if std::mem::take(&mut self.is_empty) {
-            Ok(())
-        } else {
-            self.writer.write_char(' ')
-        }
-        .and_then(|()| self.writer.write_str(field.name()))
-        .and_then(|()| self.writer.write_char('='))
-        .and_then(|()| write!(self.writer, "{value:?}"));
+        self.write_field(field, |w| write!(w, "{value:?}"));
     }
 }
 
@@ -194,6 +240,20 @@ mod tests {
             after = 1,
         );
         info!("log.target" = "hyper::client", after_log = 2);
+        info!(
+            plain = "openai.chat",
+            spaced = "a b ~!",
+            tab = "a\tb",
+            backslash = "a\\b",
+            delete = "a\x7fb",
+            accented = "caf\u{e9} \u{2615}",
+            combining = "e\u{301}",
+            empty = "",
+            big = u64::MAX,
+            small = i64::MIN,
+            zero = 0_i64,
+            "many strings and numbers"
+        );
         info!(message = "a str message \"quoted\"");
         info!(only = 1);
         info!("");
@@ -232,6 +292,9 @@ mod tests {
             "type=\"raw\" after=1",
             ": a str message \"quoted\"",
             "holdfast::logging::tests: after_log=2\n",
+            "plain=\"openai.chat\" spaced=\"a b ~!\" tab=\"a\\tb\" backslash=\"a\\\\b\" \
+             delete=\"a\\u{7f}b\"",
+            "big=18446744073709551615 small=-9223372036854775808 zero=0",
         ] {
             assert!(default.contains(expected), "{expected:?} in {default}");
         }

@@ -264,6 +264,8 @@ impl SseParser {
                 if self.data.len().saturating_add(value.len()) > self.max_event {
                     return Err(SseError::EventTooLarge(self.max_event));
                 }
+                // One allocation of the right size for the usual one-line event.
+                self.data.reserve(value.len() + 1);
                 self.data.push_str(value);
                 self.data.push('\n');
             }

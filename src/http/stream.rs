@@ -195,12 +195,13 @@ pub(super) fn follow(
         let mut quiet_since = tokio::time::Instant::now();
         // Since when reads of the store have failed, while they do.
         let mut failing_since: Option<tokio::time::Instant> = None;
-        // One timer for each deadline, moved on as the stream goes: later takes no lock, where
-        // a timer made for each wait was registered and removed per event (issue 30). Both are
-        // reset before every wait, the only place they are polled, so neither is polled fired.
-        let keepalive = tokio::time::sleep_until(quiet_since + follow.keepalive);
-        let repoll = tokio::time::sleep_until(quiet_since + POLL);
-        tokio::pin!(keepalive, repoll);
+        // One timer for the earlier of two deadlines, the next keep-alive and the next read of
+        // the store (issue 30). Each chunk moves both later, and the timer is not moved with
+        // them: when it fires early it is set again, and it is set sooner only when a wait needs
+        // it. Timers moved on before every wait cost two resets and two polls per event, and a
+        // timer made for each wait was registered and removed per event.
+        let wake = tokio::time::sleep_until(quiet_since + POLL.min(follow.keepalive));
+        tokio::pin!(wake);
         loop {
             // Backlog from the store.
             let page = if std::mem::take(&mut told_everything) {
@@ -246,8 +247,10 @@ pub(super) fn follow(
             // is re-read after POLL without a chunk, however often keep-alives go out between.
             let mut poll_at = tokio::time::Instant::now() + POLL;
             loop {
-                keepalive.as_mut().reset(quiet_since + follow.keepalive);
-                repoll.as_mut().reset(poll_at);
+                let due = (quiet_since + follow.keepalive).min(poll_at);
+                if due < wake.deadline() || wake.is_elapsed() {
+                    wake.as_mut().reset(due);
+                }
                 let mut reread = false;
                 tokio::select! {
                     event = subscription.recv() => match event {
@@ -259,11 +262,17 @@ pub(super) fn follow(
                         }
                         HubEvent::Changed | HubEvent::Settled(_) => reread = true,
                     },
-                    () = &mut keepalive => {
-                        quiet_since = tokio::time::Instant::now();
-                        yield Followed::KeepAlive;
+                    // Set again at the next wait. A deadline that moved on since it was set
+                    // is not due yet; a read of the store goes before a keep-alive.
+                    () = &mut wake => {
+                        let now = tokio::time::Instant::now();
+                        if now >= poll_at {
+                            reread = true;
+                        } else if now >= quiet_since + follow.keepalive {
+                            quiet_since = now;
+                            yield Followed::KeepAlive;
+                        }
                     }
-                    () = &mut repoll => reread = true,
                 }
                 for chunk in std::mem::take(&mut out) {
                     let last = is_last(&chunk, follow.proxied);
@@ -397,22 +406,32 @@ where
     use axum::http::{HeaderValue, header};
     let body = async_stream::stream! {
         let mut body = std::pin::pin!(body);
-        // One waiter for the whole stream, not one registered per event.
-        let mut cancelled = std::pin::pin!(cut.cancelled_owned());
+        // One waiter for the whole stream, not one registered per event; polled only when the
+        // body has nothing ready, and the cut looked at before each item, which costs less
+        // than a poll of the waiter (issue 30).
+        let mut cancelled = std::pin::pin!(cut.clone().cancelled_owned());
         loop {
-            tokio::select! {
-                biased;
-                () = &mut cancelled => {
+            let item = if cut.is_cancelled() {
+                None
+            } else {
+                tokio::select! {
+                    biased;
+                    // `next` is cancel-safe: an item is either taken whole or left in `body`.
+                    item = futures::StreamExt::next(&mut body) => match item {
+                        Some(item) => Some(item),
+                        None => return,
+                    },
+                    () = &mut cancelled => None,
+                }
+            };
+            match item {
+                Some(item) => yield item,
+                None => {
                     if let Some(shape) = farewell {
                         yield Ok(shutting_down_event(shape));
                     }
                     return;
                 }
-                // `next` is cancel-safe: an item is either taken whole or left in `body`.
-                item = futures::StreamExt::next(&mut body) => match item {
-                    Some(item) => yield item,
-                    None => return,
-                },
             }
         }
     };

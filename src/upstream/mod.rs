@@ -563,9 +563,9 @@ impl Upstreams {
 
 /// A provider response's body read piece by piece ([`Upstreams::pieces`]). Every read waits at
 /// most the idle timeout, counted from the read's start (LC-10: per gap, not a deadline). One
-/// timer serves every read: moving its deadline later takes no lock (the timer driver files it
-/// anew when the old deadline comes), where a timeout per read registered and removed a timer
-/// for every stream event (issue 30).
+/// timer serves every read, and is not moved at each: when it fires before the read's deadline
+/// it is set to it. A timeout per read registered and removed a timer for every stream event,
+/// and a timer moved at each read cost two resets per event (issue 30).
 pub(crate) struct Pieces<'r> {
     response: &'r mut Response,
     idle_for: Duration,
@@ -578,13 +578,19 @@ impl Pieces<'_> {
     /// # Errors
     /// [`CallError::IdleTimeout`] or [`CallError::Read`].
     pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, CallError> {
-        self.idle.as_mut().reset(Instant::now() + self.idle_for);
-        tokio::select! {
-            // A piece that is there wins over a deadline that passed meanwhile.
-            biased;
-            piece = self.response.chunk() => piece.map_err(CallError::Read),
-            () = self.idle.as_mut() => {
-                Err(CallError::IdleTimeout(self.idle_for.as_millis() as u64))
+        let due = Instant::now() + self.idle_for;
+        loop {
+            tokio::select! {
+                // A piece that is there wins over a deadline that passed meanwhile.
+                biased;
+                piece = self.response.chunk() => return piece.map_err(CallError::Read),
+                () = self.idle.as_mut() => {
+                    if Instant::now() >= due {
+                        return Err(CallError::IdleTimeout(self.idle_for.as_millis() as u64));
+                    }
+                    // Set at an earlier read: this one's deadline is later.
+                    self.idle.as_mut().reset(due);
+                }
             }
         }
     }

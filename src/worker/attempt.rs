@@ -82,9 +82,11 @@ impl WorkerPool {
             // A cancel's abort first: an event read when the cancel lets go of the hand-on
             // gate is not handed on after it (decision 127).
             biased;
-            () = registration.switches.abort.cancelled() => None,
-            () = self.abandon.cancelled() => {
-                self.hand_back(&lease).await;
+            () = registration.switches.stop.cancelled() => {
+                if !registration.switches.abort.is_cancelled() {
+                    // Shutdown abandons the attempt, and no cancel aborted it.
+                    self.hand_back(&lease).await;
+                }
                 None
             }
             () = &mut heartbeat => None,

@@ -16,7 +16,7 @@
 //! request already finished counts those itself ([`AddedCounts::late`]), so a burst of
 //! duplicates answered as the request finishes is counted whichever commit comes first.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

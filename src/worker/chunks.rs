@@ -17,7 +17,7 @@
 //! outcome (RS-12). A commit that fails is tried again for `write_retry_secs` ([`WriteRetry`],
 //! decisions 37, 52) before its batches are failed.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashSet, HashSetExt};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;

@@ -15,7 +15,7 @@ mod chunks;
 mod retry;
 mod stream;
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -138,6 +138,9 @@ struct Switches {
     attempt: u32,
     /// Cancelled when the request is cancelled: the attempt is dropped.
     abort: CancellationToken,
+    /// Cancelled with `abort`, and by shutdown's abandon (a child of it): what the attempt
+    /// waits on, one wait for both at each of its wakes (issue 30).
+    stop: CancellationToken,
     /// Shut while a cancel settles what was handed on (decision 127).
     hand_on: HandOnGate,
 }
@@ -173,10 +176,11 @@ impl Drop for Shut {
 impl Running {
     /// Registers attempt `lease`: its hand-ons pass the gate a cancel of the request holds
     /// shut, if one does.
-    fn register(&mut self, lease: &Lease) -> Switches {
+    fn register(&mut self, lease: &Lease, stop: CancellationToken) -> Switches {
         let switches = Switches {
             attempt: lease.attempt,
             abort: CancellationToken::new(),
+            stop,
             hand_on: self
                 .shut
                 .get(&lease.id)
@@ -482,7 +486,10 @@ impl WorkerPool {
         if record.is_some() {
             let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(switches) = running.attempts.get(&id) {
+                // The abort before the stop it wakes the attempt with: the attempt tells them
+                // apart by it.
                 switches.abort.cancel();
+                switches.stop.cancel();
             }
             drop(running);
             self.hub.publish(id, HubEvent::Changed);
@@ -520,7 +527,7 @@ impl WorkerPool {
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .register(lease);
+            .register(lease, self.abandon.child_token());
         Registration {
             pool: self.clone(),
             id: lease.id,
@@ -898,11 +905,11 @@ mod tests {
             attempt,
         };
         let mut running = Running::default();
-        running.register(&lease(1));
+        running.register(&lease(1), CancellationToken::new());
         let gate = running.hold(Uuid::nil());
         let shut = gate.close().await;
         // The first attempt ends with a retry; the second starts before the cancel fences it.
-        let second = running.register(&lease(2));
+        let second = running.register(&lease(2), CancellationToken::new());
         running.unregister(Uuid::nil(), 1);
         assert!(
             running.attempts.contains_key(&Uuid::nil()),
@@ -915,7 +922,7 @@ mod tests {
         drop(shut);
         running.let_go(Uuid::nil());
         assert!(running.shut.is_empty());
-        let third = running.register(&lease(3));
+        let third = running.register(&lease(3), CancellationToken::new());
         assert!(third.hand_on.pass().now_or_never().is_some());
     }
 }

@@ -481,7 +481,12 @@ pub(super) struct HandOnGate(Arc<tokio::sync::RwLock<()>>);
 impl HandOnGate {
     /// Waits while the gate is closed; the hand-on happens while the guard lives.
     pub(super) async fn pass(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
-        self.0.read().await
+        // Open, as it nearly always is: taken without setting up a wait (issue 30). A cancel
+        // that holds it, or waits for it, fails the try, and the hand-on queues behind it.
+        match self.0.try_read() {
+            Ok(open) => open,
+            Err(_) => self.0.read().await,
+        }
     }
 
     /// Closes the gate once a hand-on passing it now is done; it opens when the guard drops.

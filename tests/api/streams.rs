@@ -365,6 +365,13 @@ async fn idle_stream_gets_keepalive_comments_rd2() {
     let r = app.chat(&stream_body("slow stream")).await;
     let (raw, events) = read_events(r).await;
     assert!(raw.contains(": keep-alive"), "{raw}");
+    // Each quiet spell gets them, not only the first: after events the reader's one timer
+    // (issue 30) is set again.
+    let late = raw
+        .match_indices(": keep-alive")
+        .filter(|(at, _)| raw[..*at].matches("data: ").count() >= 2)
+        .count();
+    assert!(late >= 1, "keep-alives after the second event: {raw}");
     assert_eq!(events.last().unwrap().data, "[DONE]");
     app.stop().await;
 }
