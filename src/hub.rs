@@ -8,7 +8,7 @@
 //! [`Store::listen`](crate::store::Store::listen) notifications, which `app.rs` publishes here
 //! as [`HubEvent::Changed`].
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;

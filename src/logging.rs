@@ -62,9 +62,7 @@ impl PlainVisitor<'_> {
         let name = field.name();
         name == "message" || name.starts_with("r#") || name.starts_with("log.")
     }
-}
 
-impl PlainVisitor<'_> {
     /// Writes an ordinary field's `name=` and then its value with `value`.
     fn write_field(&mut self, field: &Field, value: impl FnOnce(&mut Writer<'_>) -> fmt::Result) {
         self.result = if std::mem::take(&mut self.is_empty) {
@@ -75,6 +73,24 @@ impl PlainVisitor<'_> {
         .and_then(|()| self.writer.write_str(field.name()))
         .and_then(|()| self.writer.write_char('='))
         .and_then(|()| value(&mut self.writer));
+    }
+
+    /// A whole number: its `Debug` is its decimal digits, written here without the formatting
+    /// machinery; a special field goes to the library's visitor through `default`.
+    fn record_integer(
+        &mut self,
+        field: &Field,
+        value: impl itoa::Integer,
+        default: impl FnOnce(&mut DefaultVisitor<'_>),
+    ) {
+        if self.result.is_err() {
+            return;
+        }
+        if Self::is_special(field) {
+            self.delegate(field, default);
+        } else {
+            self.write_field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
+        }
     }
 }
 
@@ -105,27 +121,12 @@ impl Visit for PlainVisitor<'_> {
         }
     }
 
-    // A number's `Debug` is its decimal digits, written here without the formatting machinery.
     fn record_u64(&mut self, field: &Field, value: u64) {
-        if self.result.is_err() {
-            return;
-        }
-        if Self::is_special(field) {
-            self.delegate(field, |v| v.record_u64(field, value));
-        } else {
-            self.write_field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
-        }
+        self.record_integer(field, value, |v| v.record_u64(field, value));
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        if self.result.is_err() {
-            return;
-        }
-        if Self::is_special(field) {
-            self.delegate(field, |v| v.record_i64(field, value));
-        } else {
-            self.write_field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
-        }
+        self.record_integer(field, value, |v| v.record_i64(field, value));
     }
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {

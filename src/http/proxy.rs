@@ -982,7 +982,6 @@ fn stored_response(record: &RequestRecord) -> Response {
     response
 }
 
-/// RS-5: `Holdfast-Request-Id`, `Idempotent-Replayed`, and the provider's request id.
 /// The identity headers' names, parsed once: a name given as a string is parsed at every insert
 /// (issue 30).
 const CLAIM_EXPIRES_AT: header::HeaderName =
@@ -991,6 +990,7 @@ const REQUEST_ID: header::HeaderName = header::HeaderName::from_static("holdfast
 const IDEMPOTENT_REPLAYED: header::HeaderName =
     header::HeaderName::from_static("idempotent-replayed");
 
+/// RS-5: `Holdfast-Request-Id`, `Idempotent-Replayed`, and the provider's request id.
 fn set_identity_headers(
     response: &mut Response,
     record: &RequestRecord,

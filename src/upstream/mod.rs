@@ -565,7 +565,7 @@ impl Upstreams {
 /// most the idle timeout, counted from the read's start (LC-10: per gap, not a deadline). One
 /// timer serves every read, and is not moved at each: when it fires before the read's deadline
 /// it is set to it. A timeout per read registered and removed a timer for every stream event,
-/// and a timer moved at each read cost two resets per event (issue 30).
+/// and a timer moved at each read cost a reset per read, about two per event (issue 30).
 pub(crate) struct Pieces<'r> {
     response: &'r mut Response,
     idle_for: Duration,
