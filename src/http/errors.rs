@@ -170,7 +170,7 @@ impl IntoResponse for ApiError {
             .request_id
             .and_then(|id| HeaderValue::from_str(&id).ok())
         {
-            headers.insert("holdfast-request-id", id);
+            headers.insert(super::REQUEST_ID, id);
         }
         response
     }

@@ -35,6 +35,14 @@ use crate::store::DynStore;
 use crate::upstream::Upstreams;
 use crate::worker::WorkerPool;
 use errors::ApiError;
+
+/// The identity headers' names (RS-5), parsed once: a name given as a string is parsed at every
+/// insert (issue 30).
+const REQUEST_ID: header::HeaderName = header::HeaderName::from_static("holdfast-request-id");
+const CLAIM_EXPIRES_AT: header::HeaderName =
+    header::HeaderName::from_static("holdfast-claim-expires-at");
+const IDEMPOTENT_REPLAYED: header::HeaderName =
+    header::HeaderName::from_static("idempotent-replayed");
 pub(crate) use proxy::Held;
 
 /// Shared state of every handler: a handle, cloned for every call (axum's `State`), so it is
@@ -267,16 +275,14 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
             .flat_map(|p| p.forwarded_headers())
             .map(|n| HeaderName::from_static(n)),
     );
-    let mut expose_headers = names(&[
-        "holdfast-request-id",
-        "holdfast-claim-expires-at",
-        "idempotent-replayed",
+    let mut expose_headers = vec![REQUEST_ID, CLAIM_EXPIRES_AT, IDEMPOTENT_REPLAYED];
+    expose_headers.extend(names(&[
         "holdfast-error",
         "x-should-retry",
         "retry-after-ms",
         "retry-after",
         "location",
-    ]);
+    ]));
     expose_headers.extend(
         Provider::ALL
             .iter()

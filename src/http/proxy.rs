@@ -982,14 +982,6 @@ fn stored_response(record: &RequestRecord) -> Response {
     response
 }
 
-/// The identity headers' names, parsed once: a name given as a string is parsed at every insert
-/// (issue 30).
-const CLAIM_EXPIRES_AT: header::HeaderName =
-    header::HeaderName::from_static("holdfast-claim-expires-at");
-const REQUEST_ID: header::HeaderName = header::HeaderName::from_static("holdfast-request-id");
-const IDEMPOTENT_REPLAYED: header::HeaderName =
-    header::HeaderName::from_static("idempotent-replayed");
-
 /// RS-5: `Holdfast-Request-Id`, `Idempotent-Replayed`, and the provider's request id.
 fn set_identity_headers(
     response: &mut Response,
@@ -1017,15 +1009,15 @@ fn set_identity_headers(
     if !released && !lapsed {
         let expires = requests::rfc3339(expires_at);
         if let Ok(v) = HeaderValue::from_str(&expires) {
-            headers.insert(CLAIM_EXPIRES_AT, v);
+            headers.insert(super::CLAIM_EXPIRES_AT, v);
         }
     }
     let id = record.id.hyphenated();
     if let Ok(v) = HeaderValue::from_str(id.encode_lower(&mut Uuid::encode_buffer())) {
-        headers.insert(REQUEST_ID, v);
+        headers.insert(super::REQUEST_ID, v);
     }
     headers.insert(
-        IDEMPOTENT_REPLAYED,
+        super::IDEMPOTENT_REPLAYED,
         HeaderValue::from_static(if replayed { "true" } else { "false" }),
     );
     if let (Some(name), Some(v)) = (

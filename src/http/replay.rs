@@ -76,7 +76,7 @@ pub(super) async fn replay(
         response.headers_mut().insert(header::LOCATION, v);
     }
     if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
-        response.headers_mut().insert("holdfast-request-id", v);
+        response.headers_mut().insert(super::REQUEST_ID, v);
     }
     response
 }

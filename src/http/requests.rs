@@ -751,7 +751,7 @@ fn event_stream(state: &AppState, record: &RequestRecord, position: Option<i64>)
     // Cut at shutdown without `end`: the reader resumes with its position (DU-5).
     let mut response = stream::event_stream_response(body, state.cut.clone(), None);
     if let Ok(v) = HeaderValue::from_str(&record.id.to_string()) {
-        response.headers_mut().insert("holdfast-request-id", v);
+        response.headers_mut().insert(super::REQUEST_ID, v);
     }
     response
 }

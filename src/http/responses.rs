@@ -348,7 +348,7 @@ fn events(state: &AppState, record: &RequestRecord, start: i64, after: Option<i6
     };
     let mut response = stream::event_stream_response(body, state.cut.clone(), Some(SHAPE));
     if let Ok(v) = axum::http::HeaderValue::from_str(&record.id.to_string()) {
-        response.headers_mut().insert("holdfast-request-id", v);
+        response.headers_mut().insert(super::REQUEST_ID, v);
     }
     response
 }
