@@ -189,8 +189,8 @@ impl RawUsage {
 /// is unknown, not guessed). The one-hour writes are
 /// `cache_creation.ephemeral_1h_input_tokens`, absent when the object is (RD-10); the reasoning
 /// is `output_tokens_details.thinking_tokens`, part of `output_tokens` (decision 122).
-pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
-    let raw: RawUsage = serde_json::from_str(raw.get()).ok()?;
+pub(super) fn usage_of(raw: &str) -> Option<Usage> {
+    let raw: RawUsage = serde_json::from_str(raw).ok()?;
     let input = raw.input_tokens.get().and_then(|n| {
         Some(
             n.saturating_add(raw.cache_creation_input_tokens.part()?)
@@ -229,11 +229,11 @@ pub(super) fn usage_of_event(event: &EventParts<'_>) -> Option<Usage> {
                 #[serde(borrow)]
                 usage: Option<&'a RawValue>,
             }
-            let message: Message<'_> = serde_json::from_str(event.message?.get()).ok()?;
-            usage_of(message.usage?)
+            let message: Message<'_> = serde_json::from_str(event.message?).ok()?;
+            usage_of(message.usage?.get())
         }
         Some("message_delta") => {
-            let delta: RawUsage = serde_json::from_str(event.usage?.get()).ok()?;
+            let delta: RawUsage = serde_json::from_str(event.usage?).ok()?;
             let mut usage = Usage {
                 output_tokens: Some(delta.output_tokens.get()?),
                 reasoning_tokens: delta.reasoning(),

@@ -9,7 +9,6 @@
 //! `{"oops", "code"}`, in a stream `event: oops`; the key travels in `x-echo-key`.
 
 use axum::http::HeaderMap;
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::{EventParts, Json, Usage};
@@ -78,7 +77,7 @@ pub(super) fn ends_stream(kind: Option<&str>) -> bool {
 }
 
 /// `{"in", "out"}`.
-pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
+pub(super) fn usage_of(raw: &str) -> Option<Usage> {
     #[derive(serde::Deserialize)]
     struct Raw {
         #[serde(rename = "in")]
@@ -86,7 +85,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         #[serde(rename = "out")]
         output: Option<u64>,
     }
-    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
+    let raw: Raw = serde_json::from_str(raw).ok()?;
     let usage = Usage {
         input_tokens: raw.input,
         output_tokens: raw.output,

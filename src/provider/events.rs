@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde_json::value::RawValue;
 
-use super::{BodyParts, EventParts, Json, Route, Usage};
+use super::{BodyParts, EventParts, Json, Route, Usage, members};
 
 /// What [`Route::inspect_event`] found in one provider event.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -48,10 +48,25 @@ pub(crate) struct Order {
     resulted: bool,
 }
 
-/// The members of an event's data the provider rules read, borrowed. `Option<&RawValue>`
-/// reads a JSON `null` as absent.
-#[derive(serde::Deserialize, Default)]
+/// The members of an event's data the provider rules read: whether `error` and `choices` are
+/// there, the rest as their JSON text, borrowed. A member that is `null` counts as absent.
+#[derive(Debug, Default, PartialEq, Eq)]
 struct EventProbe<'a> {
+    error: bool,
+    kind: Option<Cow<'a, str>>,
+    response: Option<&'a str>,
+    message: Option<&'a str>,
+    usage: Option<&'a str>,
+    choices: bool,
+    candidates: Option<&'a str>,
+    prompt_feedback: Option<&'a str>,
+    usage_metadata: Option<&'a str>,
+}
+
+/// [`EventProbe`] as serde_json reads it, for what [`members::object`] leaves to it.
+/// `Option<&RawValue>` reads a JSON `null` as absent.
+#[derive(serde::Deserialize, Default)]
+struct SerdeProbe<'a> {
     #[serde(borrow)]
     error: Option<&'a RawValue>,
     #[serde(borrow, rename = "type")]
@@ -72,11 +87,81 @@ struct EventProbe<'a> {
     usage_metadata: Option<&'a RawValue>,
 }
 
-impl EventProbe<'_> {
+impl<'a> EventProbe<'a> {
+    /// Reads `data`: in one pass ([`members::object`]) when it can, else as serde_json reads
+    /// it ([`probe`], which also gives a key twice its last value). `Err` when `data` is not
+    /// JSON; JSON that is not an object has none of the members.
+    fn read(data: &'a str, normalised: &'a mut String) -> Result<EventProbe<'a>, ()> {
+        match EventProbe::scan(data) {
+            Some(probe) => Ok(probe),
+            None => EventProbe::serde(data, normalised),
+        }
+    }
+
+    /// Reads `data` as serde_json does ([`probe`]).
+    fn serde(data: &'a str, normalised: &'a mut String) -> Result<EventProbe<'a>, ()> {
+        let (probe, _) = probe::<SerdeProbe<'a>>(data, normalised)?;
+        Ok(EventProbe {
+            error: probe.error.is_some(),
+            kind: probe.kind,
+            response: probe.response.map(RawValue::get),
+            message: probe.message.map(RawValue::get),
+            usage: probe.usage.map(RawValue::get),
+            choices: probe.choices.is_some(),
+            candidates: probe.candidates.map(RawValue::get),
+            prompt_feedback: probe.prompt_feedback.map(RawValue::get),
+            usage_metadata: probe.usage_metadata.map(RawValue::get),
+        })
+    }
+
+    /// Reads an object `data` in one pass; `None` leaves it to serde_json: not an object, not
+    /// JSON, or a probed member twice, a `type` that is not a plain string, an escaped key.
+    fn scan(data: &'a str) -> Option<EventProbe<'a>> {
+        let mut probe = EventProbe::default();
+        let mut seen = 0u16;
+        members::object(data, |key, value| {
+            let member = match key {
+                "error" => 0,
+                "type" => 1,
+                "response" => 2,
+                "message" => 3,
+                "usage" => 4,
+                "choices" => 5,
+                "candidates" => 6,
+                "promptFeedback" => 7,
+                "usageMetadata" => 8,
+                _ => return true,
+            };
+            if seen & 1 << member != 0 {
+                return false;
+            }
+            seen |= 1 << member;
+            if value == "null" {
+                return true;
+            }
+            match member {
+                0 => probe.error = true,
+                1 => match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
+                    Some(kind) if !kind.contains('\\') => probe.kind = Some(Cow::Borrowed(kind)),
+                    _ => return false,
+                },
+                2 => probe.response = Some(value),
+                3 => probe.message = Some(value),
+                4 => probe.usage = Some(value),
+                5 => probe.choices = true,
+                6 => probe.candidates = Some(value),
+                7 => probe.prompt_feedback = Some(value),
+                _ => probe.usage_metadata = Some(value),
+            }
+            true
+        })?;
+        Some(probe)
+    }
+
     /// Whether the top-level member `name` (one of the probed ones) is there.
     fn has(&self, name: &str) -> bool {
         match name {
-            "choices" => self.choices.is_some(),
+            "choices" => self.choices,
             "candidates" => self.candidates.is_some(),
             "promptFeedback" => self.prompt_feedback.is_some(),
             "usageMetadata" => self.usage_metadata.is_some(),
@@ -114,9 +199,10 @@ impl Route {
     /// [`Route::stream_event_members`] unless it is an error. Says whether it reports an error,
     /// ends or finishes the stream, opens it, only keeps it open, and what it reports.
     ///
-    /// One parse per event: an object is read into a struct that keeps only the members the
-    /// rules read, as raw JSON (nothing is allocated for the rest, which is still fully
-    /// validated). Only what that cannot read (a duplicated key) takes a slower path.
+    /// One pass per event: an object's top-level members are found while the whole text is
+    /// validated ([`members::object`]), the ones the rules read kept as their JSON text and
+    /// nothing allocated. Only what that pass leaves (a probed key twice, an escaped key, a
+    /// `type` that is no plain string, JSON that is not an object) takes serde_json's path.
     pub(crate) fn inspect_event(self, name: Option<&str>, data: &str) -> Result<Seen, String> {
         let provider = self.provider();
         if data == "[DONE]" {
@@ -127,7 +213,7 @@ impl Route {
             });
         }
         let mut normalised = String::new();
-        let Ok((probe, _)) = probe::<EventProbe<'_>>(data, &mut normalised) else {
+        let Ok(probe) = EventProbe::read(data, &mut normalised) else {
             return Err(format!(
                 "the provider sent an event whose data is not JSON: {}",
                 excerpt(data.as_bytes())
@@ -142,7 +228,7 @@ impl Route {
             prompt_feedback: probe.prompt_feedback,
             usage_metadata: probe.usage_metadata,
         };
-        let error = provider.is_error_event(name, parts.kind, probe.error.is_some());
+        let error = provider.is_error_event(name, parts.kind, probe.error);
         let members = self.stream_event_members();
         if !error && !members.is_empty() && !members.iter().any(|m| probe.has(m)) {
             // Not a chunk of this route's answer: no SDK can read it (decision 42, GM-3).
@@ -328,6 +414,67 @@ mod tests {
         route
             .inspect_event(name, data)
             .is_ok_and(|seen| seen.ends_stream)
+    }
+
+    /// The one-pass probe reads every event as serde_json did, members and all (LC-7, LC-11,
+    /// GM-3): each provider's events, `null` members, whitespace, escapes in values.
+    #[test]
+    fn the_one_pass_probe_reads_each_event_as_serde_json_does_lc7_lc11() {
+        for data in [
+            r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"h\u00e9\n"},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5}}"#,
+            r#"{"error":{"message":"overloaded"}}"#,
+            r#"{"error":null,"choices":null,"usage":null}"#,
+            r#"{"type":"message_start","message":{"id":"msg_1","usage":{"input_tokens":3}}}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":2}}"#,
+            r#"{"type":"response.completed","response":{"id":"resp_1","usage":{"input_tokens":1}}}"#,
+            r#"{"candidates":[{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":1}}"#,
+            r#"{"promptFeedback":{"blockReason":"SAFETY"}}"#,
+            " {\n \"type\" : \"ping\" ,\"x\":[1, 2.5e-3, true, false, null, {}]\t}\r\n",
+            r#"{"type":null}"#,
+            "{}",
+        ] {
+            let scanned = EventProbe::scan(data);
+            assert!(scanned.is_some(), "{data}");
+            assert_eq!(
+                scanned,
+                EventProbe::serde(data, &mut String::new()).ok(),
+                "{data}"
+            );
+        }
+        // What the pass leaves to serde_json, which reads it as before.
+        for data in [
+            r#"{"error":null,"error":{"m":1}}"#,
+            r#"{"type":"a","type":"b"}"#,
+            r#"{"type":5,"choices":[]}"#,
+            r#"{"type":"a\u0062"}"#,
+            r#"{"ch\u006fices":[]}"#,
+            "[1]",
+            "3",
+        ] {
+            assert_eq!(EventProbe::scan(data), None, "{data}");
+            assert!(
+                EventProbe::serde(data, &mut String::new()).is_ok(),
+                "{data}"
+            );
+        }
+        assert_eq!(
+            EventProbe::serde(r#"{"ch\u006fices":[]}"#, &mut String::new()).map(|p| p.choices),
+            Ok(true)
+        );
+        for data in [
+            r#"{"choices":[]"#,
+            r#"{"choices":[]} x"#,
+            "hello",
+            r#"{"a":"\q"}"#,
+        ] {
+            assert_eq!(EventProbe::scan(data), None, "{data}");
+            assert_eq!(
+                EventProbe::serde(data, &mut String::new()),
+                Err(()),
+                "{data}"
+            );
+        }
     }
 
     #[test]

@@ -370,12 +370,12 @@ pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
     }
     let set = |v: Option<&RawValue>| v.is_some_and(|v| v.get() != "null" && v.get() != "\"\"");
     let finished = event.candidates.is_some_and(|raw| {
-        serde_json::from_str::<Vec<Candidate<'_>>>(raw.get())
+        serde_json::from_str::<Vec<Candidate<'_>>>(raw)
             .is_ok_and(|c| c.iter().any(|c| set(c.finish_reason)))
     });
     finished
         || event.prompt_feedback.is_some_and(|raw| {
-            serde_json::from_str::<Feedback<'_>>(raw.get()).is_ok_and(|f| set(f.block_reason))
+            serde_json::from_str::<Feedback<'_>>(raw).is_ok_and(|f| set(f.block_reason))
         })
 }
 
@@ -404,7 +404,7 @@ pub(super) fn shows_answer(event: &EventParts<'_>) -> bool {
             })
     };
     event.candidates.is_some_and(|raw| {
-        serde_json::from_str::<Vec<Candidate<'_>>>(raw.get()).is_ok_and(|candidates| {
+        serde_json::from_str::<Vec<Candidate<'_>>>(raw).is_ok_and(|candidates| {
             candidates
                 .iter()
                 .filter_map(|c| c.content.as_ref()?.parts.as_ref())
@@ -423,7 +423,7 @@ pub(super) fn is_usage_report(event: &EventParts<'_>) -> bool {
     event.candidates.is_none()
         && event.prompt_feedback.is_none()
         && event.usage_metadata.is_some_and(|raw| {
-            serde_json::from_str::<serde_json::Map<String, Value>>(raw.get())
+            serde_json::from_str::<serde_json::Map<String, Value>>(raw)
                 .is_ok_and(|counts| !counts.is_empty())
         })
 }
@@ -431,7 +431,7 @@ pub(super) fn is_usage_report(event: &EventParts<'_>) -> bool {
 /// `usageMetadata` normalised (RD-9, GM-3): the input is the prompt (cached content included)
 /// plus the tool-use prompt; the output is the candidates plus the thoughts. Each count is read
 /// on its own: one that is not a count costs only itself and the sum it is part of.
-pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
+pub(super) fn usage_of(raw: &str) -> Option<Usage> {
     #[derive(serde::Deserialize, Default)]
     #[serde(default, rename_all = "camelCase")]
     struct Raw {
@@ -441,7 +441,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         thoughts_token_count: Count,
         tool_use_prompt_token_count: Count,
     }
-    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
+    let raw: Raw = serde_json::from_str(raw).ok()?;
     let usage = Usage {
         input_tokens: raw.prompt_token_count.plus(raw.tool_use_prompt_token_count),
         output_tokens: raw.candidates_token_count.plus(raw.thoughts_token_count),
@@ -473,26 +473,22 @@ pub(super) fn text_of_event(data: &Value) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn raw(s: &str) -> Box<RawValue> {
-        RawValue::from_string(s.to_string()).expect("raw json")
-    }
-
     #[test]
     fn a_chunk_finishes_the_answer_with_a_finish_reason_or_a_block_reason_gm3() {
-        let finished = raw(r#"[{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}]"#);
-        let going = raw(r#"[{"content":{"parts":[{"text":"x"}]}}]"#);
-        let blocked = raw(r#"{"blockReason":"SAFETY"}"#);
-        fn parts<'a>(c: Option<&'a RawValue>, f: Option<&'a RawValue>) -> EventParts<'a> {
+        let finished = r#"[{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}]"#;
+        let going = r#"[{"content":{"parts":[{"text":"x"}]}}]"#;
+        let blocked = r#"{"blockReason":"SAFETY"}"#;
+        fn parts<'a>(c: Option<&'a str>, f: Option<&'a str>) -> EventParts<'a> {
             EventParts {
                 candidates: c,
                 prompt_feedback: f,
                 ..EventParts::default()
             }
         }
-        assert!(finishes_answer(&parts(Some(&finished), None)));
-        assert!(!finishes_answer(&parts(Some(&going), None)));
-        assert!(finishes_answer(&parts(None, Some(&blocked))));
-        assert!(!finishes_answer(&parts(None, Some(&raw("{}")))));
+        assert!(finishes_answer(&parts(Some(finished), None)));
+        assert!(!finishes_answer(&parts(Some(going), None)));
+        assert!(finishes_answer(&parts(None, Some(blocked))));
+        assert!(!finishes_answer(&parts(None, Some("{}"))));
         assert!(!finishes_answer(&parts(None, None)));
     }
 
@@ -501,9 +497,8 @@ mod tests {
     #[test]
     fn a_visible_part_shows_the_answer_and_a_thought_does_not_gm3() {
         let shows = |candidates: &str| {
-            let candidates = raw(candidates);
             shows_answer(&EventParts {
-                candidates: Some(&candidates),
+                candidates: Some(candidates),
                 ..EventParts::default()
             })
         };
@@ -529,17 +524,17 @@ mod tests {
 
     #[test]
     fn usage_metadata_is_normalised_rd9_gm3() {
-        let usage = usage_of(&raw(
+        let usage = usage_of(
             r#"{"promptTokenCount":10,"candidatesTokenCount":5,"cachedContentTokenCount":4,
                 "thoughtsTokenCount":3,"toolUsePromptTokenCount":2,"totalTokenCount":20}"#,
-        ))
+        )
         .expect("usage");
         assert_eq!(usage.input_tokens, Some(12));
         assert_eq!(usage.output_tokens, Some(8));
         assert_eq!(usage.cached_input_tokens, Some(4));
         assert_eq!(usage.reasoning_tokens, Some(3));
         assert_eq!(usage.cache_write_tokens, None);
-        assert_eq!(usage_of(&raw("{}")), None);
+        assert_eq!(usage_of("{}"), None);
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod dataset;
 mod echo;
 mod events;
 mod gemini;
+mod members;
 mod openai;
 
 use std::collections::HashMap;
@@ -396,18 +397,18 @@ impl Json {
 pub(crate) struct EventParts<'a> {
     /// The event's type: its `event:` name, else its data's `type` member.
     pub kind: Option<&'a str>,
-    /// The data's `response` member, unparsed (Responses lifecycle events).
-    pub response: Option<&'a RawValue>,
-    /// The data's `message` member, unparsed (Anthropic's `message_start`).
-    pub message: Option<&'a RawValue>,
-    /// The data's `usage` member, unparsed (a chat usage chunk, Anthropic's `message_delta`).
-    pub usage: Option<&'a RawValue>,
-    /// The data's `candidates` member, unparsed (a Gemini chunk).
-    pub candidates: Option<&'a RawValue>,
-    /// The data's `promptFeedback` member, unparsed (a Gemini chunk).
-    pub prompt_feedback: Option<&'a RawValue>,
-    /// The data's `usageMetadata` member, unparsed (a Gemini chunk).
-    pub usage_metadata: Option<&'a RawValue>,
+    /// The data's `response` member, its JSON text (Responses lifecycle events).
+    pub response: Option<&'a str>,
+    /// The data's `message` member, its JSON text (Anthropic's `message_start`).
+    pub message: Option<&'a str>,
+    /// The data's `usage` member, its JSON text (a chat usage chunk, Anthropic's `message_delta`).
+    pub usage: Option<&'a str>,
+    /// The data's `candidates` member, its JSON text (a Gemini chunk).
+    pub candidates: Option<&'a str>,
+    /// The data's `promptFeedback` member, its JSON text (a Gemini chunk).
+    pub prompt_feedback: Option<&'a str>,
+    /// The data's `usageMetadata` member, its JSON text (a Gemini chunk).
+    pub usage_metadata: Option<&'a str>,
 }
 
 /// The parts of a non-stream answer the provider rules read, borrowed from its body.
@@ -886,11 +887,11 @@ impl Route {
     /// What a non-stream answer reports it cost.
     pub(crate) fn usage_of_body(self, body: &BodyParts<'_>) -> Option<Usage> {
         match self.provider() {
-            Provider::Openai => openai::usage_of(body.usage?),
-            Provider::Anthropic => anthropic::usage_of(body.usage?),
-            Provider::Gemini => gemini::usage_of(body.usage_metadata?),
+            Provider::Openai => openai::usage_of(body.usage?.get()),
+            Provider::Anthropic => anthropic::usage_of(body.usage?.get()),
+            Provider::Gemini => gemini::usage_of(body.usage_metadata?.get()),
             #[cfg(test)]
-            Provider::Echo => echo::usage_of(body.usage?),
+            Provider::Echo => echo::usage_of(body.usage?.get()),
         }
         .map(Usage::plausible)
     }

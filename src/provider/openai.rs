@@ -114,7 +114,7 @@ pub(super) fn answer_id_of_event(route: Route, event: &EventParts<'_>) -> Option
     if route != Route::OpenaiResponses || !event.kind.is_some_and(|k| k.starts_with("response.")) {
         return None;
     }
-    let response: Response<'_> = serde_json::from_str(event.response?.get()).ok()?;
+    let response: Response<'_> = serde_json::from_str(event.response?).ok()?;
     response.id.map(std::borrow::Cow::into_owned)
 }
 
@@ -129,7 +129,7 @@ pub(super) fn answer_id_of_body(route: Route, body: &BodyParts<'_>) -> Option<St
 /// (`prompt_tokens`, `completion_tokens`, `*_details`) and the Responses API (`input_tokens`,
 /// `output_tokens`, `*_details`). Each member is read on its own: a `*_details` that is `null`
 /// or not an object, or a count that is not one, costs only itself (RD-9).
-pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
+pub(super) fn usage_of(raw: &str) -> Option<Usage> {
     #[derive(serde::Deserialize, Default)]
     #[serde(default)]
     struct Details {
@@ -153,7 +153,7 @@ pub(super) fn usage_of(raw: &RawValue) -> Option<Usage> {
         #[serde(deserialize_with = "readable")]
         output_tokens_details: Option<Details>,
     }
-    let raw: Raw = serde_json::from_str(raw.get()).ok()?;
+    let raw: Raw = serde_json::from_str(raw).ok()?;
     let input = raw
         .prompt_tokens_details
         .or(raw.input_tokens_details)
@@ -184,8 +184,8 @@ pub(super) fn usage_of_event(route: Route, event: &EventParts<'_>) -> Option<Usa
                 #[serde(borrow)]
                 usage: Option<&'a RawValue>,
             }
-            let response: Response<'_> = serde_json::from_str(event.response?.get()).ok()?;
-            usage_of(response.usage?)
+            let response: Response<'_> = serde_json::from_str(event.response?).ok()?;
+            usage_of(response.usage?.get())
         }
         _ => usage_of(event.usage?),
     }

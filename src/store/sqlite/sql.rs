@@ -212,21 +212,43 @@ pub(super) fn chunks_from_row(
 /// ->:<data length>:`, then the event's bytes and the data's. Lengths are in bytes; the text
 /// stays the chunks' own, so the row reads as what it holds.
 pub(super) fn pack(chunks: &[Chunk]) -> String {
-    use std::fmt::Write as _;
     let mut packed = String::with_capacity(chunks.iter().map(|c| c.data.len() + 16).sum::<usize>());
+    let mut length = itoa::Buffer::new();
     for chunk in chunks {
         match &chunk.event {
             Some(event) => {
-                let _ = write!(packed, "{}:{}:", event.len(), chunk.data.len());
+                packed.push_str(length.format(event.len()));
+                packed.push(':');
+                packed.push_str(length.format(chunk.data.len()));
+                packed.push(':');
                 packed.push_str(event);
             }
             None => {
-                let _ = write!(packed, "-:{}:", chunk.data.len());
+                packed.push_str("-:");
+                packed.push_str(length.format(chunk.data.len()));
+                packed.push(':');
             }
         }
         packed.push_str(&chunk.data);
     }
     packed
+}
+
+/// A request id as the `requests` and `chunks` tables hold it (hyphenated, lower case: `Uuid`'s
+/// `Display`), written into a buffer of its own without `fmt`, on the writer's path.
+struct IdText([u8; uuid::fmt::Hyphenated::LENGTH]);
+
+impl Default for IdText {
+    fn default() -> IdText {
+        IdText([0; uuid::fmt::Hyphenated::LENGTH])
+    }
+}
+
+impl IdText {
+    /// `id` as stored.
+    fn of(&mut self, id: &Uuid) -> &str {
+        id.hyphenated().encode_lower(&mut self.0)
+    }
 }
 
 /// The first chunk of a packed row's `data`: its event, its data and what follows; `None` when
@@ -290,7 +312,8 @@ pub(super) fn submit_in(
     new: &NewRequest,
     lease: Option<LeaseTo<'_>>,
 ) -> Result<(SubmittedIn, Option<Lease>), StoreError> {
-    let id = new.id.to_string();
+    let mut text = IdText::default();
+    let id = text.of(&new.id);
     // The upsert inserts our claim or takes over an expired one — one row changed, the claim
     // is ours — or leaves a live one untouched. One statement on the only writer, so two racing
     // submissions cannot both win (ID-7). The count of changed rows says which, not a
@@ -332,7 +355,7 @@ pub(super) fn submit_in(
             new.replay_of.map(|r| r.to_string())
         ])?;
         if let Some(url) = &new.callback_url {
-            super::callback::insert_in(conn, &id, &new.namespace, url, new.now)?;
+            super::callback::insert_in(conn, id, &new.namespace, url, new.now)?;
         }
         let lease = owner.map(|owner| Lease {
             id: new.id,
@@ -411,7 +434,8 @@ pub(super) fn finish_in(
     outcome: &Outcome,
     now: Millis,
 ) -> Result<Option<State>, StoreError> {
-    let id = lease.id.to_string();
+    let mut text = IdText::default();
+    let id = text.of(&lease.id);
     let changed = match outcome {
         Outcome::Succeeded {
             status,
@@ -493,7 +517,7 @@ pub(super) fn finish_in(
         ..
     } = outcome
     {
-        insert_response_id(conn, response_id, &id, lease.attempt)?;
+        insert_response_id(conn, response_id, id, lease.attempt)?;
     }
     if let Outcome::Succeeded {
         usage: Some(usage), ..
@@ -502,12 +526,12 @@ pub(super) fn finish_in(
         usage: Some(usage), ..
     } = outcome
     {
-        upsert_usage(conn, &id, lease.attempt, usage)?;
+        upsert_usage(conn, id, lease.attempt, usage)?;
     }
     // A terminal UPDATE above reserved the `end` chunk's seq; the chunk is the row's (RD-5,
     // decision 134).
     if rules::releases_claim(state.status, state.error.as_ref(), claim) {
-        release_claims(conn, &id)?;
+        release_claims(conn, id)?;
     }
     Ok(Some(state))
 }
@@ -585,8 +609,9 @@ pub(super) fn append_in(
     let mut leased_last_seq = conn.prepare_held(LEASED_LAST_SEQ_SQL)?;
     let mut insert = conn.prepare_held(APPEND_CHUNK_SQL)?;
     let mut results = Vec::with_capacity(batches.len());
+    let mut text = IdText::default();
     for batch in batches {
-        let id = batch.lease.id.to_string();
+        let id = text.of(&batch.lease.id);
         let n = i64::try_from(batch.chunks.len()).map_err(corrupt)?;
         // Fenced (LC-3): seqs are reserved only while the attempt holds its lease, and only
         // right after the seq the batch follows.
@@ -625,10 +650,10 @@ pub(super) fn append_in(
             };
         }
         if let Some(response_id) = &batch.response_id {
-            insert_response_id(conn, response_id, &id, batch.lease.attempt)?;
+            insert_response_id(conn, response_id, id, batch.lease.attempt)?;
         }
         if let Some(usage) = &batch.usage {
-            upsert_usage(conn, &id, batch.lease.attempt, usage)?;
+            upsert_usage(conn, id, batch.lease.attempt, usage)?;
         }
         results.push(Some(stored));
     }
