@@ -92,10 +92,15 @@ impl<'a> EventProbe<'a> {
     /// it ([`probe`], which also gives a key twice its last value). `Err` when `data` is not
     /// JSON; JSON that is not an object has none of the members.
     fn read(data: &'a str, normalised: &'a mut String) -> Result<EventProbe<'a>, ()> {
-        match EventProbe::scan(data) {
-            Some(probe) => Ok(probe),
-            None => EventProbe::serde(data, normalised),
+        // Only data that opens with its object: serde_json reads any other (whitespace first)
+        // as a whole `Value`, which refuses more than skipping does (a lone surrogate, a
+        // number past `f64`, nesting past 128).
+        if data.starts_with('{')
+            && let Some(probe) = EventProbe::scan(data)
+        {
+            return Ok(probe);
         }
+        EventProbe::serde(data, normalised)
     }
 
     /// Reads `data` as serde_json does ([`probe`]).
@@ -190,6 +195,42 @@ where
         }
         Ok(_) => Ok((T::default(), false)),
         Err(_) => Err(()),
+    }
+}
+
+/// The top-level members of a whole answer, each as its JSON text, in order.
+struct BodyMembers<'a>(Vec<(Cow<'a, str>, &'a str)>);
+
+impl<'a> BodyMembers<'a> {
+    /// Reads `body`: in one pass ([`members::object`]) when it can, else as serde_json reads it
+    /// (an escaped key, or a body that is not one object, which `Err` names).
+    fn read(body: &'a [u8]) -> Result<BodyMembers<'a>, &'static str> {
+        if let Ok(text) = std::str::from_utf8(body) {
+            let mut found = Vec::with_capacity(8);
+            let scanned = members::object(text, |key, value| {
+                found.push((Cow::Borrowed(key), value));
+                true
+            });
+            if scanned.is_some() {
+                return Ok(BodyMembers(found));
+            }
+        }
+        match serde_json::from_slice::<BTreeMap<Cow<'_, str>, &RawValue>>(body) {
+            Ok(members) => Ok(BodyMembers(
+                members.into_iter().map(|(k, v)| (k, v.get())).collect(),
+            )),
+            Err(_) if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() => {
+                Err("JSON that is not an object")
+            }
+            Err(_) => Err("a body that is not JSON"),
+        }
+    }
+
+    /// Member `name`'s JSON text, unless it is absent or `null`. A key twice keeps the last,
+    /// as every SDK does.
+    fn get(&self, name: &str) -> Option<&'a str> {
+        let (_, value) = self.0.iter().rev().find(|(key, _)| key == name)?;
+        Some(*value).filter(|value| *value != "null")
     }
 }
 
@@ -298,17 +339,9 @@ impl Route {
         self,
         body: &[u8],
     ) -> Result<(Option<String>, Option<Usage>), String> {
-        // Every top-level member, unparsed; a key twice keeps the last, as every SDK does.
-        let members = match serde_json::from_slice::<BTreeMap<Cow<'_, str>, &RawValue>>(body) {
-            Ok(members) => members,
-            Err(_) if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() => {
-                return Err("JSON that is not an object".into());
-            }
-            Err(_) => return Err("a body that is not JSON".into()),
-        };
-        let member = |name: &str| members.get(name).copied().filter(|v| v.get() != "null");
-        let text =
-            |name: &str| member(name).and_then(|v| serde_json::from_str::<String>(v.get()).ok());
+        let members = BodyMembers::read(body).map_err(String::from)?;
+        let member = |name: &str| members.get(name);
+        let text = |name: &str| member(name).and_then(|v| serde_json::from_str::<String>(v).ok());
         let (id, object) = (text("id"), text("object"));
         let answered = |m: &&str| match member(m) {
             // A usage report alone is an answer only as one (decision 90): counts, and no
@@ -316,7 +349,7 @@ impl Route {
             // is not what the model answered.
             Some(v) if *m == "usageMetadata" => {
                 member("error").is_none()
-                    && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(v.get())
+                    && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(v)
                         .is_ok_and(|counts| !counts.is_empty())
             }
             found => found.is_some(),
@@ -360,8 +393,8 @@ impl Route {
     /// provider billed it all the same, so the failed attempt keeps it (RD-9), as a stream that
     /// failed keeps what it reported. `None` when the body holds none it can read.
     pub(crate) fn usage_of_refused_answer(self, body: &[u8]) -> Option<Usage> {
-        let members = serde_json::from_slice::<BTreeMap<Cow<'_, str>, &RawValue>>(body).ok()?;
-        let member = |name: &str| members.get(name).copied().filter(|v| v.get() != "null");
+        let members = BodyMembers::read(body).ok()?;
+        let member = |name: &str| members.get(name);
         self.usage_of_body(&BodyParts {
             id: None,
             object: None,
@@ -382,8 +415,8 @@ fn named(names: &[&str], word: &str) -> String {
 }
 
 /// A JSON value's type with its article, for messages: "a string", "an array".
-fn type_named(value: &RawValue) -> &'static str {
-    match value.get().as_bytes().first() {
+fn type_named(value: &str) -> &'static str {
+    match value.as_bytes().first() {
         Some(b'[') => "an array",
         Some(b'{') => "an object",
         Some(b'"') => "a string",
@@ -430,7 +463,7 @@ mod tests {
             r#"{"type":"response.completed","response":{"id":"resp_1","usage":{"input_tokens":1}}}"#,
             r#"{"candidates":[{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":1}}"#,
             r#"{"promptFeedback":{"blockReason":"SAFETY"}}"#,
-            " {\n \"type\" : \"ping\" ,\"x\":[1, 2.5e-3, true, false, null, {}]\t}\r\n",
+            "{\n \"type\" : \"ping\" ,\"x\":[1, 2.5e-3, true, false, null, {}]\t}\r\n",
             r#"{"type":null}"#,
             "{}",
         ] {
@@ -475,6 +508,43 @@ mod tests {
                 "{data}"
             );
         }
+    }
+
+    /// Data with whitespace before its object is read by serde_json as a whole value, which
+    /// refuses what skipping a value accepts (a lone surrogate, a number past `f64`, nesting
+    /// past 128): the one pass is not taken for it, and such an event is no JSON (LC-11).
+    #[test]
+    fn data_with_whitespace_before_its_object_is_read_as_serde_json_reads_it_lc11() {
+        let deep = format!(
+            r#" {{"choices":[],"x":{}{}}}"#,
+            "[".repeat(127),
+            "]".repeat(127)
+        );
+        for data in [
+            r#" {"choices":[],"x":"\ud800"}"#,
+            r#" {"choices":[],"x":1e400}"#,
+            deep.as_str(),
+        ] {
+            assert_eq!(
+                EventProbe::read(data, &mut String::new()),
+                Err(()),
+                "{data}"
+            );
+            assert!(
+                Route::OpenaiChat.inspect_event(None, data).is_err(),
+                "{data}"
+            );
+            // The same object without the whitespace is skipped, as before.
+            assert!(
+                Route::OpenaiChat.inspect_event(None, &data[1..]).is_ok(),
+                "{data}"
+            );
+        }
+        assert!(
+            Route::OpenaiChat
+                .inspect_event(None, " {\"choices\":[]}")
+                .is_ok()
+        );
     }
 
     #[test]
@@ -1106,9 +1176,29 @@ mod tests {
             )
             .is_err()
         );
-        // A duplicated key takes the slower path and the same rule.
+        // A duplicated key keeps its last value, as every SDK reads it.
         assert!(answer_id(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
         assert_eq!(answer_id(chat, br#"{"choices":1,"choices":[]}"#), Ok(None));
+        // What the one-pass read leaves to serde_json is read as before: an escaped key, text
+        // that is not UTF-8, nesting past its depth.
+        assert_eq!(
+            answer_id(
+                Route::OpenaiResponses,
+                br#"{"\u0069d":"resp_1","object":"response","outp\u0075t":[]}"#
+            ),
+            Ok(Some("resp_1".into()))
+        );
+        assert!(answer_id(chat, b"{\"choices\":[],\"x\":\"\xff\"}").is_err());
+        let deep = format!(
+            r#"{{"choices":[],"x":{}{}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        assert_eq!(answer_id(chat, deep.as_bytes()), Ok(None));
+        assert_eq!(
+            answer_id(chat, b" [1,2]"),
+            Err("JSON that is not an object".into())
+        );
     }
 
     /// The Messages API answers `content` as an array of content blocks, always (its SDKs'

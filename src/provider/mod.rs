@@ -371,9 +371,9 @@ pub(crate) enum Json {
 }
 
 impl Json {
-    /// The type of a JSON value, by its first byte (a [`RawValue`] starts at its value).
-    pub(crate) fn of(value: &RawValue) -> Option<Json> {
-        match value.get().as_bytes().first() {
+    /// The type of a JSON value, by the first byte of its text (which starts at the value).
+    pub(crate) fn of(value: &str) -> Option<Json> {
+        match value.as_bytes().first() {
             Some(b'[') => Some(Json::Array),
             Some(b'{') => Some(Json::Object),
             Some(b'"') => Some(Json::String),
@@ -418,10 +418,10 @@ pub(crate) struct BodyParts<'a> {
     pub id: Option<&'a str>,
     /// The top-level `object`.
     pub object: Option<&'a str>,
-    /// The top-level `usage`, unparsed.
-    pub usage: Option<&'a RawValue>,
-    /// The top-level `usageMetadata`, unparsed (Gemini).
-    pub usage_metadata: Option<&'a RawValue>,
+    /// The top-level `usage`, its JSON text.
+    pub usage: Option<&'a str>,
+    /// The top-level `usageMetadata`, its JSON text (Gemini).
+    pub usage_metadata: Option<&'a str>,
 }
 
 /// Tokens a provider reported for one attempt, normalised across providers (docs/usage.md).
@@ -887,11 +887,11 @@ impl Route {
     /// What a non-stream answer reports it cost.
     pub(crate) fn usage_of_body(self, body: &BodyParts<'_>) -> Option<Usage> {
         match self.provider() {
-            Provider::Openai => openai::usage_of(body.usage?.get()),
-            Provider::Anthropic => anthropic::usage_of(body.usage?.get()),
-            Provider::Gemini => gemini::usage_of(body.usage_metadata?.get()),
+            Provider::Openai => openai::usage_of(body.usage?),
+            Provider::Anthropic => anthropic::usage_of(body.usage?),
+            Provider::Gemini => gemini::usage_of(body.usage_metadata?),
             #[cfg(test)]
-            Provider::Echo => echo::usage_of(body.usage?.get()),
+            Provider::Echo => echo::usage_of(body.usage?),
         }
         .map(Usage::plausible)
     }
