@@ -9,13 +9,60 @@
 //! escaped), a raw identifier's name, an error and its sources, a `log` record's `log.*`
 //! metadata. A string that needs no escape and a whole number are written without `Debug`'s
 //! machinery (issue 30). The text is the default's byte for byte (the tests below pin it).
+//!
+//! [`PlainTime`] writes each line's timestamp as the library's `SystemTime` does, its digits
+//! without `fmt` (about 2.4 k instructions of the 12 k of a `request finished` line).
 
 use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use chrono::{DateTime, Datelike, Timelike, Utc};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::field::{RecordFields, VisitOutput};
 use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::fmt::format::{DefaultFields, DefaultVisitor, Writer};
+use tracing_subscriber::fmt::time::FormatTime;
+
+/// The log's timestamps: UTC to the microsecond, `2026-12-07T03:58:12.123456Z`, the text of
+/// tracing-subscriber's default `SystemTime` timer (see the module's doc).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PlainTime;
+
+impl FormatTime for PlainTime {
+    fn format_time(&self, w: &mut Writer<'_>) -> fmt::Result {
+        match timestamp(SystemTime::now()) {
+            Some(text) => w.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?),
+            // Before 1970 or after 9999: the library's own text, which has signs for them.
+            None => tracing_subscriber::fmt::time::SystemTime.format_time(w),
+        }
+    }
+}
+
+/// `at` as [`PlainTime`] writes it; `None` outside the years 1970 to 9999.
+fn timestamp(at: SystemTime) -> Option<[u8; 27]> {
+    let since = at.duration_since(UNIX_EPOCH).ok()?;
+    let at = DateTime::<Utc>::from_timestamp(
+        i64::try_from(since.as_secs()).ok()?,
+        since.subsec_nanos(),
+    )?;
+    let year = u32::try_from(at.year()).ok().filter(|year| *year <= 9999)?;
+    let mut text = *b"0000-00-00T00:00:00.000000Z";
+    let mut digits = |at: usize, width: usize, mut value: u32| {
+        for slot in text[at..at + width].iter_mut().rev() {
+            // `value % 10` is one digit.
+            *slot = b'0' + (value % 10) as u8;
+            value /= 10;
+        }
+    };
+    digits(0, 4, year);
+    digits(5, 2, at.month());
+    digits(8, 2, at.day());
+    digits(11, 2, at.hour());
+    digits(14, 2, at.minute());
+    digits(17, 2, at.second());
+    digits(20, 6, since.subsec_micros());
+    Some(text)
+}
 
 /// The field formatter of `serve`'s text log (see the module's doc).
 #[derive(Debug, Default, Clone, Copy)]
@@ -157,6 +204,66 @@ mod tests {
     use tracing_subscriber::fmt::MakeWriter;
 
     use super::*;
+
+    /// [`PlainTime`]'s text is the library timer's: chrono's calendar, the library's layout
+    /// (`{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}.{micros:06}Z`).
+    #[test]
+    fn timestamps_are_written_as_the_librarys_system_time_writes_them() {
+        use std::time::Duration;
+        let text = |secs: u64, nanos: u32| {
+            timestamp(UNIX_EPOCH + Duration::new(secs, nanos))
+                .map(|t| String::from_utf8(t.to_vec()).expect("ascii"))
+        };
+        assert_eq!(text(0, 0).as_deref(), Some("1970-01-01T00:00:00.000000Z"));
+        assert_eq!(
+            text(1_796_612_651, 123_456_789).as_deref(),
+            Some("2026-12-07T03:04:11.123456Z")
+        );
+        // 2000-02-29, a leap day; 9999's last microsecond; the year after is left to the library.
+        assert_eq!(
+            text(951_782_400, 999_999_999).as_deref(),
+            Some("2000-02-29T00:00:00.999999Z")
+        );
+        assert_eq!(
+            text(253_402_300_799, 999_999_000).as_deref(),
+            Some("9999-12-31T23:59:59.999999Z")
+        );
+        assert_eq!(text(253_402_300_800, 0), None);
+        assert_eq!(timestamp(UNIX_EPOCH - Duration::from_secs(1)), None);
+        for secs in (0..253_402_300_800u64).step_by(7_777_777_777 / 7) {
+            let nanos = (secs % 1_000_000_000) as u32;
+            let expected = DateTime::<Utc>::from_timestamp(secs as i64, nanos)
+                .expect("in range")
+                .format("%Y-%m-%dT%H:%M:%S%.6fZ")
+                .to_string();
+            assert_eq!(text(secs, nanos), Some(expected));
+        }
+        // And the library writes the same shape now: the same text up to the minute, unless a
+        // minute turned between the two (tried again, a bounded number of times).
+        let library = || {
+            let mut line = String::new();
+            tracing_subscriber::fmt::time::SystemTime
+                .format_time(&mut Writer::new(&mut line))
+                .expect("written");
+            line
+        };
+        let ours = || {
+            let mut line = String::new();
+            PlainTime
+                .format_time(&mut Writer::new(&mut line))
+                .expect("written");
+            line
+        };
+        let same = (0..5).any(|_| {
+            let (before, mine, after) = (library(), ours(), library());
+            assert_eq!(mine.len(), before.len(), "{mine} {before}");
+            before[..16] == mine[..16] && mine[..16] == after[..16]
+        });
+        assert!(
+            same,
+            "the library's timestamps and ours disagree to the minute"
+        );
+    }
 
     /// A writer every line of one subscriber goes to, read back as text.
     #[derive(Clone, Default)]

@@ -568,6 +568,7 @@ fn init_tracing(format: LogFormat) {
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("holdfast=info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_timer(holdfast::logging::PlainTime)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder
