@@ -63,6 +63,38 @@ struct EventProbe<'a> {
     usage_metadata: Option<&'a str>,
 }
 
+/// The members [`EventProbe::scan`] reads, each its bit in the set of those seen (at most 16).
+#[derive(Clone, Copy)]
+enum Probed {
+    Error,
+    Type,
+    Response,
+    Message,
+    Usage,
+    Choices,
+    Candidates,
+    PromptFeedback,
+    UsageMetadata,
+}
+
+impl Probed {
+    /// The probed member whose key is `key`, spelled as the providers spell it.
+    fn named(key: &str) -> Option<Probed> {
+        Some(match key {
+            "error" => Probed::Error,
+            "type" => Probed::Type,
+            "response" => Probed::Response,
+            "message" => Probed::Message,
+            "usage" => Probed::Usage,
+            "choices" => Probed::Choices,
+            "candidates" => Probed::Candidates,
+            "promptFeedback" => Probed::PromptFeedback,
+            "usageMetadata" => Probed::UsageMetadata,
+            _ => return None,
+        })
+    }
+}
+
 /// [`EventProbe`] as serde_json reads it, for what [`members::object`] leaves to it.
 /// `Option<&RawValue>` reads a JSON `null` as absent.
 #[derive(serde::Deserialize, Default)]
@@ -120,43 +152,36 @@ impl<'a> EventProbe<'a> {
     }
 
     /// Reads an object `data` in one pass; `None` leaves it to serde_json: not an object, not
-    /// JSON, or a probed member twice, a `type` that is not a plain string, an escaped key.
+    /// JSON, nesting past 128, or a probed member twice, a `type` that is not a plain string,
+    /// an escaped key.
     fn scan(data: &'a str) -> Option<EventProbe<'a>> {
         let mut probe = EventProbe::default();
         let mut seen = 0u16;
         members::object(data, |key, value| {
-            let member = match key {
-                "error" => 0,
-                "type" => 1,
-                "response" => 2,
-                "message" => 3,
-                "usage" => 4,
-                "choices" => 5,
-                "candidates" => 6,
-                "promptFeedback" => 7,
-                "usageMetadata" => 8,
-                _ => return true,
+            let Some(member) = Probed::named(key) else {
+                return true;
             };
-            if seen & 1 << member != 0 {
+            let bit = 1 << member as u16;
+            if seen & bit != 0 {
                 return false;
             }
-            seen |= 1 << member;
+            seen |= bit;
             if value == "null" {
                 return true;
             }
             match member {
-                0 => probe.error = true,
-                1 => match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
+                Probed::Error => probe.error = true,
+                Probed::Type => match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
                     Some(kind) if !kind.contains('\\') => probe.kind = Some(Cow::Borrowed(kind)),
                     _ => return false,
                 },
-                2 => probe.response = Some(value),
-                3 => probe.message = Some(value),
-                4 => probe.usage = Some(value),
-                5 => probe.choices = true,
-                6 => probe.candidates = Some(value),
-                7 => probe.prompt_feedback = Some(value),
-                _ => probe.usage_metadata = Some(value),
+                Probed::Response => probe.response = Some(value),
+                Probed::Message => probe.message = Some(value),
+                Probed::Usage => probe.usage = Some(value),
+                Probed::Choices => probe.choices = true,
+                Probed::Candidates => probe.candidates = Some(value),
+                Probed::PromptFeedback => probe.prompt_feedback = Some(value),
+                Probed::UsageMetadata => probe.usage_metadata = Some(value),
             }
             true
         })?;
@@ -242,8 +267,9 @@ impl Route {
     ///
     /// One pass per event: an object's top-level members are found while the whole text is
     /// validated ([`members::object`]), the ones the rules read kept as their JSON text and
-    /// nothing allocated. Only what that pass leaves (a probed key twice, an escaped key, a
-    /// `type` that is no plain string, JSON that is not an object) takes serde_json's path.
+    /// nothing allocated. Only what that pass leaves (data that does not open with `{`, a
+    /// probed key twice, an escaped key, a `type` that is no plain string, nesting past 128)
+    /// takes serde_json's path.
     pub(crate) fn inspect_event(self, name: Option<&str>, data: &str) -> Result<Seen, String> {
         let provider = self.provider();
         if data == "[DONE]" {
@@ -1188,7 +1214,10 @@ mod tests {
             ),
             Ok(Some("resp_1".into()))
         );
-        assert!(answer_id(chat, b"{\"choices\":[],\"x\":\"\xff\"}").is_err());
+        assert_eq!(
+            answer_id(chat, b"{\"choices\":[],\"x\":\"\xff\"}"),
+            Err("JSON that is not an object".into())
+        );
         let deep = format!(
             r#"{{"choices":[],"x":{}{}}}"#,
             "[".repeat(200),

@@ -1,5 +1,6 @@
 //! The top-level members of a JSON object, found in one pass over its text that also checks
-//! the whole text is JSON: the probe of every stream event (`events.rs`, LC-7, LC-11).
+//! the whole text is JSON: the probe of every stream event and the check of every 2xx answer
+//! (`events.rs`, LC-7, LC-11).
 //!
 //! serde_json read each event's data into a struct before: the members the rules read as raw
 //! JSON, the rest skipped. That was about 3.4 k instructions of a proxied chat event's 24.5 k;
@@ -400,6 +401,15 @@ mod tests {
         assert_eq!(members(&shallow).map(|m| m.len()), Some(1));
     }
 
+    /// Cases per property: `PROPTEST_CASES` (the long form of docs/reliability.md, "Parser
+    /// fuzzing"), else 2,000.
+    fn cases() -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|cases| cases.parse().ok())
+            .unwrap_or(2000)
+    }
+
     /// Any JSON value, as text, with whitespace and escapes where JSON allows them.
     fn json() -> impl Strategy<Value = String> {
         let leaf = prop_oneof![
@@ -427,7 +437,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #![proptest_config(ProptestConfig::with_cases(cases()))]
 
         #[test]
         fn agrees_with_serde_json_on_json_objects_lc11(

@@ -928,6 +928,15 @@ mod tests {
     use super::super::tests::ephemeral_tables;
     use super::*;
 
+    /// The writer's ids are the text every reader of the tables looks them up by.
+    #[test]
+    fn a_request_id_is_written_as_its_display_text() {
+        let mut text = IdText::default();
+        for id in [Uuid::nil(), Uuid::max(), Uuid::now_v7(), Uuid::new_v4()] {
+            assert_eq!(text.of(&id), id.to_string());
+        }
+    }
+
     #[tokio::test]
     async fn a_requests_writes_and_a_streams_appends_build_no_temporary_btree() {
         let dir = tempfile::tempdir().expect("tempdir");
