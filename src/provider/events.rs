@@ -137,7 +137,7 @@ impl<'a> EventProbe<'a> {
 
     /// Reads `data` as serde_json does ([`probe`]).
     fn serde(data: &'a str, normalised: &'a mut String) -> Result<EventProbe<'a>, ()> {
-        let (probe, _) = probe::<SerdeProbe<'a>>(data, normalised)?;
+        let probe = probe::<SerdeProbe<'a>>(data, normalised)?;
         Ok(EventProbe {
             error: probe.error.is_some(),
             kind: probe.kind,
@@ -203,22 +203,22 @@ impl<'a> EventProbe<'a> {
 /// Parses `data` as JSON into `T`, borrowing. An object `T` cannot read directly (a key twice:
 /// `serde_json::Value` keeps the last, as every SDK does) is read from its re-serialisation,
 /// kept in `normalised`; JSON that is not an object gives `T::default()`. `Err` when `data` is
-/// not JSON. `Ok(false)` beside the value when it was not an object.
-fn probe<'a, T>(data: &'a str, normalised: &'a mut String) -> Result<(T, bool), ()>
+/// not JSON.
+fn probe<'a, T>(data: &'a str, normalised: &'a mut String) -> Result<T, ()>
 where
     T: serde::Deserialize<'a> + Default,
 {
     if data.starts_with('{')
         && let Ok(probe) = serde_json::from_str::<T>(data)
     {
-        return Ok((probe, true));
+        return Ok(probe);
     }
     match serde_json::from_str::<serde_json::Value>(data) {
         Ok(value @ serde_json::Value::Object(_)) => {
             *normalised = value.to_string();
-            Ok((serde_json::from_str(normalised).unwrap_or_default(), true))
+            Ok(serde_json::from_str(normalised).unwrap_or_default())
         }
-        Ok(_) => Ok((T::default(), false)),
+        Ok(_) => Ok(T::default()),
         Err(_) => Err(()),
     }
 }
