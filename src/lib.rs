@@ -77,8 +77,8 @@
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
 //! - `metrics`: Prometheus metric names and the recorder.
-//! - [`logging`]: the text log's field formatter, the library's text for less (decision 133),
-//!   and the timestamp of both logs, the library's text without `fmt`.
+//! - [`logging`]: the text log's field and line formatters, the library's text for less
+//!   (decision 133), and the timestamp of both logs, the library's text without `fmt`.
 //! - [`otel`]: OpenTelemetry traces of calls and attempts, exported over OTLP (OT-1..OT-6).
 //! - [`app`]: wiring it all together.
 

@@ -13,16 +13,23 @@
 //!
 //! [`PlainTime`] writes each line's timestamp as the library's `SystemTime` does, its digits
 //! without `fmt` (about 2.4 k instructions of the 12 k of a `request finished` line).
+//!
+//! [`PlainEvent`] writes the rest of a text line as the library's default (`Full`) format does
+//! with no ANSI escapes: the level, the spans with their fields, the target, each piece with
+//! `write_str` where the library goes through `write!` and `nu_ansi_term`'s painting of nothing
+//! for each (issue 30). A coloured log and a `log` record go to the library's own format.
 
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use chrono::{DateTime, Datelike, Timelike, Utc};
 use tracing::field::{Field, Visit};
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::field::{RecordFields, VisitOutput};
-use tracing_subscriber::fmt::FormatFields;
-use tracing_subscriber::fmt::format::{DefaultFields, DefaultVisitor, Writer};
+use tracing_subscriber::fmt::format::{DefaultFields, DefaultVisitor, Format, Full, Writer};
 use tracing_subscriber::fmt::time::FormatTime;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields};
+use tracing_subscriber::registry::LookupSpan;
 
 /// The log's timestamps: UTC to the microsecond, `2026-12-07T03:58:12.123456Z`, the text of
 /// tracing-subscriber's default `SystemTime` timer (see the module's doc).
@@ -63,6 +70,90 @@ fn timestamp(at: SystemTime) -> Option<[u8; 27]> {
     digits(17, 2, at.second());
     digits(20, 6, since.subsec_micros());
     Some(text)
+}
+
+/// The line format of `serve`'s text log (see the module's doc): the library's default
+/// format's text, timestamps from `timer`.
+#[derive(Debug, Clone)]
+pub struct PlainEvent<T = PlainTime> {
+    timer: T,
+    /// The library's default format with the same timer, for what this one hands over.
+    library: Format<Full, T>,
+}
+
+impl<T: FormatTime + Clone> PlainEvent<T> {
+    /// Lines stamped by `timer`.
+    pub fn new(timer: T) -> Self {
+        Self {
+            library: tracing_subscriber::fmt::format().with_timer(timer.clone()),
+            timer,
+        }
+    }
+}
+
+impl Default for PlainEvent {
+    fn default() -> Self {
+        Self::new(PlainTime)
+    }
+}
+
+impl<S, N, T> FormatEvent<S, N> for PlainEvent<T>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    T: FormatTime,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let meta = event.metadata();
+        // A `log` record's line shows the record's own level and target, which the library
+        // reads from these fields.
+        if writer.has_ansi_escapes() || meta.fields().field("log.target").is_some() {
+            return self.library.format_event(ctx, writer, event);
+        }
+        if self.timer.format_time(&mut writer).is_err() {
+            writer.write_str("<unknown time>")?;
+        }
+        writer.write_str(level_text(*meta.level()))?;
+        if let Some(scope) = ctx.event_scope() {
+            let mut seen = false;
+            for span in scope.from_root() {
+                writer.write_str(span.metadata().name())?;
+                seen = true;
+                if let Some(fields) = span.extensions().get::<FormattedFields<N>>()
+                    && !fields.is_empty()
+                {
+                    writer.write_char('{')?;
+                    writer.write_str(fields)?;
+                    writer.write_char('}')?;
+                }
+                writer.write_char(':')?;
+            }
+            if seen {
+                writer.write_char(' ')?;
+            }
+        }
+        writer.write_str(meta.target())?;
+        writer.write_str(": ")?;
+        ctx.format_fields(writer.by_ref(), event)?;
+        writer.write_char('\n')
+    }
+}
+
+/// The level as the library writes it between the timestamp and the spans: right-aligned to
+/// five characters, a space on each side.
+fn level_text(level: Level) -> &'static str {
+    match level {
+        Level::TRACE => " TRACE ",
+        Level::DEBUG => " DEBUG ",
+        Level::INFO => "  INFO ",
+        Level::WARN => "  WARN ",
+        Level::ERROR => " ERROR ",
+    }
 }
 
 /// The field formatter of `serve`'s text log (see the module's doc).
@@ -409,6 +500,90 @@ mod tests {
         }
         assert!(!default.contains("hyper::proto"), "{default}");
         assert!(!default.contains("error_type"), "{default}");
+    }
+
+    /// A timer that always writes one instant, so that two formats' lines compare.
+    #[derive(Clone)]
+    struct Fixed;
+    impl FormatTime for Fixed {
+        fn format_time(&self, w: &mut Writer<'_>) -> fmt::Result {
+            w.write_str("2026-12-07T05:50:50.123456Z")
+        }
+    }
+
+    /// A timer that fails, as a clock before 1970 may.
+    #[derive(Clone)]
+    struct Broken;
+    impl FormatTime for Broken {
+        fn format_time(&self, _: &mut Writer<'_>) -> fmt::Result {
+            Err(fmt::Error)
+        }
+    }
+
+    /// The lines of every level, outside any span and inside, and [`log_everything`]'s, through
+    /// `fmt` with [`PlainFields`] and `format` as its line format.
+    fn lines_formatted<E>(format: E, ansi: bool) -> String
+    where
+        E: for<'w> FormatEvent<tracing_subscriber::Registry, PlainFields> + Send + Sync + 'static,
+    {
+        let captured = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(captured.clone())
+            .with_ansi(ansi)
+            .with_max_level(Level::TRACE)
+            .fmt_fields(PlainFields)
+            .event_format(format)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::trace!(n = 1, "trace");
+            tracing::debug!(n = 2, "debug");
+            info!(n = 3, "info");
+            warn!(n = 4, "warn");
+            error!(n = 5, "error");
+            let empty = info_span!("empty");
+            let _empty = empty.enter();
+            tracing::debug!("in a span with no fields");
+            log_everything();
+        });
+        let bytes = captured.0.lock().expect("capture").clone();
+        String::from_utf8(bytes).expect("utf-8")
+    }
+
+    #[test]
+    fn plain_event_writes_the_default_formats_lines_byte_for_byte() {
+        fn library<T: FormatTime>(timer: T) -> Format<Full, T> {
+            tracing_subscriber::fmt::format().with_timer(timer)
+        }
+        let default = lines_formatted(library(Fixed), false);
+        assert_eq!(lines_formatted(PlainEvent::new(Fixed), false), default);
+        // What the comparison covers: each level's alignment, a line outside any span, a span
+        // without fields, nested spans with theirs, the target, the fields.
+        for expected in [
+            "2026-12-07T05:50:50.123456Z TRACE holdfast::logging::tests: trace n=1\n",
+            "2026-12-07T05:50:50.123456Z  INFO holdfast::logging::tests: info n=3\n",
+            "2026-12-07T05:50:50.123456Z  WARN holdfast::logging::tests: warn n=4\n",
+            "2026-12-07T05:50:50.123456Z ERROR holdfast::logging::tests: error n=5\n",
+            "DEBUG empty: holdfast::logging::tests: in a span with no fields\n",
+            " INFO empty:attempt{id=0192-abc attempt=2 route=\"openai.chat\" \
+             trace_id=\"4bf92f3577b34da6\"}:inner{type=\"x\"}: holdfast::logging::tests: \
+             request finished id=0192-abc",
+        ] {
+            assert!(default.contains(expected), "{expected:?} in {default}");
+        }
+        // A clock that fails: the library's placeholder, the same line after it.
+        let broken = lines_formatted(PlainEvent::new(Broken), false);
+        assert_eq!(broken, lines_formatted(library(Broken), false));
+        assert!(
+            broken.starts_with("<unknown time> TRACE holdfast::logging::tests: trace n=1\n"),
+            "{broken}"
+        );
+    }
+
+    #[test]
+    fn plain_event_leaves_a_coloured_log_to_the_default_format() {
+        let default = lines_formatted(tracing_subscriber::fmt::format().with_timer(Fixed), true);
+        assert!(default.contains('\x1b'), "coloured: {default}");
+        assert_eq!(lines_formatted(PlainEvent::new(Fixed), true), default);
     }
 
     #[test]

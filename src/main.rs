@@ -574,6 +574,7 @@ fn init_tracing(format: LogFormat) {
         LogFormat::Text => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .fmt_fields(holdfast::logging::PlainFields)
+            .event_format(holdfast::logging::PlainEvent::default())
             .init(),
         LogFormat::Json => builder.json().with_ansi(false).init(),
     }

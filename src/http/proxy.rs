@@ -324,7 +324,7 @@ fn new_request(
         ),
         None => (
             ClaimKind::BodyHash,
-            hex::encode(hash),
+            hash_key(&hash),
             config.dedupe_window_secs,
         ),
     };
@@ -354,6 +354,17 @@ fn new_request(
         hide_usage,
     };
     Ok((new, claim))
+}
+
+/// The claim key of a body-hash claim (ID-4): the request hash in lower-case hex, written
+/// into one buffer (`hex::encode` pushes each digit as a `char`; issue 30).
+fn hash_key(hash: &[u8; 32]) -> String {
+    let mut text = [0; 64];
+    // Two digits for each of 32 bytes always fit; were they refused, the library's own way.
+    hex::encode_to_slice(hash, &mut text)
+        .ok()
+        .and_then(|()| std::str::from_utf8(&text).ok())
+        .map_or_else(|| hex::encode(hash), str::to_owned)
 }
 
 /// The request hash (ID-3) of a canonical body `hashed` sent on `route` to `backend` with the
@@ -1039,6 +1050,18 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("idempotency-key", HeaderValue::from_static(v));
         idempotency_key(&h, Provider::Openai)
+    }
+
+    /// ID-4: a body-hash claim's key is the request hash's lower-case hex, as stored before.
+    #[test]
+    fn a_body_hash_claims_key_is_the_hashs_lower_case_hex_id4() {
+        let mut hash = [0u8; 32];
+        for (i, b) in hash.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(37) ^ 0xa5;
+        }
+        assert_eq!(hash_key(&hash), hex::encode(hash));
+        assert_eq!(hash_key(&[0xff; 32]), "f".repeat(64));
+        assert_eq!(hash_key(&[0; 32]), "0".repeat(64));
     }
 
     #[test]

@@ -98,9 +98,12 @@ pub(super) fn models_page(models: Vec<Value>, query: &HashMap<String, String>) -
     json!({"data": page, "has_more": has_more, "first_id": first, "last_id": last})
 }
 
+/// The header that carries the key (`Provider::credential_header`).
+pub(super) const KEY_HEADER: &str = "x-api-key";
+
 /// `x-api-key: KEY`.
 pub(super) fn auth_header(key: &str) -> (&'static str, String) {
-    ("x-api-key", key.to_string())
+    (KEY_HEADER, key.to_string())
 }
 
 /// `{"type":"error","error":{"type","message"}}` with Anthropic's documented `type` for the

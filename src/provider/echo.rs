@@ -38,12 +38,15 @@ pub(super) fn owns_path(path: &str) -> bool {
 
 /// A call from an echo client to a shared path carries its key header.
 pub(super) fn owns_call(headers: &HeaderMap) -> bool {
-    headers.contains_key("x-echo-key")
+    headers.contains_key(KEY_HEADER)
 }
+
+/// The header that carries the key (`Provider::credential_header`).
+pub(super) const KEY_HEADER: &str = "x-echo-key";
 
 /// `x-echo-key: KEY`.
 pub(super) fn auth_header(key: &str) -> (&'static str, String) {
-    ("x-echo-key", key.to_string())
+    (KEY_HEADER, key.to_string())
 }
 
 /// A model-list entry.

@@ -193,7 +193,13 @@ impl Provider {
     /// The client header that carries credentials for this provider's API; never forwarded
     /// upstream (the backend's own key is sent instead).
     pub(crate) fn credential_header(self) -> &'static str {
-        self.auth_header("").0
+        match self {
+            Provider::Openai => openai::KEY_HEADER,
+            Provider::Anthropic => anthropic::KEY_HEADER,
+            Provider::Gemini => gemini::KEY_HEADER,
+            #[cfg(test)]
+            Provider::Echo => echo::KEY_HEADER,
+        }
     }
 
     /// The upstream path and query of one page of a backend's model list, the page after the
@@ -988,6 +994,15 @@ impl Route {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// IN-3: the header a client's key arrives in, never forwarded, is the one the backend's key
+    /// is sent in.
+    #[test]
+    fn each_providers_credential_header_is_the_one_its_key_is_sent_in_in3() {
+        for p in Provider::ALL {
+            assert_eq!(p.credential_header(), p.auth_header("k").0, "{p:?}");
+        }
+    }
 
     #[test]
     fn names_round_trip_and_upstream_paths_drop_the_version_prefix() {

@@ -33,9 +33,12 @@ pub(super) fn models_answer(models: Vec<Value>) -> Value {
     json!({"object": "list", "data": models})
 }
 
+/// The header that carries the key (`Provider::credential_header`).
+pub(super) const KEY_HEADER: &str = "authorization";
+
 /// `Authorization: Bearer KEY`.
 pub(super) fn auth_header(key: &str) -> (&'static str, String) {
-    ("authorization", format!("Bearer {key}"))
+    (KEY_HEADER, format!("Bearer {key}"))
 }
 
 /// `{"error":{"message","type","param","code"}}`; `type` is OpenAI's for the status, `code`

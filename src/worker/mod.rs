@@ -551,7 +551,7 @@ impl WorkerPool {
 
     /// A lease owner unique to one attempt (or, for `lease_many`, one call): `<host>-<pid>/<uuid>`.
     pub(crate) fn lease_owner(&self) -> String {
-        format!("{}/{}", self.node, uuid::Uuid::new_v4())
+        owner_text(&self.node, Uuid::new_v4())
     }
 
     /// Lease length in milliseconds (`workers.lease_secs`).
@@ -873,9 +873,33 @@ fn backend_address(config: &Config, record: &RequestRecord) -> Option<(String, u
     Some((url.host_str()?.to_owned(), url.port_or_known_default()?))
 }
 
+/// `<node>/<unique>`, the text of a lease owner ([`WorkerPool::lease_owner`]), pushed rather
+/// than `format!`ed: one per proxied request (issue 30).
+fn owner_text(node: &str, unique: Uuid) -> String {
+    let mut owner = String::with_capacity(node.len() + 1 + uuid::fmt::Hyphenated::LENGTH);
+    owner.push_str(node);
+    owner.push('/');
+    owner.push_str(unique.hyphenated().encode_lower(&mut Uuid::encode_buffer()));
+    owner
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// LC-3: every worker write is fenced on the owner; its text is the node's and a fresh
+    /// UUID's, as `format!` would write them (the cluster chaos test reads the pid from it).
+    #[test]
+    fn a_lease_owner_is_the_node_and_a_fresh_uuid_lc3() {
+        let unique = Uuid::new_v4();
+        let owner = owner_text("host-a-4242", unique);
+        assert_eq!(owner, format!("host-a-4242/{unique}"));
+        assert_eq!(owner.capacity(), owner.len(), "sized once");
+        assert_ne!(
+            owner_text("n", Uuid::new_v4()),
+            owner_text("n", Uuid::new_v4())
+        );
+    }
 
     #[test]
     fn sweeps_hold_while_the_store_fails_and_for_a_while_after_decision52() {
