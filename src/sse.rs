@@ -157,15 +157,31 @@ impl SseParser {
     /// `Ok` and the error comes from the next call. Once an error has been returned, every later
     /// call returns it again.
     pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<SseEvent>, SseError> {
+        let mut out = Vec::new();
+        self.push_into(bytes, &mut out).map(|()| out)
+    }
+
+    /// [`SseParser::push`], appending the events to `out`: a caller that reads a whole stream
+    /// keeps one vector for every read rather than one per read (issue 30).
+    ///
+    /// # Errors
+    ///
+    /// As [`SseParser::push`]: when these bytes completed events before the fault, they are
+    /// appended, `Ok` is returned and the error comes from the next call.
+    pub fn push_into(&mut self, bytes: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
         if let Some(err) = &self.failed {
             return Err(err.clone());
         }
-        let mut out = Vec::new();
-        match self.feed(bytes, &mut out) {
-            Ok(()) => Ok(out),
+        let before = out.len();
+        match self.feed(bytes, out) {
+            Ok(()) => Ok(()),
             Err(err) => {
                 self.failed = Some(err.clone());
-                if out.is_empty() { Err(err) } else { Ok(out) }
+                if out.len() == before {
+                    Err(err)
+                } else {
+                    Ok(())
+                }
             }
         }
     }
@@ -332,15 +348,23 @@ fn stream_lines(text: &str) -> impl Iterator<Item = &str> {
 /// no CR: a stream cannot carry CR, so CRLF and lone CR in `data` arrive as LF. `event` is cut at its
 /// first CR or LF, which would otherwise inject fields.
 pub fn encode(id: Option<u64>, event: Option<&str>, data: &str) -> Bytes {
-    let lines = memchr::memchr2_iter(b'\n', b'\r', data.as_bytes()).count() + 1;
     let event = event
         .map(|name| name.split(['\r', '\n']).next().unwrap_or(""))
         .filter(|name| !name.is_empty());
-    let capacity = 26 + event.map_or(0, |name| name.len() + 8) + data.len() + 7 * lines + 1;
+    let mut digits = itoa::Buffer::new();
+    let id = id.map(|id| digits.format(id));
+    // The exact length: a buffer filled to its capacity becomes `Bytes` without a second
+    // allocation, which one with room to spare costs (issue 30).
+    let (lines, text) = stream_lines(data).fold((0, 0), |(n, len), line| (n + 1, len + line.len()));
+    let capacity = id.map_or(0, |id| id.len() + 5)
+        + event.map_or(0, |name| name.len() + 8)
+        + 7 * lines
+        + text
+        + 1;
     let mut buf = BytesMut::with_capacity(capacity);
     if let Some(id) = id {
         buf.put_slice(b"id: ");
-        buf.put_slice(id.to_string().as_bytes());
+        buf.put_slice(id.as_bytes());
         buf.put_u8(b'\n');
     }
     if let Some(name) = event {
@@ -354,6 +378,11 @@ pub fn encode(id: Option<u64>, event: Option<&str>, data: &str) -> Bytes {
         buf.put_u8(b'\n');
     }
     buf.put_u8(b'\n');
+    debug_assert_eq!(
+        buf.len(),
+        capacity,
+        "an event's length is known before it is written"
+    );
     buf.freeze()
 }
 

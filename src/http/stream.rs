@@ -184,6 +184,7 @@ pub(super) fn follow(
             Some((subscription, early)) => (subscription, early),
             None => (hub.subscribe(id), Vec::new()),
         };
+        // What to send next; its room kept from event to event (issue 30).
         let mut out = Vec::new();
         for handed in &early {
             position.offer_all(&handed.chunks, Source::Ahead, &mut out);
@@ -232,7 +233,7 @@ pub(super) fn follow(
             for chunk in page {
                 position.offer(Cow::Owned(chunk), Source::Store, &mut out);
             }
-            for chunk in std::mem::take(&mut out) {
+            for chunk in out.drain(..) {
                 let last = is_last(&chunk, follow.proxied);
                 quiet_since = tokio::time::Instant::now();
                 yield Followed::Chunk(chunk);
@@ -274,7 +275,7 @@ pub(super) fn follow(
                         }
                     }
                 }
-                for chunk in std::mem::take(&mut out) {
+                for chunk in out.drain(..) {
                     let last = is_last(&chunk, follow.proxied);
                     quiet_since = tokio::time::Instant::now();
                     poll_at = quiet_since + POLL;

@@ -60,6 +60,8 @@ pub(super) struct StreamRead {
     /// The store writes a stream's last batch with its outcome in one commit.
     ends_in_one_write: bool,
     parser: SseParser,
+    /// The parser's events of one read, the vector kept from read to read (issue 30).
+    events: Vec<SseEvent>,
     /// What the provider reported the attempt has cost so far: kept on every ending, since an
     /// interrupted stream was billed for what it produced.
     usage: Usage,
@@ -124,6 +126,7 @@ impl StreamRead {
             request_id,
             ends_in_one_write,
             parser: SseParser::new(),
+            events: Vec::new(),
             usage: Usage::default(),
             stored: 0,
             last_seq,
@@ -160,9 +163,10 @@ impl StreamRead {
         if self.stored == 0 {
             keep_capped(&mut self.unseen, bytes);
         }
-        match self.parser.push(bytes) {
-            Ok(events) if events.is_empty() => Step::Read,
-            Ok(events) => self.on_events(events),
+        let mut events = std::mem::take(&mut self.events);
+        let step = match self.parser.push_into(bytes, &mut events) {
+            Ok(()) if events.is_empty() => Step::Read,
+            Ok(()) => self.on_events(events.drain(..)),
             Err(e) => {
                 let message = format!(
                     "the provider stream (content-type {:?}) is not valid SSE: {e}",
@@ -170,12 +174,15 @@ impl StreamRead {
                 );
                 Step::End(self.fail_keeping_unseen(ErrorType::UpstreamInvalid, message))
             }
-        }
+        };
+        // Emptied by the drain, its room kept for the next read.
+        self.events = events;
+        step
     }
 
     /// The events of one read, in order: checked, then stored as one batch, or the attempt
     /// ends.
-    pub(super) fn on_events(&mut self, events: Vec<SseEvent>) -> Step {
+    pub(super) fn on_events(&mut self, events: impl ExactSizeIterator<Item = SseEvent>) -> Step {
         let mut chunks = std::mem::take(&mut self.leading);
         chunks.reserve(events.len());
         let mut only_keepalives = true;
