@@ -77,7 +77,8 @@ fn event(i: usize) -> NewChunk {
         event: None,
         data: format!(
             r#"{{"id":"chatcmpl-bench","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":" word{i}"}}}}]}}"#
-        ),
+        )
+        .into(),
     }
 }
 

@@ -42,11 +42,14 @@ fn answer() -> Vec<u8> {
 
 /// A chat stream's events: a role chunk, 20 content chunks, a finish chunk.
 fn events() -> Vec<NewChunk> {
-    let chunk = |delta: &str, finish: &str| NewChunk {
+    let chunk = |delta: &str, finish: &str| {
+        NewChunk {
         event: None,
         data: format!(
             r#"{{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1764547200,"model":"gpt-4o-mini","choices":[{{"index":0,"delta":{delta},"finish_reason":{finish}}}]}}"#
-        ),
+        )
+        .into(),
+    }
     };
     let mut out = vec![chunk(r#"{"role":"assistant","content":""}"#, "null")];
     for i in 0..20 {

@@ -251,7 +251,7 @@ fn answer(record: &RequestRecord, events: &[crate::store::Chunk]) -> Value {
     }
     record
         .route
-        .assemble_stream(events.iter().map(|c| c.data.as_str()))
+        .assemble_stream(events.iter().map(|c| c.data.as_ref()))
         .unwrap_or_else(|| {
             // EX-3: a route whose events cannot be reassembled: the text, as `include=body`.
             let text: String = events

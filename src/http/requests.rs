@@ -345,7 +345,7 @@ async fn bodies_and_text(
     }
     let mut text = String::new();
     let mut events = 0u64;
-    let mut datas: Vec<String> = Vec::new();
+    let mut datas: Vec<Arc<str>> = Vec::new();
     let mut after = record.reset_seq;
     loop {
         let page = store.chunks_after(record.id, after, 512).await?;
@@ -373,7 +373,7 @@ async fn bodies_and_text(
     let answer_text = with_text.then(|| {
         match record
             .route
-            .assemble_stream(datas.iter().map(String::as_str))
+            .assemble_stream(datas.iter().map(AsRef::as_ref))
         {
             Some(assembled) => record.route.stream_answer_text(text.clone(), &assembled),
             None => text.clone(),

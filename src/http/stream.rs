@@ -128,7 +128,7 @@ impl Position {
                     out.push(Chunk {
                         kind: ChunkKind::Reset,
                         event: None,
-                        data: String::new(),
+                        data: "".into(),
                         ..chunk.into_owned()
                     });
                 }
@@ -459,7 +459,7 @@ mod tests {
             attempt,
             kind: ChunkKind::Data,
             event: None,
-            data: format!("event {seq}"),
+            data: format!("event {seq}").into(),
         }
     }
 
@@ -469,7 +469,7 @@ mod tests {
             attempt: 1,
             kind,
             event: None,
-            data: String::new(),
+            data: "".into(),
         }
     }
 

@@ -562,19 +562,20 @@ pub struct Chunk {
     pub attempt: u32,
     /// Data or control.
     pub kind: ChunkKind,
-    /// The provider's `event:` name (data chunks), or `None`.
-    pub event: Option<String>,
-    /// The event's data (lines joined with `\n`).
-    pub data: String,
+    /// The provider's `event:` name (data chunks), or `None`; shared as `data` is.
+    pub event: Option<Arc<str>>,
+    /// The event's data (lines joined with `\n`), shared: the hub, the log's writer and
+    /// every reader of an event hold the one text (issue 30).
+    pub data: Arc<str>,
 }
 
 /// A provider event to store as a data chunk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewChunk {
-    /// `event:` name, if any.
-    pub event: Option<String>,
-    /// Data.
-    pub data: String,
+    /// `event:` name, if any; shared as `data` is.
+    pub event: Option<Arc<str>>,
+    /// Data, shared as [`Chunk::data`] is.
+    pub data: Arc<str>,
 }
 
 /// Data chunks of one attempt to append, fenced on its lease (LC-3) and on the seq they

@@ -74,7 +74,7 @@ pub(crate) fn end_chunk_of(
         attempt: attempts,
         kind: ChunkKind::End,
         event: None,
-        data: end_data(status, error),
+        data: end_data(status, error).into(),
     })
 }
 

@@ -1247,7 +1247,7 @@ mod tests {
             .append(batch("a"))
             .await
             .expect("stored on the third try");
-        assert_eq!((stored[0].seq, stored[0].data.as_str()), (1, "a"));
+        assert_eq!((stored[0].seq, &*stored[0].data), (1, "a"));
         assert_eq!(calls(&store).len(), 3);
         // Past the first failure's window: a success started the next failure's window anew.
         tokio::time::sleep(window + Duration::from_millis(200)).await;
@@ -1293,7 +1293,7 @@ mod tests {
         gone.abort();
         let _ = gone.await;
         let stored = kept.await.unwrap().expect("stored on the second try");
-        assert_eq!(stored[0].data, "kept");
+        assert_eq!(&*stored[0].data, "kept");
         assert_eq!(
             calls(&store),
             [2, 1],
@@ -1305,7 +1305,7 @@ mod tests {
     fn texts(batches: &[ChunkBatch]) -> Vec<String> {
         batches
             .iter()
-            .flat_map(|b| b.chunks.iter().map(|c| c.data.clone()))
+            .flat_map(|b| b.chunks.iter().map(|c| c.data.to_string()))
             .collect()
     }
 

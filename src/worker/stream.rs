@@ -233,8 +233,8 @@ impl StreamRead {
             }
             only_keepalives &= seen.keepalive && !seen.error && !seen.ends_stream;
             chunks.push(NewChunk {
-                event: event.event,
-                data: event.data,
+                event: event.event.map(Arc::from),
+                data: event.data.into(),
             });
         }
         if let Some(error) = &provider_error

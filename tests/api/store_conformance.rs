@@ -358,8 +358,8 @@ async fn last_seq_of(store: &DynStore, id: Uuid) -> i64 {
 fn new_chunks(prefix: &str, n: usize) -> Vec<NewChunk> {
     (0..n)
         .map(|i| NewChunk {
-            event: (i % 2 == 1).then(|| "delta".to_string()),
-            data: format!("{{\"part\":\"{prefix}-{i}\"}}"),
+            event: (i % 2 == 1).then(|| "delta".into()),
+            data: format!("{{\"part\":\"{prefix}-{i}\"}}").into(),
         })
         .collect()
 }
@@ -425,7 +425,7 @@ async fn assert_single_end(store: &DynStore, record: &RequestRecord) {
     assert_eq!(Some(end), chunks.last(), "end is the last chunk");
     assert_eq!(end.seq, record.last_seq, "end is at last_seq");
     assert_eq!(end.event, None);
-    assert_eq!(end.data, end_data(record.status, record.error.as_ref()));
+    assert_eq!(&*end.data, end_data(record.status, record.error.as_ref()));
     // What the worker hands a stream's readers with its last batch instead of their reading
     // the log back (issue 30): the stored chunk, field for field.
     assert_eq!(
@@ -1049,7 +1049,7 @@ async fn sweep_recovers_expired_leases_and_resets_only_after_stored_chunks_lc4_l
     assert_eq!(chunks[2].kind, ChunkKind::Reset);
     assert_eq!(chunks[2].seq, 3);
     assert_eq!(chunks[2].attempt, 2);
-    assert_eq!(chunks[2].data, "2");
+    assert_eq!(&*chunks[2].data, "2");
     assert_eq!(chunks[2].event, None);
     let rec = get(&store, streamed.id).await;
     assert_eq!((rec.last_seq, rec.reset_seq), (3, 3));
@@ -1074,7 +1074,7 @@ async fn sweep_recovers_expired_leases_and_resets_only_after_stored_chunks_lc4_l
     let chunks = all_chunks(&store, streamed.id).await;
     assert_eq!(chunks.len(), 5);
     assert_eq!(
-        (chunks[4].kind, chunks[4].seq, chunks[4].data.as_str()),
+        (chunks[4].kind, chunks[4].seq, &*chunks[4].data),
         (ChunkKind::Reset, 5, "3")
     );
     assert_eq!(get(&store, streamed.id).await.recoveries, 2);
@@ -1271,7 +1271,7 @@ async fn append_chunks_assigns_consecutive_seqs_across_batches(store: DynStore) 
     }
     assert_eq!(stored[0].event, None);
     assert_eq!(stored[1].event.as_deref(), Some("delta"));
-    assert_eq!(stored[0].data, r#"{"part":"one-0"}"#);
+    assert_eq!(&*stored[0].data, r#"{"part":"one-0"}"#);
     let after = get(&store, rec.id).await;
     assert_eq!(after.last_seq, 2_506);
     assert_eq!(after.upstream_request_id.as_deref(), Some("req_up_stream"));
@@ -1309,7 +1309,7 @@ async fn append_chunks_group_commit_keeps_each_requests_order(store: DynStore) {
     }
     for lease in &leases {
         let stored = all_chunks(&store, lease.id).await;
-        let data: Vec<&str> = stored.iter().map(|c| c.data.as_str()).collect();
+        let data: Vec<&str> = stored.iter().map(|c| &*c.data).collect();
         assert_eq!(
             data,
             vec![
@@ -1764,11 +1764,8 @@ async fn finish_with_chunks_stores_the_last_batch_and_the_outcome_together_or_no
         "after the two stored before"
     );
     assert_eq!(
-        chunks.iter().map(|c| c.data.as_str()).collect::<Vec<_>>(),
-        last.chunks
-            .iter()
-            .map(|c| c.data.as_str())
-            .collect::<Vec<_>>()
+        chunks.iter().map(|c| &*c.data).collect::<Vec<_>>(),
+        last.chunks.iter().map(|c| &*c.data).collect::<Vec<_>>()
     );
     assert_eq!(settled.status, Status::Succeeded);
     assert_eq!(settled.last_seq, 6, "the end chunk follows the last batch");
@@ -1969,7 +1966,7 @@ async fn every_terminal_outcome_appends_exactly_one_end_chunk_rd5(store: DynStor
     assert_single_end(&store, &rec).await;
     let end = all_chunks(&store, ok.id).await.pop().expect("end");
     assert_eq!(end.attempt, 1);
-    assert_eq!(end.data, end_data(Status::Succeeded, None));
+    assert_eq!(&*end.data, end_data(Status::Succeeded, None));
     // A second finish by the same (now released) lease is fenced out: still one end.
     assert!(!store.finish(&l, succeeded(), T0 + 2).await.expect("finish"));
     assert_single_end(&store, &get(&store, ok.id).await).await;
@@ -2671,7 +2668,7 @@ async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
         (chunks[2].kind, chunks[2].seq, chunks[2].attempt),
         (ChunkKind::Reset, 3, 3)
     );
-    assert_eq!(chunks[2].data, "3");
+    assert_eq!(&*chunks[2].data, "3");
     let after = get(&store, rec.id).await;
     assert_eq!((after.attempts, after.recoveries), (2, 0));
     assert_eq!((after.last_seq, after.reset_seq), (3, 3));
@@ -2934,7 +2931,7 @@ async fn nul_characters_in_text_never_fail_a_write_in2(store: DynStore) {
         read[0].event.as_deref().map(shown),
         Some(shown("odd\0event"))
     );
-    assert_eq!(read[0].data, "{\"a\":\"\\u0000\"}");
+    assert_eq!(&*read[0].data, "{\"a\":\"\\u0000\"}");
 
     let outcome = Outcome::Failed {
         error: ErrorInfo {

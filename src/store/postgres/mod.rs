@@ -500,8 +500,8 @@ impl Store for PostgresStore {
                     seq,
                     attempt: batch.lease.attempt,
                     kind: ChunkKind::Data,
-                    event,
-                    data,
+                    event: event.map(Arc::from),
+                    data: data.into(),
                 })
                 .collect();
             results[i] = Some(stored);
@@ -545,8 +545,8 @@ impl Store for PostgresStore {
                         seq,
                         attempt: lease.attempt,
                         kind: ChunkKind::Data,
-                        event: event.clone(),
-                        data: data.clone(),
+                        event: event.as_deref().map(Arc::from),
+                        data: data.as_str().into(),
                     })
                     .collect();
                 Ok(Some((chunks, record)))

@@ -117,8 +117,10 @@ pub(super) fn chunk_from_row(row: &PgRow) -> Result<Chunk, StoreError> {
         seq: row.try_get("seq")?,
         attempt: count(row.try_get("attempt")?, "chunk attempt")?,
         kind: ChunkKind::parse(&kind).ok_or_else(|| corrupt(format!("chunk kind {kind:?}")))?,
-        event: row.try_get("event")?,
-        data: row.try_get("data")?,
+        event: row
+            .try_get::<Option<&str>, _>("event")?
+            .map(std::sync::Arc::from),
+        data: row.try_get::<&str, _>("data")?.into(),
     })
 }
 

@@ -769,15 +769,16 @@ mod tests {
         let new = |n: usize| NewChunk {
             event: match n % 3 {
                 0 => None,
-                1 => Some(format!("event:{n}")),
-                _ => Some(String::new()),
+                1 => Some(format!("event:{n}").into()),
+                _ => Some("".into()),
             },
             data: match n % 4 {
                 0 => format!("{{\"n\":{n},\"text\":\"12:34:-:\"}}"),
                 1 => String::new(),
                 2 => format!("é世🙂 {n}\nsecond line"),
                 _ => format!("-:{n}:"),
-            },
+            }
+            .into(),
         };
         let batch = |after: i64, chunks: Vec<NewChunk>| ChunkBatch {
             lease: lease.clone(),
@@ -811,7 +812,7 @@ mod tests {
         assert_eq!((end[0].seq, end[0].kind), (104, ChunkKind::End));
         let cancelled = crate::store::rules::cancelled();
         assert_eq!(
-            end[0].data,
+            &*end[0].data,
             crate::store::rules::end_data(Status::Failed, Some(&cancelled))
         );
         all.extend(end);

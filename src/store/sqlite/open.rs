@@ -619,7 +619,7 @@ mod tests {
         let chunks = store.chunks_after(id, 1, 10).await.expect("read");
         let seqs: Vec<i64> = chunks.iter().map(|c| c.seq).collect();
         assert_eq!(seqs, [2, 3]);
-        assert_eq!(chunks[1].data, r#"{"n":3}"#);
+        assert_eq!(&*chunks[1].data, r#"{"n":3}"#);
         // (request_id, seq) is still unique.
         let conn = Connection::open(&db).expect("open");
         let again = conn.execute(

@@ -195,8 +195,8 @@ pub(super) fn chunks_from_row(
                 seq,
                 attempt,
                 kind,
-                event: event.map(str::to_string),
-                data: data.to_string(),
+                event: event.map(std::sync::Arc::from),
+                data: data.into(),
             });
         }
     }

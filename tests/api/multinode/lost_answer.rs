@@ -208,7 +208,7 @@ async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_even
         1,
         "the relay lost the first try's answer after its commit"
     );
-    let answered: Vec<(i64, &str)> = first.iter().map(|c| (c.seq, c.data.as_str())).collect();
+    let answered: Vec<(i64, &str)> = first.iter().map(|c| (c.seq, &*c.data)).collect();
     assert_eq!(answered, vec![(1, "fjord"), (2, "bay")]);
 
     // The next batch follows it; each event is stored once.
@@ -225,10 +225,8 @@ async fn a_chunk_commit_whose_answer_is_lost_is_tried_again_and_stores_each_even
         .expect("append");
     assert_eq!(next.iter().map(|c| c.seq).collect::<Vec<_>>(), vec![3]);
     let stored = store.chunks_after(id, 0, 100).await.expect("chunks");
-    let log: Vec<(i64, ChunkKind, &str)> = stored
-        .iter()
-        .map(|c| (c.seq, c.kind, c.data.as_str()))
-        .collect();
+    let log: Vec<(i64, ChunkKind, &str)> =
+        stored.iter().map(|c| (c.seq, c.kind, &*c.data)).collect();
     assert_eq!(
         log,
         vec![
