@@ -49,7 +49,8 @@ pub const DEFAULT_LIMIT: usize = 16 * 1024 * 1024;
 /// The UTF-8 byte order mark, skipped once at the start of a stream.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
-/// A partial-line buffer that grew past this many bytes is released after use instead of kept.
+/// A partial-line, data or event-name buffer that grew past this many bytes is released after
+/// use instead of kept.
 const LINE_BUFFER_KEEP: usize = 64 * 1024;
 
 /// One dispatched event.
@@ -168,7 +169,11 @@ impl SseParser {
     ///
     /// As [`SseParser::push`]: when these bytes completed events before the fault, they are
     /// appended, `Ok` is returned and the error comes from the next call.
-    pub fn push_into(&mut self, bytes: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+    pub fn push_into<E: Dispatch>(
+        &mut self,
+        bytes: &[u8],
+        out: &mut Vec<E>,
+    ) -> Result<(), SseError> {
         if let Some(err) = &self.failed {
             return Err(err.clone());
         }
@@ -207,7 +212,7 @@ impl SseParser {
     }
 
     /// Splits `rest` into lines, joining the first with the buffered partial line.
-    fn feed(&mut self, mut rest: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+    fn feed<E: Dispatch>(&mut self, mut rest: &[u8], out: &mut Vec<E>) -> Result<(), SseError> {
         if self.after_cr && !rest.is_empty() {
             self.after_cr = false;
             if let [b'\n', tail @ ..] = rest {
@@ -255,7 +260,7 @@ impl SseParser {
     }
 
     /// Interprets one complete line, without its line end.
-    fn process_line(&mut self, line: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+    fn process_line<E: Dispatch>(&mut self, line: &[u8], out: &mut Vec<E>) -> Result<(), SseError> {
         let line = if std::mem::take(&mut self.at_start) {
             line.strip_prefix(BOM).unwrap_or(line)
         } else {
@@ -305,20 +310,52 @@ impl SseParser {
     }
 
     /// WHATWG "dispatch the event", minus the last-event-id bookkeeping that `id` already does.
-    fn dispatch(&mut self) -> Option<SseEvent> {
+    fn dispatch<E: Dispatch>(&mut self) -> Option<E> {
         if self.data.is_empty() {
             self.event.clear();
             return None;
         }
-        let mut data = std::mem::take(&mut self.data);
-        data.pop(); // the LF after the last data line
-        let event = std::mem::take(&mut self.event);
-        Some(SseEvent {
-            event: (!event.is_empty()).then_some(event),
-            data,
-            id: (!self.last_id.is_empty()).then(|| self.last_id.clone()),
-            retry: self.retry.take(),
-        })
+        // Without the LF after the last data line. The buffers keep their room for the next
+        // event: what the caller keeps is its own copy (issue 30).
+        let event = E::dispatch(
+            (!self.event.is_empty()).then_some(self.event.as_str()),
+            &self.data[..self.data.len() - 1],
+            (!self.last_id.is_empty()).then_some(self.last_id.as_str()),
+            self.retry.take(),
+        );
+        emptied(&mut self.data);
+        emptied(&mut self.event);
+        Some(event)
+    }
+}
+
+/// What [`SseParser`] makes of each event it dispatches: an [`SseEvent`], or a caller's own
+/// type (the worker's chunk, whose texts the log and the readers share).
+pub trait Dispatch: Sized {
+    /// The event named `event` (`None`: absent or empty) carrying `data` (its `data:` lines
+    /// joined with LF), with the last event id in force (`None` while empty) and the `retry`
+    /// received since the previous event.
+    fn dispatch(event: Option<&str>, data: &str, id: Option<&str>, retry: Option<u64>) -> Self;
+}
+
+impl Dispatch for SseEvent {
+    fn dispatch(event: Option<&str>, data: &str, id: Option<&str>, retry: Option<u64>) -> Self {
+        SseEvent {
+            event: event.map(str::to_owned),
+            data: data.to_owned(),
+            id: id.map(str::to_owned),
+            retry,
+        }
+    }
+}
+
+/// Empties a buffer for the next event, keeping its room unless an event grew it past
+/// [`LINE_BUFFER_KEEP`].
+fn emptied(buffer: &mut String) {
+    if buffer.capacity() > LINE_BUFFER_KEEP {
+        *buffer = String::new();
+    } else {
+        buffer.clear();
     }
 }
 
@@ -460,6 +497,32 @@ mod tests {
                 ..ev(None, "z")
             },
         ]
+    }
+
+    /// IN-2: the buffers an event was read into keep their room for the next event, unless the
+    /// event grew them past the limit: a stream of one huge event then small ones does not hold
+    /// the huge one's memory.
+    #[test]
+    fn event_buffers_are_kept_for_the_next_event_and_released_past_the_limit_in2() {
+        let mut parser = SseParser::new();
+        let mut out: Vec<SseEvent> = Vec::new();
+        parser
+            .push_into(b"event: delta\ndata: small\n\n", &mut out)
+            .expect("parsed");
+        assert!(parser.data.is_empty() && parser.data.capacity() >= 6);
+        assert!(parser.event.is_empty() && parser.event.capacity() >= 5);
+        let huge = format!("data: {}\n\n", "x".repeat(LINE_BUFFER_KEEP + 1));
+        parser.push_into(huge.as_bytes(), &mut out).expect("parsed");
+        assert_eq!(parser.data.capacity(), 0, "released");
+        parser
+            .push_into(b"data: after\n\n", &mut out)
+            .expect("parsed");
+        assert_eq!(
+            out.iter().map(|e| e.data.len()).collect::<Vec<_>>(),
+            [5, LINE_BUFFER_KEEP + 1, 5]
+        );
+        assert_eq!(out[0].event.as_deref(), Some("delta"));
+        assert_eq!(out[1].event, None, "an event's name does not carry over");
     }
 
     #[test]

@@ -624,8 +624,8 @@ impl ChunkBatch {
 pub struct Lease {
     /// Request id.
     pub id: Uuid,
-    /// Unique per attempt: `<node>/<uuid>`.
-    pub owner: String,
+    /// Unique per attempt: `<node>/<uuid>`; shared by every write the attempt makes (issue 30).
+    pub owner: Arc<str>,
     /// The attempt number this lease runs (1-based).
     pub attempt: u32,
 }

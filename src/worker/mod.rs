@@ -925,7 +925,7 @@ mod tests {
         use futures::FutureExt;
         let lease = |attempt| Lease {
             id: Uuid::nil(),
-            owner: format!("node/{attempt}"),
+            owner: format!("node/{attempt}").into(),
             attempt,
         };
         let mut running = Running::default();

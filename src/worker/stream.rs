@@ -15,7 +15,7 @@ use super::chunks::{AppendError, ChunkWriter, Pending};
 use crate::hub::{Handed, HubEvent};
 use crate::otel::AttemptSpan;
 use crate::provider::{Order, Route};
-use crate::sse::{SseEvent, SseParser};
+use crate::sse::{Dispatch, SseParser};
 use crate::store::{Chunk, ChunkBatch, ErrorInfo, ErrorType, Lease, NewChunk, Outcome, Usage};
 use crate::upstream::Response;
 
@@ -60,8 +60,9 @@ pub(super) struct StreamRead {
     /// The store writes a stream's last batch with its outcome in one commit.
     ends_in_one_write: bool,
     parser: SseParser,
-    /// The parser's events of one read, the vector kept from read to read (issue 30).
-    events: Vec<SseEvent>,
+    /// The parser's events of one read, made chunks as they are dispatched; the vector is kept
+    /// from read to read (issue 30).
+    events: Vec<NewChunk>,
     /// What the provider reported the attempt has cost so far: kept on every ending, since an
     /// interrupted stream was billed for what it produced.
     usage: Usage,
@@ -104,6 +105,18 @@ pub(super) struct StreamRead {
 /// Most keep-alive events held before a stream's first other event (decision 97): past it they
 /// are stored, and an error after them is the stream's own, no longer transient.
 const MAX_LEADING_KEEPALIVES: usize = 64;
+
+/// A provider's event becomes a chunk as the parser dispatches it: its texts are copied once,
+/// into the shared form the log and the readers keep (issue 30). The provider's event ids and
+/// `retry` are its own stream's framing and are not kept (proxied streams carry no `id:`, RS-4).
+impl Dispatch for NewChunk {
+    fn dispatch(event: Option<&str>, data: &str, _: Option<&str>, _: Option<u64>) -> Self {
+        NewChunk {
+            event: event.map(Arc::from),
+            data: Arc::from(data),
+        }
+    }
+}
 
 impl StreamRead {
     /// The state of a 2xx answer to a stream request, before its body is read. `last_seq` is
@@ -182,7 +195,7 @@ impl StreamRead {
 
     /// The events of one read, in order: checked, then stored as one batch, or the attempt
     /// ends.
-    pub(super) fn on_events(&mut self, events: impl ExactSizeIterator<Item = SseEvent>) -> Step {
+    pub(super) fn on_events(&mut self, events: impl ExactSizeIterator<Item = NewChunk>) -> Step {
         let mut chunks = std::mem::take(&mut self.leading);
         chunks.reserve(events.len());
         let mut only_keepalives = true;
@@ -232,10 +245,7 @@ impl StreamRead {
                 usage_changed = true;
             }
             only_keepalives &= seen.keepalive && !seen.error && !seen.ends_stream;
-            chunks.push(NewChunk {
-                event: event.event.map(Arc::from),
-                data: event.data.into(),
-            });
+            chunks.push(event);
         }
         if let Some(error) = &provider_error
             && self.stored == 0

@@ -727,7 +727,7 @@ async fn lease_takes_only_due_pending_requests_oldest_first_lc2(store: DynStore)
     );
     let (lease, rec) = lease_at(&store, "node/a", T0 + 100).await;
     assert_eq!(lease.id, early.id, "oldest next_retry_at first");
-    assert_eq!(lease.owner, "node/a");
+    assert_eq!(&*lease.owner, "node/a");
     assert_eq!(lease.attempt, 1);
     assert_eq!(rec.status, Status::Running);
     assert_eq!(rec.attempts, 1);
@@ -1891,7 +1891,7 @@ async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
     };
     let lease = lease.expect("a created request is leased");
     assert_eq!(
-        (lease.id, lease.owner.as_str(), lease.attempt),
+        (lease.id, &*lease.owner, lease.attempt),
         (id, "node/a/admit", 1)
     );
     let stored = get(&store, id).await;
@@ -2988,7 +2988,7 @@ async fn postgres_leases_a_batch_in_one_statement_lc2() {
             .expect("lease_many")
     };
     assert_eq!(leased.len(), 20);
-    let owners: HashSet<&str> = leased.iter().map(|(l, _)| l.owner.as_str()).collect();
+    let owners: HashSet<&str> = leased.iter().map(|(l, _)| &*l.owner).collect();
     assert_eq!(owners.len(), 20, "an owner per attempt");
     assert_eq!(
         counter.0.load(std::sync::atomic::Ordering::SeqCst),

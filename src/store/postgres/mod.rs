@@ -238,7 +238,7 @@ impl Store for PostgresStore {
         let lease = match (&submitted, lease) {
             (Submitted::Created(record), Some(lease)) => Some(Lease {
                 id: record.id,
-                owner: lease.owner.to_string(),
+                owner: lease.owner.into(),
                 attempt: record.attempts,
             }),
             _ => None,
@@ -286,7 +286,7 @@ impl Store for PostgresStore {
         let record = record_from_row(&row)?;
         let lease = Lease {
             id: record.id,
-            owner: owner.to_string(),
+            owner: owner.into(),
             attempt: record.attempts,
         };
         Ok(Some((lease, record)))
@@ -328,7 +328,7 @@ impl Store for PostgresStore {
                 let record = record_from_row(row)?;
                 let lease = Lease {
                     id: record.id,
-                    owner: row.try_get("lease_owner")?,
+                    owner: row.try_get::<&str, _>("lease_owner")?.into(),
                     attempt: record.attempts,
                 };
                 Ok((lease, record))
@@ -355,7 +355,7 @@ impl Store for PostgresStore {
                 )
                 .bind(now + lease_ms)
                 .bind(id)
-                .bind(owner)
+                .bind(&*owner)
                 .execute(&mut *conn)
                 .await?;
                 Ok(done.rows_affected() == 1)
@@ -743,7 +743,7 @@ impl Store for PostgresStore {
              FOR UPDATE",
         )
         .bind(lease.id)
-        .bind(&lease.owner)
+        .bind(&*lease.owner)
         .fetch_optional(&mut *tx)
         .await?;
         let Some((claim, attempts, last_seq, reset_seq)) = held else {

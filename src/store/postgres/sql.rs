@@ -232,7 +232,7 @@ pub(super) async fn finish_in(
                 .bind(opt_text(upstream_request_id.as_deref()))
                 .bind(now)
                 .bind(id)
-                .bind(&lease.owner)
+                .bind(&*lease.owner)
                 .bind(u[0])
                 .bind(u[1])
                 .bind(u[2])
@@ -269,7 +269,7 @@ pub(super) async fn finish_in(
             .bind(error.status.map(i32::from))
             .bind(now)
             .bind(id)
-            .bind(&lease.owner)
+            .bind(&*lease.owner)
             .bind(changed)
             .fetch_optional(&mut *conn)
             .await?
@@ -296,7 +296,7 @@ pub(super) async fn finish_in(
                 .bind(opt_text(upstream_request_id.as_deref()))
                 .bind(now)
                 .bind(id)
-                .bind(&lease.owner)
+                .bind(&*lease.owner)
                 .bind(u[0])
                 .bind(u[1])
                 .bind(u[2])
@@ -590,19 +590,19 @@ impl AppendPlan {
         let lease = &batch.lease;
         // Batches come sorted by (id, owner): an attempt's group, if any, is the last one.
         let last = self.ids.len().checked_sub(1);
-        let group = match last.filter(|&g| self.ids[g] == lease.id && self.owners[g] == lease.owner)
-        {
-            Some(g) if self.afters[g] + self.counts[g] == batch.after => g,
-            Some(_) => return Ok(None),
-            None => {
-                self.ids.push(lease.id);
-                self.owners.push(lease.owner.clone());
-                self.counts.push(0);
-                self.upstream_request_ids.push(None);
-                self.afters.push(batch.after);
-                self.ids.len() - 1
-            }
-        };
+        let group =
+            match last.filter(|&g| self.ids[g] == lease.id && *self.owners[g] == *lease.owner) {
+                Some(g) if self.afters[g] + self.counts[g] == batch.after => g,
+                Some(_) => return Ok(None),
+                None => {
+                    self.ids.push(lease.id);
+                    self.owners.push(lease.owner.to_string());
+                    self.counts.push(0);
+                    self.upstream_request_ids.push(None);
+                    self.afters.push(batch.after);
+                    self.ids.len() - 1
+                }
+            };
         let tag = i32::try_from(group).map_err(corrupt)?;
         let attempt = attempt_number(lease.attempt)?;
         if let Some(id) = &batch.upstream_request_id {

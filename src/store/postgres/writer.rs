@@ -567,7 +567,7 @@ async fn finish_many(
     }
     for &i in shared {
         if let Some(job) = group[i].succeeded() {
-            let record = records.remove(&(job.lease.id, job.lease.owner.clone()));
+            let record = records.remove(&(job.lease.id, job.lease.owner.to_string()));
             job.result = Some(Ok(record));
         }
     }
@@ -606,7 +606,7 @@ impl FinishArrays {
             return false;
         };
         self.ids.push(job.lease.id);
-        self.owners.push(job.lease.owner.clone());
+        self.owners.push(job.lease.owner.to_string());
         self.statuses.push(i32::from(*status));
         self.bodies.push(body.clone());
         self.upstream_request_ids

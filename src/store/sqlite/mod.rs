@@ -962,7 +962,7 @@ mod tests {
             data: d.into(),
         };
         let mut stale = first[1].0.clone();
-        stale.owner.push_str("-lost");
+        stale.owner = format!("{}-lost", stale.owner).into();
         let batches = vec![
             ChunkBatch {
                 lease: first[0].0.clone(),

@@ -359,7 +359,7 @@ pub(super) fn submit_in(
         }
         let lease = owner.map(|owner| Lease {
             id: new.id,
-            owner: owner.to_string(),
+            owner: owner.into(),
             attempt: 1,
         });
         // The row is exactly what was just inserted: the caller builds the record from `new`.
@@ -904,7 +904,7 @@ pub(super) fn lease_in(
     let record = fetch(conn, id)?.ok_or_else(|| corrupt(format!("leased request {id} is gone")))?;
     let lease = Lease {
         id: record.id,
-        owner,
+        owner: owner.into(),
         attempt: record.attempts,
     };
     Ok((lease, record))
