@@ -110,8 +110,8 @@ where
         event: &Event<'_>,
     ) -> fmt::Result {
         let meta = event.metadata();
-        // A `log` record's line shows the record's own level and target, which the library
-        // reads from these fields.
+        // A `log` record's line shows the record's own target, which the library reads from
+        // its `log.*` fields.
         if writer.has_ansi_escapes() || meta.fields().field("log.target").is_some() {
             return self.library.format_event(ctx, writer, event);
         }
@@ -524,7 +524,15 @@ mod tests {
     /// `fmt` with [`PlainFields`] and `format` as its line format.
     fn lines_formatted<E>(format: E, ansi: bool) -> String
     where
-        E: for<'w> FormatEvent<tracing_subscriber::Registry, PlainFields> + Send + Sync + 'static,
+        E: FormatEvent<tracing_subscriber::Registry, PlainFields> + Send + Sync + 'static,
+    {
+        lines_of(format, ansi, every_line)
+    }
+
+    /// The lines `log` gives through `fmt` with [`PlainFields`] and `format`.
+    fn lines_of<E>(format: E, ansi: bool, log: impl FnOnce()) -> String
+    where
+        E: FormatEvent<tracing_subscriber::Registry, PlainFields> + Send + Sync + 'static,
     {
         let captured = Captured::default();
         let subscriber = tracing_subscriber::fmt()
@@ -534,7 +542,14 @@ mod tests {
             .fmt_fields(PlainFields)
             .event_format(format)
             .finish();
-        tracing::subscriber::with_default(subscriber, || {
+        tracing::subscriber::with_default(subscriber, log);
+        let bytes = captured.0.lock().expect("capture").clone();
+        String::from_utf8(bytes).expect("utf-8")
+    }
+
+    /// Every level, outside any span and inside, then [`log_everything`].
+    fn every_line() {
+        {
             tracing::trace!(n = 1, "trace");
             tracing::debug!(n = 2, "debug");
             info!(n = 3, "info");
@@ -544,9 +559,7 @@ mod tests {
             let _empty = empty.enter();
             tracing::debug!("in a span with no fields");
             log_everything();
-        });
-        let bytes = captured.0.lock().expect("capture").clone();
-        String::from_utf8(bytes).expect("utf-8")
+        }
     }
 
     #[test]
@@ -577,6 +590,32 @@ mod tests {
             broken.starts_with("<unknown time> TRACE holdfast::logging::tests: trace n=1\n"),
             "{broken}"
         );
+    }
+
+    /// A `log` crate record (hyper's, say) reaches the log as tracing-log's event, its own
+    /// target in a `log.target` field: its line names that target, as the library writes it.
+    #[test]
+    fn plain_event_leaves_a_log_record_to_the_default_format() {
+        let record = || {
+            tracing_log::format_trace(
+                &log::Record::builder()
+                    .target("hyper::proto::h1")
+                    .level(log::Level::Warn)
+                    .args(format_args!("from the log crate"))
+                    .build(),
+            )
+            .expect("traced");
+        };
+        let default = lines_of(
+            tracing_subscriber::fmt::format().with_timer(Fixed),
+            false,
+            record,
+        );
+        assert_eq!(
+            default,
+            "2026-12-07T05:50:50.123456Z  WARN hyper::proto::h1: from the log crate\n"
+        );
+        assert_eq!(lines_of(PlainEvent::new(Fixed), false, record), default);
     }
 
     #[test]

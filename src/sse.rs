@@ -1,8 +1,9 @@
 //! Server-Sent Events: an incremental byte-level parser and an encoder.
 //!
 //! The worker feeds a provider's streamed response body to [`SseParser`] as the bytes arrive, in
-//! whatever pieces the network delivers, and stores each [`SseEvent`] it gets back as one chunk
-//! (SPEC LC-7). The readers' side writes chunks back out with [`encode`] and keeps connections open
+//! whatever pieces the network delivers, and stores each event it gets back as one chunk
+//! (SPEC LC-7): the parser makes each event the caller's type as it dispatches it ([`Dispatch`];
+//! [`SseEvent`] is its own). The readers' side writes chunks back out with [`encode`] and keeps connections open
 //! with [`comment`] (SPEC RS-4, RD-2).
 //!
 //! # What it follows
@@ -312,7 +313,7 @@ impl SseParser {
     /// WHATWG "dispatch the event", minus the last-event-id bookkeeping that `id` already does.
     fn dispatch<E: Dispatch>(&mut self) -> Option<E> {
         if self.data.is_empty() {
-            self.event.clear();
+            emptied(&mut self.event);
             return None;
         }
         // Without the LF after the last data line. The buffers keep their room for the next
@@ -497,6 +498,30 @@ mod tests {
                 ..ev(None, "z")
             },
         ]
+    }
+
+    /// Events already in the caller's vector do not count as events of this push: a fault
+    /// before any new event is an error, and a fault after one is returned by the next push.
+    #[test]
+    fn push_into_a_vector_that_holds_events_reports_a_fault_before_any_new_event() {
+        let mut parser = SseParser::new();
+        let mut out: Vec<SseEvent> = Vec::new();
+        parser.push_into(b"data: a\n\n", &mut out).expect("parsed");
+        assert_eq!(
+            parser.push_into(b"data: \xff\n", &mut out),
+            Err(SseError::InvalidUtf8)
+        );
+        assert_eq!(out, vec![ev(None, "a")]);
+        let mut parser = SseParser::new();
+        parser
+            .push_into(b"data: b\n\ndata: \xff\n", &mut out)
+            .expect("one event first");
+        assert_eq!(out, vec![ev(None, "a"), ev(None, "b")]);
+        assert_eq!(
+            parser.push_into(b"data: c\n\n", &mut out),
+            Err(SseError::InvalidUtf8),
+            "sticky"
+        );
     }
 
     /// IN-2: the buffers an event was read into keep their room for the next event, unless the

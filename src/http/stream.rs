@@ -25,6 +25,9 @@ use crate::store::{Chunk, ChunkKind, DynStore, StoreError};
 pub(super) const POLL: Duration = Duration::from_millis(500);
 /// Chunks read from the store at a time.
 const PAGE: i64 = 512;
+/// Most chunks whose room a follower's queue keeps from event to event (issue 30): a live
+/// event or a few; the room of a page read from the store is let go.
+const OUT_KEEP: usize = 16;
 
 /// An item of a followed chunk log.
 #[derive(Debug, Clone)]
@@ -241,6 +244,7 @@ pub(super) fn follow(
                     return;
                 }
             }
+            let_go_of_a_page(&mut out);
             if full {
                 continue;
             }
@@ -284,11 +288,20 @@ pub(super) fn follow(
                         return;
                     }
                 }
+                let_go_of_a_page(&mut out);
                 if reread {
                     break;
                 }
             }
         }
+    }
+}
+
+/// Lets go of a follower's emptied queue when a page of the backlog or a large batch grew it
+/// past [`OUT_KEEP`]: its room is kept only at the size of live events.
+fn let_go_of_a_page(out: &mut Vec<Chunk>) {
+    if out.capacity() > OUT_KEEP {
+        *out = Vec::new();
     }
 }
 
@@ -487,6 +500,18 @@ mod tests {
         let mut out = Vec::new();
         position.offer_all(chunks, source, &mut out);
         out.iter().map(|c| (c.seq, c.kind)).collect()
+    }
+
+    /// A follower that read a page of the backlog does not keep a page's room for the live
+    /// events after it; the room of a few live events is kept.
+    #[test]
+    fn a_followers_queue_lets_go_of_a_pages_room_and_keeps_a_few_events() {
+        let mut out: Vec<Chunk> = Vec::with_capacity(PAGE as usize);
+        let_go_of_a_page(&mut out);
+        assert_eq!(out.capacity(), 0);
+        let mut out: Vec<Chunk> = Vec::with_capacity(4);
+        let_go_of_a_page(&mut out);
+        assert!(out.capacity() >= 4, "kept");
     }
 
     #[test]

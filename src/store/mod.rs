@@ -562,10 +562,10 @@ pub struct Chunk {
     pub attempt: u32,
     /// Data or control.
     pub kind: ChunkKind,
-    /// The provider's `event:` name (data chunks), or `None`; shared as `data` is.
+    /// The provider's `event:` name (data chunks), or `None`; shared as `data` is (decision 136).
     pub event: Option<Arc<str>>,
     /// The event's data (lines joined with `\n`), shared: the hub, the log's writer and
-    /// every reader of an event hold the one text (issue 30).
+    /// every reader of an event hold the one text (decision 136).
     pub data: Arc<str>,
 }
 
@@ -624,7 +624,8 @@ impl ChunkBatch {
 pub struct Lease {
     /// Request id.
     pub id: Uuid,
-    /// Unique per attempt: `<node>/<uuid>`; shared by every write the attempt makes (issue 30).
+    /// Unique per attempt: `<node>/<uuid>`; shared by every write the attempt makes (decision
+    /// 136).
     pub owner: Arc<str>,
     /// The attempt number this lease runs (1-based).
     pub attempt: u32,

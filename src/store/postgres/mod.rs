@@ -485,7 +485,7 @@ impl Store for PostgresStore {
             let batch = &batches[i];
             // Left out of the plan: nothing of it is in the arrays.
             let Some(group) = group else { continue };
-            let taken: Vec<(Option<String>, String)> = events
+            let taken: Vec<(Option<Arc<str>>, Arc<str>)> = events
                 .by_ref()
                 .zip(data.by_ref())
                 .take(batch.chunks.len())
@@ -500,8 +500,8 @@ impl Store for PostgresStore {
                     seq,
                     attempt: batch.lease.attempt,
                     kind: ChunkKind::Data,
-                    event: event.map(Arc::from),
-                    data: data.into(),
+                    event,
+                    data,
                 })
                 .collect();
             results[i] = Some(stored);
@@ -545,8 +545,8 @@ impl Store for PostgresStore {
                         seq,
                         attempt: lease.attempt,
                         kind: ChunkKind::Data,
-                        event: event.as_deref().map(Arc::from),
-                        data: data.as_str().into(),
+                        event: event.clone(),
+                        data: Arc::clone(data),
                     })
                     .collect();
                 Ok(Some((chunks, record)))

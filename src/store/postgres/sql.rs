@@ -2,6 +2,7 @@
 //! settle, fail, release claims), and the reading of rows.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::{Postgres, Row, Transaction};
@@ -43,6 +44,14 @@ pub(super) fn text(s: &str) -> Cow<'_, str> {
         Cow::Owned(s.replace('\0', "\u{FFFD}"))
     } else {
         Cow::Borrowed(s)
+    }
+}
+
+/// A shared text as PostgreSQL stores it ([`text`]): the same one, unless it holds a NUL.
+fn stored_text(s: &Arc<str>) -> Arc<str> {
+    match text(s) {
+        Cow::Borrowed(_) => Arc::clone(s),
+        Cow::Owned(replaced) => replaced.into(),
     }
 }
 
@@ -570,8 +579,10 @@ pub(super) struct AppendPlan {
     chunk_groups: Vec<i32>,
     chunk_pos: Vec<i64>,
     chunk_attempts: Vec<i32>,
-    pub(super) events: Vec<Option<String>>,
-    pub(super) data: Vec<String>,
+    /// The texts as stored: the chunk's own, shared, unless a NUL had to be replaced
+    /// (decision 136).
+    pub(super) events: Vec<Option<Arc<str>>>,
+    pub(super) data: Vec<Arc<str>>,
     /// Per group that reported usage (the last report of the commit wins).
     usage_groups: Vec<i32>,
     usage_attempts: Vec<i32>,
@@ -613,9 +624,8 @@ impl AppendPlan {
             self.chunk_groups.push(tag);
             self.chunk_pos.push(self.counts[group]);
             self.chunk_attempts.push(attempt);
-            self.events
-                .push(opt_text(chunk.event.as_deref()).map(Cow::into_owned));
-            self.data.push(text(&chunk.data).into_owned());
+            self.events.push(chunk.event.as_ref().map(stored_text));
+            self.data.push(stored_text(&chunk.data));
         }
         if let Some(usage) = &batch.usage {
             let u = tokens_of(Some(usage));
@@ -661,8 +671,8 @@ pub(super) async fn append_in(
         .bind(&plan.chunk_groups)
         .bind(&plan.chunk_pos)
         .bind(&plan.chunk_attempts)
-        .bind(&plan.events)
-        .bind(&plan.data)
+        .bind(plan.events.iter().map(Option::as_deref).collect::<Vec<_>>())
+        .bind(plan.data.iter().map(AsRef::as_ref).collect::<Vec<&str>>())
         .bind(&plan.usage_groups)
         .bind(&plan.usage_attempts)
         .bind(&plan.usage_tokens[0])
