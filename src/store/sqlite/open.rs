@@ -396,6 +396,31 @@ mod tests {
     use super::*;
     use crate::store::{NewRequest, Store, Submitted};
 
+    /// `.cargo/config.toml` builds the bundled SQLite without its memory manager and memory
+    /// statistics (decision 137): no process-wide mutex at each page fetch or allocation on
+    /// the writer's path (issue 30). A build that lost the flags would still pass every other
+    /// test, only slower; this one says so.
+    #[test]
+    fn sqlite_is_built_without_the_memory_managers_mutexes() {
+        let conn = Connection::open_in_memory().expect("an in-memory database");
+        let mut options = conn
+            .prepare("PRAGMA compile_options")
+            .expect("compile_options");
+        let options: Vec<String> = options
+            .query_map([], |r| r.get(0))
+            .expect("compile_options rows")
+            .collect::<Result<_, _>>()
+            .expect("compile_options rows");
+        assert!(
+            options.iter().any(|o| o == "DEFAULT_MEMSTATUS=0"),
+            "SQLite keeps memory statistics: {options:?}"
+        );
+        assert!(
+            !options.iter().any(|o| o == "ENABLE_MEMORY_MANAGEMENT"),
+            "SQLite is built with its memory manager: {options:?}"
+        );
+    }
+
     #[tokio::test]
     async fn a_database_migrated_by_the_sqlx_version_opens_without_reapplying_migrations() {
         let dir = tempfile::tempdir().expect("tempdir");
