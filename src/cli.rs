@@ -319,8 +319,10 @@ impl Client {
     }
 
     /// `holdfast requests tail ID [--from N]`: the request's log as it is written, one line per
-    /// event (`seq event data`), until its `end`; a dropped connection is resumed from the last
-    /// seq seen (`Last-Event-ID`), a server restart included, for up to `patience`.
+    /// event on `out` (`seq event data`, or with `json` one object per line:
+    /// `{"seq","event","data"}`), until its `end`; a dropped connection is resumed from the last
+    /// seq seen (`Last-Event-ID`), a server restart included, for up to `patience`, each
+    /// reconnect said on `notices` (stderr), so that `out` holds nothing but events.
     ///
     /// # Errors
     /// [`CliError`] when there is no such request, the server refuses the call (a 4xx: a wrong
@@ -330,7 +332,9 @@ impl Client {
         id: &str,
         from: Option<i64>,
         patience: Duration,
+        json: bool,
         out: &mut impl Write,
+        notices: &mut impl Write,
     ) -> Result<(), CliError> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
@@ -362,7 +366,8 @@ impl Client {
                 }
                 Ok(r) if !r.status().is_success() => {
                     // A server restarting answers errors for a moment: resume.
-                    writeln!(out, "# holdfast answered {}; resuming", r.status()).map_err(io)?;
+                    writeln!(notices, "# holdfast answered {}; resuming", r.status())
+                        .map_err(io)?;
                     false
                 }
                 Ok(mut r) => {
@@ -376,20 +381,29 @@ impl Client {
                                     .push(&bytes)
                                     .map_err(|e| fail(format!("bad event stream: {e}")))?;
                                 for event in events {
-                                    if let Some(seq) =
-                                        event.id.as_deref().and_then(|s| s.parse().ok())
-                                    {
-                                        position = Some(seq);
+                                    let seq: Option<i64> =
+                                        event.id.as_deref().and_then(|s| s.parse().ok());
+                                    if seq.is_some() {
+                                        position = seq;
                                     }
                                     let name = event.event.as_deref().unwrap_or("message");
-                                    writeln!(
-                                        out,
-                                        "{} {} {}",
-                                        printable(event.id.as_deref().unwrap_or("-"), &[]),
-                                        printable(name, &[]),
-                                        printable(&event.data, &[])
-                                    )
-                                    .map_err(io)?;
+                                    if json {
+                                        let line = serde_json::json!({
+                                            "seq": seq,
+                                            "event": name,
+                                            "data": event.data,
+                                        });
+                                        writeln!(out, "{line}").map_err(io)?;
+                                    } else {
+                                        writeln!(
+                                            out,
+                                            "{} {} {}",
+                                            printable(event.id.as_deref().unwrap_or("-"), &[]),
+                                            printable(name, &[]),
+                                            printable(&event.data, &[])
+                                        )
+                                        .map_err(io)?;
+                                    }
                                     ended |= name == "end";
                                 }
                                 out.flush().map_err(io)?;
@@ -399,7 +413,8 @@ impl Client {
                             }
                             Ok(None) => break,
                             Err(e) => {
-                                writeln!(out, "# connection lost ({e}); resuming").map_err(io)?;
+                                writeln!(notices, "# connection lost ({e}); resuming")
+                                    .map_err(io)?;
                                 break;
                             }
                         }
@@ -407,7 +422,7 @@ impl Client {
                     ended
                 }
                 Err(e) => {
-                    writeln!(out, "# cannot reach holdfast ({e}); retrying").map_err(io)?;
+                    writeln!(notices, "# cannot reach holdfast ({e}); retrying").map_err(io)?;
                     false
                 }
             };

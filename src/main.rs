@@ -523,7 +523,9 @@ async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(),
                     &id,
                     from,
                     std::time::Duration::from_secs(patience_secs),
+                    server.json,
                     out,
+                    &mut std::io::stderr(),
                 )
                 .await
         }

@@ -296,13 +296,64 @@ async fn requests_tail_follows_a_stream_resumes_after_a_server_restart_and_print
         text.contains(" reset "),
         "the reset between the attempts is printed: {text}"
     );
+    // Stdout holds events only (`SEQ EVENT DATA`); the reconnects are said on stderr.
+    for line in &lines {
+        let seq = line.split(' ').next().unwrap_or_default();
+        assert!(
+            seq.parse::<i64>().is_ok(),
+            "not an event on stdout: {line:?}"
+        );
+    }
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut tail.stderr.take().unwrap(), &mut err).unwrap();
     assert!(
-        text.contains("resuming") || text.contains("retrying"),
-        "{text}"
+        err.contains("resuming") || err.contains("retrying"),
+        "the reconnect is said on stderr: {err}"
     );
     let last: Value =
         serde_json::from_str(lines.last().unwrap().splitn(3, ' ').nth(2).unwrap()).unwrap();
     assert_eq!(last["status"], "succeeded", "{text}");
+    drop(node);
+    mock.shutdown().await;
+}
+
+/// `requests tail --json` prints the log's events as one JSON object per line (`seq`, `event`,
+/// `data` as the server sent it), for scripts, as `--json` does for every other command
+/// (RD-2, RD-5).
+#[tokio::test]
+async fn requests_tail_json_prints_one_object_per_event_rd2() {
+    let mock = start_mock(MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = Process::serve(dir.path(), &toml(dir.path(), &mock.base_url()), free_addr()).await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", node.base))
+        .bearer_auth("team-key")
+        .header("content-type", "application/json")
+        .body(stream_body("tail me as JSON"))
+        .send()
+        .await
+        .unwrap();
+    let id = header(&r, "holdfast-request-id");
+    r.text().await.unwrap();
+    let (code, out, err) = cli(
+        &node.base,
+        &["requests", "tail", &id, "--from", "0", "--json"],
+    );
+    assert_eq!(code, 0, "{err}");
+    let events: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    assert!(events.len() > 2, "{out}");
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event["seq"], i as i64 + 1, "{out}");
+        assert!(event["data"].is_string(), "{out}");
+    }
+    assert_eq!(events[0]["event"], "message", "{out}");
+    let end = events.last().unwrap();
+    assert_eq!(end["event"], "end", "{out}");
+    let outcome: Value = serde_json::from_str(end["data"].as_str().unwrap()).unwrap();
+    assert_eq!(outcome["status"], "succeeded", "{out}");
     drop(node);
     mock.shutdown().await;
 }
