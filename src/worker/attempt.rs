@@ -391,6 +391,26 @@ impl WorkerPool {
         }
     }
 
+    /// Renews `lease`, which has run out by this node's clock before its provider call, with one
+    /// heartbeat fenced on its owner (LC-3a, decision 138): `true` when it committed, so no
+    /// other node has taken the request over and the attempt holds it again. A submission the
+    /// database recorded after a stall longer than the lease (RS-10) starts so.
+    async fn renewed(&self, lease: &Lease, held_until: &AtomicI64) -> bool {
+        let sent = now_ms();
+        match self.store.heartbeat(lease, sent, self.lease_ms()).await {
+            Ok(true) => {
+                held_until.fetch_max(sent.saturating_add(self.lease_ms()), Ordering::Relaxed);
+                info!("the lease ran out before the provider call and was renewed");
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                warn!(error = %e, "renewing a lease that ran out before the provider call failed");
+                false
+            }
+        }
+    }
+
     /// One provider call, classified into an [`Ending`] (LC-5, LC-6, LC-11). `None` when the
     /// lease was lost on the way, or ran out, by this node's clock, before the call
     /// (`held_until`, decision 125). A stream's hand-ons pass `hand_on` (LC-9, decision 127).
@@ -415,9 +435,11 @@ impl WorkerPool {
         // LC-3, decision 125: a node that stalled between its lease and this call (paused,
         // starved of CPU) may have lost the lease meanwhile, and another node's attempt may
         // have answered the request already. Fencing refuses what this attempt would write, but
-        // not a provider call: none is made once the lease has run out.
-        if now_ms() >= held_until.load(Ordering::Relaxed) {
-            warn!("the lease ran out before the provider call; no call is made");
+        // not a provider call: none is made once the lease has run out, unless a renewal fenced
+        // on the lease's owner commits first (LC-3a, decision 138).
+        if now_ms() >= held_until.load(Ordering::Relaxed) && !self.renewed(lease, held_until).await
+        {
+            warn!("the lease ran out before the provider call and was taken over; no call is made");
             return None;
         }
         let mut response = match self.upstreams.send(&call).await {
@@ -664,18 +686,98 @@ mod tests {
         assert!(!is_event_stream("text/html"));
     }
 
-    /// LC-3, decision 125: an attempt whose lease has run out by this node's clock before its
-    /// provider call (a node paused or starved between the lease and the call, whose request
-    /// another node may have answered meanwhile) makes no call; an attempt within its lease
-    /// makes one.
+    /// LC-3, LC-3a, decisions 125 and 138: an attempt whose lease has run out by this node's
+    /// clock before its provider call (a node paused or starved between the lease and the call,
+    /// whose request another node may have taken meanwhile) renews it first, fenced on its
+    /// owner. Taken over (swept and leased by another node), it makes no call; the other
+    /// node's attempt makes the one call.
     #[tokio::test]
-    async fn an_attempt_whose_lease_ran_out_by_this_nodes_clock_makes_no_provider_call_lc3() {
+    async fn an_attempt_whose_lease_ran_out_and_was_taken_over_makes_no_provider_call_lc3() {
+        use crate::store::NewRequest;
+
+        let (_dir, store, pool, calls) = attempt_rig().await;
+        let lease_ms = pool.lease_ms();
+        let now = now_ms();
+        store
+            .submit(NewRequest::example(0, now - 3 * lease_ms))
+            .await
+            .expect("submit");
+        let (stale, record) = store
+            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased");
+        // Another node's sweep returns it, and that node leases it.
+        store.sweep(now_ms(), 5).await.expect("sweep");
+        let (other, other_record) = store
+            .lease_many("other-node", now_ms(), lease_ms, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased again");
+        assert_eq!(other.id, stale.id);
+        pool.run_attempt(stale, record, None).await;
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "a provider call for a request another node took"
+        );
+        pool.run_attempt(other, other_record, None).await;
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "the attempt within its lease calls the provider"
+        );
+    }
+
+    /// LC-3a, decision 138: an attempt whose lease has run out by this node's clock, and that
+    /// no other node has taken over (a submission the database recorded after a stall longer
+    /// than the lease, RS-10), renews it and makes the request's one provider call as its first
+    /// attempt; the request succeeds with one attempt, not a wasted one and a recovery.
+    #[tokio::test]
+    async fn an_attempt_whose_lease_ran_out_unclaimed_renews_it_and_calls_once_lc3a() {
+        use crate::store::NewRequest;
+
+        let (_dir, store, pool, calls) = attempt_rig().await;
+        let lease_ms = pool.lease_ms();
+        let now = now_ms();
+        store
+            .submit(NewRequest::example(0, now - 3 * lease_ms))
+            .await
+            .expect("submit");
+        let (lease, record) = store
+            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased");
+        let id = lease.id;
+        pool.run_attempt(lease, record, None).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "one provider call");
+        let finished = store
+            .get("default", id)
+            .await
+            .expect("get")
+            .expect("the request");
+        assert_eq!(finished.status, crate::store::Status::Succeeded);
+        assert_eq!((finished.attempts, finished.recoveries), (1, 0));
+    }
+
+    /// A provider on a local port that counts the calls it is sent and answers each with a chat
+    /// completion, a scratch SQLite store and a pool over both.
+    async fn attempt_rig() -> (
+        tempfile::TempDir,
+        crate::store::DynStore,
+        WorkerPool,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ) {
         use std::sync::atomic::AtomicUsize;
 
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
         use crate::config::{Backend, Config};
-        use crate::store::{DynStore, NewRequest};
+        use crate::store::DynStore;
 
         let dir = tempfile::tempdir().expect("tempdir");
         // A provider that counts the calls it is sent and answers each with a chat completion.
@@ -693,7 +795,7 @@ mod tests {
                         continue;
                     }
                     calls.fetch_add(1, Ordering::SeqCst);
-                    let body = r#"{"id":"c","object":"chat.completion","choices":[]}"#;
+                    let body = r#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}"#;
                     let answer = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
                          content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -720,39 +822,6 @@ mod tests {
             Arc::new(config),
             None,
         );
-        let lease_ms = pool.lease_ms();
-        let now = now_ms();
-        for i in 0..2 {
-            store
-                .submit(NewRequest::example(i, now - 3 * lease_ms))
-                .await
-                .expect("submit");
-        }
-        // Leases one request by a clock at `at`, runs its attempt, and says how many provider
-        // calls have been made in all.
-        let attempt_leased_at = |at| {
-            let (store, pool, calls) = (&store, &pool, &calls);
-            async move {
-                let (lease, record) = store
-                    .lease_many("node", at, lease_ms, 1)
-                    .await
-                    .expect("lease")
-                    .pop()
-                    .expect("leased");
-                pool.run_attempt(lease, record, None).await;
-                calls.load(Ordering::SeqCst)
-            }
-        };
-        // Leased by a clock two lease lengths ago: run out by now.
-        assert_eq!(
-            attempt_leased_at(now - 2 * lease_ms).await,
-            0,
-            "a provider call after the lease ran out"
-        );
-        assert_eq!(
-            attempt_leased_at(now_ms()).await,
-            1,
-            "the attempt within its lease calls the provider"
-        );
+        (dir, store, pool, calls)
     }
 }

@@ -401,7 +401,7 @@ mod tests {
     /// the writer's path (issue 30). A build that lost the flags would still pass every other
     /// test, only slower; this one says so.
     #[test]
-    fn sqlite_is_built_without_the_memory_managers_mutexes() {
+    fn sqlite_is_built_without_the_memory_managers_mutexes_decision137() {
         let conn = Connection::open_in_memory().expect("an in-memory database");
         let mut options = conn
             .prepare("PRAGMA compile_options")
