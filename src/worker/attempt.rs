@@ -393,19 +393,25 @@ impl WorkerPool {
 
     /// Renews `lease`, which has run out by this node's clock before its provider call, with one
     /// heartbeat fenced on its owner (LC-3a, decision 138): `true` when it committed, so no
-    /// other node has taken the request over and the attempt holds it again. A submission the
+    /// other node has taken the request over, and committed while the renewed lease is still
+    /// held by this node's clock, so none can take it before the call. A submission the
     /// database recorded after a stall longer than the lease (RS-10) starts so.
     async fn renewed(&self, lease: &Lease, held_until: &AtomicI64) -> bool {
         let sent = now_ms();
+        let until = sent.saturating_add(self.lease_ms());
         match self.store.heartbeat(lease, sent, self.lease_ms()).await {
             Ok(true) => {
-                held_until.fetch_max(sent.saturating_add(self.lease_ms()), Ordering::Relaxed);
-                info!("the lease ran out before the provider call and was renewed");
-                true
+                held_until.fetch_max(until, Ordering::Relaxed);
+                let held = now_ms() < until;
+                if held {
+                    info!("the lease ran out before the provider call and was renewed");
+                }
+                held
             }
             Ok(false) => false,
             Err(e) => {
                 warn!(error = %e, "renewing a lease that ran out before the provider call failed");
+                self.health.failed();
                 false
             }
         }

@@ -424,9 +424,12 @@ mod tests {
     #[tokio::test]
     async fn a_database_migrated_by_the_sqlx_version_opens_without_reapplying_migrations() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("t.db");
         for applied in [1_i64, 2] {
-            let _ = std::fs::remove_file(&db);
+            // A file of its own per version: the store opened for the previous one closes its
+            // connections after it is dropped (its checkpoint thread at its next round), and
+            // the last to close checkpoints and deletes the WAL of that name, which a new file
+            // at the same path would be using by then.
+            let db = dir.path().join(format!("t{applied}.db"));
             {
                 let conn = Connection::open(&db).expect("open");
                 conn.execute_batch(
