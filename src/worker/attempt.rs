@@ -699,21 +699,9 @@ mod tests {
     /// node's attempt makes the one call.
     #[tokio::test]
     async fn an_attempt_whose_lease_ran_out_and_was_taken_over_makes_no_provider_call_lc3() {
-        use crate::store::NewRequest;
-
         let (_dir, store, pool, calls) = attempt_rig().await;
         let lease_ms = pool.lease_ms();
-        let now = now_ms();
-        store
-            .submit(NewRequest::example(0, now - 3 * lease_ms))
-            .await
-            .expect("submit");
-        let (stale, record) = store
-            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased");
+        let (stale, record) = leased_two_leases_ago(&store, lease_ms).await;
         // Another node's sweep returns it, and that node leases it.
         store.sweep(now_ms(), 5).await.expect("sweep");
         let (other, other_record) = store
@@ -743,21 +731,8 @@ mod tests {
     /// attempt; the request succeeds with one attempt, not a wasted one and a recovery.
     #[tokio::test]
     async fn an_attempt_whose_lease_ran_out_unclaimed_renews_it_and_calls_once_lc3a() {
-        use crate::store::NewRequest;
-
         let (_dir, store, pool, calls) = attempt_rig().await;
-        let lease_ms = pool.lease_ms();
-        let now = now_ms();
-        store
-            .submit(NewRequest::example(0, now - 3 * lease_ms))
-            .await
-            .expect("submit");
-        let (lease, record) = store
-            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased");
+        let (lease, record) = leased_two_leases_ago(&store, pool.lease_ms()).await;
         let id = lease.id;
         pool.run_attempt(lease, record, None).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1, "one provider call");
@@ -768,6 +743,25 @@ mod tests {
             .expect("the request");
         assert_eq!(finished.status, crate::store::Status::Succeeded);
         assert_eq!((finished.attempts, finished.recoveries), (1, 0));
+    }
+
+    /// A request submitted three lease lengths ago and leased by `node` by a clock two lease
+    /// lengths back: its lease has run out by now, as after a stall between lease and call.
+    async fn leased_two_leases_ago(
+        store: &crate::store::DynStore,
+        lease_ms: i64,
+    ) -> (Lease, RequestRecord) {
+        let now = now_ms();
+        store
+            .submit(crate::store::NewRequest::example(0, now - 3 * lease_ms))
+            .await
+            .expect("submit");
+        store
+            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased")
     }
 
     /// A provider on a local port that counts the calls it is sent and answers each with a chat
