@@ -100,19 +100,22 @@ async fn connected(
 ) -> Result<PgPool, StoreError> {
     match pool {
         Ok(pool) => Ok(pool),
-        Err(sqlx::Error::PoolTimedOut) => Err(why_unreachable(options).await),
+        Err(sqlx::Error::PoolTimedOut) => {
+            Err(why_unreachable(options, DEFAULT_ACQUIRE_TIMEOUT).await)
+        }
         Err(e) => Err(e.into()),
     }
 }
 
-/// Why the server of `options` could not be connected to. A pool that cannot connect reports
-/// only that it timed out (`pool timed out while waiting for an open connection`), which tells
-/// an operator starting a node nothing: one connection of its own says why — refused, a host
-/// that does not resolve, a password the server rejects — in the database driver's words,
-/// which never hold the URL (IN-3).
-async fn why_unreachable(options: &PgConnectOptions) -> StoreError {
+/// Why the server of `options` could not be connected to, waiting at most `within`. A pool
+/// that cannot connect reports only that it timed out (`pool timed out while waiting for an
+/// open connection`), which tells an operator starting a node, or reading `/readyz`, nothing:
+/// one connection of its own says why — refused, a host that does not resolve, a password the
+/// server rejects — in the database driver's words, which never hold the URL (IN-3). A
+/// connection made at once means the pool was only full, and its timeout is the answer.
+pub(super) async fn why_unreachable(options: &PgConnectOptions, within: Duration) -> StoreError {
     let timed_out = || StoreError::from(sqlx::Error::PoolTimedOut);
-    match tokio::time::timeout(DEFAULT_ACQUIRE_TIMEOUT, PgConnection::connect_with(options)).await {
+    match tokio::time::timeout(within, PgConnection::connect_with(options)).await {
         Ok(Err(e)) => StoreError::Unavailable(format!("cannot connect to PostgreSQL: {e}")),
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
@@ -120,7 +123,7 @@ async fn why_unreachable(options: &PgConnectOptions) -> StoreError {
         }
         Err(_) => StoreError::Unavailable(format!(
             "cannot connect to PostgreSQL: no answer within {} ms",
-            DEFAULT_ACQUIRE_TIMEOUT.as_millis()
+            within.as_millis()
         )),
     }
 }

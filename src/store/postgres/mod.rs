@@ -110,6 +110,10 @@ pub const DEFAULT_MAX_CONNECTIONS: u32 = 16;
 /// otherwise (`database_timeout_ms`'s default).
 pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_millis(1_500);
 
+/// How long a ping whose pool timed out tries one connection of its own to say why: with the
+/// pool's 1.5 s, inside `/readyz`'s 2 s.
+const PING_DIAGNOSIS: Duration = Duration::from_millis(400);
+
 /// Channel of "these requests changed" notifications; payload `"<origin> <id>,<id>,..."`.
 pub const CHANGED_CHANNEL: &str = "holdfast_changed";
 /// Channel of "new work is due" notifications; payload `"<origin>"`.
@@ -1012,7 +1016,14 @@ impl Store for PostgresStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
+        match sqlx::query("SELECT 1").execute(&self.pool).await {
+            Ok(_) => Ok(()),
+            // The pool says only that it waited; `/readyz` says why (refused, no answer, a
+            // rejected password), within its own two seconds (HTTP-3).
+            Err(sqlx::Error::PoolTimedOut) => {
+                Err(connection::why_unreachable(&self.pool.connect_options(), PING_DIAGNOSIS).await)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
