@@ -325,16 +325,7 @@ async fn requests_tail_json_prints_one_object_per_event_rd2() {
     let mock = start_mock(MockConfig::default()).await;
     let dir = tempfile::tempdir().unwrap();
     let node = Process::serve(dir.path(), &toml(dir.path(), &mock.base_url()), free_addr()).await;
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", node.base))
-        .bearer_auth("team-key")
-        .header("content-type", "application/json")
-        .body(stream_body("tail me as JSON"))
-        .send()
-        .await
-        .unwrap();
-    let id = header(&r, "holdfast-request-id");
-    r.text().await.unwrap();
+    let id = send(&node.base, stream_body("tail me as JSON")).await;
     let (code, out, err) = cli(
         &node.base,
         &["requests", "tail", &id, "--from", "0", "--json"],
