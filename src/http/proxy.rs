@@ -31,7 +31,7 @@ use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::{
     ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted,
-    failure_releases_claim, now_ms,
+    failure_releases_claim, now_ms, released_claim_expiry,
 };
 use crate::worker::ClaimRef;
 
@@ -1003,21 +1003,26 @@ fn set_identity_headers(
 ) {
     let headers = response.headers_mut();
     // While the claim lives, a re-send lands here (ID-4, ID-5); say until when. A finished
-    // request's claim lives until its window ends: once it has (a call longer than the window),
-    // a re-send is a new request, and nothing is said.
-    let released = record.status == Status::Failed
-        && record
-            .error
-            .as_ref()
-            .is_some_and(|e| failure_releases_claim(record.claim, e.kind));
+    // request's claim lives until its window ends, and a failure's a minute at most (ID-6a):
+    // once it has (or a call outlasted the window), a re-send is a new request, and nothing is
+    // said.
     let ttl_secs = match record.claim {
         ClaimKind::BodyHash => config.dedupe_window_secs,
         ClaimKind::Key => config.idempotency_key_ttl_secs,
     };
     let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
-    let expires_at = record.created_at.saturating_add(ttl_ms);
+    let mut expires_at = record.created_at.saturating_add(ttl_ms);
+    if record.status == Status::Failed
+        && record
+            .error
+            .as_ref()
+            .is_some_and(|e| failure_releases_claim(record.claim, e.kind))
+    {
+        let failed_at = record.finished_at.unwrap_or(record.updated_at);
+        expires_at = expires_at.min(released_claim_expiry(failed_at));
+    }
     let lapsed = record.status.is_terminal() && expires_at <= now_ms();
-    if !released && !lapsed {
+    if !lapsed {
         let expires = requests::rfc3339(expires_at);
         if let Ok(v) = HeaderValue::from_str(&expires) {
             headers.insert(super::CLAIM_EXPIRES_AT, v);

@@ -19,7 +19,9 @@ pub mod sqlite;
 
 pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackQuota, CallbackState};
 pub(crate) use rules::holds_outcome;
-pub use rules::{end_chunk, end_data, failure_releases_claim};
+pub use rules::{
+    FAILURE_WINDOW_MS, end_chunk, end_data, failure_releases_claim, released_claim_expiry,
+};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,9 @@
 //! Lifecycle decisions both adapters make the same way (SPEC LC-4, LC-6, LC-8, LC-9, ID-6,
 //! RD-5, RD-6). Each adapter runs only the SQL; what to write is decided here, once.
 
-use super::{Chunk, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Outcome, RequestRecord, Status};
+use super::{
+    Chunk, ChunkKind, ClaimKind, ErrorInfo, ErrorType, Millis, Outcome, RequestRecord, Status,
+};
 
 /// `error.message` of a request whose last lease expired with no attempts left (LC-4).
 pub(crate) const LEASE_EXPIRED_MESSAGE: &str =
@@ -20,13 +22,24 @@ pub fn failure_releases_claim(claim: ClaimKind, kind: ErrorType) -> bool {
     }
 }
 
+/// How long a claim that a failure releases still holds after the failure (ID-6a, decision 140):
+/// an identical send meanwhile (a client retrying the 502 or 503) gets the failure.
+pub const FAILURE_WINDOW_MS: Millis = 60_000;
+
+/// The expiry that a failure recorded at `now` gives the claims it releases (ID-6a): a minute
+/// on, or the claim's own expiry where that comes sooner (the stores take the earlier).
+pub fn released_claim_expiry(now: Millis) -> Millis {
+    now.saturating_add(FAILURE_WINDOW_MS)
+}
+
 /// What the write that makes a request terminal also does, in its transaction: append the
-/// `end` chunk with this data (RD-5), and delete the request's claims when `release_claim`.
+/// `end` chunk with this data (RD-5), and release the request's claims when `release_claim`
+/// (ID-6, after the window of ID-6a).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Settle {
     /// The `end` chunk's data: `{"status","error"}`.
     pub end: String,
-    /// Delete the claims that point at the request (ID-6).
+    /// Release the claims that point at the request (ID-6, ID-6a).
     pub release_claim: bool,
 }
 

@@ -1215,6 +1215,39 @@ async fn google_genai_python_with_retries_costs_only_holdfasts_own_retry_of_a_50
 }
 
 #[tokio::test]
+async fn google_genai_python_retrying_a_failed_request_makes_no_new_provider_call_id6a() {
+    // The provider fails every call; holdfast makes its two attempts and answers 502 with
+    // `x-should-retry: false`, which google-genai ignores: with HttpRetryOptions(attempts=3) it
+    // sends the same body twice more. Within the minute of ID-6a each lands on the failed
+    // request and gets its failure; before, each was a new request of two more paid calls.
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 100,
+            fail_status: 500,
+            ..MockConfig::default()
+        },
+        |c| c.workers.max_attempts = 2,
+    )
+    .await;
+    let out = gemini_python("retry", &app.base).await;
+    let error = out["error"].as_str().unwrap_or_default();
+    assert!(error.contains("502"), "the SDK raised the failure: {out}");
+    assert_eq!(
+        app.mock.calls(),
+        2,
+        "holdfast's two attempts, none for the SDK's retries: {out}"
+    );
+    let list = records(&app).await;
+    assert_eq!(list.len(), 1, "one request: {list:?}");
+    let id = list[0]["id"].as_str().unwrap().to_string();
+    let record = wait_deliveries_at_least(&app.base, &id, 3).await;
+    assert_eq!(record["status"], "failed");
+    assert_eq!(record["error"]["type"], "attempts_exhausted");
+    assert_eq!(record["attempts"], 2);
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn google_genai_python_raises_when_the_provider_stream_is_cut_lc7_gm5() {
     let app = spawn_app(
         MockConfig {

@@ -151,7 +151,8 @@ async fn transient_500s_are_retried_until_success_and_counted_as_attempts_lc5() 
 }
 
 #[tokio::test]
-async fn provider_400_is_terminal_final_and_releases_the_body_claim_lc6_id6_rs7() {
+async fn provider_400_is_terminal_final_and_releases_the_body_claim_a_minute_later_lc6_id6_id6a_rs7()
+ {
     let app = spawn_app(
         MockConfig {
             fail_first: 1,
@@ -177,10 +178,18 @@ async fn provider_400_is_terminal_final_and_releases_the_body_claim_lc6_id6_rs7(
     assert_eq!(record["error"]["status"], 400);
     assert_eq!(record["attempts"], 1);
 
+    // The claim is released a minute after the failure (ID-6a): until then the same body is
+    // the failed request, and the refusal is answered again without a provider call.
     let again = app.chat(&body).await;
-    assert_eq!(again.status(), 200, "claim released: a new request");
-    assert_ne!(header(&again, "holdfast-request-id"), id);
-    assert_eq!(app.mock.calls(), 2);
+    assert_eq!(again.status(), 400, "the refusal, replayed");
+    assert_eq!(header(&again, "holdfast-request-id"), id);
+    assert_eq!(header(&again, "x-should-retry"), "false");
+    let finished = record["finished_at"].as_str().expect("finished_at");
+    let finished = chrono::DateTime::parse_from_rfc3339(finished).expect("RFC 3339");
+    let expires = header(&again, "holdfast-claim-expires-at");
+    let expires = chrono::DateTime::parse_from_rfc3339(&expires).expect("RFC 3339");
+    assert_eq!((expires - finished).num_milliseconds(), 60_000);
+    assert_eq!(app.mock.calls(), 1);
     app.stop().await;
 }
 

@@ -21,8 +21,8 @@ use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
     CallbackQuota, Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, DynStore, ErrorInfo, ErrorType,
-    Lease, LeaseTo, Millis, NewChunk, NewRequest, Outcome, RequestRecord, Status, Submitted, Usage,
-    end_chunk, end_data,
+    FAILURE_WINDOW_MS, Lease, LeaseTo, Millis, NewChunk, NewRequest, Outcome, RequestRecord,
+    Status, Submitted, Usage, end_chunk, end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -194,9 +194,9 @@ conformance!(
     heartbeat_extends_the_lease_and_fails_once_it_is_lost_lc3,
     stale_owner_writes_nothing_lc3,
     retry_goes_back_to_pending_until_next_retry_at_lc5,
-    failure_releases_a_body_hash_claim_id6,
+    failure_releases_a_body_hash_claim_a_minute_later_id6_id6a,
     keyed_claim_survives_upstream_refused_and_replays_id6,
-    keyed_claim_is_released_by_transient_exhaustion_id6,
+    keyed_claim_is_released_a_minute_after_transient_exhaustion_id6_id6a,
     sweep_recovers_expired_leases_and_resets_only_after_stored_chunks_lc4_lc8,
     sweep_fails_with_lease_expired_when_attempts_are_used_up_lc4,
     racing_sweeps_recover_each_request_once_lc4,
@@ -943,7 +943,7 @@ async fn retry_goes_back_to_pending_until_next_retry_at_lc5(store: DynStore) {
     assert_eq!(done.error, None, "success clears the transient error");
 }
 
-async fn failure_releases_a_body_hash_claim_id6(store: DynStore) {
+async fn failure_releases_a_body_hash_claim_a_minute_later_id6_id6a(store: DynStore) {
     for (i, outcome) in [
         failed(ErrorType::AttemptsExhausted),
         refused(),
@@ -954,7 +954,7 @@ async fn failure_releases_a_body_hash_claim_id6(store: DynStore) {
     .enumerate()
     {
         let text = format!("doomed {i}");
-        let now = T0 + 1_000 * i as i64;
+        let now = T0 + 2 * FAILURE_WINDOW_MS * i as i64;
         let rec = create(&store, by_hash(&text, now)).await;
         let (lease, _) = lease_at(&store, "node/a", now).await;
         assert!(
@@ -963,10 +963,17 @@ async fn failure_releases_a_body_hash_claim_id6(store: DynStore) {
                 .await
                 .expect("finish")
         );
-        let again = create(&store, by_hash(&text, now + 2)).await;
-        assert_ne!(again.id, rec.id, "the same body starts a new request");
+        // Within the minute an identical send is the failed request: a client's retry of the
+        // failure costs no provider call (ID-6a).
+        let retried = attach(&store, by_hash(&text, now + 2)).await;
+        assert_eq!(retried.id, rec.id);
+        assert_eq!(retried.status, Status::Failed);
+        let last = attach(&store, by_hash(&text, now + FAILURE_WINDOW_MS)).await;
+        assert_eq!(last.id, rec.id, "the minute counts from the failure");
+        let again = create(&store, by_hash(&text, now + 1 + FAILURE_WINDOW_MS)).await;
+        assert_ne!(again.id, rec.id, "then the same body starts a new request");
         // Lease the new one too, so the next round's lease picks its own request.
-        let (l, _) = lease_at(&store, "node/a", now + 2).await;
+        let (l, _) = lease_at(&store, "node/a", now + 1 + FAILURE_WINDOW_MS).await;
         assert_eq!(l.id, again.id);
     }
 }
@@ -995,7 +1002,7 @@ async fn keyed_claim_survives_upstream_refused_and_replays_id6(store: DynStore) 
     assert_eq!(replay.finished_at, Some(T0 + 1));
 }
 
-async fn keyed_claim_is_released_by_transient_exhaustion_id6(store: DynStore) {
+async fn keyed_claim_is_released_a_minute_after_transient_exhaustion_id6_id6a(store: DynStore) {
     let rec = create(&store, by_key("k", "flaky", T0)).await;
     let (lease, _) = lease_at(&store, "node/a", T0).await;
     assert!(
@@ -1004,7 +1011,11 @@ async fn keyed_claim_is_released_by_transient_exhaustion_id6(store: DynStore) {
             .await
             .expect("finish")
     );
-    let again = create(&store, by_key("k", "flaky", T0 + 2)).await;
+    assert_eq!(
+        attach(&store, by_key("k", "flaky", T0 + 2)).await.id,
+        rec.id
+    );
+    let again = create(&store, by_key("k", "flaky", T0 + 2 + FAILURE_WINDOW_MS)).await;
     assert_ne!(again.id, rec.id);
 }
 
@@ -1122,13 +1133,19 @@ async fn sweep_fails_with_lease_expired_when_attempts_are_used_up_lc4(store: Dyn
         );
     }
     assert_eq!(get(&store, hashed.id).await.last_seq, 3, "data 1, 2, end 3");
-    // Both claims are released (ID-6: lease_expired is not a provider refusal).
+    // Both claims are released (ID-6: lease_expired is not a provider refusal), a minute later
+    // (ID-6a).
+    assert_eq!(
+        attach(&store, by_hash("last try", now + 1)).await.id,
+        hashed.id
+    );
+    let later = now + 1 + FAILURE_WINDOW_MS;
     assert_ne!(
-        create(&store, by_hash("last try", now + 1)).await.id,
+        create(&store, by_hash("last try", later)).await.id,
         hashed.id
     );
     assert_ne!(
-        create(&store, by_key("k", "last keyed try", now + 1))
+        create(&store, by_key("k", "last keyed try", later))
             .await
             .id,
         keyed.id
@@ -2035,7 +2052,8 @@ async fn every_terminal_outcome_appends_exactly_one_end_chunk_rd5(store: DynStor
 // ---------------------------------------------------------------------------------------------
 
 async fn cancel_fails_pending_and_running_requests_lc9(store: DynStore) {
-    // Pending, keyed: the claim is released even though it is a key (ID-6).
+    // Pending, keyed: the claim is released even though it is a key (ID-6), a minute after the
+    // cancel (ID-6a).
     let pending = create(&store, by_key("k", "wait", T0)).await;
     let rec = store
         .cancel(NS, pending.id, T0 + 5)
@@ -2050,12 +2068,18 @@ async fn cancel_fails_pending_and_running_requests_lc9(store: DynStore) {
     assert_eq!(rec.finished_at, Some(T0 + 5));
     assert_eq!(rec.updated_at, T0 + 5);
     assert_eq!(get(&store, pending.id).await.status, Status::Failed);
+    assert_eq!(
+        attach(&store, by_key("k", "wait", T0 + 6)).await.id,
+        pending.id
+    );
     assert_ne!(
-        create(&store, by_key("k", "wait", T0 + 6)).await.id,
+        create(&store, by_key("k", "wait", T0 + 6 + FAILURE_WINDOW_MS))
+            .await
+            .id,
         pending.id
     );
     // A cancelled request is not leased.
-    let (l, _) = lease_at(&store, "node/a", T0 + 6).await;
+    let (l, _) = lease_at(&store, "node/a", T0 + 6 + FAILURE_WINDOW_MS).await;
     assert_ne!(l.id, pending.id);
     store.cancel(NS, l.id, T0 + 6).await.expect("cancel");
 
@@ -2108,8 +2132,14 @@ async fn cancel_fails_pending_and_running_requests_lc9(store: DynStore) {
         .await
         .expect("sweep");
     assert!(!swept.recovered.contains(&running.id) && !swept.failed.contains(&running.id));
-    // Its body-hash claim is released.
-    assert_ne!(create(&store, by_hash("run", T0 + 13)).await.id, running.id);
+    // Its body-hash claim is released, a minute after the cancel (ID-6a).
+    assert_eq!(attach(&store, by_hash("run", T0 + 13)).await.id, running.id);
+    assert_ne!(
+        create(&store, by_hash("run", T0 + 12 + FAILURE_WINDOW_MS))
+            .await
+            .id,
+        running.id
+    );
 }
 
 async fn cancel_leaves_terminal_requests_and_other_namespaces_alone_lc9(store: DynStore) {
@@ -2716,8 +2746,15 @@ async fn a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_m
         !store.release(&l2, T0 + 5, 2).await.expect("release"),
         "already settled"
     );
-    // The claim was released: the same body is a new request.
-    assert_ne!(create(&store, by_hash("last one", T0 + 6)).await.id, rec.id);
+    // The claim was released a minute after the failure (ID-6a): the same body is a new
+    // request then.
+    assert_eq!(attach(&store, by_hash("last one", T0 + 6)).await.id, rec.id);
+    assert_ne!(
+        create(&store, by_hash("last one", T0 + 4 + FAILURE_WINDOW_MS))
+            .await
+            .id,
+        rec.id
+    );
 }
 
 async fn prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4(store: DynStore) {

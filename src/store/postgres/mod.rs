@@ -38,7 +38,7 @@
 //!   never wait on each other.
 //! - **Lock order** (one global order, issue 28): request rows by id, then claim rows by
 //!   namespace and key in byte order. The sweep selects its expired rows `ORDER BY id` and
-//!   releases the failed ones' claims last, sorted ([`release_claims_in_order`], as prune and
+//!   releases the failed ones' claims last, sorted ([`expire_claims_in_order`], as prune and
 //!   every settlement do); a writer group runs its request writes before its submissions, and
 //!   an outcome that fails a request (locking it, then its claims) commits alone, first;
 //!   `append_chunks` locks its requests in id order. No deadlock cycles.
@@ -90,8 +90,8 @@ use uuid::Uuid;
 use self::connection::Held;
 use self::sql::{
     AppendPlan, USAGE_SQL_TAIL, append_control, append_in, attempt_number, chunk_from_row,
-    claim_of, corrupt, count, fail_abandoned_in, finish_in, record_from_row,
-    release_claims_in_order, settle_in, text, usage_from_row,
+    claim_of, corrupt, count, expire_claims_in_order, fail_abandoned_in, finish_in,
+    record_from_row, release_claims_in_order, settle_in, text, usage_from_row,
 };
 use self::writer::{FinishJob, LockKey, SubmitJob, WriteJob};
 use super::rules::{self, Expired};
@@ -435,7 +435,7 @@ impl Store for PostgresStore {
                 }
             }
         }
-        release_claims_in_order(&mut tx, &releasing).await?;
+        expire_claims_in_order(&mut tx, &releasing, now).await?;
         let changed: Vec<Uuid> = swept
             .failed
             .iter()
@@ -612,7 +612,7 @@ impl Store for PostgresStore {
         .await?;
         if let Some((claim, attempts)) = &cancelled {
             let settle = rules::settle(Status::Failed, Some(&error), claim_of(id, claim)?);
-            settle_in(&mut tx, id, *attempts, &settle, None).await?;
+            settle_in(&mut tx, id, *attempts, &settle, None, now).await?;
             self.notify_changed(&mut tx, &[id]).await?;
         }
         let record = Self::fetch_in(&mut tx, id)
@@ -759,7 +759,7 @@ impl Store for PostgresStore {
         let due = match rules::handed_back(count, max_attempts, last_seq, reset_seq) {
             Expired::Fail(error) => {
                 if fail_abandoned_in(&mut tx, lease.id, claim, attempts, &error, now).await? {
-                    release_claims_in_order(&mut tx, &[lease.id]).await?;
+                    expire_claims_in_order(&mut tx, &[lease.id], now).await?;
                 }
                 false
             }

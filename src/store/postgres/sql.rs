@@ -318,6 +318,7 @@ pub(super) async fn finish_in(
                 .bind(failure_releases_claim(ClaimKind::Key, error.kind))
                 .bind(changed)
                 .bind(u[5])
+                .bind(rules::released_claim_expiry(now))
                 .fetch_optional(&mut *conn)
                 .await?
         }
@@ -538,7 +539,8 @@ pub(super) const FINISH_SUCCEEDED_MANY: &str = concat!(
 /// `$4` response status, `$5` response body, `$6` upstream request id, `$7` now, `$8` id, `$9`
 /// owner, `$10`..`$14` usage, `$15` usage reported, `$16` attempt, `$17` end chunk data,
 /// `$18`/`$19` whether a `hash`/`key` claim is released ([`failure_releases_claim`]), `$20`
-/// changed payload, `$21` the one-hour cache writes of the usage (RD-10).
+/// changed payload, `$21` the one-hour cache writes of the usage (RD-10), `$22` the expiry a
+/// released claim takes ([`rules::released_claim_expiry`], ID-6a).
 const FINISH_FAILED: &str = concat!(
     "WITH done AS (
          UPDATE requests SET status = 'failed', error_type = $1, error_message = $2,
@@ -553,7 +555,7 @@ const FINISH_FAILED: &str = concat!(
     finish_usage_cte!("$15", "$16", "$10", "$11", "$12", "$13", "$14", "$21"),
     ",
      released AS (
-         DELETE FROM claims WHERE request_id = $8
+         UPDATE claims SET expires_at = LEAST(expires_at, $22) WHERE request_id = $8
              AND EXISTS (SELECT 1 FROM done
                          WHERE CASE done.claim_kind WHEN 'key' THEN $19 ELSE $18 END)),
      ended AS (
@@ -777,48 +779,74 @@ pub(super) async fn fail_abandoned_in(
     .await?;
     let mut settle = rules::settle(Status::Failed, Some(error), claim);
     let release = std::mem::take(&mut settle.release_claim);
-    settle_in(tx, id, attempts, &settle, None).await?;
+    settle_in(tx, id, attempts, &settle, None, now).await?;
     Ok(release)
 }
 
-/// Deletes the claims of requests `ids`, locking them first in the global claim order:
-/// namespace and key in byte order (`COLLATE "C"`, Rust's `String` order, as the writer's
-/// [`LockKey`] sorts submissions). A claim taken over meanwhile no longer names its request
-/// and is left alone.
-pub(super) async fn release_claims_in_order(
+/// Locks the claims of requests `ids` in the global claim order (namespace and key in byte
+/// order, `COLLATE "C"`, Rust's `String` order, as the writer's [`LockKey`] sorts submissions)
+/// and deletes them (`until` `None`: their requests are pruned) or lets them expire at `until`
+/// where they would live longer (a failure, ID-6a). A claim taken over meanwhile no longer
+/// names its request and is left alone.
+async fn claims_in_order(
     tx: &mut Transaction<'_, Postgres>,
     ids: &[Uuid],
+    until: Option<Millis>,
 ) -> Result<(), StoreError> {
     if ids.is_empty() {
         return Ok(());
     }
-    sqlx::query(
-        "WITH locked AS MATERIALIZED (
+    let locked = "WITH locked AS MATERIALIZED (
              SELECT namespace, claim_key FROM claims WHERE request_id = ANY($1)
              ORDER BY namespace COLLATE \"C\", claim_key COLLATE \"C\"
-             FOR UPDATE)
-         DELETE FROM claims c USING locked l
-         WHERE c.namespace = l.namespace AND c.claim_key = l.claim_key
-           AND c.request_id = ANY($1)",
-    )
-    .bind(ids)
-    .execute(&mut **tx)
-    .await?;
+             FOR UPDATE) ";
+    let matched = " WHERE c.namespace = l.namespace AND c.claim_key = l.claim_key
+           AND c.request_id = ANY($1)";
+    let sql = match until {
+        None => format!("{locked}DELETE FROM claims c USING locked l{matched}"),
+        Some(_) => format!(
+            "{locked}UPDATE claims c SET expires_at = LEAST(c.expires_at, $2) FROM locked l{matched}"
+        ),
+    };
+    let query = sqlx::query(&sql).bind(ids);
+    match until {
+        None => query.execute(&mut **tx).await?,
+        Some(until) => query.bind(until).execute(&mut **tx).await?,
+    };
     Ok(())
 }
 
-/// The rest of a write that made request `id` terminal ([`rules::settle`]): its claims released
-/// if the rule says so, and its `end` chunk — at `end_seq` when the seq is already reserved,
-/// else after the last seq.
+/// Deletes the claims of requests `ids`, which are pruned ([`claims_in_order`]).
+pub(super) async fn release_claims_in_order(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[Uuid],
+) -> Result<(), StoreError> {
+    claims_in_order(tx, ids, None).await
+}
+
+/// Releases the claims of requests `ids`, whose failures are recorded at `now`: each expires a
+/// minute on, or sooner where its own window ends sooner (ID-6, ID-6a; [`claims_in_order`]).
+pub(super) async fn expire_claims_in_order(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[Uuid],
+    now: Millis,
+) -> Result<(), StoreError> {
+    claims_in_order(tx, ids, Some(rules::released_claim_expiry(now))).await
+}
+
+/// The rest of a write that made request `id` terminal at `now` ([`rules::settle`]): its claims
+/// released if the rule says so (ID-6a), and its `end` chunk — at `end_seq` when the seq is
+/// already reserved, else after the last seq.
 pub(super) async fn settle_in(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
     attempt: i32,
     settle: &Settle,
     end_seq: Option<i64>,
+    now: Millis,
 ) -> Result<(), StoreError> {
     if settle.release_claim {
-        release_claims_in_order(tx, &[id]).await?;
+        expire_claims_in_order(tx, &[id], now).await?;
     }
     match end_seq {
         Some(seq) => {

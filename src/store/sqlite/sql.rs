@@ -86,10 +86,12 @@ pub(super) fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>
     }
 }
 
-/// Deletes the claims pointing at `id` (ID-6).
-fn release_claims(conn: &Tx<'_>, id: &str) -> Result<(), StoreError> {
-    conn.prepare_held("DELETE FROM claims WHERE request_id = ?1")?
-        .execute(params![id])?;
+/// Releases the claims pointing at `id`, whose failure is recorded at `now`: each expires a
+/// minute on, or sooner where its own window ends sooner (ID-6, ID-6a). Until then an
+/// identical send attaches to the failure; after, [`CLAIM_SQL`] takes the claim over.
+fn release_claims(conn: &Tx<'_>, id: &str, now: Millis) -> Result<(), StoreError> {
+    conn.prepare_held("UPDATE claims SET expires_at = MIN(expires_at, ?2) WHERE request_id = ?1")?
+        .execute(params![id, rules::released_claim_expiry(now)])?;
     Ok(())
 }
 
@@ -531,7 +533,7 @@ pub(super) fn finish_in(
     // A terminal UPDATE above reserved the `end` chunk's seq; the chunk is the row's (RD-5,
     // decision 134).
     if rules::releases_claim(state.status, state.error.as_ref(), claim) {
-        release_claims(conn, id)?;
+        release_claims(conn, id, now)?;
     }
     Ok(Some(state))
 }
@@ -780,7 +782,7 @@ pub(super) fn cancel_in(
         })?;
         // The UPDATE above reserved the `end` chunk's seq (decision 134).
         if rules::releases_claim(Status::Failed, Some(&error), claim) {
-            release_claims(conn, id)?;
+            release_claims(conn, id, now)?;
         }
     }
     Ok(fetch(conn, id)?.filter(|r| r.namespace == namespace))
@@ -806,7 +808,7 @@ fn fail_abandoned_in(
     ))?
     .execute(params![now, error.kind.as_str(), error.message, id])?;
     if rules::releases_claim(Status::Failed, Some(error), claim) {
-        release_claims(conn, id)?;
+        release_claims(conn, id, now)?;
     }
     Ok(())
 }
