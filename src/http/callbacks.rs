@@ -8,7 +8,7 @@ use axum::http::HeaderMap;
 use serde_json::{Value, json};
 
 use super::errors::ApiError;
-use super::requests::{RecordView, bodies, rfc3339};
+use super::requests::{RecordView, bodies_and_text, rfc3339};
 use crate::callback::{Allow, Render, Webhook, check_url};
 use crate::config::Config;
 use crate::provider::Provider;
@@ -60,8 +60,9 @@ pub(super) fn requested(
 }
 
 /// The webhook renderer of the deliverer (CB-3): `{"type", "timestamp", "data"}`, `data` the
-/// record as `GET /requests/{id}` answers it (with `request` and `answer` when the namespace
-/// includes bodies), without its `callback` member.
+/// record as `GET /requests/{id}` answers it (with `request`, `answer` and `answer_text`, as
+/// `?include=body` adds them, when the namespace includes bodies), without its `callback`
+/// member.
 pub(crate) fn renderer(store: DynStore, config: Arc<Config>) -> Render {
     Arc::new(move |id| {
         let (store, config) = (store.clone(), Arc::clone(&config));
@@ -73,10 +74,11 @@ pub(crate) fn renderer(store: DynStore, config: Arc<Config>) -> Render {
             let view = RecordView::new(&record, &config, Some(by_attempt));
             let mut data = serde_json::to_value(view).unwrap_or_default();
             if config.callbacks_of(&record.namespace).include_body {
-                let (request, answer) = bodies(&store, &record).await?;
+                let (request, answer, text) = bodies_and_text(&store, &record, true).await?;
                 if let Some(object) = data.as_object_mut() {
                     object.insert("request".into(), request);
                     object.insert("answer".into(), answer);
+                    object.insert("answer_text".into(), json!(text));
                 }
             }
             let kind = match record.status {

@@ -311,20 +311,12 @@ pub(super) async fn get_one(
 
 /// The request as sent upstream (`{"headers", "body"}`) and the stored answer: the provider's
 /// JSON body, or for a stream `{"text", "events"}` with the text reassembled from the current
-/// attempt's events.
-pub(super) async fn bodies(
-    store: &crate::store::DynStore,
-    record: &RequestRecord,
-) -> Result<(serde_json::Value, serde_json::Value), crate::store::StoreError> {
-    let (request, answer, _) = bodies_and_text(store, record, false).await?;
-    Ok((request, answer))
-}
-
-/// [`bodies`], and the answer's text for people and `holdfast requests replay` (EX-9): its
-/// text and tool calls (decision 96), a stream's read from its events reassembled (EX-3), so
-/// that it reads as the same answer not streamed would; `None` for a route without text, or
-/// when `with_text` is false (a stream's events are then not kept to reassemble).
-async fn bodies_and_text(
+/// attempt's events; and the answer's text for people, webhooks and `holdfast requests replay`
+/// (EX-9, CB-3): its text and tool calls (decision 96), a stream's read from its events
+/// reassembled (EX-3), so that it reads as the same answer not streamed would; `None` for a
+/// route without text, or when `with_text` is false (a stream's events are then not kept to
+/// reassemble).
+pub(super) async fn bodies_and_text(
     store: &crate::store::DynStore,
     record: &RequestRecord,
     with_text: bool,

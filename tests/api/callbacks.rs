@@ -929,6 +929,54 @@ async fn a_webhook_with_bodies_holding_a_number_beyond_a_doubles_range_is_delive
     app.stop().await;
 }
 
+/// CB-3: with bodies included, a webhook's `data` is the record as `GET /requests/{id}
+/// ?include=body` answers it, `answer_text` too (a new-user trial found it missing), without
+/// its `callback` member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_with_bodies_carries_what_get_with_include_body_answers_cb3() {
+    let receiver = Receiver::start(|_| Answer::Status(200)).await;
+    let app = spawn_app(MockConfig::default(), |c| {
+        callback_config(c);
+        c.callbacks.include_body = true;
+    })
+    .await;
+    let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"with text"}]}"#;
+    let r = chat_with_callback(&app.http, &app.base, body, &receiver.url, &[]).await;
+    let id = header(&r, "holdfast-request-id");
+    let _ = r.bytes().await;
+    wait_callback(
+        &app.http,
+        &app.base,
+        &id,
+        "delivered",
+        Duration::from_secs(10),
+    )
+    .await;
+    let got = receiver.wait_for(1, Duration::from_secs(5)).await;
+    let data = got[0].body["data"].as_object().expect("data").clone();
+    let read: serde_json::Value = app
+        .http
+        .get(format!("{}/requests/{id}?include=body", app.base))
+        .send()
+        .await
+        .expect("GET")
+        .json()
+        .await
+        .expect("JSON");
+    let mut read = read.as_object().expect("record").clone();
+    read.remove("callback");
+    let keys = |o: &serde_json::Map<String, serde_json::Value>| {
+        o.keys().cloned().collect::<std::collections::BTreeSet<_>>()
+    };
+    assert_eq!(keys(&data), keys(&read), "{data:?}");
+    let text = data["answer_text"].as_str().expect("answer_text");
+    assert!(text.starts_with("mock reply"), "{text}");
+    for member in ["answer_text", "answer", "request"] {
+        assert_eq!(data[member], read[member], "{member}");
+    }
+    app.stop().await;
+}
+
 /// CB-7: a namespace whose receiver never answers holds at most its share of the node's
 /// delivery slots, plus what it borrows while a share's worth stays free, so another
 /// namespace's webhooks are delivered at once, not after the slow receiver's tries time out.
