@@ -200,6 +200,9 @@ impl StreamRead {
         chunks.reserve(events.len());
         let mut only_keepalives = true;
         let mut provider_error = None;
+        // Whether an event other than a keep-alive came before the provider's error in this
+        // read: had the read ended before the error, it would have been stored first.
+        let mut answered_before_error = false;
         let mut ended = false;
         let mut response_id = None;
         let mut usage_changed = false;
@@ -225,6 +228,9 @@ impl StreamRead {
                 }
             };
             if seen.error {
+                if provider_error.is_none() {
+                    answered_before_error = !only_keepalives;
+                }
                 provider_error = Some(event.data.clone());
             }
             if !seen.ends_stream {
@@ -249,10 +255,12 @@ impl StreamRead {
         }
         if let Some(error) = &provider_error
             && self.stored == 0
+            && !answered_before_error
         {
-            // The provider failed before anything was stored: as transient as a 5xx, and as
-            // patient: Google's error chunk says how long to wait as its error body does (LC-5,
-            // decision 111).
+            // The provider failed before anything was stored, or came in the read that brought
+            // the error (else how the bytes fell into reads would decide whether a paid answer
+            // is run again): as transient as a 5xx, and as patient: Google's error chunk says
+            // how long to wait as its error body does (LC-5, decision 111).
             let hint = self.route.provider().retry_delay_of_body(error.as_bytes());
             return Step::Transient(format!("the provider sent an error event: {error}"), hint);
         }
@@ -873,6 +881,40 @@ mod tests {
             }
             other => panic!("expected stream_interrupted, got {other:?}"),
         }
+    }
+
+    /// LC-5, LC-7, RD-9: an error event after events of the answer interrupts the stream
+    /// whether they came in an earlier read or in the read that brought the error. Before, in
+    /// the same read the error counted as coming before anything was stored: the paid attempt
+    /// was run again, up to `max_attempts` times, and the usage it reported was lost (a
+    /// break-it trial of the twenty-eighth session, with Anthropic's `overloaded_error`).
+    #[test]
+    fn an_error_event_in_the_read_of_the_answers_first_events_interrupts_the_stream_lc5_lc7() {
+        let mut read = chat(false);
+        let (batch, then) = store(&mut read, &format!("{ROLE}{TEXT}{ERROR}"));
+        assert_eq!(batch.chunks.len(), 3, "the answer so far and the error");
+        match then {
+            Some(Outcome::Failed { error, .. }) => {
+                assert_eq!(error.kind, ErrorType::StreamInterrupted)
+            }
+            other => panic!("expected stream_interrupted, got {other:?}"),
+        }
+
+        const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n";
+        const OVERLOADED: &str = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+        let mut read = chat(false);
+        read.route = Route::AnthropicMessages;
+        let (batch, then) = store(&mut read, &format!("{START}{OVERLOADED}"));
+        assert_eq!(batch.chunks.len(), 2);
+        assert_eq!(
+            batch.usage.and_then(|u| u.input_tokens),
+            Some(3),
+            "the usage it reported is kept"
+        );
+        assert!(matches!(
+            then,
+            Some(Outcome::Failed { error, .. }) if error.kind == ErrorType::StreamInterrupted
+        ));
     }
 
     /// LC-5, decision 88: Google says how long to wait in a `google.rpc.RetryInfo` detail of its
