@@ -26,6 +26,9 @@ pub(crate) struct Seen {
     /// The event shows part of the answer ([`Route::shows_answer`]): after it, a usage report
     /// no longer ends the stream, only a finishing event does (Gemini, GM-3, decision 119).
     pub shows_answer: bool,
+    /// The candidates the event finishes and leaves open ([`Route::candidates_of`]): a stream
+    /// is complete only when none is left open (Gemini, GM-3, decision 142).
+    pub candidates: super::gemini::Candidates,
     /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
     pub starts_stream: bool,
     /// The event says how the answer ended ([`Route::stream_result_name`]).
@@ -311,6 +314,11 @@ impl Route {
             finishes_answer: !error && self.finishes_answer(&parts),
             usage_alone: !error && self.is_usage_report(&parts),
             shows_answer: !error && self.shows_answer(&parts),
+            candidates: if error {
+                super::gemini::Candidates::default()
+            } else {
+                self.candidates_of(&parts)
+            },
             starts_stream: parts.kind.is_some() && parts.kind == self.stream_start_name(),
             gives_result: parts.kind.is_some() && parts.kind == self.stream_result_name(),
             keepalive: self.is_keepalive_event(parts.kind),

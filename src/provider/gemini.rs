@@ -385,33 +385,80 @@ pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
 /// report after it is no ending, since Google ends a visible answer with its reason and leaves
 /// the reason out only on a turn of thoughts only (GM-3, decision 119).
 pub(super) fn shows_answer(event: &EventParts<'_>) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Candidate<'a> {
-        #[serde(borrow)]
-        content: Option<Content<'a>>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Content<'a> {
-        #[serde(borrow)]
-        parts: Option<Vec<BTreeMap<Cow<'a, str>, &'a RawValue>>>,
-    }
-    let shown = |part: &BTreeMap<Cow<'_, str>, &RawValue>| {
-        part.get("thought").is_none_or(|t| t.get() != "true")
-            && part.iter().any(|(name, value)| match name.as_ref() {
-                "thought" | "thoughtSignature" => false,
-                "text" => !matches!(value.get(), "\"\"" | "null"),
-                _ => value.get() != "null",
-            })
-    };
     event.candidates.is_some_and(|raw| {
-        serde_json::from_str::<Vec<Candidate<'_>>>(raw).is_ok_and(|candidates| {
-            candidates
-                .iter()
-                .filter_map(|c| c.content.as_ref()?.parts.as_ref())
-                .flatten()
-                .any(shown)
-        })
+        serde_json::from_str::<Vec<Candidate<'_>>>(raw)
+            .is_ok_and(|candidates| candidates.iter().any(Candidate::shows))
     })
+}
+
+/// A candidate of a stream chunk, as [`shows_answer`] and [`candidates_of`] read it.
+#[derive(serde::Deserialize)]
+struct Candidate<'a> {
+    #[serde(borrow)]
+    content: Option<Content<'a>>,
+    #[serde(rename = "finishReason", borrow)]
+    finish_reason: Option<&'a RawValue>,
+    index: Option<u32>,
+}
+
+#[derive(serde::Deserialize)]
+struct Content<'a> {
+    #[serde(borrow)]
+    parts: Option<Vec<BTreeMap<Cow<'a, str>, &'a RawValue>>>,
+}
+
+impl Candidate<'_> {
+    /// Whether it holds a part a reader is shown ([`shows_answer`]).
+    fn shows(&self) -> bool {
+        let shown = |part: &BTreeMap<Cow<'_, str>, &RawValue>| {
+            part.get("thought").is_none_or(|t| t.get() != "true")
+                && part.iter().any(|(name, value)| match name.as_ref() {
+                    "thought" | "thoughtSignature" => false,
+                    "text" => !matches!(value.get(), "\"\"" | "null"),
+                    _ => value.get() != "null",
+                })
+        };
+        self.content
+            .as_ref()
+            .and_then(|c| c.parts.as_ref())
+            .is_some_and(|parts| parts.iter().any(shown))
+    }
+
+    fn finished(&self) -> bool {
+        self.finish_reason
+            .is_some_and(|v| v.get() != "null" && v.get() != "\"\"")
+    }
+}
+
+/// The candidates a chunk finishes and those it leaves open, one bit per `index` (0 when
+/// absent; 63 stands for any index past it): a candidate with a `finishReason` is finished, one
+/// that shows part of the answer without one is open, until a later chunk finishes it. With
+/// `candidateCount` above 1 each candidate ends with its own reason, so a stream is complete
+/// only when none is left open (GM-3, decision 142).
+pub(super) fn candidates_of(event: &EventParts<'_>) -> Candidates {
+    let mut bits = Candidates::default();
+    let Some(Ok(candidates)) = event
+        .candidates
+        .map(serde_json::from_str::<Vec<Candidate<'_>>>)
+    else {
+        return bits;
+    };
+    for candidate in &candidates {
+        let bit = 1u64 << candidate.index.unwrap_or(0).min(63);
+        if candidate.finished() {
+            bits.finished |= bit;
+        } else if candidate.shows() {
+            bits.open |= bit;
+        }
+    }
+    bits
+}
+
+/// The candidates one chunk finishes and leaves open ([`candidates_of`]), a bit per index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Candidates {
+    pub finished: u64,
+    pub open: u64,
 }
 
 /// Whether a chunk reports the usage and nothing else: `usageMetadata` holding counts, and

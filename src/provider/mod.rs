@@ -756,6 +756,16 @@ impl Route {
         }
     }
 
+    /// The candidates a stream event finishes and leaves open: Gemini's answer with
+    /// `candidateCount` above 1 is complete only when every candidate has finished (GM-3). The
+    /// other providers' streams end at their final event.
+    pub(crate) fn candidates_of(self, event: &EventParts<'_>) -> gemini::Candidates {
+        match self.provider() {
+            Provider::Gemini => gemini::candidates_of(event),
+            _ => gemini::Candidates::default(),
+        }
+    }
+
     /// Whether a stream event reports the answer's usage and nothing else, which Gemini sends
     /// last: the stream is then complete if the body ends cleanly right after it (GM-3). The
     /// other providers' usage comes before their final event.

@@ -82,8 +82,12 @@ pub(super) struct StreamRead {
     /// What the stream has shown of its order: its opening event, the event saying how the
     /// answer ended (decisions 44, 108).
     order: Order,
-    /// Whether an event finished the answer: complete if the body ends cleanly (GM-3).
+    /// Whether an event finished the answer and no candidate it did not finish is open:
+    /// complete if the body ends cleanly (GM-3).
     finished: bool,
+    /// The candidates that showed part of the answer and have not finished since, a bit per
+    /// index (GM-3, decision 142).
+    open: u64,
     /// Whether the last event read reported the usage alone, and no part of the answer was
     /// shown before it: complete if the body ends cleanly right after it (GM-3, decisions 110,
     /// 119).
@@ -148,6 +152,7 @@ impl StreamRead {
             before_final: 0,
             order: Order::default(),
             finished: false,
+            open: 0,
             summed_up: false,
             shown: false,
             held: None,
@@ -237,7 +242,10 @@ impl StreamRead {
                 self.before_final += 1;
             }
             ended |= seen.ends_stream;
-            self.finished |= seen.finishes_answer;
+            // A candidate that shows more of the answer is open again until a reason finishes
+            // it; the answer is finished once one was and none is left open (decision 142).
+            self.open = (self.open | seen.candidates.open) & !seen.candidates.finished;
+            self.finished = (self.finished || seen.finishes_answer) && self.open == 0;
             self.shown |= seen.shows_answer;
             // A usage report after a visible part that no `finishReason` finished is no
             // ending: the answer was cut before its end (decision 119).
@@ -1028,6 +1036,70 @@ mod tests {
             ),
             "what came is kept on the record"
         );
+    }
+
+    /// GM-3, decision 142: with `candidateCount` above 1 every candidate ends with its own
+    /// `finishReason`, so a stream whose body ends cleanly while a candidate that showed part of
+    /// the answer has none is cut, not complete; so is one whose candidate shows more after its
+    /// reason. Before, the first `finishReason` of any candidate finished the answer (a new-user
+    /// trial of the twenty-eighth session stored such a stream as succeeded).
+    #[test]
+    fn a_gemini_stream_is_complete_only_when_every_candidate_shown_has_finished_gm3() {
+        let chunk = |candidates: &str| format!("data: {{\"candidates\":[{candidates}]}}\r\n\r\n");
+        let text = |i: u32, t: &str| {
+            format!("{{\"index\":{i},\"content\":{{\"parts\":[{{\"text\":\"{t}\"}}]}}}}")
+        };
+        let done = |i: u32, t: &str| {
+            format!(
+                "{{\"index\":{i},\"content\":{{\"parts\":[{{\"text\":\"{t}\"}}]}},\"finishReason\":\"STOP\"}}"
+            )
+        };
+        let ending_of = |chunks: &[String]| {
+            let mut read = chat(false);
+            read.route = Route::GeminiStream;
+            for c in chunks {
+                match read.on_bytes(c.as_bytes()) {
+                    Step::Store { batch, then: None } => read.on_stored(&batch.stored()),
+                    Step::Read => {}
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            match read.on_body_end() {
+                Step::Store {
+                    then: Some(outcome),
+                    ..
+                } => outcome,
+                step => ended(step).outcome,
+            }
+        };
+        let succeeded = |o: &Outcome| matches!(o, Outcome::Succeeded { .. });
+        // The trial's stream: candidate 0 finished, candidate 1 cut.
+        let cut = ending_of(&[
+            chunk(&format!("{},{}", done(0, "one done"), text(1, "two-a"))),
+            chunk(&text(1, " two-b")),
+        ]);
+        assert!(!succeeded(&cut), "{cut:?}");
+        // Candidate 1 shown in a chunk of its own, then only candidate 0 finishes.
+        let cut = ending_of(&[
+            chunk(&text(0, "a")),
+            chunk(&text(1, "b")),
+            chunk(&done(0, "")),
+        ]);
+        assert!(!succeeded(&cut), "{cut:?}");
+        // More of the answer after the only candidate's reason.
+        let cut = ending_of(&[chunk(&done(0, "A")), chunk(&text(0, "B"))]);
+        assert!(!succeeded(&cut), "{cut:?}");
+        // Both finished, in one chunk or in turn: complete.
+        let whole = ending_of(&[
+            chunk(&format!("{},{}", text(0, "a"), text(1, "b"))),
+            chunk(&format!("{},{}", done(0, ""), done(1, ""))),
+        ]);
+        assert!(succeeded(&whole), "{whole:?}");
+        let whole = ending_of(&[
+            chunk(&format!("{},{}", done(0, "one"), text(1, "two-a"))),
+            chunk(&done(1, " two-b")),
+        ]);
+        assert!(succeeded(&whole), "{whole:?}");
     }
 
     #[test]
