@@ -402,6 +402,14 @@ impl Route {
                 ));
             }
         }
+        if self.empty_result_answers_nothing()
+            && let Some(&(name, _)) = results.first()
+            && member(name).is_some_and(|v| v[1..].trim_start().starts_with(']'))
+        {
+            return Err(format!(
+                "a JSON object whose `{name}` is empty: it answered nothing (decision 143)"
+            ));
+        }
         if !results.iter().map(|(name, _)| name).any(answered) {
             // No SDK can read an answer without its route's result member (decision 39).
             return Err(if member("error").is_some() {
@@ -1091,7 +1099,7 @@ mod tests {
             ("7", r#"{"reasoning_tokens":"3"}"#),
         ] {
             let body = format!(
-                r#"{{"choices":[],"usage":{{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{prompt},"completion_tokens_details":{completion}}}}}"#
+                r#"{{"choices":[{{}}],"usage":{{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{prompt},"completion_tokens_details":{completion}}}}}"#
             );
             assert_eq!(
                 body_usage(chat, &body),
@@ -1103,7 +1111,7 @@ mod tests {
                 "{prompt} {completion}"
             );
         }
-        let body = r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":null,"prompt_tokens_details":{"cached_tokens":"4","audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":3}}}"#;
+        let body = r#"{"choices":[{}],"usage":{"prompt_tokens":12,"completion_tokens":null,"prompt_tokens_details":{"cached_tokens":"4","audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":3}}}"#;
         assert_eq!(
             body_usage(chat, body),
             Some(Usage {
@@ -1166,7 +1174,29 @@ mod tests {
     #[test]
     fn a_2xx_answer_must_be_an_object_with_the_routes_result_member_lc11_decision39() {
         let chat = Route::OpenaiChat;
-        assert_eq!(answer_id(chat, br#"{"choices":[],"error":null}"#), Ok(None));
+        assert_eq!(
+            answer_id(
+                chat,
+                br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}],"error":null}"#
+            ),
+            Ok(None)
+        );
+        // Nor one whose `choices` is empty: no choice answered (decision 143).
+        for body in [
+            &br#"{"choices":[]}"#[..],
+            br#"{"choices":[ ],"usage":{"prompt_tokens":3}}"#,
+            br#"{"error":{"message":"upstream"},"choices":[]}"#,
+        ] {
+            for route in [chat, Route::OpenaiCompletions] {
+                let verdict = answer_id(route, body);
+                assert!(
+                    verdict
+                        .as_ref()
+                        .is_err_and(|e| e.contains("`choices` is empty")),
+                    "{route:?} {verdict:?}"
+                );
+            }
+        }
         // An object without the route's result member is no answer (decision 39).
         assert_eq!(
             answer_id(chat, br#"{"id":"x"}"#),
@@ -1212,7 +1242,10 @@ mod tests {
         );
         // A duplicated key keeps its last value, as every SDK reads it.
         assert!(answer_id(chat, br#"{"error":null,"error":{"m":1}}"#).is_err());
-        assert_eq!(answer_id(chat, br#"{"choices":1,"choices":[]}"#), Ok(None));
+        assert_eq!(
+            answer_id(chat, br#"{"choices":1,"choices":[{}]}"#),
+            Ok(None)
+        );
         // What the one-pass read leaves to serde_json is read as before: an escaped key, text
         // that is not UTF-8, nesting past its depth.
         assert_eq!(
@@ -1227,7 +1260,7 @@ mod tests {
             Err("JSON that is not an object".into())
         );
         let deep = format!(
-            r#"{{"choices":[],"x":{}{}}}"#,
+            r#"{{"choices":[{{}}],"x":{}{}}}"#,
             "[".repeat(200),
             "]".repeat(200)
         );

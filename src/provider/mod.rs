@@ -986,6 +986,16 @@ impl Route {
         dataset::example(self, body, answer)
     }
 
+    /// Whether a non-stream answer whose result member is an empty array answered nothing
+    /// (chat and completions `choices`, decision 143); elsewhere an empty one can be an answer
+    /// (a Messages `content` of no blocks, a Gemini blocked prompt's no `candidates`).
+    pub(crate) fn empty_result_answers_nothing(self) -> bool {
+        match self.provider() {
+            Provider::Openai => openai::empty_result_answers_nothing(self),
+            _ => false,
+        }
+    }
+
     /// Top-level members of a non-stream answer that make it this route's result, each with
     /// the JSON type every answer has there: a 2xx JSON object with a non-null `error` and none
     /// of these is an error, not an answer, and one whose member has another type is no answer

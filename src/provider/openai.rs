@@ -96,6 +96,12 @@ pub(super) fn result_members(route: Route) -> &'static [(&'static str, Json)] {
     }
 }
 
+/// A chat or completions answer holds at least one choice (`n` is at least 1): one whose
+/// `choices` is empty answered nothing, and `choices[0]` raises in every SDK (decision 143).
+pub(super) fn empty_result_answers_nothing(route: Route) -> bool {
+    matches!(route, Route::OpenaiChat | Route::OpenaiCompletions)
+}
+
 /// Chat and completions chunks all carry `choices`; Responses events are told by their `type`.
 pub(super) fn stream_events_carry_choices(route: Route) -> bool {
     matches!(route, Route::OpenaiChat | Route::OpenaiCompletions)

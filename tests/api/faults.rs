@@ -563,6 +563,20 @@ fn answer_rows() -> Vec<AnswerRow> {
             },
         },
         AnswerRow {
+            name: "non-stream 200 whose choices are empty (decision 143)",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                "{\"id\":\"chatcmpl-empty\",\"object\":\"chat.completion\",\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":0}}",
+                false,
+            )),
+            path: chat,
+            stream: false,
+            expect: Invalid {
+                kept: "chatcmpl-empty",
+                answered: "application/json",
+            },
+        },
+        AnswerRow {
             name: "stream request answered [DONE] and nothing before it (decision 39)",
             provider: Provider::Raw(raw_200("text/event-stream", "data: [DONE]\n\n", false)),
             path: chat,
