@@ -893,6 +893,40 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
     app.stop().await;
 }
 
+/// ID-6a with the Vercel AI SDK: it retries a 5xx whatever `x-should-retry` says. Its retry of
+/// a request that failed (holdfast's two attempts, then 502) attaches to the failure within
+/// the minute instead of paying for two more attempts.
+#[tokio::test]
+async fn vercel_ai_sdk_retrying_a_failed_request_makes_no_new_provider_call_id6a() {
+    require_node("ai");
+    require_node("@ai-sdk/openai");
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 100,
+            fail_status: 500,
+            ..MockConfig::default()
+        },
+        |c| c.workers.max_attempts = 2,
+    )
+    .await;
+    let out = run_node(
+        "responses_resume.mjs",
+        &["aisdk-failed"],
+        &[("HOLDFAST_URL", &app.base)],
+    )
+    .await;
+    assert_eq!(
+        out["statuses"],
+        serde_json::json!([502, 502]),
+        "it tried twice and got the failure twice: {out}"
+    );
+    assert_eq!(app.mock.calls(), 2, "holdfast's two attempts only: {out}");
+    let all = records(&app).await;
+    assert_eq!(all.len(), 1, "one request: {all:?}");
+    wait_deliveries_at_least(&app.base, all[0]["id"].as_str().unwrap(), 2).await;
+    app.stop().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Anthropic's Node SDK (@anthropic-ai/sdk) and the Vercel AI SDK's @ai-sdk/anthropic on
 // /v1/messages

@@ -9,6 +9,8 @@
 //               API), aborted by a 1 s timeout against a slower provider, then called again as
 //               an application retries: each call's text, error, whether its abort signal fired
 //               (and why) and its duration
+//   aisdk-failed -- the Vercel AI SDK's generateText with maxRetries 1 against a request that
+//               fails: the error's name, and the status of each try it made
 // Prints one JSON object.
 import OpenAI from 'openai';
 
@@ -96,6 +98,18 @@ if (mode === 'models') {
   };
   out.first = await run(1000);
   out.second = await run(null);
+} else if (mode === 'aisdk-failed') {
+  const { generateText } = await import('ai');
+  const { createOpenAI } = await import('@ai-sdk/openai');
+  const provider = createOpenAI({ baseURL: `${url}/v1`, apiKey: 'unused' });
+  try {
+    await generateText({ model: provider('gpt-4o-mini'), prompt: 'fails', maxRetries: 1 });
+    out.error = null;
+  } catch (e) {
+    out.error = e?.name ?? String(e);
+    // A RetryError lists each try's error; a single failure is its own.
+    out.statuses = (e?.errors ?? [e]).map((x) => x?.statusCode ?? null);
+  }
 } else {
   throw new Error(`unknown mode ${mode}`);
 }
