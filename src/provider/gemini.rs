@@ -398,7 +398,9 @@ struct Candidate<'a> {
     content: Option<Content<'a>>,
     #[serde(rename = "finishReason", borrow)]
     finish_reason: Option<&'a RawValue>,
-    index: Option<u32>,
+    /// Read as it comes: a compatible server's odd `index` must not lose the candidate.
+    #[serde(borrow)]
+    index: Option<&'a RawValue>,
 }
 
 #[derive(serde::Deserialize)]
@@ -444,7 +446,11 @@ pub(super) fn candidates_of(event: &EventParts<'_>) -> Candidates {
         return bits;
     };
     for candidate in &candidates {
-        let bit = 1u64 << candidate.index.unwrap_or(0).min(63);
+        let index = candidate
+            .index
+            .and_then(|i| i.get().parse::<u64>().ok())
+            .unwrap_or(0);
+        let bit = 1u64 << index.min(63);
         if candidate.finished() {
             bits.finished |= bit;
         } else if candidate.shows() {

@@ -263,12 +263,14 @@ impl StreamRead {
         }
         if let Some(error) = &provider_error
             && self.stored == 0
+            && self.held.is_none()
             && !answered_before_error
         {
-            // The provider failed before anything was stored, or came in the read that brought
-            // the error (else how the bytes fell into reads would decide whether a paid answer
-            // is run again): as transient as a 5xx, and as patient: Google's error chunk says
-            // how long to wait as its error body does (LC-5, decision 111).
+            // The provider failed before anything was stored, held (a Gemini chunk that finished
+            // the answer) or came in the read that brought the error (else how the bytes fell
+            // into reads would decide whether a paid answer is run again): as transient as a
+            // 5xx, and as patient: Google's error chunk says how long to wait as its error body
+            // does (LC-5, decisions 111, 141).
             let hint = self.route.provider().retry_delay_of_body(error.as_bytes());
             return Step::Transient(format!("the provider sent an error event: {error}"), hint);
         }
@@ -1089,6 +1091,25 @@ mod tests {
         // More of the answer after the only candidate's reason.
         let cut = ending_of(&[chunk(&done(0, "A")), chunk(&text(0, "B"))]);
         assert!(!succeeded(&cut), "{cut:?}");
+        // An error chunk in a read after a held finishing chunk interrupts the stream: the
+        // held answer is not run again (decision 141).
+        let mut read = chat(false);
+        read.route = Route::GeminiStream;
+        assert!(matches!(
+            read.on_bytes(chunk(&done(0, "A")).as_bytes()),
+            Step::Read
+        ));
+        let error = "data: {\"error\":{\"code\":503,\"message\":\"overloaded\",\"status\":\"UNAVAILABLE\"}}\r\n\r\n";
+        match read.on_bytes(error.as_bytes()) {
+            Step::Store {
+                batch,
+                then: Some(Outcome::Failed { error, .. }),
+            } => {
+                assert_eq!(error.kind, ErrorType::StreamInterrupted);
+                assert_eq!(batch.chunks.len(), 2, "the held answer and the error");
+            }
+            other => panic!("expected stream_interrupted, got {other:?}"),
+        }
         // Both finished, in one chunk or in turn: complete.
         let whole = ending_of(&[
             chunk(&format!("{},{}", text(0, "a"), text(1, "b"))),

@@ -197,6 +197,7 @@ conformance!(
     failure_releases_a_body_hash_claim_a_minute_later_id6_id6a,
     keyed_claim_survives_upstream_refused_and_replays_id6,
     keyed_claim_is_released_a_minute_after_transient_exhaustion_id6_id6a,
+    a_failure_never_extends_a_claim_past_its_own_window_id6a,
     sweep_recovers_expired_leases_and_resets_only_after_stored_chunks_lc4_lc8,
     sweep_fails_with_lease_expired_when_attempts_are_used_up_lc4,
     racing_sweeps_recover_each_request_once_lc4,
@@ -1000,6 +1001,27 @@ async fn keyed_claim_survives_upstream_refused_and_replays_id6(store: DynStore) 
     assert_eq!(err.kind, ErrorType::UpstreamRefused);
     assert_eq!(err.status, Some(400));
     assert_eq!(replay.finished_at, Some(T0 + 1));
+}
+
+async fn a_failure_never_extends_a_claim_past_its_own_window_id6a(store: DynStore) {
+    // A claim whose window ends 10 s after its submission, failed at 5 s: it expires at 10 s,
+    // not at 5 s plus the minute.
+    let mut new = by_hash("short window", T0);
+    new.claim_expires_at = T0 + 10_000;
+    let rec = create(&store, new).await;
+    let (lease, _) = lease_at(&store, "node/a", T0).await;
+    assert!(
+        store
+            .finish(&lease, failed(ErrorType::AttemptsExhausted), T0 + 5_000)
+            .await
+            .expect("finish")
+    );
+    assert_eq!(
+        attach(&store, by_hash("short window", T0 + 9_999)).await.id,
+        rec.id
+    );
+    let again = create(&store, by_hash("short window", T0 + 10_000)).await;
+    assert_ne!(again.id, rec.id);
 }
 
 async fn keyed_claim_is_released_a_minute_after_transient_exhaustion_id6_id6a(store: DynStore) {

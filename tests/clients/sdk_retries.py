@@ -3,7 +3,7 @@
 Usage: sdk_retries.py MODE with HOLDFAST_BASE_URL set (…/v1).
   final     -- a request holdfast already failed: `x-should-retry: false` must stop the SDK
   overload  -- an overload refusal: the SDK waits `retry-after-ms` and tries again
-Prints one JSON object.
+Prints one JSON object, with `sends`: the HTTP requests the SDK sent, its retries included.
 """
 import json
 import os
@@ -13,8 +13,19 @@ import time
 import openai
 
 mode = sys.argv[1]
-client = openai.OpenAI(base_url=os.environ["HOLDFAST_BASE_URL"], api_key="unused", max_retries=3)
-out = {}
+out = {"sends": 0}
+
+
+def count_send(request):
+    out["sends"] += 1
+
+
+client = openai.OpenAI(
+    base_url=os.environ["HOLDFAST_BASE_URL"],
+    api_key="unused",
+    max_retries=3,
+    http_client=openai.DefaultHttpxClient(event_hooks={"request": [count_send]}),
+)
 start = time.monotonic()
 try:
     raw = client.chat.completions.with_raw_response.create(

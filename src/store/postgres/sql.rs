@@ -755,7 +755,7 @@ const APPEND_CHUNKS: &str = "WITH b AS (
 /// Fails request `id`, whose last attempt was abandoned (its lease expired, or it was handed
 /// back at shutdown), with `error`: the lease cleared, the current attempt's usage copied, its
 /// `end` chunk. The caller holds the row's lock, and releases its claims
-/// ([`release_claims_in_order`]) when this answers `true` ([`rules::settle`]).
+/// ([`expire_claims_in_order`]) when this answers `true` ([`rules::settle`]).
 pub(super) async fn fail_abandoned_in(
     tx: &mut Transaction<'_, Postgres>,
     id: Uuid,
