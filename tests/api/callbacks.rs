@@ -902,31 +902,33 @@ async fn every_answer_that_carries_the_record_shows_its_callback_cb6() {
 /// outcome: the delivery was leased again at each lease expiry, forever, never giving up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_with_bodies_holding_a_number_beyond_a_doubles_range_is_delivered_cb3_cb4() {
+    let body =
+        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"huge"}],"hint":1e400}"#;
+    let (app, id, record, got) = delivered_with_bodies(body).await;
+    assert_eq!(record["callback"]["attempts"], 1, "{record}");
+    assert_eq!(got[0].id, format!("msg_{id}"));
+    assert_eq!(got[0].body["data"]["id"], id.as_str());
+    assert_eq!(got[0].body["data"]["request"]["body"], body);
+    app.stop().await;
+}
+
+/// Sends chat `body` with a callback, in a node whose webhooks include bodies, and waits until
+/// its webhook is delivered: the node, the request's id, its record then, and what the
+/// receiver got.
+async fn delivered_with_bodies(body: &str) -> (TestApp, String, Value, Vec<Delivery>) {
     let receiver = Receiver::start(|_| Answer::Status(200)).await;
     let app = spawn_app(MockConfig::default(), |c| {
         callback_config(c);
         c.callbacks.include_body = true;
     })
     .await;
-    let body =
-        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"huge"}],"hint":1e400}"#;
     let r = chat_with_callback(&app.http, &app.base, body, &receiver.url, &[]).await;
     let id = header(&r, "holdfast-request-id");
     let _ = r.bytes().await;
-    let record = wait_callback(
-        &app.http,
-        &app.base,
-        &id,
-        "delivered",
-        Duration::from_secs(10),
-    )
-    .await;
-    assert_eq!(record["callback"]["attempts"], 1, "{record}");
+    let limit = Duration::from_secs(10);
+    let record = wait_callback(&app.http, &app.base, &id, "delivered", limit).await;
     let got = receiver.wait_for(1, Duration::from_secs(5)).await;
-    assert_eq!(got[0].id, format!("msg_{id}"));
-    assert_eq!(got[0].body["data"]["id"], id.as_str());
-    assert_eq!(got[0].body["data"]["request"]["body"], body);
-    app.stop().await;
+    (app, id, record, got)
 }
 
 /// CB-3: with bodies included, a webhook's `data` is the record as `GET /requests/{id}
@@ -934,35 +936,10 @@ async fn a_webhook_with_bodies_holding_a_number_beyond_a_doubles_range_is_delive
 /// its `callback` member.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_with_bodies_carries_what_get_with_include_body_answers_cb3() {
-    let receiver = Receiver::start(|_| Answer::Status(200)).await;
-    let app = spawn_app(MockConfig::default(), |c| {
-        callback_config(c);
-        c.callbacks.include_body = true;
-    })
-    .await;
     let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"with text"}]}"#;
-    let r = chat_with_callback(&app.http, &app.base, body, &receiver.url, &[]).await;
-    let id = header(&r, "holdfast-request-id");
-    let _ = r.bytes().await;
-    wait_callback(
-        &app.http,
-        &app.base,
-        &id,
-        "delivered",
-        Duration::from_secs(10),
-    )
-    .await;
-    let got = receiver.wait_for(1, Duration::from_secs(5)).await;
+    let (app, id, _, got) = delivered_with_bodies(body).await;
     let data = got[0].body["data"].as_object().expect("data").clone();
-    let read: serde_json::Value = app
-        .http
-        .get(format!("{}/requests/{id}?include=body", app.base))
-        .send()
-        .await
-        .expect("GET")
-        .json()
-        .await
-        .expect("JSON");
+    let read = get_record(&app.http, &app.base, &format!("{id}?include=body")).await;
     let mut read = read.as_object().expect("record").clone();
     read.remove("callback");
     let keys = |o: &serde_json::Map<String, serde_json::Value>| {

@@ -1220,15 +1220,7 @@ async fn google_genai_python_retrying_a_failed_request_makes_no_new_provider_cal
     // `x-should-retry: false`, which google-genai ignores: with HttpRetryOptions(attempts=3) it
     // sends the same body twice more. Within the minute of ID-6a each lands on the failed
     // request and gets its failure; before, each was a new request of two more paid calls.
-    let app = spawn_app(
-        MockConfig {
-            fail_first: 100,
-            fail_status: 500,
-            ..MockConfig::default()
-        },
-        |c| c.workers.max_attempts = 2,
-    )
-    .await;
+    let app = spawn_always_failing_app().await;
     let out = gemini_python("retry", &app.base).await;
     let error = out["error"].as_str().unwrap_or_default();
     assert!(error.contains("502"), "the SDK raised the failure: {out}");

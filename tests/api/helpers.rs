@@ -189,6 +189,20 @@ pub async fn get_record(http: &reqwest::Client, base: &str, id: &str) -> Value {
     get_json(http, &format!("{base}/requests/{id}")).await
 }
 
+/// A node whose provider fails every call with a 500 and which makes two attempts: each request
+/// fails `attempts_exhausted` after two provider calls (ID-6a's retry tests).
+pub async fn spawn_always_failing_app() -> TestApp {
+    spawn_app(
+        MockConfig {
+            fail_first: 100,
+            fail_status: 500,
+            ..MockConfig::default()
+        },
+        |c| c.workers.max_attempts = 2,
+    )
+    .await
+}
+
 /// Polls `GET /requests/{id}` until its status is terminal, at most `limit`.
 pub async fn wait_terminal(http: &reqwest::Client, base: &str, id: &str, limit: Duration) -> Value {
     let start = Instant::now();

@@ -900,15 +900,7 @@ async fn vercel_ai_sdk_stream_text_retried_after_its_timeout_makes_one_upstream_
 async fn vercel_ai_sdk_retrying_a_failed_request_makes_no_new_provider_call_id6a() {
     require_node("ai");
     require_node("@ai-sdk/openai");
-    let app = spawn_app(
-        MockConfig {
-            fail_first: 100,
-            fail_status: 500,
-            ..MockConfig::default()
-        },
-        |c| c.workers.max_attempts = 2,
-    )
-    .await;
+    let app = spawn_always_failing_app().await;
     let out = run_node(
         "responses_resume.mjs",
         &["aisdk-failed"],
