@@ -999,6 +999,16 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
             &mut pending,
         )?);
     }
+    if answer["candidates"][0].is_null() {
+        // A blocked prompt is answered with no candidate, and says why (GM-3).
+        let blocked = gemini_member(answer, "promptFeedback")
+            .and_then(|f| gemini_member(f, "blockReason"))
+            .and_then(Value::as_str);
+        return Err(match blocked {
+            Some(reason) => format!("a blocked prompt ({reason}): nothing was answered"),
+            None => "an answer without candidates".into(),
+        });
+    }
     let reply = gemini_parts(
         "assistant",
         &answer["candidates"][0]["content"]["parts"],
@@ -1496,6 +1506,29 @@ mod tests {
         assert_eq!(
             example(Route::GeminiGenerate, &proto_named, &answer),
             Ok(want)
+        );
+    }
+
+    /// EX-5: a blocked Gemini prompt has no candidate to carry; its skip names the block, not
+    /// the missing parts it would find in the first candidate (a new-user trial read "content
+    /// without parts").
+    #[test]
+    fn a_blocked_gemini_prompt_is_skipped_as_blocked_ex5() {
+        let body = json!({"contents": [{"role": "user", "parts": [{"text": "something bad"}]}]});
+        let blocked = json!({"promptFeedback": {"blockReason": "SAFETY"},
+            "usageMetadata": {"promptTokenCount": 4}});
+        assert_eq!(
+            example(Route::GeminiGenerate, &body, &blocked),
+            Err("a blocked prompt (SAFETY): nothing was answered".into())
+        );
+        let proto = json!({"prompt_feedback": {"block_reason": "OTHER"}});
+        assert_eq!(
+            example(Route::GeminiGenerate, &body, &proto),
+            Err("a blocked prompt (OTHER): nothing was answered".into())
+        );
+        assert_eq!(
+            example(Route::GeminiGenerate, &body, &json!({"candidates": []})),
+            Err("an answer without candidates".into())
         );
     }
 
