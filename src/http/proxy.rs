@@ -30,8 +30,8 @@ use crate::otel::{Delivery, ServerSpan};
 use crate::provider::Provider;
 use crate::provider::Route;
 use crate::store::{
-    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted,
-    failure_releases_claim, now_ms, released_claim_expiry,
+    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted, now_ms,
+    released_claim_expiry, releases_claim,
 };
 use crate::worker::ClaimRef;
 
@@ -1012,12 +1012,7 @@ fn set_identity_headers(
     };
     let ttl_ms = i64::try_from(ttl_secs.saturating_mul(1000)).unwrap_or(i64::MAX);
     let mut expires_at = record.created_at.saturating_add(ttl_ms);
-    if record.status == Status::Failed
-        && record
-            .error
-            .as_ref()
-            .is_some_and(|e| failure_releases_claim(record.claim, e.kind))
-    {
+    if releases_claim(record.status, record.error.as_ref(), record.claim) {
         let failed_at = record.finished_at.unwrap_or(record.updated_at);
         expires_at = expires_at.min(released_claim_expiry(failed_at));
     }

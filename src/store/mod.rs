@@ -18,10 +18,10 @@ mod rules;
 pub mod sqlite;
 
 pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackQuota, CallbackState};
-pub(crate) use rules::holds_outcome;
 pub use rules::{
     FAILURE_WINDOW_MS, end_chunk, end_data, failure_releases_claim, released_claim_expiry,
 };
+pub(crate) use rules::{holds_outcome, releases_claim};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -796,23 +796,28 @@ async fn claims_in_order(
     if ids.is_empty() {
         return Ok(());
     }
-    let locked = "WITH locked AS MATERIALIZED (
-             SELECT namespace, claim_key FROM claims WHERE request_id = ANY($1)
-             ORDER BY namespace COLLATE \"C\", claim_key COLLATE \"C\"
-             FOR UPDATE) ";
-    let matched = " WHERE c.namespace = l.namespace AND c.claim_key = l.claim_key
-           AND c.request_id = ANY($1)";
-    let sql = match until {
-        None => format!("{locked}DELETE FROM claims c USING locked l{matched}"),
-        Some(_) => format!(
-            "{locked}UPDATE claims c SET expires_at = LEAST(c.expires_at, $2) FROM locked l{matched}"
-        ),
+    macro_rules! in_order {
+        ($write:literal) => {
+            concat!(
+                "WITH locked AS MATERIALIZED (
+                     SELECT namespace, claim_key FROM claims WHERE request_id = ANY($1)
+                     ORDER BY namespace COLLATE \"C\", claim_key COLLATE \"C\"
+                     FOR UPDATE) ",
+                $write,
+                " WHERE c.namespace = l.namespace AND c.claim_key = l.claim_key
+                   AND c.request_id = ANY($1)"
+            )
+        };
+    }
+    let query = match until {
+        None => sqlx::query(in_order!("DELETE FROM claims c USING locked l")).bind(ids),
+        Some(until) => sqlx::query(in_order!(
+            "UPDATE claims c SET expires_at = LEAST(c.expires_at, $2) FROM locked l"
+        ))
+        .bind(ids)
+        .bind(until),
     };
-    let query = sqlx::query(&sql).bind(ids);
-    match until {
-        None => query.execute(&mut **tx).await?,
-        Some(until) => query.bind(until).execute(&mut **tx).await?,
-    };
+    query.execute(&mut **tx).await?;
     Ok(())
 }
 
