@@ -265,6 +265,12 @@ pub enum LogFormat {
 pub struct Workers {
     /// Attempts run at once by this process.
     pub concurrency: usize,
+    /// One namespace's share of `concurrency` (LC-2a): a lease gives each configured namespace
+    /// up to this many running attempts on this node first, and a call is leased at admission
+    /// on the same terms; what is left goes to the oldest due of any namespace, but for this
+    /// many slots kept free for the next namespace when more than one is configured. Taken as
+    /// `concurrency` when larger.
+    pub concurrency_per_namespace: usize,
     /// Lease length in seconds; renewed by heartbeat every third of it (LC-2).
     pub lease_secs: u64,
     /// Attempts before a transiently failing request fails for good (LC-5).
@@ -442,6 +448,7 @@ impl Default for Workers {
     fn default() -> Self {
         Workers {
             concurrency: 10_000,
+            concurrency_per_namespace: 1_000,
             lease_secs: 30,
             max_attempts: 5,
             backoff_initial_ms: 500,
@@ -1086,6 +1093,10 @@ impl Config {
             ("database_pool_size", u64::from(self.database_pool_size)),
             ("database_timeout_ms", self.database_timeout_ms),
             ("workers.concurrency", self.workers.concurrency as u64),
+            (
+                "workers.concurrency_per_namespace",
+                self.workers.concurrency_per_namespace as u64,
+            ),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),
             ("workers.sweep_interval_ms", self.workers.sweep_interval_ms),

@@ -38,8 +38,9 @@
 //! |---|---|
 //! | `app` | `callback` `config` `http` `hub` `metrics` `otel` `store` `upstream` `worker` |
 //! | `http` | `callback` `canonical` `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` `worker` |
-//! | `callback` | `config` `metrics` `store` |
-//! | `worker` | `config` `hub` `ledger` `metrics` `otel` `provider` `sse` `store` `upstream` |
+//! | `callback` | `config` `metrics` `slots` `store` |
+//! | `worker` | `config` `hub` `ledger` `metrics` `otel` `provider` `slots` `sse` `store` `upstream` |
+//! | `slots` | `config` `store` |
 //! | `upstream` | `config` `provider` |
 //! | `otel` | `config` `metrics` `provider` `store` |
 //! | `hub` | `store` |
@@ -73,6 +74,7 @@
 //! - `ledger`: prices, costs and what deduplication saved (docs/usage.md).
 //! - `callback`: signed webhooks when a request finishes, leased and retried from the log
 //!   (CB-1..CB-7).
+//! - `slots`: a node's worker and delivery slots shared between namespaces (LC-2a, CB-7).
 //! - `hub`: in-process fan-out of chunks and settled records to waiting readers.
 //! - [`store`]: the durable log behind the [`store::Store`] trait (SQLite and PostgreSQL).
 //! - [`mock`]: the fake provider of `holdfast mock-upstream` and `--demo` (CLI-3).
@@ -98,6 +100,7 @@ mod metrics;
 pub mod mock;
 mod otel;
 pub mod provider;
+mod slots;
 pub mod sse;
 pub mod store;
 mod upstream;

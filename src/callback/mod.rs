@@ -8,13 +8,12 @@
 //! [`Render`]), signs it ([`sign`]) and sends it with a client that refuses internal addresses
 //! after resolving them ([`safety`]). A node that dies mid-try leaves its lease to expire; the
 //! next lease sends the same `webhook-id` again. Each namespace has its share of the node's
-//! slots ([`Deliverer::quota`], CB-7), so a receiver that hangs delays only its own tenant.
+//! slots ([`NamespaceSlots`], CB-7), so a receiver that hangs delays only its own tenant.
 
 mod safety;
 mod sign;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -25,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::config::{Config, ConfigError};
-use crate::store::{CallbackLease, CallbackOutcome, CallbackQuota, DynStore, StoreError, now_ms};
+use crate::slots::NamespaceSlots;
+use crate::store::{CallbackLease, CallbackOutcome, DynStore, StoreError, now_ms};
 
 pub(crate) use safety::{Allow, check_url};
 
@@ -86,38 +86,9 @@ pub(crate) struct Deliverer {
     render: Render,
     client: reqwest::Client,
     allow: Allow,
-    /// This node's tries in flight per namespace (CB-7): a try's [`InFlight`] counts it from its
-    /// lease until its task ends, however it ends.
-    in_flight: Arc<Mutex<HashMap<String, usize>>>,
-}
-
-/// One try counted in [`Deliverer::in_flight`] while it lives.
-struct InFlight {
-    counts: Arc<Mutex<HashMap<String, usize>>>,
-    namespace: String,
-}
-
-impl InFlight {
-    fn new(counts: &Arc<Mutex<HashMap<String, usize>>>, namespace: &str) -> InFlight {
-        let mut held = counts.lock().unwrap_or_else(PoisonError::into_inner);
-        *held.entry(namespace.to_string()).or_default() += 1;
-        InFlight {
-            counts: Arc::clone(counts),
-            namespace: namespace.to_string(),
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut held = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(n) = held.get_mut(&self.namespace) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                held.remove(&self.namespace);
-            }
-        }
-    }
+    /// This node's delivery slots, shared between namespaces (CB-7): a try's slot counts it from
+    /// its lease until its task ends, however it ends.
+    slots: NamespaceSlots,
 }
 
 impl Deliverer {
@@ -142,11 +113,15 @@ impl Deliverer {
             .build()?;
         Ok(Deliverer {
             store,
-            config,
             render,
             client,
             allow,
-            in_flight: Arc::default(),
+            slots: NamespaceSlots::new(
+                c.concurrency,
+                c.concurrency_per_namespace,
+                &config.namespaces,
+            ),
+            config,
         })
     }
 
@@ -158,7 +133,7 @@ impl Deliverer {
     }
 
     /// Leases and sends due callbacks until `shutdown`, at most `[callbacks] concurrency` at
-    /// once and each namespace its share first ([`Deliverer::quota`], CB-7), looking for due
+    /// once and each namespace its share first ([`NamespaceSlots::quota`], CB-7), looking for due
     /// ones every `poll_interval_ms` (at once again while it finds a full batch, and when a try
     /// ends). Tries in flight at shutdown are dropped: their leases expire and another lease
     /// sends them again (CB-4).
@@ -173,7 +148,7 @@ impl Deliverer {
             let free = permits.available_permits();
             let mut full = false;
             if free > 0 {
-                let quota = this.quota(free);
+                let quota = this.slots.quota(free, 0);
                 match this
                     .store
                     .lease_callbacks(&prefix, now_ms(), this.lease_ms(), &quota)
@@ -185,12 +160,11 @@ impl Deliverer {
                             let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
                                 break;
                             };
-                            let counted = InFlight::new(&this.in_flight, &lease.namespace);
+                            let slot = this.slots.slot(permit, &lease.namespace);
                             let this = Arc::clone(&this);
                             tries.spawn(async move {
                                 this.deliver(lease).await;
-                                drop(counted);
-                                drop(permit);
+                                drop(slot);
                             });
                         }
                     }
@@ -207,46 +181,6 @@ impl Deliverer {
             }
         }
         tries.shutdown().await;
-    }
-
-    /// What a lease for `free` slots may take (CB-7): each configured namespace (`default`
-    /// without `[[namespaces]]`) up to its share, `concurrency_per_namespace` less its tries
-    /// in flight on this node; then what is left, to the oldest due of any namespace (one no
-    /// longer configured too), but for a share's worth kept free when more than one namespace
-    /// is configured. A try in flight cannot be taken back, so a namespace whose receiver
-    /// hangs holds at most its share and what it borrowed, never the next one's share; a
-    /// namespace alone may use every slot. A share of `concurrency` or more is one pool for
-    /// all: nothing is kept free, or nothing would ever be lent and a namespace no longer
-    /// configured would never be sent to.
-    fn quota(&self, free: usize) -> CallbackQuota {
-        let c = &self.config.callbacks;
-        let share = c.concurrency_per_namespace.min(c.concurrency);
-        let held = self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let share_of = |namespace: &str| {
-            let n = share.saturating_sub(held.get(namespace).copied().unwrap_or(0));
-            (namespace.to_string(), n.min(free))
-        };
-        let shares = if self.config.namespaces.is_empty() {
-            vec![share_of("default")]
-        } else {
-            self.config
-                .namespaces
-                .iter()
-                .map(|n| share_of(&n.name))
-                .collect()
-        };
-        CallbackQuota {
-            keep_free: if shares.len() > 1 && share < c.concurrency {
-                share
-            } else {
-                0
-            },
-            shares,
-            limit: free,
-        }
     }
 
     /// One try of `lease`, its outcome recorded under the lease.
@@ -432,43 +366,6 @@ mod tests {
             })
         });
         Deliverer::new(store, Arc::new(config), render).expect("deliverer")
-    }
-
-    /// CB-7: a share of `concurrency` or more makes one pool for all. With several
-    /// namespaces it kept that share free of every lease, so a lease lent nothing: the
-    /// deliveries of a namespace no longer configured (no share of its own) were never sent.
-    #[tokio::test]
-    async fn a_share_of_every_slot_is_one_pool_that_lends_to_a_namespace_no_longer_configured_cb7()
-    {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut deliverer = deliverer(dir.path(), &[]).await;
-        let mut config = (*deliverer.config).clone();
-        config.namespaces = ["a", "b"]
-            .into_iter()
-            .map(|name| crate::config::Namespace {
-                name: name.into(),
-                api_keys: vec![format!("key-{name}")],
-                callback_url: None,
-                callback_secrets: Vec::new(),
-                callback_include_body: None,
-                max_held_requests: None,
-            })
-            .collect();
-        // Fewer slots than the default share (8): every share is all of them.
-        config.callbacks.concurrency = 4;
-        deliverer.config = Arc::new(config.clone());
-        let quota = deliverer.quota(4);
-        assert_eq!(quota.keep_free, 0, "{quota:?}");
-        assert_eq!(
-            quota.lendable(0),
-            4,
-            "what no share takes is lent: {quota:?}"
-        );
-        // A share below `concurrency` keeps its worth free, as before.
-        config.callbacks.concurrency = 16;
-        deliverer.config = Arc::new(config);
-        let quota = deliverer.quota(16);
-        assert_eq!((quota.keep_free, quota.lendable(0)), (8, 8), "{quota:?}");
     }
 
     fn lease(url: &str) -> CallbackLease {

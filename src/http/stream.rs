@@ -737,7 +737,7 @@ mod tests {
         };
         store.submit(request).await.expect("submit");
         let (lease, record) = store
-            .lease_many("node", now, 30_000, 1)
+            .lease_many("node", now, 30_000, &crate::store::LeaseQuota::any(1))
             .await
             .expect("lease")
             .pop()

@@ -77,39 +77,6 @@ pub struct CallbackLease {
     pub namespace: String,
 }
 
-/// What one lease of callbacks may take (CB-7): first, per namespace, up to its share of its
-/// own oldest due deliveries; then, of the slots the shares left, all but `keep_free` go to the
-/// oldest due deliveries of any namespace. Each step reads about as many rows as it leases,
-/// whatever the backlog (the `callbacks_namespace_due` and `callbacks_due` indexes).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct CallbackQuota {
-    /// Namespace and how many of its due deliveries the first step may take (0: none).
-    pub shares: Vec<(String, usize)>,
-    /// Most deliveries in all: the deliverer's free slots.
-    pub limit: usize,
-    /// Slots of `limit` the second step leaves free when the shares did not fill them: the
-    /// next namespace's share, so a try that cannot be taken back never holds it.
-    pub keep_free: usize,
-}
-
-impl CallbackQuota {
-    /// Up to `limit` of the oldest due deliveries, whatever their namespace (one pool).
-    pub fn any(limit: usize) -> CallbackQuota {
-        CallbackQuota {
-            shares: Vec::new(),
-            limit,
-            keep_free: 0,
-        }
-    }
-
-    /// Deliveries the second step may lend after the first took `taken`.
-    pub fn lendable(&self, taken: usize) -> usize {
-        self.limit
-            .saturating_sub(taken)
-            .saturating_sub(self.keep_free)
-    }
-}
-
 /// What a try of a callback reports (CB-4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallbackOutcome {

@@ -14,10 +14,12 @@ mod row;
 
 mod callback;
 pub mod postgres;
+mod quota;
 mod rules;
 pub mod sqlite;
 
-pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackQuota, CallbackState};
+pub use callback::{Callback, CallbackLease, CallbackOutcome, CallbackState};
+pub use quota::LeaseQuota;
 pub use rules::{
     FAILURE_WINDOW_MS, end_chunk, end_data, failure_releases_claim, released_claim_expiry,
 };
@@ -883,20 +885,24 @@ pub trait Store: Send + Sync + 'static {
         lease_ms: i64,
     ) -> Result<Option<(Lease, RequestRecord)>, StoreError>;
 
-    /// Takes up to `limit` due pending requests at once, oldest first, each leased as by
+    /// Takes up to `quota.limit` due pending requests at once, each leased as by
     /// [`Store::lease`] with an owner unique to its attempt: `owner_prefix` (itself unique to
-    /// the call), `/`, and the request id. Empty when nothing is due. One statement on both
-    /// adapters, so a burst of new requests costs one write instead of one each
-    /// (docs/benchmarks-history.md).
+    /// the call), `/`, and the request id. First each namespace of `quota.shares` its oldest
+    /// due, up to its share, the oldest of them all when the shares exceed the limit; then
+    /// [`LeaseQuota::lendable`] more of the oldest due of any namespace (LC-2a). Empty when
+    /// nothing is due. One job of the writer on SQLite, two statements on PostgreSQL (one
+    /// when the quota has no shares), so a burst of new requests costs one write instead of
+    /// one each (docs/benchmarks-history.md); each reads about as many rows as it leases.
     ///
     /// # Errors
-    /// [`StoreError`] when the database fails; nothing was leased then.
+    /// [`StoreError`] when the database fails; nothing was leased then (PostgreSQL: the
+    /// shares' leases stand when the second statement fails, and are returned then).
     async fn lease_many(
         &self,
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &LeaseQuota,
     ) -> Result<Vec<(Lease, RequestRecord)>, StoreError>;
 
     /// Extends the lease to `now + lease_ms`. `false` when the lease was lost (swept,
@@ -1118,7 +1124,7 @@ pub trait Store: Send + Sync + 'static {
     /// passed, no live lease (an expired one is taken over). Each gets `attempts + 1` and an
     /// owner unique to the try, `owner_prefix/<request id>`, until `now + lease_ms`. First each
     /// namespace of `quota.shares` its oldest due, up to its share, the oldest of them all
-    /// when the shares exceed the limit; then [`CallbackQuota::lendable`] more of the oldest
+    /// when the shares exceed the limit; then [`LeaseQuota::lendable`] more of the oldest
     /// due of any namespace (CB-7). Reads about as many rows as it leases, not the backlog.
     ///
     /// # Errors
@@ -1129,7 +1135,7 @@ pub trait Store: Send + Sync + 'static {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        quota: &CallbackQuota,
+        quota: &LeaseQuota,
     ) -> Result<Vec<CallbackLease>, StoreError>;
 
     /// Records a try's outcome, fenced on its lease: `false` when the lease was lost (taken

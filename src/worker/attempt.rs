@@ -705,7 +705,12 @@ mod tests {
         // Another node's sweep returns it, and that node leases it.
         store.sweep(now_ms(), 5).await.expect("sweep");
         let (other, other_record) = store
-            .lease_many("other-node", now_ms(), lease_ms, 1)
+            .lease_many(
+                "other-node",
+                now_ms(),
+                lease_ms,
+                &crate::store::LeaseQuota::any(1),
+            )
             .await
             .expect("lease")
             .pop()
@@ -757,7 +762,12 @@ mod tests {
             .await
             .expect("submit");
         store
-            .lease_many("node", now - 2 * lease_ms, lease_ms, 1)
+            .lease_many(
+                "node",
+                now - 2 * lease_ms,
+                lease_ms,
+                &crate::store::LeaseQuota::any(1),
+            )
             .await
             .expect("lease")
             .pop()

@@ -19,7 +19,7 @@ use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 use uuid::Uuid;
@@ -28,6 +28,7 @@ use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics::{self as m, AttemptMeters};
 use crate::otel::{AttemptSpan, Traces};
+use crate::slots::{NamespaceSlots, Slot};
 use crate::store::{
     DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Started, StoreError, Submitted,
     now_ms,
@@ -45,6 +46,9 @@ const PRUNE_EVERY: Duration = Duration::from_secs(60);
 const PRUNE_BATCH: i64 = 500;
 /// Most requests leased by one store call.
 const LEASE_BATCH: usize = 256;
+/// How long the dispatcher waits, when a lease left a request that is due already, before it
+/// asks again (a request that came due between the lease and its check).
+const DUE_NOW: Duration = Duration::from_millis(1);
 /// Longest a cancel waits for the chunks its attempt handed on to be committed (LC-9).
 const CANCEL_SETTLES_FOR: Duration = Duration::from_secs(2);
 
@@ -99,9 +103,11 @@ pub(crate) struct Pool {
     /// Cancelled when the shutdown grace period is over: running attempts hand back (DU-5).
     abandon: CancellationToken,
     /// One per attempt this process may run at once (`workers.concurrency`). Every running
-    /// attempt holds one, whether the dispatcher or admission ([`WorkerPool::try_permit`])
+    /// attempt holds one, whether the dispatcher or admission ([`WorkerPool::try_slot`])
     /// started it, so shutdown drains by taking them all back.
     permits: Arc<Semaphore>,
+    /// Who may take a permit: each namespace its share first (LC-2a).
+    slots: NamespaceSlots,
     /// Cancelled when shutdown begins: no new attempts start.
     stopping: CancellationToken,
     /// The attempts this process is running, and the hand-on gates cancels hold shut (LC-9).
@@ -241,6 +247,11 @@ impl WorkerPool {
         );
         WorkerPool(Arc::new(Pool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
+            slots: NamespaceSlots::new(
+                config.workers.concurrency,
+                config.workers.concurrency_per_namespace,
+                &config.namespaces,
+            ),
             stopping: CancellationToken::new(),
             abandon: CancellationToken::new(),
             chunks,
@@ -288,10 +299,10 @@ impl WorkerPool {
             self.count_delivery(&mut record);
             return Ok(Submitted::Attached(Box::new(record)));
         }
-        let permit = self.try_permit();
-        match (self.admission_limit(), permit) {
-            (None, Some(permit)) => self.admit_here(new, permit).await,
-            (limit, permit) => self.admit_in_task(new, permit, limit).await,
+        let slot = self.try_slot(&new.namespace);
+        match (self.admission_limit(), slot) {
+            (None, Some(slot)) => self.admit_here(new, slot).await,
+            (limit, slot) => self.admit_in_task(new, slot, limit).await,
         }
     }
 
@@ -302,11 +313,7 @@ impl WorkerPool {
     /// the attempt starts from there, from the store's writer thread. So the provider call need
     /// not wait for the commit (ID-9), the answer still does, and the wait needs no task of its
     /// own: one task and two hand-offs fewer per request (issue 30).
-    async fn admit_here(
-        &self,
-        new: NewRequest,
-        permit: OwnedSemaphorePermit,
-    ) -> Result<Submitted, StoreError> {
+    async fn admit_here(&self, new: NewRequest, slot: Slot) -> Result<Submitted, StoreError> {
         let owner = self.lease_owner();
         let lease = LeaseTo {
             owner: &owner,
@@ -315,7 +322,7 @@ impl WorkerPool {
         // The attempt's copy of the request, made here rather than on the writer's thread.
         let record = crate::store::created_record(new.clone(), true);
         let pool = self.clone();
-        let started: Started = Box::new(move |lease| pool.spawn_attempt(lease, record, permit));
+        let started: Started = Box::new(move |lease| pool.spawn_attempt(lease, record, slot));
         let (mut submitted, _) = self
             .store
             .submit_and_lease_started(new, Some(lease), started)
@@ -336,20 +343,20 @@ impl WorkerPool {
     async fn admit_in_task(
         &self,
         new: NewRequest,
-        permit: Option<OwnedSemaphorePermit>,
+        slot: Option<Slot>,
         limit: Option<Duration>,
     ) -> Result<Submitted, StoreError> {
         let pool = self.clone();
         let admission = tokio::spawn(async move {
-            let owner = permit.as_ref().map(|_| pool.lease_owner());
+            let owner = slot.as_ref().map(|_| pool.lease_owner());
             let lease = owner.as_deref().map(|owner| LeaseTo {
                 owner,
                 lease_ms: pool.lease_ms(),
             });
             let (mut submitted, lease) = pool.store.submit_and_lease(new, lease).await?;
-            match (&mut submitted, lease, permit) {
-                (Submitted::Created(record), Some(lease), Some(permit)) => {
-                    pool.spawn_attempt(lease, (**record).clone(), permit);
+            match (&mut submitted, lease, slot) {
+                (Submitted::Created(record), Some(lease), Some(slot)) => {
+                    pool.spawn_attempt(lease, (**record).clone(), slot);
                 }
                 (Submitted::Created(_), None, _) => pool.wake(),
                 (Submitted::Attached(record), ..) => pool.count_delivery(record),
@@ -539,14 +546,15 @@ impl WorkerPool {
         &self.config.workers
     }
 
-    /// A free worker slot for an attempt started at admission (see
+    /// A free worker slot for an attempt of `namespace` started at admission (see
     /// [`Store::submit_and_lease`](crate::store::Store::submit_and_lease)), or `None` when all
-    /// are busy or shutdown has begun.
-    fn try_permit(&self) -> Option<OwnedSemaphorePermit> {
+    /// are busy, when the namespace holds its share and only the next one's is free (LC-2a),
+    /// or when shutdown has begun.
+    fn try_slot(&self, namespace: &str) -> Option<Slot> {
         if self.stopping.is_cancelled() {
             return None;
         }
-        Arc::clone(&self.permits).try_acquire_owned().ok()
+        self.slots.try_slot(&self.permits, namespace)
     }
 
     /// A lease owner unique to one attempt (or, for `lease_many`, one call): `<host>-<pid>/<uuid>`.
@@ -559,16 +567,11 @@ impl WorkerPool {
         i64::try_from(self.workers().lease_secs.saturating_mul(1000)).unwrap_or(i64::MAX / 4)
     }
 
-    /// Runs the attempt `lease` holds, keeping `permit` until it ends, as a task of its own.
+    /// Runs the attempt `lease` holds, keeping `slot` until it ends, as a task of its own.
     /// Callable from any thread (the SQLite writer's starts attempts, see
     /// [`WorkerPool::admit_here`]): it only spawns, and the attempt's span and trace are made in
     /// the task.
-    pub(crate) fn spawn_attempt(
-        &self,
-        lease: Lease,
-        record: RequestRecord,
-        permit: OwnedSemaphorePermit,
-    ) {
+    pub(crate) fn spawn_attempt(&self, lease: Lease, record: RequestRecord, slot: Slot) {
         // The attempt's future is kilobytes (every state it can await in); boxed, the task
         // holds a pointer, so spawning it (often from the SQLite writer thread, decision 70)
         // and ending it, when tokio overwrites the task's whole stage, copy a few bytes
@@ -577,7 +580,7 @@ impl WorkerPool {
         let attempt = Box::pin(async move { pool.attempt(lease, record).await });
         self.runtime.spawn(async move {
             attempt.await;
-            drop(permit);
+            drop(slot);
         });
     }
 
@@ -636,15 +639,20 @@ impl WorkerPool {
                 }
             }
             let asked = batch.len();
+            // Each namespace its share first (LC-2a); the free permits beyond the batch count
+            // towards the share's worth kept free.
+            let quota = self.slots.quota(asked, permits.available_permits());
+            let ended = self.slots.ended();
             match self
                 .store
-                .lease_many(&self.lease_owner(), now_ms(), self.lease_ms(), asked)
+                .lease_many(&self.lease_owner(), now_ms(), self.lease_ms(), &quota)
                 .await
             {
                 Ok(leased) => {
                     let drained = leased.len() < asked;
                     for ((lease, record), permit) in leased.into_iter().zip(batch) {
-                        self.spawn_attempt(lease, record, permit);
+                        let slot = self.slots.slot(permit, &record.namespace);
+                        self.spawn_attempt(lease, record, slot);
                     }
                     // Fewer due requests than free permits: nothing more is due now, so wait
                     // for a wake-up instead of asking again at once (which costs an empty
@@ -652,9 +660,14 @@ impl WorkerPool {
                     // meanwhile is not missed: `notify_one` keeps its permit for the next
                     // `notified()`.
                     if drained {
+                        // Something due was left (LC-2a: its namespace over its share, only
+                        // the share kept free left): wait for a slot to free as well.
                         let wait = self.idle_wait(poll).await;
+                        let held_back = wait.is_none() && self.slots.shared_by_namespaces();
+                        let wait = wait.unwrap_or(if held_back { poll } else { DUE_NOW });
                         tokio::select! {
                             () = self.wake.notified() => {}
+                            () = self.slots.wait_for_a_slot(ended), if held_back => {}
                             () = tokio::time::sleep(wait) => {}
                             () = shutdown.cancelled() => break,
                         }
@@ -688,14 +701,15 @@ impl WorkerPool {
         self.books.close(&self.store).await;
     }
 
-    /// How long to sleep when nothing is due: until the earliest scheduled retry, at most `poll`.
-    async fn idle_wait(&self, poll: Duration) -> Duration {
+    /// How long to sleep when nothing is due: until the earliest scheduled retry, at most
+    /// `poll`; `None` when a request is due already.
+    async fn idle_wait(&self, poll: Duration) -> Option<Duration> {
         match self.store.next_due().await {
             Ok(Some(due)) => {
-                let ms = (due - now_ms()).max(1);
-                poll.min(Duration::from_millis(u64::try_from(ms).unwrap_or(1)))
+                let ms = due - now_ms();
+                (ms > 0).then(|| poll.min(Duration::from_millis(u64::try_from(ms).unwrap_or(1))))
             }
-            _ => poll,
+            _ => Some(poll),
         }
     }
 

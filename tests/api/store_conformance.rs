@@ -20,9 +20,9 @@ use holdfast::provider::Route;
 use holdfast::store::postgres::PostgresStore;
 use holdfast::store::sqlite::SqliteStore;
 use holdfast::store::{
-    CallbackQuota, Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, DynStore, ErrorInfo, ErrorType,
-    FAILURE_WINDOW_MS, Lease, LeaseTo, Millis, NewChunk, NewRequest, Outcome, RequestRecord,
-    Status, Submitted, Usage, end_chunk, end_data,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, Counts, DynStore, ErrorInfo, ErrorType,
+    FAILURE_WINDOW_MS, Lease, LeaseQuota, LeaseTo, Millis, NewChunk, NewRequest, Outcome,
+    RequestRecord, Status, Submitted, Usage, end_chunk, end_data,
 };
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
@@ -230,6 +230,7 @@ conformance!(
     a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_cb4_cb6,
     racing_callback_leasers_never_share_a_delivery_cb4,
     a_callback_lease_takes_each_namespaces_share_first_then_lends_the_oldest_due_cb7,
+    a_lease_takes_each_namespaces_share_of_due_requests_first_then_lends_the_oldest_lc2a,
     a_callback_falls_due_however_its_request_ends_cb4,
     attachments_added_after_a_request_finished_are_reported_late_rd9_du6,
 );
@@ -1939,7 +1940,7 @@ async fn submit_and_lease_leases_only_what_it_creates_lc2_id7(store: DynStore) {
     // Leased, so no dispatcher can take it (LC-2), and the lease fences like any other.
     assert!(
         store
-            .lease_many("node/b", T0 + 1, LEASE_MS, 10)
+            .lease_many("node/b", T0 + 1, LEASE_MS, &LeaseQuota::any(10))
             .await
             .expect("lease")
             .is_empty()
@@ -2758,7 +2759,7 @@ async fn a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_m
     );
     assert!(
         store
-            .lease_many("node/c", T0 + 4, LEASE_MS, 10)
+            .lease_many("node/c", T0 + 4, LEASE_MS, &LeaseQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -2870,7 +2871,7 @@ async fn prune_keeps_a_request_whose_webhook_delivery_is_pending_until_no_try_is
             .expect("finish");
     }
     let mut leases = store
-        .lease_callbacks("n1", T0 + 10, 1_000, &CallbackQuota::any(10))
+        .lease_callbacks("n1", T0 + 10, 1_000, &LeaseQuota::any(10))
         .await
         .expect("lease");
     leases.sort_by_key(|l| l.request_id);
@@ -3042,7 +3043,7 @@ async fn postgres_leases_a_batch_in_one_statement_lc2() {
     let leased = {
         let _guard = tracing::subscriber::set_default(subscriber);
         store
-            .lease_many("node/batch", T0 + 1, LEASE_MS, 50)
+            .lease_many("node/batch", T0 + 1, LEASE_MS, &LeaseQuota::any(50))
             .await
             .expect("lease_many")
     };
@@ -3093,7 +3094,7 @@ async fn postgres_two_nodes_sweeping_the_same_expired_requests_take_each_over_on
         }
         // The handed-back ones again: attempt 2 of 2.
         let last = a
-            .lease_many("node/dead", t + 2, LEASE_MS, N)
+            .lease_many("node/dead", t + 2, LEASE_MS, &LeaseQuota::any(N))
             .await
             .expect("lease");
         assert_eq!(last.len(), handed_back);
@@ -3175,9 +3176,10 @@ async fn postgres_two_nodes_sweeping_the_same_expired_requests_take_each_over_on
         assert_eq!(taken.into_iter().collect::<HashSet<_>>(), ids);
         assert_eq!(failed.len(), N / 2, "the ones on their last attempt failed");
         // Every recovered request runs once more: both nodes lease until nothing is due.
+        let quota = LeaseQuota::any(2 * N);
         let (la, lb) = tokio::join!(
-            a.lease_many("node/a", now, LEASE_MS, 2 * N),
-            b.lease_many("node/b", now, LEASE_MS, 2 * N)
+            a.lease_many("node/a", now, LEASE_MS, &quota),
+            b.lease_many("node/b", now, LEASE_MS, &quota)
         );
         let mut leased: Vec<Uuid> = la
             .unwrap()
@@ -3327,7 +3329,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     let c = create(&store, by_hash("cb none", T0 + 2)).await;
     assert!(
         store
-            .lease_callbacks("n1", T0 + 3, 1_000, &CallbackQuota::any(10))
+            .lease_callbacks("n1", T0 + 3, 1_000, &LeaseQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -3374,7 +3376,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     assert_eq!(callback_of(&store, a.id).await.url, "http://a.example/hook");
 
     let mut leases = store
-        .lease_callbacks("n1", T0 + 10, 1_000, &CallbackQuota::any(10))
+        .lease_callbacks("n1", T0 + 10, 1_000, &LeaseQuota::any(10))
         .await
         .expect("lease");
     leases.sort_by_key(|l| l.request_id);
@@ -3388,7 +3390,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     assert_eq!(leases[0].owner, format!("n1/{}", a.id));
     assert!(
         store
-            .lease_callbacks("n2", T0 + 11, 1_000, &CallbackQuota::any(10))
+            .lease_callbacks("n2", T0 + 11, 1_000, &LeaseQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -3421,7 +3423,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     );
     assert!(
         store
-            .lease_callbacks("n1", T0 + 50, 1_000, &CallbackQuota::any(10))
+            .lease_callbacks("n1", T0 + 50, 1_000, &LeaseQuota::any(10))
             .await
             .expect("lease")
             .is_empty(),
@@ -3430,7 +3432,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
 
     // b's lease expired (at T0 + 1010): taken over as try 2, and a is due again.
     let mut again = store
-        .lease_callbacks("n2", T0 + 1_011, 1_000, &CallbackQuota::any(10))
+        .lease_callbacks("n2", T0 + 1_011, 1_000, &LeaseQuota::any(10))
         .await
         .expect("lease");
     again.sort_by_key(|l| l.request_id);
@@ -3478,7 +3480,7 @@ async fn a_callback_falls_due_when_its_request_ends_and_each_try_is_fenced_cb1_c
     );
     assert!(
         store
-            .lease_callbacks("n3", T0 + 999_999, 1_000, &CallbackQuota::any(10))
+            .lease_callbacks("n3", T0 + 999_999, 1_000, &LeaseQuota::any(10))
             .await
             .expect("lease")
             .is_empty()
@@ -3548,13 +3550,13 @@ async fn a_callback_lease_takes_each_namespaces_share_first_then_lends_the_oldes
     }
     let a: Vec<Uuid> = made.iter().filter(|m| m.0 == "a").map(|m| m.1).collect();
     let (b, c) = (made[5].1, made[6].1);
-    let quota = |shares: &[(&str, usize)], limit: usize, keep_free: usize| CallbackQuota {
+    let quota = |shares: &[(&str, usize)], limit: usize, keep_free: usize| LeaseQuota {
         shares: shares.iter().map(|(n, k)| ((*n).to_string(), *k)).collect(),
         limit,
         keep_free,
     };
     let made = &made;
-    let lease = |quota: CallbackQuota, now: Millis| {
+    let lease = |quota: LeaseQuota, now: Millis| {
         let store = Arc::clone(&store);
         async move {
             let leases = store
@@ -3592,8 +3594,88 @@ async fn a_callback_lease_takes_each_namespaces_share_first_then_lends_the_oldes
         "a namespace no longer configured gets what is lent"
     );
     assert!(
-        lease(CallbackQuota::any(10), T0 + 24).await.is_empty(),
+        lease(LeaseQuota::any(10), T0 + 24).await.is_empty(),
         "each delivery is in flight once"
+    );
+}
+
+/// LC-2a: a lease of requests takes each namespace's oldest due up to its share first (the
+/// oldest of them all when the shares exceed the limit), lends nothing of the slots it keeps
+/// free, and lends the rest to the oldest due of any namespace, one no longer configured too.
+/// A request not yet due, or running, is not taken; each taken one is running, attempt 1.
+async fn a_lease_takes_each_namespaces_share_of_due_requests_first_then_lends_the_oldest_lc2a(
+    store: DynStore,
+) {
+    let mut made = Vec::new();
+    for (namespace, i) in [
+        ("a", 0),
+        ("a", 1),
+        ("a", 2),
+        ("a", 3),
+        ("a", 4),
+        ("b", 5),
+        ("c", 6),
+        ("b", 100),
+    ] {
+        let r = create(
+            &store,
+            by_hash_in(namespace, &format!("share {namespace}{i}"), T0 + i),
+        )
+        .await;
+        made.push((namespace, r.id));
+    }
+    let a: Vec<Uuid> = made.iter().filter(|m| m.0 == "a").map(|m| m.1).collect();
+    let (b, c, b_later) = (made[5].1, made[6].1, made[7].1);
+    let quota = |shares: &[(&str, usize)], limit: usize, keep_free: usize| LeaseQuota {
+        shares: shares.iter().map(|(n, k)| ((*n).to_string(), *k)).collect(),
+        limit,
+        keep_free,
+    };
+    let made = &made;
+    let lease = |quota: LeaseQuota, now: Millis| {
+        let store = Arc::clone(&store);
+        async move {
+            let leased = store
+                .lease_many("n1", now, LEASE_MS, &quota)
+                .await
+                .expect("lease");
+            for (lease, record) in &leased {
+                let namespace = made.iter().find(|m| m.1 == lease.id).expect("made").0;
+                assert_eq!(record.namespace, namespace);
+                assert_eq!(record.status, Status::Running);
+                assert_eq!((lease.attempt, record.attempts), (1, 1));
+                assert_eq!(&*lease.owner, format!("n1/{}", lease.id));
+            }
+            let mut ids: Vec<Uuid> = leased.iter().map(|(l, _)| l.id).collect();
+            ids.sort();
+            ids
+        }
+    };
+
+    assert_eq!(
+        lease(quota(&[("b", 2), ("a", 2)], 2, 0), T0 + 20).await,
+        vec![a[0], a[1]],
+        "shares beyond the limit: the oldest of what they take"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 2), ("b", 2)], 5, 2), T0 + 21).await,
+        vec![a[2], a[3], b],
+        "each share, b's later request not yet due; the two slots left are kept free, not lent"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 0), ("b", 2)], 1, 0), T0 + 22).await,
+        vec![a[4]],
+        "a's share is running and b has nothing due: lent to the oldest due"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 2), ("b", 2)], 10, 0), T0 + 23).await,
+        vec![c],
+        "a namespace no longer configured gets what is lent"
+    );
+    assert_eq!(
+        lease(LeaseQuota::any(10), T0 + 200).await,
+        vec![b_later],
+        "each request is running once; one pool takes what is due"
     );
 }
 
@@ -3616,7 +3698,7 @@ async fn racing_callback_leasers_never_share_a_delivery_cb4(store: DynStore) {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             let mut got = Vec::new();
-            let quota = CallbackQuota {
+            let quota = LeaseQuota {
                 shares: vec![(NS.to_string(), 2)],
                 limit: 3,
                 keep_free: 0,
@@ -3692,7 +3774,7 @@ async fn a_callback_falls_due_however_its_request_ends_cb4(store: DynStore) {
     store.finish(&l, retry, T0 + 10).await.expect("finish");
 
     let mut leased: Vec<Uuid> = store
-        .lease_callbacks("n", T0 + LEASE_MS + 100, 1_000, &CallbackQuota::any(50))
+        .lease_callbacks("n", T0 + LEASE_MS + 100, 1_000, &LeaseQuota::any(50))
         .await
         .expect("lease")
         .iter()

@@ -716,3 +716,142 @@ async fn each_refusal_is_counted_under_the_namespace_of_its_key_and_its_cause_rs
     holder.abort();
     app.stop().await;
 }
+
+/// LC-2a, decision 144: one namespace's flood of `Prefer: respond-async` calls, each hanging at
+/// the provider, holds its share of the node's worker slots and what was lent to it, never the
+/// slot another namespace's call needs. With 6 slots and shares of 2, team-a's ten calls run
+/// four at once (its share and two lent; two kept free) and the rest wait in the log;
+/// team-b's call is then answered at once. Before, team-a's calls took every slot and
+/// team-b's call waited in the log behind them for as long as the provider held them.
+#[tokio::test]
+async fn one_namespaces_flood_of_async_calls_never_holds_the_worker_slot_another_namespace_needs_lc2a()
+ {
+    let app = spawn_app(
+        MockConfig {
+            hang_before_headers_ms: Some(60_000),
+            ..MockConfig::default()
+        },
+        |c| {
+            two_tenants(c);
+            c.workers.concurrency = 6;
+            c.workers.concurrency_per_namespace = 2;
+        },
+    )
+    .await;
+    for i in 0..10 {
+        let r = app
+            .post(
+                "/v1/chat/completions",
+                chat_body(&format!("team-a's flood {i}")),
+                &[
+                    ("authorization", "Bearer key-a"),
+                    ("prefer", "respond-async"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status(), 202, "call {i}");
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "team-a's share and what was lent to reach the provider",
+        || app.mock.calls() >= 4,
+    )
+    .await;
+
+    // team-a's calls still hang; team-b's is answered at once.
+    app.mock.set_config(MockConfig::default());
+    let b = tokio::time::timeout(
+        Duration::from_secs(20),
+        app.post(
+            "/v1/chat/completions",
+            chat_body("team-b is not stalled"),
+            &[("authorization", "Bearer key-b")],
+        ),
+    )
+    .await
+    .expect("team-b's call waited for team-a's flood");
+    assert_eq!(b.status(), 200);
+    assert_eq!(
+        app.mock.calls(),
+        5,
+        "team-a got no slot team-b's share keeps"
+    );
+
+    let count = |status: &'static str| {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        async move {
+            let list: serde_json::Value = http
+                .get(format!("{base}/requests?status={status}&limit=100"))
+                .header("authorization", "Bearer key-a")
+                .send()
+                .await
+                .expect("GET /requests")
+                .json()
+                .await
+                .expect("JSON");
+            list["data"].as_array().map_or(0, Vec::len)
+        }
+    };
+    assert_eq!(
+        (count("running").await, count("pending").await),
+        (4, 6),
+        "team-a runs its share and two lent; the rest wait in the log"
+    );
+    app.stop().await;
+}
+
+/// LC-2a: a namespace over its share runs its queued calls as its own slots free, without
+/// waiting for the dispatcher's poll: a lease that left due work for a slot waits for one to
+/// free. With the poll an hour away, team-a's twelve async calls, four at a time, all finish.
+#[tokio::test]
+async fn a_namespace_over_its_share_runs_its_queued_calls_as_its_slots_free_lc2a() {
+    let app = spawn_app(
+        MockConfig {
+            header_delay_ms: 50,
+            ..MockConfig::default()
+        },
+        |c| {
+            two_tenants(c);
+            c.workers.concurrency = 6;
+            c.workers.concurrency_per_namespace = 2;
+            c.workers.poll_interval_ms = 3_600_000;
+        },
+    )
+    .await;
+    for i in 0..12 {
+        let r = app
+            .post(
+                "/v1/chat/completions",
+                chat_body(&format!("team-a's queue {i}")),
+                &[
+                    ("authorization", "Bearer key-a"),
+                    ("prefer", "respond-async"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status(), 202, "call {i}");
+    }
+    let started = std::time::Instant::now();
+    loop {
+        let list: serde_json::Value = app
+            .http
+            .get(format!("{}/requests?status=succeeded&limit=100", app.base))
+            .header("authorization", "Bearer key-a")
+            .send()
+            .await
+            .expect("GET /requests")
+            .json()
+            .await
+            .expect("JSON");
+        if list["data"].as_array().map_or(0, Vec::len) == 12 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "team-a's queued calls did not run as slots freed: {list}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(app.mock.calls(), 12);
+    app.stop().await;
+}

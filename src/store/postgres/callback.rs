@@ -10,7 +10,7 @@ use uuid::Uuid;
 use super::PostgresStore;
 use super::sql::{corrupt, opt_text};
 use crate::store::callback::callback_of;
-use crate::store::{Callback, CallbackLease, CallbackOutcome, CallbackQuota, Millis, StoreError};
+use crate::store::{Callback, CallbackLease, CallbackOutcome, LeaseQuota, Millis, StoreError};
 
 /// Leases the oldest due callbacks (of terminal requests, next try passed, no live lease) of
 /// the namespaces `$4`, up to `$5` of each (their shares, CB-7), and of those at most `$6`,
@@ -81,13 +81,11 @@ impl PostgresStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        quota: &CallbackQuota,
+        quota: &LeaseQuota,
     ) -> Result<Vec<CallbackLease>, StoreError> {
         let (namespaces, shares): (Vec<&str>, Vec<i64>) = quota
-            .shares
-            .iter()
-            .filter(|(_, n)| *n > 0)
-            .map(|(namespace, n)| (namespace.as_str(), sql_limit((*n).min(quota.limit))))
+            .nonzero_shares()
+            .map(|(namespace, n)| (namespace, sql_limit(n)))
             .unzip();
         let mut leases = Vec::new();
         if !namespaces.is_empty() && quota.limit > 0 {
@@ -195,52 +193,11 @@ impl PostgresStore {
 
 #[cfg(test)]
 mod tests {
-    use std::str::FromStr;
-
-    use serde_json::Value;
-    use sqlx::postgres::PgConnectOptions;
-    use sqlx::{Connection, PgConnection};
-
+    use super::super::plans::{assert_reads_about, run_plan, scratch_database};
     use super::*;
 
     /// Due deliveries of namespace `a`; 3 more are `b`'s.
     const BACKLOG: i64 = 200_000;
-
-    /// Every plan node under `plan`: its type, its relation, and the rows it read (returned
-    /// and filtered out, over all its loops).
-    fn nodes(plan: &Value, out: &mut Vec<(String, String, f64)>) {
-        let num = |key: &str| plan.get(key).and_then(Value::as_f64).unwrap_or(0.0);
-        let text = |key: &str| {
-            plan.get(key)
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string()
-        };
-        let read = (num("Actual Rows") + num("Rows Removed by Filter")) * num("Actual Loops");
-        out.push((text("Node Type"), text("Relation Name"), read));
-        for child in plan
-            .get("Plans")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            nodes(child, out);
-        }
-    }
-
-    /// The nodes of `sql`'s plan, run (`EXPLAIN ANALYZE`) and rolled back, with `bind`'s
-    /// parameters.
-    async fn run_plan<'q>(
-        store: &PostgresStore,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Vec<(String, String, f64)> {
-        let mut tx = store.pool.begin().await.expect("begin");
-        let plan: Value = query.fetch_one(&mut *tx).await.expect("explain").get(0);
-        tx.rollback().await.expect("rollback");
-        let mut out = Vec::new();
-        nodes(&plan[0]["Plan"], &mut out);
-        out
-    }
 
     /// CB-7: a lease's work is bounded by the slots it fills, not by the due backlog: from
     /// 200,000 due deliveries of one namespace (a receiver down for an hour at 60 finished
@@ -249,22 +206,8 @@ mod tests {
     /// order: no sequential scan, no node reads more than a few times the rows leased.
     #[tokio::test]
     async fn a_callback_lease_reads_about_the_rows_it_leases_from_a_backlog_of_200000_cb7() {
-        let admin_url = std::env::var("HOLDFAST_TEST_DATABASE_URL")
-            .ok()
-            .filter(|u| !u.is_empty())
-            .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_string());
-        let admin = PgConnectOptions::from_str(&admin_url).expect("admin url");
-        let mut conn = PgConnection::connect_with(&admin)
-            .await
-            .expect("PostgreSQL for the tests (HOLDFAST_TEST_DATABASE_URL)");
-        let name = format!("holdfast_test_{}", Uuid::new_v4().simple());
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut conn)
-            .await
-            .expect("create database");
-        let mut url = reqwest::Url::parse(&admin_url).expect("admin url");
-        url.set_path(&format!("/{name}"));
-        let store = PostgresStore::open(url.as_str()).await.expect("open");
+        let database = scratch_database().await;
+        let store = &database.store;
         for sql in [
             "INSERT INTO requests (id, namespace, route, backend, stream, body, headers, hash,
                  claim_kind, status, next_retry_at, error_type, created_at, updated_at,
@@ -289,7 +232,7 @@ mod tests {
 
         let share_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {SHARE_SQL}");
         let shares = run_plan(
-            &store,
+            store,
             sqlx::query(&share_sql)
                 .bind(1_000_i64)
                 .bind("n")
@@ -301,7 +244,7 @@ mod tests {
         .await;
         let lend_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {LEND_SQL}");
         let lent = run_plan(
-            &store,
+            store,
             sqlx::query(&lend_sql)
                 .bind(1_000_i64)
                 .bind("n")
@@ -309,22 +252,8 @@ mod tests {
                 .bind(45_i64),
         )
         .await;
-        drop(store);
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&mut conn)
-            .await;
-
-        for (statement, nodes, leased) in [("shares", &shares, 11.0), ("lent", &lent, 45.0)] {
-            for (kind, relation, read) in nodes {
-                assert!(
-                    kind != "Seq Scan",
-                    "{statement}: a sequential scan of {relation}: {nodes:?}"
-                );
-                assert!(
-                    *read <= 4.0 * leased,
-                    "{statement}: {kind} {relation} read {read} rows to lease {leased}: {nodes:?}"
-                );
-            }
-        }
+        database.drop().await;
+        assert_reads_about("shares", &shares, 11.0);
+        assert_reads_about("lent", &lent, 45.0);
     }
 }

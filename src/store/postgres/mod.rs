@@ -73,6 +73,9 @@
 
 mod callback;
 mod connection;
+mod lease;
+#[cfg(test)]
+mod plans;
 mod sql;
 mod writer;
 
@@ -96,8 +99,8 @@ use self::sql::{
 use self::writer::{FinishJob, LockKey, SubmitJob, WriteJob};
 use super::rules::{self, Expired};
 use super::{
-    AddedCounts, Callback, CallbackLease, CallbackOutcome, CallbackQuota, Chunk, ChunkBatch,
-    ChunkKind, Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Notification, Outcome,
+    AddedCounts, Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, ChunkKind, Counts,
+    Lease, LeaseQuota, LeaseTo, ListFilter, Millis, NewRequest, Notification, Outcome,
     RequestRecord, ResponseRef, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup,
     UsageQuery, UsageRow,
 };
@@ -301,46 +304,9 @@ impl Store for PostgresStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &LeaseQuota,
     ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
-        // One statement for up to `limit` rows (LC-2): SKIP LOCKED as in `lease`, each row's
-        // owner made unique by its id. The candidates are picked once, in a materialized CTE:
-        // an `IN (subquery)` the planner turns into a semi-join may run the subquery again per
-        // row, and with SKIP LOCKED each run picks other rows, leasing more than `limit` — more
-        // than there are workers to run them.
-        let rows = sqlx::query(concat!(
-            "WITH picked AS MATERIALIZED (
-                 SELECT id AS picked_id FROM requests
-                 WHERE status = 'pending' AND next_retry_at <= $3
-                 ORDER BY next_retry_at, id LIMIT $4
-                 FOR UPDATE SKIP LOCKED)
-             UPDATE requests SET status = 'running', attempts = attempts + 1,
-                 lease_owner = $1 || '/' || id::text, lease_expires_at = $2, updated_at = $3
-             FROM picked WHERE id = picked_id
-             RETURNING lease_owner, ",
-            request_columns!()
-        ))
-        .bind(owner_prefix)
-        .bind(now + lease_ms)
-        .bind(now)
-        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .fetch_all(&self.pool)
-        .await?;
-        let mut leased = rows
-            .iter()
-            .map(|row| {
-                let record = record_from_row(row)?;
-                let lease = Lease {
-                    id: record.id,
-                    owner: row.try_get::<&str, _>("lease_owner")?.into(),
-                    attempt: record.attempts,
-                };
-                Ok((lease, record))
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        // RETURNING has no order; run the oldest first.
-        leased.sort_by_key(|(_, r)| (r.next_retry_at, r.id));
-        Ok(leased)
+        self.lease_many_in(owner_prefix, now, lease_ms, quota).await
     }
 
     async fn heartbeat(
@@ -970,7 +936,7 @@ impl Store for PostgresStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        quota: &CallbackQuota,
+        quota: &LeaseQuota,
     ) -> Result<Vec<CallbackLease>, StoreError> {
         self.lease_callbacks_in(owner_prefix, now, lease_ms, quota)
             .await

@@ -9,7 +9,7 @@ use super::held::Tx;
 use super::sql::{corrupt, parse_id};
 use crate::store::callback::callback_of;
 use crate::store::{
-    Callback, CallbackLease, CallbackOutcome, CallbackQuota, CallbackState, Millis, StoreError,
+    Callback, CallbackLease, CallbackOutcome, CallbackState, LeaseQuota, Millis, StoreError,
 };
 
 /// Records request `id`'s callback to `url`, pending, inside the submission's transaction
@@ -75,7 +75,7 @@ pub(super) async fn lease(
     owner_prefix: &str,
     now: Millis,
     lease_ms: i64,
-    quota: &CallbackQuota,
+    quota: &LeaseQuota,
 ) -> Result<Vec<CallbackLease>, StoreError> {
     let owner_prefix = owner_prefix.to_string();
     let quota = quota.clone();
@@ -95,17 +95,13 @@ fn lease_in(
     owner_prefix: &str,
     now: Millis,
     lease_ms: i64,
-    quota: &CallbackQuota,
+    quota: &LeaseQuota,
 ) -> Result<Vec<CallbackLease>, StoreError> {
     let sql_limit = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
     let mut shares: Vec<Due> = Vec::new();
     {
         let mut share = conn.prepare_cached(SHARE_SQL)?;
-        for (namespace, n) in &quota.shares {
-            let n = (*n).min(quota.limit);
-            if n == 0 {
-                continue;
-            }
+        for (namespace, n) in quota.nonzero_shares() {
             let rows = share.query_map(params![now, sql_limit(n), namespace], due_of)?;
             for row in rows {
                 shares.push(row?);
@@ -255,7 +251,7 @@ mod tests {
             })
             .await
             .expect("seed");
-        let quota = CallbackQuota {
+        let quota = LeaseQuota {
             shares: vec![("a".into(), 8), ("b".into(), 8)],
             limit: 64,
             keep_free: 8,

@@ -90,14 +90,14 @@ use uuid::Uuid;
 use self::open::ReadPool;
 use self::sql::{
     ROW_CHUNKS_MAX, SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in,
-    chunks_from_row, corrupt, due_ids, end_of, fetch, finish_in, lease_in, parse_id, prune_in,
-    record_from_row, release_in, submit_in, sweep_in, usage_from_row,
+    chunks_from_row, corrupt, due_ids, end_of, fetch, finish_in, lease_due, lease_in, parse_id,
+    prune_in, record_from_row, release_in, submit_in, sweep_in, usage_from_row,
 };
 use self::writer::WriteJob;
 use super::row::State;
 use super::{
-    AddedCounts, Callback, CallbackLease, CallbackOutcome, CallbackQuota, Chunk, ChunkBatch,
-    Counts, Lease, LeaseTo, ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef,
+    AddedCounts, Callback, CallbackLease, CallbackOutcome, Chunk, ChunkBatch, Counts, Lease,
+    LeaseQuota, LeaseTo, ListFilter, Millis, NewRequest, Outcome, RequestRecord, ResponseRef,
     Started, Status, Store, StoreError, Submitted, Swept, Usage, UsageGroup, UsageQuery, UsageRow,
     created_record,
 };
@@ -267,20 +267,17 @@ impl Store for SqliteStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        limit: usize,
+        quota: &LeaseQuota,
     ) -> Result<Vec<(Lease, RequestRecord)>, StoreError> {
         let owner_prefix = owner_prefix.to_string();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let quota = quota.clone();
         self.write(move |conn| {
-            // Chosen, then leased, oldest first, in one job of the only writer: atomic like
-            // `lease`, for up to `limit` rows.
-            due_ids(conn, now, limit)?
-                .into_iter()
-                .map(|id| {
-                    let owner = format!("{owner_prefix}/{id}");
-                    lease_in(conn, &id, owner, now, lease_ms)
-                })
-                .collect()
+            // Chosen, then leased, in one job of the only writer: atomic like `lease`, for up
+            // to `quota.limit` rows.
+            lease_due(conn, now, &quota, |id| {
+                let owner = format!("{owner_prefix}/{id}");
+                lease_in(conn, id, owner, now, lease_ms)
+            })
         })
         .await
     }
@@ -648,7 +645,7 @@ impl Store for SqliteStore {
         owner_prefix: &str,
         now: Millis,
         lease_ms: i64,
-        quota: &CallbackQuota,
+        quota: &LeaseQuota,
     ) -> Result<Vec<CallbackLease>, StoreError> {
         callback::lease(self, owner_prefix, now, lease_ms, quota).await
     }
@@ -762,7 +759,7 @@ mod tests {
             panic!("expected a new request");
         };
         let leased = store
-            .lease_many("node/a", now + 1, 30_000, 1)
+            .lease_many("node/a", now + 1, 30_000, &LeaseQuota::any(1))
             .await
             .expect("lease");
         let lease = leased[0].0.clone();
@@ -928,7 +925,7 @@ mod tests {
         }
 
         let first = store
-            .lease_many("node/a", now + 10, 30_000, 2)
+            .lease_many("node/a", now + 10, 30_000, &LeaseQuota::any(2))
             .await
             .expect("lease");
         assert_eq!(
@@ -943,14 +940,14 @@ mod tests {
             assert!(store.heartbeat(lease, now + 20, 30_000).await.expect("hb"));
         }
         let rest = store
-            .lease_many("node/b", now + 10, 30_000, 10)
+            .lease_many("node/b", now + 10, 30_000, &LeaseQuota::any(10))
             .await
             .expect("lease");
         assert_eq!(rest.len(), 1);
         assert_eq!(rest[0].0.id, ids[2]);
         assert!(
             store
-                .lease_many("node/c", now + 10, 30_000, 10)
+                .lease_many("node/c", now + 10, 30_000, &LeaseQuota::any(10))
                 .await
                 .expect("lease")
                 .is_empty()

@@ -70,6 +70,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         13,
         include_str!("../../../migrations/sqlite/0013_end_from_row.sql"),
     ),
+    (
+        14,
+        include_str!("../../../migrations/sqlite/0014_requests_namespace_due.sql"),
+    ),
 ];
 
 /// The file a `sqlite:` URL names ([`crate::config::sqlite_path`]).
@@ -582,7 +586,10 @@ mod tests {
                 |r| r.get(0),
             )
             .expect("indexes");
-        assert_eq!(indexes, 7, "requests: 5 and its primary key; chunks: 1");
+        assert_eq!(
+            indexes, 8,
+            "requests: 5, its primary key and requests_namespace_due (migration 14); chunks: 1"
+        );
         // What the migration is for: the row every write rewrites holds no prompt...
         let request_columns: Vec<String> = conn
             .prepare("SELECT name FROM pragma_table_info('requests')")

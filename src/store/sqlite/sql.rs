@@ -9,8 +9,8 @@ use crate::store::row::tokens_of;
 use crate::store::row::{RawRecord, RawState, State, col, error_of};
 use crate::store::rules::{self, Expired};
 use crate::store::{
-    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseTo, Millis, NewRequest,
-    Outcome, RequestRecord, Status, StoreError, Usage,
+    Chunk, ChunkBatch, ChunkKind, ClaimKind, ErrorInfo, Lease, LeaseQuota, LeaseTo, Millis,
+    NewRequest, Outcome, RequestRecord, Status, StoreError, Usage,
 };
 
 pub(super) fn corrupt(what: impl std::fmt::Display) -> StoreError {
@@ -924,6 +924,52 @@ pub(super) fn due_ids(conn: &Tx<'_>, now: Millis, limit: i64) -> Result<Vec<Stri
         .collect::<Result<_, _>>()?)
 }
 
+/// Up to `?2` pending requests of namespace `?3` due at `?1`, oldest first, with when each was
+/// due, in the order of index `requests_namespace_due` (LC-2a). Named, as in the callbacks'
+/// lease, so no statistics turn it into a scan of `requests_due` filtering the namespace.
+const NAMESPACE_DUE_IDS_SQL: &str = "SELECT id, next_retry_at FROM requests
+         INDEXED BY requests_namespace_due
+     WHERE namespace = ?3 AND status = 'pending' AND next_retry_at <= ?1
+     ORDER BY next_retry_at, id LIMIT ?2";
+
+/// The requests one lease takes under `quota` at `now` (LC-2a), oldest first within each
+/// step: each namespace's share of its own due ones, the oldest of them when the shares exceed
+/// the limit, then what the quota lends of the oldest due of any namespace. Leased as they
+/// are chosen, by `lease` (so the second step, run after the first's leases, skips them).
+pub(super) fn lease_due<T>(
+    conn: &Tx<'_>,
+    now: Millis,
+    quota: &LeaseQuota,
+    mut lease: impl FnMut(&str) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    let sql_limit = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+    let mut shares: Vec<(Millis, String)> = Vec::new();
+    if !quota.shares.is_empty() {
+        let mut share = conn.prepare_held(NAMESPACE_DUE_IDS_SQL)?;
+        for (namespace, n) in quota.nonzero_shares() {
+            let rows = share.query_map(params![now, sql_limit(n), namespace], |r| {
+                Ok((r.get(1)?, r.get(0)?))
+            })?;
+            for row in rows {
+                shares.push(row?);
+            }
+        }
+    }
+    shares.sort();
+    shares.truncate(quota.limit);
+    let mut leased = shares
+        .iter()
+        .map(|(_, id)| lease(id))
+        .collect::<Result<Vec<T>, StoreError>>()?;
+    let lent = quota.lendable(leased.len());
+    if lent > 0 {
+        for id in due_ids(conn, now, sql_limit(lent))? {
+            leased.push(lease(&id)?);
+        }
+    }
+    Ok(leased)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::scratch;
@@ -949,6 +995,7 @@ mod tests {
             INSERT_REQUEST_SQL,
             INSERT_BODY_SQL,
             DUE_IDS_SQL,
+            NAMESPACE_DUE_IDS_SQL,
             LEASE_SQL,
             FINISH_SUCCEEDED_SQL,
             FINISH_RETRY_SQL,
