@@ -17,16 +17,16 @@ pub(crate) struct Seen {
     pub error: bool,
     /// The event completes the route's stream ([`Route::ends_stream`]): reading stops here.
     pub ends_stream: bool,
-    /// The event finishes the answer ([`Route::finishes_answer`]): the stream is complete if
+    /// The event finishes the answer ([`Route::answer_marks`]): the stream is complete if
     /// the body then ends cleanly (Gemini, GM-3).
     pub finishes_answer: bool,
     /// The event reports the answer's usage and nothing else ([`Route::is_usage_report`]): the
     /// stream is complete if the body ends cleanly right after it (Gemini, GM-3).
     pub usage_alone: bool,
-    /// The event shows part of the answer ([`Route::shows_answer`]): after it, a usage report
+    /// The event shows part of the answer ([`Route::answer_marks`]): after it, a usage report
     /// no longer ends the stream, only a finishing event does (Gemini, GM-3, decision 119).
     pub shows_answer: bool,
-    /// The candidates the event finishes and leaves open ([`Route::candidates_of`]): a stream
+    /// The candidates the event finishes and leaves open ([`Route::answer_marks`]): a stream
     /// is complete only when none is left open (Gemini, GM-3, decision 142).
     pub candidates: super::gemini::Candidates,
     /// The event is the one the route's stream opens with ([`Route::stream_start_name`]).
@@ -308,17 +308,18 @@ impl Route {
                 excerpt(data.as_bytes())
             ));
         }
+        let marks = if error {
+            super::gemini::AnswerMarks::default()
+        } else {
+            self.answer_marks(&parts)
+        };
         Ok(Seen {
             error,
             ends_stream: self.ends_stream(data, parts.kind),
-            finishes_answer: !error && self.finishes_answer(&parts),
+            finishes_answer: marks.finishes,
             usage_alone: !error && self.is_usage_report(&parts),
-            shows_answer: !error && self.shows_answer(&parts),
-            candidates: if error {
-                super::gemini::Candidates::default()
-            } else {
-                self.candidates_of(&parts)
-            },
+            shows_answer: marks.shows,
+            candidates: marks.candidates,
             starts_stream: parts.kind.is_some() && parts.kind == self.stream_start_name(),
             gives_result: parts.kind.is_some() && parts.kind == self.stream_result_name(),
             keepalive: self.is_keepalive_event(parts.kind),

@@ -355,43 +355,86 @@ pub(super) fn is_error_event(error: bool) -> bool {
     error
 }
 
-/// Whether a chunk finishes the answer (GM-3): a candidate with a `finishReason`, or a prompt
-/// feedback with a `blockReason`. The stream is complete when the body then ends cleanly.
-pub(super) fn finishes_answer(event: &EventParts<'_>) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Candidate<'a> {
-        #[serde(rename = "finishReason", borrow)]
-        finish_reason: Option<&'a RawValue>,
-    }
+/// What one stream chunk tells of the answer (GM-3), its `candidates` read once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct AnswerMarks {
+    /// It finishes the answer: a candidate with a `finishReason`, or a prompt feedback with a
+    /// `blockReason`. The stream is complete when the body then ends cleanly.
+    pub finishes: bool,
+    /// It shows part of the answer a reader is given: a candidate with a part that is not a
+    /// thought and holds more than an empty text (a `thoughtSignature` carrier, `{"text":""}`,
+    /// shows nothing). Once such a part has come, only a `finishReason` finishes the answer: a
+    /// usage report after it is no ending, since Google ends a visible answer with its reason
+    /// and leaves the reason out only on a turn of thoughts only (decision 119).
+    pub shows: bool,
+    /// The candidates it finishes and leaves open, one bit per `index` (decision 142).
+    pub candidates: Candidates,
+}
+
+/// The candidates a chunk finishes and those it leaves open, one bit per `index` (0 when
+/// absent; 63 stands for any index past it): a candidate with a `finishReason` is finished, one
+/// that shows part of the answer without one is open, until a later chunk finishes it. With
+/// `candidateCount` above 1 each candidate ends with its own reason, so a stream is complete
+/// only when none is left open (GM-3, decision 142).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Candidates {
+    pub finished: u64,
+    pub open: u64,
+}
+
+/// What one stream chunk tells of the answer ([`AnswerMarks`]), each of its candidates read
+/// once. A `candidates` whose parts are not the shape a reader is shown still finishes the
+/// answer by its reasons, as it always did: read again for them alone.
+pub(super) fn answer_marks(event: &EventParts<'_>) -> AnswerMarks {
     #[derive(serde::Deserialize)]
     struct Feedback<'a> {
         #[serde(rename = "blockReason", borrow)]
         block_reason: Option<&'a RawValue>,
     }
-    let set = |v: Option<&RawValue>| v.is_some_and(|v| v.get() != "null" && v.get() != "\"\"");
-    let finished = event.candidates.is_some_and(|raw| {
-        serde_json::from_str::<Vec<Candidate<'_>>>(raw)
-            .is_ok_and(|c| c.iter().any(|c| set(c.finish_reason)))
-    });
-    finished
+    let mut marks = AnswerMarks::default();
+    if let Some(raw) = event.candidates {
+        match serde_json::from_str::<Vec<Candidate<'_>>>(raw) {
+            Ok(candidates) => {
+                for candidate in &candidates {
+                    let index = candidate
+                        .index
+                        .and_then(|i| i.get().parse::<u64>().ok())
+                        .unwrap_or(0);
+                    let bit = 1u64 << index.min(63);
+                    let shows = candidate.shows();
+                    marks.shows |= shows;
+                    if is_set(candidate.finish_reason) {
+                        marks.finishes = true;
+                        marks.candidates.finished |= bit;
+                    } else if shows {
+                        marks.candidates.open |= bit;
+                    }
+                }
+            }
+            Err(_) => {
+                #[derive(serde::Deserialize)]
+                struct Reason<'a> {
+                    #[serde(rename = "finishReason", borrow)]
+                    finish_reason: Option<&'a RawValue>,
+                }
+                marks.finishes = serde_json::from_str::<Vec<Reason<'_>>>(raw)
+                    .is_ok_and(|c| c.iter().any(|c| is_set(c.finish_reason)));
+            }
+        }
+    }
+    marks.finishes = marks.finishes
         || event.prompt_feedback.is_some_and(|raw| {
-            serde_json::from_str::<Feedback<'_>>(raw).is_ok_and(|f| set(f.block_reason))
-        })
+            serde_json::from_str::<Feedback<'_>>(raw).is_ok_and(|f| is_set(f.block_reason))
+        });
+    marks
 }
 
-/// Whether a chunk shows part of the answer a reader is given: a candidate with a part that is
-/// not a thought and holds more than an empty text (a `thoughtSignature` carrier, `{"text":""}`,
-/// shows nothing). Once such a part has come, only a `finishReason` finishes the answer: a usage
-/// report after it is no ending, since Google ends a visible answer with its reason and leaves
-/// the reason out only on a turn of thoughts only (GM-3, decision 119).
-pub(super) fn shows_answer(event: &EventParts<'_>) -> bool {
-    event.candidates.is_some_and(|raw| {
-        serde_json::from_str::<Vec<Candidate<'_>>>(raw)
-            .is_ok_and(|candidates| candidates.iter().any(Candidate::shows))
-    })
+/// Whether a reason member is set: present, not `null`, not empty.
+fn is_set(value: Option<&RawValue>) -> bool {
+    value.is_some_and(|v| v.get() != "null" && v.get() != "\"\"")
 }
 
-/// A candidate of a stream chunk, as [`shows_answer`] and [`candidates_of`] read it.
+/// A candidate of a stream chunk, as [`answer_marks`] reads it.
 #[derive(serde::Deserialize)]
 struct Candidate<'a> {
     #[serde(borrow)]
@@ -410,7 +453,7 @@ struct Content<'a> {
 }
 
 impl Candidate<'_> {
-    /// Whether it holds a part a reader is shown ([`shows_answer`]).
+    /// Whether it holds a part a reader is shown ([`AnswerMarks::shows`]).
     fn shows(&self) -> bool {
         let shown = |part: &BTreeMap<Cow<'_, str>, &RawValue>| {
             part.get("thought").is_none_or(|t| t.get() != "true")
@@ -425,46 +468,6 @@ impl Candidate<'_> {
             .and_then(|c| c.parts.as_ref())
             .is_some_and(|parts| parts.iter().any(shown))
     }
-
-    fn finished(&self) -> bool {
-        self.finish_reason
-            .is_some_and(|v| v.get() != "null" && v.get() != "\"\"")
-    }
-}
-
-/// The candidates a chunk finishes and those it leaves open, one bit per `index` (0 when
-/// absent; 63 stands for any index past it): a candidate with a `finishReason` is finished, one
-/// that shows part of the answer without one is open, until a later chunk finishes it. With
-/// `candidateCount` above 1 each candidate ends with its own reason, so a stream is complete
-/// only when none is left open (GM-3, decision 142).
-pub(super) fn candidates_of(event: &EventParts<'_>) -> Candidates {
-    let mut bits = Candidates::default();
-    let Some(Ok(candidates)) = event
-        .candidates
-        .map(serde_json::from_str::<Vec<Candidate<'_>>>)
-    else {
-        return bits;
-    };
-    for candidate in &candidates {
-        let index = candidate
-            .index
-            .and_then(|i| i.get().parse::<u64>().ok())
-            .unwrap_or(0);
-        let bit = 1u64 << index.min(63);
-        if candidate.finished() {
-            bits.finished |= bit;
-        } else if candidate.shows() {
-            bits.open |= bit;
-        }
-    }
-    bits
-}
-
-/// The candidates one chunk finishes and leaves open ([`candidates_of`]), a bit per index.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Candidates {
-    pub finished: u64,
-    pub open: u64,
 }
 
 /// Whether a chunk reports the usage and nothing else: `usageMetadata` holding counts, and
@@ -538,11 +541,20 @@ mod tests {
                 ..EventParts::default()
             }
         }
-        assert!(finishes_answer(&parts(Some(finished), None)));
-        assert!(!finishes_answer(&parts(Some(going), None)));
-        assert!(finishes_answer(&parts(None, Some(blocked))));
-        assert!(!finishes_answer(&parts(None, Some("{}"))));
-        assert!(!finishes_answer(&parts(None, None)));
+        assert!(answer_marks(&parts(Some(finished), None)).finishes);
+        assert!(!answer_marks(&parts(Some(going), None)).finishes);
+        assert!(answer_marks(&parts(None, Some(blocked))).finishes);
+        assert!(!answer_marks(&parts(None, Some("{}"))).finishes);
+        assert!(!answer_marks(&parts(None, None)).finishes);
+        // Parts of an odd shape: still finished by the reason, showing nothing.
+        let odd = r#"[{"content":{"parts":"odd"},"finishReason":"STOP"}]"#;
+        assert_eq!(
+            answer_marks(&parts(Some(odd), None)),
+            AnswerMarks {
+                finishes: true,
+                ..AnswerMarks::default()
+            }
+        );
     }
 
     /// GM-3, decision 119: what a reader is shown of the answer, after which only a
@@ -550,10 +562,11 @@ mod tests {
     #[test]
     fn a_visible_part_shows_the_answer_and_a_thought_does_not_gm3() {
         let shows = |candidates: &str| {
-            shows_answer(&EventParts {
+            answer_marks(&EventParts {
                 candidates: Some(candidates),
                 ..EventParts::default()
             })
+            .shows
         };
         assert!(shows(r#"[{"content":{"parts":[{"text":"x"}]}}]"#));
         assert!(shows(
@@ -572,7 +585,7 @@ mod tests {
             r#"[{"content":{"parts":[]}},{"finishReason":"STOP"}]"#
         ));
         assert!(!shows(r#"[{"content":{"role":"model"}}]"#));
-        assert!(!shows_answer(&EventParts::default()));
+        assert!(!answer_marks(&EventParts::default()).shows);
     }
 
     #[test]

@@ -744,25 +744,16 @@ impl Route {
         }
     }
 
-    /// Whether a stream event finishes the answer, which is then complete when the body ends
-    /// cleanly after it: Gemini's streams have no final event (GM-3). The other providers'
-    /// streams end at their final event ([`Route::ends_stream`]).
-    pub(crate) fn finishes_answer(self, event: &EventParts<'_>) -> bool {
+    /// What a stream event tells of the answer: whether it finishes it, shows part of it, and
+    /// which candidates it finishes and leaves open. Gemini's streams have no final event, so
+    /// the answer is complete when the body ends cleanly after an event that finishes it and
+    /// leaves no candidate open; after a visible part only a finishing event ends it, a usage
+    /// report no longer does (GM-3, decisions 119 and 142). The other providers' streams end
+    /// at their final event ([`Route::ends_stream`]) whatever came before it: nothing marked.
+    pub(crate) fn answer_marks(self, event: &EventParts<'_>) -> gemini::AnswerMarks {
         match self.provider() {
-            Provider::Openai | Provider::Anthropic => false,
-            Provider::Gemini => gemini::finishes_answer(event),
-            #[cfg(test)]
-            Provider::Echo => false,
-        }
-    }
-
-    /// The candidates a stream event finishes and leaves open: Gemini's answer with
-    /// `candidateCount` above 1 is complete only when every candidate has finished (GM-3). The
-    /// other providers' streams end at their final event.
-    pub(crate) fn candidates_of(self, event: &EventParts<'_>) -> gemini::Candidates {
-        match self.provider() {
-            Provider::Gemini => gemini::candidates_of(event),
-            _ => gemini::Candidates::default(),
+            Provider::Gemini => gemini::answer_marks(event),
+            _ => gemini::AnswerMarks::default(),
         }
     }
 
@@ -773,19 +764,6 @@ impl Route {
         match self.provider() {
             Provider::Openai | Provider::Anthropic => false,
             Provider::Gemini => gemini::is_usage_report(event),
-            #[cfg(test)]
-            Provider::Echo => false,
-        }
-    }
-
-    /// Whether a stream event shows part of the answer that only a finishing event
-    /// ([`Route::finishes_answer`]) ends, a usage report ([`Route::is_usage_report`]) no
-    /// longer: Gemini's visible parts, thoughts aside (GM-3, decision 119). The other
-    /// providers' streams end at their final event whatever came before it.
-    pub(crate) fn shows_answer(self, event: &EventParts<'_>) -> bool {
-        match self.provider() {
-            Provider::Openai | Provider::Anthropic => false,
-            Provider::Gemini => gemini::shows_answer(event),
             #[cfg(test)]
             Provider::Echo => false,
         }

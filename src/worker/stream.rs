@@ -42,7 +42,7 @@ pub(super) enum Step {
 ///
 /// The stream succeeds only with the route's final event ([`Route::ends_stream`]); reading
 /// stops there. A route without one (Gemini's) succeeds when an event finished the answer
-/// ([`Route::finishes_answer`]) and the body then ended cleanly (GM-3). A failure before the first stored chunk is transient (LC-5); after it,
+/// ([`Route::answer_marks`]) and the body then ended cleanly (GM-3). A failure before the first stored chunk is transient (LC-5); after it,
 /// terminal `stream_interrupted` (LC-7), and so is a body that ends without the final event.
 /// An answer that is not an event stream at all (a body that ends without a single event) is
 /// `upstream_invalid` and kept on the record (capped): the provider answered and was paid, so
