@@ -181,6 +181,7 @@ impl Client {
         }
         let fields = [
             ("id", text(&record["id"])),
+            ("namespace", text(&record["namespace"])),
             ("status", text(&record["status"])),
             ("route", text(&record["route"])),
             ("model", text(&record["model"])),

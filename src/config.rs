@@ -267,10 +267,10 @@ pub struct Workers {
     pub concurrency: usize,
     /// One namespace's share of `concurrency` (LC-2a): a lease gives each configured namespace
     /// up to this many running attempts on this node first, and a call is leased at admission
-    /// on the same terms; what is left goes to the oldest due of any namespace, but for this
-    /// many slots kept free for the next namespace when more than one is configured. Taken as
-    /// `concurrency` when larger.
-    pub concurrency_per_namespace: usize,
+    /// on the same terms; while more than one namespace is configured, every namespace's
+    /// unused share is held for it and only the rest is lent. Unset: a tenth of `concurrency`
+    /// (at least 1, [`Workers::share`]). Taken as `concurrency` when larger.
+    pub concurrency_per_namespace: Option<usize>,
     /// Lease length in seconds; renewed by heartbeat every third of it (LC-2).
     pub lease_secs: u64,
     /// Attempts before a transiently failing request fails for good (LC-5).
@@ -444,11 +444,20 @@ impl Default for Otel {
     }
 }
 
+impl Workers {
+    /// One namespace's share of `concurrency` (LC-2a): `concurrency_per_namespace`, else a
+    /// tenth of `concurrency`, at least 1 (decision 144).
+    pub fn share(&self) -> usize {
+        self.concurrency_per_namespace
+            .unwrap_or((self.concurrency / 10).max(1))
+    }
+}
+
 impl Default for Workers {
     fn default() -> Self {
         Workers {
             concurrency: 10_000,
-            concurrency_per_namespace: 1_000,
+            concurrency_per_namespace: None,
             lease_secs: 30,
             max_attempts: 5,
             backoff_initial_ms: 500,
@@ -1095,7 +1104,7 @@ impl Config {
             ("workers.concurrency", self.workers.concurrency as u64),
             (
                 "workers.concurrency_per_namespace",
-                self.workers.concurrency_per_namespace as u64,
+                self.workers.share() as u64,
             ),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),
@@ -1673,6 +1682,26 @@ mod tests {
         );
         assert_eq!(webhook_key("whsec_AAAA"), Some(vec![0, 0, 0]));
         assert_eq!(webhook_key("AAAA"), None);
+    }
+
+    /// LC-2a, decision 144: a namespace's share of the worker slots is a tenth of
+    /// `concurrency` unless set, so lowering `concurrency` keeps the shares (a default of 1,000
+    /// made any `concurrency` of 1,000 or less one pool, with no share for anyone), and 0 is
+    /// refused.
+    #[test]
+    fn a_namespaces_share_of_worker_slots_is_a_tenth_of_concurrency_unless_set_lc2a() {
+        let mut c = with_backend();
+        assert_eq!(c.workers.share(), 1_000);
+        c.workers.concurrency = 20;
+        assert_eq!(c.workers.share(), 2);
+        c.workers.concurrency = 6;
+        assert_eq!(c.workers.share(), 1);
+        c.workers.concurrency_per_namespace = Some(4);
+        assert_eq!(c.workers.share(), 4);
+        c.validate().expect("valid");
+        c.workers.concurrency_per_namespace = Some(0);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("workers.concurrency_per_namespace"), "{err}");
     }
 
     #[test]

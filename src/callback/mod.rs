@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::config::{Config, ConfigError};
-use crate::slots::NamespaceSlots;
+use crate::slots::{Keep, NamespaceSlots};
 use crate::store::{CallbackLease, CallbackOutcome, DynStore, StoreError, now_ms};
 
 pub(crate) use safety::{Allow, check_url};
@@ -120,6 +120,7 @@ impl Deliverer {
                 c.concurrency,
                 c.concurrency_per_namespace,
                 &config.namespaces,
+                Keep::OneShare,
             ),
             config,
         })

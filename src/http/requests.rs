@@ -26,6 +26,8 @@ use crate::store::{CallbackState, ErrorInfo, ListFilter, Millis, RequestRecord, 
 #[derive(Debug, Serialize)]
 pub(super) struct RecordView {
     id: Uuid,
+    /// The namespace it was recorded in (CLI-5): an admin key's lists span several.
+    namespace: String,
     status: Status,
     route: &'static str,
     model: Option<String>,
@@ -178,6 +180,7 @@ impl RecordView {
         let saved = r.usage.times(u64::from(saved_calls));
         RecordView {
             id: r.id,
+            namespace: r.namespace.clone(),
             status: r.status,
             route: r.route.name(),
             model: r.model.clone(),

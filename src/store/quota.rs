@@ -15,6 +15,9 @@ pub struct LeaseQuota {
     /// Slots of `limit` the second step leaves free when the shares did not fill them: the
     /// next namespace's share, so work that cannot be taken back never holds it.
     pub keep_free: usize,
+    /// Most rows the second step may take at all: the free slots no namespace's unused share
+    /// holds (LC-2a). `usize::MAX`: no bound but `limit` and `keep_free`.
+    pub lend_cap: usize,
 }
 
 impl LeaseQuota {
@@ -24,6 +27,7 @@ impl LeaseQuota {
             shares: Vec::new(),
             limit,
             keep_free: 0,
+            lend_cap: usize::MAX,
         }
     }
 
@@ -32,13 +36,21 @@ impl LeaseQuota {
         self.limit
             .saturating_sub(taken)
             .saturating_sub(self.keep_free)
+            .min(self.lend_cap)
     }
 
-    /// Each share as the first step runs it: at most `limit`, the empty ones left out.
+    /// Each share as the first step runs it: at most `limit`, the empty ones left out, and a
+    /// namespace named twice taken once (its first share), so no row is chosen twice.
     pub fn nonzero_shares(&self) -> impl Iterator<Item = (&str, usize)> {
         self.shares
             .iter()
-            .map(|(namespace, n)| (namespace.as_str(), (*n).min(self.limit)))
+            .enumerate()
+            .filter(|(i, (namespace, _))| {
+                !self.shares[..*i]
+                    .iter()
+                    .any(|(before, _)| before == namespace)
+            })
+            .map(|(_, (namespace, n))| (namespace.as_str(), (*n).min(self.limit)))
             .filter(|(_, n)| *n > 0)
     }
 }

@@ -28,7 +28,7 @@ use crate::config::{Config, Workers};
 use crate::hub::{Hub, HubEvent};
 use crate::metrics::{self as m, AttemptMeters};
 use crate::otel::{AttemptSpan, Traces};
-use crate::slots::{NamespaceSlots, Slot};
+use crate::slots::{Keep, NamespaceSlots, Slot};
 use crate::store::{
     DynStore, ErrorType, Lease, LeaseTo, NewRequest, RequestRecord, Started, StoreError, Submitted,
     now_ms,
@@ -249,8 +249,9 @@ impl WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             slots: NamespaceSlots::new(
                 config.workers.concurrency,
-                config.workers.concurrency_per_namespace,
+                config.workers.share(),
                 &config.namespaces,
+                Keep::EveryUnusedShare,
             ),
             stopping: CancellationToken::new(),
             abandon: CancellationToken::new(),

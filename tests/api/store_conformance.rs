@@ -3554,6 +3554,7 @@ async fn a_callback_lease_takes_each_namespaces_share_first_then_lends_the_oldes
         shares: shares.iter().map(|(n, k)| ((*n).to_string(), *k)).collect(),
         limit,
         keep_free,
+        lend_cap: usize::MAX,
     };
     let made = &made;
     let lease = |quota: LeaseQuota, now: Millis| {
@@ -3616,6 +3617,10 @@ async fn a_lease_takes_each_namespaces_share_of_due_requests_first_then_lends_th
         ("b", 5),
         ("c", 6),
         ("b", 100),
+        ("a", 150),
+        ("a", 151),
+        ("c", 152),
+        ("a", 153),
     ] {
         let r = create(
             &store,
@@ -3626,11 +3631,15 @@ async fn a_lease_takes_each_namespaces_share_of_due_requests_first_then_lends_th
     }
     let a: Vec<Uuid> = made.iter().filter(|m| m.0 == "a").map(|m| m.1).collect();
     let (b, c, b_later) = (made[5].1, made[6].1, made[7].1);
-    let quota = |shares: &[(&str, usize)], limit: usize, keep_free: usize| LeaseQuota {
-        shares: shares.iter().map(|(n, k)| ((*n).to_string(), *k)).collect(),
-        limit,
-        keep_free,
-    };
+    let later: Vec<Uuid> = made[8..].iter().map(|m| m.1).collect();
+    let quota =
+        |shares: &[(&str, usize)], limit: usize, keep_free: usize, lend_cap: usize| LeaseQuota {
+            shares: shares.iter().map(|(n, k)| ((*n).to_string(), *k)).collect(),
+            limit,
+            keep_free,
+            lend_cap,
+        };
+    const MAX: usize = usize::MAX;
     let made = &made;
     let lease = |quota: LeaseQuota, now: Millis| {
         let store = Arc::clone(&store);
@@ -3653,28 +3662,38 @@ async fn a_lease_takes_each_namespaces_share_of_due_requests_first_then_lends_th
     };
 
     assert_eq!(
-        lease(quota(&[("b", 2), ("a", 2)], 2, 0), T0 + 20).await,
+        lease(quota(&[("b", 2), ("a", 2)], 2, 0, MAX), T0 + 20).await,
         vec![a[0], a[1]],
         "shares beyond the limit: the oldest of what they take"
     );
     assert_eq!(
-        lease(quota(&[("a", 2), ("b", 2)], 5, 2), T0 + 21).await,
+        lease(quota(&[("a", 2), ("b", 2)], 5, 2, MAX), T0 + 21).await,
         vec![a[2], a[3], b],
         "each share, b's later request not yet due; the two slots left are kept free, not lent"
     );
     assert_eq!(
-        lease(quota(&[("a", 0), ("b", 2)], 1, 0), T0 + 22).await,
+        lease(quota(&[("a", 0), ("b", 2)], 1, 0, MAX), T0 + 22).await,
         vec![a[4]],
         "a's share is running and b has nothing due: lent to the oldest due"
     );
     assert_eq!(
-        lease(quota(&[("a", 2), ("b", 2)], 10, 0), T0 + 23).await,
+        lease(quota(&[("a", 2), ("b", 2)], 10, 0, MAX), T0 + 23).await,
         vec![c],
         "a namespace no longer configured gets what is lent"
     );
     assert_eq!(
-        lease(LeaseQuota::any(10), T0 + 200).await,
+        lease(quota(&[("b", 2)], 10, 0, 0), T0 + 120).await,
         vec![b_later],
+        "a's share is its own; nothing may be lent"
+    );
+    assert_eq!(
+        lease(quota(&[("a", 1), ("a", 1)], 10, 0, 1), T0 + 200).await,
+        vec![later[0], later[1]],
+        "a namespace named twice takes its share once; one more is lent, the oldest due"
+    );
+    assert_eq!(
+        lease(LeaseQuota::any(10), T0 + 300).await,
+        vec![later[2], later[3]],
         "each request is running once; one pool takes what is due"
     );
 }
@@ -3702,6 +3721,7 @@ async fn racing_callback_leasers_never_share_a_delivery_cb4(store: DynStore) {
                 shares: vec![(NS.to_string(), 2)],
                 limit: 3,
                 keep_free: 0,
+                lend_cap: usize::MAX,
             };
             for _ in 0..10 {
                 let leases = store

@@ -734,7 +734,7 @@ async fn one_namespaces_flood_of_async_calls_never_holds_the_worker_slot_another
         |c| {
             two_tenants(c);
             c.workers.concurrency = 6;
-            c.workers.concurrency_per_namespace = 2;
+            c.workers.concurrency_per_namespace = Some(2);
         },
     )
     .await;
@@ -813,7 +813,7 @@ async fn a_namespace_over_its_share_runs_its_queued_calls_as_its_slots_free_lc2a
         |c| {
             two_tenants(c);
             c.workers.concurrency = 6;
-            c.workers.concurrency_per_namespace = 2;
+            c.workers.concurrency_per_namespace = Some(2);
             c.workers.poll_interval_ms = 3_600_000;
         },
     )
@@ -853,5 +853,103 @@ async fn a_namespace_over_its_share_runs_its_queued_calls_as_its_slots_free_lc2a
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(app.mock.calls(), 12);
+    app.stop().await;
+}
+
+/// LC-2a, decision 144: every namespace's unused share is held for it, so two namespaces
+/// flooding at once, their calls hanging at the provider, still leave a third its share. With
+/// 6 slots, shares of 2 and three namespaces, team-a and team-b run two each and team-c's call
+/// is answered at once. With one share's worth kept free (CB-7's rule, the first cut of
+/// LC-2a), team-b took it and team-c's call waited for as long as the provider held theirs.
+#[tokio::test]
+async fn two_namespaces_flooding_at_once_still_leave_a_third_its_share_lc2a() {
+    let app = spawn_app(
+        MockConfig {
+            hang_before_headers_ms: Some(60_000),
+            ..MockConfig::default()
+        },
+        |c| {
+            c.namespaces = two_namespaces("team-a", "team-b");
+            let mut team_c = c.namespaces[0].clone();
+            team_c.name = "team-c".into();
+            team_c.api_keys = vec!["key-c".into()];
+            c.namespaces.push(team_c);
+            c.workers.concurrency = 6;
+            c.workers.concurrency_per_namespace = Some(2);
+            c.admin_api_keys = vec!["admin-key".into()];
+        },
+    )
+    .await;
+    for (key, calls) in [("key-a", 6), ("key-b", 6)] {
+        for i in 0..calls {
+            let r = app
+                .post(
+                    "/v1/chat/completions",
+                    chat_body(&format!("{key}'s flood {i}")),
+                    &[
+                        ("authorization", &format!("Bearer {key}")),
+                        ("prefer", "respond-async"),
+                    ],
+                )
+                .await;
+            assert_eq!(r.status(), 202, "{key} call {i}");
+        }
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "team-a's and team-b's shares to reach the provider",
+        || app.mock.calls() >= 4,
+    )
+    .await;
+    app.mock.set_config(MockConfig::default());
+    let c = tokio::time::timeout(
+        Duration::from_secs(20),
+        app.post(
+            "/v1/chat/completions",
+            chat_body("team-c is not stalled"),
+            &[("authorization", "Bearer key-c")],
+        ),
+    )
+    .await
+    .expect("team-c's call waited for the two floods");
+    assert_eq!(c.status(), 200);
+    assert_eq!(
+        app.mock.calls(),
+        5,
+        "team-a and team-b ran their shares, nothing lent: the shares add up to every slot"
+    );
+    // RD-1: an admin key's list names each record's namespace: whose calls run, whose wait.
+    let mut seen = std::collections::BTreeMap::new();
+    for status in ["running", "pending"] {
+        let list: serde_json::Value = app
+            .http
+            .get(format!("{}/requests?status={status}&limit=100", app.base))
+            .header("authorization", "Bearer admin-key")
+            .send()
+            .await
+            .expect("GET /requests")
+            .json()
+            .await
+            .expect("JSON");
+        for record in list["data"].as_array().expect("data") {
+            let namespace = record["namespace"].as_str().expect("namespace").to_string();
+            *seen.entry((status, namespace)).or_insert(0) += 1;
+        }
+    }
+    let count = |status: &'static str, namespace: &str| {
+        seen.get(&(status, namespace.to_string()))
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        [count("running", "team-a"), count("running", "team-b")],
+        [2, 2],
+        "{seen:?}"
+    );
+    assert_eq!(
+        [count("pending", "team-a"), count("pending", "team-b")],
+        [4, 4],
+        "{seen:?}"
+    );
     app.stop().await;
 }

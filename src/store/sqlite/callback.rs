@@ -255,6 +255,7 @@ mod tests {
             shares: vec![("a".into(), 8), ("b".into(), 8)],
             limit: 64,
             keep_free: 8,
+            lend_cap: usize::MAX,
         };
         store
             .write(move |conn| {
