@@ -596,18 +596,12 @@ async fn a_namespace_at_its_cap_of_held_calls_is_refused_while_another_is_still_
         "the refusals reached no provider; team-b's call did"
     );
     let listed = |key: &'static str| {
-        let (http, base) = (app.http.clone(), app.base.clone());
+        let app = &app;
         async move {
-            let list: serde_json::Value = http
-                .get(format!("{base}/requests"))
-                .header("authorization", format!("Bearer {key}"))
-                .send()
+            listed_by_namespace(app, key, "")
                 .await
-                .expect("GET /requests")
-                .json()
-                .await
-                .expect("JSON");
-            list["data"].as_array().map_or(0, Vec::len)
+                .values()
+                .sum::<usize>()
         }
     };
     assert_eq!(
@@ -717,84 +711,110 @@ async fn each_refusal_is_counted_under_the_namespace_of_its_key_and_its_cause_rs
     app.stop().await;
 }
 
+/// Sends `n` `Prefer: respond-async` calls with `key`, each answered 202 (RS-9).
+async fn send_async_calls(app: &TestApp, key: &str, n: usize) {
+    let bearer = format!("Bearer {key}");
+    for i in 0..n {
+        let r = app
+            .post(
+                "/v1/chat/completions",
+                chat_body(&format!("{key}'s flood {i}")),
+                &[("authorization", &bearer), ("prefer", "respond-async")],
+            )
+            .await;
+        assert_eq!(r.status(), 202, "{key} call {i}");
+    }
+}
+
+/// Waits until `held` calls reach the provider, which holds every call until told otherwise,
+/// then lets the calls after them through and sends one call with `key`: answered 200, and
+/// not after 20 s of waiting for the held ones.
+async fn held_calls_do_not_stall_a_call_of(app: &TestApp, held: u64, key: &str) {
+    wait_until(
+        Duration::from_secs(10),
+        "the floods' calls to reach the provider",
+        || app.mock.calls() >= held,
+    )
+    .await;
+    app.mock.set_config(MockConfig::default());
+    let answered = tokio::time::timeout(
+        Duration::from_secs(20),
+        app.post(
+            "/v1/chat/completions",
+            chat_body(&format!("{key} is not stalled")),
+            &[("authorization", &format!("Bearer {key}"))],
+        ),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{key}'s call waited for the floods"));
+    assert_eq!(answered.status(), 200);
+}
+
+/// How many requests `GET /requests` lists for `key` (of status `status`, any when empty), by
+/// namespace.
+async fn listed_by_namespace(
+    app: &TestApp,
+    key: &str,
+    status: &str,
+) -> std::collections::BTreeMap<String, usize> {
+    let filter = if status.is_empty() {
+        String::new()
+    } else {
+        format!("&status={status}")
+    };
+    let list: serde_json::Value = app
+        .http
+        .get(format!("{}/requests?limit=100{filter}", app.base))
+        .header("authorization", format!("Bearer {key}"))
+        .send()
+        .await
+        .expect("GET /requests")
+        .json()
+        .await
+        .expect("JSON");
+    let mut seen = std::collections::BTreeMap::new();
+    for record in list["data"].as_array().expect("data") {
+        let namespace = record["namespace"].as_str().expect("RD-1: its namespace");
+        *seen.entry(namespace.to_string()).or_insert(0) += 1;
+    }
+    seen
+}
+
+/// A provider that holds every call for a minute (until the test lets calls through).
+fn holding_provider() -> MockConfig {
+    MockConfig {
+        hang_before_headers_ms: Some(60_000),
+        ..MockConfig::default()
+    }
+}
+
 /// LC-2a, decision 144: one namespace's flood of `Prefer: respond-async` calls, each hanging at
 /// the provider, holds its share of the node's worker slots and what was lent to it, never the
 /// slot another namespace's call needs. With 6 slots and shares of 2, team-a's ten calls run
-/// four at once (its share and two lent; two kept free) and the rest wait in the log;
+/// four at once (its share and two lent; team-b's share held) and the rest wait in the log;
 /// team-b's call is then answered at once. Before, team-a's calls took every slot and
 /// team-b's call waited in the log behind them for as long as the provider held them.
 #[tokio::test]
 async fn one_namespaces_flood_of_async_calls_never_holds_the_worker_slot_another_namespace_needs_lc2a()
  {
-    let app = spawn_app(
-        MockConfig {
-            hang_before_headers_ms: Some(60_000),
-            ..MockConfig::default()
-        },
-        |c| {
-            two_tenants(c);
-            c.workers.concurrency = 6;
-            c.workers.concurrency_per_namespace = Some(2);
-        },
-    )
+    let app = spawn_app(holding_provider(), |c| {
+        two_tenants(c);
+        c.workers.concurrency = 6;
+        c.workers.concurrency_per_namespace = Some(2);
+    })
     .await;
-    for i in 0..10 {
-        let r = app
-            .post(
-                "/v1/chat/completions",
-                chat_body(&format!("team-a's flood {i}")),
-                &[
-                    ("authorization", "Bearer key-a"),
-                    ("prefer", "respond-async"),
-                ],
-            )
-            .await;
-        assert_eq!(r.status(), 202, "call {i}");
-    }
-    wait_until(
-        Duration::from_secs(10),
-        "team-a's share and what was lent to reach the provider",
-        || app.mock.calls() >= 4,
-    )
-    .await;
-
-    // team-a's calls still hang; team-b's is answered at once.
-    app.mock.set_config(MockConfig::default());
-    let b = tokio::time::timeout(
-        Duration::from_secs(20),
-        app.post(
-            "/v1/chat/completions",
-            chat_body("team-b is not stalled"),
-            &[("authorization", "Bearer key-b")],
-        ),
-    )
-    .await
-    .expect("team-b's call waited for team-a's flood");
-    assert_eq!(b.status(), 200);
+    send_async_calls(&app, "key-a", 10).await;
+    held_calls_do_not_stall_a_call_of(&app, 4, "key-b").await;
     assert_eq!(
         app.mock.calls(),
         5,
-        "team-a got no slot team-b's share keeps"
+        "team-a got no slot team-b's share holds"
     );
-
-    let count = |status: &'static str| {
-        let (http, base) = (app.http.clone(), app.base.clone());
-        async move {
-            let list: serde_json::Value = http
-                .get(format!("{base}/requests?status={status}&limit=100"))
-                .header("authorization", "Bearer key-a")
-                .send()
-                .await
-                .expect("GET /requests")
-                .json()
-                .await
-                .expect("JSON");
-            list["data"].as_array().map_or(0, Vec::len)
-        }
-    };
+    let running = listed_by_namespace(&app, "key-a", "running").await;
+    let pending = listed_by_namespace(&app, "key-a", "pending").await;
     assert_eq!(
-        (count("running").await, count("pending").await),
-        (4, 6),
+        (running.get("team-a"), pending.get("team-a")),
+        (Some(&4), Some(&6)),
         "team-a runs its share and two lent; the rest wait in the log"
     );
     app.stop().await;
@@ -818,37 +838,16 @@ async fn a_namespace_over_its_share_runs_its_queued_calls_as_its_slots_free_lc2a
         },
     )
     .await;
-    for i in 0..12 {
-        let r = app
-            .post(
-                "/v1/chat/completions",
-                chat_body(&format!("team-a's queue {i}")),
-                &[
-                    ("authorization", "Bearer key-a"),
-                    ("prefer", "respond-async"),
-                ],
-            )
-            .await;
-        assert_eq!(r.status(), 202, "call {i}");
-    }
+    send_async_calls(&app, "key-a", 12).await;
     let started = std::time::Instant::now();
     loop {
-        let list: serde_json::Value = app
-            .http
-            .get(format!("{}/requests?status=succeeded&limit=100", app.base))
-            .header("authorization", "Bearer key-a")
-            .send()
-            .await
-            .expect("GET /requests")
-            .json()
-            .await
-            .expect("JSON");
-        if list["data"].as_array().map_or(0, Vec::len) == 12 {
+        let succeeded = listed_by_namespace(&app, "key-a", "succeeded").await;
+        if succeeded.get("team-a") == Some(&12) {
             break;
         }
         assert!(
             started.elapsed() < Duration::from_secs(30),
-            "team-a's queued calls did not run as slots freed: {list}"
+            "team-a's queued calls did not run as slots freed: {succeeded:?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -861,95 +860,34 @@ async fn a_namespace_over_its_share_runs_its_queued_calls_as_its_slots_free_lc2a
 /// 6 slots, shares of 2 and three namespaces, team-a and team-b run two each and team-c's call
 /// is answered at once. With one share's worth kept free (CB-7's rule, the first cut of
 /// LC-2a), team-b took it and team-c's call waited for as long as the provider held theirs.
+/// An admin key's list names each record's namespace (RD-1): whose calls run, whose wait.
 #[tokio::test]
 async fn two_namespaces_flooding_at_once_still_leave_a_third_its_share_lc2a() {
-    let app = spawn_app(
-        MockConfig {
-            hang_before_headers_ms: Some(60_000),
-            ..MockConfig::default()
-        },
-        |c| {
-            c.namespaces = two_namespaces("team-a", "team-b");
-            let mut team_c = c.namespaces[0].clone();
-            team_c.name = "team-c".into();
-            team_c.api_keys = vec!["key-c".into()];
-            c.namespaces.push(team_c);
-            c.workers.concurrency = 6;
-            c.workers.concurrency_per_namespace = Some(2);
-            c.admin_api_keys = vec!["admin-key".into()];
-        },
-    )
+    let app = spawn_app(holding_provider(), |c| {
+        c.namespaces = two_namespaces("team-a", "team-b");
+        let mut team_c = c.namespaces[0].clone();
+        team_c.name = "team-c".into();
+        team_c.api_keys = vec!["key-c".into()];
+        c.namespaces.push(team_c);
+        c.workers.concurrency = 6;
+        c.workers.concurrency_per_namespace = Some(2);
+        c.admin_api_keys = vec!["admin-key".into()];
+    })
     .await;
-    for (key, calls) in [("key-a", 6), ("key-b", 6)] {
-        for i in 0..calls {
-            let r = app
-                .post(
-                    "/v1/chat/completions",
-                    chat_body(&format!("{key}'s flood {i}")),
-                    &[
-                        ("authorization", &format!("Bearer {key}")),
-                        ("prefer", "respond-async"),
-                    ],
-                )
-                .await;
-            assert_eq!(r.status(), 202, "{key} call {i}");
-        }
-    }
-    wait_until(
-        Duration::from_secs(10),
-        "team-a's and team-b's shares to reach the provider",
-        || app.mock.calls() >= 4,
-    )
-    .await;
-    app.mock.set_config(MockConfig::default());
-    let c = tokio::time::timeout(
-        Duration::from_secs(20),
-        app.post(
-            "/v1/chat/completions",
-            chat_body("team-c is not stalled"),
-            &[("authorization", "Bearer key-c")],
-        ),
-    )
-    .await
-    .expect("team-c's call waited for the two floods");
-    assert_eq!(c.status(), 200);
+    send_async_calls(&app, "key-a", 6).await;
+    send_async_calls(&app, "key-b", 6).await;
+    held_calls_do_not_stall_a_call_of(&app, 4, "key-c").await;
     assert_eq!(
         app.mock.calls(),
         5,
         "team-a and team-b ran their shares, nothing lent: the shares add up to every slot"
     );
-    // RD-1: an admin key's list names each record's namespace: whose calls run, whose wait.
-    let mut seen = std::collections::BTreeMap::new();
-    for status in ["running", "pending"] {
-        let list: serde_json::Value = app
-            .http
-            .get(format!("{}/requests?status={status}&limit=100", app.base))
-            .header("authorization", "Bearer admin-key")
-            .send()
-            .await
-            .expect("GET /requests")
-            .json()
-            .await
-            .expect("JSON");
-        for record in list["data"].as_array().expect("data") {
-            let namespace = record["namespace"].as_str().expect("namespace").to_string();
-            *seen.entry((status, namespace)).or_insert(0) += 1;
-        }
-    }
-    let count = |status: &'static str, namespace: &str| {
-        seen.get(&(status, namespace.to_string()))
-            .copied()
-            .unwrap_or(0)
-    };
-    assert_eq!(
-        [count("running", "team-a"), count("running", "team-b")],
-        [2, 2],
-        "{seen:?}"
-    );
-    assert_eq!(
-        [count("pending", "team-a"), count("pending", "team-b")],
-        [4, 4],
-        "{seen:?}"
-    );
+    let running = listed_by_namespace(&app, "admin-key", "running").await;
+    let pending = listed_by_namespace(&app, "admin-key", "pending").await;
+    let two_each: std::collections::BTreeMap<String, usize> =
+        [("team-a".to_string(), 2), ("team-b".to_string(), 2)].into();
+    let four_each: std::collections::BTreeMap<String, usize> =
+        [("team-a".to_string(), 4), ("team-b".to_string(), 4)].into();
+    assert_eq!((running, pending), (two_each, four_each));
     app.stop().await;
 }
