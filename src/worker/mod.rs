@@ -106,7 +106,8 @@ pub(crate) struct Pool {
     /// attempt holds one, whether the dispatcher or admission ([`WorkerPool::try_slot`])
     /// started it, so shutdown drains by taking them all back.
     permits: Arc<Semaphore>,
-    /// Who may take a permit: each namespace its share first (LC-2a).
+    /// Who may take a permit: each namespace its share first, every unused share held for its
+    /// namespace (LC-2a).
     slots: NamespaceSlots,
     /// Cancelled when shutdown begins: no new attempts start.
     stopping: CancellationToken,
@@ -549,8 +550,8 @@ impl WorkerPool {
 
     /// A free worker slot for an attempt of `namespace` started at admission (see
     /// [`Store::submit_and_lease`](crate::store::Store::submit_and_lease)), or `None` when all
-    /// are busy, when the namespace holds its share and only the next one's is free (LC-2a),
-    /// or when shutdown has begun.
+    /// are busy, when the namespace holds its share and the free slots are the other
+    /// namespaces' unused shares (LC-2a), or when shutdown has begun.
     fn try_slot(&self, namespace: &str) -> Option<Slot> {
         if self.stopping.is_cancelled() {
             return None;
