@@ -811,9 +811,11 @@ impl Phoenix {
                     );
                     break;
                 }
+                // Phoenix migrates its database first: past a minute when the machine's two
+                // cores are busy with a release build (seen in the twenty-ninth session).
                 assert!(
-                    started.elapsed() < Duration::from_secs(60),
-                    "phoenix did not come up: {}",
+                    started.elapsed() < Duration::from_secs(180),
+                    "phoenix did not come up within 180 s: {}",
                     errors()
                 );
                 tokio::time::sleep(Duration::from_millis(250)).await;
