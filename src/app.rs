@@ -43,6 +43,16 @@ pub struct Running {
 /// When the store cannot be opened or migrated, or the upstream client cannot be built.
 pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Running> {
     crate::callback::check_defaults(&config)?;
+    if config.worker_shares_exceed_concurrency() {
+        tracing::warn!(
+            namespaces = config.namespaces.len(),
+            share = config.worker_share(),
+            concurrency = config.workers.concurrency,
+            "the namespaces' worker shares add up to more than workers.concurrency: floods of \
+             some namespaces can take every slot, and another's call waits for one to free \
+             (LC-2a); lower workers.concurrency_per_namespace or raise workers.concurrency"
+        );
+    }
     let config = Arc::new(config);
     crate::metrics::handle();
     let store = store::open(&config).await?;

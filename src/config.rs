@@ -268,8 +268,9 @@ pub struct Workers {
     /// One namespace's share of `concurrency` (LC-2a): a lease gives each configured namespace
     /// up to this many running attempts on this node first, and a call is leased at admission
     /// on the same terms; while more than one namespace is configured, every namespace's
-    /// unused share is held for it and only the rest is lent. Unset: a tenth of `concurrency`
-    /// (at least 1, [`Workers::share`]). Taken as `concurrency` when larger.
+    /// unused share is held for it and only the rest is lent. Unset: `concurrency` divided by
+    /// the number of namespaces, or by 10 when fewer, at least 1 ([`Config::worker_share`]).
+    /// Taken as `concurrency` when larger.
     pub concurrency_per_namespace: Option<usize>,
     /// Lease length in seconds; renewed by heartbeat every third of it (LC-2).
     pub lease_secs: u64,
@@ -441,15 +442,6 @@ impl Default for Otel {
             batch_size: 512,
             export_timeout_ms: 10_000,
         }
-    }
-}
-
-impl Workers {
-    /// One namespace's share of `concurrency` (LC-2a): `concurrency_per_namespace`, else a
-    /// tenth of `concurrency`, at least 1 (decision 144).
-    pub fn share(&self) -> usize {
-        self.concurrency_per_namespace
-            .unwrap_or((self.concurrency / 10).max(1))
     }
 }
 
@@ -794,6 +786,23 @@ impl Config {
         }
     }
 
+    /// One namespace's share of `workers.concurrency` (LC-2a): `concurrency_per_namespace`,
+    /// else `concurrency` divided by the number of namespaces, or by 10 when there are fewer,
+    /// at least 1, so the default shares never add up to more than `concurrency` (decision
+    /// 144).
+    pub fn worker_share(&self) -> usize {
+        let w = &self.workers;
+        w.concurrency_per_namespace
+            .unwrap_or((w.concurrency / self.namespaces.len().max(10)).max(1))
+    }
+
+    /// Whether the namespaces' worker shares add up to more than `workers.concurrency`: then
+    /// floods of enough namespaces can take every slot before another's call comes (LC-2a).
+    pub fn worker_shares_exceed_concurrency(&self) -> bool {
+        self.namespaces.len() > 1
+            && self.namespaces.len().saturating_mul(self.worker_share()) > self.workers.concurrency
+    }
+
     /// The most proxied calls of `namespace` one node holds open at once (RS-13): its own
     /// `max_held_requests`, else `max_held_requests_per_namespace`; `None` when neither is set.
     pub(crate) fn held_cap_of(&self, namespace: &str) -> Option<usize> {
@@ -1054,6 +1063,18 @@ impl Config {
                     "must not be empty",
                 ));
             }
+            // Every setting of a namespace is looked up by its name: a second entry's would
+            // be ignored, silently (decision 144).
+            if let Some(first) = self.namespaces[..i].iter().position(|m| m.name == n.name) {
+                return Err(invalid(
+                    format!("namespaces[{i}].name"),
+                    format!(
+                        "{:?} is namespaces[{first}]'s name too: give a namespace one entry, \
+                         with all its api_keys",
+                        n.name
+                    ),
+                ));
+            }
             if n.api_keys.is_empty() || n.api_keys.iter().any(String::is_empty) {
                 return Err(invalid(
                     format!("namespaces[{i}].api_keys"),
@@ -1104,7 +1125,7 @@ impl Config {
             ("workers.concurrency", self.workers.concurrency as u64),
             (
                 "workers.concurrency_per_namespace",
-                self.workers.share() as u64,
+                self.worker_share() as u64,
             ),
             ("workers.lease_secs", self.workers.lease_secs),
             ("workers.max_attempts", u64::from(self.workers.max_attempts)),
@@ -1684,21 +1705,46 @@ mod tests {
         assert_eq!(webhook_key("AAAA"), None);
     }
 
-    /// LC-2a, decision 144: a namespace's share of the worker slots is a tenth of
-    /// `concurrency` unless set, so lowering `concurrency` keeps the shares (a default of 1,000
-    /// made any `concurrency` of 1,000 or less one pool, with no share for anyone), and 0 is
-    /// refused.
+    /// LC-2a, decision 144: a namespace's share of the worker slots is `concurrency` over the
+    /// number of namespaces (over 10 when fewer) unless set, so lowering `concurrency` keeps
+    /// the shares (a default of 1,000 made any `concurrency` of 1,000 or less one pool, with no
+    /// share for anyone) and the default shares never add up to more than `concurrency`; a
+    /// share set so they do is reported; 0 is refused; a name given twice is refused (its
+    /// second entry's settings were ignored, and its keys shared the first one's share).
     #[test]
-    fn a_namespaces_share_of_worker_slots_is_a_tenth_of_concurrency_unless_set_lc2a() {
+    fn a_namespaces_share_of_worker_slots_fits_concurrency_unless_set_and_names_are_one_each_lc2a()
+    {
+        let namespace = |name: &str| Namespace {
+            name: name.into(),
+            api_keys: vec![format!("k{name}")],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
+            max_held_requests: None,
+        };
         let mut c = with_backend();
-        assert_eq!(c.workers.share(), 1_000);
+        assert_eq!(c.worker_share(), 1_000);
         c.workers.concurrency = 20;
-        assert_eq!(c.workers.share(), 2);
+        assert_eq!(c.worker_share(), 2);
         c.workers.concurrency = 6;
-        assert_eq!(c.workers.share(), 1);
-        c.workers.concurrency_per_namespace = Some(4);
-        assert_eq!(c.workers.share(), 4);
+        assert_eq!(c.worker_share(), 1);
+        // More than ten namespaces: the default shares still fit in `concurrency`.
+        c.workers.concurrency = 10_000;
+        c.namespaces = (0..16).map(|i| namespace(&format!("t{i}"))).collect();
+        assert_eq!(c.worker_share(), 625);
+        assert!(!c.worker_shares_exceed_concurrency());
+        c.workers.concurrency_per_namespace = Some(1_000);
+        assert_eq!(c.worker_share(), 1_000);
+        assert!(c.worker_shares_exceed_concurrency(), "16 x 1,000 > 10,000");
         c.validate().expect("valid");
+        // A name given twice: refused, naming both entries.
+        c.namespaces.push(namespace("t3"));
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("namespaces[16].name") && err.contains("namespaces[3]"),
+            "{err}"
+        );
+        c.namespaces.pop();
         c.workers.concurrency_per_namespace = Some(0);
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("workers.concurrency_per_namespace"), "{err}");

@@ -250,7 +250,7 @@ impl WorkerPool {
             permits: Arc::new(Semaphore::new(config.workers.concurrency)),
             slots: NamespaceSlots::new(
                 config.workers.concurrency,
-                config.workers.share(),
+                config.worker_share(),
                 &config.namespaces,
                 Keep::EveryUnusedShare,
             ),
