@@ -1705,6 +1705,18 @@ mod tests {
         assert_eq!(webhook_key("AAAA"), None);
     }
 
+    /// A namespace `name` with one key and its own cap of held calls, `cap`.
+    fn namespace(name: &str, cap: Option<usize>) -> Namespace {
+        Namespace {
+            name: name.into(),
+            api_keys: vec![format!("k{name}")],
+            callback_url: None,
+            callback_secrets: Vec::new(),
+            callback_include_body: None,
+            max_held_requests: cap,
+        }
+    }
+
     /// LC-2a, decision 144: a namespace's share of the worker slots is `concurrency` over the
     /// number of namespaces (over 10 when fewer) unless set, so lowering `concurrency` keeps
     /// the shares (a default of 1,000 made any `concurrency` of 1,000 or less one pool, with no
@@ -1714,14 +1726,6 @@ mod tests {
     #[test]
     fn a_namespaces_share_of_worker_slots_fits_concurrency_unless_set_and_names_are_one_each_lc2a()
     {
-        let namespace = |name: &str| Namespace {
-            name: name.into(),
-            api_keys: vec![format!("k{name}")],
-            callback_url: None,
-            callback_secrets: Vec::new(),
-            callback_include_body: None,
-            max_held_requests: None,
-        };
         let mut c = with_backend();
         assert_eq!(c.worker_share(), 1_000);
         c.workers.concurrency = 20;
@@ -1730,7 +1734,7 @@ mod tests {
         assert_eq!(c.worker_share(), 1);
         // More than ten namespaces: the default shares still fit in `concurrency`.
         c.workers.concurrency = 10_000;
-        c.namespaces = (0..16).map(|i| namespace(&format!("t{i}"))).collect();
+        c.namespaces = (0..16).map(|i| namespace(&format!("t{i}"), None)).collect();
         assert_eq!(c.worker_share(), 625);
         assert!(!c.worker_shares_exceed_concurrency());
         c.workers.concurrency_per_namespace = Some(1_000);
@@ -1738,7 +1742,7 @@ mod tests {
         assert!(c.worker_shares_exceed_concurrency(), "16 x 1,000 > 10,000");
         c.validate().expect("valid");
         // A name given twice: refused, naming both entries.
-        c.namespaces.push(namespace("t3"));
+        c.namespaces.push(namespace("t3", None));
         let err = c.validate().unwrap_err().to_string();
         assert!(
             err.contains("namespaces[16].name") && err.contains("namespaces[3]"),
@@ -1752,14 +1756,6 @@ mod tests {
 
     #[test]
     fn a_namespace_cap_of_held_calls_is_its_own_else_the_node_wide_one_and_never_0_rs13() {
-        let namespace = |name: &str, cap: Option<usize>| Namespace {
-            name: name.into(),
-            api_keys: vec![format!("k{name}")],
-            callback_url: None,
-            callback_secrets: Vec::new(),
-            callback_include_body: None,
-            max_held_requests: cap,
-        };
         let mut c = with_backend();
         c.namespaces = vec![namespace("a", Some(5)), namespace("b", None)];
         c.validate().expect("valid");

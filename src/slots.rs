@@ -57,7 +57,7 @@ struct Shared {
 }
 
 /// One piece of work counted against its namespace while it lives.
-pub(crate) struct Counted {
+struct Counted {
     shared: Arc<Shared>,
     namespace: String,
 }
@@ -186,7 +186,7 @@ impl NamespaceSlots {
     }
 
     /// Counts one piece of work of `namespace` until the result is dropped.
-    pub(crate) fn count(&self, namespace: &str) -> Counted {
+    fn count(&self, namespace: &str) -> Counted {
         *self
             .shared
             .running()

@@ -862,7 +862,7 @@ async fn a_namespace_over_its_share_runs_its_queued_calls_as_its_slots_free_lc2a
 /// LC-2a), team-b took it and team-c's call waited for as long as the provider held theirs.
 /// An admin key's list names each record's namespace (RD-1): whose calls run, whose wait.
 #[tokio::test]
-async fn two_namespaces_flooding_at_once_still_leave_a_third_its_share_lc2a() {
+async fn two_namespaces_flooding_at_once_still_leave_a_third_its_share_lc2a_rd1() {
     let app = spawn_app(holding_provider(), |c| {
         c.namespaces = two_namespaces("team-a", "team-b");
         let mut team_c = c.namespaces[0].clone();

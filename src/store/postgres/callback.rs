@@ -230,27 +230,18 @@ mod tests {
             .await
             .expect("analyze");
 
-        let share_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {SHARE_SQL}");
-        let shares = run_plan(
-            store,
-            sqlx::query(&share_sql)
-                .bind(1_000_i64)
+        let shares = run_plan(store, SHARE_SQL, |q| {
+            q.bind(1_000_i64)
                 .bind("n")
                 .bind(60_000_i64)
                 .bind(vec!["a", "b"])
                 .bind(vec![8_i64, 8])
-                .bind(64_i64),
-        )
+                .bind(64_i64)
+        })
         .await;
-        let lend_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {LEND_SQL}");
-        let lent = run_plan(
-            store,
-            sqlx::query(&lend_sql)
-                .bind(1_000_i64)
-                .bind("n")
-                .bind(60_000_i64)
-                .bind(45_i64),
-        )
+        let lent = run_plan(store, LEND_SQL, |q| {
+            q.bind(1_000_i64).bind("n").bind(60_000_i64).bind(45_i64)
+        })
         .await;
         database.drop().await;
         assert_reads_about("shares", &shares, 11.0);

@@ -163,27 +163,18 @@ mod tests {
             .expect("analyze");
         let now = BACKLOG + 10;
 
-        let share_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {SHARE_SQL}");
-        let shares = run_plan(
-            store,
-            sqlx::query(&share_sql)
-                .bind("n")
+        let shares = run_plan(store, SHARE_SQL, |q| {
+            q.bind("n")
                 .bind(now + 30_000)
                 .bind(now)
                 .bind(vec!["a", "b"])
                 .bind(vec![8_i64, 8])
-                .bind(64_i64),
-        )
+                .bind(64_i64)
+        })
         .await;
-        let lend_sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {LEND_SQL}");
-        let lent = run_plan(
-            store,
-            sqlx::query(&lend_sql)
-                .bind("n")
-                .bind(now + 30_000)
-                .bind(now)
-                .bind(45_i64),
-        )
+        let lent = run_plan(store, LEND_SQL, |q| {
+            q.bind("n").bind(now + 30_000).bind(now).bind(45_i64)
+        })
         .await;
         database.drop().await;
         assert_reads_about("shares", &shares, 11.0);

@@ -74,13 +74,23 @@ fn nodes(plan: &Value, out: &mut Vec<(String, String, f64)>) {
     }
 }
 
-/// The nodes of `query`'s plan (an `EXPLAIN (ANALYZE, FORMAT JSON)`), run and rolled back.
-pub(super) async fn run_plan<'q>(
+/// The nodes of the plan of `sql` with `bind`'s parameters, run (`EXPLAIN (ANALYZE, FORMAT
+/// JSON)`) and rolled back.
+pub(super) async fn run_plan(
     store: &PostgresStore,
-    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    sql: &str,
+    bind: impl for<'q> FnOnce(
+        sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    )
+        -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
 ) -> Vec<(String, String, f64)> {
+    let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
     let mut tx = store.pool.begin().await.expect("begin");
-    let plan: Value = query.fetch_one(&mut *tx).await.expect("explain").get(0);
+    let plan: Value = bind(sqlx::query(&explain))
+        .fetch_one(&mut *tx)
+        .await
+        .expect("explain")
+        .get(0);
     tx.rollback().await.expect("rollback");
     let mut out = Vec::new();
     nodes(&plan[0]["Plan"], &mut out);
