@@ -128,6 +128,7 @@ impl Client {
             .map(|r| {
                 vec![
                     text(&r["id"]),
+                    text(&r["namespace"]),
                     text(&r["status"]),
                     text(&r["route"]),
                     text(&r["model"]),
@@ -141,6 +142,7 @@ impl Client {
             .collect();
         let head = [
             "ID",
+            "NAMESPACE",
             "STATUS",
             "ROUTE",
             "MODEL",

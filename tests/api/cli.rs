@@ -78,6 +78,11 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("ID"), "a table: {out}");
     assert!(out.contains(&first) && out.contains(&second), "{out}");
+    // Whose call each row is (RD-1): an admin key's list mixes namespaces.
+    let columns: Vec<&str> = out.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(columns[..3], ["ID", "NAMESPACE", "STATUS"], "{out}");
+    let row = out.lines().find(|l| l.starts_with(&second)).unwrap();
+    assert_eq!(row.split_whitespace().nth(1), Some("team"), "{out}");
     let (code, out, _) = cli(
         &node.base,
         &["requests", "list", "--json", "--q", "listed two"],
