@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::callback::Deliverer;
 use crate::config::Config;
+use crate::http::large_bodies::LargeBodies;
 use crate::http::{AppState, Held, Shared, router};
 use crate::hub::{Hub, HubEvent};
 use crate::otel::{Otel, Traces};
@@ -81,6 +82,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
 
     let cut = CancellationToken::new();
     let held = Arc::new(Held::new(&config));
+    let large_bodies = Arc::new(LargeBodies::new(&config));
     let state = AppState::new(Shared {
         config,
         store,
@@ -89,6 +91,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         upstreams,
         models: Arc::default(),
         held,
+        large_bodies,
         cut: cut.clone(),
         traces: traces.clone(),
     });

@@ -48,6 +48,9 @@ pub(crate) const RECOVERIES: &str = "holdfast_recoveries_total";
 pub(crate) const LEASE_EXPIRATIONS: &str = "holdfast_lease_expirations_total";
 /// Requests per status.
 pub(crate) const QUEUE_DEPTH: &str = "holdfast_queue_depth";
+/// Gauge of the calls waiting for their namespace's budget of large bodies, by namespace
+/// (LC-2b).
+pub(crate) const LARGE_BODIES_WAITING: &str = "holdfast_large_bodies_waiting";
 /// Duration of one commit that stored stream chunks, in seconds: a group commit of the chunk
 /// writer, or a stream's last batch stored with its outcome.
 pub(crate) const CHUNK_COMMIT_SECONDS: &str = "holdfast_chunk_commit_seconds";
@@ -333,6 +336,10 @@ fn describe() {
         "Expired leases found by this node's sweep."
     );
     metrics::describe_gauge!(QUEUE_DEPTH, "Requests in the log by status.");
+    metrics::describe_gauge!(
+        LARGE_BODIES_WAITING,
+        "Calls whose large body waits, unread, for its namespace's earlier ones to be recorded."
+    );
     metrics::describe_counter!(
         UPSTREAM_TOKENS,
         "Tokens providers reported for attempts this node ran, by kind."

@@ -6,6 +6,7 @@ pub(crate) mod callbacks;
 mod errors;
 mod export;
 mod gemini;
+pub(crate) mod large_bodies;
 pub(crate) mod openapi;
 mod ops;
 mod passthrough;
@@ -82,6 +83,8 @@ pub(crate) struct Shared {
     /// Proxied calls this node is holding open right now, in all and per capped namespace
     /// (RS-8, RS-13 overload limits).
     pub held: Arc<Held>,
+    /// Each namespace's budget of large bodies in admission on this node (LC-2b).
+    pub large_bodies: Arc<large_bodies::LargeBodies>,
     /// Cancelled by `app::Running::shutdown` about 2 s after the workers stop (DU-5):
     /// every event stream and held call of this node ends then. Without it they would outlive
     /// the shutdown, since each connection runs in a task of its own.

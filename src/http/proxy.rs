@@ -21,6 +21,7 @@ use axum::response::{IntoResponse, Response};
 use uuid::Uuid;
 
 use super::errors::ApiError;
+use super::large_bodies::{LARGE_BODY_BYTES, on_the_blocking_pool};
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
@@ -193,14 +194,34 @@ async fn admit(
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, &namespace, shape)?;
+    // LC-2b: a namespace's large bodies are admitted a budget at a time, held until recorded;
+    // one whose length is declared waits before it is read.
+    let mut large = match declared_length(headers) {
+        Some(declared) => state.large_bodies.admit(&namespace, declared).await,
+        None => None,
+    };
     let body = read_body(&state.config, headers, body, shape).await?;
-    let (mut new, claim) =
-        new_request(&state.config, route, path_model, headers, &namespace, &body)?;
+    if large.is_none() {
+        large = state.large_bodies.admit(&namespace, body.len()).await;
+    }
+    let (mut new, claim) = if body.len() > LARGE_BODY_BYTES {
+        // Off the runtime's workers, which serve every namespace's calls (LC-2b).
+        let (config, headers) = (Arc::clone(&state.config), headers.clone());
+        let (namespace, body) = (namespace.clone(), body.clone());
+        on_the_blocking_pool(move || {
+            new_request(&config, route, path_model, &headers, &namespace, &body)
+        })
+        .await?
+    } else {
+        new_request(&state.config, route, path_model, headers, &namespace, &body)?
+    };
+    drop(body);
     new.trace_parent = server.and_then(ServerSpan::traceparent);
     // Subscribed before the request exists, so a new request's waiter cannot miss a wake-up
     // and need not re-read the record it was just handed (one store read less per request).
     let early = state.hub.subscribe_to_new(new.id, new.stream);
     let submitted = state.workers.admit(new).await;
+    drop(large);
     let (record, replayed, fresh) = match submitted {
         Ok(Submitted::Created(record)) => {
             m::requests(route.name(), "new").increment(1);
@@ -667,11 +688,7 @@ pub(super) async fn read_body(
             ),
         )
     };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > config.max_body_bytes as u64) {
+    if declared_length(headers).is_some_and(|n| n > config.max_body_bytes) {
         return Err(too_large());
     }
     axum::body::to_bytes(body, config.max_body_bytes)
@@ -691,6 +708,13 @@ pub(super) async fn read_body(
                 format!("could not read the request body: {e}"),
             )
         })
+}
+
+/// The body's length as `Content-Length` declares it (saturated to `usize`).
+fn declared_length(headers: &HeaderMap) -> Option<usize> {
+    let declared = headers.get(header::CONTENT_LENGTH)?.to_str().ok()?;
+    let n = declared.parse::<u64>().ok()?;
+    Some(usize::try_from(n).unwrap_or(usize::MAX))
 }
 
 fn invalid_body(shape: Provider, e: &CanonError) -> ApiError {

@@ -891,3 +891,73 @@ async fn two_namespaces_flooding_at_once_still_leave_a_third_its_share_lc2a_rd1(
     assert_eq!((running, pending), (two_each, four_each));
     app.stop().await;
 }
+
+/// LC-2b, decision 145: one namespace's burst of large bodies queues behind its own, unread,
+/// so the log's writer never holds more than its budget of them (`max_body_bytes`, here 3 MiB:
+/// one 2 MiB body) and its large bodies are canonicalised off the runtime. With the database's
+/// write lock taken by another process, team-a's first 2 MiB call is read and waits for the
+/// lock; its next two wait for the first, counted by namespace. Once the lock is gone every
+/// call is answered (a small one sent meanwhile too), each executed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespaces_burst_of_large_bodies_waits_unread_behind_its_own_lc2b() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        two_tenants(c);
+        c.max_body_bytes = 3 << 20;
+    })
+    .await;
+    let path = app.dir.path().join("holdfast.db");
+    let blocker = rusqlite::Connection::open(&path).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let send = |key: &'static str, content: String| {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        tokio::spawn(async move {
+            let r = http
+                .post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {key}"))
+                .body(chat_body(&content))
+                .send()
+                .await
+                .expect("answered");
+            (r.status().as_u16(), r.bytes().await.map(|b| b.len()))
+        })
+    };
+    let large = |i: usize| format!("large {i} {}", "x".repeat(2 << 20));
+    let calls: Vec<_> = (0..3).map(|i| send("key-a", large(i))).collect();
+    let waiting = |page: &str, namespace: &str| {
+        let series = format!("holdfast_large_bodies_waiting{{namespace=\"{namespace}\"}} ");
+        page.lines()
+            .find_map(|line| line.strip_prefix(series.as_str()))
+            .map(|v| v.trim().to_string())
+    };
+    let mut page = String::new();
+    for _ in 0..200 {
+        page = app.metrics_text().await;
+        if waiting(&page, "team-a").as_deref() == Some("2") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        waiting(&page, "team-a").as_deref(),
+        Some("2"),
+        "two of team-a's large calls wait for its first to be recorded: {page}"
+    );
+    let small = send("key-a", "small, beside team-a's large ones".into());
+    blocker.execute_batch("ROLLBACK").unwrap();
+    drop(blocker);
+    for call in calls.into_iter().chain([small]) {
+        let (status, body) = call.await.unwrap();
+        assert_eq!(status, 200);
+        assert!(body.is_ok());
+    }
+    assert_eq!(app.mock.calls(), 4, "each call executed once");
+    let page = app.metrics_text().await;
+    assert_eq!(waiting(&page, "team-a").as_deref(), Some("0"), "{page}");
+    assert_eq!(
+        waiting(&page, "team-b"),
+        None,
+        "team-b never waited: {page}"
+    );
+    app.stop().await;
+}
