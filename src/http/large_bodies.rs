@@ -6,7 +6,8 @@
 //! without bound at the writer, a burst of them from one namespace held another's small call
 //! for seconds. So a large body is canonicalised on the blocking pool ([`on_the_blocking_pool`]),
 //! and each namespace admits at most one budget's worth of large bodies at a time
-//! ([`LargeBodies::admit`]); the rest of its large calls wait, unread, behind its own.
+//! ([`LargeBodies::admit`]); the rest of its large calls wait behind its own, read (unread,
+//! one would hold its HTTP/2 connection's window and the upload of the call it waits for).
 
 use std::collections::HashMap;
 use std::sync::Arc;

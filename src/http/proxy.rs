@@ -194,16 +194,15 @@ async fn admit(
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, &namespace, shape)?;
-    // LC-2b: a namespace's large bodies are admitted a budget at a time, held until recorded;
-    // one whose length is declared waits before it is read.
-    let mut large = match declared_length(headers) {
-        Some(declared) => state.large_bodies.admit(&namespace, declared).await,
-        None => None,
-    };
     let body = read_body(&state.config, headers, body, shape).await?;
-    if large.is_none() {
-        large = state.large_bodies.admit(&namespace, body.len()).await;
-    }
+    // LC-2b: a namespace's large bodies are admitted a budget at a time, each held until it is
+    // recorded. Read first, by its length as read: a body left unread would hold its
+    // connection's HTTP/2 window, and with it the upload of the one it waits for.
+    let large = tokio::select! {
+        large = state.large_bodies.admit(&namespace, body.len()) => large,
+        // Nothing is recorded yet: the SDK's retry goes to another node (DU-5).
+        () = state.cut.cancelled() => return Err(ApiError::shutting_down(shape)),
+    };
     let (mut new, claim) = if body.len() > LARGE_BODY_BYTES {
         // Off the runtime's workers, which serve every namespace's calls (LC-2b).
         let (config, headers) = (Arc::clone(&state.config), headers.clone());
@@ -915,7 +914,13 @@ async fn wait(
     };
     loop {
         if read {
-            match state.store.get(namespace, record.id).await {
+            // A peek, not the whole record (its body may be megabytes, and a node may hold
+            // a thousand calls, each re-read twice a second); the whole once it is ready.
+            let peeked = match state.store.peek(namespace, record.id).await {
+                Ok(Some(r)) if ready(&r) => state.store.get(namespace, record.id).await,
+                peeked => peeked,
+            };
+            match peeked {
                 Ok(Some(r)) if ready(&r) => return Ok((Arc::new(r), None)),
                 Ok(Some(_)) => {}
                 Ok(None) => {

@@ -873,6 +873,18 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the database fails or the row is unreadable.
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError>;
 
+    /// [`Store::get`] for a held call's periodic re-read (RS-1), which asks only whether the
+    /// request settled or began streaming: its status, outcome and counters as `get` reads
+    /// them, but with an empty body and header list, no trace parent or replay origin, and no
+    /// stored answer, none of which are read. A waiter reads the whole record with `get` once
+    /// the peek shows what it waits for.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails or the row is unreadable.
+    async fn peek(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        self.get(namespace, id).await
+    }
+
     /// Atomically takes the oldest due pending request: status `running`, `attempts + 1`,
     /// lease owner and expiry set (LC-2). `None` when nothing is due.
     ///

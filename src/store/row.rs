@@ -35,6 +35,27 @@ macro_rules! state_columns {
     };
 }
 
+/// [`request_columns!`] for [`Store::peek`](super::Store::peek): the row of `requests` alone,
+/// with what a waiter does not read as empty literals (the body, the headers, the trace
+/// parent, the request it replays and the answer), so neither the body's table nor the large
+/// values are read. `$empty_bytes` is the dialect's empty byte string. A test holds it to
+/// [`request_columns!`].
+macro_rules! peek_columns {
+    ($empty_bytes:literal) => {
+        concat!(
+            "id, namespace, route, backend, model, stream, ",
+            $empty_bytes,
+            " AS body, '[]' AS headers, claim_kind, created_at, NULL AS trace_parent, \
+             NULL AS replay_of, status, attempts, recoveries, next_retry_at, error_type, \
+             error_message, error_status, response_status, NULL AS response_body, \
+             upstream_request_id, last_seq, reset_seq, updated_at, finished_at, attached, \
+             replayed, log_reads, usage_input_tokens, usage_output_tokens, \
+             usage_cached_input_tokens, usage_cache_write_tokens, usage_reasoning_tokens, \
+             usage_cache_write_1h_tokens"
+        )
+    };
+}
+
 /// `SET` assignments of the six answer-usage columns from six placeholders, keeping what was
 /// stored where the new value is `NULL` (the attempt reported nothing).
 macro_rules! usage_assignments {
@@ -341,5 +362,22 @@ pub(crate) fn tokens_of(usage: Option<&Usage>) -> [Option<i64>; 6] {
             n(u.cache_write_1h_tokens),
         ],
         None => [None; 6],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The peek's columns are the record's, in the same places, with the values a waiter does
+    /// not read replaced by empty literals.
+    #[test]
+    fn a_peek_reads_the_records_columns_in_their_places() {
+        let peek = peek_columns!("X''")
+            .replace("X'' AS body", "body")
+            .replace("'[]' AS headers", "headers");
+        let peek = ["trace_parent", "replay_of", "response_body"]
+            .iter()
+            .fold(peek, |p, c| p.replace(&format!("NULL AS {c}"), c));
+        let squeeze = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(squeeze(&peek), squeeze(request_columns!()));
     }
 }

@@ -189,6 +189,7 @@ conformance!(
     racing_takeovers_of_an_expired_claim_create_exactly_one_request_id7,
     racing_keyed_submits_create_one_request_and_mismatch_the_rest_id5_id7,
     get_reads_only_its_own_namespace,
+    a_peek_reads_what_get_reads_but_the_request_and_its_answer_rs1,
     lease_takes_only_due_pending_requests_oldest_first_lc2,
     concurrent_leasers_never_share_a_request_lc2,
     heartbeat_extends_the_lease_and_fails_once_it_is_lost_lc3,
@@ -710,6 +711,35 @@ async fn get_reads_only_its_own_namespace(store: DynStore) {
             .expect("get")
             .is_none()
     );
+}
+
+/// A held call's periodic re-read peeks (RS-1): the record as `get` reads it, status, outcome
+/// and counters, without the request's body and headers, its trace parent and replay origin,
+/// or the stored answer; scoped to its namespace as `get` is.
+async fn a_peek_reads_what_get_reads_but_the_request_and_its_answer_rs1(store: DynStore) {
+    let mut new = by_hash("peeked", T0);
+    new.trace_parent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
+    let rec = create(&store, new).await;
+    let without_the_request = |mut r: RequestRecord| {
+        r.body.clear();
+        r.headers.clear();
+        r.trace_parent = None;
+        r.replay_of = None;
+        r.response_body = None;
+        r
+    };
+    let peek = |namespace: &'static str| {
+        let store = store.clone();
+        async move { store.peek(namespace, rec.id).await.expect("peek") }
+    };
+    let pending = get(&store, rec.id).await;
+    assert!(!pending.body.is_empty() && !pending.headers.is_empty());
+    assert_eq!(peek(NS).await, Some(without_the_request(pending)));
+    run_to_success(&store, rec.id, T0 + 5).await;
+    let settled = get(&store, rec.id).await;
+    assert!(settled.response_body.is_some());
+    assert_eq!(peek(NS).await, Some(without_the_request(settled)));
+    assert_eq!(peek("elsewhere").await, None, "another namespace's id");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -892,14 +892,15 @@ async fn two_namespaces_flooding_at_once_still_leave_a_third_its_share_lc2a_rd1(
     app.stop().await;
 }
 
-/// LC-2b, decision 145: one namespace's burst of large bodies queues behind its own, unread,
-/// so the log's writer never holds more than its budget of them (`max_body_bytes`, here 3 MiB:
-/// one 2 MiB body) and its large bodies are canonicalised off the runtime. With the database's
-/// write lock taken by another process, team-a's first 2 MiB call is read and waits for the
-/// lock; its next two wait for the first, counted by namespace. Once the lock is gone every
-/// call is answered (a small one sent meanwhile too), each executed once.
+/// LC-2b, decision 145: one namespace's burst of large bodies queues behind its own, so the
+/// log's writer never holds more than its budget of them (`max_body_bytes`, here 3 MiB: one
+/// 2 MiB body) and its large bodies are canonicalised off the runtime. With the database's
+/// write lock taken by another process, team-a's first 2 MiB call waits for the lock; its next
+/// two wait for the first, counted by namespace, while one over `max_body_bytes` is refused at
+/// once. Once the lock is gone every call is answered (a small
+/// one sent meanwhile too), each executed once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_namespaces_burst_of_large_bodies_waits_unread_behind_its_own_lc2b() {
+async fn a_namespaces_burst_of_large_bodies_waits_behind_its_own_lc2b() {
     let app = spawn_app(MockConfig::default(), |c| {
         two_tenants(c);
         c.max_body_bytes = 3 << 20;
@@ -943,6 +944,22 @@ async fn a_namespaces_burst_of_large_bodies_waits_unread_behind_its_own_lc2b() {
         Some("2"),
         "two of team-a's large calls wait for its first to be recorded: {page}"
     );
+    // One declared over `max_body_bytes` is refused at once, unread, not after team-a's earlier
+    // ones (IN-1): its headers alone get the 413.
+    let oversized = tokio::time::timeout(Duration::from_secs(10), async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut socket = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: holdfast\r\n\
+                    authorization: Bearer key-a\r\ncontent-type: application/json\r\n\
+                    content-length: 4194304\r\n\r\n";
+        socket.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = vec![0; 64];
+        let n = socket.read(&mut answer).await.unwrap();
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    })
+    .await
+    .expect("an oversized body waited for the namespace's budget");
+    assert!(oversized.starts_with("HTTP/1.1 413"), "{oversized}");
     let small = send("key-a", "small, beside team-a's large ones".into());
     blocker.execute_batch("ROLLBACK").unwrap();
     drop(blocker);
@@ -959,5 +976,46 @@ async fn a_namespaces_burst_of_large_bodies_waits_unread_behind_its_own_lc2b() {
         None,
         "team-b never waited: {page}"
     );
+    app.stop().await;
+}
+
+/// LC-2b: a large body is read before it waits for its namespace's budget. Two of team-a's
+/// 2 MiB bodies on one HTTP/2 connection, more than its 3 MiB budget together, are both
+/// answered; when the second waited unread, its data held the connection's flow-control
+/// window, the first's upload could not finish, and neither call ever ended (found by a trial).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_large_bodies_on_one_http2_connection_past_the_budget_are_both_answered_lc2b() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        two_tenants(c);
+        c.max_body_bytes = 3 << 20;
+    })
+    .await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let send = |i: usize| {
+        let (h2, base) = (h2.clone(), app.base.clone());
+        async move {
+            let r = h2
+                .post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .header("authorization", "Bearer key-a")
+                .body(chat_body(&format!("over h2 {i} {}", "x".repeat(2 << 20))))
+                .send()
+                .await
+                .expect("answered");
+            assert_eq!(r.version(), reqwest::Version::HTTP_2);
+            r.status().as_u16()
+        }
+    };
+    let both = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures::future::join(send(0), send(1)),
+    )
+    .await
+    .expect("the two uploads waited for each other");
+    assert_eq!(both, (200, 200));
+    assert_eq!(app.mock.calls(), 2);
     app.stop().await;
 }

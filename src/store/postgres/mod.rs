@@ -266,6 +266,19 @@ impl Store for PostgresStore {
         row.as_ref().map(record_from_row).transpose()
     }
 
+    async fn peek(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            peek_columns!("''::bytea"),
+            " FROM requests WHERE id = $1 AND namespace = $2"
+        ))
+        .bind(id)
+        .bind(namespace)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
     async fn lease(
         &self,
         owner: &str,

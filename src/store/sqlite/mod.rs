@@ -245,6 +245,14 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn peek(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
+        let namespace = namespace.to_string();
+        self.read(move |conn| {
+            Ok(sql::peek(conn, &id.to_string())?.filter(|r| r.namespace == namespace))
+        })
+        .await
+    }
+
     async fn lease(
         &self,
         owner: &str,

@@ -86,6 +86,25 @@ pub(super) fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>
     }
 }
 
+const PEEK_SQL: &str = concat!(
+    "SELECT ",
+    peek_columns!("X''"),
+    " FROM requests WHERE id = ?1"
+);
+
+/// Reads request `id` for a waiter's re-read, any namespace ([`Store::peek`]): the `requests`
+/// row alone, not its body's.
+///
+/// [`Store::peek`]: crate::store::Store::peek
+pub(super) fn peek(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(PEEK_SQL)?;
+    let mut rows = stmt.query(params![id])?;
+    match rows.next()? {
+        Some(row) => Ok(Some(record_from_row(row, 0)?)),
+        None => Ok(None),
+    }
+}
+
 /// Releases the claims pointing at `id`, whose failure is recorded at `now`: each expires a
 /// minute on, or sooner where its own window ends sooner (ID-6, ID-6a). Until then an
 /// identical send attaches to the failure; after, [`CLAIM_SQL`] takes the claim over.
