@@ -786,6 +786,15 @@ impl Config {
         }
     }
 
+    /// The configured namespaces' names, `default` when there are none (CLI-5).
+    pub fn namespace_names(&self) -> Vec<&str> {
+        if self.namespaces.is_empty() {
+            vec!["default"]
+        } else {
+            self.namespaces.iter().map(|n| n.name.as_str()).collect()
+        }
+    }
+
     /// One namespace's share of `workers.concurrency` (LC-2a): `concurrency_per_namespace`,
     /// else `concurrency` divided by the number of namespaces, or by 10 when there are fewer,
     /// at least 1, so the default shares never add up to more than `concurrency` (decision

@@ -117,11 +117,23 @@ impl ApiError {
     /// request is recorded, so a retry (`x-should-retry: true`, after `retry-after-ms`) attaches
     /// to it on whichever node answers.
     pub(crate) fn shutting_down(shape: Provider) -> Self {
+        Self::shutting_down_saying(shape, SHUTTING_DOWN_MESSAGE)
+    }
+
+    /// [`ApiError::shutting_down`] for a call the cut found before it was recorded (LC-2b).
+    pub(crate) fn shutting_down_unrecorded(shape: Provider) -> Self {
+        Self::shutting_down_saying(
+            shape,
+            "this holdfast node is shutting down; nothing was recorded, send the request again",
+        )
+    }
+
+    fn shutting_down_saying(shape: Provider, message: &str) -> Self {
         let mut err = Self::new(
             shape,
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting_down",
-            SHUTTING_DOWN_MESSAGE,
+            message,
         );
         err.should_retry = Some(true);
         err.retry_after_ms = Some(SHUTTING_DOWN_RETRY_AFTER_MS);

@@ -32,12 +32,8 @@ impl LargeBodies {
     /// none, CLI-5).
     pub(crate) fn new(config: &Config) -> LargeBodies {
         let budget = u32::try_from(config.max_body_bytes).unwrap_or(u32::MAX);
-        let names: Vec<&str> = if config.namespaces.is_empty() {
-            vec!["default"]
-        } else {
-            config.namespaces.iter().map(|n| n.name.as_str()).collect()
-        };
-        let namespaces = names
+        let namespaces = config
+            .namespace_names()
             .into_iter()
             .map(|name| {
                 let free = Arc::new(Semaphore::new(budget as usize));

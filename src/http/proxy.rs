@@ -195,24 +195,25 @@ async fn admit(
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, &namespace, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
-    // LC-2b: a namespace's large bodies are admitted a budget at a time, each held until it is
-    // recorded. Read first, by its length as read: a body left unread would hold its
-    // connection's HTTP/2 window, and with it the upload of the one it waits for.
-    let large = tokio::select! {
-        large = state.large_bodies.admit(&namespace, body.len()) => large,
-        // Nothing is recorded yet: the SDK's retry goes to another node (DU-5).
-        () = state.cut.cancelled() => return Err(ApiError::shutting_down(shape)),
-    };
-    let (mut new, claim) = if body.len() > LARGE_BODY_BYTES {
-        // Off the runtime's workers, which serve every namespace's calls (LC-2b).
+    let (large, (mut new, claim)) = if body.len() > LARGE_BODY_BYTES {
+        // LC-2b: a namespace's large bodies are admitted a budget at a time, each held until
+        // it is recorded. Read first, by its length as read: a body left unread would hold its
+        // connection's HTTP/2 window, and with it the upload of the one it waits for.
+        let large = tokio::select! {
+            large = state.large_bodies.admit(&namespace, body.len()) => large,
+            // Nothing is recorded yet: the SDK's retry goes to another node (DU-5).
+            () = state.cut.cancelled() => return Err(ApiError::shutting_down_unrecorded(shape)),
+        };
+        // Off the runtime's workers, which serve every namespace's calls.
         let (config, headers) = (Arc::clone(&state.config), headers.clone());
         let (namespace, body) = (namespace.clone(), body.clone());
-        on_the_blocking_pool(move || {
+        let made = on_the_blocking_pool(move || {
             new_request(&config, route, path_model, &headers, &namespace, &body)
-        })
-        .await?
+        });
+        (large, made.await?)
     } else {
-        new_request(&state.config, route, path_model, headers, &namespace, &body)?
+        let made = new_request(&state.config, route, path_model, headers, &namespace, &body)?;
+        (None, made)
     };
     drop(body);
     new.trace_parent = server.and_then(ServerSpan::traceparent);
@@ -577,12 +578,8 @@ struct NamespaceHeld {
 impl Held {
     /// Counters for `config`'s namespaces (`default` when it has none, CLI-5).
     pub(crate) fn new(config: &Config) -> Held {
-        let names: Vec<&str> = if config.namespaces.is_empty() {
-            vec!["default"]
-        } else {
-            config.namespaces.iter().map(|n| n.name.as_str()).collect()
-        };
-        let namespaces = names
+        let namespaces = config
+            .namespace_names()
             .into_iter()
             .filter_map(|name| {
                 let cap = config.held_cap_of(name)?;

@@ -145,7 +145,30 @@ pub struct PostgresStore {
     appends: Arc<tokio::sync::Mutex<Held>>,
 }
 
+/// The condition of a read of one request of one namespace: `$1` its id, `$2` the namespace.
+macro_rules! one_of_namespace {
+    () => {
+        " WHERE id = $1 AND namespace = $2"
+    };
+}
+
 impl PostgresStore {
+    /// Request `id` of `namespace` as `sql` reads it (a `SELECT` of the record's columns
+    /// ending in [`one_of_namespace!`]).
+    async fn record_of(
+        &self,
+        sql: &'static str,
+        namespace: &str,
+        id: Uuid,
+    ) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query(sql)
+            .bind(id)
+            .bind(namespace)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
     /// [`Store::finish_read`]: one statement, so one transaction and one round trip: the `UPDATE ... RETURNING`,
     /// fenced on the lease (LC-3), reserves the `end` chunk's seq (RD-5); the rest of the
     /// settlement ([`rules::settle`]) and the wake-up hang off its row, so nothing happens when
@@ -254,29 +277,23 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query(concat!(
+        let sql = concat!(
             "SELECT ",
             request_columns!(),
-            " FROM requests WHERE id = $1 AND namespace = $2"
-        ))
-        .bind(id)
-        .bind(namespace)
-        .fetch_optional(&self.pool)
-        .await?;
-        row.as_ref().map(record_from_row).transpose()
+            " FROM requests",
+            one_of_namespace!()
+        );
+        self.record_of(sql, namespace, id).await
     }
 
     async fn peek(&self, namespace: &str, id: Uuid) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query(concat!(
+        let sql = concat!(
             "SELECT ",
             peek_columns!("''::bytea"),
-            " FROM requests WHERE id = $1 AND namespace = $2"
-        ))
-        .bind(id)
-        .bind(namespace)
-        .fetch_optional(&self.pool)
-        .await?;
-        row.as_ref().map(record_from_row).transpose()
+            " FROM requests",
+            one_of_namespace!()
+        );
+        self.record_of(sql, namespace, id).await
     }
 
     async fn lease(

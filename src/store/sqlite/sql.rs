@@ -78,7 +78,12 @@ const FETCH_SQL: &str = concat!(
 
 /// Reads request `id`, any namespace.
 pub(super) fn fetch(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-    let mut stmt = conn.prepare_cached(FETCH_SQL)?;
+    record_by(conn, FETCH_SQL, id)
+}
+
+/// Request `id` as `sql` reads it (a `SELECT` of the record's columns by `id = ?1`).
+fn record_by(conn: &Connection, sql: &str, id: &str) -> Result<Option<RequestRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(sql)?;
     let mut rows = stmt.query(params![id])?;
     match rows.next()? {
         Some(row) => Ok(Some(record_from_row(row, 0)?)),
@@ -97,12 +102,7 @@ const PEEK_SQL: &str = concat!(
 ///
 /// [`Store::peek`]: crate::store::Store::peek
 pub(super) fn peek(conn: &Connection, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-    let mut stmt = conn.prepare_cached(PEEK_SQL)?;
-    let mut rows = stmt.query(params![id])?;
-    match rows.next()? {
-        Some(row) => Ok(Some(record_from_row(row, 0)?)),
-        None => Ok(None),
-    }
+    record_by(conn, PEEK_SQL, id)
 }
 
 /// Releases the claims pointing at `id`, whose failure is recorded at `now`: each expires a
