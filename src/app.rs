@@ -67,12 +67,13 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         Arc::clone(&upstreams),
         Arc::clone(&config),
         traces.clone(),
+        &shutdown,
     );
     let wakeups = bridge_notifications(&store, Arc::clone(&hub), pool.clone(), &shutdown);
     // Before serving: a retry of a request a stopped process left running attaches to its
     // recovery, not to the dead attempt (decision 41).
     pool.sweep_at_start().await;
-    let workers = tokio::spawn(pool.clone().run(shutdown.child_token()));
+    let workers = tokio::spawn(pool.clone().run());
     let deliverer = Deliverer::new(
         store.clone(),
         Arc::clone(&config),

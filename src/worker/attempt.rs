@@ -831,6 +831,7 @@ mod tests {
             Arc::new(crate::upstream::Upstreams::new(&config).expect("upstreams")),
             Arc::new(config),
             None,
+            &tokio_util::sync::CancellationToken::new(),
         );
         (dir, store, pool, calls)
     }

@@ -109,7 +109,8 @@ pub(crate) struct Pool {
     /// Who may take a permit: each namespace its share first, every unused share held for its
     /// namespace (LC-2a).
     slots: NamespaceSlots,
-    /// Cancelled when shutdown begins: no new attempts start.
+    /// Cancelled when shutdown begins, as the signal arrives: no new attempts start, whatever
+    /// the dispatcher is waiting for (a child of the process's shutdown token, DU-5).
     stopping: CancellationToken,
     /// The attempts this process is running, and the hand-on gates cancels hold shut (LC-9).
     running: Arc<Mutex<Running>>,
@@ -229,13 +230,14 @@ impl Running {
 }
 
 impl WorkerPool {
-    /// A pool for this process.
+    /// A pool for this process, which stops taking leases as `shutdown` is cancelled.
     pub(crate) fn new(
         store: DynStore,
         hub: Arc<Hub>,
         upstreams: Arc<Upstreams>,
         config: Arc<Config>,
         traces: Traces,
+        shutdown: &CancellationToken,
     ) -> WorkerPool {
         let node = format!("{}-{}", hostname(), std::process::id());
         // Several nodes share a PostgreSQL store: a positioned reader may follow from another
@@ -254,7 +256,7 @@ impl WorkerPool {
                 &config.namespaces,
                 Keep::EveryUnusedShare,
             ),
-            stopping: CancellationToken::new(),
+            stopping: shutdown.child_token(),
             abandon: CancellationToken::new(),
             chunks,
             books: Bookkeeping::spawn(store.clone(), Arc::clone(&config)),
@@ -617,19 +619,34 @@ impl WorkerPool {
             .await;
     }
 
-    /// Runs the dispatcher and the sweeper until `shutdown` is cancelled, then waits for
-    /// in-flight attempts to finish.
-    pub(crate) async fn run(self, shutdown: CancellationToken) {
+    /// Runs the dispatcher and the sweeper until shutdown begins (the token given to
+    /// [`WorkerPool::new`]), then waits for in-flight attempts to finish: at most
+    /// `shutdown_grace_ms` from the signal, even if the dispatcher was then waiting for the
+    /// store (DU-5).
+    pub(crate) async fn run(self) {
+        let shutdown = self.stopping.clone();
+        // When the signal came: a dispatcher held in a store call (a locked database) sees it
+        // only once the call returns, and the grace runs from the signal, not from then.
+        let signalled = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move {
+                shutdown.cancelled().await;
+                tokio::time::Instant::now()
+            }
+        });
         let sweeper = tokio::spawn(self.clone().sweep_loop(shutdown.clone()));
         let permits = Arc::clone(&self.permits);
         let poll = Duration::from_millis(self.workers().poll_interval_ms);
         loop {
             let permit = tokio::select! {
+                // Shutdown first: with permits free, a signal that came during a lease still
+                // ends the loop before another lease.
+                biased;
+                () = shutdown.cancelled() => break,
                 p = Arc::clone(&permits).acquire_owned() => match p {
                     Ok(p) => p,
                     Err(_) => break,
                 },
-                () = shutdown.cancelled() => break,
             };
             // Every free permit (up to LEASE_BATCH): a burst of new requests is leased with one
             // write instead of one write per request, each waiting its turn on the database.
@@ -685,12 +702,15 @@ impl WorkerPool {
                 }
             }
         }
-        // DU-5: no new attempts; in-flight ones get the grace period, then hand back. Every
+        // DU-5: no new attempts (`stopping` was cancelled with the signal, so admission has
+        // started none since); in-flight ones get the grace period, then hand back. Every
         // attempt holds a permit until it ends, so taking all of them back is the drain.
-        self.stopping.cancel();
+        let signalled = signalled
+            .await
+            .unwrap_or_else(|_| tokio::time::Instant::now());
         let all = u32::try_from(self.workers().concurrency).unwrap_or(u32::MAX);
         let grace = Duration::from_millis(self.config.shutdown_grace_ms);
-        let drained = tokio::time::timeout(grace, permits.acquire_many(all)).await;
+        let drained = tokio::time::timeout_at(signalled + grace, permits.acquire_many(all)).await;
         if drained.is_err() {
             info!(
                 running = self.workers().concurrency - permits.available_permits(),

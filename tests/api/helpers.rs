@@ -132,6 +132,13 @@ impl TestApp {
         metrics_page(&self.http, &self.base).await
     }
 
+    /// Begins holdfast's graceful shutdown (as SIGTERM does) and returns its task, leaving the
+    /// mock and the directory to the test.
+    pub fn begin_shutdown(&mut self) -> tokio::task::JoinHandle<()> {
+        let running = self.running.take().expect("holdfast is running");
+        tokio::spawn(running.shutdown())
+    }
+
     /// Stops holdfast (graceful) and the mock.
     pub async fn stop(mut self) {
         if let Some(r) = self.running.take() {

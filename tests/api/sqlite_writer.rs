@@ -84,3 +84,91 @@ async fn client_leaving_while_its_admission_write_is_queued_does_not_strand_the_
     );
     app.stop().await;
 }
+
+/// DU-5: a call whose admission comes after the signal starts no attempt on the draining node,
+/// even while the dispatcher is held in a store call. `stopping`, which admission checks before
+/// it leases a call itself, was cancelled only once the dispatcher's loop saw the signal; with
+/// the database's write lock held by another process the dispatcher sat in its lease, so a call
+/// whose body arrived after the signal was leased at admission and its provider called on the
+/// node that was stopping. Now `stopping` is cancelled with the signal: the call is recorded
+/// `pending` with no attempt, answered 503 `shutting_down` at the cut, and its retry attaches
+/// wherever the request runs next.
+#[tokio::test]
+async fn a_call_admitted_after_the_signal_starts_no_attempt_while_the_dispatcher_waits_for_the_store_du5()
+ {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut app = spawn_app(MockConfig::default(), |c| {
+        // The dispatcher asks the store for due work (a write) every 5 ms.
+        c.workers.poll_interval_ms = 5;
+        c.shutdown_grace_ms = 200;
+    })
+    .await;
+    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
+    db.execute_batch("BEGIN IMMEDIATE")
+        .expect("take the write lock");
+    // Within a poll the dispatcher's next lease waits for the lock (SQLite's busy timeout is
+    // 10 s). Nothing outside the process shows that wait: forty polls' time.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // A call whose head is in before the signal and whose body comes after it: `Expect:
+    // 100-continue` makes the server say when the handler starts reading the body.
+    let body = chat_body("admitted after the signal");
+    let mut tcp = tokio::net::TcpStream::connect(app.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nexpect: 100-continue\r\n\r\n",
+        app.addr,
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).await.expect("write head");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&answer).contains("100 Continue\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut buf))
+            .await
+            .expect("100 Continue within 10 s")
+            .expect("read");
+        assert!(n > 0, "closed before 100 Continue");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let shutdown = app.begin_shutdown();
+    tcp.write_all(body.as_bytes()).await.expect("write body");
+    // The call is admitted (its try for a worker slot comes at once) and its submission waits
+    // for the lock behind the dispatcher's lease; nothing shows that either.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    db.execute_batch("COMMIT").expect("release the write lock");
+
+    let read_all = async {
+        loop {
+            let n = tcp.read(&mut buf).await.expect("read");
+            if n == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buf[..n]);
+            if String::from_utf8_lossy(&answer).contains("shutting_down") {
+                break;
+            }
+        }
+    };
+    // The grace, the cut 2 s after the workers stop, and slack for a loaded machine.
+    tokio::time::timeout(Duration::from_secs(20), read_all)
+        .await
+        .expect("the call answered within the drain bound");
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    shutdown.await.expect("shutdown");
+    let (status, attempts): (String, i64) = db
+        .query_row("SELECT status, attempts FROM requests", [], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })
+        .expect("the call was recorded");
+    assert_eq!(
+        (app.mock.calls(), status.as_str(), attempts),
+        (0, "pending", 0),
+        "no attempt started on the draining node; the request waits for the next: {answer}"
+    );
+    assert!(
+        answer.contains("HTTP/1.1 503") && answer.contains("shutting_down"),
+        "the held call is told to retry elsewhere: {answer}"
+    );
+}
