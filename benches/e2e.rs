@@ -809,6 +809,8 @@ const SHORT_PROMPTS: StreamRow = StreamRow {
         writer_cpu: "stream c=64 store writer CPU per event",
         runtime_cpu: "stream c=64 runtime CPU per event",
         writer_writes: "stream c=64 store writer write calls per event",
+        checkpoint_cpu: "stream c=64 WAL checkpoint CPU per event",
+        other_cpu: "stream c=64 other threads CPU per event",
     },
     errors: "stream c=64 errors",
 };
@@ -832,6 +834,8 @@ const LONG_PROMPTS: StreamRow = StreamRow {
         writer_cpu: "20 KB prompts c=64 store writer CPU per event",
         runtime_cpu: "20 KB prompts c=64 runtime CPU per event",
         writer_writes: "20 KB prompts c=64 store writer write calls per event",
+        checkpoint_cpu: "20 KB prompts c=64 WAL checkpoint CPU per event",
+        other_cpu: "20 KB prompts c=64 other threads CPU per event",
     },
     errors: "20 KB prompts c=64 errors",
 };
@@ -1229,6 +1233,10 @@ struct ThreadRows {
     runtime_cpu: &'static str,
     /// The SQLite writer thread's write calls.
     writer_writes: &'static str,
+    /// The WAL checkpoint thread's CPU ([`holdfast::store::sqlite::CHECKPOINT_THREAD`]).
+    checkpoint_cpu: &'static str,
+    /// Every other thread's CPU (the blocking pool's readers, the main thread).
+    other_cpu: &'static str,
 }
 
 /// Adds the [`ThreadRows`] of one row: what the threads alive at its end spent since `before`
@@ -1244,6 +1252,7 @@ fn add_thread_rows(
 ) {
     let (mut writer_cpu, mut runtime_cpu, mut writer_writes, mut writer_seen) =
         (0.0, 0.0, 0, false);
+    let (mut checkpoint_cpu, mut other_cpu) = (0.0, 0.0);
     for (tid, now) in after {
         let (cpu, writes) = match before.get(tid) {
             Some(then) => (now.cpu - then.cpu, now.writes.saturating_sub(then.writes)),
@@ -1255,6 +1264,10 @@ fn add_thread_rows(
             writer_writes += writes;
         } else if now.comm.starts_with("tokio-rt-worker") {
             runtime_cpu += cpu;
+        } else if now.comm == holdfast::store::sqlite::CHECKPOINT_THREAD {
+            checkpoint_cpu += cpu;
+        } else {
+            other_cpu += cpu;
         }
     }
     if !writer_seen {
@@ -1282,6 +1295,12 @@ fn add_thread_rows(
         writer_writes as f64 / per,
         Some(per as usize),
     );
+    for (row, cpu) in [
+        (rows.checkpoint_cpu, checkpoint_cpu),
+        (rows.other_cpu, other_cpu),
+    ] {
+        results.add_n(row, target, "us", cpu * 1e6 / per, Some(per as usize));
+    }
 }
 
 /// Values of unlabelled series on holdfast's `/metrics` (0 for one not exported yet); `None`
@@ -1425,6 +1444,8 @@ async fn nonstream_rows(
             writer_cpu: "non-stream c=64 store writer CPU per request",
             runtime_cpu: "non-stream c=64 runtime CPU per request",
             writer_writes: "non-stream c=64 store writer write calls per request",
+            checkpoint_cpu: "non-stream c=64 WAL checkpoint CPU per request",
+            other_cpu: "non-stream c=64 other threads CPU per request",
         },
         target,
         &threads_before,

@@ -103,7 +103,7 @@ use super::{
 };
 use crate::provider::Route;
 
-pub use self::open::WRITER_THREAD;
+pub use self::open::{CHECKPOINT_THREAD, WRITER_THREAD};
 pub(crate) use self::open::{LATEST_SCHEMA, schema_version};
 
 /// The embedded store. Cloning is cheap; the writer and checkpoint threads stop when the last

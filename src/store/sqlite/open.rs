@@ -16,6 +16,8 @@ use crate::store::StoreError;
 const MAX_READERS: usize = 8;
 /// The writer thread's name (15 bytes at most: Linux cuts longer ones).
 pub const WRITER_THREAD: &str = "sqlite-writer";
+/// The name of the WAL checkpoint thread (the e2e bench splits the process's CPU by thread).
+pub const CHECKPOINT_THREAD: &str = "wal-checkpoint";
 /// How long a connection waits for a lock held by another process before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -326,7 +328,7 @@ impl SqliteStore {
             .map_err(|e| StoreError::Unavailable(format!("starting the writer thread: {e}")))?;
         let (stop, stopped) = std::sync::mpsc::channel();
         std::thread::Builder::new()
-            .name("wal-checkpoint".into())
+            .name(CHECKPOINT_THREAD.into())
             .spawn(move || checkpoint_loop(checkpointer, stopped, &rounds))
             .map_err(|e| StoreError::Unavailable(format!("starting the checkpoint thread: {e}")))?;
         Ok(SqliteStore {
