@@ -42,6 +42,10 @@ const REFUSAL_CAUSE_CHARS: usize = 300;
 /// How often a waiting reader re-reads the record even without a wake-up (so a request run by
 /// another node, or a lost wake-up, still settles the wait).
 const WAIT_POLL: Duration = Duration::from_millis(500);
+/// [`WAIT_POLL`] while the request's attempt runs on this node, whose every end wakes the
+/// waiter through the hub: the re-read is only a backstop there, and a node may hold a
+/// thousand such calls (decision 148).
+const WAIT_POLL_RUNNING_HERE: Duration = Duration::from_secs(5);
 
 /// Handles one proxied call. `path_model` is the model a route that takes it in the path was
 /// called with (GM-1).
@@ -872,7 +876,8 @@ fn prefers_async(headers: &HeaderMap) -> bool {
 }
 
 /// Holds until `ready` holds for the record (RS-1, RS-2): subscribe first, then re-read the
-/// record after every wake-up and at least every [`WAIT_POLL`]. At the shutdown cut
+/// record after every wake-up and at least every [`WAIT_POLL`] ([`WAIT_POLL_RUNNING_HERE`]
+/// while its attempt runs on this node). At the shutdown cut
 /// ([`Shared::cut`](super::Shared::cut)) it gives up with 503 `shutting_down` (DU-5).
 ///
 /// `fresh` is a subscription taken before `record` was created (and `record` is the state at
@@ -935,6 +940,11 @@ async fn wait(
             }
         }
         read = true;
+        let poll = if state.workers.runs_here(record.id) {
+            WAIT_POLL_RUNNING_HERE
+        } else {
+            WAIT_POLL
+        };
         tokio::select! {
             event = subscription.recv() => match event {
                 // This node's worker settled it and handed over the record it wrote.
@@ -951,7 +961,7 @@ async fn wait(
                 HubEvent::Ahead(_) => read = false,
                 HubEvent::Changed | HubEvent::Chunks(_) | HubEvent::Logged(_) => {}
             },
-            () = tokio::time::sleep(WAIT_POLL) => {}
+            () = tokio::time::sleep(poll) => {}
             // Shutdown (DU-5): this node's workers handed the request back; another node's
             // take it, and the caller's retry attaches to it there.
             () = state.cut.cancelled() => {

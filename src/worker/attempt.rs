@@ -96,6 +96,10 @@ impl WorkerPool {
         let cancelled = registration.switches.abort.is_cancelled();
         let Some(ending) = ending else {
             info!("attempt ended without an outcome");
+            // Its waiters here poll slowly while it runs (decision 148): unregistered, it no
+            // longer runs here for them, and they re-read now.
+            drop(registration);
+            self.hub.publish(lease.id, HubEvent::Changed);
             if let Some(trace) = trace {
                 if cancelled {
                     trace.cancelled();

@@ -546,6 +546,17 @@ impl WorkerPool {
         }
     }
 
+    /// Whether an attempt of request `id` runs on this node now. Every end of one wakes the
+    /// request's waiters here through the hub (settled, lost, handed back or ended without an
+    /// outcome), so a held call need not re-read the request as often (decision 148).
+    pub(crate) fn runs_here(&self, id: Uuid) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .attempts
+            .contains_key(&id)
+    }
+
     fn workers(&self) -> &Workers {
         &self.config.workers
     }
