@@ -432,6 +432,26 @@ impl Route {
         Ok((self.answer_id_of_body(&parts), self.usage_of_body(&parts)))
     }
 
+    /// Why a 2xx answer that [`Route::check_answer`] took is the provider's own report of a
+    /// failure (LC-7a): a Responses object whose `status` is `failed` (its `error` says why).
+    /// `None` for every other answer.
+    pub(crate) fn failed_answer(self, body: &[u8]) -> Option<String> {
+        if self != Route::OpenaiResponses {
+            return None;
+        }
+        let members = BodyMembers::read(body).ok()?;
+        let status = members
+            .get("status")
+            .and_then(|v| serde_json::from_str::<String>(v).ok())?;
+        (status == "failed").then(|| match members.get("error") {
+            Some(error) => format!(
+                "a response whose status is failed: {}",
+                excerpt(error.as_bytes())
+            ),
+            None => "a response whose status is failed".to_string(),
+        })
+    }
+
     /// The usage a 2xx body reports that [`Route::check_answer`] refused as no answer: the
     /// provider billed it all the same, so the failed attempt keeps it (RD-9), as a stream that
     /// failed keeps what it reported. `None` when the body holds none it can read.
@@ -793,6 +813,45 @@ mod tests {
         ] {
             assert_eq!(route.stream_result_name(), None);
         }
+    }
+
+    /// LC-7a: a Responses `response.failed` ends the stream as an error event, by its
+    /// `event:` name or its data's `type`, and a non-stream Responses object whose `status` is
+    /// `failed` is a failed answer; `response.incomplete` and every other answer are not.
+    #[test]
+    fn a_failed_responses_answer_is_an_error_not_a_success_lc7a() {
+        let route = Route::OpenaiResponses;
+        let failed = r#"{"type":"response.failed","sequence_number":3,"response":{"id":"resp_1","status":"failed","error":{"code":"server_error"}}}"#;
+        for name in [Some("response.failed"), None] {
+            let seen = route
+                .inspect_event(name, failed)
+                .expect("a Responses event");
+            assert!(seen.error && seen.ends_stream, "{name:?}");
+        }
+        let incomplete = r#"{"type":"response.incomplete","sequence_number":3,"response":{"id":"resp_1","status":"incomplete"}}"#;
+        let seen = route
+            .inspect_event(Some("response.incomplete"), incomplete)
+            .expect("a Responses event");
+        assert!(!seen.error && seen.ends_stream);
+        let answer = |status: &str| {
+            format!(
+                r#"{{"id":"resp_1","object":"response","status":"{status}","output":[],"error":{{"code":"server_error"}}}}"#
+            )
+        };
+        let why = route.failed_answer(answer("failed").as_bytes());
+        assert!(why.is_some_and(|why| why.contains("server_error")));
+        for status in ["completed", "incomplete"] {
+            assert_eq!(
+                route.failed_answer(answer(status).as_bytes()),
+                None,
+                "{status}"
+            );
+        }
+        assert_eq!(
+            Route::OpenaiChat.failed_answer(answer("failed").as_bytes()),
+            None,
+            "only the Responses API answers with a status"
+        );
     }
 
     #[test]

@@ -358,7 +358,7 @@ impl Provider {
         error: bool,
     ) -> bool {
         match self {
-            Provider::Openai => openai::is_error_event(event, error),
+            Provider::Openai => openai::is_error_event(event, kind, error),
             Provider::Anthropic => anthropic::is_error_event(event, kind, error),
             Provider::Gemini => gemini::is_error_event(error),
             #[cfg(test)]

@@ -62,14 +62,16 @@ pub(super) fn error_event(code: &str, message: &str) -> (Option<&'static str>, S
     (None, data.to_string())
 }
 
-/// A non-null `error` member, or a Responses `event: error`.
-pub(super) fn is_error_event(event: Option<&str>, error: bool) -> bool {
-    error || event == Some("error")
+/// A non-null `error` member, a Responses `event: error`, or a Responses `response.failed`
+/// (by its `event:` name or its data's `type`): the provider's own final answer, saying the
+/// response failed, is an error event, never a success (LC-7a).
+pub(super) fn is_error_event(event: Option<&str>, kind: Option<&str>, error: bool) -> bool {
+    error || event == Some("error") || kind == Some("response.failed")
 }
 
 /// Chat, completions and embeddings end with `data: [DONE]`; the Responses API with a
-/// `response.completed`, `response.incomplete` or `response.failed` event (the last two are
-/// the provider's own final answers).
+/// `response.completed`, `response.incomplete` or `response.failed` event (the provider's own
+/// final answers; `response.failed` is also an error event, LC-7a).
 pub(super) fn ends_stream(route: Route, data: &str, kind: Option<&str>) -> bool {
     match route {
         Route::OpenaiResponses => matches!(

@@ -520,6 +520,18 @@ impl WorkerPool {
         };
         if (200..300).contains(&status) {
             return match route.check_answer(&body) {
+                // The provider's answer, saying it failed: passed on as it came, and the
+                // request failed, never a success replayed to every retry (LC-7a).
+                Ok((_, usage)) if let Some(why) = route.failed_answer(&body) => Outcome::Failed {
+                    error: ErrorInfo {
+                        kind: ErrorType::UpstreamRefused,
+                        message: format!("the provider answered {status} with {why}"),
+                        status: Some(status),
+                    },
+                    usage,
+                    response: Some((status, body)),
+                    upstream_request_id: request_id,
+                },
                 Ok((response_id, usage)) => Outcome::Succeeded {
                     status,
                     body,

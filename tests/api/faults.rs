@@ -260,6 +260,10 @@ enum Expect {
     /// The provider's own final event ended the stream (`terminal`, e.g. `response.incomplete`):
     /// its answer, stored as `succeeded` and passed on as sent; a re-send is replayed.
     Succeeded { terminal: &'static str },
+    /// The provider's 2xx answer says it failed (LC-7a, a Responses object whose `status` is
+    /// `failed`): passed on as it came with `x-should-retry: false`, the request `failed` /
+    /// `upstream_refused` with the answer kept on the record.
+    FailedAnswer,
 }
 
 struct AnswerRow {
@@ -522,7 +526,7 @@ fn answer_rows() -> Vec<AnswerRow> {
             },
         },
         AnswerRow {
-            name: "responses stream: content events, then the provider's response.failed",
+            name: "responses stream: content events, then the provider's response.failed (LC-7a)",
             provider: Provider::Raw(raw_200(
                 "text/event-stream",
                 &responses_events_ending("response.failed"),
@@ -530,9 +534,18 @@ fn answer_rows() -> Vec<AnswerRow> {
             )),
             path: "/v1/responses",
             stream: true,
-            expect: Succeeded {
-                terminal: "response.failed",
-            },
+            expect: Interrupted,
+        },
+        AnswerRow {
+            name: "non-stream responses 200 whose status is failed (LC-7a)",
+            provider: Provider::Raw(raw_200(
+                "application/json",
+                r#"{"id":"resp_failed_1","object":"response","status":"failed","output":[],"error":{"code":"server_error","message":"The model failed to finish"}}"#,
+                false,
+            )),
+            path: "/v1/responses",
+            stream: false,
+            expect: FailedAnswer,
         },
         AnswerRow {
             name: "non-stream 200 whose body is an error object",
@@ -729,6 +742,17 @@ async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success
                 let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
                 assert_eq!(data["type"], terminal, "{}: {text}", row.name);
             }
+            Expect::FailedAnswer => {
+                assert_eq!(r.status(), 200, "{}", row.name);
+                assert_eq!(header(&r, "x-should-retry"), "false", "{}", row.name);
+                let answer: serde_json::Value = r.json().await.expect("the provider's answer");
+                assert_eq!(answer["status"], "failed", "{}: {answer}", row.name);
+                assert_eq!(
+                    answer["error"]["code"], "server_error",
+                    "{}: {answer}",
+                    row.name
+                );
+            }
             Expect::Invalid { .. } => {
                 assert_eq!(r.status(), 502, "{}", row.name);
                 assert_eq!(header(&r, "x-should-retry"), "false", "{}", row.name);
@@ -785,6 +809,21 @@ async fn truncated_and_invalid_provider_answers_are_failed_not_stored_as_success
                 assert!(
                     record["last_seq"].as_i64() > Some(2),
                     "chunks kept: {record}"
+                );
+            }
+            Expect::FailedAnswer => {
+                assert_eq!(
+                    record["error"]["type"], "upstream_refused",
+                    "{}: {record}",
+                    row.name
+                );
+                assert_eq!(record["response"]["status"], 200, "{}: {record}", row.name);
+                assert!(
+                    record["response"]["body"]
+                        .to_string()
+                        .contains("server_error"),
+                    "{}: the answer is kept: {record}",
+                    row.name
                 );
             }
             Expect::Invalid { kept, answered } => {
