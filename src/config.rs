@@ -561,9 +561,17 @@ fn describe(e: &figment::Error) -> String {
                 _ => String::new(),
             };
             let at = format!("{table}{found}");
-            let hint = nearest(found, expected)
-                .map(|k| format!("; did you mean `{table}{k}`?"))
-                .unwrap_or_else(|| "; docs/configuration.md lists every key".into());
+            let hint = if found == "api_key" && expected.contains(&"api_key_env") {
+                // A key written into the file, the likeliest first mistake: say where keys go.
+                format!(
+                    "; did you mean `{table}api_key_env`, the name of the environment variable \
+                     that holds the provider key (keys are never written in the file)?"
+                )
+            } else {
+                nearest(found, expected)
+                    .map(|k| format!("; did you mean `{table}{k}`?"))
+                    .unwrap_or_else(|| "; docs/configuration.md lists every key".into())
+            };
             format!("unknown key `{at}`{source}{hint}")
         }
         Kind::UnknownVariant(found, expected) => format!(
@@ -770,20 +778,36 @@ impl Config {
         self.check_database_url()
     }
 
-    /// `[otel]`: an endpoint, when given, is an http or https URL (OT-1).
+    /// `[otel]`: an endpoint, when given, is an http or https URL (OT-1); so is the standard
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` the exporter reads
+    /// when traces are on and no endpoint is configured: a bad one is a configuration error
+    /// (exit 2), not a failure to start.
     fn check_otel(&self) -> Result<(), ConfigError> {
-        match &self.otel.endpoint {
-            Some(endpoint) => check_base_url(endpoint).map_err(|why| {
-                invalid(
-                    "otel.endpoint",
-                    format!(
-                        "{endpoint:?} {why}; write the collector's OTLP/HTTP traces URL, e.g. \
-                         http://localhost:4318/v1/traces"
-                    ),
-                )
-            }),
-            None => Ok(()),
-        }
+        let (key, endpoint) = match &self.otel.endpoint {
+            Some(endpoint) => ("otel.endpoint", endpoint.clone()),
+            None if self.otel.enabled => {
+                let standard = [
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                ]
+                .into_iter()
+                .find_map(|name| Some((name, std::env::var(name).ok()?)));
+                match standard {
+                    Some(found) => found,
+                    None => return Ok(()),
+                }
+            }
+            None => return Ok(()),
+        };
+        check_url(&endpoint).map_err(|why| {
+            invalid(
+                key,
+                format!(
+                    "{endpoint:?} {why}; write the collector's OTLP/HTTP URL, e.g. \
+                     http://localhost:4318/v1/traces"
+                ),
+            )
+        })
     }
 
     /// The configured namespaces' names, `default` when there are none (CLI-5).
@@ -1354,15 +1378,39 @@ pub fn doubtful_base_url(b: &Backend) -> Option<String> {
 /// Why `url` cannot be a backend's `base_url`: not a URL, a scheme other than http or https, or
 /// no host.
 fn check_base_url(url: &str) -> Result<(), String> {
-    let parsed = reqwest::Url::parse(url).map_err(|e| format!("is not a URL ({e})"))?;
+    check_url(url).map_err(|why| match why {
+        UrlProblem::Scheme(scheme) => {
+            format!("has scheme {scheme:?}; holdfast calls providers over http or https")
+        }
+        why => why.to_string(),
+    })
+}
+
+/// What is wrong with a URL holdfast would call.
+enum UrlProblem {
+    NotAUrl(String),
+    Scheme(String),
+    NoHost,
+}
+
+impl std::fmt::Display for UrlProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UrlProblem::NotAUrl(e) => write!(f, "is not a URL ({e})"),
+            UrlProblem::Scheme(scheme) => write!(f, "has scheme {scheme:?}, not http or https"),
+            UrlProblem::NoHost => f.write_str("has no host"),
+        }
+    }
+}
+
+/// Whether `url` is an http or https URL with a host.
+fn check_url(url: &str) -> Result<(), UrlProblem> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| UrlProblem::NotAUrl(e.to_string()))?;
     if !matches!(parsed.scheme(), "http" | "https") {
-        return Err(format!(
-            "has scheme {:?}; holdfast calls providers over http or https",
-            parsed.scheme()
-        ));
+        return Err(UrlProblem::Scheme(parsed.scheme().to_string()));
     }
     if parsed.host_str().is_none_or(str::is_empty) {
-        return Err("has no host".into());
+        return Err(UrlProblem::NoHost);
     }
     Ok(())
 }
@@ -1858,5 +1906,50 @@ base_url = "https://api.openai.com/v1"
         std::fs::write(&path, "lisen = \"127.0.0.1:1\"\n").unwrap();
         let err = Config::load(Some(&path)).unwrap_err().to_string();
         assert!(err.contains("lisen"), "{err}");
+    }
+
+    /// CLI-1: a provider key written into a backend as `api_key` is told where keys go
+    /// (`api_key_env`), not only that the key is unknown (a new-user trial's first mistake).
+    #[test]
+    fn a_backends_api_key_is_told_to_name_its_variable_cli1() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("holdfast.toml");
+        std::fs::write(
+            &path,
+            "[[backends]]\nname = \"openai\"\nkind = \"openai\"\nbase_url = \"https://api.openai.com/v1\"\napi_key = \"sk-x\"\n",
+        )
+        .unwrap();
+        let err = Config::load(Some(&path)).unwrap_err().to_string();
+        assert!(
+            err.contains(".api_key`")
+                && err.contains("api_key_env")
+                && err.contains("environment variable"),
+            "{err}"
+        );
+    }
+
+    /// OT-1: with traces on and no `otel.endpoint`, a standard OTLP endpoint variable that is
+    /// no http(s) URL is a configuration error (exit 2) naming the variable, as a bad
+    /// `otel.endpoint` is; a new-user trial's `localhost:4318` stopped the start with exit 1.
+    /// With traces off the variable is not read.
+    #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's signature, not ours
+    fn a_standard_otlp_endpoint_that_is_no_url_is_a_configuration_error_ot1() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4318");
+            let mut c = with_backend();
+            c.otel.enabled = true;
+            let err = c.validate().unwrap_err().to_string();
+            assert!(
+                err.contains("OTEL_EXPORTER_OTLP_ENDPOINT") && err.contains("not http or https"),
+                "{err}"
+            );
+            c.otel.enabled = false;
+            c.validate().map_err(|e| e.to_string())?;
+            c.otel.enabled = true;
+            jail.set_env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318");
+            c.validate().map_err(|e| e.to_string())?;
+            Ok(())
+        });
     }
 }

@@ -198,6 +198,7 @@ async fn admit(
     let namespace = namespace(&state.config, headers, shape)?;
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, &namespace, shape)?;
+    refuse_encoded_body(headers, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
     let (large, (mut new, claim)) = if body.len() > LARGE_BODY_BYTES {
         // LC-2b: a namespace's large bodies are admitted a budget at a time, each held until
@@ -708,6 +709,29 @@ pub(super) async fn read_body(
                 format!("could not read the request body: {e}"),
             )
         })
+}
+
+/// 415 `unsupported_content_encoding` for a logged call whose body is compressed
+/// (`Content-Encoding` other than `identity`), before it is read (IN-1): its hash is of the
+/// canonical JSON, which a compressed body is not, and reading it as JSON would answer a
+/// misleading `invalid_unicode` (found by a new-user trial).
+fn refuse_encoded_body(headers: &HeaderMap, shape: Provider) -> Result<(), ApiError> {
+    let Some(encoding) = headers.get(header::CONTENT_ENCODING) else {
+        return Ok(());
+    };
+    let encoding = String::from_utf8_lossy(encoding.as_bytes());
+    if encoding.trim().eq_ignore_ascii_case("identity") {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        shape,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_content_encoding",
+        format!(
+            "holdfast does not read compressed request bodies (Content-Encoding: {encoding}); \
+             send the JSON body uncompressed"
+        ),
+    ))
 }
 
 /// The body's length as `Content-Length` declares it (saturated to `usize`).

@@ -285,6 +285,51 @@ async fn invalid_bodies_get_400_in_provider_shape_and_are_not_recorded_id2_id8()
     app.stop().await;
 }
 
+/// IN-1: a compressed body on a logged route is refused, unread, with 415
+/// `unsupported_content_encoding` in the route's provider shape, not read as JSON and refused
+/// as `invalid_unicode` (a new-user trial's gzip body); nothing is recorded or called, and
+/// `Content-Encoding: identity` is a plain body.
+#[tokio::test]
+async fn a_compressed_body_is_refused_with_415_in_the_providers_shape_in1() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let gzipped = [
+        0x1f_u8, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03,
+    ]
+    .to_vec();
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            gzipped.clone(),
+            &[("content-encoding", "gzip")],
+        )
+        .await;
+    assert_eq!(r.status(), 415);
+    assert_eq!(header(&r, "holdfast-error"), "unsupported_content_encoding");
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "unsupported_content_encoding");
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("gzip"),
+        "{err}"
+    );
+    let r = app
+        .post("/v1/messages", gzipped, &[("content-encoding", "gzip")])
+        .await;
+    assert_eq!(r.status(), 415);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(err["type"], "error", "Anthropic's shape: {err}");
+    assert_eq!(count_requests(&app).await, 0, "ID-8: nothing recorded");
+    assert_eq!(app.mock.calls(), 0);
+    let r = app
+        .post(
+            "/v1/chat/completions",
+            chat_body("identity is plain"),
+            &[("content-encoding", "identity")],
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn oversized_body_gets_413_unknown_route_404_wrong_method_405_in1() {
     let app = spawn_app(MockConfig::default(), |c| c.max_body_bytes = 1024).await;
