@@ -99,6 +99,7 @@ enum RequestsCommand {
         output: Option<PathBuf>,
     },
     /// One request: status, attempts, usage, cost, deliveries.
+    #[command(alias = "get")]
     Show {
         #[command(flatten)]
         server: ServerArgs,

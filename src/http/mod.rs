@@ -333,6 +333,14 @@ async fn not_found(uri: Uri) -> Response {
              of them"
                 .to_string(),
         ),
+        // Another of the provider's APIs (images, moderations, files, ...): holdfast logs only
+        // the model calls, and forwards others a `[[passthrough]]` names, unlogged.
+        None if path.starts_with("/v1/") || path.starts_with("/v1beta/") => (
+            Provider::for_path(path),
+            ": to forward it to the provider unlogged, name it in a `[[passthrough]]` \
+             (docs/configuration.md)"
+                .to_string(),
+        ),
         None => (Provider::for_path(path), String::new()),
     };
     ApiError::not_found(shape, format!("holdfast has no route {path}{hint}")).into_response()

@@ -100,6 +100,9 @@ async fn requests_list_show_cancel_and_usage_work_against_a_running_server() {
     assert!(out.contains("succeeded"), "{out}");
     assert!(out.contains("deliveries     2"), "{out}");
     assert!(out.contains("listed one"), "the prompt with --body: {out}");
+    // `get`, the verb a new user tried first, is `show` too.
+    let (code, got, _) = cli(&node.base, &["requests", "get", &first, "--body"]);
+    assert_eq!((code, got.as_str()), (0, out.as_str()));
     let (code, _, err) = cli(
         &node.base,
         &["requests", "show", "0194c5d2-0000-7000-8000-000000000000"],

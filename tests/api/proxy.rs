@@ -427,11 +427,15 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
         "{body}"
     );
 
-    let plain = app.post("/v1/nope", "{}", &[]).await;
-    let body: serde_json::Value = plain.json().await.unwrap();
-    assert_eq!(
-        body["error"]["message"], "holdfast has no route /v1/nope",
-        "no hint where none fits"
+    // Another of the provider's APIs: where to forward it (a new-user trial's
+    // `images.generate` was told only that there was no route).
+    let other = app.post("/v1/images/generations", "{}", &[]).await;
+    let body: serde_json::Value = other.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("holdfast has no route /v1/images/generations")
+            && message.contains("[[passthrough]]"),
+        "{body}"
     );
     assert_eq!(count_requests(&app).await, 0);
     app.stop().await;
