@@ -1084,6 +1084,15 @@ pub trait Store: Send + Sync + 'static {
         max_attempts: u32,
     ) -> Result<bool, StoreError>;
 
+    /// Hands back an attempt that never called its provider (DU-5: leased before shutdown's
+    /// signal and started after it), fenced on the lease: `pending`, due at once, with its
+    /// attempt uncounted (`attempts` back by one), so a request is never failed, nor its
+    /// attempts spent, by a lease no call followed. `false` when the lease was already lost.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the database fails.
+    async fn release_unstarted(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError>;
+
     /// Deletes at most `limit` terminal requests that finished before `before`, with their
     /// chunks and claims, except those whose webhook delivery is still pending and that finished
     /// at or after `pending_callback_before` (DU-4, decision 82). Returns how many were deleted.

@@ -191,6 +191,20 @@ impl WorkerPool {
         self.hub.publish(lease.id, HubEvent::Changed);
     }
 
+    /// Hands back an attempt that shutdown's signal came before it started (DU-5, decision
+    /// 151): `pending` for another node or the next start, its attempt uncounted. A failed
+    /// write leaves the lease to expire, as a crash would.
+    pub(super) async fn hand_back_unstarted(&self, lease: &Lease) {
+        match self.store.release_unstarted(lease, now_ms()).await {
+            Ok(true) => info!(id = %lease.id, "leased as shutdown began; handed back unstarted"),
+            Ok(false) => {}
+            Err(e) => {
+                warn!(id = %lease.id, error = %e, "could not hand back an unstarted attempt; its lease will expire");
+            }
+        }
+        self.hub.publish(lease.id, HubEvent::Changed);
+    }
+
     /// Writes the attempt's outcome (with a stream's last batch), fenced on its lease (LC-3):
     /// the stored chunks and the request as settled, `None` when the lease was lost.
     ///

@@ -602,6 +602,12 @@ impl WorkerPool {
     /// Runs the attempt `lease` holds, in a span that names its request (and its trace, when
     /// traces are on).
     async fn attempt(&self, lease: Lease, record: RequestRecord) {
+        // DU-5: leased before shutdown's signal (a lease or a submission the store returned
+        // late) and started after it: no provider call on a stopping node, and no attempt spent.
+        if self.stopping.is_cancelled() {
+            self.hand_back_unstarted(&lease).await;
+            return;
+        }
         self.meters.backend(&record.backend).attempts().increment(1);
         let trace = self.traces.as_ref().map(|traces| {
             traces.attempt(

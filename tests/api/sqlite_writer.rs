@@ -172,3 +172,69 @@ async fn a_call_admitted_after_the_signal_starts_no_attempt_while_the_dispatcher
         "the held call is told to retry elsewhere: {answer}"
     );
 }
+
+/// DU-5 (decision 151): a call whose admission took a worker slot before the signal, and whose
+/// submission the store recorded after it (the database's write lock held by another process
+/// across the signal), starts no provider call on the draining node and spends no attempt:
+/// handed back `pending` with its attempt uncounted, answered 503 `shutting_down` at the cut.
+/// Before, its attempt started from the writer once the lock went, called the provider after
+/// the signal and, with `max_attempts = 1`, was then handed back at its last attempt and
+/// failed `lease_expired`: paid and lost (a break-it trial's F1).
+#[tokio::test]
+async fn a_call_leased_before_the_signal_and_recorded_after_it_calls_no_provider_du5() {
+    let mut app = spawn_app(MockConfig::default(), |c| {
+        c.shutdown_grace_ms = 200;
+        c.workers.max_attempts = 1;
+    })
+    .await;
+    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
+    db.execute_batch("BEGIN IMMEDIATE")
+        .expect("take the write lock");
+    let call = {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        tokio::spawn(async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(chat_body("slot before the signal, record after it"))
+                .send()
+                .await
+        })
+    };
+    // Admission takes its worker slot at once, then its submission waits for the lock;
+    // nothing outside the process shows that wait.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let shutdown = app.begin_shutdown();
+    // The signal has come once the listener refuses new connections.
+    wait_until_refused(app.addr).await;
+    db.execute_batch("COMMIT").expect("release the write lock");
+
+    let answer = tokio::time::timeout(Duration::from_secs(20), call)
+        .await
+        .expect("answered within the drain bound")
+        .expect("task")
+        .expect("an HTTP answer");
+    let (status, code) = (answer.status().as_u16(), header(&answer, "holdfast-error"));
+    shutdown.await.expect("shutdown");
+    let (state, attempts): (String, i64) = db
+        .query_row("SELECT status, attempts FROM requests", [], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })
+        .expect("the call was recorded");
+    assert_eq!(
+        (app.mock.calls(), state.as_str(), attempts),
+        (0, "pending", 0),
+        "no provider call on the draining node, no attempt spent"
+    );
+    assert_eq!((status, code.as_str()), (503, "shutting_down"));
+}
+
+/// Waits (bounded) until `addr` refuses connections: the listener has closed.
+async fn wait_until_refused(addr: std::net::SocketAddr) {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the listener at {addr} still accepts 2 s after the shutdown began");
+}

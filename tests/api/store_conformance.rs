@@ -223,6 +223,7 @@ conformance!(
     one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10,
     every_list_filter_narrows_to_what_it_names_in_both_orders_rd7_ex1,
     release_hands_back_without_counting_a_recovery_du5,
+    an_unstarted_attempt_is_handed_back_uncounted_du5,
     a_hand_back_of_the_last_attempt_fails_it_so_attempts_never_exceed_the_maximum_du5,
     prune_deletes_only_terminal_rows_with_their_chunks_and_claims_du4,
     prune_keeps_a_request_whose_webhook_delivery_is_pending_until_no_try_is_left_du4_cb4,
@@ -2757,6 +2758,33 @@ async fn release_hands_back_without_counting_a_recovery_du5(store: DynStore) {
     assert_eq!((after.last_seq, after.reset_seq), (3, 3));
     // The claim survives a hand-back.
     assert_eq!(attach(&store, by_hash("drain", T0 + 12)).await.id, rec.id);
+}
+
+/// DU-5 (decision 151): an attempt leased before shutdown's signal and started after it
+/// never called its provider: handed back `pending`, due at once, its attempt uncounted, so
+/// at the last attempt too nothing fails and the next lease is that attempt again; fenced.
+async fn an_unstarted_attempt_is_handed_back_uncounted_du5(store: DynStore) {
+    let rec = create(&store, by_hash("unstarted", T0)).await;
+    let (l1, _) = lease_at(&store, "node/a", T0).await;
+    assert_eq!(l1.attempt, 1);
+    assert!(store.release_unstarted(&l1, T0 + 5).await.expect("release"));
+    let after = get(&store, rec.id).await;
+    assert_eq!(after.status, Status::Pending);
+    assert_eq!((after.attempts, after.recoveries), (0, 0));
+    assert_eq!(after.next_retry_at, T0 + 5, "due at once for another node");
+    assert_eq!(after.error, None);
+    assert!(
+        !store.release_unstarted(&l1, T0 + 6).await.expect("release"),
+        "already released"
+    );
+    assert!(!store.heartbeat(&l1, T0 + 6, LEASE_MS).await.expect("hb"));
+    let (l2, _) = lease_at(&store, "node/b", T0 + 7).await;
+    assert_eq!(l2.attempt, 1, "the uncounted attempt is the next one");
+    assert!(
+        !store.release_unstarted(&l1, T0 + 8).await.expect("release"),
+        "fenced on its own lease"
+    );
+    assert_eq!(get(&store, rec.id).await.status, Status::Running);
 }
 
 /// DU-5: a hand-back of attempt `max_attempts` gets the sweep's verdict at once — `failed`

@@ -784,6 +784,27 @@ impl Store for PostgresStore {
         Ok(true)
     }
 
+    async fn release_unstarted(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let changed = sqlx::query(
+            "UPDATE requests SET status = 'pending', next_retry_at = $1, lease_owner = NULL,
+                 lease_expires_at = NULL, attempts = attempts - 1, updated_at = $1
+             WHERE id = $2 AND lease_owner = $3 AND status = 'running' AND attempts > 0",
+        )
+        .bind(now)
+        .bind(lease.id)
+        .bind(&*lease.owner)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if changed == 1 {
+            self.notify_changed(&mut tx, &[lease.id]).await?;
+            self.notify_work(&mut tx).await?;
+        }
+        tx.commit().await?;
+        Ok(changed == 1)
+    }
+
     async fn prune(
         &self,
         before: Millis,

@@ -91,7 +91,8 @@ use self::open::ReadPool;
 use self::sql::{
     ROW_CHUNKS_MAX, SubmittedIn, USAGE_SQL_HEAD, USAGE_SQL_TAIL, append_in, cancel_in,
     chunks_from_row, corrupt, due_ids, end_of, fetch, finish_in, lease_due, lease_in, parse_id,
-    prune_in, record_from_row, release_in, submit_in, sweep_in, usage_from_row,
+    prune_in, record_from_row, release_in, release_unstarted_in, submit_in, sweep_in,
+    usage_from_row,
 };
 use self::writer::WriteJob;
 use super::row::State;
@@ -517,6 +518,12 @@ impl Store for SqliteStore {
     ) -> Result<bool, StoreError> {
         let lease = lease.clone();
         self.write(move |conn| release_in(conn, &lease, now, max_attempts))
+            .await
+    }
+
+    async fn release_unstarted(&self, lease: &Lease, now: Millis) -> Result<bool, StoreError> {
+        let lease = lease.clone();
+        self.write(move |conn| release_unstarted_in(conn, &lease, now))
             .await
     }
 

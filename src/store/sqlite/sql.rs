@@ -872,6 +872,22 @@ pub(super) fn release_in(
     Ok(true)
 }
 
+/// [`Store::release_unstarted`] inside the writer's transaction.
+pub(super) fn release_unstarted_in(
+    conn: &Tx<'_>,
+    lease: &Lease,
+    now: Millis,
+) -> Result<bool, StoreError> {
+    let changed = conn
+        .prepare_held(
+            "UPDATE requests SET status = 'pending', next_retry_at = ?1, lease_owner = NULL,
+                 lease_expires_at = NULL, attempts = attempts - 1, updated_at = ?1
+             WHERE id = ?2 AND lease_owner = ?3 AND status = 'running' AND attempts > 0",
+        )?
+        .execute(params![now, lease.id.to_string(), lease.owner])?;
+    Ok(changed == 1)
+}
+
 /// [`Store::prune`] inside the writer's transaction.
 pub(super) fn prune_in(
     conn: &Tx<'_>,
