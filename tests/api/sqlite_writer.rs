@@ -8,6 +8,23 @@ use serde_json::Value;
 
 use crate::helpers::*;
 
+/// Takes SQLite's write lock from another connection (a second process, a backup tool), so
+/// every write holdfast makes waits until the connection commits or is dropped.
+fn hold_the_write_lock(app: &TestApp) -> rusqlite::Connection {
+    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
+    db.execute_batch("BEGIN IMMEDIATE")
+        .expect("take the write lock");
+    db
+}
+
+/// The status and attempts of the only request in the log, read through `db`.
+fn only_requests_status(db: &rusqlite::Connection) -> (String, i64) {
+    db.query_row("SELECT status, attempts FROM requests", [], |row| {
+        Ok((row.get(0)?, row.get(1)?))
+    })
+    .expect("the call was recorded")
+}
+
 /// The only request in the log, once it is there.
 async fn only_request(app: &TestApp) -> String {
     let start = std::time::Instant::now();
@@ -47,9 +64,7 @@ async fn client_leaving_while_its_admission_write_is_queued_does_not_strand_the_
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Another connection (a second process, a backup tool) holds SQLite's write lock, so the
     // admission's submit_and_lease job waits in the writer's queue.
-    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
-    db.execute_batch("BEGIN IMMEDIATE")
-        .expect("take the write lock");
+    let db = hold_the_write_lock(&app);
     // A client sends the request and goes away before any answer (closes its socket).
     {
         use tokio::io::AsyncWriteExt;
@@ -103,9 +118,7 @@ async fn a_call_admitted_after_the_signal_starts_no_attempt_while_the_dispatcher
         c.shutdown_grace_ms = 200;
     })
     .await;
-    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
-    db.execute_batch("BEGIN IMMEDIATE")
-        .expect("take the write lock");
+    let db = hold_the_write_lock(&app);
     // Within a poll the dispatcher's next lease waits for the lock (SQLite's busy timeout is
     // 10 s). Nothing outside the process shows that wait: forty polls' time.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -157,11 +170,7 @@ async fn a_call_admitted_after_the_signal_starts_no_attempt_while_the_dispatcher
         .expect("the call answered within the drain bound");
     let answer = String::from_utf8_lossy(&answer).into_owned();
     shutdown.await.expect("shutdown");
-    let (status, attempts): (String, i64) = db
-        .query_row("SELECT status, attempts FROM requests", [], |row| {
-            Ok((row.get(0)?, row.get(1)?))
-        })
-        .expect("the call was recorded");
+    let (status, attempts) = only_requests_status(&db);
     assert_eq!(
         (app.mock.calls(), status.as_str(), attempts),
         (0, "pending", 0),
@@ -187,9 +196,7 @@ async fn a_call_leased_before_the_signal_and_recorded_after_it_calls_no_provider
         c.workers.max_attempts = 1;
     })
     .await;
-    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
-    db.execute_batch("BEGIN IMMEDIATE")
-        .expect("take the write lock");
+    let db = hold_the_write_lock(&app);
     let call = {
         let (http, base) = (app.http.clone(), app.base.clone());
         tokio::spawn(async move {
@@ -215,11 +222,7 @@ async fn a_call_leased_before_the_signal_and_recorded_after_it_calls_no_provider
         .expect("an HTTP answer");
     let (status, code) = (answer.status().as_u16(), header(&answer, "holdfast-error"));
     shutdown.await.expect("shutdown");
-    let (state, attempts): (String, i64) = db
-        .query_row("SELECT status, attempts FROM requests", [], |row| {
-            Ok((row.get(0)?, row.get(1)?))
-        })
-        .expect("the call was recorded");
+    let (state, attempts) = only_requests_status(&db);
     assert_eq!(
         (app.mock.calls(), state.as_str(), attempts),
         (0, "pending", 0),
