@@ -227,6 +227,10 @@ where
 }
 
 /// The top-level members of a whole answer, each as its JSON text, in order.
+/// What [`Route::check_answer`] reads of an answer: the provider's id of it, the usage it
+/// reports, and why it is the provider's report of a failure (LC-7a).
+pub(crate) type Answered = (Option<String>, Option<Usage>, Option<String>);
+
 struct BodyMembers<'a>(Vec<(Cow<'a, str>, &'a str)>);
 
 impl<'a> BodyMembers<'a> {
@@ -369,11 +373,10 @@ impl Route {
     /// Checks a 2xx non-stream answer (LC-11): it must be one JSON object, and not an error
     /// object (a non-null top-level `error` with none of the route's [`Route::result_members`]).
     /// `Err` says what it is instead; `Ok` carries the provider's id of the answer, if it has
-    /// one, and the usage it reports.
-    pub(crate) fn check_answer(
-        self,
-        body: &[u8],
-    ) -> Result<(Option<String>, Option<Usage>), String> {
+    /// one, the usage it reports, and why the answer is the provider's own report of a failure
+    /// (LC-7a: a Responses object whose `status` is `failed`, its `error` saying why), `None`
+    /// for every other answer: read in the same pass over the body.
+    pub(crate) fn check_answer(self, body: &[u8]) -> Result<Answered, String> {
         let members = BodyMembers::read(body).map_err(String::from)?;
         let member = |name: &str| members.get(name);
         let text = |name: &str| member(name).and_then(|v| serde_json::from_str::<String>(v).ok());
@@ -429,27 +432,20 @@ impl Route {
             usage: member("usage"),
             usage_metadata: member("usageMetadata"),
         };
-        Ok((self.answer_id_of_body(&parts), self.usage_of_body(&parts)))
-    }
-
-    /// Why a 2xx answer that [`Route::check_answer`] took is the provider's own report of a
-    /// failure (LC-7a): a Responses object whose `status` is `failed` (its `error` says why).
-    /// `None` for every other answer.
-    pub(crate) fn failed_answer(self, body: &[u8]) -> Option<String> {
-        if self != Route::OpenaiResponses {
-            return None;
-        }
-        let members = BodyMembers::read(body).ok()?;
-        let status = members
-            .get("status")
-            .and_then(|v| serde_json::from_str::<String>(v).ok())?;
-        (status == "failed").then(|| match members.get("error") {
+        let failed = (self == Route::OpenaiResponses
+            && text("status").as_deref() == Some("failed"))
+        .then(|| match member("error") {
             Some(error) => format!(
                 "a response whose status is failed: {}",
                 excerpt(error.as_bytes())
             ),
             None => "a response whose status is failed".to_string(),
-        })
+        });
+        Ok((
+            self.answer_id_of_body(&parts),
+            self.usage_of_body(&parts),
+            failed,
+        ))
     }
 
     /// The usage a 2xx body reports that [`Route::check_answer`] refused as no answer: the
@@ -838,18 +834,18 @@ mod tests {
                 r#"{{"id":"resp_1","object":"response","status":"{status}","output":[],"error":{{"code":"server_error"}}}}"#
             )
         };
-        let why = route.failed_answer(answer("failed").as_bytes());
+        let failed = |route: Route, status: &str| {
+            route
+                .check_answer(answer(status).as_bytes())
+                .map(|(.., failed)| failed)
+        };
+        let why = failed(route, "failed").expect("an answer");
         assert!(why.is_some_and(|why| why.contains("server_error")));
         for status in ["completed", "incomplete"] {
-            assert_eq!(
-                route.failed_answer(answer(status).as_bytes()),
-                None,
-                "{status}"
-            );
+            assert_eq!(failed(route, status), Ok(None), "{status}");
         }
-        assert_eq!(
-            Route::OpenaiChat.failed_answer(answer("failed").as_bytes()),
-            None,
+        assert!(
+            !matches!(failed(Route::OpenaiChat, "failed"), Ok(Some(_))),
             "only the Responses API answers with a status"
         );
     }
@@ -976,7 +972,7 @@ mod tests {
     fn anthropics_thinking_tokens_are_the_reasoning_of_its_output_rd9() {
         let messages = Route::AnthropicMessages;
         let body = r#"{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"text","text":"hi"}],"model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":40,"output_tokens_details":{"thinking_tokens":31}}}"#;
-        let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+        let (_, answered, _) = messages.check_answer(body.as_bytes()).expect("an answer");
         let answered = answered.expect("usage");
         assert_eq!(
             (answered.output_tokens, answered.reasoning_tokens),
@@ -1003,7 +999,7 @@ mod tests {
             let body = format!(
                 r#"{{"id":"msg_1","type":"message","role":"assistant","content":[],"model":"m","stop_reason":"end_turn","usage":{{"input_tokens":20,"output_tokens":40{details}}}}}"#
             );
-            let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+            let (_, answered, _) = messages.check_answer(body.as_bytes()).expect("an answer");
             let answered = answered.expect("usage");
             assert_eq!(
                 (answered.output_tokens, answered.reasoning_tokens),
@@ -1033,7 +1029,7 @@ mod tests {
         let body = format!(
             r#"{{"id":"msg_1","type":"message","role":"assistant","content":[{{"type":"text","text":"hi"}}],"model":"claude-sonnet-4-5","stop_reason":"end_turn","stop_sequence":null,"usage":{usage}}}"#
         );
-        let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+        let (_, answered, _) = messages.check_answer(body.as_bytes()).expect("an answer");
         assert_eq!(answered, Some(expected));
 
         let start = format!(
@@ -1068,7 +1064,7 @@ mod tests {
         let body = format!(
             r#"{{"id":"msg_1","type":"message","role":"assistant","content":[],"usage":{plain}}}"#
         );
-        let (_, answered) = messages.check_answer(body.as_bytes()).expect("an answer");
+        let (_, answered, _) = messages.check_answer(body.as_bytes()).expect("an answer");
         assert_eq!(answered.and_then(|u| u.cache_write_1h_tokens), None);
     }
 
@@ -1228,7 +1224,7 @@ mod tests {
 
     /// [`Route::check_answer`]'s verdict and the answer's id, without the usage.
     fn answer_id(route: Route, body: &[u8]) -> Result<Option<String>, String> {
-        route.check_answer(body).map(|(id, _)| id)
+        route.check_answer(body).map(|(id, ..)| id)
     }
 
     #[test]
@@ -1363,7 +1359,7 @@ mod tests {
                 "{content}"
             );
         }
-        let (_, usage) = messages
+        let (_, usage, _) = messages
             .check_answer(message(r#"[{"type":"text","text":"Hello!"}]"#).as_bytes())
             .expect("a message");
         assert_eq!(usage.and_then(|u| u.output_tokens), Some(2));
@@ -1455,7 +1451,7 @@ mod tests {
     #[test]
     fn a_gemini_answer_holds_candidates_prompt_feedback_or_usage_metadata_lc11_gm3() {
         let route = Route::GeminiGenerate;
-        let (id, usage) = route
+        let (id, usage, _) = route
             .check_answer(br#"{"candidates":[],"usageMetadata":{"promptTokenCount":4,"candidatesTokenCount":6}}"#)
             .expect("an answer");
         assert_eq!(id, None);
@@ -1471,7 +1467,7 @@ mod tests {
         assert_eq!(error, "an error object instead of an answer");
         // Decision 90: Gemini 2.5 answers some prompts with neither candidates nor feedback,
         // only the usage it bills; google-genai returns that as a response without text.
-        let (_, usage) = route
+        let (_, usage, _) = route
             .check_answer(
                 br#"{"usageMetadata":{"promptTokenCount":9291,"totalTokenCount":9291},"modelVersion":"gemini-2.5-pro","responseId":"r"}"#,
             )

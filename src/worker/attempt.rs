@@ -536,7 +536,7 @@ impl WorkerPool {
             return match route.check_answer(&body) {
                 // The provider's answer, saying it failed: passed on as it came, and the
                 // request failed, never a success replayed to every retry (LC-7a).
-                Ok((_, usage)) if let Some(why) = route.failed_answer(&body) => Outcome::Failed {
+                Ok((_, usage, Some(why))) => Outcome::Failed {
                     error: ErrorInfo {
                         kind: ErrorType::UpstreamRefused,
                         message: format!("the provider answered {status} with {why}"),
@@ -546,7 +546,7 @@ impl WorkerPool {
                     response: Some((status, body)),
                     upstream_request_id: request_id,
                 },
-                Ok((response_id, usage)) => Outcome::Succeeded {
+                Ok((response_id, usage, None)) => Outcome::Succeeded {
                     status,
                     body,
                     upstream_request_id: request_id,
