@@ -35,6 +35,18 @@ pub struct Running {
     traces: Traces,
     /// The callback deliverer (CB-4).
     callbacks: JoinHandle<()>,
+    /// The longest the workers, wake-ups and deliveries get to stop after the signal (DU-5a).
+    settle_within: Duration,
+}
+
+/// How a shutdown ended ([`Running::shutdown`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Every attempt ended, recorded or handed back, and the server stopped.
+    Settled,
+    /// The store did not answer within the bound (DU-5a): what was still waiting on it was
+    /// dropped, and its leases expire as after a crash.
+    Unsettled,
 }
 
 /// Opens the store named by `config`, then serves on `listener` and runs workers until
@@ -55,6 +67,7 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         );
     }
     let config = Arc::new(config);
+    let settle_within = settle_within(&config);
     crate::metrics::handle();
     let store = store::open(&config).await?;
     let hub = Hub::new();
@@ -124,8 +137,21 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
         wakeups,
         traces,
         callbacks,
+        settle_within,
     })
 }
+
+/// How long after the signal the workers get to stop (DU-5a, decision 152): the grace for
+/// attempts in flight, then LC-3's window for the outcome writes of answers already paid for,
+/// and the 2 s a hand-back waits for what its attempt handed on.
+fn settle_within(config: &Config) -> Duration {
+    Duration::from_millis(config.shutdown_grace_ms)
+        + crate::worker::write_window(config)
+        + HAND_BACK_SETTLES
+}
+
+/// What [`settle_within`] allows beyond the grace and the write window.
+const HAND_BACK_SETTLES: Duration = Duration::from_secs(2);
 
 impl Running {
     /// Stops accepting and leasing, lets in-flight attempts finish (`shutdown_grace_ms`), and
@@ -133,11 +159,33 @@ impl Running {
     /// [`CUT_AFTER`] after the workers stop are ended (DU-5): event streams end, a proxied one
     /// after an error event `shutting_down`, and held calls answer 503 `shutting_down`; their
     /// requests were handed back to `pending`, and a retry attaches to them elsewhere.
-    pub async fn shutdown(mut self) {
+    ///
+    /// Bounded whatever the store does (DU-5a): the workers, the wake-ups and the deliveries
+    /// get [`settle_within`] of the signal; past it, what still waits on the store is dropped
+    /// and the shutdown goes on to the cut, [`Stopped::Unsettled`].
+    pub async fn shutdown(mut self) -> Stopped {
         self.shutdown.cancel();
-        let _ = self.workers.await;
-        let _ = self.wakeups.await;
-        let _ = self.callbacks.await;
+        let deadline = tokio::time::Instant::now() + self.settle_within;
+        let settled = tokio::time::timeout_at(deadline, async {
+            let _ = (&mut self.workers).await;
+            let _ = (&mut self.wakeups).await;
+            let _ = (&mut self.callbacks).await;
+        })
+        .await;
+        let stopped = if settled.is_ok() {
+            Stopped::Settled
+        } else {
+            tracing::error!(
+                within_ms = u64::try_from(self.settle_within.as_millis()).unwrap_or(u64::MAX),
+                "the store did not answer within the shutdown's bound: stopping with attempts \
+                 unrecorded; their leases expire and the sweep recovers them, as after a crash \
+                 (DU-5a)"
+            );
+            self.workers.abort();
+            self.wakeups.abort();
+            self.callbacks.abort();
+            Stopped::Unsettled
+        };
         if tokio::time::timeout(CUT_AFTER, &mut self.server)
             .await
             .is_err()
@@ -156,6 +204,7 @@ impl Running {
         if let Some(traces) = &self.traces {
             traces.shutdown(TRACES_FLUSH).await;
         }
+        stopped
     }
 }
 

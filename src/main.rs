@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 
 use std::io::Write as _;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use holdfast::app::Stopped;
 use holdfast::config::{Backend, Config, LogFormat};
 use holdfast::mock::{MockConfig, MockServer};
 use holdfast::provider::Provider;
@@ -370,7 +372,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let done = tokio::runtime::Runtime::new()
         .map_err(|e| Stop(1, format!("cannot start the runtime: {e}")))
-        .and_then(|runtime| runtime.block_on(run(cli)));
+        .and_then(|runtime| {
+            let done = runtime.block_on(run(cli));
+            // A store call still blocked on a stalled database (DU-5a) does not hold the exit.
+            runtime.shutdown_timeout(RUNTIME_STOPS_WITHIN);
+            done
+        });
     match done {
         Ok(()) => ExitCode::SUCCESS,
         // One line, never a backtrace: the message says what to change.
@@ -380,6 +387,9 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// How long the runtime waits at exit for blocking work still running (DU-5a).
+const RUNTIME_STOPS_WITHIN: Duration = Duration::from_secs(1);
 
 async fn run(cli: Cli) -> Result<(), Stop> {
     if cli.version {
@@ -708,11 +718,21 @@ async fn serve(args: ServeArgs, file: Option<&std::path::Path>) -> Result<(), St
     }
     shutdown_signal().await;
     tracing::info!("shutting down: no new requests or leases; waiting for in-flight attempts");
-    running.shutdown().await;
+    let stopped = running.shutdown().await;
     if let Some(mock) = mock {
         mock.shutdown().await;
     }
-    Ok(())
+    match stopped {
+        Stopped::Settled => Ok(()),
+        // DU-5a: nothing recorded is lost; what was not recorded is run again elsewhere.
+        Stopped::Unsettled => Err(Stop(
+            1,
+            "stopped with attempts unrecorded: the database did not answer within the \
+             shutdown's bound (shutdown_grace_ms + workers.write_retry_secs + 2 s); their leases \
+             expire and the sweep recovers them"
+                .into(),
+        )),
+    }
 }
 
 /// Stands for the demo's mock provider in `--demo`'s configuration until it is started.

@@ -211,9 +211,9 @@ impl WorkerPool {
     /// The provider has answered: losing the outcome now would cost a second provider call
     /// when the sweep re-runs the request, so a failed write is tried again for
     /// `write_retry_secs`, at least one lease length (decisions 37, 52), the heartbeat still
-    /// renewing the lease, until the lease is found lost or shutdown's grace is over. A try
-    /// after the lease was lost stores nothing, and a failed try stored nothing, the last batch
-    /// included.
+    /// renewing the lease, until the lease is found lost — past shutdown's grace too, which
+    /// bounds the shutdown by this window (DU-5a, decision 152). A try after the lease was lost
+    /// stores nothing, and a failed try stored nothing, the last batch included.
     async fn write_outcome(
         &self,
         lease: &Lease,
@@ -254,10 +254,11 @@ impl WorkerPool {
                 warn!(error = %e, "could not record the outcome; retrying");
                 WriteRetry::new(super::write_window(&self.config))
             });
+            // Not ended by shutdown's grace (DU-5a): the answer is paid for, and dropping it
+            // would have it paid for again after the restart.
             let again = tokio::select! {
                 again = retry.wait() => again,
                 () = lost.cancelled() => false,
-                () = self.abandon.cancelled() => false,
             };
             if !again {
                 break Err(e);

@@ -347,6 +347,103 @@ pub mod postgres {
         relay.resume();
         every_node_answers_again(&http, &bases, "after the silence").await;
     }
+    /// A node on `url` with a 2 s lease, `grace_ms` of shutdown grace and `write_retry_secs`
+    /// of LC-3's outcome-write window (DU-5a), in front of `mock`.
+    fn shutdown_toml(url: &str, mock: &str, grace_ms: u64, write_retry_secs: u64) -> String {
+        format!(
+            r#"
+database_url = "{url}"
+shutdown_grace_ms = {grace_ms}
+[workers]
+lease_secs = 2
+write_retry_secs = {write_retry_secs}
+sweep_interval_ms = 100
+[[backends]]
+name = "mock"
+kind = "openai"
+base_url = "{mock}"
+"#
+        )
+    }
+
+    /// DU-5a, LC-3 (decision 152): a provider answer that arrives during a shutdown, while the
+    /// database is down, is recorded once the database returns, past the grace and within the
+    /// outcome-write window: one provider call, the request `succeeded`, and its duplicate
+    /// replayed. Before, the grace's end dropped the write: the request stayed `running` under
+    /// a lease that would expire, and the sweep ran it, and paid for it, again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_answer_that_arrives_during_shutdown_while_postgres_is_down_is_recorded_when_it_returns_du5a()
+     {
+        let mut pg = PrivatePostgres::create().await;
+        let mock = start_mock(MockConfig {
+            header_delay_ms: 2_000,
+            ..MockConfig::default()
+        })
+        .await;
+        let dir = tempfile::tempdir().unwrap();
+        // The answer comes at 2 s, inside a grace that ends 1 s after it.
+        let toml = shutdown_toml(&pg.url(), &mock.base_url(), 2_000, 30);
+        let mut node = Process::serve(dir.path(), &toml, free_addr()).await;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let body = chat_body("answered while the node stops");
+        let call = tokio::spawn({
+            let (http, url, body) = (
+                http.clone(),
+                format!("{}/v1/chat/completions", node.base),
+                body.clone(),
+            );
+            async move {
+                http.post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+            }
+        });
+        wait_until(Duration::from_secs(10), "the provider call started", || {
+            mock.calls() == 1
+        })
+        .await;
+        pg.stop(libc::SIGINT).await;
+        node.sigterm();
+        wait_until(
+            Duration::from_secs(20),
+            "the answer's write failing and the grace ending",
+            || {
+                let log = node.log_text();
+                log.contains("could not record the outcome; retrying")
+                    && log.contains("shutdown grace over")
+            },
+        )
+        .await;
+        pg.start().await;
+        let clean = node.wait_exit(Duration::from_secs(40));
+        assert!(clean, "the shutdown settled once the database returned");
+        let _ = call.await;
+
+        let again = Process::serve(dir.path(), &toml, free_addr()).await;
+        let list = get_json(&http, &format!("{}/requests", again.base)).await;
+        let id = list["data"][0]["id"]
+            .as_str()
+            .expect("the request")
+            .to_string();
+        let record = get_record(&http, &again.base, &id).await;
+        assert_eq!(record["status"], "succeeded", "{record}");
+        assert_eq!(record["attempts"], 1, "{record}");
+        let replay = http
+            .post(format!("{}/v1/chat/completions", again.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(replay.status(), 200);
+        assert_eq!(header(&replay, "idempotent-replayed"), "true");
+        assert_eq!(mock.calls(), 1, "one provider call in all");
+    }
 }
 
 /// RS-10's bound: a new call is refused within this while the database is out of reach.

@@ -134,7 +134,7 @@ impl TestApp {
 
     /// Begins holdfast's graceful shutdown (as SIGTERM does) and returns its task, leaving the
     /// mock and the directory to the test.
-    pub fn begin_shutdown(&mut self) -> tokio::task::JoinHandle<()> {
+    pub fn begin_shutdown(&mut self) -> tokio::task::JoinHandle<holdfast::app::Stopped> {
         let running = self.running.take().expect("holdfast is running");
         tokio::spawn(running.shutdown())
     }
@@ -401,9 +401,20 @@ impl Process {
 
     /// SIGTERM, then wait for the exit (at most `limit`); returns whether it exited cleanly.
     pub fn sigterm_and_wait(&mut self, limit: Duration) -> bool {
+        self.sigterm();
+        self.wait_exit(limit)
+    }
+
+    /// Sends SIGTERM without waiting for the exit.
+    pub fn sigterm(&self) {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill").args(["-TERM", &pid]).status();
         assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+    }
+
+    /// Waits for the exit that a SIGTERM sent earlier began (at most `limit`); returns whether
+    /// it exited cleanly.
+    pub fn wait_exit(&mut self, limit: Duration) -> bool {
         let start = Instant::now();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
