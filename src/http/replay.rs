@@ -13,7 +13,7 @@ use super::proxy::{choose_backend, request_hash};
 use super::requests::{RecordView, addressed, bad_parameter};
 use super::{AppState, presented_key};
 use crate::canonical;
-use crate::provider::Provider;
+use crate::provider::{Provider, Route};
 use crate::store::{ClaimKind, NewRequest, RequestRecord, Submitted, now_ms};
 
 /// What the caller asked to change: the model, the backend (both optional).
@@ -154,6 +154,21 @@ fn new_request(
             (backend, Some(upstream.unwrap_or(model)))
         }
     };
+    // GM-1 (decision 153): a model named in the path is one segment of what a client's call
+    // may name there, whoever chose it: else it could name another path or method on the
+    // backend, sent with the backend's key.
+    if route.model_in_path()
+        && let Some(model) = model.as_deref()
+        && !Route::is_path_model(model)
+    {
+        return Err(bad_parameter(
+            "model",
+            format!(
+                "{model:?} cannot be a Gemini model: it must be letters, digits, `.`, `-` or `_` \
+                 (at most 256)"
+            ),
+        ));
+    }
     let canonical = canonical::canonicalize(&original.body)
         .map_err(|e| bad_parameter("id", format!("the stored body cannot be read: {e:?}")))?;
     // ID-3b: only the model string changes, in place; a path's model is not in the body.

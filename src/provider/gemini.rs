@@ -81,14 +81,24 @@ pub(super) fn streams(route: Route) -> bool {
 
 /// The upstream path and query for `model`: the client's path with the model in it, under the
 /// backend's `base_url`, which has no version prefix (decision 57); a stream asks for SSE.
+///
+/// Every model that reaches here passed [`is_path_model`] (GM-1, decision 153); any other byte
+/// would still be percent-encoded, so that no model can name another path or add a query.
 pub(super) fn upstream_path(route: Route, model: &str) -> String {
-    let path = client_path(route).replace("{model}", model);
+    let segment = percent_encoding::utf8_percent_encode(model, NOT_IN_PATH_MODEL);
+    let path = client_path(route).replace("{model}", &segment.to_string());
     if streams(route) {
         format!("{path}?alt=sse")
     } else {
         path
     }
 }
+
+/// What [`upstream_path`] encodes in a model: all but what [`is_path_model`] allows.
+const NOT_IN_PATH_MODEL: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'.')
+    .remove(b'-')
+    .remove(b'_');
 
 /// Whether `model` can stand in a path segment as sent: letters, digits, `.`, `-`, `_`, at
 /// most 256 characters (GM-1).

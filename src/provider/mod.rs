@@ -1053,6 +1053,16 @@ mod tests {
         assert!(Route::GeminiStream.streams(false));
         assert!(!Route::GeminiGenerate.streams(true));
         assert!(Route::OpenaiChat.streams(true));
+        // GM-1 (decision 153): a model that is not one segment of the path's form stays one
+        // inert segment; no model names another path or adds a query.
+        assert_eq!(
+            Route::GeminiGenerate.upstream_path(Some("../../x?y=1&z")),
+            "/v1beta/models/..%2F..%2Fx%3Fy%3D1%26z:generateContent"
+        );
+        assert_eq!(
+            Route::GeminiStream.upstream_path(Some("g:streamGenerateContent")),
+            "/v1beta/models/g%3AstreamGenerateContent:streamGenerateContent?alt=sse"
+        );
     }
 
     #[test]

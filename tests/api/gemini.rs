@@ -1444,3 +1444,63 @@ async fn a_gemini_stream_cut_after_a_usage_report_before_its_finish_reason_is_in
     assert_eq!(record["usage"]["output_tokens"], 3, "{record}");
     app.stop().await;
 }
+
+/// GM-1, EX-7 (decision 153): a replay's `model` for a Gemini request goes in the upstream path,
+/// so it is held to what a client's path may name there: one segment of letters, digits, `.`,
+/// `-`, `_`. Before, a replay named any string, and `../../v1beta/cachedContents?x=` made
+/// holdfast POST, with the backend's key, to another path of the provider's (a break-it trial
+/// of the thirty-second session), and a `:streamGenerateContent` suffix had a stream answered,
+/// and billed, into a request stored as failed.
+#[tokio::test]
+async fn a_replay_naming_a_gemini_model_that_is_not_one_path_segment_is_refused_and_calls_nothing_gm1_ex7()
+ {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let first = app
+        .post(GENERATE, gemini_body("replayed with a bad model"), &[])
+        .await;
+    assert_eq!(first.status(), 200);
+    let id = header(&first, "holdfast-request-id");
+    for model in [
+        "../../v1beta/cachedContents?x=",
+        "gemini-2.5-flash:streamGenerateContent?alt=sse&",
+        "has space",
+        "a/b",
+        &"g".repeat(300),
+    ] {
+        let replay = app
+            .post(
+                &format!("/requests/{id}/replay"),
+                json!({ "model": model }).to_string(),
+                &[],
+            )
+            .await;
+        assert_eq!(replay.status(), 400, "{model:?}");
+        let error: Value = replay.json().await.unwrap();
+        assert!(
+            error.to_string().contains("cannot be a Gemini model"),
+            "{model:?}: {error}"
+        );
+    }
+    assert_eq!(app.mock.calls(), 1, "no replay reached the provider");
+    // A model of the path's form is replayed, in the path.
+    let replay = app
+        .post(
+            &format!("/requests/{id}/replay"),
+            json!({ "model": "gemini-2.5-pro" }).to_string(),
+            &[],
+        )
+        .await;
+    assert_eq!(replay.status(), 201);
+    let replayed: Value = replay.json().await.unwrap();
+    let new_id = replayed["id"]
+        .as_str()
+        .expect("the replay's id")
+        .to_string();
+    let done = wait_terminal(&app.http, &app.base, &new_id, Duration::from_secs(10)).await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(
+        app.mock.recorded()[1].path,
+        "/v1beta/models/gemini-2.5-pro:generateContent"
+    );
+    app.stop().await;
+}
