@@ -599,7 +599,7 @@ impl AttemptSpan {
             }
             Outcome::Failed { usage, error, .. } => {
                 attributes.push(KeyValue::new("error.type", error.kind.as_str()));
-                (usage.as_ref(), Some(error))
+                (usage.as_ref(), Some((error, error.kind.as_str())))
             }
             Outcome::Retry {
                 error,
@@ -617,17 +617,26 @@ impl AttemptSpan {
                     .filter(|s| *s >= 300)
                     .map_or_else(|| "transient".into(), |s| s.to_string());
                 attributes.push(KeyValue::new("error.type", kind));
-                (None, Some(error))
+                (None, Some((error, "retried")))
             }
         };
         if let Some(usage) = usage {
             usage_attributes(usage, &mut attributes);
         }
-        if let Some(error) = error {
+        if let Some((error, ended)) = error {
             if let Some(status) = error.status {
                 attributes.push(KeyValue::new("holdfast.status", i64::from(status)));
             }
-            span.set_status(SpanStatus::error(error.message.clone()));
+            // The message quotes what the provider said, which may echo the prompt: only with
+            // content captured (OT-5, decision 154).
+            let message = match self.capture {
+                Some(_) => error.message.clone(),
+                None => match error.status {
+                    Some(status) => format!("{ended}: the provider answered {status}"),
+                    None => ended.to_string(),
+                },
+            };
+            span.set_status(SpanStatus::error(message));
         }
         span.set_attributes(attributes);
         span.end();

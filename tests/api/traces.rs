@@ -32,6 +32,8 @@ pub(crate) struct Span {
     pub(crate) links: Vec<(String, String, HashMap<String, Value>)>,
     /// OTLP status code: 0 unset, 1 ok, 2 error.
     status: i32,
+    /// The status's message.
+    status_message: String,
     service: String,
 }
 
@@ -113,6 +115,11 @@ impl Receiver {
                                         })
                                         .collect(),
                                     status: s.status.as_ref().map_or(0, |st| st.code),
+                                    status_message: s
+                                        .status
+                                        .as_ref()
+                                        .map(|st| st.message.clone())
+                                        .unwrap_or_default(),
                                     service: service.clone(),
                                 });
                             }
@@ -545,6 +552,44 @@ async fn a_retried_attempt_is_a_second_span_linked_to_the_first_with_the_backoff
     assert_eq!(second.links[0].1, first.span_id);
     assert_eq!(second.parent, first.parent, "both under the call's span");
     app.stop().await;
+}
+
+/// OT-5 (decision 154): a failed attempt's span status says its error type and the provider's
+/// status, not the provider's words, which may echo the prompt (a 5xx body quoting the
+/// request, a stream's error chunk), unless content is captured. Before, the stored error
+/// message, with the provider's body in it, was every failed attempt's status message (a
+/// break-it trial of the thirty-second session found a prompt's text in five spans).
+#[tokio::test]
+async fn a_failed_attempts_span_status_quotes_the_provider_only_when_content_is_captured_ot5() {
+    for capture in [false, true] {
+        let receiver = Receiver::start().await;
+        let app = spawn_app(
+            MockConfig {
+                fail_first: 1,
+                fail_status: 503,
+                ..MockConfig::default()
+            },
+            |c| {
+                traced(&receiver)(c);
+                c.otel.capture_content = capture;
+            },
+        )
+        .await;
+        assert_eq!(app.chat(&chat_body("fail me once")).await.status(), 200);
+        let spans = receiver
+            .wait("two attempts", |s| attempts(s).len() == 2)
+            .await;
+        let failed = attempts(&spans)
+            .into_iter()
+            .find(|s| s.status == 2)
+            .expect("the failed attempt's span");
+        let quoted = failed.status_message.contains("injected failure");
+        assert_eq!(quoted, capture, "{:?}", failed.status_message);
+        if !capture {
+            assert_eq!(failed.status_message, "retried: the provider answered 503");
+        }
+        app.stop().await;
+    }
 }
 
 /// OT-3, LC-9: an attempt stopped by a cancel of its request ends its span with the request's
