@@ -311,13 +311,15 @@ impl ServerSpan {
                 Status::Pending => record.attempts + 1,
                 _ => record.attempts.max(1),
             };
+            // The record counts this delivery already; log readers are not deliveries, and a
+            // replay saves a call as an attachment does (RD-9, decision 155).
             span.set_attribute(KeyValue::new(
                 "holdfast.deliveries",
-                i64::from(record.attached + record.replayed + record.log_reads) + 1,
+                i64::from(record.deliveries()),
             ));
             span.set_attribute(KeyValue::new(
                 "holdfast.saved_calls",
-                i64::from(record.saved_calls_while_running()),
+                i64::from(record.saved_calls()),
             ));
             span.add_link(
                 attempt_context(record, attempt),

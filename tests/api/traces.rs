@@ -592,6 +592,44 @@ async fn a_failed_attempts_span_status_quotes_the_provider_only_when_content_is_
     }
 }
 
+/// OT-4, RD-9 (decision 155): a call answered from the log says the request's deliveries so
+/// far, its own included, and the provider calls they saved, replays counted as attachments
+/// are. Before, `holdfast.saved_calls` left replays out (it was the count the settling
+/// attempt adds, decision 38) and `holdfast.deliveries` counted log reads too: the third send
+/// of one body read 0 saved calls where the record said 2 (a break-it trial of the
+/// thirty-second session).
+#[tokio::test]
+async fn a_replayed_calls_span_counts_the_deliveries_and_saved_calls_the_record_does_ot4_rd9() {
+    let receiver = Receiver::start().await;
+    let app = spawn_app(MockConfig::default(), traced(&receiver)).await;
+    let body = chat_body("sent three times");
+    let mut id = String::new();
+    for _ in 0..3 {
+        let answer = app.chat(&body).await;
+        assert_eq!(answer.status(), 200);
+        id = header(&answer, "holdfast-request-id");
+    }
+    let spans = receiver
+        .wait("three server spans", |s| servers(s).len() == 3)
+        .await;
+    let mut counted: Vec<(i64, i64)> = servers(&spans)
+        .into_iter()
+        .filter(|s| s.attr("holdfast.replayed") == &json!(true))
+        .map(|s| {
+            (
+                s.attr("holdfast.deliveries").as_i64().unwrap(),
+                s.attr("holdfast.saved_calls").as_i64().unwrap(),
+            )
+        })
+        .collect();
+    counted.sort_unstable();
+    assert_eq!(counted, [(2, 1), (3, 2)]);
+    let record = app.record(&id).await;
+    assert_eq!(record["saved_calls"], 2, "{record}");
+    assert_eq!(app.mock.calls(), 1);
+    app.stop().await;
+}
+
 /// OT-3, LC-9: an attempt stopped by a cancel of its request ends its span with the request's
 /// stored error type, `cancelled`, not `lease_lost` (which an error dashboard grouped by
 /// `error.type` would count as holdfast losing work).
