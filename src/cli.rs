@@ -55,6 +55,15 @@ impl Client {
             .map_err(|e| fail(format!("cannot build an HTTP client: {e}")))
     }
 
+    /// The server did not answer: which one was asked, and how to name another.
+    fn unreachable(&self, e: &reqwest::Error) -> CliError {
+        fail(format!(
+            "cannot reach holdfast at {}: {e} (is it running there? name its address with \
+             --url or HOLDFAST_URL, or its configuration with --config)",
+            self.url
+        ))
+    }
+
     fn request(
         &self,
         http: &reqwest::Client,
@@ -97,7 +106,7 @@ impl Client {
         let response = request
             .send()
             .await
-            .map_err(|e| fail(format!("cannot reach holdfast at {}: {e}", self.url)))?;
+            .map_err(|e| self.unreachable(&e))?;
         let status = response.status();
         let bytes = response
             .bytes()
@@ -518,7 +527,7 @@ impl Client {
                     tokio::time::sleep(Duration::from_millis(250)).await;
                     continue;
                 }
-                Err(e) => return Err(fail(format!("cannot reach holdfast at {}: {e}", self.url))),
+                Err(e) => return Err(self.unreachable(&e)),
             };
             let mut pending: Vec<u8> = Vec::new();
             let broke = loop {

@@ -452,6 +452,18 @@ fn client(server: &ServerArgs, config: Option<&Path>) -> Result<holdfast::cli::C
         _ => None,
     };
     let (config_url, config_key) = from_config.unzip();
+    if let Some(url) = &server.url {
+        let scheme = url::Url::parse(url).map(|u| u.scheme().to_owned());
+        if !matches!(scheme.as_deref(), Ok("http" | "https")) {
+            return Err(Stop(
+                EXIT_CONFIG,
+                format!(
+                    "--url (or HOLDFAST_URL) {url:?} is not an http:// or https:// URL: write it \
+                     as http://127.0.0.1:8080"
+                ),
+            ));
+        }
+    }
     Ok(holdfast::cli::Client {
         url: server
             .url

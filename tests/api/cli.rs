@@ -401,6 +401,17 @@ async fn requests_and_usage_read_the_server_and_the_admin_key_a_config_file_name
         &[],
     );
     assert_eq!(code, 1, "--url wins over the file: {err}");
+    // CLI-1 (decision 156): an unreachable server's refusal says how to name another, and a
+    // URL without its scheme is a usage error that says how to write it (it was `builder
+    // error`, exit 1).
+    assert!(err.contains("--url or HOLDFAST_URL"), "{err}");
+    let (code, _, err) = run_holdfast(
+        dir.path(),
+        &["requests", "list"],
+        &[("HOLDFAST_URL", node.base.trim_start_matches("http://"))],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("write it as http://"), "{err}");
     let (code, _, err) = run_holdfast(
         dir.path(),
         &["requests", "list", "--config", "nowhere.toml"],
