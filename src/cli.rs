@@ -103,10 +103,7 @@ impl Client {
                 .header("content-type", "application/json")
                 .body(body.to_string());
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| self.unreachable(&e))?;
+        let response = request.send().await.map_err(|e| self.unreachable(&e))?;
         let status = response.status();
         let bytes = response
             .bytes()
@@ -327,7 +324,37 @@ impl Client {
             "COST",
             "SAVED COST",
         ];
-        print_table(out, &head, &rows)
+        print_table(out, &head, &rows)?;
+        // What the sums leave out, said rather than left for the reader to notice (RD-9a).
+        let unmetered = answer["totals"]["unmetered"].as_u64().unwrap_or(0);
+        if unmetered > 0 {
+            writeln!(
+                out,
+                "# {unmetered} succeeded request(s) reported no tokens, so their tokens and cost \
+                 are in no column (an OpenAI stream reports them only with \
+                 stream_options.include_usage; inject_stream_usage = true asks for it)"
+            )
+            .map_err(io)?;
+        }
+        let unpriced: Vec<String> = answer["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|g| g["cost_usd"].is_null() && g["usage"]["input_tokens"].as_u64() > Some(0))
+            .map(|g| match text(&g["key"]) {
+                key if key.is_empty() => "-".into(),
+                key => key,
+            })
+            .collect();
+        if !unpriced.is_empty() && !answer["totals"]["cost_usd"].is_null() {
+            writeln!(
+                out,
+                "# COST adds up only what has a [[prices]] entry; none for: {}",
+                unpriced.join(", ")
+            )
+            .map_err(io)?;
+        }
+        Ok(())
     }
 
     /// `holdfast requests tail ID [--from N]`: the request's log as it is written, one line per

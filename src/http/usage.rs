@@ -19,6 +19,8 @@ use crate::store::{UsageGroup, UsageQuery, UsageRow, now_ms};
 #[derive(Debug, Default, Serialize)]
 struct Ledger {
     requests: u64,
+    /// Succeeded requests whose provider reported no tokens (RD-9a).
+    unmetered: u64,
     upstream_calls: u64,
     deliveries: u64,
     attached: u64,
@@ -34,6 +36,7 @@ struct Ledger {
 impl Ledger {
     fn add(&mut self, row: &UsageRow, cost: Option<f64>, saved_cost: Option<f64>) {
         self.requests += row.requests;
+        self.unmetered += row.unmetered;
         self.upstream_calls += row.attempts;
         self.deliveries += row.deliveries;
         self.attached += row.attached;

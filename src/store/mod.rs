@@ -523,6 +523,9 @@ pub struct UsageRow {
     pub saved: Usage,
     /// The start of the time bucket (EX-10), when the query asked for buckets.
     pub bucket: Option<Millis>,
+    /// Succeeded requests none of whose attempts reported tokens (RD-9a): their tokens and cost
+    /// are in no sum.
+    pub unmetered: u64,
 }
 
 /// What a stored chunk is (SPEC §0 "chunk", RD-5, RD-6).

@@ -235,6 +235,7 @@ conformance!(
     a_lease_takes_each_namespaces_share_of_due_requests_first_then_lends_the_oldest_lc2a,
     a_callback_falls_due_however_its_request_ends_cb4,
     attachments_added_after_a_request_finished_are_reported_late_rd9_du6,
+    usage_counts_the_successes_that_reported_no_tokens_as_unmetered_rd9a,
 );
 
 // ---------------------------------------------------------------------------------------------
@@ -2342,6 +2343,62 @@ async fn data_chunks_of_reads_each_requests_events_after_its_seq_in_one_call_ex4
             .flat_map(|(_, c)| c)
             .all(|c| c.kind == ChunkKind::Data)
     );
+}
+
+/// RD-9a (decision 157): `usage` counts, per group and row, the requests that succeeded with no
+/// attempt reporting tokens: a success with usage is metered, a failure without usage (a
+/// refusal the provider did not bill) is not counted, a success without is.
+async fn usage_counts_the_successes_that_reported_no_tokens_as_unmetered_rd9a(store: DynStore) {
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(
+            create(&store, by_hash(&format!("metered {i}"), T0 + i))
+                .await
+                .id,
+        );
+    }
+    let succeeded = |usage: Option<Usage>| Outcome::Succeeded {
+        status: 200,
+        body: br#"{"id":"c"}"#.to_vec(),
+        upstream_request_id: None,
+        response_id: None,
+        usage,
+    };
+    let outcomes = [
+        succeeded(Some(Usage {
+            input_tokens: Some(3),
+            output_tokens: Some(4),
+            ..Usage::default()
+        })),
+        Outcome::Failed {
+            error: error(ErrorType::UpstreamRefused, Some(400)),
+            response: None,
+            upstream_request_id: None,
+            usage: None,
+        },
+        succeeded(None),
+    ];
+    for outcome in &outcomes {
+        let (lease, leased) = lease_at(&store, "node/a", T0 + 10).await;
+        store
+            .finish_read(&lease, &leased, outcome, T0 + 11)
+            .await
+            .expect("finish")
+            .expect("lease held");
+    }
+    let rows = store
+        .usage(&holdfast::store::UsageQuery {
+            namespace: Some(NS.to_string()),
+            since: T0 - 1,
+            until: T0 + 100,
+            group_by: holdfast::store::UsageGroup::Model,
+            bucket_ms: None,
+        })
+        .await
+        .expect("usage");
+    let requests: u64 = rows.iter().map(|r| r.requests).sum();
+    let unmetered: u64 = rows.iter().map(|r| r.unmetered).sum();
+    assert_eq!((requests, unmetered), (3, 1), "{rows:?}");
 }
 
 /// RD-10: the one-hour part of the prompt-cache writes is stored like every other count, by

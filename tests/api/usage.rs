@@ -796,3 +796,50 @@ async fn one_hour_cache_writes_are_counted_and_priced_apart_in_the_record_usage_
     );
     app.stop().await;
 }
+
+/// RD-9a (decision 157): a stream whose provider reported no tokens (an OpenAI stream without
+/// `stream_options.include_usage`, `inject_stream_usage` off) is counted `unmetered` in `GET
+/// /usage`, and `holdfast usage` says so, and names a model with tokens and no price while the
+/// total cost adds up the priced one. Before, the report showed the requests beside the tokens
+/// and cost of fewer of them, with nothing to say why (a new-user trial).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_reported_tokens_is_counted_unmetered_and_the_cli_says_so_rd9a() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.prices = vec![price("mock-openai", "gpt-4o-mini")];
+    })
+    .await;
+    assert_eq!(app.chat(&chat_body("metered")).await.status(), 200);
+    let unpriced = serde_json::json!({
+        "model": "gpt-4o",
+        "messages": [{"role": "user", "content": "metered, no price"}],
+    });
+    assert_eq!(app.chat(&unpriced.to_string()).await.status(), 200);
+    let stream = app.chat(&stream_body("not metered")).await;
+    let id = header(&stream, "holdfast-request-id");
+    read_events(stream).await;
+    let record = wait_terminal(&app.http, &app.base, &id, Duration::from_secs(10)).await;
+    assert_eq!(record["status"], "succeeded", "{record}");
+
+    let usage = json_get(&app.http, format!("{}/usage", app.base), None).await;
+    assert_eq!(usage["totals"]["requests"], 3, "{usage}");
+    assert_eq!(usage["totals"]["unmetered"], 1, "{usage}");
+    let dir = tempfile::tempdir().unwrap();
+    // The CLI runs as a process of its own while this runtime serves it.
+    let base = app.base.clone();
+    let (code, out, err) = tokio::task::spawn_blocking(move || {
+        run_holdfast(dir.path(), &["usage"], &[("HOLDFAST_URL", &base)])
+    })
+    .await
+    .expect("the CLI ran");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("1 succeeded request(s) reported no tokens")
+            && out.contains("inject_stream_usage"),
+        "{out}"
+    );
+    assert!(
+        out.contains("none for: gpt-4o\n"),
+        "the unpriced model is named: {out}"
+    );
+    app.stop().await;
+}

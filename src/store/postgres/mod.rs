@@ -977,6 +977,7 @@ impl Store for PostgresStore {
                     usage: usage_from_row(row, 9)?,
                     saved: usage_from_row(row, 15)?,
                     bucket: row.try_get(21)?,
+                    unmetered: n(22)?,
                 })
             })
             .collect()

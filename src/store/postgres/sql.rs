@@ -903,7 +903,8 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         SUM(r.saved * a.cached_input_tokens)::bigint,
         SUM(r.saved * a.cache_write_tokens)::bigint, SUM(r.saved * a.reasoning_tokens)::bigint,
         SUM(r.saved * a.cache_write_1h_tokens)::bigint,
-        (r.created_at / $4::bigint) * $4::bigint AS bucket
+        (r.created_at / $4::bigint) * $4::bigint AS bucket,
+        SUM(CASE WHEN r.status = 'succeeded' AND u.request_id IS NULL THEN 1 ELSE 0 END)::bigint
     FROM (SELECT *, GREATEST(1 + attached + replayed - GREATEST(attempts, 1), 0) AS saved
           FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,

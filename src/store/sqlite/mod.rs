@@ -648,6 +648,7 @@ impl Store for SqliteStore {
                     usage: usage_from_row(row, 9)?,
                     saved: usage_from_row(row, 15)?,
                     bucket: row.get(21)?,
+                    unmetered: count(22)?,
                 });
             }
             Ok(out)

@@ -757,7 +757,8 @@ pub(super) const USAGE_SQL_TAIL: &str = " AS key, r.backend, r.model,
         SUM(r.saved * a.input_tokens), SUM(r.saved * a.output_tokens),
         SUM(r.saved * a.cached_input_tokens), SUM(r.saved * a.cache_write_tokens),
         SUM(r.saved * a.reasoning_tokens), SUM(r.saved * a.cache_write_1h_tokens),
-        (r.created_at / ?4) * ?4 AS bucket
+        (r.created_at / ?4) * ?4 AS bucket,
+        SUM(CASE WHEN r.status = 'succeeded' AND u.request_id IS NULL THEN 1 ELSE 0 END)
     FROM (SELECT *, MAX(1 + attached + replayed - MAX(attempts, 1), 0) AS saved
           FROM requests) r
     LEFT JOIN (SELECT request_id, SUM(input_tokens) AS input_tokens,
