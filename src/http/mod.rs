@@ -25,7 +25,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{MethodRouter, any, get, post};
+use axum::routing::{MethodRouter, any, delete, get, post};
 use subtle::ConstantTimeEq;
 
 use crate::config::Config;
@@ -188,6 +188,12 @@ fn fixed_routes() -> Vec<Served> {
                 post(passthrough::count_tokens),
             ),
             ("GET", "/v1/responses/{id}", get(responses::retrieve)),
+            ("DELETE", "/v1/responses/{id}", delete(responses::delete)),
+            (
+                "GET",
+                "/v1/responses/{id}/input_items",
+                get(responses::input_items),
+            ),
             ("POST", "/v1/responses/{id}/cancel", post(responses::cancel)),
             ("GET", "/usage", get(usage::usage)),
             ("GET", "/requests", get(requests::list)),

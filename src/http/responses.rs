@@ -40,6 +40,11 @@ async fn locate(state: &AppState, namespace: &str, response_id: &str) -> Result<
         ApiError::not_found(SHAPE, format!("No response found with id '{response_id}'."))
             .into_response()
     };
+    // The id goes into a path sent to the backend with its key: one segment, as OpenAI's ids
+    // are (`resp_...`), or no provider holds it (RD-8, decision 158).
+    if !is_response_id(response_id) {
+        return Err(not_found());
+    }
     let found = state
         .store
         .find_response(response_id)
@@ -60,6 +65,65 @@ async fn locate(state: &AppState, namespace: &str, response_id: &str) -> Result<
         Ok(Some(record)) => Ok(Located::Known(Box::new(record), attempt)),
         Ok(None) => Err(not_found()),
         Err(e) => Err(ApiError::store(SHAPE, &e).into_response()),
+    }
+}
+
+/// Whether `id` can be a response id: 1 to 256 ASCII letters, digits, `_` and `-`. Anything
+/// else (a `/`, `.`, `?` or `%` the router decoded) could name another path of the backend's.
+fn is_response_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 256
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// `DELETE /v1/responses/{id}`: deletes the response the provider stores, at the backend that
+/// produced it (or, for an id holdfast never recorded, the first OpenAI backend). holdfast's
+/// log keeps its record until its retention ends (decision 158).
+pub(super) async fn delete(
+    State(state): State<AppState>,
+    Path(response_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let path = format!("/responses/{response_id}");
+    at_the_provider(&state, &response_id, &headers, Method::DELETE, &path).await
+}
+
+/// `GET /v1/responses/{id}/input_items`: the provider's list of the response's input items,
+/// from the backend that produced it (decision 158).
+pub(super) async fn input_items(
+    State(state): State<AppState>,
+    Path(response_id): Path<String>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+) -> Response {
+    let path = format!(
+        "/responses/{response_id}/input_items{}",
+        uri.query().map(|q| format!("?{q}")).unwrap_or_default()
+    );
+    at_the_provider(&state, &response_id, &headers, Method::GET, &path).await
+}
+
+/// A call about a response that only the provider can answer, passed to the backend that
+/// produced it once the caller's namespace is found to own it.
+async fn at_the_provider(
+    state: &AppState,
+    response_id: &str,
+    headers: &HeaderMap,
+    method: Method,
+    path: &str,
+) -> Response {
+    let namespace = match namespace(&state.config, headers, SHAPE) {
+        Ok(ns) => ns,
+        Err(e) => return e.into_response(),
+    };
+    match locate(state, &namespace, response_id).await {
+        Ok(Located::Known(record, _)) => {
+            pass_through(state, headers, method, path, Some(&record.backend)).await
+        }
+        Ok(Located::Unknown) => pass_through(state, headers, method, path, None).await,
+        Err(response) => response,
     }
 }
 

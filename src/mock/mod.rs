@@ -571,7 +571,11 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1beta/models", get(list_models))
         .route("/v1/models", get(list_models))
         .route("/v1/messages/count_tokens", post(count_tokens))
-        .route("/v1/responses/{id}", get(unknown_response))
+        .route(
+            "/v1/responses/{id}",
+            get(unknown_response).delete(unknown_response),
+        )
+        .route("/v1/responses/{id}/input_items", get(unknown_response))
         .route("/v1/responses/{id}/cancel", post(unknown_response))
         .route("/_mock/calls", get(control_calls))
         .route("/_mock/recorded", get(control_recorded))

@@ -399,3 +399,80 @@ async fn langchain_python_chat_openai_retries_attach_to_one_upstream_call() {
         app.stop().await;
     }
 }
+
+/// RD-8 (decision 158): a response id goes into a path sent to a backend with its key, so only
+/// an id of one segment's form is looked up or passed on: `..%2F`, `%3F` and the like are 404
+/// without a call (before, `GET /v1/responses/..%2Ffiles` reached the backend as `GET
+/// /v1/files`, which lists an account's files, with the backend's key). `DELETE
+/// /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`, which the OpenAI SDKs call,
+/// are passed to the backend that produced the response (they were 405 and 404, and a
+/// `[[passthrough]]` for them is refused as overlapping holdfast's own route), and another
+/// namespace's id is 404 without a call.
+#[tokio::test]
+async fn a_response_id_is_one_segment_and_delete_and_input_items_go_to_the_backend_that_made_it_rd8()
+ {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app
+        .post(
+            "/v1/responses",
+            r#"{"model":"gpt-4o-mini","input":"delete me later"}"#,
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    let id = answer["id"].as_str().unwrap().to_string();
+    let send = |method: reqwest::Method, path: String| {
+        let app = &app;
+        async move {
+            app.http
+                .request(method, format!("{}{path}", app.base))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    for path in [
+        "/v1/responses/..%2Ffiles",
+        "/v1/responses/..%2F..%2Fv1%2Ffiles",
+        "/v1/responses/resp_1%3Flimit=1",
+        "/v1/responses/resp%2F1/cancel",
+        "/v1/responses/..%2Ffiles/input_items",
+    ] {
+        let method = if path.ends_with("/cancel") {
+            reqwest::Method::POST
+        } else {
+            reqwest::Method::GET
+        };
+        let r = send(method, path.to_string()).await;
+        assert_eq!(r.status(), 404, "{path}");
+    }
+    let r = send(reqwest::Method::DELETE, "/v1/responses/..%2Ffiles".into()).await;
+    assert_eq!(r.status(), 404);
+    assert!(
+        app.mock.other_calls().is_empty(),
+        "nothing reached the backend: {:?}",
+        app.mock.other_calls()
+    );
+
+    let r = send(
+        reqwest::Method::GET,
+        format!("/v1/responses/{id}/input_items?limit=2"),
+    )
+    .await;
+    assert_eq!(r.status(), 404, "the mock's own answer: it stores nothing");
+    let r = send(reqwest::Method::DELETE, format!("/v1/responses/{id}")).await;
+    assert_eq!(r.status(), 404, "the mock's own answer");
+    let paths: Vec<String> = app.mock.other_calls().into_iter().map(|c| c.path).collect();
+    assert_eq!(
+        paths,
+        [
+            format!("/v1/responses/{id}/input_items?limit=2"),
+            format!("/v1/responses/{id}"),
+        ]
+    );
+    // The log keeps its record.
+    let r = send(reqwest::Method::GET, format!("/v1/responses/{id}")).await;
+    assert_eq!(r.status(), 200);
+    app.stop().await;
+}
