@@ -310,6 +310,19 @@ pub(super) async fn configured(
     let Some(rule) = state.config.passthrough.get(rule) else {
         return ApiError::not_found(shape, "no such pass-through rule").into_response();
     };
+    if !stays_where_it_points(uri.path()) {
+        // `/v1/files/../chat/completions` matched `/v1/files/*` and, its dot segments
+        // resolved on the way out, reached a logged route unlogged (decision 159).
+        return ApiError::not_found(
+            shape,
+            format!(
+                "{} is not forwarded: a pass-through path has no `.` or `..` segment and no \
+                 encoded `/` or `\\`",
+                uri.path()
+            ),
+        )
+        .into_response();
+    }
     let backend = rule.backend.clone();
     let provider = state.config.backend(&backend).map_or(shape, |b| b.kind);
     // The path after its first segment (the version prefix), which `base_url` carries; the
@@ -324,6 +337,16 @@ pub(super) async fn configured(
     };
     let forwarded = client_headers(&headers, provider);
     relay(&state, &backend, shape, method, rest, forwarded, body).await
+}
+
+/// Whether `path`, as forwarded, names what it says: no segment is `.` or `..`, written plainly
+/// or percent-encoded, and none hides a `/` or `\` in an escape, which a server that decodes
+/// before it resolves would read as more segments (decision 159).
+fn stays_where_it_points(path: &str) -> bool {
+    path.split('/').all(|segment| {
+        let decoded = percent_encoding::percent_decode_str(segment).collect::<Vec<u8>>();
+        decoded != b"." && decoded != b".." && !decoded.iter().any(|b| matches!(b, b'/' | b'\\'))
+    })
 }
 
 /// The client headers a forwarded call keeps: its content type and accept, and the provider's

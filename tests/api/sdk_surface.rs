@@ -476,3 +476,57 @@ async fn a_response_id_is_one_segment_and_delete_and_input_items_go_to_the_backe
     assert_eq!(r.status(), 200);
     app.stop().await;
 }
+
+/// HTTP-4 (decision 159): a `[[passthrough]]` path under a `*` rule is forwarded only when it
+/// names what it says: a `.` or `..` segment, plain or encoded, or an encoded `/` or `\`, is
+/// 404 without a call. Before, `/v1/files/../chat/completions` matched `/v1/files/*`, its dot
+/// segments were resolved on the way out, and a chat completion ran at the provider unlogged:
+/// no record, no claim, no usage (found checking decision 158's traversal).
+#[tokio::test]
+async fn a_pass_through_path_with_dot_segments_is_refused_unforwarded_http4() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.passthrough = vec![Passthrough {
+            path: "/v1/files/*".into(),
+            backend: "mock-openai".into(),
+        }];
+    })
+    .await;
+    let body = chat_body("unlogged?");
+    let raw = |path: &'static str| {
+        let (addr, body) = (app.addr, body.clone());
+        async move {
+            // reqwest would resolve the dot segments itself: the bytes go as written.
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let request = format!(
+                "POST {path} HTTP/1.1\r\nhost: holdfast\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            socket.write_all(request.as_bytes()).await.unwrap();
+            let mut answer = String::new();
+            socket.read_to_string(&mut answer).await.unwrap();
+            answer
+        }
+    };
+    for path in [
+        "/v1/files/../chat/completions",
+        "/v1/files/%2e%2e/chat/completions",
+        "/v1/files/./../chat/completions",
+        "/v1/files/x%2F..%2F..%2Fchat%2Fcompletions",
+    ] {
+        let answer = raw(path).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 404") && answer.contains("is not forwarded"),
+            "{path}: {answer}"
+        );
+    }
+    assert_eq!(app.mock.calls(), 0, "no model call ran");
+    // A plain path under the rule still goes: the mock's own 404 comes back.
+    let answer = raw("/v1/files/file-abc/content").await;
+    assert!(
+        answer.starts_with("HTTP/1.1 404") && answer.contains("mock:"),
+        "{answer}"
+    );
+    app.stop().await;
+}
