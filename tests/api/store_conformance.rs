@@ -2345,6 +2345,20 @@ async fn data_chunks_of_reads_each_requests_events_after_its_seq_in_one_call_ex4
     );
 }
 
+/// `usage` of namespace [`NS`] around `T0`, by model.
+async fn usage_by_model(store: &DynStore) -> Vec<holdfast::store::UsageRow> {
+    store
+        .usage(&holdfast::store::UsageQuery {
+            namespace: Some(NS.to_string()),
+            since: T0 - 1,
+            until: T0 + 100,
+            group_by: holdfast::store::UsageGroup::Model,
+            bucket_ms: None,
+        })
+        .await
+        .expect("usage")
+}
+
 /// RD-9a (decision 157): `usage` counts, per group and row, the requests that succeeded with no
 /// attempt reporting tokens: a success with usage is metered, a failure without usage (a
 /// refusal the provider did not bill) is not counted, a success without is.
@@ -2386,16 +2400,7 @@ async fn usage_counts_the_successes_that_reported_no_tokens_as_unmetered_rd9a(st
             .expect("finish")
             .expect("lease held");
     }
-    let rows = store
-        .usage(&holdfast::store::UsageQuery {
-            namespace: Some(NS.to_string()),
-            since: T0 - 1,
-            until: T0 + 100,
-            group_by: holdfast::store::UsageGroup::Model,
-            bucket_ms: None,
-        })
-        .await
-        .expect("usage");
+    let rows = usage_by_model(&store).await;
     let requests: u64 = rows.iter().map(|r| r.requests).sum();
     let unmetered: u64 = rows.iter().map(|r| r.unmetered).sum();
     assert_eq!((requests, unmetered), (3, 1), "{rows:?}");
@@ -2511,16 +2516,7 @@ async fn one_hour_cache_writes_are_kept_by_every_write_and_summed_by_usage_rd10(
         }])
         .await
         .expect("counts");
-    let rows = store
-        .usage(&holdfast::store::UsageQuery {
-            namespace: Some(NS.to_string()),
-            since: T0 - 1,
-            until: T0 + 100,
-            group_by: holdfast::store::UsageGroup::Model,
-            bucket_ms: None,
-        })
-        .await
-        .expect("usage");
+    let rows = usage_by_model(&store).await;
     let total = rows
         .iter()
         .fold(Usage::default(), |sum, r| sum.plus(r.usage));
