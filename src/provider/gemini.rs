@@ -486,7 +486,12 @@ impl Candidate<'_> {
 /// nothing was generated is answered with it alone (decision 90). The stream is complete if the
 /// body ends cleanly right after it (GM-3, decision 110).
 pub(super) fn is_usage_report(event: &EventParts<'_>) -> bool {
-    event.candidates.is_none()
+    // An empty list of candidates is none (decision 160): the non-stream answer `{"candidates":
+    // [], "usageMetadata": ...}` is a success, and so is the stream of that one chunk.
+    let no_candidates = |raw: &str| {
+        serde_json::from_str::<Vec<serde::de::IgnoredAny>>(raw).is_ok_and(|c| c.is_empty())
+    };
+    event.candidates.is_none_or(no_candidates)
         && event.prompt_feedback.is_none()
         && event.usage_metadata.is_some_and(|raw| {
             serde_json::from_str::<serde_json::Map<String, Value>>(raw)

@@ -1220,6 +1220,13 @@ mod tests {
         assert!(batch.chunks[0].data.contains("usageMetadata"));
         let ending = ended(read.on_body_end());
         assert_eq!(failed(&ending), (ErrorType::StreamInterrupted, None));
+        // An empty list of candidates is none (decision 160): the chunk is a usage report, as
+        // the same object answered without streaming is a success.
+        let mut read = gemini();
+        let empty = "data: {\"candidates\":[],\"usageMetadata\":{\"promptTokenCount\":2,\"totalTokenCount\":2}}\r\n\r\n";
+        assert!(matches!(read.on_bytes(empty.as_bytes()), Step::Read));
+        let ending = ended(read.on_body_end());
+        assert!(matches!(ending.outcome, Outcome::Succeeded { .. }));
         // Empty counts are no usage report.
         let mut read = gemini();
         store(&mut read, CHUNK);
