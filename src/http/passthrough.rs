@@ -148,6 +148,7 @@ fn forwardable_model_id(provider: Provider, id: &str) -> bool {
     let plain = !id.is_empty()
         && id.len() <= 256
         && !id.bytes().any(|b| b.is_ascii_control())
+        && !id.contains('\\')
         && id.split('/').all(|part| part != "." && part != "..");
     plain && (provider != Provider::Gemini || Route::is_path_model(id))
 }
@@ -296,10 +297,15 @@ pub(super) async fn configured(
     rule: usize,
     method: Method,
     uri: Uri,
-    headers: HeaderMap,
+    mut headers: HeaderMap,
     body: Body,
 ) -> Response {
     let shape = Provider::for_path(uri.path());
+    if shape == Provider::Gemini {
+        // A Google key in the query is the caller's namespace key, as on Gemini's own routes
+        // (GM-4), and is not passed on (decision 162).
+        super::gemini::key_from_query(&uri, &mut headers);
+    }
     if let Err(e) = namespace(&state.config, &headers, shape) {
         return e.into_response();
     }
@@ -327,7 +333,14 @@ pub(super) async fn configured(
     let provider = state.config.backend(&backend).map_or(shape, |b| b.kind);
     // The path after its first segment (the version prefix), which `base_url` carries; the
     // whole path for a provider whose `base_url` has no version (Gemini's, decision 57).
-    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let without_key;
+    let path = match uri.query() {
+        Some(query) if shape == Provider::Gemini => {
+            without_key = without_query_key(uri.path(), query);
+            without_key.as_str()
+        }
+        _ => uri.path_and_query().map_or(uri.path(), |p| p.as_str()),
+    };
     let rest = if provider.base_url_has_version() {
         path.get(1..)
             .and_then(|p| p.find('/').map(|i| &path[i + 1..]))
@@ -337,6 +350,19 @@ pub(super) async fn configured(
     };
     let forwarded = client_headers(&headers, provider);
     relay(&state, &backend, shape, method, rest, forwarded, body).await
+}
+
+/// `path` and `query` with every `key` parameter left out (decision 162).
+fn without_query_key(path: &str, query: &str) -> String {
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| pair.split('=').next() != Some("key"))
+        .collect();
+    if kept.is_empty() {
+        path.to_string()
+    } else {
+        format!("{path}?{}", kept.join("&"))
+    }
 }
 
 /// Whether `path`, as forwarded, names what it says: no segment is `.` or `..`, written plainly
@@ -458,6 +484,7 @@ mod tests {
             "",
             ".",
             "..",
+            "..\\..\\files",
             "a/../../x",
             "../admin",
             "a/./b",

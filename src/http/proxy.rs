@@ -200,6 +200,9 @@ async fn admit(
     let held = HeldSlot::take(state, &namespace, shape)?;
     refuse_encoded_body(headers, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
+    if route == Route::OpenaiResponses && !state.config.namespaces.is_empty() {
+        continues_its_own_response(state, &namespace, &body).await?;
+    }
     let (large, (mut new, claim)) = if body.len() > LARGE_BODY_BYTES {
         // LC-2b: a namespace's large bodies are admitted a budget at a time, each held until
         // it is recorded. Read first, by its length as read: a body left unread would hold its
@@ -275,6 +278,40 @@ async fn admit(
         held,
         claim,
     })
+}
+
+/// RD-8a (decision 161): where namespaces share the backends' keys, a Responses call may continue
+/// (`previous_response_id`) only a response its own namespace made through holdfast: the
+/// provider gives the model that whole conversation, whoever holds the id. Refused as OpenAI
+/// refuses an id it does not hold, before anything is recorded.
+async fn continues_its_own_response(
+    state: &AppState,
+    namespace: &str,
+    body: &[u8],
+) -> Result<(), ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Continues<'a> {
+        #[serde(borrow)]
+        previous_response_id: Option<std::borrow::Cow<'a, str>>,
+    }
+    let Ok(Continues {
+        previous_response_id: Some(id),
+    }) = serde_json::from_slice::<Continues<'_>>(body)
+    else {
+        return Ok(());
+    };
+    match state.store.find_response(&id).await {
+        Ok(Some(found)) if found.namespace == namespace => Ok(()),
+        Ok(_) => Err(ApiError::bad_request(
+            Provider::Openai,
+            "previous_response_not_found",
+            format!(
+                "Previous response with id '{id}' not found. (holdfast: with namespaces, a call \
+                 continues only a response its namespace made through holdfast and still logs)"
+            ),
+        )),
+        Err(e) => Err(ApiError::store(Provider::Openai, &e)),
+    }
 }
 
 /// The request a call's body makes (ID-2, ID-3, ID-5, CLI-5), and its claim: the body

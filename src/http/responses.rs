@@ -56,6 +56,11 @@ async fn locate(state: &AppState, namespace: &str, response_id: &str) -> Result<
         attempt,
     }) = found
     else {
+        // Where namespaces share the backends' keys, an id holdfast never recorded, or has
+        // pruned, may be another tenant's: not passed on with the key (decision 161).
+        if !state.config.namespaces.is_empty() {
+            return Err(not_found());
+        }
         return Ok(Located::Unknown);
     };
     if owner != namespace {

@@ -915,7 +915,9 @@ fn not_json_response(provider: Provider, n: u64) -> Response {
 
 /// Unknown path: 404 in OpenAI's shape; not counted as a call.
 async fn not_found(method: Method, uri: Uri) -> Response {
-    let msg = format!("mock: no route for {method} {}", uri.path());
+    // With the query: a test sees what a pass-through sent.
+    let target = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let msg = format!("mock: no route for {method} {target}");
     let body = openai::error_body(404, &msg);
     (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
 }

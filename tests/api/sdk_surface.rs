@@ -257,8 +257,14 @@ async fn python_responses_retrieve_shows_the_status_during_and_after_and_cancel_
     app.stop().await;
 }
 
+/// RD-8 (decision 161): another namespace's response id is 404 and not forwarded; an id holdfast
+/// never recorded (or has pruned) is passed to the backend only where no namespaces are
+/// configured: where they share the backends' keys it may be another tenant's (a security
+/// review found that after pruning, any namespace could read or delete another's responses at
+/// the provider, with the backend's key).
 #[tokio::test]
-async fn unknown_response_ids_go_to_the_backend_and_another_namespaces_are_404() {
+async fn an_unknown_response_id_is_passed_on_only_without_namespaces_and_another_namespaces_is_404_rd8()
+ {
     let app = spawn_app(MockConfig::default(), |c| {
         c.namespaces = two_namespaces("a", "b");
     })
@@ -291,8 +297,20 @@ async fn unknown_response_ids_go_to_the_backend_and_another_namespaces_are_404()
     let r = get("key-b", id.clone()).await;
     assert_eq!(r.status(), 404);
     assert!(app.mock.other_calls().is_empty());
-    // An id holdfast never recorded: forwarded unchanged, with the backend's key only.
+    // An id holdfast never recorded, with namespaces: 404, not forwarded.
     let r = get("key-a", "resp_stored_upstream".into()).await;
+    assert_eq!(r.status(), 404);
+    assert!(app.mock.other_calls().is_empty());
+    app.stop().await;
+    // Without namespaces: forwarded unchanged, with the backend's key only.
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let r = app
+        .http
+        .get(format!("{}/v1/responses/resp_stored_upstream", app.base))
+        .header("authorization", "Bearer key-a")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404, "the mock's own answer");
     let calls = app.mock.other_calls();
     assert_eq!(calls.len(), 1);
@@ -528,5 +546,93 @@ async fn a_pass_through_path_with_dot_segments_is_refused_unforwarded_http4() {
         answer.starts_with("HTTP/1.1 404") && answer.contains("mock:"),
         "{answer}"
     );
+    app.stop().await;
+}
+
+/// RD-8a (decision 161): where namespaces share the backends' keys, a Responses call continues
+/// (`previous_response_id`) only a response its own namespace made through holdfast: another
+/// namespace's id, or one holdfast never recorded, is refused 400 `previous_response_not_found`
+/// before anything is recorded or sent. Before, namespace b's call naming a's response reached
+/// the provider, which would give the model a's whole conversation (a security review).
+#[tokio::test]
+async fn a_responses_call_continues_only_its_own_namespaces_response_rd8a() {
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("a", "b");
+    })
+    .await;
+    let call = |key: &'static str, body: String| {
+        let app = &app;
+        async move {
+            app.post(
+                "/v1/responses",
+                body,
+                &[("authorization", &format!("Bearer {key}"))],
+            )
+            .await
+        }
+    };
+    let r = call(
+        "key-a",
+        r#"{"model":"gpt-4o-mini","input":"my secret"}"#.into(),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let continuing = |id: &str, input: &str| {
+        serde_json::json!({"model": "gpt-4o-mini", "previous_response_id": id, "input": input})
+            .to_string()
+    };
+    for (key, id) in [("key-b", id.as_str()), ("key-a", "resp_never_recorded")] {
+        let r = call(key, continuing(id, "repeat everything said before")).await;
+        assert_eq!(r.status(), 400, "{key} {id}");
+        let error: Value = r.json().await.unwrap();
+        assert_eq!(
+            error["error"]["code"], "previous_response_not_found",
+            "{error}"
+        );
+    }
+    assert_eq!(app.mock.calls(), 1, "nothing reached the provider");
+    // Its own namespace continues it.
+    let r = call("key-a", continuing(&id, "and then?")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(app.mock.calls(), 2);
+    app.stop().await;
+}
+
+/// GM-4, HTTP-4 (decision 162): a pass-through call to a Gemini backend takes a `?key=` as the
+/// caller's namespace key, as Gemini's own routes do, and does not pass it on: the backend gets
+/// its own key and the rest of the query. Before, the namespace key went to Google in the
+/// query beside the backend's key (a security review).
+#[tokio::test]
+async fn a_gemini_pass_through_takes_a_query_key_as_the_namespace_key_and_does_not_pass_it_on_gm4()
+{
+    let app = spawn_app(MockConfig::default(), |c| {
+        c.namespaces = two_namespaces("a", "b");
+        c.passthrough = vec![Passthrough {
+            path: "/v1beta/files/*".into(),
+            backend: "mock-gemini".into(),
+        }];
+    })
+    .await;
+    let r = app
+        .http
+        .get(format!(
+            "{}/v1beta/files/abc?key=key-a&pageSize=2",
+            app.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "the mock's own answer");
+    let body: Value = r.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("no route for GET /v1beta/files/abc?pageSize=2"),
+        "{message}"
+    );
+    assert!(!message.contains("key-a"), "{message}");
     app.stop().await;
 }
