@@ -287,17 +287,17 @@ async fn admit(
 async fn continues_its_own_response(
     state: &AppState,
     namespace: &str,
-    body: &[u8],
+    body: &bytes::Bytes,
 ) -> Result<(), ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Continues<'a> {
-        #[serde(borrow)]
-        previous_response_id: Option<std::borrow::Cow<'a, str>>,
-    }
-    let Ok(Continues {
-        previous_response_id: Some(id),
-    }) = serde_json::from_slice::<Continues<'_>>(body)
-    else {
+    // Read whole, not searched for: an escaped member name is the same member to the provider.
+    let id = if body.len() > LARGE_BODY_BYTES {
+        // Off the runtime's workers, as a large body's other reading is (LC-2b).
+        let body = body.clone();
+        on_the_blocking_pool(move || previous_response_id(&body)).await
+    } else {
+        previous_response_id(body)
+    };
+    let Some(id) = id else {
         return Ok(());
     };
     match state.store.find_response(&id).await {
@@ -312,6 +312,19 @@ async fn continues_its_own_response(
         )),
         Err(e) => Err(ApiError::store(Provider::Openai, &e)),
     }
+}
+
+/// The `previous_response_id` a Responses body names, if it is an object that names one.
+fn previous_response_id(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Continues<'a> {
+        #[serde(borrow)]
+        previous_response_id: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_slice::<Continues<'_>>(body)
+        .ok()?
+        .previous_response_id
+        .map(std::borrow::Cow::into_owned)
 }
 
 /// The request a call's body makes (ID-2, ID-3, ID-5, CLI-5), and its claim: the body

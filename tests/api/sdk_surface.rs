@@ -594,6 +594,11 @@ async fn a_responses_call_continues_only_its_own_namespaces_response_rd8a() {
             "{error}"
         );
     }
+    // A member name written with an escape is the same member to the provider.
+    let escaped =
+        format!(r#"{{"model":"gpt-4o-mini","previous\u005fresponse_id":"{id}","input":"again"}}"#);
+    let r = call("key-b", escaped).await;
+    assert_eq!(r.status(), 400);
     assert_eq!(app.mock.calls(), 1, "nothing reached the provider");
     // Its own namespace continues it.
     let r = call("key-a", continuing(&id, "and then?")).await;
