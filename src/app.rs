@@ -147,11 +147,8 @@ pub async fn start(config: Config, listener: TcpListener) -> anyhow::Result<Runn
 fn settle_within(config: &Config) -> Duration {
     Duration::from_millis(config.shutdown_grace_ms)
         + crate::worker::write_window(config)
-        + HAND_BACK_SETTLES
+        + crate::worker::CANCEL_SETTLES_FOR
 }
-
-/// What [`settle_within`] allows beyond the grace and the write window.
-const HAND_BACK_SETTLES: Duration = Duration::from_secs(2);
 
 impl Running {
     /// Stops accepting and leasing, lets in-flight attempts finish (`shutdown_grace_ms`), and

@@ -141,15 +141,15 @@ pub(super) async fn model(
 }
 
 /// Whether a model id a lookup names may go upstream in a path (decision 76): at most 256
-/// bytes, no control byte, no `.` or `..` between slashes (a path a server that decodes `%2F`
-/// would read as a relative one, with the backend's key), and for Google a model name as GM-1
+/// bytes, no control byte, no `.` or `..` between slashes and no `\`, plain or escaped, as for a
+/// pass-through path ([`stays_where_it_points`]: a server that decodes `%2F` would read it as a
+/// relative path, with the backend's key), and for Google a model name as GM-1
 /// spells it. Anything else no provider serves: 404 without a call.
 fn forwardable_model_id(provider: Provider, id: &str) -> bool {
     let plain = !id.is_empty()
         && id.len() <= 256
         && !id.bytes().any(|b| b.is_ascii_control())
-        && !id.contains('\\')
-        && id.split('/').all(|part| part != "." && part != "..");
+        && stays_where_it_points(id);
     plain && (provider != Provider::Gemini || Route::is_path_model(id))
 }
 
@@ -352,11 +352,15 @@ pub(super) async fn configured(
     relay(&state, &backend, shape, method, rest, forwarded, body).await
 }
 
-/// `path` and `query` with every `key` parameter left out (decision 162).
+/// `path` and `query` with every `key` parameter left out, its name read as Google reads it,
+/// escapes decoded (decision 162).
 fn without_query_key(path: &str, query: &str) -> String {
     let kept: Vec<&str> = query
         .split('&')
-        .filter(|pair| pair.split('=').next() != Some("key"))
+        .filter(|pair| {
+            let name = pair.split('=').next().unwrap_or_default();
+            percent_encoding::percent_decode_str(name).collect::<Vec<u8>>() != b"key"
+        })
         .collect();
     if kept.is_empty() {
         path.to_string()

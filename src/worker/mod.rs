@@ -50,7 +50,7 @@ const LEASE_BATCH: usize = 256;
 /// asks again (a request that came due between the lease and its check).
 const DUE_NOW: Duration = Duration::from_millis(1);
 /// Longest a cancel waits for the chunks its attempt handed on to be committed (LC-9).
-const CANCEL_SETTLES_FOR: Duration = Duration::from_secs(2);
+pub(crate) const CANCEL_SETTLES_FOR: Duration = Duration::from_secs(2);
 
 /// How long a failed write of an attempt is tried again (decision 37, decision 52):
 /// `workers.write_retry_secs`, at least one lease length. Readers of a stream try their reads

@@ -625,7 +625,7 @@ async fn a_gemini_pass_through_takes_a_query_key_as_the_namespace_key_and_does_n
     let r = app
         .http
         .get(format!(
-            "{}/v1beta/files/abc?key=key-a&pageSize=2",
+            "{}/v1beta/files/abc?key=key-a&pageSize=2&%6Bey=key-a",
             app.base
         ))
         .send()
