@@ -487,6 +487,8 @@ pub struct ExportArgs {
     pub format: String,
     /// Start after this request id (an earlier export's last cursor).
     pub after: Option<String>,
+    /// At most this many lines, over every resumption (EX-6).
+    pub limit: Option<u64>,
     /// Draw a progress line on stderr (only when it is a terminal).
     pub progress: bool,
 }
@@ -498,6 +500,13 @@ pub struct ExportSummary {
     pub written: u64,
     /// `openai-chat`: requests skipped, by reason.
     pub skipped: std::collections::BTreeMap<String, u64>,
+}
+
+impl ExportSummary {
+    /// Lines received: those written and those skipped.
+    fn lines(&self) -> u64 {
+        self.written + self.skipped.values().sum::<u64>()
+    }
 }
 
 /// `n` and the noun, singular for one: `1 example`, `0 examples`, `3 examples`.
@@ -536,6 +545,14 @@ impl Client {
             if let Some(c) = &cursor {
                 query.push(("after".into(), c.clone()));
             }
+            if let Some(limit) = args.limit {
+                // A resumed export asks only for what the earlier parts left of the limit.
+                let left = limit.saturating_sub(summary.lines());
+                if left == 0 {
+                    break;
+                }
+                query.push(("limit".into(), left.to_string()));
+            }
             let response = self
                 .request(&http, reqwest::Method::GET, "/requests/export")
                 .query(&query)
@@ -573,9 +590,7 @@ impl Client {
                             cursor = value["cursor"].as_str().map(str::to_owned).or(cursor);
                         }
                         if let Some(bar) = &bar {
-                            bar.set_position(
-                                summary.written + summary.skipped.values().sum::<u64>(),
-                            );
+                            bar.set_position(summary.lines());
                         }
                     }
                     Ok(None) => break None,

@@ -96,6 +96,9 @@ enum RequestsCommand {
         /// Start after this request id (an earlier export's last cursor).
         #[arg(long)]
         after: Option<String>,
+        /// Export at most this many requests (the oldest first; with --after, the next ones).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: Option<u64>,
         /// Write to this file instead of stdout.
         #[arg(short = 'o', long, value_name = "FILE")]
         output: Option<PathBuf>,
@@ -507,12 +510,14 @@ async fn requests(command: RequestsCommand, config: Option<&Path>) -> Result<(),
             filters,
             format,
             after,
+            limit,
             output,
         } => {
             let args = holdfast::cli::ExportArgs {
                 query: filters.query(),
                 format,
                 after,
+                limit,
                 progress: true,
             };
             let client = client(&server, config)?;

@@ -553,6 +553,53 @@ async fn requests_export_writes_records_to_stdout_counts_them_in_words_and_refus
     app.stop().await;
 }
 
+/// EX-6: `--limit N` writes the N oldest (with `--after`, the next N), and the report counts
+/// only those; `--limit 0` is a usage error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_export_limit_writes_at_most_that_many_oldest_first_cli_ex6() {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(
+            send(
+                &app,
+                "/v1/chat/completions",
+                json!({"model": "gpt-4o-mini",
+                "messages": [{"role": "user", "content": format!("limit {i}")}]}),
+                None,
+            )
+            .await,
+        );
+    }
+    let base = app.base.clone();
+    let after = ids[1].clone();
+    let (first, second, zero) = tokio::task::spawn_blocking(move || {
+        let dir = tempfile::tempdir().unwrap();
+        let env = [("HOLDFAST_URL", base.as_str())];
+        let run = |args: &[&str]| run_holdfast(dir.path(), args, &env);
+        (
+            run(&["requests", "export", "--limit", "2"]),
+            run(&["requests", "export", "--limit", "5", "--after", &after]),
+            run(&["requests", "export", "--limit", "0"]),
+        )
+    })
+    .await
+    .unwrap();
+    let (code, out, err) = first;
+    assert_eq!(code, 0, "{err}");
+    let cursors: Vec<Value> = lines(&out).iter().map(|l| l["cursor"].clone()).collect();
+    assert_eq!(cursors, vec![json!(ids[0]), json!(ids[1])], "{out}");
+    assert!(err.contains("exported 2 records\n"), "{err}");
+    let (code, out, err) = second;
+    assert_eq!(code, 0, "{err}");
+    let cursors: Vec<Value> = lines(&out).iter().map(|l| l["cursor"].clone()).collect();
+    assert_eq!(cursors, vec![json!(ids[2])], "{out}");
+    let (code, _, err) = zero;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--limit"), "{err}");
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn usage_answers_hour_and_day_buckets_with_their_groups_and_refuses_another_bucket_ex10() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
