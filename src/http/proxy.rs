@@ -1069,7 +1069,7 @@ fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config)
                 .map_or_else(|| "the request failed".to_string(), |e| e.message.clone());
             ApiError::new(
                 route.provider(),
-                failure_status(kind),
+                failure_status(kind, error.as_ref().and_then(|e| e.status)),
                 kind.as_str(),
                 message,
             )
@@ -1081,10 +1081,12 @@ fn answer(record: &RequestRecord, replayed: bool, route: Route, config: &Config)
     response
 }
 
-/// RS-7: the status for a failure that is not a provider refusal.
-pub(super) fn failure_status(kind: ErrorType) -> StatusCode {
+/// RS-7: the status for a failure that is not a provider refusal, given the provider's status
+/// of the last attempt; retries that ended on the provider's 429 answer 429 (RS-7a).
+pub(super) fn failure_status(kind: ErrorType, last_status: Option<u16>) -> StatusCode {
     match kind {
         ErrorType::LeaseExpired | ErrorType::Cancelled => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::AttemptsExhausted if last_status == Some(429) => StatusCode::TOO_MANY_REQUESTS,
         _ => StatusCode::BAD_GATEWAY,
     }
 }

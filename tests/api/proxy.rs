@@ -217,6 +217,57 @@ async fn exhausted_transient_failures_answer_502_with_should_retry_false_rs7() {
     app.stop().await;
 }
 
+/// RS-7a: retries that end on the provider's 429 answer 429 in each provider's shape (the
+/// SDKs' rate-limit error), not 502, and still tell the SDK not to retry.
+#[tokio::test]
+async fn exhausted_rate_limits_answer_429_in_the_routes_shape_with_should_retry_false_rs7a() {
+    let app = spawn_app(
+        MockConfig {
+            fail_first: 100,
+            fail_status: 429,
+            ..MockConfig::default()
+        },
+        |c| {
+            c.workers.max_attempts = 2;
+            c.workers.backoff_initial_ms = 1;
+            c.workers.backoff_max_ms = 5;
+        },
+    )
+    .await;
+    let cases = [
+        (
+            "/v1/chat/completions",
+            serde_json::json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "rl"}]}),
+        ),
+        (
+            "/v1/messages",
+            serde_json::json!({"model": "claude-3-5-haiku", "max_tokens": 8,
+                   "messages": [{"role": "user", "content": "rl"}]}),
+        ),
+        (
+            "/v1beta/models/gemini-2.0-flash:generateContent",
+            serde_json::json!({"contents": [{"role": "user", "parts": [{"text": "rl"}]}]}),
+        ),
+    ];
+    for (path, body) in cases {
+        let r = app.post(path, body.to_string(), &[]).await;
+        assert_eq!(r.status(), 429, "{path}");
+        assert_eq!(header(&r, "x-should-retry"), "false", "{path}");
+        assert_eq!(header(&r, "holdfast-error"), "attempts_exhausted", "{path}");
+        let err: serde_json::Value = r.json().await.unwrap();
+        match path {
+            "/v1/chat/completions" => {
+                assert_eq!(err["error"]["type"], "rate_limit_error", "{err}");
+                assert_eq!(err["error"]["code"], "attempts_exhausted", "{err}");
+            }
+            "/v1/messages" => assert_eq!(err["error"]["type"], "rate_limit_error", "{err}"),
+            _ => assert_eq!(err["error"]["status"], "RESOURCE_EXHAUSTED", "{err}"),
+        }
+    }
+    assert_eq!(app.mock.calls(), 6, "two attempts each");
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn key_order_and_whitespace_do_not_split_a_request_id1() {
     let app = spawn_app(MockConfig::default(), |_| {}).await;
