@@ -323,41 +323,67 @@ async fn not_found(uri: Uri) -> Response {
             Provider::for_path(rest),
             format!(": its version comes twice; take `{version}` off the SDK's base_url"),
         ),
-        None if lacks_v1(path) => (
-            Provider::Openai,
-            ": OpenAI SDKs take a base_url ending in `/v1`".to_string(),
-        ),
-        None if Provider::is_gemini_call_without_version(path) => (
-            Provider::Gemini,
-            ": clients that put no API version in the path (the Vercel AI SDK's \
-             `@ai-sdk/google`) take a base URL ending in `/v1beta`"
-                .to_string(),
-        ),
-        None if path.starts_with("/v1alpha/") => (
-            Provider::Gemini,
-            ": holdfast serves Google's `v1beta` and `v1` APIs; set the SDK's `api_version` to one \
-             of them"
-                .to_string(),
-        ),
-        // Another of the provider's APIs (images, moderations, files, ...): holdfast logs only
-        // the model calls, and forwards others a `[[passthrough]]` names, unlogged.
-        None if path.starts_with("/v1/") || path.starts_with("/v1beta/") => (
-            Provider::for_path(path),
-            ": to forward it to the provider unlogged, name it in a `[[passthrough]]` \
-             (docs/configuration.md)"
-                .to_string(),
-        ),
-        None => (Provider::for_path(path), String::new()),
+        None => match lacks_v1(path) {
+            Some(Provider::Anthropic) => (
+                Provider::Anthropic,
+                ": clients that put no version in the path (the Vercel AI SDK's \
+                 `@ai-sdk/anthropic`) take a base URL ending in `/v1`; Anthropic's own SDKs \
+                 take holdfast's address alone"
+                    .to_string(),
+            ),
+            Some(provider) => (
+                provider,
+                ": OpenAI SDKs (and the Vercel AI SDK's `@ai-sdk/openai`) take a base_url \
+                 ending in `/v1`"
+                    .to_string(),
+            ),
+            None => unrouted(path),
+        },
     };
     ApiError::not_found(shape, format!("holdfast has no route {path}{hint}")).into_response()
 }
 
+/// The shape and hint of a 404 for a path that is not an SDK's at a wrong prefix.
+fn unrouted(path: &str) -> (Provider, String) {
+    let (shape, hint) = if Provider::is_gemini_call_without_version(path) {
+        (
+            Provider::Gemini,
+            ": clients that put no API version in the path (the Vercel AI SDK's `@ai-sdk/google`) \
+             take a base URL ending in `/v1beta`",
+        )
+    } else if path.starts_with("/v1alpha/") {
+        (
+            Provider::Gemini,
+            ": holdfast serves Google's `v1beta` and `v1` APIs; set the SDK's `api_version` to \
+             one of them",
+        )
+    } else if path.starts_with("/v1/") || path.starts_with("/v1beta/") {
+        // Another of the provider's APIs (images, moderations, files, ...): holdfast logs only
+        // the model calls, and forwards others a `[[passthrough]]` names, unlogged.
+        (
+            Provider::for_path(path),
+            ": to forward it to the provider unlogged, name it in a `[[passthrough]]` \
+             (docs/configuration.md)",
+        )
+    } else {
+        (Provider::for_path(path), "")
+    };
+    (shape, hint.to_string())
+}
+
 /// Whether `path` is an OpenAI route's path without its `/v1` (an OpenAI SDK's `base_url`
 /// without it).
-fn lacks_v1(path: &str) -> bool {
-    Route::ALL.into_iter().any(|r| {
-        r.provider() == Provider::Openai && r.client_path().strip_prefix("/v1") == Some(path)
-    })
+fn lacks_v1(path: &str) -> Option<Provider> {
+    if path == "/models" {
+        return Some(Provider::Openai);
+    }
+    Route::ALL
+        .into_iter()
+        .find(|r| {
+            matches!(r.provider(), Provider::Openai | Provider::Anthropic)
+                && r.client_path().strip_prefix("/v1") == Some(path)
+        })
+        .map(Route::provider)
 }
 
 async fn method_not_allowed(uri: Uri) -> Response {

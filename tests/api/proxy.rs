@@ -478,6 +478,33 @@ async fn a_404_for_an_sdk_at_the_wrong_prefix_says_what_to_change_in1() {
         "{body}"
     );
 
+    // An Anthropic route without its `/v1` (`@ai-sdk/anthropic` given holdfast's address
+    // alone, as Anthropic's own SDK takes it), and OpenAI's model list without it: the
+    // route's shape and what to change (a new-user trial, decision 165).
+    let anthropic = app.post("/messages", "{}", &[]).await;
+    assert_eq!(anthropic.status(), 404);
+    let body: serde_json::Value = anthropic.json().await.unwrap();
+    assert_eq!(body["type"], "error", "Anthropic's shape: {body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("`@ai-sdk/anthropic`) take a base URL ending in `/v1`"),
+        "{body}"
+    );
+    let models = app
+        .http
+        .get(format!("{}/models", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 404);
+    let body: serde_json::Value = models.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("take a base_url ending in `/v1`")),
+        "{body}"
+    );
+
     // Another of the provider's APIs: where to forward it (a new-user trial's
     // `images.generate` was told only that there was no route).
     let other = app.post("/v1/images/generations", "{}", &[]).await;
