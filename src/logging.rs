@@ -3,7 +3,7 @@
 //!
 //! The library's default field formatter paints every field's name and its `=` through
 //! `nu_ansi_term` even when the log goes to a file or a pipe and paints nothing: about half of
-//! what the `request finished` line and the attempt's span cost (docs/benchmarks.md,
+//! what the `request finished` line and the attempt's span cost (docs/benchmarks-history.md,
 //! "Instructions"; decision 133). [`PlainFields`] writes an ordinary field (`name=value`, the
 //! value's `Debug`) itself when the writer has no ANSI escapes, and hands everything else to the
 //! library's own visitor, unchanged: a coloured log, the message (its control characters

@@ -77,8 +77,8 @@ struct Scan<'a> {
 }
 
 /// Every step is inlined into [`object`]: the position then stays in a register, which took
-/// the probe of a chat event from about 2.5 k instructions to 1.9 k (docs/benchmarks.md,
-/// lever 15).
+/// the probe of a chat event from about 2.5 k instructions to 1.9 k (docs/benchmarks-history.md,
+/// twenty-fifth session; lever 15).
 impl Scan<'_> {
     /// The next byte, consumed.
     #[inline(always)]
