@@ -402,6 +402,15 @@ async fn run(cli: Cli) -> Result<(), Stop> {
         Some(Command::Serve(args)) => serve(args, cli.config.as_deref()).await,
         Some(Command::MockUpstream(args)) => {
             init_tracing(LogFormat::Text);
+            if let Some(path) = &cli.config {
+                // `--config` is global (and HOLDFAST_CONFIG may be set for a server): say that
+                // the mock did not read it rather than let its knobs seem set (decision 166).
+                tracing::warn!(
+                    config = %path.display(),
+                    "mock-upstream reads no configuration file; its knobs are flags \
+                     (holdfast mock-upstream --help) or PATCH /_mock/config"
+                );
+            }
             holdfast::mock::run(args.listen, MockConfig::from(&args))
                 .await
                 .map_err(|e| Stop(1, format!("mock-upstream on {}: {e}", args.listen)))
@@ -458,11 +467,17 @@ fn client(server: &ServerArgs, config: Option<&Path>) -> Result<holdfast::cli::C
     if let Some(url) = &server.url {
         let scheme = url::Url::parse(url).map(|u| u.scheme().to_owned());
         if !matches!(scheme.as_deref(), Ok("http" | "https")) {
+            // The address as given, with the scheme it lacks; another scheme's, the default.
+            let example = if url.contains("://") {
+                "http://127.0.0.1:8080".to_string()
+            } else {
+                format!("http://{url}")
+            };
             return Err(Stop(
                 EXIT_CONFIG,
                 format!(
                     "--url (or HOLDFAST_URL) {url:?} is not an http:// or https:// URL: write it \
-                     as http://127.0.0.1:8080"
+                     as {example}"
                 ),
             ));
         }

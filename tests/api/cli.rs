@@ -411,7 +411,8 @@ async fn requests_and_usage_read_the_server_and_the_admin_key_a_config_file_name
         &[("HOLDFAST_URL", node.base.trim_start_matches("http://"))],
     );
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("write it as http://"), "{err}");
+    // The address as given, with its scheme: the port named, not the default's.
+    assert!(err.contains(&format!("write it as {}", node.base)), "{err}");
     let (code, _, err) = run_holdfast(
         dir.path(),
         &["requests", "list", "--config", "nowhere.toml"],

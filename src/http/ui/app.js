@@ -425,7 +425,9 @@ function renderDetail(r) {
       ['attempts', String(r.attempts)],
       ['recoveries', String(r.recoveries)],
       ['next retry', r.next_retry_at ? fmtTime(r.next_retry_at) : dash],
-      ['provider status', r.response ? String(r.response.status) : dash],
+      // The stored answer's status, else the one the failure came with (a stream that broke
+      // after its 200), as the Error card shows it.
+      ['provider status', r.response ? String(r.response.status) : r.error?.status ? String(r.error.status) : dash],
       ['provider request id', token(r.upstream_request_id)],
       ['stored events', String(r.last_seq)],
       ...(r.replay_of ? [['replay of', h('a', { href: detailHref(r.replay_of), class: 'token' }, r.replay_of)]] : []),

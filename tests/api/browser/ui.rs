@@ -1228,7 +1228,12 @@ async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_car
         .into_bytes(),
     )
     .await;
-    let app = spawn_app(MockConfig::default(), |c| {
+    // Streams end without their final event: a stream that broke after its 200.
+    let mock = MockConfig {
+        omit_stream_end: true,
+        ..MockConfig::default()
+    };
+    let app = spawn_app(mock, |c| {
         c.ui = true;
         c.workers.max_attempts = 1;
         for b in &mut c.backends {
@@ -1338,6 +1343,30 @@ async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_car
             );
         }
     }
+    // A stream that broke after its 200 stored no answer: the Request card's provider status
+    // is the failure's, as the Error card shows it (it read "—" beside the Error card's 200).
+    let broken = app
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o-mini", "stream": true,
+                "messages": [{"role": "user", "content": "broken"}]})
+            .to_string(),
+            &[("prefer", "respond-async")],
+        )
+        .await;
+    let broken = header(&broken, "holdfast-request-id");
+    let record = wait_terminal(&app.http, &app.base, &broken, WAIT).await;
+    assert_eq!(record["error"]["type"], "stream_interrupted", "{record}");
+    assert!(record["response"].is_null(), "{record}");
+    page.goto(&format!("{}/ui#/r/{broken}", app.base)).await;
+    page.wait_for(
+        "!document.getElementById('detail').hidden && \
+         [...document.querySelectorAll('#cards [data-card=\"Request\"] dt')].some(dt => \
+           dt.textContent === 'provider status' && dt.nextElementSibling?.textContent === '200')",
+        "the broken stream's provider status, 200, in its Request card",
+        WAIT,
+    )
+    .await;
     let errors = browser.errors();
     assert!(errors.is_empty(), "{errors:#?}");
     app.stop().await;
