@@ -32,9 +32,9 @@ pub(crate) enum HubEvent {
     /// woken for them ([`Hub::subscribe_to_new`]).
     Logged(Arc<Vec<Chunk>>),
     /// This node's worker recorded an attempt's outcome: the record as that committed write
-    /// left it, so a waiter can answer without reading it back. Anyone else treats it as
-    /// [`HubEvent::Changed`].
-    Settled(Arc<RequestRecord>),
+    /// left it, so a waiter can answer without reading it back, with the provider's headers
+    /// that the answer came with (RS-5a). Anyone else treats it as [`HubEvent::Changed`].
+    Settled(Arc<RequestRecord>, Option<crate::provider::PassedHeaders>),
 }
 
 /// Data chunks an attempt handed on ahead of their commit (RS-11).
@@ -44,6 +44,8 @@ pub(crate) struct Handed {
     pub(crate) chunks: Vec<Chunk>,
     /// The provider's request id, with the attempt's first batch (RS-5).
     pub(crate) upstream_request_id: Option<String>,
+    /// The provider's rate-limit and timing headers, with the attempt's first batch (RS-5a).
+    pub(crate) passed_headers: Option<crate::provider::PassedHeaders>,
 }
 
 /// Per-request broadcast channels, created on first subscription and dropped with the last.

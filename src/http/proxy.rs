@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use uuid::Uuid;
 
@@ -28,11 +28,11 @@ use crate::config::Config;
 use crate::hub::{Handed, HubEvent, Subscription};
 use crate::metrics as m;
 use crate::otel::{Delivery, ServerSpan};
-use crate::provider::Provider;
 use crate::provider::Route;
+use crate::provider::{PassedHeaders, Provider};
 use crate::store::{
-    ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted, now_ms,
-    released_claim_expiry, releases_claim,
+    ChunkKind, ClaimKind, ErrorType, NewRequest, RequestRecord, Status, StoreError, Submitted,
+    now_ms, released_claim_expiry, releases_claim,
 };
 use crate::worker::ClaimRef;
 
@@ -519,7 +519,7 @@ async fn answer_admitted(
         return stream_answer(state, &namespace, record, delivery, held, fresh).await;
     }
     let shape = route.provider();
-    let record = wait_for(state, &namespace, record, shape, fresh, |r| {
+    let (record, passed) = wait_for(state, &namespace, record, shape, fresh, |r| {
         r.status.is_terminal()
     })
     .await?;
@@ -527,7 +527,16 @@ async fn answer_admitted(
         .workers
         .remember(&claim.of(&namespace, &record, &state.config), &record);
     drop(held);
-    Ok(answer(&record, replayed, route, &state.config))
+    let mut response = answer(&record, replayed, route, &state.config);
+    pass_on(&mut response, passed.as_deref());
+    Ok(response)
+}
+
+/// RS-5a: the provider's rate-limit and timing headers that a live answer came with.
+fn pass_on(response: &mut Response, passed: Option<&[(HeaderName, HeaderValue)]>) {
+    for (name, value) in passed.unwrap_or_default() {
+        response.headers_mut().append(name.clone(), value.clone());
+    }
 }
 
 /// The answer for a stream request (RS-1..RS-4): once the current attempt has stored its first
@@ -551,10 +560,12 @@ async fn stream_answer(
     let shape = route.provider();
     // Until the current attempt stored or handed on its first event (RS-1, RS-11).
     let ready = |r: &RequestRecord| r.status.is_terminal() || r.last_seq > r.reset_seq;
-    let (record, start) = wait(state, namespace, record, shape, fresh, true, ready).await?;
+    let (record, start, passed) = wait(state, namespace, record, shape, fresh, true, ready).await?;
     let only_end = record.status.is_terminal() && record.last_seq == record.reset_seq + 1;
     if only_end && record.status == Status::Failed {
-        return Ok(answer(&record, replayed, route, &state.config));
+        let mut response = answer(&record, replayed, route, &state.config);
+        pass_on(&mut response, passed.as_deref());
+        return Ok(response);
     }
     let follow = stream::Follow {
         after: record.reset_seq,
@@ -599,6 +610,7 @@ async fn stream_answer(
     };
     let mut response = stream::event_stream_response(body, state.cut.clone(), Some(shape));
     set_identity_headers(&mut response, &record, replayed, route, &state.config);
+    pass_on(&mut response, passed.as_deref());
     Ok(response)
 }
 
@@ -963,15 +975,16 @@ async fn wait_for(
     shape: Provider,
     fresh: Option<Subscription>,
     ready: impl Fn(&RequestRecord) -> bool,
-) -> Result<Arc<RequestRecord>, ApiError> {
-    let (record, _) = wait(state, namespace, record, shape, fresh, false, ready).await?;
-    Ok(record)
+) -> Result<(Arc<RequestRecord>, Option<PassedHeaders>), ApiError> {
+    let (record, _, passed) = wait(state, namespace, record, shape, fresh, false, ready).await?;
+    Ok((record, passed))
 }
 
 /// [`wait_for`], and with `take_ahead` also until the attempt hands on its first events
 /// (RS-11): then the record as admitted (with the provider's request id those events came
 /// with), the subscription that received them, and the events. The record is shared: one this
-/// node's worker settled is the very one it published (issue 30).
+/// node's worker settled is the very one it published (issue 30). With it, the provider's
+/// headers that a live answer came with (RS-5a): none for one read from the log.
 async fn wait(
     state: &AppState,
     namespace: &str,
@@ -980,9 +993,9 @@ async fn wait(
     fresh: Option<Subscription>,
     take_ahead: bool,
     ready: impl Fn(&RequestRecord) -> bool,
-) -> Result<(Arc<RequestRecord>, Option<Start>), ApiError> {
+) -> Result<(Arc<RequestRecord>, Option<Start>, Option<PassedHeaders>), ApiError> {
     if ready(&record) {
-        return Ok((Arc::new(record), None));
+        return Ok((Arc::new(record), None, None));
     }
     let (mut subscription, mut read) = match fresh {
         Some(subscription) => (subscription, false),
@@ -997,7 +1010,7 @@ async fn wait(
                 peeked => peeked,
             };
             match peeked {
-                Ok(Some(r)) if ready(&r) => return Ok((Arc::new(r), None)),
+                Ok(Some(r)) if ready(&r) => return Ok((Arc::new(r), None, None)),
                 Ok(Some(_)) => {}
                 Ok(None) => {
                     return Err(
@@ -1022,17 +1035,28 @@ async fn wait(
         tokio::select! {
             event = subscription.recv() => match event {
                 // This node's worker settled it and handed over the record it wrote.
-                HubEvent::Settled(settled) if ready(&settled) => return Ok((settled, None)),
-                HubEvent::Settled(_) => read = false,
+                HubEvent::Settled(settled, passed) if ready(&settled) => {
+                    return Ok((settled, None, passed));
+                }
+                HubEvent::Settled(..) => read = false,
                 HubEvent::Ahead(handed) if take_ahead => {
                     let mut record = record;
                     if record.upstream_request_id.is_none() {
                         record.upstream_request_id.clone_from(&handed.upstream_request_id);
                     }
-                    return Ok((Arc::new(record), Some((subscription, vec![handed]))));
+                    let passed = handed.passed_headers.clone();
+                    return Ok((Arc::new(record), Some((subscription, vec![handed])), passed));
                 }
                 // Not committed: nothing a re-read would find.
                 HubEvent::Ahead(_) => read = false,
+                // An outcome's last chunks, ending with its `end`: this node's worker publishes
+                // the settled record right after them, with the headers of the answer (RS-5a),
+                // which a re-read would not have.
+                HubEvent::Chunks(chunks)
+                    if chunks.last().is_some_and(|c| c.kind == ChunkKind::End) =>
+                {
+                    read = false;
+                }
                 HubEvent::Changed | HubEvent::Chunks(_) | HubEvent::Logged(_) => {}
             },
             () = tokio::time::sleep(poll) => {}

@@ -265,7 +265,7 @@ pub(super) fn follow(
                         HubEvent::Ahead(handed) => {
                             position.offer_all(&handed.chunks, Source::Ahead, &mut out);
                         }
-                        HubEvent::Changed | HubEvent::Settled(_) => reread = true,
+                        HubEvent::Changed | HubEvent::Settled(..) => reread = true,
                     },
                     // Set again at the next wait. A deadline that moved on since it was set
                     // is not due yet; a read of the store goes before a keep-alive.

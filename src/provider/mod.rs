@@ -22,12 +22,16 @@ mod openai;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
 pub(crate) use events::{Order, excerpt};
+
+/// The provider's headers passed on with a live answer (RS-5a), shared by every client it is
+/// delivered to.
+pub(crate) type PassedHeaders = std::sync::Arc<[(HeaderName, HeaderValue)]>;
 
 /// The kind of API a backend speaks, and the shape its clients expect (SPEC §0 "backend").
 /// The config spelling is lower-case: `kind = "openai"`, `"anthropic"` or `"gemini"`.
@@ -298,6 +302,33 @@ impl Provider {
             Provider::Gemini => None,
             #[cfg(test)]
             Provider::Echo => Some(echo::REQUEST_ID_HEADER),
+        }
+    }
+
+    /// RS-5a: the provider's rate-limit and timing headers of an answer, passed on to the
+    /// clients it is delivered to live; `None` when it sent none (nothing allocated). Never the
+    /// operator's account headers, nor any other (decision 167).
+    pub(crate) fn passed_on_headers(self, headers: &HeaderMap) -> Option<PassedHeaders> {
+        let passed: Vec<(HeaderName, HeaderValue)> = headers
+            .iter()
+            .filter(|(name, _)| self.passes_on(name.as_str()))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        (!passed.is_empty()).then(|| passed.into())
+    }
+
+    /// Whether RS-5a passes on a response header of this name (lower case, as parsed).
+    fn passes_on(self, name: &str) -> bool {
+        match self {
+            Provider::Openai => {
+                name.starts_with("x-ratelimit-")
+                    || name == "openai-processing-ms"
+                    || name == "openai-version"
+            }
+            Provider::Anthropic => name.starts_with("anthropic-ratelimit-"),
+            Provider::Gemini => false,
+            #[cfg(test)]
+            Provider::Echo => name.starts_with("x-ratelimit-"),
         }
     }
 

@@ -43,6 +43,9 @@ pub(super) struct Ending {
     /// Held while `last` holds batches taken back from the chunk writer, until the outcome
     /// write is settled (decision 126).
     pub(super) writing: Option<EndingWrite>,
+    /// The provider's rate-limit and timing headers of the answer, for the clients waiting
+    /// for it here (RS-5a).
+    pub(super) passed_headers: Option<crate::provider::PassedHeaders>,
 }
 
 impl From<Outcome> for Ending {
@@ -52,6 +55,7 @@ impl From<Outcome> for Ending {
             last: None,
             withheld: Vec::new(),
             writing: None,
+            passed_headers: None,
         }
     }
 }
@@ -135,10 +139,11 @@ impl WorkerPool {
                 let Ending {
                     outcome,
                     mut withheld,
+                    passed_headers,
                     ..
                 } = ending;
                 withheld.extend(chunks);
-                self.settle(&lease, &outcome, withheld, settled);
+                self.settle(&lease, &outcome, withheld, settled, passed_headers);
             }
             written => {
                 if written.is_ok() || lost.is_cancelled() {
@@ -296,6 +301,7 @@ impl WorkerPool {
         outcome: &Outcome,
         mut chunks: Vec<Chunk>,
         settled: RequestRecord,
+        passed_headers: Option<crate::provider::PassedHeaders>,
     ) {
         // A stream's last events go out with its `end`, which the same commit stored: its
         // readers finish without reading the log back (issue 30).
@@ -332,8 +338,10 @@ impl WorkerPool {
                 &settled.usage,
             );
         }
-        self.hub
-            .publish(lease.id, HubEvent::Settled(Arc::new(settled)));
+        self.hub.publish(
+            lease.id,
+            HubEvent::Settled(Arc::new(settled), passed_headers),
+        );
         if let Outcome::Retry { next_retry_at, .. } = outcome {
             let wake = Arc::clone(&self.wake);
             let delay = u64::try_from(next_retry_at - now_ms()).unwrap_or(0);
@@ -488,8 +496,9 @@ impl WorkerPool {
             .and_then(|name| response.headers().get(name))
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        let passed_headers = route.provider().passed_on_headers(response.headers());
         if record.stream && (200..300).contains(&status) {
-            let read = StreamRead::new(
+            let mut read = StreamRead::new(
                 lease.clone(),
                 route,
                 status,
@@ -498,12 +507,17 @@ impl WorkerPool {
                 record.last_seq,
                 self.store.ends_streams_in_one_write(),
             );
-            return self.stream(lease, response, read, trace, hand_on).await;
+            read.passed_headers.clone_from(&passed_headers);
+            let mut ending = self.stream(lease, response, read, trace, hand_on).await?;
+            ending.passed_headers = passed_headers;
+            return Some(ending);
         }
         let outcome = self
             .classify(lease, route, &mut response, status, request_id)
             .await;
-        Some(outcome.into())
+        let mut ending = Ending::from(outcome);
+        ending.passed_headers = passed_headers;
+        Some(ending)
     }
 
     /// Classifies a whole-body answer: success, transient, refusal or invalid.

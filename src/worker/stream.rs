@@ -59,6 +59,9 @@ pub(super) struct StreamRead {
     request_id_to_store: Option<String>,
     /// The store writes a stream's last batch with its outcome in one commit.
     ends_in_one_write: bool,
+    /// The provider's rate-limit and timing headers, until the first batch handed on takes
+    /// them to the stream's live clients (RS-5a).
+    pub(super) passed_headers: Option<crate::provider::PassedHeaders>,
     parser: SseParser,
     /// The parser's events of one read, made chunks as they are dispatched; the vector is kept
     /// from read to read (issue 30).
@@ -142,6 +145,7 @@ impl StreamRead {
             request_id_to_store: request_id.clone(),
             request_id,
             ends_in_one_write,
+            passed_headers: None,
             parser: SseParser::new(),
             events: Vec::new(),
             usage: Usage::default(),
@@ -322,6 +326,7 @@ impl StreamRead {
                 last: Some(batch),
                 withheld: Vec::new(),
                 writing: None,
+                passed_headers: None,
             });
         }
         let then = if succeeded {
@@ -385,6 +390,7 @@ impl StreamRead {
                     last: Some(batch),
                     withheld: Vec::new(),
                     writing: None,
+                    passed_headers: None,
                 });
             }
             return Step::Store {
@@ -695,6 +701,7 @@ impl WorkerPool {
                     let handed = Handed {
                         chunks: batch.stored(),
                         upstream_request_id: batch.upstream_request_id.clone(),
+                        passed_headers: read.passed_headers.take(),
                     };
                     read.on_stored(&handed.chunks);
                     // Queued for its commit before anyone sees it: a cancel that waits for what
@@ -720,6 +727,7 @@ impl WorkerPool {
                         last: None,
                         withheld,
                         writing: None,
+                        passed_headers: None,
                     });
                 }
             }

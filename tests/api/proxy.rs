@@ -881,3 +881,94 @@ async fn a_backend_the_environments_proxy_names_is_called_through_that_proxy_dec
         "the start names the proxied backend"
     );
 }
+
+/// A raw provider answer with the provider's rate-limit, timing and account headers beside
+/// the given content type and body.
+fn answer_with_provider_headers(extra: &str, content_type: &str, body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\n{extra}set-cookie: __cf_bm=x\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// RS-5a: an answer delivered live carries the provider's rate-limit and timing headers (an app
+/// throttling on `x-ratelimit-remaining-*` read nothing through holdfast), never the operator's
+/// account headers nor any other; the same answer read from the log carries none.
+#[tokio::test]
+async fn a_live_answer_carries_the_providers_rate_limit_headers_and_one_from_the_log_none_rs5a() {
+    const OPENAI: &str = "x-request-id: req_1\r\nx-ratelimit-remaining-requests: 4999\r\n\
+        x-ratelimit-reset-tokens: 6ms\r\nopenai-processing-ms: 321\r\nopenai-version: 2020-10-01\r\n\
+        openai-organization: the-operators-org\r\nopenai-project: proj_operator\r\n";
+    let chat = "{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion\",\"created\":1,\"model\":\"gpt-4o-mini\",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"hi\"},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4}}";
+    let events = format!(
+        "data: {}\n\ndata: [DONE]\n\n",
+        chat.replace("chat.completion\"", "chat.completion.chunk\"")
+            .replace("\"message\"", "\"delta\"")
+    );
+    let anthropic = "{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"claude-3-5-haiku\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"}],\"stop_reason\":\"end_turn\",\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}";
+    let cases = [
+        (
+            "/v1/chat/completions",
+            answer_with_provider_headers(OPENAI, "application/json", chat),
+            r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"limits"}]}"#,
+            vec![
+                ("x-ratelimit-remaining-requests", "4999"),
+                ("x-ratelimit-reset-tokens", "6ms"),
+                ("openai-processing-ms", "321"),
+                ("openai-version", "2020-10-01"),
+            ],
+        ),
+        (
+            "/v1/chat/completions",
+            answer_with_provider_headers(OPENAI, "text/event-stream", &events),
+            r#"{"model":"gpt-4o-mini","stream":true,"messages":[{"role":"user","content":"limits"}]}"#,
+            vec![
+                ("x-ratelimit-remaining-requests", "4999"),
+                ("openai-processing-ms", "321"),
+            ],
+        ),
+        (
+            "/v1/messages",
+            answer_with_provider_headers(
+                "request-id: req_2\r\nanthropic-ratelimit-requests-remaining: 49\r\n\
+                 anthropic-organization-id: the-operators-org\r\n",
+                "application/json",
+                anthropic,
+            ),
+            r#"{"model":"claude-3-5-haiku","max_tokens":8,"messages":[{"role":"user","content":"limits"}]}"#,
+            vec![("anthropic-ratelimit-requests-remaining", "49")],
+        ),
+    ];
+    for (path, raw, body, passed) in cases {
+        let provider = RawProvider::start(raw).await;
+        let url = provider.base_url();
+        let app = spawn_app(MockConfig::default(), move |c| use_backend_url(c, &url)).await;
+        let live = app.post(path, body, &[]).await;
+        assert_eq!(live.status(), 200, "{path} {body}");
+        for (name, value) in &passed {
+            assert_eq!(header(&live, name), *value, "{path} {body}: {name}");
+        }
+        for name in [
+            "openai-organization",
+            "openai-project",
+            "anthropic-organization-id",
+            "set-cookie",
+        ] {
+            assert!(live.headers().get(name).is_none(), "{path} {body}: {name}");
+        }
+        let _ = live.bytes().await.unwrap();
+        let logged = app.post(path, body, &[]).await;
+        assert_eq!(logged.status(), 200);
+        assert_eq!(header(&logged, "idempotent-replayed"), "true");
+        for (name, _) in &passed {
+            assert!(
+                logged.headers().get(*name).is_none(),
+                "{path} {body}: {name}"
+            );
+        }
+        assert_eq!(provider.calls(), 1);
+        app.stop().await;
+    }
+}
