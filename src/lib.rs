@@ -43,7 +43,7 @@
 //! | `slots` | `config` `store` |
 //! | `upstream` | `config` `provider` |
 //! | `otel` | `config` `metrics` `provider` `store` |
-//! | `hub` | `store` |
+//! | `hub` | `provider` `store` |
 //! | `store` | `config` `metrics` `provider` |
 //! | `ledger` | `config` `metrics` `provider` |
 //! | `config` | `provider` |
