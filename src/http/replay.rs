@@ -14,7 +14,7 @@ use super::requests::{RecordView, addressed, bad_parameter};
 use super::{AppState, presented_key};
 use crate::canonical;
 use crate::provider::{Provider, Route};
-use crate::store::{ClaimKind, NewRequest, RequestRecord, Submitted, now_ms};
+use crate::store::{ClaimKind, NewRequest, RequestRecord, StoreError, Submitted, now_ms};
 
 /// What the caller asked to change: the model, the backend (both optional).
 struct Asked {
@@ -100,6 +100,24 @@ async fn replay_of(
             "replay_conflict",
             "the replay's claim was taken; send it again",
         )),
+        // No later send can attach to a replay (its claim is its own), and on PostgreSQL a
+        // recording past its deadline may still commit and run: not "retry", which would pay
+        // twice, but look first (EX-7a, decision 168).
+        Err(e @ StoreError::Unavailable(_)) => {
+            tracing::error!(error = %e, original = %original.id, "store unavailable for a replay");
+            Err(ApiError::new(
+                shape,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                format!(
+                    "holdfast's database failed or did not answer in time; the replay may still \
+                     have been recorded and run: look for it with GET /requests?replay_of={} \
+                     before replaying again",
+                    original.id
+                ),
+            )
+            .final_answer())
+        }
         Err(e) => Err(ApiError::store(shape, &e)),
     }
 }

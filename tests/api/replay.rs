@@ -397,3 +397,55 @@ async fn a_replay_of_an_answer_that_is_only_tool_calls_shows_the_calls_ex9() {
     );
     app.stop().await;
 }
+
+/// EX-7a: a replay the database did not record in time may still be recorded and run, and no
+/// later send can attach to it: its 503 says not to retry and where to look (it said "retry
+/// shortly (a retry of the same call never runs it twice)" with `x-should-retry: true`, and
+/// the CLI's retry ran, and paid for, a second replay).
+#[tokio::test]
+async fn a_replay_refused_by_a_database_that_did_not_answer_says_to_look_before_replaying_again_ex7a()
+ {
+    let app = spawn_app(MockConfig::default(), |_| {}).await;
+    let original = send(
+        &app,
+        json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "look first"}]}),
+        None,
+    )
+    .await;
+    // Another connection holds SQLite's write lock: the replay's recording waits past its
+    // deadline, and commits once the lock goes.
+    let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
+    db.execute_batch("BEGIN IMMEDIATE")
+        .expect("take the write lock");
+    let r = app
+        .http
+        .post(format!("{}/requests/{original}/replay", app.base))
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "x-should-retry"), "false");
+    assert_eq!(header(&r, "holdfast-error"), "store_unavailable");
+    let body: Value = r.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("GET /requests?replay_of={original}")),
+        "{body}"
+    );
+    db.execute_batch("COMMIT").expect("release the write lock");
+    // What the message sends the caller to: on PostgreSQL a recording past its deadline may
+    // still commit and run (the trial's case); SQLite's writer gives the job up. Either way the
+    // listing answers, and no more than the one replay ran.
+    let replays = replays_of(&app, &original, None).await;
+    assert!(replays.len() <= 1, "{replays:?}");
+    for replay in &replays {
+        let id = replay["id"].as_str().unwrap();
+        let record =
+            wait_terminal(&app.http, &app.base, id, std::time::Duration::from_secs(15)).await;
+        assert_eq!(record["status"], "succeeded", "{record}");
+    }
+    assert_eq!(app.mock.calls(), 1 + replays.len() as u64);
+    app.stop().await;
+}
