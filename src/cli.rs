@@ -617,6 +617,13 @@ impl Client {
         out.flush().map_err(io)?;
         let what = if openai_chat { "example" } else { "record" };
         writeln!(report, "exported {}", counted(summary.written, what)).map_err(io)?;
+        // An `openai-chat` file holds no cursors: the only place to continue from (EX-6).
+        if let Some(cursor) = cursor
+            .as_deref()
+            .filter(|c| Some(*c) != args.after.as_deref())
+        {
+            writeln!(report, "to continue after it: --after {cursor}").map_err(io)?;
+        }
         if openai_chat {
             let skipped: u64 = summary.skipped.values().sum();
             writeln!(report, "skipped {}", counted(skipped, "request")).map_err(io)?;

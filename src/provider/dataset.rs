@@ -778,6 +778,7 @@ fn anthropic_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         return Err("an answer without text or tool calls".into());
     }
     messages.extend(reply);
+    answered_calls(&messages)?;
     let tools = match body["tools"].as_array() {
         None => None,
         Some(list) => {
@@ -1020,6 +1021,7 @@ fn gemini_example(body: &Value, answer: &Value) -> Result<Value, Skip> {
         return Err("an answer without text or function calls".into());
     }
     messages.extend(reply);
+    answered_calls(&messages)?;
     let mut tools = Vec::new();
     for tool in body["tools"].as_array().into_iter().flatten() {
         let Some(declarations) =
@@ -1903,7 +1905,8 @@ mod tests {
     }
 
     /// A tool output answering no call before it (a history trimmed between the two) cannot be
-    /// in the format, on chat and Responses alike.
+    /// in the format, on every route (Anthropic's and Gemini's were exported with a `tool`
+    /// message naming no call, decision 169).
     #[test]
     fn a_tool_output_answering_no_earlier_call_is_skipped_ex5() {
         let chat = json!({"messages": [{"role": "user", "content": "weather?"},
@@ -1917,6 +1920,51 @@ mod tests {
             "content": [{"type": "output_text", "text": "sunny"}]}]});
         let why = example(Route::OpenaiResponses, &body, &answer).unwrap_err();
         assert!(why.contains("answering no earlier tool call"), "{why}");
+
+        // Anthropic: a result naming no tool use, and one naming another's id.
+        let reply = json!({"content": [{"type": "text", "text": "sunny"}]});
+        for (called, answered) in [(None, "zz"), (Some("t1"), "OTHER")] {
+            let mut messages = vec![json!({"role": "user", "content": "weather?"})];
+            if let Some(id) = called {
+                messages.push(json!({"role": "assistant", "content": [{"type": "tool_use",
+                    "id": id, "name": "weather", "input": {}}]}));
+            }
+            messages.push(json!({"role": "user", "content": [{"type": "tool_result",
+                "tool_use_id": answered, "content": "sunny"}]}));
+            let body = json!({"messages": messages});
+            let why = example(Route::AnthropicMessages, &body, &reply).unwrap_err();
+            assert!(
+                why.contains("answering no earlier tool call"),
+                "{answered}: {why}"
+            );
+        }
+        // The same with its call: an example, the result answering it.
+        let body = json!({"messages": [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "weather",
+                "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                "content": "sunny"}]}]});
+        let ok = example(Route::AnthropicMessages, &body, &reply).unwrap();
+        assert_eq!(ok["messages"][2]["tool_call_id"], "t1", "{ok}");
+
+        // Gemini: a response with no call before it, and one named after another function.
+        let reply = json!({"candidates": [{"content": {"role": "model",
+            "parts": [{"text": "sunny"}]}, "finishReason": "STOP"}]});
+        for (called, answered) in [(None, "f"), (Some("f"), "g")] {
+            let mut contents = vec![json!({"role": "user", "parts": [{"text": "weather?"}]})];
+            if let Some(name) = called {
+                contents.push(json!({"role": "model",
+                    "parts": [{"functionCall": {"name": name, "args": {}}}]}));
+            }
+            contents.push(json!({"role": "user",
+                "parts": [{"functionResponse": {"name": answered, "response": {"r": 1}}}]}));
+            let body = json!({"contents": contents});
+            let why = example(Route::GeminiGenerate, &body, &reply).unwrap_err();
+            assert!(
+                why.contains("answering no earlier tool call"),
+                "{answered}: {why}"
+            );
+        }
     }
 
     /// Decision 87: a stateless Responses request (the Agents SDK's, each turn's whole history in

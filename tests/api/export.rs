@@ -539,6 +539,11 @@ async fn requests_export_writes_records_to_stdout_counts_them_in_words_and_refus
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("exported 1 example\n"), "{err}");
     assert!(err.contains("skipped 0 requests\n"), "{err}");
+    // The examples hold no cursor: the report says where to continue (decision 169).
+    assert!(
+        err.contains(&format!("to continue after it: --after {mine}\n")),
+        "{err}"
+    );
     let (code, out, err) =
         run_holdfast(dir.path(), &["requests", "export", "--after", &mine], &env);
     assert_eq!((code, out.as_str()), (0, ""));
