@@ -371,8 +371,8 @@ fn unrouted(path: &str) -> (Provider, String) {
     (shape, hint.to_string())
 }
 
-/// Whether `path` is an OpenAI route's path without its `/v1` (an OpenAI SDK's `base_url`
-/// without it).
+/// The provider whose route `path` is without its `/v1`, if any: an OpenAI SDK's `base_url`
+/// without it, or `@ai-sdk/anthropic` given holdfast's address alone (decision 165).
 fn lacks_v1(path: &str) -> Option<Provider> {
     if path == "/models" {
         return Some(Provider::Openai);
