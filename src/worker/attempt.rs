@@ -431,7 +431,7 @@ impl WorkerPool {
                 held_until.fetch_max(until, Ordering::Relaxed);
                 let held = now_ms() < until;
                 if held {
-                    info!("the lease ran out before the provider call and was renewed");
+                    info!("the lease was short before the provider call and was renewed");
                 }
                 held
             }
@@ -469,10 +469,15 @@ impl WorkerPool {
         // starved of CPU) may have lost the lease meanwhile, and another node's attempt may
         // have answered the request already. Fencing refuses what this attempt would write, but
         // not a provider call: none is made once the lease has run out, unless a renewal fenced
-        // on the lease's owner commits first (LC-3a, decision 138).
-        if now_ms() >= held_until.load(Ordering::Relaxed) && !self.renewed(lease, held_until).await
-        {
-            warn!("the lease ran out before the provider call and was taken over; no call is made");
+        // on the lease's owner commits first (LC-3a, decision 138). Nor with less than half of
+        // it left: a lease granted long before (a submission the database recorded late) could
+        // run out before this attempt's first heartbeat commits, queued behind a returning
+        // database's backlog, and the sweep would then start a second call (decision 172).
+        let left = held_until.load(Ordering::Relaxed) - now_ms();
+        if left < self.lease_ms() / 2 && !self.renewed(lease, held_until).await {
+            warn!(
+                "the lease was short before the provider call and was taken over; no call is made"
+            );
             return None;
         }
         let mut response = match self.upstreams.send(&call).await {
@@ -801,15 +806,24 @@ mod tests {
         store: &crate::store::DynStore,
         lease_ms: i64,
     ) -> (Lease, RequestRecord) {
+        leased_ago(store, lease_ms, 2 * lease_ms).await
+    }
+
+    /// A request leased by `node` by a clock `ago` ms back (submitted a lease before that).
+    async fn leased_ago(
+        store: &crate::store::DynStore,
+        lease_ms: i64,
+        ago: i64,
+    ) -> (Lease, RequestRecord) {
         let now = now_ms();
         store
-            .submit(crate::store::NewRequest::example(0, now - 3 * lease_ms))
+            .submit(crate::store::NewRequest::example(0, now - ago - lease_ms))
             .await
             .expect("submit");
         store
             .lease_many(
                 "node",
-                now - 2 * lease_ms,
+                now - ago,
                 lease_ms,
                 &crate::store::LeaseQuota::any(1),
             )
@@ -817,6 +831,51 @@ mod tests {
             .expect("lease")
             .pop()
             .expect("leased")
+    }
+
+    /// LC-3a, decision 172: an attempt whose lease has not run out but has less than half of it
+    /// left renews it before its call. A frozen PostgreSQL's late commits left attempts a lease
+    /// of under 2 s; each called the provider unrenewed, its heartbeat queued behind the
+    /// backlog, the sweep took the request over and a second attempt called again. Here the
+    /// takeover has happened by the time the attempt would call: the renewal, fenced on its
+    /// owner, fails, and no call is made (before, this attempt called, and the other paid
+    /// again).
+    #[tokio::test]
+    async fn an_attempt_with_less_than_half_its_lease_left_renews_before_calling_lc3a() {
+        let (_dir, store, pool, calls) = attempt_rig().await;
+        let lease_ms = pool.lease_ms();
+        let (short, record) = leased_ago(&store, lease_ms, lease_ms * 9 / 10).await;
+        // Another node's sweep, once this lease runs out by its clock, and its lease.
+        let later = now_ms() + lease_ms;
+        store.sweep(later, 5).await.expect("sweep");
+        let (other, _) = store
+            .lease_many(
+                "other-node",
+                later,
+                lease_ms,
+                &crate::store::LeaseQuota::any(1),
+            )
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased again");
+        assert_eq!(other.id, short.id);
+        // The database is slow to take writes (its backlog, as it returns): the attempt's first
+        // heartbeat, which would find the lease lost, waits, as its renewal does.
+        let db = rusqlite::Connection::open(_dir.path().join("t.db")).expect("open");
+        db.execute_batch("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+        let backlog = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            db.execute_batch("COMMIT").expect("release the write lock");
+        });
+        pool.run_attempt(short, record, None).await;
+        backlog.join().expect("released");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "a provider call on a lease with a tenth of it left, the request taken over"
+        );
     }
 
     /// A provider on a local port that counts the calls it is sent and answers each with a chat
