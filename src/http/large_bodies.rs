@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -25,7 +26,17 @@ pub(crate) struct LargeBodies {
     budget: u32,
     /// Each namespace's bytes of large bodies free to admit; fixed by the configuration.
     namespaces: HashMap<String, Arc<Semaphore>>,
+    /// Each namespace's bytes of large bodies in memory, from their reading to their
+    /// recording (LC-2c).
+    in_memory: HashMap<String, Arc<AtomicU64>>,
+    /// The most each namespace may hold in memory: [`IN_MEMORY_BUDGETS`] budgets.
+    memory_cap: u64,
 }
+
+/// How many `max_body_bytes` of large bodies a namespace may hold in memory on a node (LC-2c):
+/// one budget in admission and more read and waiting for it, without one tenant's burst
+/// growing the node's memory by its count.
+pub(crate) const IN_MEMORY_BUDGETS: u64 = 4;
 
 impl LargeBodies {
     /// A budget of `max_body_bytes` for each of `config`'s namespaces (`default` when it has
@@ -40,7 +51,41 @@ impl LargeBodies {
                 (name.to_owned(), free)
             })
             .collect();
-        LargeBodies { budget, namespaces }
+        let in_memory = config
+            .namespace_names()
+            .into_iter()
+            .map(|name| (name.to_owned(), Arc::new(AtomicU64::new(0))))
+            .collect();
+        LargeBodies {
+            budget,
+            namespaces,
+            in_memory,
+            memory_cap: u64::try_from(config.max_body_bytes)
+                .unwrap_or(u64::MAX)
+                .saturating_mul(IN_MEMORY_BUDGETS),
+        }
+    }
+
+    /// Counts a large body of `bytes` (its declared length before it is read, else its length
+    /// as read) against `namespace`'s memory until the returned hold is dropped; `Ok(None)` for
+    /// a body of [`LARGE_BODY_BYTES`] or less, `Err(cap)` when the namespace already holds so
+    /// much that this one would pass its cap (LC-2c).
+    pub(crate) fn hold(&self, namespace: &str, bytes: u64) -> Result<Option<InMemory>, u64> {
+        if bytes <= LARGE_BODY_BYTES as u64 {
+            return Ok(None);
+        }
+        let Some(held) = self.in_memory.get(namespace) else {
+            return Ok(None);
+        };
+        let cap = self.memory_cap;
+        held.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+            now.checked_add(bytes).filter(|after| *after <= cap)
+        })
+        .map_err(|_| cap)?;
+        Ok(Some(InMemory {
+            held: Arc::clone(held),
+            bytes,
+        }))
     }
 
     /// Waits until `namespace` may admit a body of `bytes` and returns what holds its share of
@@ -69,6 +114,18 @@ impl LargeBodies {
 /// A large body's share of its namespace's budget, held until its submission is recorded.
 pub(crate) struct LargeAdmission {
     _permit: OwnedSemaphorePermit,
+}
+
+/// A large body's bytes counted against its namespace's memory (LC-2c), until dropped.
+pub(crate) struct InMemory {
+    held: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for InMemory {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
 }
 
 /// Runs `f` (a large body's canonicalisation and hash) on the blocking pool, so the runtime's

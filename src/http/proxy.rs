@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 use uuid::Uuid;
 
 use super::errors::ApiError;
-use super::large_bodies::{LARGE_BODY_BYTES, on_the_blocking_pool};
+use super::large_bodies::{InMemory, LARGE_BODY_BYTES, on_the_blocking_pool};
 use super::{AppState, namespace, requests, stream};
 use crate::canonical::{self, CanonError};
 use crate::config::Config;
@@ -199,7 +199,17 @@ async fn admit(
     tracing::Span::current().record("namespace", namespace.as_str());
     let held = HeldSlot::take(state, &namespace, shape)?;
     refuse_encoded_body(headers, shape)?;
+    // LC-2c: a large body counts against its namespace's memory from before it is read (by
+    // its declared length), or once read when it declares none, until it is recorded.
+    // One declared past `max_body_bytes` is refused with 413 as it is read (IN-1).
+    let declared = declared_length(headers)
+        .filter(|n| *n <= state.config.max_body_bytes)
+        .map_or(0, |n| n as u64);
+    let mut in_memory = hold_in_memory(state, &namespace, declared, shape)?;
     let body = read_body(&state.config, headers, body, shape).await?;
+    if in_memory.is_none() {
+        in_memory = hold_in_memory(state, &namespace, body.len() as u64, shape)?;
+    }
     if route == Route::OpenaiResponses && !state.config.namespaces.is_empty() {
         continues_its_own_response(state, &namespace, &body).await?;
     }
@@ -230,6 +240,7 @@ async fn admit(
     let early = state.hub.subscribe_to_new(new.id, new.stream);
     let submitted = state.workers.admit(new).await;
     drop(large);
+    drop(in_memory);
     let (record, replayed, fresh) = match submitted {
         Ok(Submitted::Created(record)) => {
             m::requests(route.name(), "new").increment(1);
@@ -714,6 +725,25 @@ impl Drop for HeldSlot {
             own.calls.fetch_sub(1, Ordering::SeqCst);
         }
     }
+}
+
+/// LC-2c: counts a large body against its namespace's memory, or refuses the call with 503
+/// `overloaded` before its body is read.
+fn hold_in_memory(
+    state: &AppState,
+    namespace: &str,
+    bytes: u64,
+    shape: Provider,
+) -> Result<Option<InMemory>, ApiError> {
+    state.large_bodies.hold(namespace, bytes).map_err(|cap| {
+        overloaded(
+            shape,
+            format!(
+                "this namespace holds as many bytes of large request bodies on this holdfast \
+                 node as it may ({cap}); nothing was recorded, retry shortly"
+            ),
+        )
+    })
 }
 
 /// RS-8's refusal: 503 `overloaded`, retryable after [`OVERLOAD_RETRY_AFTER_MS`].

@@ -979,6 +979,89 @@ async fn a_namespaces_burst_of_large_bodies_waits_behind_its_own_lc2b() {
     app.stop().await;
 }
 
+/// LC-2c: a namespace holds at most four `max_body_bytes` of large bodies in memory on a node,
+/// counted from before each is read. A trial's tenant sent 80 bodies of 31 MB at once, each
+/// under `max_body_bytes` and within its cap of held calls: holdfast grew to 4.2 GB (an
+/// allocation failure under a 4 GB limit took every tenant down). Here team-a's four uploads of
+/// 2 MiB that have sent their headers and stall hold its 8 MiB: its next large call is refused
+/// at once, retryably, while its small calls and team-b's large ones are answered; once the
+/// uploads go, its large calls are answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_holds_at_most_four_budgets_of_large_bodies_in_memory_lc2c() {
+    use tokio::io::AsyncWriteExt;
+    let app = spawn_app(MockConfig::default(), |c| {
+        two_tenants(c);
+        c.max_body_bytes = 2 << 20;
+    })
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        let mut socket = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: holdfast\r\n\
+             authorization: Bearer key-a\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{{\"model\"",
+            2 << 20
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        stalled.push(socket);
+    }
+    let send = |key: &'static str, content: String| {
+        let (http, base) = (app.http.clone(), app.base.clone());
+        async move {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {key}"))
+                .body(chat_body(&content))
+                .send()
+                .await
+                .expect("answered")
+        }
+    };
+    let large = |i: usize| format!("large {i} {}", "x".repeat((1 << 20) + 1000));
+    // The stalled uploads' handlers run as their headers arrive: until all four hold their
+    // bytes, a large call may still fit.
+    let mut refused = None;
+    for i in 0..200 {
+        let r = send("key-a", large(i)).await;
+        if r.status() == 503 {
+            refused = Some(r);
+            break;
+        }
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = refused.expect("team-a's large call past its memory was refused");
+    assert_eq!(header(&refused, "holdfast-error"), "overloaded");
+    assert_eq!(header(&refused, "x-should-retry"), "true");
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("bytes of large request bodies")),
+        "{body}"
+    );
+    assert_eq!(
+        send("key-a", "small beside them".into()).await.status(),
+        200
+    );
+    assert_eq!(send("key-b", large(1_000)).await.status(), 200);
+    drop(stalled);
+    let mut status = 0;
+    for i in 0..200 {
+        status = send("key-a", large(2_000 + i)).await.status().as_u16();
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        status, 200,
+        "team-a's memory came back with its uploads gone"
+    );
+    app.stop().await;
+}
+
 /// LC-2b: a large body is read before it waits for its namespace's budget. Two of team-a's
 /// 2 MiB bodies on one HTTP/2 connection, more than its 3 MiB budget together, are both
 /// answered; when the second waited unread, its data held the connection's flow-control
