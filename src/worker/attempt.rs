@@ -753,18 +753,7 @@ mod tests {
         let lease_ms = pool.lease_ms();
         let (stale, record) = leased_two_leases_ago(&store, lease_ms).await;
         // Another node's sweep returns it, and that node leases it.
-        store.sweep(now_ms(), 5).await.expect("sweep");
-        let (other, other_record) = store
-            .lease_many(
-                "other-node",
-                now_ms(),
-                lease_ms,
-                &crate::store::LeaseQuota::any(1),
-            )
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased again");
+        let (other, other_record) = taken_over(&store, lease_ms, now_ms()).await;
         assert_eq!(other.id, stale.id);
         pool.run_attempt(stale, record, None).await;
         assert_eq!(
@@ -809,6 +798,26 @@ mod tests {
         leased_ago(store, lease_ms, 2 * lease_ms).await
     }
 
+    /// The only request, swept and leased by `other-node` by a clock reading `at`.
+    async fn taken_over(
+        store: &crate::store::DynStore,
+        lease_ms: i64,
+        at: i64,
+    ) -> (Lease, RequestRecord) {
+        store.sweep(at, 5).await.expect("sweep");
+        store
+            .lease_many(
+                "other-node",
+                at,
+                lease_ms,
+                &crate::store::LeaseQuota::any(1),
+            )
+            .await
+            .expect("lease")
+            .pop()
+            .expect("leased again")
+    }
+
     /// A request leased by `node` by a clock `ago` ms back (submitted a lease before that).
     async fn leased_ago(
         store: &crate::store::DynStore,
@@ -846,19 +855,7 @@ mod tests {
         let lease_ms = pool.lease_ms();
         let (short, record) = leased_ago(&store, lease_ms, lease_ms * 9 / 10).await;
         // Another node's sweep, once this lease runs out by its clock, and its lease.
-        let later = now_ms() + lease_ms;
-        store.sweep(later, 5).await.expect("sweep");
-        let (other, _) = store
-            .lease_many(
-                "other-node",
-                later,
-                lease_ms,
-                &crate::store::LeaseQuota::any(1),
-            )
-            .await
-            .expect("lease")
-            .pop()
-            .expect("leased again");
+        let (other, _) = taken_over(&store, lease_ms, now_ms() + lease_ms).await;
         assert_eq!(other.id, short.id);
         // The database is slow to take writes (its backlog, as it returns): the attempt's first
         // heartbeat, which would find the lease lost, waits, as its renewal does.

@@ -813,6 +813,17 @@ impl Drop for StepwiseStream {
     }
 }
 
+/// `POST /requests/{id}/replay` with an empty JSON body (EX-7): the original's model and backend.
+pub async fn post_replay(app: &TestApp, id: &str) -> reqwest::Response {
+    app.http
+        .post(format!("{}/requests/{id}/replay", app.base))
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .expect("POST /requests/{id}/replay")
+}
+
 /// A raw HTTP/1.1 200 response with `content_type` and `body`, its length given by
 /// `Content-Length` (`close_delimited`: no length at all, the body ends when the connection
 /// closes).

@@ -417,14 +417,7 @@ async fn a_replay_refused_by_a_database_that_did_not_answer_says_to_look_before_
     let db = rusqlite::Connection::open(app.dir.path().join("holdfast.db")).expect("open db");
     db.execute_batch("BEGIN IMMEDIATE")
         .expect("take the write lock");
-    let r = app
-        .http
-        .post(format!("{}/requests/{original}/replay", app.base))
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
+    let r = post_replay(&app, &original).await;
     assert_eq!(r.status(), 503);
     assert_eq!(header(&r, "x-should-retry"), "false");
     assert_eq!(header(&r, "holdfast-error"), "store_unavailable");

@@ -1248,14 +1248,7 @@ async fn ui_detail_cards_split_no_ordinary_word_and_keep_long_ids_inside_the_car
     let r = app.chat(&body.to_string()).await;
     assert_eq!(r.status(), 200);
     let original = header(&r, "holdfast-request-id");
-    let replay = app
-        .http
-        .post(format!("{}/requests/{original}/replay", app.base))
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
+    let replay = post_replay(&app, &original).await;
     assert_eq!(replay.status(), 201);
     let replay: Value = replay.json().await.unwrap();
     let replay = replay["id"].as_str().unwrap().to_string();
